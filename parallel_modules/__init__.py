@@ -1,0 +1,8 @@
+r"""Declarative ``nn.Module`` combinators that run independent parts of a model
+concurrently on one GPU: :class:`Parallel` (branches on one input) and
+:class:`ParallelSequential` (stages pipelined over micro-batches)."""
+
+from .parallel import Parallel
+
+__all__ = ["Parallel"]
+__version__ = "0.1.0"

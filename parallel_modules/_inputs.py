@@ -1,0 +1,97 @@
+r"""What a call receives: its device, its signature, and errors that name a branch."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Hashable, Iterable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__: list[str] = []
+
+
+def _leaves(args: tuple, kwargs: dict) -> list[Any]:
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        return [args[0]]
+    return pytree.tree_leaves((args, kwargs))
+
+
+def _input_device(args: tuple, kwargs: dict) -> torch.device | None:
+    r"""The device of the first tensor among the inputs, or ``None``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0].device
+    for leaf in _leaves(args, kwargs):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
+def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
+    r"""A hashable key for everything about a call that may change how it runs.
+
+    Shapes, dtypes, devices, strides (contiguity decides kernels) and
+    ``requires_grad`` of every tensor input, the structure of the inputs, the
+    types of non-tensor inputs, the module's train/eval mode and whether
+    autograd is recording.
+    """
+    grad = torch.is_grad_enabled()
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        x = args[0]
+        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, grad, training)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    parts: list[Hashable] = [spec, grad, training]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif isinstance(leaf, (int, float, bool, str, type(None))):
+            parts.append(leaf)
+        else:
+            parts.append(type(leaf))
+    return tuple(parts)
+
+
+def _module_devices(module: nn.Module) -> set[torch.device]:
+    devices = {p.device for p in module.parameters()}
+    devices.update(b.device for b in module.buffers())
+    return devices
+
+
+def _check_devices(owner: str, names: Iterable[str], children: Iterable[nn.Module], device: torch.device) -> None:
+    r"""Refuse inputs on another device than the parameters, and mixed placements.
+
+    Caught here, once per input signature, the error can name the branch; left
+    to the first kernel, it would say only "Expected all tensors to be on the
+    same device".
+    """
+    seen: dict[torch.device, str] = {}
+    for name, child in zip(names, children):
+        for d in _module_devices(child):
+            seen.setdefault(d, name)
+    if len(seen) > 1:
+        where = ", ".join(f"branch {n!r} on {d}" for d, n in seen.items())
+        raise RuntimeError(
+            f"{owner}: branches have parameters on different devices ({where}); all branches "
+            f"must live on one device. Move them with {owner.split('(')[0]}.to(device)."
+        )
+    for d, name in seen.items():
+        if d.type != device.type or (d.index is not None and device.index is not None and d.index != device.index):
+            raise RuntimeError(
+                f"{owner}: the input is on {device} but branch {name!r} has parameters on {d}. "
+                f"Move the input with x.to({str(d)!r}) or the module with .to({str(device)!r})."
+            )
+
+
+def _with_context(error: BaseException, context: str) -> BaseException:
+    r"""Add ``context`` (which module, which branch) to an exception raised inside a branch.
+
+    The exception keeps its type, so ``except`` clauses in user code still
+    work: Python 3.11+ shows the context as a note under the traceback; on 3.10
+    it is appended to a string message.
+    """
+    if sys.version_info >= (3, 11):
+        error.add_note(context)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}\n{context}",) + error.args[1:]
+    return error

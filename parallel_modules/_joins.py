@@ -1,0 +1,104 @@
+r"""How :class:`~parallel_modules.Parallel` combines its branches' outputs.
+
+A join runs on the caller's stream after every branch has been joined into it.
+Named joins work leaf by leaf when branches return (nested) tuples, lists or
+dicts of tensors of the same structure; ``"sum"`` and ``"mean"`` add the
+outputs left to right, exactly as ``a(x) + b(x) + c(x)`` would, so the result
+is bit-for-bit the one of the sequential expression.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence, Union
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__: list[str] = []
+
+JoinSpec = Union[str, None, Callable[[list], Any]]
+
+_NAMED_JOINS = ("cat", "stack", "sum", "mean", "tuple", "dict")
+
+
+def _check_join(owner: str, join: JoinSpec) -> str | Callable[[list], Any]:
+    r"""Validate ``join`` at construction; ``None`` means ``"tuple"``."""
+    if join is None:
+        return "tuple"
+    if callable(join):
+        return join
+    if isinstance(join, str) and join in _NAMED_JOINS:
+        return join
+    raise ValueError(
+        f"{owner}: unknown join {join!r}. Expected one of "
+        f"{', '.join(repr(j) for j in _NAMED_JOINS)}, None, or a callable taking "
+        "the list of branch outputs."
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')} on {value.device}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_describe(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
+
+
+def _listing(names: Sequence[str], outputs: Sequence[Any]) -> str:
+    return "\n".join(f"  branch {n!r}: {_describe(o)}" for n, o in zip(names, outputs))
+
+
+def _leaf_join(how: str, dim: int, leaves: list[torch.Tensor]) -> torch.Tensor:
+    if how == "cat":
+        return torch.cat(leaves, dim)
+    if how == "stack":
+        return torch.stack(leaves, dim)
+    total = functools.reduce(torch.add, leaves)
+    return total / len(leaves) if how == "mean" else total
+
+
+_EXPECTED = {
+    "cat": "all dimensions except dim={dim} to match",
+    "stack": "all shapes to be equal",
+    "sum": "shapes that broadcast together",
+    "mean": "shapes that broadcast together",
+}
+
+
+def _join_outputs(
+    owner: str, how: str | Callable[[list], Any], dim: int, names: Sequence[str], outputs: list[Any]
+) -> Any:
+    r"""Combine ``outputs`` (one per branch, in branch order) as ``how`` says."""
+    if callable(how):
+        return how(outputs)
+    if how == "tuple":
+        return tuple(outputs)
+    if how == "dict":
+        return dict(zip(names, outputs))
+    try:
+        if all(isinstance(o, torch.Tensor) for o in outputs):
+            return _leaf_join(how, dim, outputs)
+        flat = [pytree.tree_flatten(o) for o in outputs]
+        spec = flat[0][1]
+        for name, (_, other) in zip(names, flat):
+            if other != spec:
+                raise ValueError(
+                    f"{owner}: join={how!r} needs every branch to return the same structure, "
+                    f"but branch {names[0]!r} and branch {name!r} differ:\n{_listing(names, outputs)}\n"
+                    "Return the same (nested) tuple/list/dict of tensors from every branch, "
+                    "or pass join=None to receive the outputs as a tuple."
+                )
+        columns = zip(*(leaves for leaves, _ in flat))
+        return pytree.tree_unflatten([_leaf_join(how, dim, list(c)) for c in columns], spec)
+    except (RuntimeError, TypeError, IndexError) as e:
+        expected = _EXPECTED[how].format(dim=dim)
+        raise ValueError(
+            f"{owner}: join={how!r} (dim={dim}) cannot combine the branch outputs; it expects "
+            f"{expected}, got:\n{_listing(names, outputs)}\n"
+            "Make the branches agree, choose another join or dim, "
+            f"or pass join=None to receive the outputs as a tuple. ({type(e).__name__}: {e})"
+        ) from e

@@ -1,0 +1,180 @@
+r"""Side streams and the fork/join protocol between them.
+
+Every :class:`~parallel_modules.Parallel` and
+:class:`~parallel_modules.ParallelSequential` draws its side streams from one
+pool per device, owned by this module. Streams are created lazily, the first
+time a device needs them, and reused by every later call and every module
+instance, so a model never creates a stream per call.
+
+Stream order, in one place:
+
+* **fork** -- one event is recorded on the caller's *current* stream (not the
+  default stream) and every side stream waits on it before it runs anything,
+  so each branch sees its input fully produced;
+* **join** -- after a side branch has been launched, an event is recorded on
+  its stream and the caller's stream waits on it, so everything the caller
+  enqueues afterwards (the join itself, the next layer) sees finished outputs;
+* **memory** -- a tensor allocated on a side stream and handed to the caller
+  is marked with :meth:`torch.Tensor.record_stream`, so the caching allocator
+  does not give its block to another side-stream allocation while the
+  caller's stream may still read it. Inputs need nothing: they were allocated
+  on the caller's stream, which waits for every side stream before it can
+  free them.
+
+None of this is done while a compiler traces the model (see
+:func:`_is_tracing`): the traced graph holds the branches one after the other,
+and the compiler is free to schedule them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.fx import _symbolic_trace
+from torch.utils import _pytree as pytree
+
+__all__: list[str] = []
+
+# More side streams than this per device bring nothing: in eager mode the GPU
+# multiplexes streams onto CUDA_DEVICE_MAX_CONNECTIONS (8 by default) hardware
+# queues, and PyTorch's own stream pool holds 32 streams per priority. Beyond
+# the cap, branches share streams round-robin, which stays correct (work on one
+# stream is ordered) and only limits concurrency.
+_MAX_SIDE_STREAMS = 32
+
+
+def _is_tracing() -> bool:
+    r"""Return whether a compiler or tracer is running this forward pass.
+
+    ``torch.compiler.is_compiling()`` is true under ``torch.compile`` and under
+    both strict and non-strict ``torch.export`` (documented public API); the
+    other two cover TorchScript tracing and ``torch.fx.symbolic_trace`` (read
+    as the flag itself: ``is_fx_tracing()`` logs a deprecation warning).
+    """
+    return (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or _symbolic_trace._is_fx_tracing_flag
+    )
+
+
+class _DevicePool:
+    r"""The side streams of one CUDA device and this thread's fork/join events.
+
+    Events are kept per thread: two threads forking from their own streams at
+    the same moment must not re-record each other's event between a record and
+    the waits on it. Within one thread re-recording is safe, because every wait
+    on an event is enqueued right after its record (``cudaStreamWaitEvent``
+    captures the event's state at call time).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.streams: list[torch.cuda.Stream] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def side_streams(self, offset: int, count: int) -> list[torch.cuda.Stream]:
+        end = offset + count
+        if len(self.streams) < min(end, _MAX_SIDE_STREAMS):
+            with self._lock:
+                while len(self.streams) < min(end, _MAX_SIDE_STREAMS):
+                    self.streams.append(torch.cuda.Stream(self.device))
+        n = len(self.streams)
+        return [self.streams[i % n] for i in range(offset, end)]
+
+    def events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        local = self._local
+        try:
+            return local.fork, local.join
+        except AttributeError:
+            local.fork, local.join = torch.cuda.Event(), torch.cuda.Event()
+            return local.fork, local.join
+
+    @property
+    def offset(self) -> int:
+        # Where this thread's next fork takes its side streams: a Parallel
+        # nested in a branch forks from that branch's stream and must not reuse
+        # the streams its enclosing block is running on.
+        return getattr(self._local, "offset", 0)
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self._local.offset = value
+
+
+_pools: dict[int, _DevicePool] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(device: torch.device) -> _DevicePool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = _pools.get(index)
+    if pool is None:
+        with _pools_lock:
+            pool = _pools.setdefault(index, _DevicePool(torch.device("cuda", index)))
+    return pool
+
+
+def _stream_count() -> int:
+    r"""Side streams created so far, over all devices (for leak tests)."""
+    return sum(len(p.streams) for p in _pools.values())
+
+
+def _record_on(outputs: Any, stream: torch.cuda.Stream) -> None:
+    # The caller's stream is about to use tensors whose memory belongs to a
+    # side stream's pool: tell the allocator to wait for ``stream`` too.
+    if isinstance(outputs, torch.Tensor):
+        outputs.record_stream(stream)
+        return
+    for leaf in pytree.tree_leaves(outputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            leaf.record_stream(stream)
+
+
+def _run_forked(
+    calls: list[Any], device: torch.device, run: Any, streams: list | None = None
+) -> list[Any]:
+    r"""Run ``run(i, calls[i])`` for every item, item 0 on the caller's stream.
+
+    Items 1.. run on side streams forked from the caller's current stream and
+    joined back into it, in the order described in this module's docstring.
+    ``run`` must raise with its own context; whatever happens, every launched
+    side stream is joined and the caller's stream is restored before this
+    returns or raises.
+    """
+    pool = _pool(device)
+    caller = torch.cuda.current_stream(device)
+    n = len(calls)
+    offset = pool.offset
+    if streams is None:
+        streams = pool.side_streams(offset, n - 1)
+    fork, join = pool.events()
+
+    # Fork: every side stream waits now, before any branch is launched, so a
+    # nested block re-recording this thread's fork event cannot affect them.
+    fork.record(caller)
+    for s in streams:
+        s.wait_event(fork)
+
+    outputs = [run(0, calls[0])]
+    pool.offset = offset + n - 1
+    try:
+        for i in range(1, n):
+            side = streams[i - 1]
+            torch.cuda.set_stream(side)
+            try:
+                out = run(i, calls[i])
+            finally:
+                # Join this branch at once, even if it raised: the caller's
+                # stream must not run ahead of work already enqueued on ``side``.
+                join.record(side)
+                torch.cuda.set_stream(caller)
+                caller.wait_event(join)
+            _record_on(out, caller)
+            outputs.append(out)
+    finally:
+        pool.offset = offset
+    return outputs
