@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -55,8 +55,9 @@ class _Trial:
 class _StreamTuner:
     r"""Per-signature choice between sequential and forked execution."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_decided: Callable[[Hashable, bool], None]) -> None:
         self.decisions: dict[Hashable, bool | _Trial] = {}
+        self._on_decided = on_decided
 
     def clear(self) -> None:
         self.decisions.clear()
@@ -85,5 +86,7 @@ class _StreamTuner:
         end.record(stream)
         trial.samples[use_fork].append((cpu, start, end))
         if trial.count >= 2 * (_WARMUP + _SAMPLES):
-            self.decisions[key] = trial.cost(True) < _MARGIN * trial.cost(False)
+            forked = trial.cost(True) < _MARGIN * trial.cost(False)
+            self.decisions[key] = forked
+            self._on_decided(key, forked)
         return out

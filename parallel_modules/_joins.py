@@ -10,7 +10,7 @@ is bit-for-bit the one of the sequential expression.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -70,35 +70,50 @@ _EXPECTED = {
 
 
 def _join_outputs(
-    owner: str, how: str | Callable[[list], Any], dim: int, names: Sequence[str], outputs: list[Any]
+    owner: str, how: str | Callable[[list], Any], dim: int, names: Iterable[str], outputs: list[Any]
 ) -> Any:
     r"""Combine ``outputs`` (one per branch, in branch order) as ``how`` says."""
-    if callable(how):
-        return how(outputs)
-    if how == "tuple":
+    if how == "cat":  # the common case first, with nothing in its way
+        try:
+            return torch.cat(outputs, dim)
+        except TypeError:  # not all tensors: structured outputs, joined leaf by leaf
+            pass
+        except RuntimeError as e:
+            raise _join_error(owner, how, dim, names, outputs, e) from e
+    elif how == "tuple":
         return tuple(outputs)
-    if how == "dict":
+    elif how == "dict":
         return dict(zip(names, outputs))
+    elif callable(how):
+        return how(outputs)
     try:
         if all(isinstance(o, torch.Tensor) for o in outputs):
             return _leaf_join(how, dim, outputs)
-        flat = [pytree.tree_flatten(o) for o in outputs]
-        spec = flat[0][1]
-        for name, (_, other) in zip(names, flat):
-            if other != spec:
-                raise ValueError(
-                    f"{owner}: join={how!r} needs every branch to return the same structure, "
-                    f"but branch {names[0]!r} and branch {name!r} differ:\n{_listing(names, outputs)}\n"
-                    "Return the same (nested) tuple/list/dict of tensors from every branch, "
-                    "or pass join=None to receive the outputs as a tuple."
-                )
-        columns = zip(*(leaves for leaves, _ in flat))
-        return pytree.tree_unflatten([_leaf_join(how, dim, list(c)) for c in columns], spec)
+        return _structured_join(owner, how, dim, list(names), outputs)
     except (RuntimeError, TypeError, IndexError) as e:
-        expected = _EXPECTED[how].format(dim=dim)
-        raise ValueError(
-            f"{owner}: join={how!r} (dim={dim}) cannot combine the branch outputs; it expects "
-            f"{expected}, got:\n{_listing(names, outputs)}\n"
-            "Make the branches agree, choose another join or dim, "
-            f"or pass join=None to receive the outputs as a tuple. ({type(e).__name__}: {e})"
-        ) from e
+        raise _join_error(owner, how, dim, names, outputs, e) from e
+
+
+def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: list[Any]) -> Any:
+    flat = [pytree.tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    for name, (_, other) in zip(names, flat):
+        if other != spec:
+            raise ValueError(
+                f"{owner}: join={how!r} needs every branch to return the same structure, "
+                f"but branch {names[0]!r} and branch {name!r} differ:\n{_listing(names, outputs)}\n"
+                "Return the same (nested) tuple/list/dict of tensors from every branch, "
+                "or pass join=None to receive the outputs as a tuple."
+            )
+    columns = zip(*(leaves for leaves, _ in flat))
+    return pytree.tree_unflatten([_leaf_join(how, dim, list(c)) for c in columns], spec)
+
+
+def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: list[Any], e: Exception) -> ValueError:
+    expected = _EXPECTED[how].format(dim=dim)
+    return ValueError(
+        f"{owner}: join={how!r} (dim={dim}) cannot combine the branch outputs; it expects "
+        f"{expected}, got:\n{_listing(list(names), outputs)}\n"
+        "Make the branches agree, choose another join or dim, "
+        f"or pass join=None to receive the outputs as a tuple. ({type(e).__name__}: {e})"
+    )

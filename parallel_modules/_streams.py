@@ -45,29 +45,57 @@ __all__: list[str] = []
 _MAX_SIDE_STREAMS = 32
 
 
+# The fork/join protocol runs on every call, so its CPU cost is the library's
+# overhead. The public wrappers re-create Python ``Stream`` objects and add
+# frames (``torch.cuda.current_stream`` alone took 7 us on the GPU machine's
+# CPU); these are the C bindings they call. ``tests/test_streams.py`` fails if
+# a torch release removes them, and the public API is used when they are gone.
+_get_current = getattr(torch._C, "_cuda_getCurrentStream", None)
+_set_current = getattr(torch._C, "_cuda_setStream", None)
+_streams_by_id: dict[tuple, torch.cuda.Stream] = {}
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    r"""``torch.cuda.current_stream(device)``, with the Python object cached."""
+    if _get_current is None:
+        return torch.cuda.current_stream(device)
+    data = _get_current(device.index if device.index is not None else torch.cuda.current_device())
+    stream = _streams_by_id.get(data)
+    if stream is None:
+        if len(_streams_by_id) > 4096:  # a program creating streams endlessly
+            _streams_by_id.clear()
+        stream = _streams_by_id[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+    return stream
+
+
+def _set_stream(stream: torch.cuda.Stream) -> None:
+    r"""``torch.cuda.set_stream(stream)`` without the Python layers."""
+    if _set_current is None:
+        torch.cuda.set_stream(stream)
+    else:
+        _set_current(stream.stream_id, stream.device_index, stream.device_type)
+
+
 def _is_tracing() -> bool:
     r"""Return whether a compiler or tracer is running this forward pass.
 
     ``torch.compiler.is_compiling()`` is true under ``torch.compile`` and under
     both strict and non-strict ``torch.export`` (documented public API); the
-    other two cover TorchScript tracing and ``torch.fx.symbolic_trace`` (read
-    as the flag itself: ``is_fx_tracing()`` logs a deprecation warning).
+    flag covers ``torch.fx.symbolic_trace`` (read directly: ``is_fx_tracing()``
+    logs a deprecation warning). TorchScript tracing needs nothing: stream
+    switches are invisible to it and it records the same operations.
     """
-    return (
-        torch.compiler.is_compiling()
-        or torch.jit.is_tracing()
-        or _symbolic_trace._is_fx_tracing_flag
-    )
+    return torch.compiler.is_compiling() or _symbolic_trace._is_fx_tracing_flag
 
 
 class _DevicePool:
     r"""The side streams of one CUDA device and this thread's fork/join events.
 
-    Events are kept per thread: two threads forking from their own streams at
-    the same moment must not re-record each other's event between a record and
-    the waits on it. Within one thread re-recording is safe, because every wait
-    on an event is enqueued right after its record (``cudaStreamWaitEvent``
-    captures the event's state at call time).
+    Events are kept per thread and per stream slot. Per thread, because two
+    threads forking at the same moment must not re-record each other's events
+    between a record and the waits on it. Per slot, because a ``Parallel``
+    nested in a branch takes the slots after its parent's (see ``offset``), so
+    it never re-records an event its parent has yet to wait on.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -85,19 +113,23 @@ class _DevicePool:
         n = len(self.streams)
         return [self.streams[i % n] for i in range(offset, end)]
 
-    def events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    def events(self, end: int) -> tuple[list[torch.cuda.Event], list[torch.cuda.Event]]:
+        r"""This thread's fork and join events, at least ``end`` of each."""
         local = self._local
-        try:
-            return local.fork, local.join
-        except AttributeError:
-            local.fork, local.join = torch.cuda.Event(), torch.cuda.Event()
-            return local.fork, local.join
+        forks = getattr(local, "forks", None)
+        if forks is None:
+            forks = local.forks = []
+            local.joins = []
+        while len(forks) < end:
+            forks.append(torch.cuda.Event())
+            local.joins.append(torch.cuda.Event())
+        return forks, local.joins
 
     @property
     def offset(self) -> int:
-        # Where this thread's next fork takes its side streams: a Parallel
-        # nested in a branch forks from that branch's stream and must not reuse
-        # the streams its enclosing block is running on.
+        # The first slot this thread's next fork uses: a Parallel nested in a
+        # branch forks from that branch's stream and must not reuse the
+        # streams (or events) its enclosing block is running on.
         return getattr(self._local, "offset", 0)
 
     @offset.setter
@@ -134,9 +166,7 @@ def _record_on(outputs: Any, stream: torch.cuda.Stream) -> None:
             leaf.record_stream(stream)
 
 
-def _run_forked(
-    calls: list[Any], device: torch.device, run: Any, streams: list | None = None
-) -> list[Any]:
+def _run_forked(calls: list[Any], device: torch.device, run: Any) -> list[Any]:
     r"""Run ``run(i, calls[i])`` for every item, item 0 on the caller's stream.
 
     Items 1.. run on side streams forked from the caller's current stream and
@@ -146,35 +176,35 @@ def _run_forked(
     returns or raises.
     """
     pool = _pool(device)
-    caller = torch.cuda.current_stream(device)
+    caller = _current_stream(device)
     n = len(calls)
-    offset = pool.offset
-    if streams is None:
-        streams = pool.side_streams(offset, n - 1)
-    fork, join = pool.events()
-
-    # Fork: every side stream waits now, before any branch is launched, so a
-    # nested block re-recording this thread's fork event cannot affect them.
+    base = pool.offset
+    streams = pool.side_streams(base, n - 1)
+    forks, joins = pool.events(base + n)
+    fork = forks[base]
     fork.record(caller)
-    for s in streams:
-        s.wait_event(fork)
 
     outputs = [run(0, calls[0])]
-    pool.offset = offset + n - 1
+    pool.offset = base + n - 1
+    launched = 0
     try:
         for i in range(1, n):
             side = streams[i - 1]
-            torch.cuda.set_stream(side)
+            _set_stream(side)
+            side.wait_event(fork)
+            launched = i
             try:
-                out = run(i, calls[i])
+                outputs.append(run(i, calls[i]))
             finally:
-                # Join this branch at once, even if it raised: the caller's
-                # stream must not run ahead of work already enqueued on ``side``.
-                join.record(side)
-                torch.cuda.set_stream(caller)
-                caller.wait_event(join)
-            _record_on(out, caller)
-            outputs.append(out)
+                # Recorded even if the branch raised: the caller must not run
+                # ahead of work already enqueued on ``side``.
+                joins[base + i].record(side)
     finally:
-        pool.offset = offset
+        pool.offset = base
+        _set_stream(caller)
+        # Join: every launched side stream, whatever happened.
+        for i in range(1, launched + 1):
+            caller.wait_event(joins[base + i])
+    for out in outputs[1:]:
+        _record_on(out, caller)
     return outputs

@@ -3,7 +3,7 @@ r"""``Parallel``: independent branches on one input, run concurrently."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Literal, Union, overload
+from typing import Any, Callable, Hashable, Iterator, Literal, Union, overload
 
 import torch
 from torch import nn
@@ -11,7 +11,7 @@ from torch import nn
 from ._autotune import _StreamTuner
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
-from ._streams import _is_tracing, _run_forked
+from ._streams import _current_stream, _is_tracing, _run_forked
 
 __all__ = ["Parallel"]
 
@@ -133,8 +133,11 @@ class Parallel(nn.Module):
     def _reset(self) -> None:
         r"""Forget everything learnt about calls: after the branches, their
         devices or dtypes change, devices are checked and schedules tuned anew."""
-        self._tuner = _StreamTuner()
-        self._checked: set = set()
+        self._tuner = _StreamTuner(on_decided=self._plans_set)
+        self._plans: dict[Hashable, bool] = {}
+
+    def _plans_set(self, key: Hashable, forked: bool) -> None:
+        self._plans[key] = forked
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... may move parameters: re-check devices.
@@ -144,7 +147,7 @@ class Parallel(nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state.pop("_tuner", None)
-        state.pop("_checked", None)
+        state.pop("_plans", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -208,19 +211,28 @@ class Parallel(nn.Module):
         return f"join={join}, dim={self.dim}, streams={self.streams!r}"
 
     # ---------------------------------------------------------------- forward
-    def _call(self, i: int, name_module: tuple[str, nn.Module], args: tuple, kwargs: dict) -> Any:
-        name, module = name_module
-        try:
-            return module(*args, **kwargs)
-        except Exception as e:
-            raise _with_context(e, f"(raised in branch {name!r} (index {i}) of {type(self).__name__})")
+    def _branch_error(self, error: Exception, index: int) -> Exception:
+        name = list(self._modules)[index]
+        return _with_context(error, f"(raised in branch {name!r} (index {index}) of {type(self).__name__})")
 
     def _run(self, args: tuple, kwargs: dict, device: torch.device | None = None) -> list[Any]:
         r"""Run the branches: one after another, or forked onto ``device``'s side streams."""
-        calls = list(self._modules.items())
-        run = lambda i, c: self._call(i, c, args, kwargs)  # noqa: E731
-        if device is None or len(calls) == 1:
-            return [run(i, c) for i, c in enumerate(calls)]
+        if device is None or len(self._modules) == 1:
+            outputs: list[Any] = []
+            try:
+                for module in self._modules.values():
+                    outputs.append(module(*args, **kwargs))
+            except Exception as e:
+                raise self._branch_error(e, len(outputs))
+            return outputs
+
+        def run(i: int, module: nn.Module) -> Any:
+            try:
+                return module(*args, **kwargs)
+            except Exception as e:
+                raise self._branch_error(e, i)
+
+        calls = list(self._modules.values())
         if device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
                 return _run_forked(calls, device, run)
@@ -229,33 +241,44 @@ class Parallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
         outputs = self._outputs(args, kwargs)
-        return _join_outputs(type(self).__name__, self.join, self.dim, list(self._modules), outputs)
+        return _join_outputs(type(self).__name__, self.join, self.dim, self._modules, outputs)
 
     def _outputs(self, args: tuple, kwargs: dict) -> list[Any]:
         if _is_tracing():
             # Compilers see the branches one after the other and schedule them.
             return self._run(args, kwargs)
-        device = _input_device(args, kwargs)
+        # One dict lookup per call decides everything: the schedule chosen for
+        # this signature (False: sequential, True: forked, a trial: tuning).
         key = _signature(args, kwargs, self.training)
-        if key not in self._checked:
-            if device is not None:
-                _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
-            if len(self._checked) >= 1024:  # dynamic shapes: keep the set bounded
-                self._checked.clear()
-            self._checked.add(key)
-        if device is None or device.type != "cuda" or self.streams is False or len(self._modules) == 1:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(key, args, kwargs)
+        if plan is False:
             return self._run(args, kwargs)
-        if self.streams is True:
-            return self._run(args, kwargs, device)
-        decision = self._tuner.decided(key)
-        if decision is not None:
-            return self._run(args, kwargs, device if decision else None)
-        if torch.cuda.is_current_stream_capturing():
+        device = _input_device(args, kwargs)
+        if plan is True or torch.cuda.is_current_stream_capturing():
             # Inside a CUDA graph forking is what makes branches concurrent.
             return self._run(args, kwargs, device)
         return self._tuner.run(
             key,
-            torch.cuda.current_stream(device),
+            _current_stream(device),
             lambda: self._run(args, kwargs),
             lambda: self._run(args, kwargs, device),
         )
+
+    def _plan(self, key: Hashable, args: tuple, kwargs: dict) -> bool | None:
+        r"""First call with this signature: check devices, choose how to schedule."""
+        device = _input_device(args, kwargs)
+        if device is not None:
+            _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
+        if device is None or device.type != "cuda" or self.streams is False or len(self._modules) == 1:
+            plan: bool | None = False
+        elif self.streams is True:
+            plan = True
+        else:
+            plan = self._tuner.decided(key)
+        if plan is not None:
+            if len(self._plans) >= 1024:  # dynamic shapes: keep the cache bounded
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
