@@ -1,0 +1,540 @@
+r"""``ParallelSequential``: stages pipelined over micro-batches, each on its own stream.
+
+How one call runs on a CUDA device (``chunks`` = M pieces, S stages)::
+
+    caller  --fork-->  [copy]  stage 0   stage 1  ...  stage S-1  --join-->  cat
+                       lane 0  lane 1    lane 2        lane L-1
+
+Every *lane* (the optional host-to-device copy, then each stage) runs on a side
+stream of its own from the library's pool, so lanes working on different
+pieces overlap. Lane ``l`` starts piece ``m`` after waiting on the event lane
+``l-1`` recorded when it finished piece ``m``; a stream runs its work in
+issue order, so each lane also handles its pieces in order. The caller's
+stream waits on the last event of the last lane (which, through that chain of
+events, follows every piece of every lane) and concatenates the outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple, overload
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+
+from ._inputs import _input_device, _module_devices, _with_context
+from ._streams import _is_tracing, _pool
+
+__all__ = ["ParallelSequential"]
+
+_UNKNOWN: Any = object()  # the placement has not been looked at yet
+_MIXED: Any = object()  # stages have parameters on more than one device
+
+
+class _Plan(NamedTuple):
+    r"""What a call needs to know about the stages, cached until they change."""
+
+    stages: tuple[nn.Module, ...]
+    names: tuple[str, ...]
+    home: Any  # the one device of every parameter/buffer, None (none at all) or _MIXED
+    placement: dict[torch.device, int]  # each device -> first stage index living there
+    mixers: tuple[tuple[int, str, nn.Module], ...]  # (stage index, qualified name, module)
+
+
+# This thread's CUDA events, per device (an event may only be recorded on
+# streams of the device it was created for), and the first one free: a
+# ParallelSequential nested in a stage takes the events after its parent's,
+# so it never re-records one its parent has yet to wait on.
+_local = threading.local()
+
+
+def _take_events(device: torch.device, count: int) -> tuple[list[torch.cuda.Event], int]:
+    table = getattr(_local, "events", None)
+    if table is None:
+        table = _local.events = {}
+        _local.cursor = 0
+    events = table.setdefault(device.index, [])
+    start = _local.cursor
+    while len(events) < start + count:
+        events.append(torch.cuda.Event())
+    _local.cursor = start + count
+    return events, start
+
+
+def _mark(value: Any, stream: torch.cuda.Stream) -> None:
+    r"""Tell the caching allocator that ``stream`` reads ``value``'s CUDA tensors.
+
+    A tensor allocated on one lane's stream and read on another's would
+    otherwise return to its own stream's pool as soon as Python drops it, and
+    the next piece of that lane could overwrite it while the reader is still
+    queued. With ``record_stream`` the block is reused only after ``stream``
+    has passed this point.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+        return
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            leaf.record_stream(stream)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_describe(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__
+
+
+class ParallelSequential(nn.Sequential):
+    r"""A :class:`torch.nn.Sequential` whose stages run as a pipeline over micro-batches.
+
+    ``ParallelSequential(encoder, decoder, chunks=4)(x)`` splits ``x`` along
+    dimension 0 into 4 micro-batches, runs each through ``encoder`` then
+    ``decoder``, and concatenates the outputs along dimension 0, giving the
+    result of ``decoder(encoder(x))`` for stages that treat samples
+    independently. On a CUDA device every stage runs on a side stream of its
+    own and starts a micro-batch as soon as the previous stage has finished
+    it (an event per micro-batch and stage), so while the decoder works on
+    micro-batch ``m`` the encoder already computes ``m + 1``. Side streams fork
+    from the caller's current stream and the outputs are concatenated on it,
+    so the module works inside ``torch.cuda.stream(s)`` like any other.
+
+    Micro-batches follow :func:`torch.tensor_split`: exactly ``chunks`` pieces
+    whose sizes differ by at most one, larger pieces first (a batch of 13 in
+    3 chunks gives 5, 4, 4). Inputs may be a tensor or a (nested) tuple, list
+    or dict of tensors that all share the batch size along dimension 0
+    (non-tensor leaves are passed to every piece as they are). As in
+    :class:`torch.nn.Sequential`, each stage receives the previous stage's
+    output as its single argument.
+
+    A CPU input to a module whose parameters live on a CUDA device is copied
+    micro-batch by micro-batch on a copy stream, through pinned memory and
+    non-blocking, so the copy of micro-batch ``m + 1`` overlaps the compute of
+    micro-batch ``m``; the result equals moving the whole input first.
+
+    With ``chunks=1`` the module is an ordinary :class:`torch.nn.Sequential`
+    and costs the same. On the CPU, or while ``torch.compile``/
+    ``torch.export`` trace the model, micro-batches run one after the other
+    with the same results. Indexing, slicing (which keeps ``chunks``),
+    ``append`` and the state dict are those of :class:`torch.nn.Sequential`.
+
+    Args:
+        *stages: modules to run in order, or a single ``OrderedDict`` mapping
+            names to them.
+        chunks: number of micro-batches per call, at least 1 and at most the
+            batch size. Default: ``1``.
+
+    Example::
+
+        >>> encoder = nn.Sequential(nn.Conv2d(3, 64, 3, stride=2, padding=1), nn.ReLU())
+        >>> decoder = nn.Sequential(nn.ConvTranspose2d(64, 10, 2, stride=2))
+        >>> model = ParallelSequential(encoder, decoder, chunks=4).cuda().eval()
+        >>> images = torch.randn(8, 3, 256, 256).pin_memory()
+        >>> model(images).shape  # copied and computed in 4 overlapping micro-batches
+        torch.Size([8, 10, 256, 256])
+
+    .. note::
+        Micro-batching changes the result of modules that mix samples across
+        the batch, such as BatchNorm in training mode (each micro-batch would be
+        normalized with its own statistics). With ``chunks > 1`` the module
+        refuses to run such stages and says which module is at fault: call
+        ``.eval()`` on it, use ``chunks=1``, or use a per-sample normalization
+        such as :class:`torch.nn.GroupNorm` or :class:`torch.nn.LayerNorm`.
+        Custom modules declare that they mix samples with a class or instance
+        attribute ``mixes_batch = True``.
+
+    .. note::
+        A pinned CPU input is read by non-blocking copies; the call returns once
+        those copies have finished, so the caller may overwrite the input right
+        away, as after :meth:`torch.Tensor.to`. Outputs made on side streams are
+        safe to keep, free or use on the caller's stream (they are marked with
+        :meth:`torch.Tensor.record_stream`).
+    """
+
+    @overload
+    def __init__(self, *stages: nn.Module, chunks: int = 1) -> None: ...
+
+    @overload
+    def __init__(self, stages: "OrderedDict[str, nn.Module]", /, *, chunks: int = 1) -> None: ...
+
+    def __init__(self, *stages: Any, chunks: int = 1) -> None:
+        owner = type(self).__name__
+        if len(stages) == 1 and isinstance(stages[0], OrderedDict):
+            items = list(stages[0].items())
+        else:
+            items = [(str(i), s) for i, s in enumerate(stages)]
+        if not items:
+            raise ValueError(
+                f"{owner}: expected at least one stage, got none. "
+                f"Pass modules, e.g. {owner}(encoder, decoder, chunks=4)."
+            )
+        for name, stage in items:
+            if not isinstance(stage, nn.Module):
+                raise TypeError(
+                    f"{owner}: stage {name!r} must be an nn.Module, got {type(stage).__name__} "
+                    f"({stage!r}). Wrap functions in a module."
+                )
+        super().__init__(OrderedDict(items))
+        self.chunks = chunks
+        self._reset()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def chunks(self) -> int:
+        r"""Number of micro-batches each call is split into."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{type(self).__name__}: chunks must be an int >= 1 (the number of micro-batches "
+                f"each call is split into), got {value!r}."
+            )
+        self._chunks = value
+
+    def _reset(self) -> None:
+        r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""
+        self._plan: _Plan | None = None
+        self._home: Any = _UNKNOWN
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # .to(), .cuda(), .half() ... may move parameters: look at them anew.
+        self._reset()
+        return super()._apply(fn, recurse)
+
+    def train(self, mode: bool = True) -> "ParallelSequential":
+        # Cheap, and the moment users restructure models: look at them anew.
+        self._reset()
+        return super().train(mode)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_plan", None)
+        state.pop("_home", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._reset()
+
+    def _make_plan(self) -> _Plan:
+        stages = tuple(self._modules.values())
+        names = tuple(self._modules)
+        placement: dict[torch.device, int] = {}
+        mixers = []
+        for i, (name, stage) in enumerate(zip(names, stages)):
+            for d in _module_devices(stage):
+                placement.setdefault(d, i)
+            for qual, m in stage.named_modules(prefix=name):
+                if isinstance(m, _BatchNorm) or hasattr(m, "mixes_batch"):
+                    mixers.append((i, qual, m))
+        home = next(iter(placement)) if len(placement) == 1 else (_MIXED if placement else None)
+        return _Plan(stages, names, home, placement, tuple(mixers))
+
+    def _get_plan(self) -> _Plan:
+        plan = self._plan
+        # Stages added, replaced or removed (append, insert, [i] = m, del ...)
+        # show up as a different tuple of children.
+        if plan is None or plan.stages != tuple(self._modules.values()):
+            plan = self._plan = self._make_plan()
+            self._home = plan.home
+        return plan
+
+    # -------------------------------------------------------------- container
+    def _settings(self) -> dict[str, Any]:
+        return {"chunks": self._chunks}
+
+    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
+        if isinstance(idx, slice):
+            return self.__class__(OrderedDict(list(self._modules.items())[idx]), **self._settings())
+        return super().__getitem__(idx)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+
+    # ---------------------------------------------------------------- checks
+    def _refuse_mixing(self, plan: _Plan) -> None:
+        for i, qual, m in plan.mixers:
+            declared = getattr(m, "mixes_batch", None)
+            if declared is not None:
+                mixes, why = bool(declared), "declares mixes_batch = True"
+            else:  # _BatchNorm: batch statistics in training mode, or always without running stats
+                mixes = m.training or (m.running_mean is None and m.running_var is None)
+                why = "normalizes with batch statistics" + (" in training mode" if m.training else "")
+            if mixes:
+                raise RuntimeError(
+                    f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
+                    f"({type(m).__name__}), which {why}: it mixes samples across the batch, so with "
+                    f"chunks={self._chunks} each micro-batch would be treated on its own and the "
+                    "result (and any running statistics) would differ from running the whole batch. "
+                    "Call .eval() on it if you are not training it, use chunks=1, or replace it with "
+                    "a per-sample normalization such as nn.GroupNorm or nn.LayerNorm."
+                )
+
+    def _placement_error(self, plan: _Plan, device: torch.device | None) -> RuntimeError:
+        owner = type(self).__name__
+        if plan.home is _MIXED:
+            where = ", ".join(f"stage {plan.names[i]!r} on {d}" for d, i in plan.placement.items())
+            return RuntimeError(
+                f"{owner}: stages have parameters on different devices ({where}); all stages must "
+                f"live on one device. Move them with {owner}.to(device)."
+            )
+        i = plan.placement[plan.home]
+        return RuntimeError(
+            f"{owner}: the input is on {device} but stage {plan.names[i]!r} (index {i}) has "
+            f"parameters on {plan.home}. Move the input with x.to({str(plan.home)!r}) or the "
+            f"module with .to({str(device)!r})."
+        )
+
+    def _split(self, input: Any) -> list[Any]:
+        r"""``input`` as ``chunks`` micro-batches along dimension 0 (``torch.tensor_split``)."""
+        owner, chunks = type(self).__name__, self._chunks
+        if isinstance(input, torch.Tensor):
+            leaves, spec = [input], None
+        else:
+            leaves, spec = pytree.tree_flatten(input)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if not tensors or any(t.dim() == 0 for t in tensors):
+            raise ValueError(
+                f"{owner}: with chunks={chunks} the input must be a tensor, or a tuple/list/dict of "
+                f"tensors, batched along dimension 0; got {_describe(input)}."
+            )
+        batch = tensors[0].shape[0]
+        if any(t.shape[0] != batch for t in tensors[1:]):
+            paths = pytree.tree_flatten_with_path(input)[0]
+            listing = ", ".join(
+                f"input{pytree.keystr(p)}: {t.shape[0]}" for p, t in paths if isinstance(t, torch.Tensor)
+            )
+            raise ValueError(
+                f"{owner}: every tensor of the input must have the same batch size along dimension 0 "
+                f"to be split into micro-batches, got {listing}. Pass tensors of one batch, or use "
+                "chunks=1."
+            )
+        if chunks > batch:
+            raise ValueError(
+                f"{owner}: chunks={chunks} is larger than the batch size {batch}; every micro-batch "
+                f"needs at least one sample. Use chunks <= {batch} (set model.chunks), a larger "
+                "batch, or drop_last=True in the DataLoader for a short last batch."
+            )
+        if spec is None:
+            return list(input.tensor_split(chunks))
+        columns = [t.tensor_split(chunks) if isinstance(t, torch.Tensor) else (t,) * chunks for t in leaves]
+        return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
+
+    def _concat(self, outputs: list[Any]) -> Any:
+        r"""Join the micro-batch outputs of the last stage along dimension 0."""
+        if len(outputs) == 1:
+            return outputs[0]
+        try:
+            if all(isinstance(o, torch.Tensor) for o in outputs):
+                return torch.cat(outputs, 0)
+            flat = [pytree.tree_flatten(o) for o in outputs]
+            spec = flat[0][1]
+            if any(s != spec for _, s in flat) or not all(isinstance(t, torch.Tensor) for t in flat[0][0]):
+                raise TypeError("the micro-batches returned different structures or non-tensor leaves")
+            columns = zip(*(leaves for leaves, _ in flat))
+            return pytree.tree_unflatten([torch.cat(list(c), 0) for c in columns], spec)
+        except (RuntimeError, TypeError, IndexError, ValueError) as e:
+            names = list(self._modules)
+            listing = "\n".join(f"  micro-batch {m}: {_describe(o)}" for m, o in enumerate(outputs))
+            raise ValueError(
+                f"{type(self).__name__}: cannot concatenate the outputs of the last stage "
+                f"{names[-1]!r} (index {len(names) - 1}) along dimension 0 over {len(outputs)} "
+                f"micro-batches; expected tensors (or one structure of tensors) batched along "
+                f"dimension 0 that agree in every other dimension, got:\n{listing}\n"
+                f"Make the last stage return per-sample outputs, or use chunks=1. "
+                f"({type(e).__name__}: {e})"
+            ) from e
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input: Any) -> Any:
+        r"""Run the stages on ``input``, micro-batch by micro-batch, and concatenate the outputs."""
+        if self._chunks == 1:
+            # The plain Sequential, as cheap as nn.Sequential: one attribute
+            # read and one device comparison more.
+            home = self._home
+            if home is None or (isinstance(input, torch.Tensor) and input.device == home):
+                for module in self._modules.values():
+                    input = module(input)
+                return input
+        return self._forward(input)
+
+    def _forward(self, input: Any) -> Any:
+        plan = self._get_plan()
+        if self._chunks > 1:
+            self._refuse_mixing(plan)
+        device = input.device if isinstance(input, torch.Tensor) else _input_device((input,), {})
+        copy_to = None
+        if device is not None and plan.home is not None and device != plan.home:
+            if plan.home is not _MIXED and device.type == "cpu" and plan.home.type == "cuda":
+                copy_to = plan.home
+            else:
+                # A child moved on its own (stage.to(...)) is not seen by the
+                # cache: look again before blaming the input.
+                self._plan = None
+                plan = self._get_plan()
+                if plan.home is not None and device != plan.home:
+                    raise self._placement_error(plan, device)
+        if self._chunks == 1:
+            if copy_to is not None:
+                input = _to_device(input, copy_to, non_blocking=False)
+            for module in self._modules.values():
+                input = module(input)
+            return input
+
+        pieces = self._split(input)
+        stages = list(zip(plan.names, plan.stages))
+        if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")):
+            # Compilers see the micro-batches one after the other (no stream
+            # ops in the graph) and schedule them; the CPU runs them in order.
+            if copy_to is not None:
+                pieces = [_to_device(p, copy_to, non_blocking=False) for p in pieces]
+            outputs = []
+            for m, value in enumerate(pieces):
+                for s, (name, stage) in enumerate(stages):
+                    value = self._call(s, name, stage, m, len(pieces), value)
+                outputs.append(value)
+            return self._concat(outputs)
+
+        target = copy_to if copy_to is not None else device
+        assert target is not None
+        if target.index is not None and target.index != torch.cuda.current_device():
+            with torch.cuda.device(target):
+                outputs = self._pipeline(stages, pieces, target, copy_to is not None)
+        else:
+            outputs = self._pipeline(stages, pieces, target, copy_to is not None)
+        return self._concat(outputs)
+
+    def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
+        try:
+            return stage(value)
+        except Exception as e:
+            raise _with_context(
+                e, f"(raised in stage {name!r} (index {s}) on micro-batch {m} of {count} of {type(self).__name__})"
+            )
+
+    def _pipeline(
+        self, stages: list[tuple[str, nn.Module]], pieces: list[Any], device: torch.device, copy: bool
+    ) -> list[Any]:
+        r"""Run every piece through every lane on the side streams; outputs per piece.
+
+        Work is issued as a wavefront: at step ``t`` lane ``l`` gets piece
+        ``t - l``, from the last lane to the first. The items of one step do
+        not depend on each other (each depends only on the previous step), so
+        even when the CPU issues kernels no faster than the GPU runs them the
+        GPU always has work queued on several streams; and handling the older
+        piece first keeps the pipeline draining. Each lane still receives its
+        pieces in order, which its stream preserves.
+        """
+        count = len(pieces)
+        lanes: list[Callable[[int, Any], Any]] = []
+        user_pinned = [False]
+        if copy:
+            def copy_lane(m: int, value: Any) -> Any:
+                try:
+                    return _to_device(value, device, non_blocking=True, pinned=user_pinned)
+                except Exception as e:
+                    raise _with_context(e, f"(raised copying micro-batch {m} of {count} to {device} in "
+                                           f"{type(self).__name__})")
+            lanes.append(copy_lane)
+        for s, (name, stage) in enumerate(stages):
+            lanes.append(lambda m, v, s=s, name=name, stage=stage: self._call(s, name, stage, m, count, v))
+        n_lanes = len(lanes)
+
+        pool = _pool(device)
+        caller = torch.cuda.current_stream(device)
+        base = pool.offset
+        streams = pool.side_streams(base, n_lanes)
+        # Events: one per (piece, lane), then the fork, then one join per lane.
+        events, e0 = _take_events(device, count * n_lanes + 1 + n_lanes)
+        fork = events[e0 + count * n_lanes]
+        joins = events[e0 + count * n_lanes + 1:]
+
+        values = list(pieces)
+        used = 0  # lanes 0 .. used-1 have work enqueued
+        done = False
+        # Stages that fork (a nested Parallel or ParallelSequential) take the
+        # pool's streams after ours.
+        pool.offset = base + n_lanes
+        try:
+            fork.record(caller)
+            for t in range(count + n_lanes - 1):
+                for lane in range(min(t, n_lanes - 1), -1, -1):
+                    m = t - lane
+                    if m >= count:
+                        break
+                    stream = streams[lane]
+                    torch.cuda.set_stream(stream)
+                    used = max(used, lane + 1)
+                    if lane == 0:
+                        if m == 0:
+                            # Lane 0 reads the input (made on the caller's
+                            # stream); every later lane follows lane 0 through
+                            # the events, so one wait on the fork orders the
+                            # whole call after the caller's earlier work
+                            # (including optimizer updates of the parameters).
+                            stream.wait_event(fork)
+                    else:
+                        stream.wait_event(events[e0 + m * n_lanes + lane - 1])
+                        if streams[lane - 1] is not stream:
+                            _mark(values[m], stream)
+                    values[m] = lanes[lane](m, values[m])
+                    events[e0 + m * n_lanes + lane].record(stream)
+            done = True
+        finally:
+            pool.offset = base
+            _local.cursor = e0
+            torch.cuda.set_stream(caller)
+            if done:
+                # Join: the last lane's last event follows every lane's every
+                # piece (each lane waited on its predecessor, piece by piece).
+                caller.wait_event(events[e0 + count * n_lanes - 1])
+            else:
+                # A lane raised: join every stream that has work enqueued, so
+                # the caller never runs ahead of it, then let the error go.
+                for lane in range(used):
+                    joins[lane].record(streams[lane])
+                    caller.wait_event(joins[lane])
+            if user_pinned[0]:
+                # The copies read the caller's own pinned memory asynchronously:
+                # return only once they are done, so the caller may overwrite
+                # it, as after Tensor.to. Staging buffers pinned here need no
+                # wait: the caching host allocator records the copy stream's
+                # use of them and reuses them only after the copies finished.
+                (events[e0 + (count - 1) * n_lanes] if done else joins[0]).synchronize()
+        for value in values:
+            _mark(value, caller)
+        return values
+
+
+def _to_device(value: Any, device: torch.device, non_blocking: bool, pinned: list[bool] | None = None) -> Any:
+    r"""Copy the CPU tensors of ``value`` to ``device``.
+
+    Non-blocking copies need page-locked memory to be asynchronous: a pageable
+    piece is first copied into a pinned staging buffer (on the CPU, now), and
+    the device copy reads that buffer later, on the copy stream.
+    """
+
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return t
+        if non_blocking:
+            if t.is_pinned():
+                if pinned is not None:
+                    pinned[0] = True
+            else:
+                t = t.pin_memory()
+        return t.to(device, non_blocking=non_blocking)
+
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    return pytree.tree_map(move, value)

@@ -1,0 +1,363 @@
+"""ParallelSequential: semantics, container behaviour and errors, on the CPU and on CUDA."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel, ParallelSequential
+from tests._helpers import cpu_and_cuda
+
+# Gradients and whole-batch outputs may come from different kernels (another
+# batch size, another summation order), so they are compared within fp32
+# tolerance; outputs computed on the same micro-batches are compared exactly.
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def _stages() -> list[nn.Module]:
+    return [
+        nn.Sequential(nn.Linear(16, 32), nn.GELU()),
+        nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.ReLU()),
+        nn.Linear(32, 8),
+    ]
+
+
+def _pieces_reference(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    ref = nn.Sequential(*model)
+    return torch.cat([ref(p) for p in x.tensor_split(chunks)])
+
+
+class Recorder(nn.Module):
+    """Identity that records the batch size of every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def forward(self, x):
+        first = x if isinstance(x, torch.Tensor) else torch.utils._pytree.tree_leaves(x)[0]
+        self.sizes.append(first.shape[0])
+        return x
+
+
+class FailOnCall(nn.Module):
+    """Raises on its ``n``-th call (0-based) while ``armed``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.calls, self.armed = n, 0, True
+
+    def forward(self, x):
+        call, self.calls = self.calls, self.calls + 1
+        if self.armed and call == self.n:
+            raise KeyError("boom")
+        return x
+
+
+# ----------------------------------------------------------------- construction
+def test_no_stages() -> None:
+    with pytest.raises(ValueError, match="ParallelSequential: expected at least one stage"):
+        ParallelSequential()
+    with pytest.raises(ValueError, match="at least one stage"):
+        ParallelSequential(OrderedDict())
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5, True, "2", None])
+def test_bad_chunks(chunks) -> None:
+    with pytest.raises(ValueError, match=r"ParallelSequential: chunks must be an int >= 1"):
+        ParallelSequential(nn.Linear(2, 2), chunks=chunks)
+    model = ParallelSequential(nn.Linear(2, 2), chunks=2)
+    with pytest.raises(ValueError, match="chunks must be"):
+        model.chunks = chunks
+    assert model.chunks == 2
+
+
+def test_stage_must_be_module() -> None:
+    with pytest.raises(TypeError, match="stage '1' must be an nn.Module, got function"):
+        ParallelSequential(nn.Linear(2, 2), lambda x: x)
+
+
+# ------------------------------------------------------------------ container
+def test_container_behaviour() -> None:
+    stages = _stages()
+    model = ParallelSequential(*stages, chunks=3)
+    assert isinstance(model, nn.Sequential)
+    assert len(model) == 3
+    assert model[0] is stages[0] and model[-1] is stages[2]
+    assert list(model) == stages
+    part = model[1:]
+    assert type(part) is ParallelSequential and part.chunks == 3 and list(part) == stages[1:]
+    assert list(part._modules) == ["1", "2"]
+    assert "chunks=3" in repr(model)
+    extra = nn.ReLU()
+    assert model.append(extra) is model and model[3] is extra and len(model) == 4
+
+
+def test_state_dict_matches_sequential() -> None:
+    stages = _stages()
+    model = ParallelSequential(*stages, chunks=2)
+    ref = nn.Sequential(*stages)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    other = nn.Sequential(*_stages())
+    model.load_state_dict(other.state_dict())
+    x = torch.randn(6, 16)
+    torch.testing.assert_close(model(x), other(x), rtol=RTOL, atol=ATOL)
+
+
+def test_named_stages() -> None:
+    model = ParallelSequential(OrderedDict(enc=nn.Linear(4, 8), dec=nn.Linear(8, 2)), chunks=2)
+    assert list(model._modules) == ["enc", "dec"]
+    assert list(model.state_dict()) == ["enc.weight", "enc.bias", "dec.weight", "dec.bias"]
+    assert list(model[1:]._modules) == ["dec"] and model[1:].chunks == 2
+
+
+def test_pickle_and_deepcopy() -> None:
+    model = ParallelSequential(*_stages(), chunks=3)
+    x = torch.randn(7, 16)
+    out = model(x)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert clone.chunks == 3
+        assert torch.equal(clone(x), out)
+
+
+# ------------------------------------------------------------------ semantics
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5, 13])
+def test_matches_sequential(device: str, chunks: int) -> None:
+    model = ParallelSequential(*_stages(), chunks=chunks).to(device)
+    x = torch.randn(13, 16, device=device)
+    out = model(x)
+    assert torch.equal(out, _pieces_reference(model, x, chunks))
+    torch.testing.assert_close(out, nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
+
+
+def test_chunks_1_is_sequential_exactly() -> None:
+    model = ParallelSequential(*_stages())
+    x = torch.randn(13, 16)
+    assert torch.equal(model(x), nn.Sequential(*model)(x))
+
+
+def test_split_is_tensor_split() -> None:
+    rec = Recorder()
+    model = ParallelSequential(rec, nn.Identity(), chunks=3)
+    x = torch.randn(13, 2)
+    assert torch.equal(model(x), x)
+    assert rec.sizes == [5, 4, 4]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_structured_inputs_and_outputs(device: str) -> None:
+    class Combine(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, inputs):  # a tuple passes as one argument, as in nn.Sequential
+            (a, b), extra = inputs["pair"], inputs["scale"]
+            return {"y": self.lin(a) * extra, "z": (b.sum(1, keepdim=True), b * 2)}
+
+    class Second(nn.Module):
+        def forward(self, d):
+            return {"y": torch.relu(d["y"]), "z": d["z"]}
+
+    model = ParallelSequential(Combine(), Second(), chunks=3).to(device)
+    a, b = torch.randn(10, 4, device=device), torch.randn(10, 5, device=device)
+    out = model({"pair": (a, b), "scale": 2.0})
+    ref = nn.Sequential(*model)
+    pieces = [ref({"pair": (pa, pb), "scale": 2.0}) for pa, pb in zip(a.tensor_split(3), b.tensor_split(3))]
+    assert torch.equal(out["y"], torch.cat([p["y"] for p in pieces]))
+    assert torch.equal(out["z"][0], torch.cat([p["z"][0] for p in pieces]))
+    assert torch.equal(out["z"][1], torch.cat([p["z"][1] for p in pieces]))
+    assert out["y"].shape == (10, 3) and out["z"][1].shape == (10, 5)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_parallel_as_stage_and_pipeline_as_branch(device: str) -> None:
+    block = Parallel(nn.Linear(32, 8), nn.Sequential(nn.Linear(32, 16), nn.ReLU()), join="cat", dim=1, streams=True)
+    model = ParallelSequential(nn.Sequential(nn.Linear(16, 32), nn.GELU()), block, nn.Linear(24, 4), chunks=4)
+    model = model.to(device)
+    x = torch.randn(11, 16, device=device)
+    ref = nn.Sequential(model[0], model[1], model[2])
+    assert torch.equal(model(x), torch.cat([ref(p) for p in x.tensor_split(4)]))
+
+    inner = ParallelSequential(nn.Linear(16, 8), nn.ReLU(), chunks=3)
+    outer = Parallel(nn.Linear(16, 5), inner, join="cat", dim=1, streams=True).to(device)
+    expected = torch.cat(
+        [outer[0](x), torch.cat([nn.Sequential(*inner)(p) for p in x.tensor_split(3)])], dim=1
+    )
+    assert torch.equal(outer(x), expected)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_gradients_match_sequential(device: str) -> None:
+    model = ParallelSequential(*_stages(), chunks=3).to(device)
+    ref_model = copy.deepcopy(model)
+    ref = nn.Sequential(*ref_model)
+    for _ in range(3):
+        x = torch.randn(13, 16, device=device)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        model(x1).square().mean().backward()
+        ref(x2).square().mean().backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=RTOL, atol=ATOL)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    # autograd.grad as well
+    x = torch.randn(13, 16, device=device, requires_grad=True)
+    (g,) = torch.autograd.grad(model(x).sum(), x)
+    (h,) = torch.autograd.grad(ref(x).sum(), x)
+    torch.testing.assert_close(g, h, rtol=RTOL, atol=ATOL)
+
+
+# --------------------------------------------------------------------- errors
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_chunks_larger_than_batch(device: str) -> None:
+    model = ParallelSequential(*_stages(), chunks=4).to(device)
+    with pytest.raises(ValueError, match=r"chunks=4 is larger than the batch size 3.*chunks <= 3"):
+        model(torch.randn(3, 16, device=device))
+    x = torch.randn(4, 16, device=device)
+    assert torch.equal(model(x), _pieces_reference(model, x, 4))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_mismatched_batch_sizes(device: str) -> None:
+    class Two(nn.Module):
+        def forward(self, ab):
+            return ab[0] + ab[1].sum(1, keepdim=True)
+
+    model = ParallelSequential(Two(), chunks=2).to(device)
+    a, b = torch.randn(4, 3, device=device), torch.randn(5, 2, device=device)
+    with pytest.raises(ValueError, match=r"same batch size.*input\[0\]: 4, input\[1\]: 5"):
+        model((a, b))
+    b = torch.randn(4, 2, device=device)
+    assert torch.equal(model((a, b)), a + b.sum(1, keepdim=True))
+
+
+def test_unbatched_input() -> None:
+    model = ParallelSequential(nn.Identity(), chunks=2)
+    with pytest.raises(ValueError, match="batched along dimension 0; got Tensor"):
+        model(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="batched along dimension 0"):
+        model((1, 2))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_outputs_that_cannot_be_concatenated(device: str) -> None:
+    class Total(nn.Module):
+        def forward(self, x):
+            return x.sum()
+
+    class Ragged(nn.Module):
+        def forward(self, x):  # width depends on the micro-batch: pieces disagree in dim 1
+            return x[:, : x.shape[0]]
+
+    for last, shapes in ((Total(), r"micro-batch 0: Tensor\(\)"), (Ragged(), r"micro-batch 0: Tensor\(3, 3\).*micro-batch 2: Tensor\(2, 2\)")):
+        model = ParallelSequential(OrderedDict(enc=nn.Linear(8, 8), head=last), chunks=3).to(device)
+        with pytest.raises(ValueError, match=r"(?s)outputs of the last stage 'head' \(index 1\).*" + shapes):
+            model(torch.randn(8, 8, device=device))
+        model.chunks = 1  # the whole batch at once: nothing to concatenate
+        y = torch.randn(8, 8, device=device)
+        assert torch.equal(model(y), nn.Sequential(*model)(y))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_exception_in_stage_names_stage_and_piece(device: str) -> None:
+    fail = FailOnCall(1)
+    model = ParallelSequential(OrderedDict(enc=nn.Linear(8, 8), boom=fail, dec=nn.Linear(8, 4)), chunks=3)
+    model = model.to(device)
+    x = torch.randn(9, 8, device=device)
+    caller = torch.cuda.current_stream() if device == "cuda" else None
+    with pytest.raises(KeyError) as info:
+        model(x)
+    notes = "\n".join(getattr(info.value, "__notes__", [])) + str(info.value)
+    assert "stage 'boom' (index 1)" in notes and "micro-batch 1 of 3" in notes and "ParallelSequential" in notes
+    if device == "cuda":
+        from parallel_modules._streams import _pool
+
+        assert torch.cuda.current_stream() == caller
+        assert _pool(torch.device("cuda")).offset == 0
+    fail.armed = False
+    assert torch.equal(model(x), _pieces_reference(model, x, 3))
+
+
+def test_input_on_other_device_names_stage() -> None:
+    model = ParallelSequential(OrderedDict(enc=nn.Identity(), dec=nn.Linear(4, 4, device="meta")), chunks=2)
+    with pytest.raises(RuntimeError, match=r"input is on cpu but stage 'dec' \(index 1\) has parameters on meta"):
+        model(torch.randn(4, 4))
+    model.chunks = 1
+    with pytest.raises(RuntimeError, match="stage 'dec'"):
+        model(torch.randn(4, 4))
+
+
+def test_stages_on_different_devices() -> None:
+    model = ParallelSequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"), chunks=2)
+    with pytest.raises(RuntimeError, match=r"different devices \(stage '0' on cpu, stage '1' on meta\)"):
+        model(torch.randn(4, 4))
+
+
+# --------------------------------------------------------------- batch mixing
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_batchnorm_training_refused_eval_works(device: str) -> None:
+    model = ParallelSequential(
+        OrderedDict(enc=nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)), dec=nn.Linear(16, 2)), chunks=2
+    ).to(device)
+    x = torch.randn(6, 8, device=device)
+    with pytest.raises(RuntimeError, match=r"(?s)stage 'enc' .*'enc\.1' \(BatchNorm1d\).*training mode.*\.eval\(\).*chunks=1.*GroupNorm"):
+        model(x)
+    stats = model[0][1].running_mean.clone()
+    assert torch.equal(model[0][1].running_mean, stats)  # refused before running anything
+    model.eval()
+    assert torch.equal(model(x), _pieces_reference(model, x, 2))
+    torch.testing.assert_close(model(x), nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
+    model.train()
+    model.chunks = 1
+    assert torch.equal(model(x).detach(), copy.deepcopy(nn.Sequential(*model))(x).detach())
+
+
+def test_batchnorm_without_running_stats_refused_in_eval() -> None:
+    model = ParallelSequential(nn.BatchNorm1d(4, track_running_stats=False), chunks=2).eval()
+    with pytest.raises(RuntimeError, match="batch statistics"):
+        model(torch.randn(4, 4))
+
+
+def test_sync_batchnorm_and_declared_mixers_refused() -> None:
+    class Mixer(nn.Module):
+        mixes_batch = True
+
+        def forward(self, x):
+            return x - x.mean(0)
+
+    for mixer in (nn.SyncBatchNorm(4), Mixer()):
+        model = ParallelSequential(nn.Identity(), mixer, chunks=2)
+        with pytest.raises(RuntimeError, match="mixes samples across the batch"):
+            model(torch.randn(4, 4))
+    model = ParallelSequential(nn.Identity(), Mixer(), chunks=1)
+    x = torch.randn(4, 4)
+    assert torch.equal(model(x), x - x.mean(0))
+    per_sample = ParallelSequential(nn.GroupNorm(2, 4), nn.LayerNorm(3), nn.InstanceNorm1d(4), chunks=2)
+    per_sample(torch.randn(4, 4, 3))
+
+
+def test_appended_batchnorm_is_seen() -> None:
+    model = ParallelSequential(nn.Linear(4, 4), chunks=2)
+    model(torch.randn(4, 4))
+    model.append(nn.BatchNorm1d(4))
+    with pytest.raises(RuntimeError, match="BatchNorm1d"):
+        model(torch.randn(4, 4))
+    model[1] = nn.LayerNorm(4)
+    model(torch.randn(4, 4))
+
+
+# -------------------------------------------------------------------- tracing
+def test_compile_and_export_match_eager() -> None:
+    model = ParallelSequential(*_stages(), chunks=3).eval()
+    x = torch.randn(13, 16)
+    expected = model(x)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), expected)
+    exported = torch.export.export(model, (x,))
+    assert torch.equal(exported.module()(x), expected)

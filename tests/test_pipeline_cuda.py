@@ -1,0 +1,243 @@
+"""ParallelSequential on CUDA: stream ordering, host-to-device overlap, memory, sanitizer.
+
+Outputs computed on the same micro-batches are compared bit-for-bit (fp32, TF32
+off in ``conftest.py``); against ``nn.Sequential`` on the whole batch, which may
+pick other kernels for the other batch size, within ``RTOL``/``ATOL``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel, ParallelSequential
+from parallel_modules._streams import _pool, _stream_count
+
+pytestmark = pytest.mark.cuda
+
+RTOL, ATOL = 1e-5, 1e-5
+# About 1 ms on current GPUs: long enough that a missing wait lets the next
+# kernel run on data that is not there yet.
+SLEEP = 2_000_000
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Sleep(nn.Module):
+    """Identity that first keeps the current stream busy."""
+
+    def __init__(self, cycles: int = SLEEP) -> None:
+        super().__init__()
+        self.cycles = cycles
+
+    def forward(self, x):
+        torch.cuda._sleep(self.cycles)
+        return x
+
+
+def _model(chunks: int, sleep_in: int | None = None) -> ParallelSequential:
+    stages = [
+        nn.Sequential(nn.Linear(32, 64), nn.GELU()),
+        nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU()),
+        nn.Linear(64, 16),
+    ]
+    if sleep_in is not None:
+        stages[sleep_in] = nn.Sequential(Sleep(), stages[sleep_in])
+    return ParallelSequential(*stages, chunks=chunks).cuda()
+
+
+def _pieces_reference(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    ref = nn.Sequential(*model)
+    return torch.cat([ref(p) for p in x.tensor_split(chunks)])
+
+
+def _assert_clean(caller: torch.cuda.Stream) -> None:
+    assert torch.cuda.current_stream() == caller
+    assert _pool(torch.device("cuda")).offset == 0
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 8])
+def test_bitwise_equal_to_sequential_on_pieces(chunks: int) -> None:
+    model = _model(chunks)
+    for _ in range(3):  # fresh inputs; batch 13 gives uneven pieces
+        x = torch.randn(13, 32, device="cuda")
+        out = model(x)
+        assert torch.equal(out, _pieces_reference(model, x, chunks))
+        torch.testing.assert_close(out, nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
+    _assert_clean(torch.cuda.default_stream())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_delay_inside_each_stage(stage: int) -> None:
+    # A stage that starts late on every piece: a missing wait lets the next
+    # stage read an unfinished piece; a missing join lets the cat read
+    # unfinished outputs; a missing record_stream lets the previous stage's
+    # next piece overwrite a block the sleeping stage has yet to read.
+    model = _model(4, sleep_in=stage)
+    for _ in range(2):
+        x = torch.randn(13, 32, device="cuda")
+        out = model(x)
+        assert torch.equal(out, _pieces_reference(model, x, 4))
+
+
+def test_delay_before_producer_on_non_default_caller_stream() -> None:
+    model = _model(3)
+    base = torch.randn(13, 32, device="cuda")
+    expected = _pieces_reference(model, base, 3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            x = torch.full_like(base, float("nan"))
+            torch.cuda._sleep(SLEEP)  # the input is produced late, on the caller's stream
+            x.copy_(base)
+            out = model(x)
+            _assert_clean(side)
+            # Consumer right away, on the same stream.
+            assert torch.equal(out, expected)
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+@pytest.mark.parametrize("chunks", [1, 3, 4])
+def test_host_to_device(pinned: bool, chunks: int) -> None:
+    model = _model(chunks, sleep_in=0)
+    for _ in range(2):
+        x = torch.randn(13, 32)
+        if pinned:
+            x = x.pin_memory()
+        expected = model(x.cuda())
+        torch.cuda._sleep(SLEEP)  # delays the copies: they fork from the caller's stream
+        out = model(x)
+        assert out.device.type == "cuda"
+        # The caller may overwrite its input as soon as the call returns.
+        x.fill_(float("nan"))
+        assert torch.equal(out, expected)
+    _assert_clean(torch.cuda.default_stream())
+
+
+def test_host_to_device_structured_input() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, ab):
+            return self.lin(ab["a"]) + ab["b"]
+
+    model = ParallelSequential(Two(), nn.ReLU(), chunks=2).cuda()
+    a, b = torch.randn(6, 8), torch.randn(6, 4).pin_memory()
+    expected = model({"a": a.cuda(), "b": b.cuda()})
+    assert torch.equal(model({"a": a, "b": b}), expected)
+
+
+def test_gradients_several_iterations() -> None:
+    model = _model(3)
+    ref_model = copy.deepcopy(model)
+    ref = nn.Sequential(*ref_model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    for _ in range(4):
+        x = torch.randn(13, 32, device="cuda")
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        model(x1).square().mean().backward()
+        ref(x2).square().mean().backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=RTOL, atol=ATOL)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+
+def test_gradients_from_host_input() -> None:
+    model = _model(3)
+    x = torch.randn(13, 32)
+    model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x.cuda()).sum().backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_nested_parallel_stage_with_delays() -> None:
+    block = Parallel(
+        nn.Sequential(Sleep(), nn.Linear(64, 8)), nn.Sequential(nn.Linear(64, 8), Sleep()), join="cat", streams=True
+    )
+    model = ParallelSequential(nn.Sequential(nn.Linear(32, 64), nn.GELU()), block, Sleep(), chunks=4).cuda()
+    x = torch.randn(13, 32, device="cuda")
+    assert torch.equal(model(x), _pieces_reference(model, x, 4))
+    _assert_clean(torch.cuda.default_stream())
+
+
+def _settled_allocated() -> int:
+    # Blocks freed while another stream still used them (record_stream) are
+    # released by the allocator's next malloc once that stream has passed.
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")
+    return torch.cuda.memory_allocated()
+
+
+def test_memory_and_streams_flat() -> None:
+    model = _model(3)
+    x_dev = torch.randn(13, 32, device="cuda")
+    x_host = torch.randn(13, 32)
+    seen: list[tuple[int, int]] = []
+    for i in range(500):
+        with torch.no_grad():
+            out = model(x_dev if i % 2 else x_host)
+        del out
+        if i % 2 == 0:
+            model(x_dev).sum().backward()
+            model.zero_grad(set_to_none=True)
+        if i >= 20 and i % 40 == 0:
+            seen.append((_settled_allocated(), _stream_count()))
+    assert len(set(seen)) == 1, seen
+
+
+def test_stream_error_leaves_module_usable() -> None:
+    class Boom(nn.Module):
+        armed = True
+
+        def forward(self, x):
+            if self.armed and x.shape[0] == 4:  # the last pieces of 13 in 3
+                raise ValueError("boom")
+            return x
+
+    boom = Boom()
+    model = ParallelSequential(OrderedDict(a=nn.Linear(32, 32), b=nn.Sequential(Sleep(), boom)), chunks=3).cuda()
+    x = torch.randn(13, 32, device="cuda")
+    with pytest.raises(ValueError) as info:
+        model(x)
+    assert "stage 'b' (index 1) on micro-batch 1 of 3" in "\n".join(info.value.__notes__)
+    _assert_clean(torch.cuda.default_stream())
+    boom.armed = False
+    assert torch.equal(model(x), _pieces_reference(model, x, 3))
+
+
+def _run_sanitizer(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "_sanitizer_pipeline.py"), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_clean_under_stream_sanitizer() -> None:
+    result = _run_sanitizer()
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "CSAN" not in result.stderr, result.stderr[-4000:]
+
+
+def test_sanitizer_catches_a_missing_wait() -> None:
+    # Proves the harness: with stream waits disabled the sanitizer must fail the run.
+    result = _run_sanitizer("--broken")
+    assert result.returncode != 0 and "CSAN" in result.stderr, result.stderr[-4000:]
