@@ -78,7 +78,7 @@ def _join_outputs(
             return torch.cat(outputs, dim)
         except TypeError:  # not all tensors: structured outputs, joined leaf by leaf
             pass
-        except RuntimeError as e:
+        except (RuntimeError, IndexError) as e:  # IndexError: dim out of range
             raise _join_error(owner, how, dim, names, outputs, e) from e
     elif how == "tuple":
         return tuple(outputs)

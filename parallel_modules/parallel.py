@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ._autotune import _StreamTuner
+from ._graphs import _capture_underway, _CudaGraphs, _graphing
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
 from ._streams import _current_stream, _is_tracing, _run_forked
@@ -77,7 +78,22 @@ class Parallel(nn.Module):
             branches one after another on the caller's stream, ``"auto"`` to
             time both on the first calls of each input signature and keep the
             faster one (as ``torch.backends.cudnn.benchmark`` does). Default:
-            ``"auto"``.
+            ``"auto"``. While ``cuda_graph`` captures, ``"auto"`` forks.
+        cuda_graph: ``True`` to capture the whole forward pass -- and, when
+            autograd records and an input or a parameter requires grad, the
+            backward pass -- in a CUDA graph per input signature, and replay
+            it on later calls with that signature (see the warning below).
+            Inputs not on CUDA run eagerly, with a one-time warning. Default:
+            ``False``.
+        max_graphs: graphs kept per module, least recently used freed first;
+            a warning tells when signatures change faster than this holds.
+            Default: ``8``.
+        static_outputs: return the graph's own output buffers instead of
+            fresh copies, saving one copy per output; they are overwritten by
+            the module's next call, so use or copy them before it. Default:
+            ``False``.
+        graph_fallback: when a signature cannot be captured, warn once and
+            run it eagerly from then on instead of raising. Default: ``False``.
 
     Example::
 
@@ -88,6 +104,32 @@ class Parallel(nn.Module):
         ... )
         >>> block(torch.randn(8, 192, 35, 35)).shape
         torch.Size([8, 128, 35, 35])
+
+    .. warning::
+        With ``cuda_graph=True`` the first call of each input signature (shapes,
+        strides, dtypes, device, ``requires_grad``, grad mode, train/eval,
+        autocast, non-tensor arguments) runs the module 3 times to warm up on a
+        side stream, captures it, and returns the graph's first replay on its
+        inputs; buffers such as BatchNorm statistics are restored after the
+        warm-up, so they see one update per call, as in eager mode. Captured
+        code must follow the CUDA graph rules:
+
+        * shapes static per signature; no host synchronisation (``.item()``,
+          ``.cpu()``, ``.tolist()``, ``.nonzero()``, ``print`` of a CUDA tensor,
+          ``torch.cuda.synchronize()``); no Python control flow on tensor
+          values; Python side effects happen only during warm-up and capture.
+          Breaking a rule raises a ``RuntimeError`` naming the branch (or,
+          with ``graph_fallback=True``, warns once and runs eagerly).
+        * inputs are copied into static buffers on each call (changes the
+          module makes to its inputs in place are not seen by the caller);
+          parameters and buffers are read in place, so optimizer steps between
+          calls work. ``module.to()``, ``.cuda()``, ``.half()`` and changing
+          the branches drop the graphs, which are captured again; assigning a
+          new tensor to a parameter attribute by hand does not -- call
+          ``module.to(device)`` (or build a new module) after doing so.
+        * random operations (dropout) draw new numbers at each replay.
+        * in training, run ``backward`` through one call before the next call
+          with the same signature; double backward is not supported.
 
     .. note::
         A branch must not depend on another branch's side effects: they may run
@@ -100,13 +142,17 @@ class Parallel(nn.Module):
 
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
-                 streams: Streams = "auto") -> None: ...
+                 streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
+                 static_outputs: bool = False, graph_fallback: bool = False) -> None: ...
 
     @overload
     def __init__(self, branches: "OrderedDict[str, nn.Module | Callable[..., Any]]", /, *, join: JoinSpec = "cat",
-                 dim: int = 1, streams: Streams = "auto") -> None: ...
+                 dim: int = 1, streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
+                 static_outputs: bool = False, graph_fallback: bool = False) -> None: ...
 
-    def __init__(self, *branches: Any, join: JoinSpec = "cat", dim: int = 1, streams: Streams = "auto") -> None:
+    def __init__(self, *branches: Any, join: JoinSpec = "cat", dim: int = 1, streams: Streams = "auto",
+                 cuda_graph: bool = False, max_graphs: int = 8, static_outputs: bool = False,
+                 graph_fallback: bool = False) -> None:
         super().__init__()
         owner = type(self).__name__
         if len(branches) == 1 and isinstance(branches[0], OrderedDict):
@@ -118,13 +164,19 @@ class Parallel(nn.Module):
                 f"{owner}: expected at least one branch, got none. "
                 f"Pass modules, e.g. {owner}(nn.Linear(8, 8), nn.Linear(8, 8))."
             )
-        if streams not in (True, False, "auto"):
+        # Not ``streams in (True, False, "auto")``: 1 == True and 0 == False would slip through.
+        if not (isinstance(streams, bool) or (isinstance(streams, str) and streams == "auto")):
             raise ValueError(f"{owner}: streams must be True, False or 'auto', got {streams!r}.")
         if not isinstance(dim, int):
             raise TypeError(f"{owner}: dim must be an int, got {type(dim).__name__} ({dim!r}).")
         self.join = _check_join(owner, join)
         self.dim = dim
         self.streams = streams
+        self.cuda_graph = bool(cuda_graph)
+        self.max_graphs = max_graphs
+        self.static_outputs = bool(static_outputs)
+        self.graph_fallback = bool(graph_fallback)
+        self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback)
         for name, branch in items:
             self.add_module(name, _as_module(owner, name, branch))
         self._reset()
@@ -132,9 +184,15 @@ class Parallel(nn.Module):
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
         r"""Forget everything learnt about calls: after the branches, their
-        devices or dtypes change, devices are checked and schedules tuned anew."""
+        devices or dtypes change, devices are checked, schedules tuned and CUDA
+        graphs captured anew."""
         self._tuner = _StreamTuner(on_decided=self._plans_set)
         self._plans: dict[Hashable, bool] = {}
+        graphs = self.__dict__.get("_graphs")
+        if graphs is not None:
+            graphs.clear()
+        elif "max_graphs" in self.__dict__:  # unpickled or deep-copied: graphs never are
+            self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback)
 
     def _plans_set(self, key: Hashable, forked: bool) -> None:
         self._plans[key] = forked
@@ -148,6 +206,7 @@ class Parallel(nn.Module):
         state = self.__dict__.copy()
         state.pop("_tuner", None)
         state.pop("_plans", None)
+        state.pop("_graphs", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -156,7 +215,9 @@ class Parallel(nn.Module):
 
     # -------------------------------------------------------------- container
     def _settings(self) -> dict[str, Any]:
-        return {"join": self.join, "dim": self.dim, "streams": self.streams}
+        return {"join": self.join, "dim": self.dim, "streams": self.streams, "cuda_graph": self.cuda_graph,
+                "max_graphs": self.max_graphs, "static_outputs": self.static_outputs,
+                "graph_fallback": self.graph_fallback}
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -208,7 +269,11 @@ class Parallel(nn.Module):
 
     def extra_repr(self) -> str:
         join = getattr(self.join, "__qualname__", None) or repr(self.join)
-        return f"join={join}, dim={self.dim}, streams={self.streams!r}"
+        text = f"join={join}, dim={self.dim}, streams={self.streams!r}"
+        if self.cuda_graph:
+            text += (f", cuda_graph=True, max_graphs={self.max_graphs}, static_outputs={self.static_outputs}, "
+                     f"graph_fallback={self.graph_fallback}")
+        return text
 
     # ---------------------------------------------------------------- forward
     def _branch_error(self, error: Exception, index: int) -> Exception:
@@ -240,6 +305,11 @@ class Parallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
+        if self.cuda_graph:
+            return self._graphs(self._forward, args, kwargs)
+        return self._forward(*args, **kwargs)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         outputs = self._outputs(args, kwargs)
         return _join_outputs(type(self).__name__, self.join, self.dim, self._modules, outputs)
 
@@ -254,9 +324,14 @@ class Parallel(nn.Module):
         if plan is None:
             plan = self._plan(key, args, kwargs)
         if plan is False:
-            return self._run(args, kwargs)
+            if not (self.streams == "auto" and _graphing()):
+                return self._run(args, kwargs)
+            # Warm-up or capture of a graph (``cuda_graph=True`` here or in an
+            # enclosing block): forking costs nothing at replay, so always fork.
+            device = _input_device(args, kwargs)
+            return self._run(args, kwargs, device if device is not None and device.type == "cuda" else None)
         device = _input_device(args, kwargs)
-        if plan is True or torch.cuda.is_current_stream_capturing():
+        if plan is True or _capture_underway():
             # Inside a CUDA graph forking is what makes branches concurrent.
             return self._run(args, kwargs, device)
         return self._tuner.run(

@@ -1,0 +1,596 @@
+r"""Whole-forward CUDA graphs: capture once per input signature, replay afterwards.
+
+:class:`_CudaGraphs` is the graph cache of one module (``Parallel`` or
+``ParallelSequential``): ``graphs(forward, args, kwargs)`` runs ``forward``
+eagerly where graphs cannot apply, and otherwise looks the call's signature up,
+capturing a new graph the first time a signature is seen and replaying it on
+later calls.
+
+A capture follows :func:`torch.cuda.make_graphed_callables`:
+
+* **static inputs** -- clones of the first call's tensor inputs; later calls
+  copy their inputs into them, so a graph only ever reads addresses it owns;
+* **warm-up** -- the module runs ``_WARMUP_ITERS`` times on a side stream
+  (the capture stream, which waited on the caller's stream) so that lazy
+  initialisation, cuDNN/cuBLAS heuristics and side-stream creation stay out of
+  the graph; buffers (BatchNorm statistics, ``num_batches_tracked``) are
+  snapshotted before and restored after, so the module's state after ``n``
+  graphed calls equals its state after ``n`` eager calls;
+* **capture** -- ``torch.cuda.graph(..., capture_error_mode="thread_local")``,
+  so CUDA work of other threads does not invalidate the capture; the module's
+  side streams fork from and join back into the capture stream (the capture
+  stream is the current stream, which is what ``_run_forked`` forks from);
+* **training** -- when autograd records and an input or a parameter requires
+  grad, the backward pass is captured too (``torch.autograd.grad`` of the
+  static outputs with respect to the inputs and parameters that require grad)
+  and both graphs are wrapped in an :class:`torch.autograd.Function`, whose
+  backward replays the backward graph. Parameters are inputs of that function,
+  so autograd accumulates their gradients into ``.grad`` as usual;
+* the first call's result is the graph's first **replay** on that call's
+  inputs, so every user call -- the first included -- runs the module once.
+
+Memory pools: each signature has a pool of its own, shared only by its
+forward and backward graphs (captured, and always replayed, in that order,
+as in ``make_graphed_callables``). Sharing one pool between the graphs of
+different signatures would be safe only if their replays never overlapped:
+the forward graph of one signature may reuse the blocks that hold another
+signature's saved activations between its forward and backward, and graphs
+replayed from two threads run concurrently on two streams. A pool per
+signature costs memory bounded by ``max_graphs``; evicted graphs give their
+pool back, and the next capture (``torch.cuda.graph`` empties the cache)
+returns it to the device, so repeated captures do not grow memory.
+
+Static buffers (inputs, incoming gradients) are allocated on the capture
+stream outside the capture. Blocks of that stream are only ever reused by a
+later warm-up or capture, which both start with a device synchronisation, so
+a buffer freed with its graph cannot be handed out while a replay on another
+stream still reads it.
+
+Threads: captures are serialised process-wide (one capture stream per device);
+a module's cache is guarded by a lock; each graph has a lock held around
+copy-in, replay and copy-out, and an event recorded after them, on which a
+replay from another stream waits before it overwrites the static inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+import warnings
+import weakref
+from collections import OrderedDict, deque
+from typing import Any, Callable, Hashable
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.utils import _pytree as pytree
+
+from ._inputs import _input_device, _signature
+from ._streams import _current_stream, _is_tracing, _pools
+
+__all__: list[str] = []
+
+# As torch.cuda.make_graphed_callables: enough for lazy initialisation and
+# autotuning heuristics to settle before capture.
+_WARMUP_ITERS = 3
+# Signatures remembered as "cannot be captured" (graph_fallback=True).
+_MAX_FAILED = 1024
+
+# ``active``: this thread is warming up or capturing a graphed module. A graphed
+# module called from inside (a nested block) runs eagerly and is recorded by the
+# enclosing capture instead of capturing a graph of its own.
+_local = threading.local()
+# One capture at a time in the process: captures share a capture stream per
+# device, and ``torch.cuda.graph`` synchronises the device on entry.
+_capture_lock = threading.Lock()
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _graphing() -> bool:
+    r"""Whether this thread is warming up or capturing a ``cuda_graph=True`` module."""
+    return getattr(_local, "active", False)
+
+
+def _capture_underway() -> bool:
+    r"""Whether this thread is inside a graph capture (ours or the user's) or our warm-up.
+
+    A ``Parallel`` always forks onto side streams then: in a graph, forking is
+    what makes branches concurrent, and warm-up must run what capture will.
+    """
+    return getattr(_local, "active", False) or torch.cuda.is_current_stream_capturing()
+
+
+def _capture_stream(index: int) -> torch.cuda.Stream:
+    stream = _capture_streams.get(index)
+    if stream is None:
+        stream = _capture_streams[index] = torch.cuda.Stream(index)
+    return stream
+
+
+def _autocast_state() -> Hashable:
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
+def _all_on(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    return all(t.device == device for t in tensors)
+
+
+def _describe(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(
+        f"Tensor{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+        f"{' requires_grad' if t.requires_grad else ''}"
+        for t in tensors
+    ) or "no tensors"
+
+
+# ----------------------------------------------------------------- one graph
+class _Graph:
+    r"""The graphs, static buffers and replay ordering of one input signature."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.device = device
+        self.lock = threading.Lock()
+        # Recorded on the replaying stream after copy-out; a replay from another
+        # stream waits on it before it overwrites the static inputs (or, in
+        # training, the static gradients) that the previous replay still reads.
+        self.done = torch.cuda.Event()
+        self.last: torch.cuda.Stream | None = None
+        self.fwd = torch.cuda.CUDAGraph()
+        self.bwd: torch.cuda.CUDAGraph | None = None
+        self.pool = torch.cuda.graph_pool_handle()
+        self.inputs: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+        self.out_flat: list[Any] = []  # output leaves; tensors at out_idx are replaced per call
+        self.out_idx: list[int] = []
+        self.out_spec: Any = None
+        self.out_grad: list[bool] = []
+        self.grad_outputs: list[torch.Tensor | None] = []
+        self.grad_inputs: list[torch.Tensor | None] = []
+        self.params: tuple[torch.Tensor, ...] = ()
+        # Training: forward replays so far, and the last one whose backward ran.
+        self.gen = 0
+        self.bwd_gen = -1
+
+    def _order(self, stream: torch.cuda.Stream) -> None:
+        if self.last is not None and self.last is not stream and self.last != stream:
+            stream.wait_event(self.done)
+
+    def _finish(self, stream: torch.cuda.Stream) -> None:
+        self.done.record(stream)
+        self.last = stream
+
+    def _copy_in(self, tensors: Any) -> None:
+        for static, t in zip(self.inputs, tensors):
+            if static.data_ptr() != t.data_ptr():
+                static.copy_(t)
+
+    def replay(self, tensors: list[torch.Tensor], static_outputs: bool) -> Any:
+        if self.bwd is not None:
+            outs = _Replay.apply(self, static_outputs, *tensors, *self.params)
+        else:
+            with self.lock:
+                stream = _current_stream(self.device)
+                self._order(stream)
+                self._copy_in(tensors)
+                self.fwd.replay()
+                # Fresh tensors by default: a user keeping an output across two
+                # calls must not see it overwritten by the next replay.
+                outs = self.outputs if static_outputs else [o.clone() for o in self.outputs]
+                self._finish(stream)
+        if self.out_spec is None:  # a single tensor
+            return outs[0]
+        flat = list(self.out_flat)
+        for i, o in zip(self.out_idx, outs):
+            flat[i] = o
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+
+class _Replay(torch.autograd.Function):
+    r"""Forward: replay the forward graph. Backward: replay the backward graph.
+
+    Inputs are the call's tensors followed by the parameters that require grad,
+    so autograd routes gradients to both (as ``make_graphed_callables`` does).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, graph: _Graph, static_outputs: bool, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+        with graph.lock:
+            stream = _current_stream(graph.device)
+            graph._order(stream)
+            graph._copy_in(inputs[: len(graph.inputs)])
+            graph.fwd.replay()
+            graph.gen += 1
+            ctx.gen = graph.gen
+            outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
+            graph._finish(stream)
+        ctx.graph = graph
+        frozen = [o for o, g in zip(outs, graph.out_grad) if not g]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
+        graph: _Graph = ctx.graph
+        with graph.lock:
+            # The backward graph reads the activations the forward graph left in
+            # the pool: only those of the latest forward replay exist, and the
+            # backward graph may reuse their memory, so it can run once.
+            if ctx.gen != graph.gen:
+                raise RuntimeError(
+                    f"{graph.name}: backward of a CUDA-graphed call after a later call with the same "
+                    f"input signature: that call overwrote the activations this backward needs. With "
+                    f"cuda_graph=True, run backward after each forward (or use cuda_graph=False for "
+                    f"this pattern, e.g. several forwards before one backward)."
+                )
+            if graph.bwd_gen == ctx.gen:
+                raise RuntimeError(
+                    f"{graph.name}: backward through a CUDA-graphed call ran twice; the graph's saved "
+                    f"activations are consumed by the first backward (retain_graph is not supported "
+                    f"with cuda_graph=True)."
+                )
+            graph.bwd_gen = ctx.gen
+            stream = _current_stream(graph.device)
+            graph._order(stream)
+            for static, g in zip(graph.grad_outputs, grads):
+                if static is not None and static.data_ptr() != g.data_ptr():
+                    static.copy_(g)
+            assert graph.bwd is not None
+            graph.bwd.replay()
+            # Clones: autograd may keep a returned gradient as a parameter's
+            # .grad, which must not alias memory the next replay overwrites.
+            result = tuple(g.clone() if g is not None else None for g in graph.grad_inputs)
+            graph._finish(stream)
+        return (None, None) + result
+
+
+# ------------------------------------------------------------------ failures
+class _CaptureError(RuntimeError):
+    pass
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    r"""``error`` and the exceptions it was raised from or during, innermost first."""
+    seen: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen[::-1]
+
+
+def _explain(error: BaseException) -> str:
+    r"""What went wrong, for the capture error: each exception's first line and notes.
+
+    The innermost exception is the operation that broke the capture (the
+    ``Parallel`` eager path adds which branch raised it as a note); the outer
+    ones are what ending the broken capture raised afterwards.
+    """
+    lines: list[str] = []
+    chain = _chain(error)
+    for e in chain:
+        text = str(e).strip().splitlines()
+        head = f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+        extra = [ln for ln in text[1:] if ln.startswith("(raised in")]  # Python 3.10 keeps notes in the message
+        for line in [head, *extra, *getattr(e, "__notes__", [])]:
+            if line not in lines:
+                lines.append(line)
+    where = None
+    for frame in reversed(traceback.extract_tb(chain[0].__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith((_TORCH_DIR, _PACKAGE_DIR)):
+            where = f"at {frame.filename}:{frame.lineno}" + (f": {frame.line}" if frame.line else "")
+            break
+    if where:
+        lines.insert(1, where)
+    return "\n  ".join(lines)
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, pool: Any, capture: torch.cuda.Stream, caller: torch.cuda.Stream,
+             index: int) -> None:
+    r"""Leave no capture open and the caller's stream current after a failed capture.
+
+    ``torch.cuda.graph`` ends the capture on exit, but when a branch on a side
+    stream broke it, the fork/join code may have left that side stream
+    current, and ``capture_end`` refuses to end a capture on another stream
+    than the one it began on. A capture that ended with an error also never
+    returned its memory pool to the allocator.
+    """
+    torch.cuda.set_stream(capture)
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            graph.capture_end()
+    except Exception:
+        pass  # ending an invalidated capture reports the invalidation again
+    try:
+        graph.pool()  # fails unless capture_end completed, in which case the graph releases its pool
+    except Exception:
+        # (Private allocator calls, named as in torch/cuda/memory.py; older releases
+        # named the first one _cuda_endAllocateCurrentStreamToPool.)
+        for release in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool", "_cuda_releasePool"):
+            try:
+                getattr(torch._C, release)(index, pool)
+            except Exception:
+                pass
+    torch.cuda.set_stream(caller)
+
+
+def _streams_left_capturing(index: int) -> bool:
+    pool = _pools.get(index)
+    streams = list(pool.streams) if pool is not None else []
+    caller = torch.cuda.current_stream()
+    try:
+        for s in [_capture_stream(index), *streams]:
+            torch.cuda.set_stream(s)
+            if torch.cuda.is_current_stream_capturing():
+                return True
+    finally:
+        torch.cuda.set_stream(caller)
+    return False
+
+
+# ------------------------------------------------------------------- cache
+class _CudaGraphs:
+    r"""The CUDA graphs of one module, one per input signature, in an LRU cache.
+
+    ``graphs(forward, args, kwargs)`` returns ``forward(*args, **kwargs)``:
+    eagerly while a compiler traces, for inputs not on CUDA (warning once),
+    inside another capture or warm-up (the enclosing capture records the
+    work), and for signatures that failed to capture with ``fallback=True``;
+    otherwise from a graph of the call's signature, captured on first use.
+
+    Args:
+        owner: the module whose ``forward`` is graphed; its parameters and
+            buffers are read in place by the graphs, its buffers restored
+            after warm-up. Held weakly.
+        max_graphs: graphs kept; the least recently used is freed beyond it.
+        static_outputs: return the graph's output buffers themselves (valid
+            until the module's next call) instead of fresh copies.
+        fallback: on a failed capture warn once and run that signature
+            eagerly from then on, instead of raising.
+    """
+
+    def __init__(self, owner: nn.Module, max_graphs: int = 8, static_outputs: bool = False,
+                 fallback: bool = False) -> None:
+        name = type(owner).__name__
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"{name}: max_graphs must be an int >= 1, got {max_graphs!r}.")
+        self.name = name
+        self.max_graphs = max_graphs
+        self.static_outputs = bool(static_outputs)
+        self.fallback = bool(fallback)
+        self.captures = 0  # graphs captured so far (diagnostics and tests)
+        self._owner = weakref.ref(owner)
+        self._lock = threading.Lock()
+        self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self._failed: OrderedDict[Hashable, None] = OrderedDict()
+        # Whether each recent call captured: thrashing is more captures than
+        # max_graphs within the last 2 * max_graphs calls.
+        self._recent: deque[bool] = deque(maxlen=2 * max_graphs)
+        self._params: list[nn.Parameter] | None = None
+        self._warned: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        r"""Free every graph (parameters moved, branches changed): the next calls capture anew."""
+        with self._lock:
+            self._graphs.clear()
+            self._failed.clear()
+            self._recent.clear()
+            self._params = None
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if _is_tracing():
+            return forward(*args, **kwargs)
+        device = _input_device(args, kwargs)
+        if device is None or device.type != "cuda":
+            got = f"on {device}" if device is not None else "not a tensor"
+            self._warn_once("device", f"{self.name}: cuda_graph=True, but the input is {got}; CUDA graphs "
+                                      f"need CUDA inputs, so the module runs eagerly.")
+            return forward(*args, **kwargs)
+        if _capture_underway():
+            return forward(*args, **kwargs)
+
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            tensors, extra = [args[0]], ()
+        else:
+            leaves = pytree.tree_leaves((args, kwargs))
+            tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+            # Non-tensor arguments are baked into the graph: only the same values replay it.
+            extra = tuple((type(v), v) for v in leaves if not isinstance(v, torch.Tensor))
+            if not _all_on(tensors, device):
+                self._warn_once("devices", f"{self.name}: cuda_graph=True needs every tensor input on "
+                                           f"{device}; got {sorted({str(t.device) for t in tensors})}. "
+                                           f"Running eagerly.")
+                return forward(*args, **kwargs)
+        owner = self._owner()
+        if owner is None:
+            return forward(*args, **kwargs)
+        params = self._params
+        if params is None:
+            params = self._params = list(owner.parameters())
+        grad = torch.is_grad_enabled()
+        key = (
+            _signature(args, kwargs, owner.training),
+            extra,
+            torch.is_inference_mode_enabled(),
+            _autocast_state(),
+            tuple(p.requires_grad for p in params) if grad else None,
+        )
+        with self._lock:
+            try:
+                graph = self._graphs.get(key)
+            except TypeError:  # an unhashable non-tensor argument
+                graph = None
+                self._warn_once("unhashable", f"{self.name}: cuda_graph=True cannot key a graph on "
+                                              f"unhashable arguments ({[t for t, _ in extra]}); running "
+                                              f"eagerly.")
+                key = None
+            if key is None or key in self._failed:
+                graph = None
+            elif graph is not None:
+                self._graphs.move_to_end(key)
+                self._recent.append(False)
+            else:
+                needs_grad = grad and (any(t.requires_grad for t in tensors) or any(p.requires_grad for p in params))
+                try:
+                    graph = self._capture(owner, forward, args, kwargs, tensors, device, needs_grad, params)
+                except _CaptureError as e:
+                    if not self.fallback:
+                        raise
+                    self._failed[key] = None
+                    if len(self._failed) > _MAX_FAILED:
+                        self._failed.popitem(last=False)
+                    self._warn_once("fallback", f"{e}\ngraph_fallback=True: this input signature runs "
+                                                f"eagerly from now on.")
+                else:
+                    self._insert(key, graph)
+        if graph is None:
+            return forward(*args, **kwargs)
+        return graph.replay(tensors, self.static_outputs)
+
+    def _insert(self, key: Hashable, graph: _Graph) -> None:
+        self._graphs[key] = graph
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)  # frees the graph and, with it, its pool
+        self._recent.append(True)
+        if sum(self._recent) > self.max_graphs:
+            self._warn_once(
+                "thrash",
+                f"{self.name}: CUDA graphs are being recaptured over and over ({sum(self._recent)} captures "
+                f"in the last {len(self._recent)} calls, max_graphs={self.max_graphs}): inputs change "
+                f"signature (shape, dtype, requires_grad, train/eval ...) more often than the cache holds. "
+                f"Raise max_graphs, pad inputs to a few fixed shapes, or use cuda_graph=False.",
+            )
+
+    # --------------------------------------------------------------- capture
+    def _capture(self, owner: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict,
+                 tensors: list[torch.Tensor], device: torch.device, needs_grad: bool,
+                 params: list[nn.Parameter]) -> _Graph:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(index), _capture_lock:
+            caller = torch.cuda.current_stream()
+            stream = _capture_stream(index)
+            graph = _Graph(self.name, torch.device("cuda", index))
+            buffers = list(owner.buffers())
+            with torch.no_grad():
+                saved = [b.clone() for b in buffers]
+            autocast_cache = torch.is_autocast_cache_enabled()
+            # Casts cached by autocast outside the graph would be read by address
+            # and freed when the autocast region ends: cast inside the graph instead.
+            torch.set_autocast_cache_enabled(False)
+            _local.active = True
+            try:
+                # A graph freed earlier may still be replaying somewhere: its static
+                # buffers, allocated on the capture stream, are reused from here on.
+                torch.cuda.synchronize()
+                stream.wait_stream(caller)
+                with torch.cuda.stream(stream):
+                    graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad) for t in tensors]
+                    graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
+                    call = _bind(forward, args, kwargs, graph.inputs)
+                    surface = tuple(s for s in graph.inputs if s.requires_grad) + graph.params
+                    for _ in range(_WARMUP_ITERS):
+                        out = call()
+                        if needs_grad:
+                            _grad(out, surface)
+                        del out
+                torch.cuda.synchronize()
+                self._record(graph, call, surface, needs_grad, stream, caller, index, tensors)
+            finally:
+                _local.active = False
+                torch.set_autocast_cache_enabled(autocast_cache)
+                torch.cuda.set_stream(caller)
+                # Warm-up ran the module: put its buffers back, so that the
+                # replay of this call is the only update they see.
+                caller.wait_stream(stream)
+                with torch.no_grad():
+                    for b, s in zip(buffers, saved):
+                        b.copy_(s)
+            self.captures += 1
+        return graph
+
+    def _record(self, graph: _Graph, call: Callable[[], Any], surface: tuple, needs_grad: bool,
+                stream: torch.cuda.Stream, caller: torch.cuda.Stream, index: int,
+                tensors: list[torch.Tensor]) -> None:
+        def captured(g: torch.cuda.CUDAGraph, fn: Callable[[], Any]) -> Any:
+            try:
+                with torch.cuda.graph(g, pool=graph.pool, stream=stream, capture_error_mode="thread_local"):
+                    return fn()
+            except BaseException as e:
+                _abandon(g, graph.pool, stream, caller, index)
+                if not isinstance(e, Exception):
+                    raise
+                left = _streams_left_capturing(index)
+                raise _CaptureError(
+                    f"{self.name}: CUDA graph capture failed for input signature ({_describe(tensors)}) "
+                    f"with cuda_graph=True:\n  {_explain(e)}\n"
+                    f"Code captured in a CUDA graph must not synchronise with the host (.item(), .cpu(), "
+                    f".tolist(), .nonzero(), printing a CUDA tensor, torch.cuda.synchronize()) nor take "
+                    f"Python branches on tensor values, and shapes must not depend on data. Fix the "
+                    f"operation above, pass cuda_graph=False, or pass graph_fallback=True to run such "
+                    f"signatures eagerly with a warning. The capture was ended; the module and CUDA remain "
+                    f"usable."
+                    + (" (A side stream is still capturing: restart the process.)" if left else "")
+                ) from e
+
+        out = captured(graph.fwd, call)
+        flat, spec = pytree.tree_flatten(out)
+        graph.out_idx = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)]
+        outputs = [flat[i] for i in graph.out_idx]
+        if isinstance(out, torch.Tensor):
+            graph.out_spec = None
+        else:
+            graph.out_spec = spec
+            graph.out_flat = [None if isinstance(o, torch.Tensor) else o for o in flat]
+        graph.out_grad = [o.requires_grad for o in outputs]
+        if needs_grad and any(graph.out_grad):
+            with torch.cuda.stream(stream):
+                graph.grad_outputs = [torch.empty_like(o) if g else None for o, g in zip(outputs, graph.out_grad)]
+            graph.bwd = torch.cuda.CUDAGraph()
+            diff = [o for o in outputs if o.requires_grad]
+            grads = captured(graph.bwd, lambda: torch.autograd.grad(
+                diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
+                allow_unused=True))
+            by_id = {id(t): g for t, g in zip(surface, grads)}
+            graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *graph.params]]
+        else:
+            # Replays copy into the static inputs with autograd on: they must not be leaves requiring grad.
+            for s in graph.inputs:
+                s.requires_grad_(False)
+        graph.outputs = [o.detach() for o in outputs]
+
+
+def _bind(forward: Callable[..., Any], args: tuple, kwargs: dict, static: list[torch.Tensor]) -> Callable[[], Any]:
+    r"""``forward`` called like the user called it, with the static inputs in place of the tensors."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        x = static[0]
+        return lambda: forward(x)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    it = iter(static)
+    leaves = [next(it) if isinstance(v, torch.Tensor) else v for v in leaves]
+    sargs, skwargs = pytree.tree_unflatten(leaves, spec)
+    return lambda: forward(*sargs, **skwargs)
+
+
+def _grad(out: Any, surface: tuple) -> None:
+    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if outs and surface:
+        torch.autograd.grad(outs, surface, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)

@@ -1,0 +1,427 @@
+"""``cuda_graph=True``: whole-forward CUDA graphs captured per input signature and replayed.
+
+CPU tests cover the eager fallback, the settings and the container semantics; ``cuda``
+tests cover replay correctness (bit-for-bit against eager in fp32, TF32 off), output
+aliasing, training, the signature cache, threads, capture failures (in a subprocess) and
+memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from parallel_modules._cases import inception_branches, mlp_branches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+cuda = pytest.mark.cuda
+
+
+def _mlp(n: int = 8, width: int = 64, depth: int = 2) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return mlp_branches(n, width=width, depth=depth)
+
+
+def _reference(branches, *args) -> torch.Tensor:
+    return torch.cat([b(*args) for b in branches], 1)
+
+
+def _graph_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "cuda_graph" in str(w.message) or "CUDA graph" in str(w.message)]
+
+
+# ---------------------------------------------------------------------- CPU
+def test_cpu_input_warns_once_and_runs_eagerly():
+    block = Parallel(*_mlp(3, width=16), cuda_graph=True)
+    other = Parallel(*_mlp(2, width=16), cuda_graph=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            assert torch.equal(block(x), _reference(block, x))
+        other(torch.randn(4, 16))
+    messages = _graph_warnings(record)
+    assert len(messages) == 2, messages  # once per module
+    assert "Parallel" in messages[0] and "cpu" in messages[0] and "eagerly" in messages[0]
+    assert len(block._graphs) == 0
+
+
+def test_cuda_graph_off_never_warns():
+    block = Parallel(*_mlp(2, width=16))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        block(torch.randn(4, 16))
+    assert _graph_warnings(record) == []
+
+
+def test_repr_shows_graph_settings_and_slicing_keeps_them():
+    plain = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert "cuda_graph" not in repr(plain)
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), cuda_graph=True, max_graphs=3,
+                     static_outputs=True, graph_fallback=True)
+    text = repr(block)
+    for setting in ("cuda_graph=True", "max_graphs=3", "static_outputs=True", "graph_fallback=True"):
+        assert setting in text
+    part = block[1:]
+    assert isinstance(part, Parallel) and len(part) == 2
+    assert (part.cuda_graph, part.max_graphs, part.static_outputs, part.graph_fallback) == (True, 3, True, True)
+    assert part._graphs is not block._graphs and part._graphs.max_graphs == 3
+
+
+def test_state_dict_unaffected():
+    branches = _mlp(3, width=8)
+    block = Parallel(*copy.deepcopy(branches), cuda_graph=True)
+    reference = nn.ModuleList(copy.deepcopy(branches))
+    assert list(block.state_dict()) == list(reference.state_dict())
+    block.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(block(x), _reference(reference, x))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])
+def test_invalid_max_graphs(bad):
+    with pytest.raises(ValueError, match="max_graphs"):
+        Parallel(nn.Linear(2, 2), cuda_graph=True, max_graphs=bad)
+
+
+def test_copy_and_pickle_get_a_fresh_cache():
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), cuda_graph=True, max_graphs=2)
+    for clone in (copy.deepcopy(block), pickle.loads(pickle.dumps(block))):
+        assert clone._graphs is not block._graphs
+        assert clone._graphs._owner() is clone and clone._graphs.max_graphs == 2
+        x = torch.randn(3, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert torch.equal(clone(x), _reference(clone, x))
+
+
+def test_moving_or_changing_branches_drops_graphs():
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), cuda_graph=True)
+    for change in (lambda: block.double(), lambda: block.append(nn.Linear(4, 4)), lambda: block.__delitem__(-1)):
+        block._graphs._graphs["a signature"] = object()  # stands in for a captured graph
+        change()
+        assert len(block._graphs) == 0
+
+
+# --------------------------------------------------------------------- CUDA
+def _graphed(branches, **kwargs) -> Parallel:
+    return Parallel(*branches, cuda_graph=True, **kwargs).cuda()
+
+
+def _only_graph(block: Parallel):
+    graphs = list(block._graphs._graphs.values())
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+@cuda
+def test_replay_equals_eager_mlp():
+    block = _graphed(_mlp(8))
+    with torch.no_grad():
+        for _ in range(20):
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(block, x))
+    assert block._graphs.captures == 1 and len(block._graphs) == 1
+
+
+@cuda
+def test_replay_equals_eager_inception():
+    torch.manual_seed(0)
+    block = _graphed([b.eval() for b in inception_branches()])
+    with torch.no_grad():
+        for _ in range(20):
+            x = torch.randn(1, 192, 35, 35, device="cuda")
+            out = block(x)
+            assert out.shape == (1, 256, 35, 35)
+            assert torch.equal(out, _reference(block, x))
+    assert block._graphs.captures == 1
+
+
+@cuda
+def test_kept_outputs_are_not_overwritten():
+    block = _graphed(_mlp(4))
+    with torch.no_grad():
+        x1, x2 = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+        y1 = block(x1)
+        kept = y1.clone()
+        y2 = block(x2)
+        assert y1.data_ptr() != y2.data_ptr()
+        assert torch.equal(y1, kept) and torch.equal(y2, _reference(block, x2))
+
+
+@cuda
+def test_static_outputs_alias_the_graph_buffers():
+    block = _graphed(_mlp(4), static_outputs=True)
+    with torch.no_grad():
+        x1, x2 = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+        y1 = block(x1)
+        assert torch.equal(y1, _reference(block, x1))
+        y2 = block(x2)
+        # Documented: the same buffer, valid until the next call, which overwrote it.
+        assert y1.data_ptr() == y2.data_ptr()
+        assert torch.equal(y1, _reference(block, x2))
+
+
+@cuda
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_training_gradients_equal_eager(input_grad):
+    branches = _mlp(8)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches)
+    opt = torch.optim.SGD(block.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    weight = torch.randn(8, 8 * 64, device="cuda")
+    for _ in range(5):
+        base = torch.randn(8, 64, device="cuda")
+        x, x_ref = base.clone().requires_grad_(input_grad), base.clone().requires_grad_(input_grad)
+        out, out_ref = block(x), _reference(reference, x_ref)
+        torch.testing.assert_close(out, out_ref)
+        (out * weight).sum().backward()
+        (out_ref * weight).sum().backward()
+        if input_grad:
+            torch.testing.assert_close(x.grad, x_ref.grad)
+        for p, p_ref in zip(block.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad)
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    for p, p_ref in zip(block.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, p_ref)
+    graph = _only_graph(block)
+    assert graph.bwd is not None and block._graphs.captures == 1
+
+
+@cuda
+def test_training_backward_after_a_later_forward_is_refused():
+    block = _graphed(_mlp(2))
+    x = torch.randn(8, 64, device="cuda")
+    block(x).sum().backward()  # capture
+    first = block(x)
+    block(x)  # overwrites the activations ``first`` needs
+    with pytest.raises(RuntimeError, match="backward"):
+        first.sum().backward()
+    block(x).sum().backward()  # still usable
+
+
+@cuda
+@pytest.mark.parametrize("grad", [False, True])
+def test_batchnorm_buffers_match_eager(grad):
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)) for _ in range(3)]
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda().train()
+    block = _graphed(branches).train()
+    with torch.set_grad_enabled(grad):
+        for _ in range(5):
+            x = torch.randn(8, 16, device="cuda")
+            torch.testing.assert_close(block(x), _reference(reference, x))
+    for b, b_ref in zip(block.buffers(), reference.buffers()):
+        torch.testing.assert_close(b, b_ref)
+    assert all(int(m.num_batches_tracked) == 5 for m in block.modules() if isinstance(m, nn.BatchNorm1d))
+    assert block._graphs.captures == 1
+
+
+@cuda
+def test_new_signature_captures_and_cache_is_bounded():
+    block = _graphed(_mlp(4), max_graphs=2)
+    with torch.no_grad():
+        x = torch.randn(8, 64, device="cuda")
+        block(x)
+        block(x)
+        assert block._graphs.captures == 1
+        with pytest.warns(UserWarning, match="recaptured"):
+            for batch in [1, 2, 3] * 3:
+                x = torch.randn(batch, 64, device="cuda")
+                assert torch.equal(block(x), _reference(block, x))
+                assert len(block._graphs) <= 2
+        assert block._graphs.captures == 10
+        block.eval()  # train/eval is part of the signature
+        x = torch.randn(3, 64, device="cuda")
+        assert torch.equal(block(x), _reference(block, x))
+        assert block._graphs.captures == 11
+        block.float()  # _apply drops every graph
+        assert len(block._graphs) == 0
+
+
+@cuda
+def test_threads_on_their_own_streams():
+    block = _graphed(_mlp(8))
+    errors: list[BaseException] = []
+    mismatches: list[int] = []
+    barrier = threading.Barrier(4)
+
+    def work(i: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            batch = 8 if i % 2 == 0 else 4  # two signatures, captured under contention
+            with torch.cuda.stream(stream), torch.no_grad():
+                barrier.wait()
+                for _ in range(10):
+                    x = torch.randn(batch, 64, device="cuda")
+                    # Delay this stream: a replay that did not wait for another
+                    # stream's replay would overwrite its static inputs early.
+                    torch.cuda._sleep(200_000)
+                    out = block(x)
+                    if not torch.equal(out, _reference(block, x)):
+                        mismatches.append(i)
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert not mismatches
+    assert block._graphs.captures == 2
+
+
+@cuda
+def test_two_modules_interleaved():
+    a, b = _graphed(_mlp(4)), _graphed(_mlp(3, width=64 * 4))
+    with torch.no_grad():
+        for _ in range(10):
+            x = torch.randn(8, 64, device="cuda")
+            ya = a(x)
+            yb = b(ya)
+            x2 = torch.randn(8, 64, device="cuda")
+            ya2 = a(x2)
+            assert torch.equal(yb, _reference(b, _reference(a, x)))
+            assert torch.equal(ya, _reference(a, x)) and torch.equal(ya2, _reference(a, x2))
+    assert a._graphs.captures == 1 and b._graphs.captures == 1
+
+
+@cuda
+def test_nested_parallel_is_recorded_by_the_outer_graph():
+    torch.manual_seed(0)
+    inner = Parallel(*_mlp(3), cuda_graph=True)
+    outer = _graphed([inner, *_mlp(2)])
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(8, 64, device="cuda")
+            expected = torch.cat([_reference(inner, x), outer[1](x), outer[2](x)], 1)
+            assert torch.equal(outer(x), expected)
+    assert outer._graphs.captures == 1
+    assert inner._graphs.captures == 0 and len(inner._graphs) == 0
+
+
+@cuda
+def test_memory_flat_over_replays_and_recaptures():
+    block = _graphed(_mlp(8))
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(10):
+            y = block(x)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(1000):
+            y = block(x)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+        assert torch.equal(y, _reference(block, x))
+
+        allocated, reserved = [], []
+        for _ in range(20):
+            block._graphs.clear()
+            y = block(x)
+            gc.collect()
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+            reserved.append(torch.cuda.memory_reserved())
+        assert block._graphs.captures == 21
+        assert all(a == allocated[2] for a in allocated[2:]), allocated
+        assert max(reserved[3:]) <= reserved[2] + 8 * 2**20, reserved
+
+
+_FAILURE_SCRIPT = textwrap.dedent(
+    """
+    import sys, warnings
+    from collections import OrderedDict
+    import torch
+    from torch import nn
+    from parallel_modules import Parallel
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    class Sync(nn.Module):
+        def forward(self, x):
+            if x.sum().item() > 1e30:  # a host sync: cannot be captured
+                return x
+            return x * 2
+
+    def block(bad_first, **kwargs):
+        items = [("good", nn.Linear(8, 8)), ("bad", Sync())]
+        if bad_first:
+            items.reverse()
+        return Parallel(OrderedDict(items), cuda_graph=True, **kwargs).cuda()
+
+    def expected(m, x):
+        return torch.cat([m.good(x) if name == "good" else x * 2 for name in m._modules], 1)
+
+    mode = sys.argv[1]
+    if mode == "raise":
+        for bad_first in (True, False):
+            m = block(bad_first)
+            x = torch.randn(4, 8, device="cuda")
+            try:
+                m(x)
+            except RuntimeError as e:
+                msg = str(e)
+            else:
+                raise SystemExit("capture did not fail")
+            assert "Parallel" in msg and "CUDA graph capture failed" in msg, msg
+            assert "branch 'bad'" in msg, msg
+            assert "cuda_graph=False" in msg and "graph_fallback=True" in msg, msg
+            assert not torch.cuda.is_current_stream_capturing()
+            assert len(m._graphs) == 0
+            # The same module, eagerly: CUDA and the side streams still work.
+            m.cuda_graph = False
+            for _ in range(4):
+                x = torch.randn(4, 8, device="cuda")
+                assert torch.equal(m(x), expected(m, x))
+        # A fresh graphed module captures and replays.
+        ok = Parallel(nn.Linear(8, 8), nn.Linear(8, 8), cuda_graph=True).cuda()
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(4, 8, device="cuda")
+                assert torch.equal(ok(x), torch.cat([ok[0](x), ok[1](x)], 1))
+        assert ok._graphs.captures == 1
+    else:
+        m = block(False, graph_fallback=True)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                x = torch.randn(4, 8, device="cuda")
+                assert torch.equal(m(x), expected(m, x))
+        messages = [str(w.message) for w in record if "graph_fallback" in str(w.message)]
+        assert len(messages) == 1, messages
+        assert "branch 'bad'" in messages[0], messages[0]
+        assert m._graphs.captures == 0 and len(m._graphs) == 0
+    torch.cuda.synchronize()
+    print("OK")
+    """
+)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["raise", "fallback"])
+def test_capture_failure_in_subprocess(mode):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _FAILURE_SCRIPT, mode], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
