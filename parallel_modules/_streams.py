@@ -137,16 +137,23 @@ class _DevicePool:
         self._local.offset = value
 
 
-_pools: dict[int, _DevicePool] = {}
+_pools: dict[tuple[int, bool], _DevicePool] = {}
 _pools_lock = threading.Lock()
 
 
 def _pool(device: torch.device) -> _DevicePool:
+    r"""The side streams of ``device``; a second set while a CUDA graph is captured.
+
+    Work that another thread enqueues on a stream while it takes part in a
+    capture would be absorbed into the graph (or invalidate it), so captures,
+    which the graph module serialises, fork onto streams eager calls never use.
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    pool = _pools.get(index)
+    key = (index, torch.cuda.is_current_stream_capturing())
+    pool = _pools.get(key)
     if pool is None:
         with _pools_lock:
-            pool = _pools.setdefault(index, _DevicePool(torch.device("cuda", index)))
+            pool = _pools.setdefault(key, _DevicePool(torch.device("cuda", index)))
     return pool
 
 

@@ -26,6 +26,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _module_devices, _with_context
+from ._graphs import _CudaGraphs
 from ._streams import _is_tracing, _pool
 
 __all__ = ["ParallelSequential"]
@@ -131,6 +132,15 @@ class ParallelSequential(nn.Sequential):
             names to them.
         chunks: number of micro-batches per call, at least 1 and at most the
             batch size. Default: ``1``.
+        cuda_graph: capture the whole forward pass (all stages, all
+            micro-batches, every stream) once per input signature and replay
+            it; as :class:`~parallel_modules.Parallel`'s ``cuda_graph``, whose
+            capture rules apply. CPU inputs run eagerly. Default: ``False``.
+        max_graphs: graphs kept, least recently used freed first. Default: ``8``.
+        static_outputs: return the graph's own output buffers (overwritten by
+            the next call) instead of fresh tensors. Default: ``False``.
+        graph_fallback: when a signature cannot be captured, warn once and run
+            it eagerly instead of raising. Default: ``False``.
 
     Example::
 
@@ -160,12 +170,15 @@ class ParallelSequential(nn.Sequential):
     """
 
     @overload
-    def __init__(self, *stages: nn.Module, chunks: int = 1) -> None: ...
+    def __init__(self, *stages: nn.Module, chunks: int = 1, cuda_graph: bool = False, max_graphs: int = 8,
+                 static_outputs: bool = False, graph_fallback: bool = False) -> None: ...
 
     @overload
-    def __init__(self, stages: "OrderedDict[str, nn.Module]", /, *, chunks: int = 1) -> None: ...
+    def __init__(self, stages: "OrderedDict[str, nn.Module]", /, *, chunks: int = 1, cuda_graph: bool = False,
+                 max_graphs: int = 8, static_outputs: bool = False, graph_fallback: bool = False) -> None: ...
 
-    def __init__(self, *stages: Any, chunks: int = 1) -> None:
+    def __init__(self, *stages: Any, chunks: int = 1, cuda_graph: bool = False, max_graphs: int = 8,
+                 static_outputs: bool = False, graph_fallback: bool = False) -> None:
         owner = type(self).__name__
         if len(stages) == 1 and isinstance(stages[0], OrderedDict):
             items = list(stages[0].items())
@@ -184,6 +197,11 @@ class ParallelSequential(nn.Sequential):
                 )
         super().__init__(OrderedDict(items))
         self.chunks = chunks
+        self.cuda_graph = bool(cuda_graph)
+        self.max_graphs = max_graphs
+        self.static_outputs = bool(static_outputs)
+        self.graph_fallback = bool(graph_fallback)
+        self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback)
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -205,6 +223,11 @@ class ParallelSequential(nn.Sequential):
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""
         self._plan: _Plan | None = None
         self._home: Any = _UNKNOWN
+        graphs = self.__dict__.get("_graphs")
+        if graphs is not None:
+            graphs.clear()
+        elif "max_graphs" in self.__dict__:  # unpickled or deep-copied: graphs never are
+            self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... may move parameters: look at them anew.
@@ -220,6 +243,7 @@ class ParallelSequential(nn.Sequential):
         state = self.__dict__.copy()
         state.pop("_plan", None)
         state.pop("_home", None)
+        state.pop("_graphs", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -251,7 +275,8 @@ class ParallelSequential(nn.Sequential):
 
     # -------------------------------------------------------------- container
     def _settings(self) -> dict[str, Any]:
-        return {"chunks": self._chunks}
+        return {"chunks": self._chunks, "cuda_graph": self.cuda_graph, "max_graphs": self.max_graphs,
+                "static_outputs": self.static_outputs, "graph_fallback": self.graph_fallback}
 
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
         if isinstance(idx, slice):
@@ -259,7 +284,8 @@ class ParallelSequential(nn.Sequential):
         return super().__getitem__(idx)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        settings = self._settings() if self.cuda_graph else {"chunks": self._chunks}
+        return ", ".join(f"{k}={v!r}" for k, v in settings.items())
 
     # ---------------------------------------------------------------- checks
     def _refuse_mixing(self, plan: _Plan) -> None:
@@ -358,6 +384,11 @@ class ParallelSequential(nn.Sequential):
     # ---------------------------------------------------------------- forward
     def forward(self, input: Any) -> Any:
         r"""Run the stages on ``input``, micro-batch by micro-batch, and concatenate the outputs."""
+        if self.cuda_graph:
+            return self._graphs(self._eager, (input,), {})
+        return self._eager(input)
+
+    def _eager(self, input: Any) -> Any:
         if self._chunks == 1:
             # The plain Sequential, as cheap as nn.Sequential: one attribute
             # read and one device comparison more.
