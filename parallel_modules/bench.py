@@ -1,0 +1,303 @@
+r"""Benchmark: how much faster is a model with ``Parallel``, and when is it not.
+
+Run ``python -m parallel_modules.bench`` (or ``parallel-modules-bench``). On a
+CUDA GPU every case is timed in every mode that applies, modes interleaved on
+the same inputs in one process, after each mode's output was checked against
+the plain sequential module. Without a GPU a reduced suite checks every mode's
+output on the CPU and times the eager modes; streams and graphs need CUDA.
+
+Timing: each sample synchronizes, records a CUDA event, runs ``--group``
+back-to-back calls (so launch overhead and GPU time overlap as in a real
+model), records another event; a sample is the mean call time of the group.
+The median and the interquartile range of ``--reps`` samples are reported.
+The floor of a case is its longest single branch captured alone in a CUDA
+graph: no schedule of the branches can beat it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import Parallel, ParallelSequential
+from ._cases import CASES, PIPELINES, Case, PipelineCase, SequentialBranches
+
+__all__ = ["main"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _graph_supported() -> bool:
+    return "cuda_graph" in inspect.signature(Parallel.__init__).parameters
+
+
+def _capture(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, clone: bool = True) -> Callable:
+    r"""Capture ``fn`` in a CUDA graph by hand (the baseline a user would write)."""
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            fn(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        static_out = fn(static_x)
+
+    def replay(inp: torch.Tensor):
+        static_x.copy_(inp)
+        g.replay()
+        return static_out.clone() if clone else static_out
+
+    replay.graph = g  # keep it alive
+    return replay
+
+
+def _modes(case: Case, device: torch.device, dtype: torch.dtype, x: torch.Tensor, quick: bool) -> dict[str, Callable]:
+    branches = case.branches(device, dtype)
+    seq = SequentialBranches(branches, case.join, case.dim)
+    modes: dict[str, Callable] = {"eager seq": seq, "eager Parallel": Parallel(*branches, join=case.join, dim=case.dim)}
+    if device.type != "cuda":
+        return modes
+    modes["eager Parallel streams"] = Parallel(*branches, join=case.join, dim=case.dim, streams=True)
+    modes["graph seq"] = _capture(seq, x)
+    if _graph_supported():
+        modes["graph Parallel"] = Parallel(*branches, join=case.join, dim=case.dim, cuda_graph=True)
+    else:
+        modes["graph Parallel"] = _capture(Parallel(*branches, join=case.join, dim=case.dim, streams=True), x)
+    if not quick:
+        torch._dynamo.reset()
+        modes["compile"] = torch.compile(seq)
+        modes["compile reduce-overhead"] = torch.compile(SequentialBranches(branches, case.join, case.dim),
+                                                         mode="reduce-overhead")
+    return modes
+
+
+def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
+    stages = case.stages(device, dtype)
+    seq = nn.Sequential(*stages)
+    if case.host_input and device.type == "cuda":
+        modes: dict[str, Callable] = {"eager seq": lambda x: seq(x.to(device, non_blocking=True))}
+    else:
+        modes = {"eager seq": seq}
+    for c in case.chunks:
+        modes[f"ParallelSequential chunks={c}"] = ParallelSequential(*stages, chunks=c)
+    if device.type == "cuda" and not case.host_input:
+        x = case.make_input(case.batches[0], device, dtype)
+        modes["graph seq"] = _capture(seq, x)
+        for c in case.chunks:
+            modes[f"graph ParallelSequential chunks={c}"] = ParallelSequential(*stages, chunks=c, cuda_graph=True)
+    return modes
+
+
+def _check(name: str, out: Any, ref: Any, dtype: torch.dtype) -> str:
+    # Micro-batches may pick other kernels than the whole batch: close, not equal.
+    exact = not name.startswith("compile") and ("chunks=" not in name or name.endswith("chunks=1"))
+    if exact and torch.equal(out, ref):
+        return "equal"
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
+    if not exact and torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol):
+        return f"close({tol:g})"
+    err = (out.float() - ref.float()).abs().max().item()
+    raise AssertionError(f"bench: mode {name!r} differs from the sequential module (max abs error {err:.3g})")
+
+
+def _sample(fn: Callable, x: torch.Tensor, group: int, cuda: bool) -> float:
+    r"""Mean seconds per call over ``group`` back-to-back calls."""
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(group):
+            fn(x)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / group
+    t0 = time.perf_counter()
+    for _ in range(group):
+        fn(x)
+    return (time.perf_counter() - t0) / group
+
+
+def _floor(case: Case, device, dtype, x) -> float:
+    r"""The longest single branch, captured alone in a graph (replay only)."""
+    worst = 0.0
+    for b in case.branches(device, dtype):
+        replay = _capture(b, x, clone=False)
+        for _ in range(10):
+            replay(x)
+        worst = max(worst, statistics.median(_sample(replay, x, 10, True) for _ in range(30)))
+    return worst
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * self.done // self.total
+        elapsed = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.0f}s {label:<28}")
+        sys.stderr.flush()
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+
+def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: torch.device, reps: int, group: int,
+             quick: bool) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    x = case.make_input(batch, device, dtype)
+    pipeline = isinstance(case, PipelineCase)
+    with torch.no_grad():
+        modes = _pipeline_modes(case, device, dtype) if pipeline else _modes(case, device, dtype, x, quick)
+        ref = modes["eager seq"](x)
+        checks = {}
+        for name, fn in modes.items():
+            for _ in range(15):  # warm-up: lazy init, autotuning, capture, compilation
+                out = fn(x)
+            checks[name] = _check(name, out, ref, dtype)
+        samples: dict[str, list[float]] = {name: [] for name in modes}
+        for _ in range(reps):  # interleaved: every mode sees the same conditions
+            for name, fn in modes.items():
+                samples[name].append(_sample(fn, x, group, cuda))
+        floor = _floor(case, device, dtype, x) if cuda and not pipeline else None
+    result: dict[str, Any] = {"case": case.name, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
+                              "shape": list(x.shape), "floor_us": floor and floor * 1e6, "modes": {}}
+    base = statistics.median(samples["eager seq"])
+    for name, s in samples.items():
+        q = statistics.quantiles(s, n=4)
+        med = statistics.median(s)
+        result["modes"][name] = {
+            "median_us": med * 1e6, "iqr_us": (q[2] - q[0]) * 1e6, "runs": len(s) * group,
+            "speedup_vs_eager_seq": base / med, "x_floor": med / floor if floor else None, "check": checks[name],
+        }
+    return result
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+           "python": platform.python_version(), "device": str(device)}
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version())
+    else:
+        env.update(cpu=platform.processor() or platform.machine())
+    return env
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = [f"{'case':<10}{'batch':>6} {'dtype':<8}{'mode':<26}{'median us':>11}{'IQR':>9}{'vs eager seq':>14}{'x floor':>9}  check"]
+    for r in results:
+        for name, m in r["modes"].items():
+            xf = f"{m['x_floor']:.2f}" if m["x_floor"] else "-"
+            lines.append(f"{r['case']:<10}{r['batch']:>6} {r['dtype']:<8}{name:<26}{m['median_us']:>11.1f}"
+                         f"{m['iqr_us']:>9.1f}{m['speedup_vs_eager_seq']:>13.2f}x{xf:>9}  {m['check']}")
+        if r["floor_us"]:
+            lines.append(f"{'':<24}{'floor (longest branch, graphed)':<26}{r['floor_us']:>11.1f}")
+    return "\n".join(lines)
+
+
+def _fork_overhead(results: list[dict[str, Any]]) -> dict[int, float]:
+    out = {}
+    for r in results:
+        if r["case"].startswith("tiny") and "eager Parallel streams" in r["modes"]:
+            n = int(r["case"][4:])
+            m = r["modes"]
+            out[n] = (m["eager Parallel streams"]["median_us"] - m["eager seq"]["median_us"]) / (n - 1)
+    return out
+
+
+def _plot(results: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - optional extra
+        raise SystemExit("bench: --plot needs matplotlib: pip install 'parallel_modules[plot]'") from e
+    labels = [f"{r['case']} b{r['batch']} {r['dtype']}" for r in results]
+    modes = [m for m in results[0]["modes"] if m != "eager seq"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+    width = 0.8 / max(1, len(modes))
+    for j, mode in enumerate(modes):
+        ys = [r["modes"].get(mode, {}).get("speedup_vs_eager_seq", 0) for r in results]
+        ax.bar([i + j * width for i in range(len(labels))], ys, width, label=mode)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(labels))], labels, rotation=30, ha="right")
+    ax.set_ylabel("speed-up over eager sequential")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="parallel-modules-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer cases and runs, no torch.compile modes")
+    p.add_argument("--case", action="append", choices=sorted({**CASES, **PIPELINES}), help="run only these cases")
+    p.add_argument("--batch", type=int, action="append", help="override the cases' batch sizes")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), action="append", help="override the cases' dtypes")
+    p.add_argument("--reps", type=int, default=None, help="samples per mode (default 100, quick 30)")
+    p.add_argument("--group", type=int, default=5, help="calls per sample")
+    p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of the speed-ups (needs matplotlib)")
+    args = p.parse_args(argv)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    quick = args.quick or not cuda
+    reps = args.reps or (30 if quick else 100)
+    if not cuda:
+        print("bench: no CUDA GPU found: running the reduced CPU suite, which checks every mode's output "
+              "against the sequential module. Streams and CUDA graphs need a CUDA GPU.")
+        reps = min(reps, 5)
+    every = {**CASES, **PIPELINES}
+    names = args.case or [n for n, c in every.items() if c.quick or not quick]
+    if not cuda:
+        names = [n for n in names if n not in ("compute", "h2d")]
+    work = []
+    for n in names:
+        case = every[n]
+        dtypes = [_DTYPES[d] for d in args.dtype] if args.dtype else list(case.dtypes)
+        if not cuda:
+            dtypes = [d for d in dtypes if d == torch.float32] or [torch.float32]
+        batches = args.batch or (case.batches if not quick else case.batches[:2])
+        work += [(case, b, d) for b in batches for d in dtypes]
+    progress = _Progress(len(work), enabled=sys.stderr.isatty() or cuda)
+    results = []
+    for case, b, d in work:
+        results.append(run_case(case, b, d, device, reps, args.group, quick))
+        progress.step(f"{case.name} b{b} {str(d).replace('torch.', '')}")
+    env = _environment(device)
+    print(f"parallel_modules benchmark  {env}")
+    print(_table(results))
+    overhead = _fork_overhead(results)
+    if overhead:
+        print("fork/join CPU overhead per side branch (eager Parallel streams=True minus eager seq, / (N-1)): "
+              + ", ".join(f"N={n}: {us:.1f} us" for n, us in overhead.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "results": results}, f, indent=1)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
