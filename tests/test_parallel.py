@@ -1,0 +1,527 @@
+"""``Parallel``: semantics, container behaviour, state and autograd.
+
+Every result is compared bit-for-bit (fp32, TF32 off: see ``conftest.py``) with the plain
+sequential computation on fresh random inputs. Tests taking ``device`` also run on CUDA,
+where ``streams=True`` forks the branches onto side streams.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import pickle
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from tests._helpers import cpu_and_cuda
+from tests._reference import assert_same, join_reference, reference
+
+STREAMS = (True, False, "auto")
+
+
+def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
+
+
+def three_branches() -> list[nn.Module]:
+    return [mlp(16, 8), nn.Linear(16, 8), nn.Sequential(nn.Linear(16, 8), nn.Tanh())]
+
+
+def max_join(outs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(outs, 0).amax(0)
+
+
+def keys(module: nn.Module) -> list[str]:
+    return [name for name, _ in module.named_children()]
+
+
+# --------------------------------------------------------------------------- joins
+JOINS = [
+    ("cat", 1), ("cat", 0), ("cat", -1), ("stack", 0), ("stack", 2), ("sum", 1), ("mean", 1),
+    (None, 1), ("tuple", 1), ("dict", 1), (max_join, 1),
+]
+
+
+def _explicit_join(join, dim, outs):
+    a, b, c = outs
+    if join == "cat":
+        return torch.cat([a, b, c], dim)
+    if join == "stack":
+        return torch.stack([a, b, c], dim)
+    if join == "sum":
+        return a + b + c
+    if join == "mean":
+        return (a + b + c) / 3
+    if join is None or join == "tuple":
+        return (a, b, c)
+    if join == "dict":
+        return {"0": a, "1": b, "2": c}
+    return join([a, b, c])
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("join,dim", JOINS, ids=[f"{getattr(j, '__name__', j)}-{d}" for j, d in JOINS])
+def test_join_matches_sequential(device, join, dim):
+    branches = three_branches()
+    p = Parallel(*branches, join=join, dim=dim, streams=True).to(device)
+    for _ in range(2):
+        x = torch.randn(4, 16, device=device)
+        out = p(x)
+        expected = _explicit_join(join, dim, [b(x) for b in branches])
+        assert_same(out, expected)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_single_branch(device):
+    lin = nn.Linear(16, 8).to(device)
+    x = torch.randn(4, 16, device=device)
+    assert_same(Parallel(lin, join="cat")(x), lin(x))
+    assert_same(Parallel(lin, join="sum")(x), lin(x))
+    assert_same(Parallel(lin, join=None)(x), (lin(x),))
+    assert_same(Parallel(lin, join="stack", dim=0)(x), lin(x).unsqueeze(0))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_named_branches(device):
+    left, right = nn.Linear(16, 4), mlp(16, 6)
+    p = Parallel(OrderedDict([("left", left), ("right", right)]), join="dict", streams=True).to(device)
+    assert keys(p) == ["left", "right"]
+    assert p.left is left and p.right is right
+    assert p[0] is left and p[1] is right and p[-1] is right
+    x = torch.randn(3, 16, device=device)
+    out = p(x)
+    assert type(out) is dict and list(out) == ["left", "right"]
+    assert_same(out, {"left": left(x), "right": right(x)})
+
+    cat = Parallel(OrderedDict([("left", left), ("right", right)]), join="cat", streams=True)
+    x = torch.randn(3, 16, device=device)
+    assert_same(cat(x), torch.cat([left(x), right(x)], 1))
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, y, *, scale=1.0, bias=None):
+        out = self.lin(x) * scale + self.proj(y)
+        return out if bias is None else out + bias
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_multiple_args_and_kwargs(device):
+    branches = [Mix(), Mix(), Mix()]
+    p = Parallel(*branches, join="cat", streams=True).to(device)
+    for _ in range(2):
+        x = torch.randn(4, 16, device=device)
+        y = torch.randn(4, 8, device=device)
+        bias = torch.randn(8, device=device)
+        assert_same(p(x, y), torch.cat([b(x, y) for b in branches], 1))
+        assert_same(p(x, y=y), torch.cat([b(x, y) for b in branches], 1))
+        assert_same(p(x, y, scale=0.5), torch.cat([b(x, y, scale=0.5) for b in branches], 1))
+        # Only keyword tensors: the device is found among the kwargs.
+        assert_same(p(x=x, y=y, bias=bias), torch.cat([b(x, y, bias=bias) for b in branches], 1))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_non_tensor_first_argument(device):
+    p = Parallel(lambda k, x: x * k, lambda k, x: x + k, join="sum", streams=True)
+    x = torch.randn(4, 5, device=device)
+    assert_same(p(3.0, x), x * 3.0 + (x + 3.0))
+    assert_same(p(2.0, x=x), x * 2.0 + (x + 2.0))
+
+
+class Structured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 4), nn.Linear(16, 4), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return {"a": self.a(x), "rest": (self.b(x), [self.c(x)])}
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
+def test_structured_outputs_join_leaf_by_leaf(device, join):
+    branches = [Structured(), Structured(), Structured()]
+    p = Parallel(*branches, join=join, dim=1, streams=True).to(device)
+    x = torch.randn(5, 16, device=device)
+    out = p(x)
+    outs = [b(x) for b in branches]
+    assert type(out) is dict and type(out["rest"]) is tuple and type(out["rest"][1]) is list
+    assert_same(out, join_reference(join, 1, ["0", "1", "2"], outs))
+    if join == "cat":  # spelled out once, independently of the reference helper
+        assert_same(out["a"], torch.cat([o["a"] for o in outs], 1))
+        assert_same(out["rest"][1][0], torch.cat([o["rest"][1][0] for o in outs], 1))
+        assert out["rest"][0].shape == (5, 12)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_structured_outputs_tuple_join_keeps_structure(device):
+    branches = [Structured(), Structured()]
+    p = Parallel(*branches, join=None, streams=True).to(device)
+    x = torch.randn(5, 16, device=device)
+    assert_same(p(x), tuple(b(x) for b in branches))
+
+
+# ---------------------------------------------------------------------- container
+def test_len_iter_and_indexing():
+    bs = [nn.Linear(4, 4) for _ in range(4)]
+    p = Parallel(*bs, join="sum")
+    assert len(p) == 4
+    assert list(p) == bs
+    assert keys(p) == ["0", "1", "2", "3"]
+    assert p[0] is bs[0] and p[3] is bs[3]
+    assert p[-1] is bs[3] and p[-4] is bs[0]
+    for bad in (4, -5, 100):
+        with pytest.raises(IndexError):
+            p[bad]
+
+
+def test_slice_returns_parallel_with_same_settings_and_keys():
+    bs = [nn.Linear(4, 4) for _ in range(4)]
+    p = Parallel(*bs, join="stack", dim=0, streams=False)
+    sub = p[1:3]
+    assert type(sub) is Parallel
+    assert list(sub) == bs[1:3]
+    assert keys(sub) == ["1", "2"]  # as nn.Sequential's slices: the keys are kept
+    assert (sub.join, sub.dim, sub.streams) == (p.join, p.dim, p.streams)
+    assert sub.extra_repr() == p.extra_repr()
+    x = torch.randn(3, 4)
+    assert_same(sub(x), torch.stack([bs[1](x), bs[2](x)], 0))
+    rev = p[::-1]
+    assert list(rev) == bs[::-1]
+    assert_same(rev(x), torch.stack([b(x) for b in bs[::-1]], 0))
+
+    named = Parallel(OrderedDict(a=bs[0], b=bs[1], c=bs[2]), join="dict")
+    tail = named[1:]
+    assert keys(tail) == ["b", "c"] and tail.join == "dict"
+    assert_same(tail(x), {"b": bs[1](x), "c": bs[2](x)})
+
+    class MyParallel(Parallel):
+        pass
+
+    assert type(MyParallel(*bs)[:2]) is MyParallel
+
+
+def test_append_and_extend_return_self():
+    a, b, c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    p = Parallel(a, join="cat")
+    x = torch.randn(2, 4)
+    assert_same(p(x), a(x))  # a first call, so any per-call caches exist before the change
+    assert p.append(b) is p
+    assert len(p) == 2 and keys(p) == ["0", "1"] and p[1] is b
+    assert_same(p(x), torch.cat([a(x), b(x)], 1))
+    assert p.append(torch.relu) is p
+    assert keys(p) == ["0", "1", "2"] and isinstance(p[2], nn.Module)
+    assert_same(p(x), torch.cat([a(x), b(x), torch.relu(x)], 1))
+    assert p.extend([c]) is p
+    assert p[3] is c
+    assert_same(p(x), torch.cat([a(x), b(x), torch.relu(x), c(x)], 1))
+
+
+def test_setitem_replaces_branch():
+    a, b, c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    p = Parallel(a, b, join="sum")
+    x = torch.randn(2, 4)
+    assert_same(p(x), a(x) + b(x))
+    p[1] = c
+    assert p[1] is c and keys(p) == ["0", "1"]
+    assert_same(p(x), a(x) + c(x))
+    p[-2] = torch.tanh
+    assert_same(p(x), torch.tanh(x) + c(x))
+
+    named = Parallel(OrderedDict(u=a, v=b), join="dict")
+    named[0] = c
+    assert keys(named) == ["u", "v"] and named.u is c
+    assert_same(named(x), {"u": c(x), "v": b(x)})
+
+
+def test_delitem_renumbers():
+    bs = [nn.Linear(4, 4) for _ in range(5)]
+    p = Parallel(*bs, join=None)
+    x = torch.randn(2, 4)
+    p(x)
+    del p[1]
+    assert keys(p) == ["0", "1", "2", "3"] and list(p) == [bs[0], bs[2], bs[3], bs[4]]
+    assert_same(p(x), tuple(b(x) for b in (bs[0], bs[2], bs[3], bs[4])))
+    del p[-1]
+    assert keys(p) == ["0", "1", "2"] and list(p) == [bs[0], bs[2], bs[3]]
+    del p[0:2]
+    assert keys(p) == ["0"] and list(p) == [bs[3]]
+    assert_same(p(x), (bs[3](x),))
+    assert list(p.state_dict()) == list(nn.ModuleList([bs[3]]).state_dict())
+    with pytest.raises(ValueError):
+        del p[0]  # the last branch cannot go
+    assert list(p) == [bs[3]]
+    assert_same(p(x), (bs[3](x),))
+
+    named = Parallel(OrderedDict(a=bs[0], b=bs[1], c=bs[2]), join="dict")
+    del named[1]
+    assert keys(named) == ["a", "c"]  # names are kept, not renumbered
+    assert_same(named(x), {"a": bs[0](x), "c": bs[2](x)})
+
+
+def test_extra_repr_shows_settings():
+    p = Parallel(nn.Linear(4, 4), nn.ReLU(), join="stack", dim=2, streams=False)
+    text = p.extra_repr()
+    assert "stack" in text and "dim=2" in text and "streams=False" in text
+    r = repr(p)
+    assert text in r and "(0): Linear" in r and "(1): ReLU" in r
+    assert "streams='auto'" in Parallel(nn.ReLU()).extra_repr()
+    assert "max_join" in Parallel(nn.ReLU(), join=max_join).extra_repr()
+    assert "tuple" in Parallel(nn.ReLU(), join=None).extra_repr()
+    named = repr(Parallel(OrderedDict(first=nn.ReLU(), second=nn.Tanh())))
+    assert "(first): ReLU" in named and "(second): Tanh" in named
+
+
+# -------------------------------------------------------------------------- state
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_state_dict_keys_match_module_list(device):
+    branches = [mlp(), nn.BatchNorm1d(16), nn.Linear(16, 8)]
+    p = Parallel(*branches, streams=True).to(device)
+    p(torch.randn(4, 16, device=device))  # after a call: no streams, events or plans leak into state
+    sd = p.state_dict()
+    expected = nn.ModuleList(branches).state_dict()
+    assert list(sd) == list(expected)
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+    for k in sd:
+        assert_same(sd[k], expected[k])
+    assert len(list(p.parameters())) == len(list(nn.ModuleList(branches).parameters()))
+    assert len(list(p.buffers())) == len(list(nn.ModuleList(branches).buffers()))
+
+    named = OrderedDict(enc=mlp(), norm=nn.BatchNorm1d(16))
+    pn = Parallel(named, streams=True).to(device)
+    pn(torch.randn(4, 16, device=device))
+    assert list(pn.state_dict()) == list(nn.ModuleDict(named).state_dict())
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_load_state_dict_round_trip(device):
+    torch.manual_seed(0)
+    p1 = Parallel(mlp(), nn.Linear(16, 8), streams=True).to(device)
+    torch.manual_seed(1)
+    p2 = Parallel(mlp(), nn.Linear(16, 8), streams=True).to(device)
+    x = torch.randn(4, 16, device=device)
+    assert not torch.equal(p1(x), p2(x))
+    result = p2.load_state_dict(p1.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    x = torch.randn(4, 16, device=device)
+    assert_same(p2(x), p1(x))
+
+    # The keys are a ModuleList's: a ModuleList checkpoint loads strictly.
+    torch.manual_seed(2)
+    ml = nn.ModuleList([mlp(), nn.Linear(16, 8)]).to(device)
+    p2.load_state_dict(ml.state_dict())
+    assert_same(p2(x), torch.cat([ml[0](x), ml[1](x)], 1))
+
+    buf = io.BytesIO()
+    torch.save(p1.state_dict(), buf)
+    buf.seek(0)
+    p2.load_state_dict(torch.load(buf, weights_only=True))
+    assert_same(p2(x), p1(x))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_callable_branches(device):
+    double = lambda t: t * 2  # noqa: E731
+    clamp = functools.partial(torch.clamp, min=-0.5, max=0.5)
+    p = Parallel(torch.relu, double, clamp, nn.Identity(), join="cat", streams=True)
+    assert all(isinstance(b, nn.Module) for b in p)
+    assert p.state_dict() == {}
+    assert "relu" in repr(p)
+    x = torch.randn(3, 4, device=device)
+    assert_same(p(x), torch.cat([torch.relu(x), x * 2, torch.clamp(x, -0.5, 0.5), x], 1))
+
+
+def _nested(streams):
+    inner_sum = Parallel(nn.Linear(16, 8), mlp(16, 8), join="sum", streams=streams)
+    stacked = Parallel(nn.Linear(16, 4), nn.Linear(16, 4), join="stack", dim=1, streams=streams)
+    return Parallel(
+        inner_sum,
+        nn.Sequential(nn.Linear(16, 16), stacked, nn.Flatten()),
+        nn.Linear(16, 8),
+        Parallel(nn.Sequential(Parallel(nn.Linear(16, 2), nn.Linear(16, 2), streams=streams), nn.ReLU()),
+                 nn.Linear(16, 4), join="cat", streams=streams),
+        join="cat", streams=streams,
+    )
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("streams", STREAMS)
+def test_nested_parallel(device, streams):
+    p = _nested(streams).to(device)
+    for _ in range(3):
+        x = torch.randn(4, 16, device=device)
+        out = p(x)
+        assert out.shape == (4, 8 + 8 + 8 + 8)
+        # Spelled out by hand, without the reference helper:
+        a = p[0][0](x) + p[0][1](x)
+        h = p[1][0](x)
+        b = torch.stack([p[1][1][0](h), p[1][1][1](h)], 1).flatten(1)
+        c = p[2](x)
+        inner = p[3][0][0]
+        d = torch.cat([torch.relu(torch.cat([inner[0](x), inner[1](x)], 1)), p[3][1](x)], 1)
+        assert_same(out, torch.cat([a, b, c, d], 1))
+        assert_same(out, reference(p, x))
+    # State-dict keys of the nested structure: those of ModuleLists nested the same way.
+    twin = nn.ModuleList([
+        nn.ModuleList(list(p[0])),
+        nn.Sequential(p[1][0], nn.ModuleList(list(p[1][1])), p[1][2]),
+        p[2],
+        nn.ModuleList([nn.Sequential(nn.ModuleList(list(p[3][0][0])), p[3][0][1]), p[3][1]]),
+    ])
+    assert list(p.state_dict()) == list(twin.state_dict())
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_deepcopy_and_pickle(device):
+    p = Parallel(OrderedDict(a=mlp(), b=nn.Linear(16, 8)), join="dict", dim=1, streams=True).to(device)
+    x = torch.randn(4, 16, device=device)
+    out = p(x)  # populate per-call state (plans, tuner) before copying
+
+    q = copy.deepcopy(p)
+    assert type(q) is Parallel and keys(q) == ["a", "b"]
+    assert q.extra_repr() == p.extra_repr()
+    assert q.a is not p.a
+    assert_same(q(x), out)
+    with torch.no_grad():
+        q.a[0].weight.add_(1.0)
+    assert not torch.equal(q(x)["a"], out["a"])
+    assert_same(p(x), out)  # the original is untouched
+
+    for r in (pickle.loads(pickle.dumps(p)), _torch_roundtrip(p)):
+        assert type(r) is Parallel and keys(r) == ["a", "b"] and r.extra_repr() == p.extra_repr()
+        assert_same(r(x), out)
+        x2 = torch.randn(4, 16, device=device)
+        assert_same(r(x2), p(x2))
+
+
+def _torch_roundtrip(module):
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+# ----------------------------------------------------------------------- autograd
+def _pairs(p, ref):
+    pp, rp = list(p.named_parameters()), list(ref.named_parameters())
+    assert [n for n, _ in pp] == [n for n, _ in rp]
+    return [(a, b) for (_, a), (_, b) in zip(pp, rp)]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("join", ["cat", "sum", "stack"])
+def test_backward_matches_sequential(device, join):
+    branches = three_branches()
+    ref = nn.ModuleList(copy.deepcopy(branches)).to(device)
+    p = Parallel(*branches, join=join, dim=1, streams=True).to(device)
+    opt_p = torch.optim.SGD(p.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(4, 16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out = p(x)
+        expected = join_reference(join, 1, [], [b(xr) for b in ref])
+        assert_same(out, expected)
+        w = torch.randn_like(out)
+        (out * w).sum().backward()
+        (expected * w).sum().backward()
+        assert_same(x.grad, xr.grad)  # the input is shared by every branch
+        for a, b in _pairs(p, ref):
+            assert_same(a.grad, b.grad)
+        opt_p.step()
+        opt_r.step()
+        opt_p.zero_grad()
+        opt_r.zero_grad()
+        for a, b in _pairs(p, ref):
+            assert_same(a, b)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_autograd_grad_matches_sequential(device):
+    branches = three_branches()
+    ref = nn.ModuleList(copy.deepcopy(branches)).to(device)
+    p = Parallel(*branches, join="cat", streams=True).to(device)
+    for _ in range(3):
+        x = torch.randn(4, 16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out = p(x)
+        expected = torch.cat([b(xr) for b in ref], 1)
+        w = torch.randn_like(out)
+        got = torch.autograd.grad((out * w).sum(), [x, *p.parameters()])
+        want = torch.autograd.grad((expected * w).sum(), [xr, *ref.parameters()])
+        assert len(got) == len(want)
+        for g, e in zip(got, want):
+            assert_same(g, e)
+        with torch.no_grad():  # an SGD step, so the next iteration sees new weights
+            for (a, b), g, e in zip(_pairs(p, ref), got[1:], want[1:]):
+                a.sub_(0.1 * g)
+                b.sub_(0.1 * e)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_dropout_branches_draw_like_sequential(device):
+    # Random branches draw in branch order, as the sequential code does.
+    p = Parallel(nn.Dropout(0.5), nn.Dropout(0.3), nn.Identity(), join=None, streams=True)
+    x = torch.randn(64, 32, device=device)
+    torch.manual_seed(123)
+    out = p(x)
+    torch.manual_seed(123)
+    expected = (nn.functional.dropout(x, 0.5), nn.functional.dropout(x, 0.3), x)
+    assert_same(out, expected)
+    p.eval()
+    assert all(not b.training for b in p)
+    assert_same(p(x), (x, x, x))
+
+
+# ------------------------------------------------------------ execution settings
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_streams_settings_give_identical_results(device):
+    branches = [mlp(16, 8) for _ in range(4)]
+    mods = {s: Parallel(*branches, join="cat", streams=s).to(device) for s in STREAMS}
+    with torch.no_grad():
+        for _ in range(16):  # past the "auto" tuner's trial calls
+            x = torch.randn(8, 16, device=device)
+            expected = torch.cat([b(x) for b in branches], 1)
+            for s, m in mods.items():
+                assert_same(m(x), expected)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_parallel_inside_sequential(device):
+    model = nn.Sequential(
+        nn.Linear(16, 16), nn.ReLU(),
+        Parallel(nn.Linear(16, 8), mlp(16, 8), join="cat"),
+        nn.Linear(16, 4),
+    ).to(device)
+    params = list(model.parameters())
+    for _ in range(3):
+        x = torch.randn(6, 16, device=device, requires_grad=True)
+        h = torch.relu(model[0](x))
+        expected = model[3](torch.cat([model[2][0](h), model[2][1](h)], 1))
+        out = model(x)
+        assert_same(out, expected)
+        w = torch.randn_like(out)
+        got = torch.autograd.grad((out * w).sum(), [x, *params])
+        want = torch.autograd.grad((expected * w).sum(), [x, *params])
+        for g, e in zip(got, want):
+            assert_same(g, e)
+
+
+def test_dtype_change_is_followed():
+    branches = three_branches()
+    p = Parallel(*branches, join="cat")
+    p(torch.randn(2, 16))
+    p.double()
+    x = torch.randn(2, 16, dtype=torch.float64)
+    out = p(x)
+    assert out.dtype == torch.float64
+    assert_same(out, torch.cat([b(x) for b in branches], 1))

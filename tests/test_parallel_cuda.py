@@ -1,0 +1,528 @@
+"""``Parallel`` on CUDA streams: the reliability tests of DESIGN.md (1-3, 5-7, 9).
+
+Every result is compared bit-for-bit with the sequential computation (fp32, TF32 off). The
+delay tests use ``torch.cuda._sleep`` (a kernel spinning for a number of GPU clock cycles)
+so that, were an event wait or a ``record_stream`` missing, the GPU would almost surely
+read data before it is written or after its memory was handed to someone else.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import traceback
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from parallel_modules import _streams
+from tests._reference import assert_same, reference
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+# GPU clock cycles: ~50-70 ms on an H100, far longer than the CPU needs to enqueue the
+# work that follows. Used a dozen times in this file, so the file stays fast.
+SLEEP = 100_000_000
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_cudnn():
+    # Convolutions: same algorithm on every stream, so results can be compared bit-for-bit.
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+        torch.cuda.synchronize()
+
+
+def mlp(i: int = 64, o: int = 32) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, 64), nn.GELU(), nn.Linear(64, o))
+
+
+def side_streams() -> list[torch.cuda.Stream]:
+    r"""The library's side streams on the current device (created by earlier calls)."""
+    return list(_streams._pool(torch.device(DEV)).streams)
+
+
+class Sleepy(nn.Module):
+    r"""Keeps its stream busy for ``cycles`` before computing ``inner``."""
+
+    def __init__(self, inner: nn.Module, cycles: int = SLEEP) -> None:
+        super().__init__()
+        self.inner, self.cycles = inner, cycles
+
+    def forward(self, x):
+        torch.cuda._sleep(self.cycles)
+        return self.inner(x)
+
+
+class StreamProbe(nn.Module):
+    r"""Records the stream its forward runs on under ``name`` in ``log``."""
+
+    def __init__(self, name: str, inner: nn.Module, log: dict) -> None:
+        super().__init__()
+        self.name, self.inner, self.log = name, inner, log
+
+    def forward(self, x):
+        self.log[self.name] = torch.cuda.current_stream()
+        return self.inner(x)
+
+
+def _scribble_on_side_streams(shape, count: int = 8) -> list[torch.Tensor]:
+    r"""Allocate and fill tensors on every side stream, without waiting for anything.
+
+    Blocks freed to a side stream's pool are handed out again here; if one is still to be
+    read by the (delayed) caller's stream, the fill overwrites it first.
+    """
+    junk = []
+    for s in side_streams():
+        with torch.cuda.stream(s):
+            junk += [torch.full(shape, 1e4, device=DEV) for _ in range(count)]
+    return junk
+
+
+# ----------------------------------------------------- 1. bit-for-bit equality
+@pytest.mark.parametrize("n", [1, 2, 8, 40])
+@pytest.mark.parametrize("join", ["cat", "sum"])
+def test_many_branches_bit_exact(n, join):
+    torch.manual_seed(n)
+    p = Parallel(*[mlp() for _ in range(n)], join=join, streams=True).to(DEV)
+    caller = torch.cuda.current_stream()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(16, 64, device=DEV)
+            out = p(x)
+            assert torch.cuda.current_stream() == caller
+            assert_same(out, reference(p, x))
+
+
+def _conv_relu(cin, cout, k):
+    return nn.Sequential(nn.Conv2d(cin, cout, k, padding=k // 2), nn.ReLU())
+
+
+def test_inception_block_bit_exact():
+    block = Parallel(
+        _conv_relu(192, 64, 1),
+        nn.Sequential(_conv_relu(192, 48, 1), _conv_relu(48, 64, 5)),
+        nn.Sequential(_conv_relu(192, 64, 1), _conv_relu(64, 96, 3), _conv_relu(96, 96, 3)),
+        nn.Sequential(nn.AvgPool2d(3, stride=1, padding=1), _conv_relu(192, 32, 1)),
+        join="cat", dim=1, streams=True,
+    ).to(DEV).eval()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 192, 35, 35, device=DEV)
+            out = block(x)
+            assert out.shape == (2, 256, 35, 35)
+            assert_same(out, reference(block, x))
+
+
+def _nested_block():
+    return Parallel(
+        Parallel(mlp(), mlp(), join="sum", streams=True),
+        nn.Sequential(nn.Linear(64, 64), Parallel(mlp(64, 16), mlp(64, 16), mlp(64, 16), streams=True)),
+        mlp(),
+        join="cat", streams=True,
+    )
+
+
+def test_nested_blocks_bit_exact():
+    p = _nested_block().to(DEV)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(16, 64, device=DEV)
+            assert_same(p(x), reference(p, x))
+
+
+def test_branches_run_on_distinct_side_streams_and_nested_blocks_fork_from_their_branch():
+    log: dict = {}
+
+    def probe(name, inner):
+        return StreamProbe(name, inner, log)
+
+    inner = Parallel(probe("i0", nn.Linear(64, 8)), probe("i1", nn.Linear(64, 8)), probe("i2", nn.Linear(64, 8)),
+                     join="sum", streams=True)
+    outer = Parallel(
+        probe("o0", nn.Linear(64, 8)),
+        nn.Sequential(probe("o1", nn.Identity()), inner),
+        probe("o2", nn.Linear(64, 8)),
+        join="cat", streams=True,
+    ).to(DEV)
+    caller = torch.cuda.current_stream()
+    x = torch.randn(4, 64, device=DEV)
+    with torch.no_grad():
+        out = outer(x)
+    assert log["o0"] == caller  # the first branch runs on the caller's stream
+    assert caller not in (log["o1"], log["o2"]) and log["o1"] != log["o2"]
+    assert log["i0"] == log["o1"]  # a nested block forks from its branch's stream ...
+    nested_sides = {log["i1"], log["i2"]}
+    assert len(nested_sides) == 2  # ... onto streams its enclosing block is not using
+    assert not nested_sides & {caller, log["o1"], log["o2"]}
+    assert torch.cuda.current_stream() == caller
+    assert_same(out, reference(outer, x))
+
+
+# ------------------------------------------------ 2. caller on a non-default stream
+def test_caller_on_side_stream_forks_from_it():
+    log: dict = {}
+    branches = [StreamProbe(f"b{i}", mlp(), log) for i in range(4)]
+    p = Parallel(*branches, join="cat", streams=True).to(DEV)
+    s = torch.cuda.Stream()
+    src = torch.randn(16, 64, device=DEV)
+    x = torch.zeros(16, 64, device=DEV)
+    torch.cuda.synchronize()
+    with torch.no_grad(), torch.cuda.stream(s):
+        # The input is produced on ``s`` after a long delay. Had the side streams forked
+        # from the default stream, they would read zeros.
+        torch.cuda._sleep(SLEEP)
+        x.copy_(src)
+        out = p(x)
+        assert torch.cuda.current_stream() == s
+        consumed = out * 1  # a consumer on ``s``
+    assert log["b0"] == s and s not in {log[f"b{i}"] for i in range(1, 4)}
+    torch.cuda.synchronize()
+    expected = reference(p, src)
+    assert_same(out, expected)
+    assert_same(consumed, expected)
+
+
+# --------------------------------------------------------------- 3. delay injection
+def test_delay_before_input_producer():
+    p = Parallel(*[mlp() for _ in range(4)], join="cat", streams=True).to(DEV)
+    src = torch.randn(16, 64, device=DEV)
+    x = torch.zeros(16, 64, device=DEV)
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        torch.cuda._sleep(SLEEP)
+        x.copy_(src)  # the producer, delayed: side streams must wait for it
+        out = p(x)
+    torch.cuda.synchronize()
+    assert_same(out, reference(p, src))
+
+
+@pytest.mark.parametrize("join", ["cat", None])
+def test_delay_inside_one_branch(join):
+    # The slow branch is a side branch: the caller's join (cat, or the consumer below)
+    # must wait for it; and the caller frees and reuses the input while it may still run.
+    branches = [mlp(), mlp(), Sleepy(mlp()), mlp()]
+    p = Parallel(*branches, join=join, streams=True).to(DEV)
+    x = torch.randn(16, 64, device=DEV)
+    keep = x.clone()
+    with torch.no_grad():
+        out = p(x)
+        consumed = torch.cat(out, 1) if join is None else out * 1
+        del x
+        junk = torch.full((16, 64), 1e4, device=DEV)  # likely gets the input's block
+    torch.cuda.synchronize()
+    del junk
+    expected = reference(p, keep)
+    assert_same(out, expected)
+    assert_same(consumed, expected if join == "cat" else torch.cat(expected, 1))
+
+
+def test_delay_inside_nested_branch():
+    inner = Parallel(mlp(), Sleepy(mlp()), join="sum", streams=True)
+    p = Parallel(mlp(), nn.Sequential(nn.Linear(64, 64), inner), mlp(), join="cat", streams=True).to(DEV)
+    x = torch.randn(16, 64, device=DEV)
+    with torch.no_grad():
+        out = p(x)
+        consumed = out + 1
+    torch.cuda.synchronize()
+    expected = reference(p, x)
+    assert_same(out, expected)
+    assert_same(consumed, expected + 1)
+
+
+# ------------------------------------ 3 + 5. delayed consumer and allocator reuse
+def test_delay_before_consumer_with_allocator_reuse():
+    p = Parallel(*[nn.Linear(64, 64) for _ in range(4)], join=None, streams=True).to(DEV)
+    x = torch.randn(16, 64, device=DEV)
+    with torch.no_grad():
+        out = p(x)  # outputs 1..3 live in side streams' memory
+        torch.cuda._sleep(SLEEP)  # the caller's stream is late to consume them
+        consumed = [o * 1 for o in out]
+        kept = out[2]
+        del out  # freed while the caller's stream has yet to read them ...
+        junk = _scribble_on_side_streams((16, 64))  # ... and reallocated on the side streams
+    torch.cuda.synchronize()
+    del junk
+    expected = reference(p, x)
+    for c, e in zip(consumed, expected):
+        assert_same(c, e)
+    assert_same(kept, expected[2])
+
+
+def test_slow_first_branch_joined_output_survives_allocator_reuse():
+    # Branch 0 runs on the caller's stream, so the cat of the side outputs is enqueued
+    # behind its delay; the side outputs are freed on the CPU right after. Their blocks
+    # must not be handed to new side-stream allocations before the cat has read them.
+    p = Parallel(Sleepy(nn.Linear(64, 64)), *[nn.Linear(64, 64) for _ in range(3)],
+                 join="cat", streams=True).to(DEV)
+    x = torch.randn(16, 64, device=DEV)
+    with torch.no_grad():
+        out = p(x)
+        junk = _scribble_on_side_streams((16, 64))
+        out2 = p(torch.randn(16, 64, device=DEV))  # another call, same streams and sizes
+        junk += _scribble_on_side_streams((16, 64))
+    torch.cuda.synchronize()
+    del junk, out2
+    assert_same(out, reference(p, x))
+
+
+# ------------------------------------------------------------------- 6. gradients
+class SlowGrad(torch.autograd.Function):
+    r"""Identity whose backward sleeps first: gradient consumers must wait for it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(SLEEP // 2)
+        return g * 1
+
+
+class SlowGradBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = mlp()
+
+    def forward(self, x):
+        return self.inner(SlowGrad.apply(x))
+
+
+@pytest.mark.parametrize("use_backward", [True, False], ids=["backward", "autograd.grad"])
+def test_gradients_bit_exact_over_iterations(use_backward):
+    torch.manual_seed(0)
+    trunk = nn.Linear(64, 64)
+    block = Parallel(
+        mlp(), SlowGradBranch(), Parallel(mlp(), mlp(), join="sum", streams=True), mlp(),
+        join="cat", streams=True,
+    )
+    model = nn.Sequential(trunk, nn.ReLU(), block, nn.Linear(128, 8)).to(DEV)
+    ref = copy.deepcopy(model)
+    ref_block = ref[2]
+
+    def ref_forward(x):  # the sequential model, written out
+        h = torch.relu(ref[0](x))
+        inner = ref_block[2]
+        outs = [ref_block[0](h), ref_block[1](h), inner[0](h) + inner[1](h), ref_block[3](h)]
+        return ref[3](torch.cat(outs, 1))
+
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+    for _ in range(3):
+        x = torch.randn(16, 64, device=DEV, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, expected = model(x), ref_forward(xr)
+        assert_same(out, expected)
+        w = torch.randn_like(out)
+        params, ref_params = list(model.parameters()), list(ref.parameters())
+        if use_backward:
+            (out * w).sum().backward()
+            (expected * w).sum().backward()
+            got = [x.grad] + [q.grad for q in params]
+            want = [xr.grad] + [q.grad for q in ref_params]
+        else:
+            got = list(torch.autograd.grad((out * w).sum(), [x, *params]))
+            want = list(torch.autograd.grad((expected * w).sum(), [xr, *ref_params]))
+            for q, g in zip(params, got[1:]):
+                q.grad = g
+            for q, g in zip(ref_params, want[1:]):
+                q.grad = g
+        for g, e in zip(got, want):
+            assert_same(g, e)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for q, r in zip(model.parameters(), ref.parameters()):
+        assert_same(q, r)
+
+
+# --------------------------------------------------------- 7. memory and streams
+def _settled_memory() -> int:
+    torch.cuda.synchronize()
+    gc.collect()
+    # An allocation makes the allocator process finished ``record_stream`` events, so
+    # blocks whose last use has passed are counted as free in both measurements.
+    torch.empty(1, device=DEV)
+    return torch.cuda.memory_allocated()
+
+
+@pytest.mark.parametrize("streams", [True, "auto"])
+def test_memory_and_stream_count_flat_over_many_calls(streams):
+    p = Parallel(*[nn.Linear(32, 32) for _ in range(4)],
+                 Parallel(nn.Linear(32, 16), nn.Linear(32, 16), streams=streams),
+                 join="cat", streams=streams).to(DEV)
+    x = torch.randn(8, 32, device=DEV)
+    with torch.no_grad():
+        for _ in range(50):  # warm-up: streams, cuBLAS workspaces, tuning
+            p(x)
+        base_memory, base_streams = _settled_memory(), _streams._stream_count()
+        for _ in range(2000):
+            y = p(x)
+        del y
+    assert _streams._stream_count() == base_streams
+    assert _settled_memory() == base_memory
+
+
+def test_memory_flat_in_training():
+    p = Parallel(*[nn.Linear(32, 32) for _ in range(4)], join="sum", streams=True).to(DEV)
+    opt = torch.optim.SGD(p.parameters(), lr=1e-3)
+
+    def step():
+        x = torch.randn(8, 32, device=DEV, requires_grad=True)
+        p(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    for _ in range(20):
+        step()
+    base_memory, base_streams = _settled_memory(), _streams._stream_count()
+    for _ in range(300):
+        step()
+    assert _streams._stream_count() == base_streams
+    assert _settled_memory() == base_memory
+
+
+# -------------------------------------------------------------------- 9. threads
+def test_concurrent_calls_from_threads():
+    p = Parallel(mlp(), Sleepy(mlp(), cycles=1_000_000), Parallel(mlp(), mlp(), join="sum", streams=True),
+                 mlp(), join="cat", streams=True).to(DEV)
+    with torch.no_grad():
+        p(torch.randn(8, 64, device=DEV))  # create the side streams before the threads race
+    torch.cuda.synchronize()
+    errors: list = []
+    barrier = threading.Barrier(4)
+
+    def worker(seed: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            gen = torch.Generator(device=DEV).manual_seed(seed)
+            barrier.wait(timeout=60)
+            with torch.no_grad(), torch.cuda.stream(stream):
+                for i in range(50):
+                    x = torch.randn(8, 64, device=DEV, generator=gen)
+                    out = p(x)
+                    if torch.cuda.current_stream() != stream:
+                        errors.append(f"thread {seed}: current stream changed")
+                        return
+                    expected = reference(p, x)
+                    if not torch.equal(out, expected):
+                        errors.append(f"thread {seed}, call {i}: wrong result")
+                        return
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {seed}: {e!r}")
+
+    threads = [threading.Thread(target=worker, args=(seed,), daemon=True) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors
+
+
+# -------------------------------------------------------------------- tuner, misc
+def test_auto_streams_decides_and_stays_correct():
+    p = Parallel(*[mlp() for _ in range(4)], join="cat", streams="auto").to(DEV)
+    x = torch.randn(16, 64, device=DEV)
+    with torch.no_grad():
+        for _ in range(16):  # more than the tuner's 12 trial calls
+            x = torch.randn(16, 64, device=DEV)
+            assert_same(p(x), reference(p, x))
+        decided = [k for k in p._tuner.decisions if p._tuner.decided(k) is not None]
+        assert len(decided) == 1, "one input signature, so one decision"
+        assert isinstance(p._tuner.decided(decided[0]), bool)
+        for _ in range(4):
+            x = torch.randn(16, 64, device=DEV)
+            assert_same(p(x), reference(p, x))
+
+
+@pytest.mark.parametrize("join", ["cat", None])
+def test_identity_branches(join):
+    # Branches returning their input unchanged, on the caller's stream and on side streams.
+    lin = nn.Linear(64, 64)
+    p = Parallel(nn.Identity(), lin, nn.Identity(), Sleepy(nn.Identity(), cycles=SLEEP // 4),
+                 join=join, streams=True).to(DEV)
+    s = torch.cuda.Stream()
+    for caller in (torch.cuda.current_stream(), s):
+        with torch.no_grad(), torch.cuda.stream(caller):
+            x = torch.randn(16, 64, device=DEV)
+            out = p(x)
+            consumed = torch.cat(out, 1) if join is None else out * 1
+            if join is None:
+                assert all(out[i].data_ptr() == x.data_ptr() for i in (0, 2, 3))
+        torch.cuda.synchronize()
+        expected = reference(p, x)
+        assert_same(out, expected)
+        assert_same(consumed, torch.cat(expected, 1) if join is None else expected)
+
+
+def test_exception_in_side_branch_restores_stream_and_joins():
+    written = torch.zeros(1024, device=DEV)
+    written_by_failing = torch.zeros(1024, device=DEV)
+    torch.cuda.synchronize()
+
+    class Writer(nn.Module):
+        def forward(self, x):
+            torch.cuda._sleep(SLEEP)
+            written.fill_(1.0)
+            return x * 2
+
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fail = True
+
+        def forward(self, x):
+            torch.cuda._sleep(SLEEP)
+            written_by_failing.fill_(1.0)
+            if self.fail:
+                raise KeyError("failing branch")
+            return x * 3
+
+    failing = Failing()
+    p = Parallel(OrderedDict(lin=nn.Linear(64, 64), writer=Writer(), failing=failing, last=nn.Linear(64, 64)),
+                 join="cat", streams=True).to(DEV)
+    s = torch.cuda.Stream()
+    x = torch.randn(16, 64, device=DEV)
+    torch.cuda.synchronize()
+    with torch.no_grad(), torch.cuda.stream(s):
+        with pytest.raises(KeyError) as ei:
+            p(x)
+        assert torch.cuda.current_stream() == s  # restored to the caller's stream
+        # Enqueued on the caller's stream after the error: sees the branches' writes only
+        # if their streams were joined into it.
+        seen = written.clone()
+        seen_failing = written_by_failing.clone()
+    torch.cuda.synchronize()
+    assert "branch 'failing'" in "".join(traceback.format_exception(ei.value))
+    assert seen.eq(1).all() and seen_failing.eq(1).all()
+
+    failing.fail = False
+    with torch.no_grad(), torch.cuda.stream(s):
+        x = torch.randn(16, 64, device=DEV)
+        out = p(x)
+        assert torch.cuda.current_stream() == s
+    torch.cuda.synchronize()
+    assert_same(out, reference(p, x))
+
+
+@pytest.mark.multigpu
+def test_module_on_second_gpu():
+    p = _nested_block().to("cuda:1")
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(16, 64, device="cuda:1")
+            out = p(x)
+            assert out.device == torch.device("cuda:1")
+            assert_same(out, reference(p, x))
+    assert torch.cuda.current_device() == 0

@@ -1,0 +1,295 @@
+"""``Parallel`` on bad input: a clear error naming the module and branch, nothing corrupted.
+
+After every error the module (or the fixed module) must give the right result on the next
+good call.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from tests._helpers import cpu_and_cuda
+from tests._reference import assert_same
+
+
+def full_text(error: BaseException) -> str:
+    r"""Everything a user sees for ``error``: message, notes (3.11+) and chained causes."""
+    return "".join(traceback.format_exception(error))
+
+
+class Take(nn.Module):
+    r"""The first ``n`` columns: its output shape follows the input's, so joins can fail or not."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        return x[:, : self.n]
+
+
+def _fixed_module_works(**settings) -> None:
+    r"""After a refused construction, the corrected one works."""
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    assert_same(Parallel(a, b, **settings)(x), torch.cat([a(x), b(x)], 1))
+
+
+# -------------------------------------------------------------------- construction
+def test_no_branches():
+    for make in (lambda: Parallel(), lambda: Parallel(OrderedDict())):
+        with pytest.raises(ValueError) as ei:
+            make()
+        msg = str(ei.value)
+        assert "Parallel" in msg and "at least one branch" in msg
+    _fixed_module_works()
+
+
+@pytest.mark.parametrize("bad", [3, "relu", None, torch.zeros(2)], ids=["int", "str", "None", "tensor"])
+def test_branch_not_module_or_callable(bad):
+    with pytest.raises(TypeError) as ei:
+        Parallel(nn.Linear(2, 2), bad)
+    msg = str(ei.value)
+    assert "Parallel" in msg and "'1'" in msg and type(bad).__name__ in msg
+
+    with pytest.raises(TypeError) as ei:
+        Parallel(OrderedDict(good=nn.Linear(2, 2), broken=bad))
+    assert "'broken'" in str(ei.value)
+
+    # Replacing or adding a bad branch on a working module leaves it unchanged.
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    p = Parallel(a, b, join="sum")
+    with pytest.raises(TypeError):
+        p[1] = bad
+    with pytest.raises(TypeError):
+        p.append(bad)
+    assert list(p) == [a, b]
+    x = torch.randn(3, 2)
+    assert_same(p(x), a(x) + b(x))
+
+
+@pytest.mark.parametrize("join", ["concat", "add", "", 5], ids=["concat", "add", "empty", "int"])
+def test_unknown_join(join):
+    with pytest.raises(ValueError) as ei:
+        Parallel(nn.Linear(2, 2), join=join)
+    msg = str(ei.value)
+    assert "Parallel" in msg and repr(join) in msg
+    for known in ("'cat'", "'stack'", "'sum'", "'mean'", "'tuple'", "'dict'"):
+        assert known in msg
+    _fixed_module_works(join="cat")
+
+
+@pytest.mark.parametrize("streams", ["yes", "True", 1, 0, None, "AUTO"])
+def test_bad_streams_value(streams):
+    with pytest.raises(ValueError) as ei:
+        Parallel(nn.Linear(2, 2), streams=streams)
+    msg = str(ei.value)
+    assert "streams" in msg and repr(streams) in msg
+    _fixed_module_works(streams=True)
+    _fixed_module_works(streams="auto")
+
+
+def test_bad_dim():
+    with pytest.raises(TypeError) as ei:
+        Parallel(nn.Linear(2, 2), dim="1")
+    assert "dim" in str(ei.value)
+    _fixed_module_works(dim=1)
+
+
+# ----------------------------------------------------------------------- joins
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("join,dim", [("cat", 0), ("stack", 0), ("sum", 1), ("mean", 1), ("cat", 5)])
+def test_join_failure_lists_branches_and_shapes(device, join, dim):
+    p = Parallel(OrderedDict(full=nn.Identity(), head=Take(3)), join=join, dim=dim, streams=True)
+    with pytest.raises(ValueError) as ei:
+        p(torch.randn(2, 4, device=device))
+    msg = str(ei.value)
+    assert "Parallel" in msg and f"join={join!r}" in msg
+    assert "'full'" in msg and "'head'" in msg
+    assert "(2, 4)" in msg and "(2, 3)" in msg
+
+    # The module is fine: with an input whose branch outputs do join, the right result.
+    x = torch.randn(2, 3, 1, 1, 1, 1, device=device) if dim == 5 else torch.randn(2, 3, device=device)
+    a, b = x, x[:, :3]
+    expected = {
+        "cat": lambda: torch.cat([a, b], dim), "stack": lambda: torch.stack([a, b], dim),
+        "sum": lambda: a + b, "mean": lambda: (a + b) / 2,
+    }[join]()
+    assert_same(p(x), expected)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
+def test_outputs_of_different_structure(device, join):
+    p = Parallel(
+        OrderedDict(
+            maybe_pair=lambda x, pair=False: (x, x * 2) if pair else x,
+            single=lambda x, pair=False: x * 3,
+        ),
+        join=join, streams=True,
+    )
+    x = torch.randn(2, 4, device=device)
+    with pytest.raises(ValueError) as ei:
+        p(x, pair=True)
+    msg = str(ei.value)
+    assert "Parallel" in msg and "'maybe_pair'" in msg and "'single'" in msg and "structure" in msg
+    expected = {"cat": lambda: torch.cat([x, x * 3], 1), "stack": lambda: torch.stack([x, x * 3], 1),
+                "sum": lambda: x + x * 3, "mean": lambda: (x + x * 3) / 2}[join]()
+    assert_same(p(x), expected)
+
+
+def test_structured_outputs_differing_in_keys_or_length():
+    p = Parallel(lambda x: {"a": x}, lambda x: {"b": x}, join="sum")
+    with pytest.raises(ValueError, match="structure"):
+        p(torch.randn(2, 2))
+    x = torch.randn(2, 2)
+    p[1] = lambda x: {"a": x * 2}  # fixed
+    assert_same(p(x), {"a": x + x * 2})
+    p = Parallel(lambda x: (x, x), lambda x: (x,), join="cat")
+    with pytest.raises(ValueError, match="structure"):
+        p(torch.randn(2, 2))
+    p[1] = lambda x: (x * 2, x * 3)  # fixed
+    assert_same(p(x), (torch.cat([x, x * 2], 1), torch.cat([x, x * 3], 1)))
+
+
+# ------------------------------------------------------------ errors in branches
+class Boom(Exception):
+    pass
+
+
+class Flaky(nn.Module):
+    r"""A linear layer that raises ``Boom`` after its GPU work while ``fail`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.fail = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.fail:
+            raise Boom("flaky branch failed")
+        return y
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("streams", [True, False])
+@pytest.mark.parametrize("where", [0, 1, 3])
+def test_exception_in_branch_keeps_type_and_names_branch(device, streams, where):
+    names = ["alpha", "beta", "gamma", "delta"]
+    branches = OrderedDict((n, Flaky()) for n in names)
+    p = Parallel(branches, join="cat", streams=streams).to(device)
+    x = torch.randn(4, 8, device=device)
+    p(x)
+    branches[names[where]].fail = True
+    with pytest.raises(Boom) as ei:
+        p(x)
+    text = full_text(ei.value)
+    assert "flaky branch failed" in text
+    assert f"branch {names[where]!r}" in text and f"index {where}" in text and "Parallel" in text
+    for other in names:
+        if other != names[where]:
+            assert f"branch {other!r}" not in text
+
+    branches[names[where]].fail = False
+    x = torch.randn(4, 8, device=device)
+    assert_same(p(x), torch.cat([b(x) for b in branches.values()], 1))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_builtin_error_in_branch_names_branch(device):
+    p = Parallel(nn.Linear(8, 8), nn.Linear(5, 8), streams=True).to(device)
+    with pytest.raises(RuntimeError) as ei:
+        p(torch.randn(2, 8, device=device))
+    text = full_text(ei.value)
+    assert "branch '1'" in text and "index 1" in text
+    p[1] = nn.Linear(8, 8).to(device)  # fixed
+    x = torch.randn(2, 8, device=device)
+    assert_same(p(x), torch.cat([p[0](x), p[1](x)], 1))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_exception_in_nested_branch_names_both_levels(device):
+    deep = Flaky()
+    inner = Parallel(OrderedDict(shallow=Flaky(), deep=deep), join="sum", streams=True)
+    outer = Parallel(OrderedDict(first=Flaky(), outer=inner), join="cat", streams=True).to(device)
+    deep.fail = True
+    with pytest.raises(Boom) as ei:
+        outer(torch.randn(2, 8, device=device))
+    text = full_text(ei.value)
+    assert "branch 'deep'" in text and "branch 'outer'" in text
+    deep.fail = False
+    x = torch.randn(2, 8, device=device)
+    expected = torch.cat([outer.first(x), inner.shallow(x) + deep(x)], 1)
+    assert_same(outer(x), expected)
+
+
+# -------------------------------------------------------------------- devices
+def test_input_on_other_device_than_parameters():
+    good = Parallel(OrderedDict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)))
+    weights = {k: v.clone() for k, v in good.state_dict().items()}
+    p = Parallel(OrderedDict(a=nn.Linear(4, 4), b=nn.Linear(4, 4))).to("meta")
+    for _ in range(2):  # a failed check is not remembered as passed
+        with pytest.raises(RuntimeError) as ei:
+            p(torch.randn(2, 4))
+        msg = str(ei.value)
+        assert "Parallel" in msg and ("branch 'a'" in msg or "branch 'b'" in msg)
+        assert "meta" in msg and "cpu" in msg
+
+    p.to_empty(device="cpu")  # fixed: materialised on the CPU and loaded
+    p.load_state_dict(weights)
+    x = torch.randn(2, 4)
+    assert_same(p(x), torch.cat([good.a(x), good.b(x)], 1))
+
+
+def test_parameters_on_cpu_input_on_meta():
+    p = Parallel(OrderedDict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)), join="sum")
+    with pytest.raises(RuntimeError) as ei:
+        p(torch.randn(2, 4, device="meta"))
+    msg = str(ei.value)
+    assert "branch 'a'" in msg or "branch 'b'" in msg
+    assert "meta" in msg and "cpu" in msg
+    x = torch.randn(2, 4)
+    assert_same(p(x), p.a(x) + p.b(x))
+
+
+def test_branches_on_different_devices():
+    p = Parallel(OrderedDict(on_cpu=nn.Linear(4, 4), on_meta=nn.Linear(4, 4, device="meta")))
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as ei:
+            p(torch.randn(2, 4))
+        msg = str(ei.value)
+        assert "'on_cpu'" in msg and "'on_meta'" in msg and "cpu" in msg and "meta" in msg
+    p[1] = nn.Linear(4, 4)  # fixed
+    x = torch.randn(2, 4)
+    assert_same(p(x), torch.cat([p[0](x), p[1](x)], 1))
+
+
+@pytest.mark.cuda
+def test_cuda_input_cpu_parameters():
+    p = Parallel(OrderedDict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)), streams=True)
+    with pytest.raises(RuntimeError) as ei:
+        p(torch.randn(2, 4, device="cuda"))
+    msg = str(ei.value)
+    assert ("branch 'a'" in msg or "branch 'b'" in msg) and "cuda" in msg and "cpu" in msg
+    p.cuda()  # fixed
+    x = torch.randn(2, 4, device="cuda")
+    assert_same(p(x), torch.cat([p.a(x), p.b(x)], 1))
+
+
+@pytest.mark.cuda
+def test_cuda_and_cpu_branches_mixed():
+    p = Parallel(OrderedDict(gpu=nn.Linear(4, 4).cuda(), host=nn.Linear(4, 4)), streams=True)
+    with pytest.raises(RuntimeError) as ei:
+        p(torch.randn(2, 4, device="cuda"))
+    msg = str(ei.value)
+    assert "'gpu'" in msg and "'host'" in msg
+    p.cuda()
+    x = torch.randn(2, 4, device="cuda")
+    assert_same(p(x), torch.cat([p.gpu(x), p.host(x)], 1))

@@ -1,0 +1,150 @@
+"""``Parallel`` under ``torch.export`` and ``torch.compile`` (DESIGN "Tracing", test 10).
+
+While a compiler traces, branches run one after the other: the traced program must hold no
+stream or event operations and must compute what the eager module computes. On CUDA the
+blocks use ``streams=True``, so an eager call forks before the model is traced. Compiled
+programs are compared with a tolerance (rtol=1e-5, atol=1e-6): inductor may fuse and
+reorder floating-point operations.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from parallel_modules._streams import _is_tracing
+from tests._helpers import cpu_and_cuda
+from tests._reference import assert_close, reference
+
+RTOL, ATOL = 1e-5, 1e-6
+STREAM_WORDS = ("record_stream", "stream", "event", "wait")
+KINDS = ["cat", "sum", "nested", "dict"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
+
+
+def make_model(kind: str) -> nn.Module:
+    if kind == "cat":
+        return nn.Sequential(
+            nn.Linear(16, 16), nn.ReLU(),
+            Parallel(nn.Linear(16, 8), mlp(), nn.Sequential(nn.Linear(16, 8), nn.Tanh()), join="cat", streams=True),
+            nn.Linear(24, 4),
+        )
+    if kind == "sum":
+        return Parallel(nn.Linear(16, 8), mlp(), mlp(), join="sum", streams=True)
+    if kind == "nested":
+        return Parallel(
+            Parallel(nn.Linear(16, 8), mlp(), join="sum", streams=True),
+            nn.Sequential(nn.Linear(16, 16), Parallel(nn.Linear(16, 4), mlp(16, 4), join="cat", streams=True)),
+            nn.Linear(16, 8),
+            join="cat", streams=True,
+        )
+    if kind == "dict":
+        return Parallel(OrderedDict(a=nn.Linear(16, 8), b=mlp(16, 4)), join="dict", streams=True)
+    raise ValueError(kind)
+
+
+def _stream_ops(graph: torch.fx.Graph) -> list[str]:
+    return [str(n.target) for n in graph.nodes if any(w in str(n.target).lower() for w in STREAM_WORDS)]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_matches_eager(device, strict, kind):
+    model = make_model(kind).to(device).eval()
+    x = torch.randn(4, 16, device=device)
+    with torch.no_grad():
+        model(x)  # an eager call first: on CUDA it forks, creating streams and plans
+    ep = torch.export.export(model, (x,), strict=strict)
+    assert not _stream_ops(ep.graph), _stream_ops(ep.graph)
+    assert any("linear" in str(n.target) for n in ep.graph.nodes)
+    exported = ep.module()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 16, device=device)
+            expected = model(x)
+            assert_close(exported(x), expected, RTOL, ATOL)
+            assert_close(expected, reference(model, x), 0, 0)
+
+
+def test_non_strict_export_takes_the_tracing_path():
+    seen: list = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(_is_tracing())
+            return x * 2
+
+    p = Parallel(Probe(), nn.Linear(4, 4), streams=True)
+    p(torch.randn(2, 4))
+    assert seen == [False]
+    torch.export.export(p, (torch.randn(2, 4),), strict=False)
+    assert seen[1:] and all(seen[1:])
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("kind", KINDS)
+def test_compile_fullgraph_eager_backend(device, kind):
+    model = make_model(kind).to(device)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 16, device=device)
+            assert_close(compiled(x), model(x), RTOL, ATOL)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_compile_fullgraph_graph_has_no_stream_ops(device):
+    graphs: list = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = make_model("nested").to(device)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = torch.randn(4, 16, device=device)
+    with torch.no_grad():
+        assert_close(compiled(x), model(x), RTOL, ATOL)
+    assert len(graphs) == 1
+    assert not _stream_ops(graphs[0].graph), _stream_ops(graphs[0].graph)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_compile_fullgraph_inductor(device):
+    model = make_model("nested").to(device)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 16, device=device)
+            assert_close(compiled(x), model(x), RTOL, ATOL)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_compile_fullgraph_training_gradients(device):
+    model = make_model("cat").to(device)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    params = list(model.parameters())
+    for _ in range(2):
+        x = torch.randn(4, 16, device=device, requires_grad=True)
+        out, expected = compiled(x), model(x)
+        assert_close(out, expected, RTOL, ATOL)
+        w = torch.randn_like(out)
+        got = torch.autograd.grad((out * w).sum(), [x, *params])
+        want = torch.autograd.grad((expected * w).sum(), [x, *params])
+        for g, e in zip(got, want):
+            assert_close(g, e, RTOL, ATOL)
