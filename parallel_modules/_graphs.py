@@ -321,12 +321,22 @@ def _abandon(graph: torch.cuda.CUDAGraph, pool: Any, capture: torch.cuda.Stream,
                 getattr(torch._C, release)(index, pool)
             except Exception:
                 pass
+    # A capture whose end failed leaves the CUDA RNG in capture mode (its
+    # epilogue never ran), and every later random op raises "Offset increment
+    # outside graph capture". An empty capture runs prologue and epilogue
+    # again and puts the generator back in eager mode.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=capture):
+                pass
+    except Exception:
+        pass
     torch.cuda.set_stream(caller)
 
 
 def _streams_left_capturing(index: int) -> bool:
-    pool = _pools.get(index)
-    streams = list(pool.streams) if pool is not None else []
+    streams = [s for capturing in (False, True) for s in getattr(_pools.get((index, capturing)), "streams", [])]
     caller = torch.cuda.current_stream()
     try:
         for s in [_capture_stream(index), *streams]:

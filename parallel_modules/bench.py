@@ -100,9 +100,8 @@ def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype
     return modes
 
 
-def _check(name: str, out: Any, ref: Any, dtype: torch.dtype) -> str:
-    # Micro-batches may pick other kernels than the whole batch: close, not equal.
-    exact = not name.startswith("compile") and ("chunks=" not in name or name.endswith("chunks=1"))
+def _check(name: str, out: Any, ref: Any, dtype: torch.dtype, exact: bool) -> str:
+    exact = exact and not name.startswith("compile")
     if exact and torch.equal(out, ref):
         return "equal"
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
@@ -169,7 +168,9 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
         for name, fn in modes.items():
             for _ in range(15):  # warm-up: lazy init, autotuning, capture, compilation
                 out = fn(x)
-            checks[name] = _check(name, out, ref, dtype)
+            # Pipelines: micro-batches may pick other kernels than the whole
+            # batch, and transposed convolutions are not deterministic.
+            checks[name] = "reference" if name == "eager seq" else _check(name, out, ref, dtype, not pipeline)
         samples: dict[str, list[float]] = {name: [] for name in modes}
         for _ in range(reps):  # interleaved: every mode sees the same conditions
             for name, fn in modes.items():

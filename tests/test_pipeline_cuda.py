@@ -199,7 +199,13 @@ def test_memory_and_streams_flat() -> None:
             model.zero_grad(set_to_none=True)
         if i >= 20 and i % 40 == 0:
             seen.append((_settled_allocated(), _stream_count()))
-    assert len(set(seen)) == 1, seen
+    # No stream growth at all. Memory: no growth; a reading may still count one
+    # small block whose reuse waits on an event recorded for another stream
+    # (seen on the H100: 5 KiB either way), so allow 64 KiB of jitter.
+    assert len({streams for _, streams in seen}) == 1, seen
+    allocated = [a for a, _ in seen]
+    assert max(allocated) - min(allocated) <= 64 * 1024, seen
+    assert allocated[-1] <= allocated[0] + 64 * 1024, seen
 
 
 def test_stream_error_leaves_module_usable() -> None:
