@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from ._joins import _describe
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _CudaGraphs
 from ._streams import _is_tracing, _pool
@@ -81,17 +82,6 @@ def _mark(value: Any, stream: torch.cuda.Stream) -> None:
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
             leaf.record_stream(stream)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"Tensor{tuple(value.shape)}"
-    if isinstance(value, (tuple, list)):
-        inner = ", ".join(_describe(v) for v in value)
-        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
-    return type(value).__name__
 
 
 class ParallelSequential(nn.Sequential):
