@@ -27,7 +27,10 @@ A capture follows :func:`torch.cuda.make_graphed_callables`:
   backward replays the backward graph. Parameters are inputs of that function,
   so autograd accumulates their gradients into ``.grad`` as usual;
 * the first call's result is the graph's first **replay** on that call's
-  inputs, so every user call -- the first included -- runs the module once.
+  inputs, so every user call -- the first included -- runs the module once;
+* **outputs** -- clones of the graph's output buffers, or the buffers
+  themselves once the caller is seen releasing every output before its next
+  call (see :class:`_Lending`); never a buffer the caller still holds.
 
 Memory pools: each signature has a pool of its own, shared only by its
 forward and backward graphs (captured, and always replayed, in that order,
@@ -48,8 +51,10 @@ stream still reads it.
 
 Threads: captures are serialised process-wide (one capture stream per device);
 a module's cache is guarded by a lock; each graph has a lock held around
-copy-in, replay and copy-out, and an event recorded after them, on which a
-replay from another stream waits before it overwrites the static inputs.
+copy-in, replay and copy-out, and a replay from another stream than the
+previous one first waits for that stream (``wait_stream``), so it overwrites
+static buffers only after the previous replay and what the caller enqueued
+after it are done.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _signature
@@ -86,6 +92,18 @@ _local = threading.local()
 # device, and ``torch.cuda.graph`` synchronises the device on entry.
 _capture_lock = threading.Lock()
 _capture_streams: dict[int, torch.cuda.Stream] = {}
+
+# The number of strong references to a storage: how inductor's cudagraph trees
+# tell whether a graph's output is still in use. Where a torch release lacks it,
+# outputs are always cloned (``tests/test_graphs.py`` notices).
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# Calls in a row whose cloned outputs were already freed when the next call
+# came, after which a graph lends its output buffers; and calls watched before
+# concluding that the caller keeps outputs.
+_LEND_AFTER = 2
+_WATCH = 16
+# Returned by a replay that would overwrite an output the caller still holds.
+_HELD: Any = object()
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -130,6 +148,75 @@ def _describe(tensors: list[torch.Tensor]) -> str:
     ) or "no tensors"
 
 
+# ----------------------------------------------------------- output lending
+class _Lending:
+    r"""Whether an inference graph returns clones of its output buffers or the buffers themselves.
+
+    A clone costs an allocation and a kernel launch per output and per call,
+    on a launch-bound graph about as much CPU time as the replay itself, and it
+    is only needed when the caller still holds an earlier output as the next
+    replay overwrites the buffers. So outputs are cloned at first, while the
+    graph watches whether each call's clones are already freed when the next
+    call comes, as when a model consumes the block's output inside its own
+    forward. After ``_LEND_AFTER`` such calls in a row it lends the buffers
+    (returns new tensors aliasing them) and, before every later replay, checks
+    by the storages' reference counts that nothing outside the graph still
+    refers to them -- no output, no view of one. If something does, the caller
+    kept an output: that call runs eagerly instead of overwriting it, and the
+    graph clones from then on. A caller that keeps outputs (``y = block(x)``
+    in a loop, a list of results) is seen doing so and always gets clones.
+    """
+
+    __slots__ = ("lent", "watch", "streak", "previous", "refs", "baseline")
+
+    def __init__(self) -> None:
+        self.lent = False
+        self.watch = _WATCH if _use_count is not None else 0
+        self.streak = 0
+        self.previous: list[StorageWeakRef] = []  # storages of the last call's clones
+        self.refs: list[StorageWeakRef] = []  # storages of the lent buffers
+        self.baseline: list[int] = []  # their reference counts with nothing lent
+
+    def held(self) -> bool:
+        r"""Whether a lent output (or a view of one) is still alive; stops lending if so."""
+        if self.lent and any(_use_count(r.cdata) > b for r, b in zip(self.refs, self.baseline)):
+            self.lent = False
+            self.watch = 0
+            return True
+        return False
+
+    def outputs(self, static: list[torch.Tensor]) -> list[torch.Tensor]:
+        r"""This call's outputs: the buffers themselves when lending, else clones."""
+        if self.lent:
+            return [o.detach() for o in static]
+        outs = [o.clone() for o in static]
+        if self.watch:
+            self.watch -= 1
+            dropped = bool(self.previous) and all(r.expired() for r in self.previous)
+            self.streak = self.streak + 1 if dropped else 0
+            self.previous = _storage_refs(outs)
+            if self.streak >= _LEND_AFTER:
+                self._lend(static)
+        return outs
+
+    def _lend(self, static: list[torch.Tensor]) -> None:
+        self.refs = _storage_refs(static)
+        # Measured with nothing lent: the graph's own tensors (outputs, and
+        # static inputs where an output aliases one) and anything a branch
+        # cached during capture. Only references beyond these are the caller's.
+        self.baseline = [_use_count(r.cdata) for r in self.refs]
+        self.lent, self.watch, self.previous = True, 0, []
+
+
+def _storage_refs(tensors: list[torch.Tensor]) -> list[StorageWeakRef]:
+    r"""Weak references to the distinct storages of ``tensors`` (no strong one survives the call)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage)
+    return [StorageWeakRef(st) for st in storages.values()]
+
+
 # ----------------------------------------------------------------- one graph
 class _Graph:
     r"""The graphs, static buffers and replay ordering of one input signature."""
@@ -138,11 +225,14 @@ class _Graph:
         self.name = name
         self.device = device
         self.lock = threading.Lock()
-        # Recorded on the replaying stream after copy-out; a replay from another
-        # stream waits on it before it overwrites the static inputs (or, in
-        # training, the static gradients) that the previous replay still reads.
-        self.done = torch.cuda.Event()
+        # The stream of the latest replay. A replay from another stream first
+        # waits for everything enqueued on it so far: the previous replay's
+        # copy-out, and whatever the caller then enqueued that reads outputs
+        # lent without a copy, must finish before the static buffers are
+        # overwritten.
         self.last: torch.cuda.Stream | None = None
+        # Inference outputs: cloned, or lent without a copy (see ``_Lending``).
+        self.lending = _Lending()
         self.fwd = torch.cuda.CUDAGraph()
         self.bwd: torch.cuda.CUDAGraph | None = None
         self.pool = torch.cuda.graph_pool_handle()
@@ -160,11 +250,9 @@ class _Graph:
         self.bwd_gen = -1
 
     def _order(self, stream: torch.cuda.Stream) -> None:
-        if self.last is not None and self.last is not stream and self.last != stream:
-            stream.wait_event(self.done)
-
-    def _finish(self, stream: torch.cuda.Stream) -> None:
-        self.done.record(stream)
+        last = self.last
+        if last is not None and last is not stream and last != stream:
+            stream.wait_stream(last)
         self.last = stream
 
     def _copy_in(self, tensors: Any) -> None:
@@ -173,18 +261,24 @@ class _Graph:
                 static.copy_(t)
 
     def replay(self, tensors: list[torch.Tensor], static_outputs: bool) -> Any:
+        r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
         if self.bwd is not None:
             outs = _Replay.apply(self, static_outputs, *tensors, *self.params)
         else:
             with self.lock:
-                stream = _current_stream(self.device)
-                self._order(stream)
+                lending = self.lending
+                if not static_outputs and lending.held():
+                    return _HELD
+                self._order(_current_stream(self.device))
                 self._copy_in(tensors)
                 self.fwd.replay()
-                # Fresh tensors by default: a user keeping an output across two
-                # calls must not see it overwritten by the next replay.
-                outs = self.outputs if static_outputs else [o.clone() for o in self.outputs]
-                self._finish(stream)
+                if static_outputs:
+                    outs = self.outputs
+                else:
+                    # A user keeping an output across two calls must never see
+                    # it overwritten by the next replay: clone, or lend the
+                    # buffers where the caller is seen to drop outputs in time.
+                    outs = lending.outputs(self.outputs)
         if self.out_spec is None:  # a single tensor
             return outs[0]
         flat = list(self.out_flat)
@@ -203,14 +297,12 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graph: _Graph, static_outputs: bool, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
         with graph.lock:
-            stream = _current_stream(graph.device)
-            graph._order(stream)
+            graph._order(_current_stream(graph.device))
             graph._copy_in(inputs[: len(graph.inputs)])
             graph.fwd.replay()
             graph.gen += 1
             ctx.gen = graph.gen
             outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
-            graph._finish(stream)
         ctx.graph = graph
         frozen = [o for o, g in zip(outs, graph.out_grad) if not g]
         if frozen:
@@ -239,8 +331,7 @@ class _Replay(torch.autograd.Function):
                     f"with cuda_graph=True)."
                 )
             graph.bwd_gen = ctx.gen
-            stream = _current_stream(graph.device)
-            graph._order(stream)
+            graph._order(_current_stream(graph.device))
             for static, g in zip(graph.grad_outputs, grads):
                 if static is not None and static.data_ptr() != g.data_ptr():
                     static.copy_(g)
@@ -249,7 +340,6 @@ class _Replay(torch.autograd.Function):
             # Clones: autograd may keep a returned gradient as a parameter's
             # .grad, which must not alias memory the next replay overwrites.
             result = tuple(g.clone() if g is not None else None for g in graph.grad_inputs)
-            graph._finish(stream)
         return (None, None) + result
 
 
@@ -474,7 +564,12 @@ class _CudaGraphs:
                     self._insert(key, graph)
         if graph is None:
             return forward(*args, **kwargs)
-        return graph.replay(tensors, self.static_outputs)
+        out = graph.replay(tensors, self.static_outputs)
+        if out is _HELD:
+            # The caller still holds an output lent by an earlier replay, which
+            # this replay would overwrite: compute this call eagerly.
+            return forward(*args, **kwargs)
+        return out
 
     def _insert(self, key: Hashable, graph: _Graph) -> None:
         self._graphs[key] = graph

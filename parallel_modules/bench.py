@@ -166,7 +166,7 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
         ref = modes["eager seq"](x)
         checks = {}
         for name, fn in modes.items():
-            for _ in range(15):  # warm-up: lazy init, autotuning, capture, compilation
+            for _ in range(40 if cuda else 2):  # warm-up: lazy init, stream tuning (26 calls), capture, compilation
                 out = fn(x)
             # Pipelines: micro-batches may pick other kernels than the whole
             # batch, and transposed convolutions are not deterministic.
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, action="append", help="override the cases' batch sizes")
     p.add_argument("--dtype", choices=sorted(_DTYPES), action="append", help="override the cases' dtypes")
     p.add_argument("--reps", type=int, default=None, help="samples per mode (default 100, quick 30)")
-    p.add_argument("--group", type=int, default=5, help="calls per sample")
+    p.add_argument("--group", type=int, default=20, help="back-to-back calls per sample")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the speed-ups (needs matplotlib)")
     args = p.parse_args(argv)
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         print("bench: no CUDA GPU found: running the reduced CPU suite, which checks every mode's output "
               "against the sequential module. Streams and CUDA graphs need a CUDA GPU.")
-        reps = min(reps, 5)
+        reps, args.group = min(reps, 5), min(args.group, 2)  # a check of every mode, and rough CPU timings
     every = {**CASES, **PIPELINES}
     names = args.case or [n for n, c in every.items() if c.quick or not quick]
     if not cuda:

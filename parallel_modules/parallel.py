@@ -127,6 +127,16 @@ class Parallel(nn.Module):
           the branches drop the graphs, which are captured again; assigning a
           new tensor to a parameter attribute by hand does not -- call
           ``module.to(device)`` (or build a new module) after doing so.
+        * outputs are never overwritten while you hold them. They are clones
+          of the graph's buffers, except where the module sees every output
+          released before the next call (as when it sits inside a larger
+          model): it then returns the buffers themselves, checking before each
+          replay, by reference count, that no output nor view of one is still
+          alive -- if one is, that call runs eagerly and the module clones
+          from then on. Like the caching allocator without
+          :meth:`~torch.Tensor.record_stream`, this knows only the caller's
+          stream: make the caller's stream wait for any other stream that
+          reads an output before you drop it.
         * random operations (dropout) draw new numbers at each replay.
         * in training, run ``backward`` through one call before the next call
           with the same signature; double backward is not supported.

@@ -163,6 +163,118 @@ def test_kept_outputs_are_not_overwritten():
         assert torch.equal(y1, kept) and torch.equal(y2, _reference(block, x2))
 
 
+def test_lending_follows_reference_counts():
+    # _Lending on plain CPU tensors standing in for a graph's output buffers.
+    from parallel_modules._graphs import _LEND_AFTER, _Lending
+
+    static = [torch.randn(3), torch.randn(2, 2)]
+    lending = _Lending()
+    for _ in range(_LEND_AFTER + 1):  # outputs dropped before each next call
+        assert not lending.held()
+        out = lending.outputs(static)
+        assert all(o.data_ptr() != s.data_ptr() for o, s in zip(out, static))
+        del out
+    assert lending.lent
+    out = lending.outputs(static)
+    assert [o.data_ptr() for o in out] == [s.data_ptr() for s in static]
+    del out
+    assert not lending.held()  # released: the buffers may be overwritten
+    out = lending.outputs(static)
+    view = out[1][0]  # the caller keeps a view of one output only
+    del out
+    assert lending.held() and not lending.lent
+    del view
+    out = lending.outputs(static)  # clones from now on
+    assert all(o.data_ptr() != s.data_ptr() for o, s in zip(out, static)) and not lending.lent
+
+    keeper, kept = _Lending(), []
+    for _ in range(40):  # a caller collecting results is never lent a buffer
+        assert not keeper.held()
+        kept.append(keeper.outputs(static))
+    assert not keeper.lent and keeper.watch == 0
+
+
+def test_storage_use_count_still_counts_aliases():
+    # Lending rests on torch._C._storage_Use_Count (as inductor's cudagraph trees
+    # do); a torch release that drops or changes it must fail here.
+    from parallel_modules._graphs import _use_count
+
+    assert _use_count is not None
+    t = torch.randn(4)
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    ref = StorageWeakRef(t.untyped_storage())
+    base = _use_count(ref.cdata)
+    alias = t.detach()
+    view = alias[1:]
+    assert _use_count(ref.cdata) == base + 2
+    del alias, view
+    assert _use_count(ref.cdata) == base
+
+
+@cuda
+def test_released_outputs_are_lent_and_a_kept_one_is_never_overwritten():
+    block = _graphed(_mlp(4))
+    graph = None
+    with torch.no_grad():
+        for _ in range(6):  # outputs consumed and dropped, as inside a model
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(block, x))
+        graph = _only_graph(block)
+        assert graph.lending.lent
+        x1, x2 = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+        y1 = block(x1)
+        assert y1.data_ptr() == graph.outputs[0].data_ptr()  # lent, not copied
+        part = y1[:, :5]
+        del y1  # only a view of the lent output survives
+        y2 = block(x2)  # must not overwrite it: runs eagerly, stops lending
+        assert torch.equal(part, _reference(block, x1)[:, :5])
+        assert torch.equal(y2, _reference(block, x2))
+        assert not graph.lending.lent and block._graphs.captures == 1
+        del part
+        for _ in range(5):
+            y = block(x1)  # the caller keeps outputs now: clones
+            assert y.data_ptr() != graph.outputs[0].data_ptr() and torch.equal(y, _reference(block, x1))
+
+
+@cuda
+def test_kept_outputs_in_a_loop_are_never_lent():
+    block = _graphed(_mlp(4), join=None)
+    results = []
+    with torch.no_grad():
+        for _ in range(30):
+            x = torch.randn(8, 64, device="cuda")
+            y = block(x)  # the previous y is still alive at each call
+            results.append((x, y[2]))
+        for x, kept in results:
+            assert torch.equal(kept, block[2](x))
+        assert not _only_graph(block).lending.lent
+
+
+@cuda
+def test_lent_output_read_on_one_stream_is_safe_from_a_replay_on_another():
+    block = _graphed(_mlp(4))
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.no_grad():
+        with torch.cuda.stream(s1):
+            for _ in range(6):
+                block(torch.randn(8, 64, device="cuda"))
+        assert _only_graph(block).lending.lent
+        for _ in range(5):
+            x1 = torch.randn(8, 64, device="cuda")
+            x2 = torch.randn(8, 64, device="cuda")
+            torch.cuda.synchronize()
+            with torch.cuda.stream(s1):
+                y = block(x1)
+                torch.cuda._sleep(1_000_000)  # s1 reads the lent buffer late
+                doubled = y * 2
+                del y
+            with torch.cuda.stream(s2):
+                block(x2)  # must wait for s1 before overwriting the buffer
+            torch.cuda.synchronize()
+            assert torch.equal(doubled, _reference(block, x1) * 2)
+
+
 @cuda
 def test_static_outputs_alias_the_graph_buffers():
     block = _graphed(_mlp(4), static_outputs=True)
