@@ -111,9 +111,13 @@ def decoder(classes: int = 10) -> nn.Sequential:
 
 
 def h2d_model() -> nn.Sequential:
-    r"""A small conv net whose compute at batch 64, 224x224 takes about as long as copying its input."""
+    r"""A small conv net whose compute at batch 64, 224x224 takes about as long as copying its input.
+
+    The benchmark prints both times for this case (``copy_us``, ``compute_us``); on the H100 machine
+    the copy of 38.5 MB of pinned fp32 takes about 1.1 ms.
+    """
     return nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.ReLU(), nn.Conv2d(32, 64, 3, 2, 1), nn.ReLU(),
-                         nn.Conv2d(64, 64, 3, 1, 1), nn.ReLU())
+                         nn.Conv2d(64, 64, 3, 1, 1), nn.ReLU(), nn.Conv2d(64, 64, 3, 1, 1), nn.ReLU())
 
 
 @dataclasses.dataclass
@@ -144,7 +148,8 @@ PIPELINES: dict[str, PipelineCase] = {
     c.name: c
     for c in [
         PipelineCase("encdec", lambda: [encoder(), decoder()], lambda b: (b, 3, 256, 256), (8,), (1, 2, 4, 8)),
-        PipelineCase("h2d", lambda: [h2d_model()], lambda b: (b, 3, 224, 224), (64,), (1, 4), host_input=True),
+        PipelineCase("h2d", lambda: [h2d_model()], lambda b: (b, 3, 224, 224), (64,), (1, 2, 4, 8),
+                     host_input=True),
     ]
 }
 

@@ -139,6 +139,14 @@ def _floor(case: Case, device, dtype, x) -> float:
     return worst
 
 
+def _copy_and_compute(case: PipelineCase, device, dtype, x: torch.Tensor, group: int) -> dict[str, float]:
+    r"""A host-input case's two halves timed alone: what overlapping them can gain."""
+    seq = nn.Sequential(*case.stages(device, dtype))
+    on_device = x.to(device)
+    halves = {"copy_us": lambda t: t.to(device, non_blocking=True), "compute_us": lambda t: seq(on_device)}
+    return {k: 1e6 * statistics.median(_sample(fn, x, group, True) for _ in range(20)) for k, fn in halves.items()}
+
+
 class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.done, self.enabled, self.t0 = total, 0, enabled, time.perf_counter()
@@ -176,8 +184,9 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
             for name, fn in modes.items():
                 samples[name].append(_sample(fn, x, group, cuda))
         floor = _floor(case, device, dtype, x) if cuda and not pipeline else None
+        parts = _copy_and_compute(case, device, dtype, x, group) if cuda and pipeline and case.host_input else {}
     result: dict[str, Any] = {"case": case.name, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
-                              "shape": list(x.shape), "floor_us": floor and floor * 1e6, "modes": {}}
+                              "shape": list(x.shape), "floor_us": floor and floor * 1e6, **parts, "modes": {}}
     base = statistics.median(samples["eager seq"])
     for name, s in samples.items():
         q = statistics.quantiles(s, n=4)
@@ -209,6 +218,9 @@ def _table(results: list[dict[str, Any]]) -> str:
                          f"{m['iqr_us']:>9.1f}{m['speedup_vs_eager_seq']:>13.2f}x{xf:>9}  {m['check']}")
         if r["floor_us"]:
             lines.append(f"{'':<24}{'floor (longest branch, graphed)':<26}{r['floor_us']:>11.1f}")
+        if "copy_us" in r:
+            lines.append(f"{'':<24}{'alone: host-to-device copy':<26}{r['copy_us']:>11.1f}")
+            lines.append(f"{'':<24}{'alone: compute':<26}{r['compute_us']:>11.1f}")
     return "\n".join(lines)
 
 
