@@ -234,6 +234,11 @@ def _fork_overhead(results: list[dict[str, Any]]) -> dict[int, float]:
     return out
 
 
+def _write_json(path: str, env: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"environment": env, "results": results}, f, indent=1)
+
+
 def _plot(results: list[dict[str, Any]], path: str) -> None:
     try:
         import matplotlib
@@ -296,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for case, b, d in work:
         results.append(run_case(case, b, d, device, reps, args.group, quick))
+        if args.json:  # after every case: a crash later on keeps what was measured
+            _write_json(args.json, _environment(device), results)
         progress.step(f"{case.name} b{b} {str(d).replace('torch.', '')}")
     env = _environment(device)
     print(f"parallel_modules benchmark  {env}")
@@ -305,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fork/join CPU overhead per side branch (eager Parallel streams=True minus eager seq, / (N-1)): "
               + ", ".join(f"N={n}: {us:.1f} us" for n, us in overhead.items()))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "results": results}, f, indent=1)
+        _write_json(args.json, env, results)
     if args.plot:
         _plot(results, args.plot)
     return 0
