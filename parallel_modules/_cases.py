@@ -113,11 +113,11 @@ def decoder(classes: int = 10) -> nn.Sequential:
 def h2d_model() -> nn.Sequential:
     r"""A small conv net whose compute at batch 64, 224x224 takes about as long as copying its input.
 
-    The benchmark prints both times for this case (``copy_us``, ``compute_us``); on the H100 machine
-    the copy of 38.5 MB of pinned fp32 takes about 1.1 ms.
+    The benchmark prints both times for this case (``copy_us``, ``compute_us``). On the H100 machine
+    the copy of 38.5 MB of pinned fp32 took 712 us; with two more 64-channel convs at 56x56 the
+    compute took 1449 us, and about 1000 us with one more.
     """
-    return nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.ReLU(), nn.Conv2d(32, 64, 3, 2, 1), nn.ReLU(),
-                         nn.Conv2d(64, 64, 3, 1, 1), nn.ReLU(), nn.Conv2d(64, 64, 3, 1, 1), nn.ReLU())
+    return nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.ReLU(), nn.Conv2d(32, 64, 3, 2, 1), nn.ReLU())
 
 
 @dataclasses.dataclass
