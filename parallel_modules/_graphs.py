@@ -235,6 +235,7 @@ class _Graph:
         self.lending = _Lending()
         self.fwd = torch.cuda.CUDAGraph()
         self.bwd: torch.cuda.CUDAGraph | None = None
+        self.variant: Any = None  # how the owner ran while captured (``_graph_variants``)
         self.pool = torch.cuda.graph_pool_handle()
         self.inputs: list[torch.Tensor] = []
         self.outputs: list[torch.Tensor] = []
@@ -590,10 +591,16 @@ class _CudaGraphs:
                  tensors: list[torch.Tensor], device: torch.device, needs_grad: bool,
                  params: list[nn.Parameter]) -> _Graph:
         index = device.index if device.index is not None else torch.cuda.current_device()
+        # Ways the owner can run this call (``Parallel(fuse="auto")``: fused or
+        # not): each is captured and the fastest replay kept, as
+        # cudnn.benchmark keeps the fastest algorithm. Training graphs take the
+        # first, to capture (and hold the memory of) one backward only.
+        variants = getattr(owner, "_graph_variants", lambda a, k: [None])(args, kwargs)
+        if needs_grad:
+            variants = variants[:1]
         with torch.cuda.device(index), _capture_lock:
             caller = torch.cuda.current_stream()
             stream = _capture_stream(index)
-            graph = _Graph(self.name, torch.device("cuda", index))
             buffers = list(owner.buffers())
             with torch.no_grad():
                 saved = [b.clone() for b in buffers]
@@ -607,30 +614,44 @@ class _CudaGraphs:
                 # buffers, allocated on the capture stream, are reused from here on.
                 torch.cuda.synchronize()
                 stream.wait_stream(caller)
-                with torch.cuda.stream(stream):
-                    graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad) for t in tensors]
-                    graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
-                    call = _bind(forward, args, kwargs, graph.inputs)
-                    surface = tuple(s for s in graph.inputs if s.requires_grad) + graph.params
-                    for _ in range(_WARMUP_ITERS):
-                        out = call()
-                        if needs_grad:
-                            _grad(out, surface)
-                        del out
-                torch.cuda.synchronize()
-                self._record(graph, call, surface, needs_grad, stream, caller, index, tensors)
+                graphs = []
+                for variant in variants:
+                    _local.variant = (owner, variant)
+                    graph = _Graph(self.name, torch.device("cuda", index))
+                    graph.variant = variant
+                    with torch.cuda.stream(stream):
+                        graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad)
+                                        for t in tensors]
+                        graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
+                        call = _bind(forward, args, kwargs, graph.inputs)
+                        surface = tuple(s for s in graph.inputs if s.requires_grad) + graph.params
+                        for _ in range(_WARMUP_ITERS):
+                            out = call()
+                            if needs_grad:
+                                _grad(out, surface)
+                            del out
+                    torch.cuda.synchronize()
+                    self._record(graph, call, surface, needs_grad, stream, caller, index, tensors)
+                    graphs.append(graph)
+                graph = graphs[0] if len(graphs) == 1 else _fastest(graphs, stream)
             finally:
                 _local.active = False
+                _local.variant = None
                 torch.set_autocast_cache_enabled(autocast_cache)
                 torch.cuda.set_stream(caller)
-                # Warm-up ran the module: put its buffers back, so that the
-                # replay of this call is the only update they see.
+                # Warm-up (and timing replays) ran the module: put its buffers back,
+                # so that the replay of this call is the only update they see.
                 caller.wait_stream(stream)
                 with torch.no_grad():
                     for b, s in zip(buffers, saved):
                         b.copy_(s)
             self.captures += 1
         return graph
+
+    def variants(self) -> dict[Hashable, Any]:
+        r"""The variant each cached graph runs (see ``_graph_variants``), by cache key."""
+        with self._lock:
+            return {k: g.variant for k, g in self._graphs.items()}
 
     def _record(self, graph: _Graph, call: Callable[[], Any], surface: tuple, needs_grad: bool,
                 stream: torch.cuda.Stream, caller: torch.cuda.Stream, index: int,
@@ -681,6 +702,33 @@ class _CudaGraphs:
             for s in graph.inputs:
                 s.requires_grad_(False)
         graph.outputs = [o.detach() for o in outputs]
+
+
+def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, reps: int = 15) -> _Graph:
+    r"""The graph whose replay takes the least GPU time (median of ``reps``, interleaved)."""
+    times: list[list[float]] = [[] for _ in graphs]
+    with torch.cuda.stream(stream):
+        for g in graphs:  # first replays: lazy work in the driver
+            g.fwd.replay()
+        events = []
+        for _ in range(reps):
+            for i, g in enumerate(graphs):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.fwd.replay()
+                end.record()
+                events.append((i, start, end))
+    stream.synchronize()
+    for i, start, end in events:
+        times[i].append(start.elapsed_time(end))
+    medians = [sorted(t)[len(t) // 2] for t in times]
+    return graphs[medians.index(min(medians))]
+
+
+def _graph_variant(owner: nn.Module) -> Any:
+    r"""The variant of ``owner`` being warmed up or captured in this thread (``None``: the only one)."""
+    current = getattr(_local, "variant", None)
+    return current[1] if current is not None and current[0] is owner else None
 
 
 def _bind(forward: Callable[..., Any], args: tuple, kwargs: dict, static: list[torch.Tensor]) -> Callable[[], Any]:

@@ -3,13 +3,15 @@ r"""``Parallel``: independent branches on one input, run concurrently."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Iterator, Literal, Union, overload
+import warnings
+from typing import Any, Callable, Hashable, Iterator, Literal, NamedTuple, Union, overload
 
 import torch
 from torch import nn
 
-from ._autotune import _StreamTuner
-from ._graphs import _capture_underway, _CudaGraphs, _graphing
+from ._autotune import _ScheduleTuner
+from ._fusion import _Fusion, _Group, _Joined
+from ._graphs import _capture_underway, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
 from ._streams import _current_stream, _is_tracing, _run_forked
@@ -17,6 +19,19 @@ from ._streams import _current_stream, _is_tracing, _run_forked
 __all__ = ["Parallel"]
 
 Streams = Union[bool, Literal["auto"]]
+Fuse = Union[bool, Literal["auto"]]
+
+
+class _Schedule(NamedTuple):
+    r"""How a call runs: groups of identical branches batched or not, units on side streams or not."""
+
+    fused: bool
+    forked: bool
+    cuda: bool  # False: not a CUDA input, so no stream or capture to think about
+
+
+_CPU = _Schedule(False, False, False)
+_CPU_FUSED = _Schedule(True, False, False)
 
 
 class _Function(nn.Module):
@@ -153,16 +168,16 @@ class Parallel(nn.Module):
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
                  streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False) -> None: ...
+                 static_outputs: bool = False, graph_fallback: bool = False, fuse: Fuse = False) -> None: ...
 
     @overload
     def __init__(self, branches: "OrderedDict[str, nn.Module | Callable[..., Any]]", /, *, join: JoinSpec = "cat",
                  dim: int = 1, streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False) -> None: ...
+                 static_outputs: bool = False, graph_fallback: bool = False, fuse: Fuse = False) -> None: ...
 
     def __init__(self, *branches: Any, join: JoinSpec = "cat", dim: int = 1, streams: Streams = "auto",
                  cuda_graph: bool = False, max_graphs: int = 8, static_outputs: bool = False,
-                 graph_fallback: bool = False) -> None:
+                 graph_fallback: bool = False, fuse: Fuse = False) -> None:
         super().__init__()
         owner = type(self).__name__
         if len(branches) == 1 and isinstance(branches[0], OrderedDict):
@@ -177,11 +192,14 @@ class Parallel(nn.Module):
         # Not ``streams in (True, False, "auto")``: 1 == True and 0 == False would slip through.
         if not (isinstance(streams, bool) or (isinstance(streams, str) and streams == "auto")):
             raise ValueError(f"{owner}: streams must be True, False or 'auto', got {streams!r}.")
+        if not (isinstance(fuse, bool) or (isinstance(fuse, str) and fuse == "auto")):
+            raise ValueError(f"{owner}: fuse must be True, False or 'auto', got {fuse!r}.")
         if not isinstance(dim, int):
             raise TypeError(f"{owner}: dim must be an int, got {type(dim).__name__} ({dim!r}).")
         self.join = _check_join(owner, join)
         self.dim = dim
         self.streams = streams
+        self.fuse = fuse
         self.cuda_graph = bool(cuda_graph)
         self.max_graphs = max_graphs
         self.static_outputs = bool(static_outputs)
@@ -189,34 +207,57 @@ class Parallel(nn.Module):
         self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback)
         for name, branch in items:
             self.add_module(name, _as_module(owner, name, branch))
-        self._reset()
+        self._param_moves = self._graph_moves = 0
+        # fuse=True: say now, not at the first call, which branch keeps them from fusing.
+        self._reset(strict=True)
 
     # ------------------------------------------------------------------ state
-    def _reset(self) -> None:
+    def _reset(self, strict: bool = False) -> None:
         r"""Forget everything learnt about calls: after the branches, their
         devices or dtypes change, devices are checked, schedules tuned and CUDA
         graphs captured anew."""
-        self._tuner = _StreamTuner(on_decided=self._plans_set)
-        self._plans: dict[Hashable, bool] = {}
+        self._tuner = _ScheduleTuner()
+        self._plans: dict[Hashable, _Schedule] = {}
+        self._fusion: _Fusion | None = None
         graphs = self.__dict__.get("_graphs")
         if graphs is not None:
             graphs.clear()
         elif "max_graphs" in self.__dict__:  # unpickled or deep-copied: graphs never are
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback)
+        if self.fuse is not False:
+            self._prepare_fusion(strict)
 
-    def _plans_set(self, key: Hashable, forked: bool) -> None:
-        self._plans[key] = forked
+    def _prepare_fusion(self, strict: bool) -> None:
+        r"""Find the groups of identical branches and stack their parameters.
+
+        Done when the branches are set (construction, ``append``, ``.to()``),
+        not at the first call: stacking moves the parameters to new memory, and
+        CUDA graphs captured after that -- ours, or the user's of the same
+        branches -- must read the new memory.
+        """
+        try:
+            fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
+                             required=self.fuse is True)
+        except ValueError:
+            if strict:
+                raise
+            return  # fuse=True and the branches no longer all match: the next call says so
+        if any([group.bind() for group in fusion.groups]):
+            self._param_moves += 1
+        self._fusion = fusion
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
-        # .to(), .cuda(), .half() ... may move parameters: re-check devices.
+        # .to(), .cuda(), .half() ... move parameters: re-check devices, stack anew.
+        module = super()._apply(fn, recurse)
         self._reset()
-        return super()._apply(fn, recurse)
+        return module
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state.pop("_tuner", None)
         state.pop("_plans", None)
         state.pop("_graphs", None)
+        state.pop("_fusion", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -227,7 +268,7 @@ class Parallel(nn.Module):
     def _settings(self) -> dict[str, Any]:
         return {"join": self.join, "dim": self.dim, "streams": self.streams, "cuda_graph": self.cuda_graph,
                 "max_graphs": self.max_graphs, "static_outputs": self.static_outputs,
-                "graph_fallback": self.graph_fallback}
+                "graph_fallback": self.graph_fallback, "fuse": self.fuse}
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -280,19 +321,103 @@ class Parallel(nn.Module):
     def extra_repr(self) -> str:
         join = getattr(self.join, "__qualname__", None) or repr(self.join)
         text = f"join={join}, dim={self.dim}, streams={self.streams!r}"
+        if self.fuse is not False:
+            text += f", fuse={self.fuse!r}"
         if self.cuda_graph:
             text += (f", cuda_graph=True, max_graphs={self.max_graphs}, static_outputs={self.static_outputs}, "
                      f"graph_fallback={self.graph_fallback}")
         return text
+
+    # ---------------------------------------------------------------- fusion
+    def explain(self) -> dict[str, Any]:
+        r"""How this module runs its branches, for inspection.
+
+        Returns a dict with ``"fused"``: the groups of branch names run as one
+        batched computation (with ``fuse=True`` or ``"auto"``); ``"unfused"``:
+        every other branch with the reason it is not fused; ``"schedules"``:
+        for each input signature seen so far, the schedule in use
+        (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
+        chosen by ``"auto"`` or forced).
+        """
+        fusion = self._fusion
+        if self.fuse is False:
+            fused, unfused = [], {name: "fuse=False" for name in self._modules}
+        elif fusion is None:
+            fused, unfused = [], {name: "not called yet: groups are found at the first call" for name in self._modules}
+        else:
+            report = fusion.report()
+            fused, unfused = report["fused"], report["unfused"]
+        schedules = {_describe_signature(k): ("fused" if p.fused else "unfused") + ", "
+                     + ("streams" if p.forked else "sequential") for k, p in self._plans.items()}
+        if self.cuda_graph:
+            fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
+            for k, variant in self._graphs.variants().items():
+                how = variant or ("fused" if fused_graphs else "unfused")
+                schedules[_describe_signature(k[0])] = f"CUDA graph, {how}, " + (
+                    "streams" if self.streams is not False else "sequential")
+        return {"fused": fused, "unfused": unfused, "schedules": schedules}
+
+    def _fusion_for(self, args: tuple, kwargs: dict) -> _Fusion | None:
+        r"""The fused groups that apply to this call, or ``None`` (fusion off, nothing to fuse, not one tensor)."""
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            return None
+        fusion = self._fusion
+        if fusion is None or not fusion.current():
+            fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
+                             required=self.fuse is True)
+            if not _is_tracing() and any([group.bind() for group in fusion.groups]):
+                self._param_moves += 1
+            self._fusion = fusion
+        return fusion if fusion.groups else None
+
+    def _graph_variants(self, args: tuple, kwargs: dict) -> list[Any]:
+        r"""For ``cuda_graph=True``: the ways to capture this call; the graph code keeps the fastest."""
+        if self.fuse == "auto" and self._fusion_for(args, kwargs) is not None:
+            return ["fused", "unfused"]
+        return [None]
+
+    def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict) -> list[Any]:
+        try:
+            if not _is_tracing() and group.bind():  # a parameter was replaced: stacked anew
+                self._param_moves += 1
+            return group.run(args[0])
+        except Exception as e:
+            if _is_tracing():
+                raise
+            # Run the members as ordinary branches: if they fail too, the input
+            # is at fault, and their error names the branch.
+            outputs = [self._call(i, args, kwargs) for i in group.indices]
+            names = [list(self._modules)[i] for i in group.indices]
+            if self.fuse is True:
+                raise RuntimeError(
+                    f"{type(self).__name__}: fuse=True, but branches {names} failed to run batched, while "
+                    f"each runs on its own: {type(e).__name__}: {e}\nPass fuse='auto' to run such branches "
+                    "unfused, or fuse=False."
+                ) from e
+            fusion.disable(group, e)
+            warnings.warn(f"{type(self).__name__}: branches {names} are identical but cannot run batched "
+                          f"({type(e).__name__}: {e}); they run unfused from now on (see .explain()).",
+                          UserWarning, stacklevel=4)
+            return outputs
 
     # ---------------------------------------------------------------- forward
     def _branch_error(self, error: Exception, index: int) -> Exception:
         name = list(self._modules)[index]
         return _with_context(error, f"(raised in branch {name!r} (index {index}) of {type(self).__name__})")
 
-    def _run(self, args: tuple, kwargs: dict, device: torch.device | None = None) -> list[Any]:
-        r"""Run the branches: one after another, or forked onto ``device``'s side streams."""
-        if device is None or len(self._modules) == 1:
+    def _call(self, index: int, args: tuple, kwargs: dict) -> Any:
+        try:
+            return list(self._modules.values())[index](*args, **kwargs)
+        except Exception as e:
+            raise self._branch_error(e, index)
+
+    def _run(self, args: tuple, kwargs: dict, device: torch.device | None = None,
+             fusion: _Fusion | None = None) -> list[Any]:
+        r"""Run the branches: one after another, or forked onto ``device``'s side streams.
+
+        With ``fusion``, each group of identical branches runs as one unit.
+        """
+        if fusion is None and (device is None or len(self._modules) == 1):
             outputs: list[Any] = []
             try:
                 for module in self._modules.values():
@@ -301,69 +426,124 @@ class Parallel(nn.Module):
                 raise self._branch_error(e, len(outputs))
             return outputs
 
-        def run(i: int, module: nn.Module) -> Any:
-            try:
-                return module(*args, **kwargs)
-            except Exception as e:
-                raise self._branch_error(e, i)
+        if fusion is None:
+            def run(i: int, module: nn.Module) -> Any:
+                try:
+                    return module(*args, **kwargs)
+                except Exception as e:
+                    raise self._branch_error(e, i)
 
-        calls = list(self._modules.values())
-        if device.index is not None and device.index != torch.cuda.current_device():
+            calls: list[Any] = list(self._modules.values())
+        else:
+            def run(i: int, unit: Any) -> Any:
+                if isinstance(unit, _Group):
+                    return self._run_group(fusion, unit, args, kwargs)
+                return self._call(unit, args, kwargs)
+
+            calls = list(fusion.units)
+        if device is None or len(calls) == 1:
+            outputs = [run(i, c) for i, c in enumerate(calls)]
+        elif device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                return _run_forked(calls, device, run)
-        return _run_forked(calls, device, run)
+                outputs = _run_forked(calls, device, run)
+        else:
+            outputs = _run_forked(calls, device, run)
+        return outputs if fusion is None else fusion.scatter(calls, outputs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
         if self.cuda_graph:
+            if self._param_moves != self._graph_moves:
+                # Fusion moved parameters to new memory: graphs read the old.
+                self._graphs.clear()
+                self._graph_moves = self._param_moves
             return self._graphs(self._forward, args, kwargs)
         return self._forward(*args, **kwargs)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         outputs = self._outputs(args, kwargs)
+        if isinstance(outputs, _Joined):  # one group of identical branches ran them all
+            joined = outputs.join(self.join, self.dim) if isinstance(self.join, str) else None
+            if joined is not None:
+                return joined
+            outputs = outputs.split()
         return _join_outputs(type(self).__name__, self.join, self.dim, self._modules, outputs)
 
     def _outputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        fusion = None if self.fuse is False else self._fusion_for(args, kwargs)
         if _is_tracing():
-            # Compilers see the branches one after the other and schedule them.
-            return self._run(args, kwargs)
+            # Compilers see the branches (or fused groups) one after the other and schedule them.
+            return self._run(args, kwargs, None, fusion)
         # One dict lookup per call decides everything: the schedule chosen for
-        # this signature (False: sequential, True: forked, a trial: tuning).
+        # this signature, or none yet (tuning).
         key = _signature(args, kwargs, self.training)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(key, args, kwargs)
-        if plan is False:
-            if not (self.streams == "auto" and _graphing()):
-                return self._run(args, kwargs)
-            # Warm-up or capture of a graph (``cuda_graph=True`` here or in an
-            # enclosing block): forking costs nothing at replay, so always fork.
-            device = _input_device(args, kwargs)
-            return self._run(args, kwargs, device if device is not None and device.type == "cuda" else None)
+            plan = self._plan(key, args, kwargs, fusion)
+        if plan is not None and not plan.cuda:
+            return self._run(args, kwargs, None, fusion if plan.fused else None)
         device = _input_device(args, kwargs)
-        if plan is True or _capture_underway():
-            # Inside a CUDA graph forking is what makes branches concurrent.
-            return self._run(args, kwargs, device)
-        return self._tuner.run(
-            key,
-            _current_stream(device),
-            lambda: self._run(args, kwargs),
-            lambda: self._run(args, kwargs, device),
+        if _capture_underway():
+            # Warm-up or capture of a CUDA graph (``cuda_graph=True`` here or in
+            # an enclosing block, or the user's own capture): launches cost
+            # nothing at replay, so fuse what is allowed to fuse, and fork unless
+            # told not to -- forking is what makes branches concurrent in a graph.
+            if fusion is not None and _graph_variant(self) == "unfused":
+                fusion = None
+            return self._run(args, kwargs, device if self.streams is not False else None, fusion)
+        if plan is not None:
+            return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None)
+        out, decided = self._tuner.run(
+            key, _current_stream(device), self._candidates(fusion),
+            lambda s: self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None),
         )
+        if decided is not None:
+            self._remember(key, decided)
+        return out
 
-    def _plan(self, key: Hashable, args: tuple, kwargs: dict) -> bool | None:
-        r"""First call with this signature: check devices, choose how to schedule."""
+    def _candidates(self, fusion: _Fusion | None) -> list[_Schedule]:
+        r"""The schedules worth trying for a CUDA call; the plain sequential one first."""
+        fuses = [False, True] if self.fuse == "auto" and fusion is not None else [self.fuse is True and fusion is not None]
+        forks = [False, True] if self.streams == "auto" else [bool(self.streams)]
+        units = len(fusion.units) if fusion is not None else len(self._modules)
+        candidates = []
+        for fused in fuses:
+            for forked in forks:
+                # One unit (all branches fused, or a single branch) has nothing to fork.
+                s = _Schedule(fused, forked and (len(self._modules) if not fused else units) > 1, True)
+                if s not in candidates:
+                    candidates.append(s)
+        return candidates
+
+    def _remember(self, key: Hashable, plan: _Schedule) -> None:
+        if len(self._plans) >= 1024:  # dynamic shapes: keep the cache bounded
+            self._plans.clear()
+        self._plans[key] = plan
+
+    def _plan(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None) -> _Schedule | None:
+        r"""First call with this signature: check devices, choose how to schedule (``None``: tune)."""
         device = _input_device(args, kwargs)
         if device is not None:
             _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
-        if device is None or device.type != "cuda" or self.streams is False or len(self._modules) == 1:
-            plan: bool | None = False
-        elif self.streams is True:
-            plan = True
+        if device is None or device.type != "cuda":
+            # No streams on the CPU; fusion ("auto" too) always pays there: fewer, larger operations.
+            plan: _Schedule | None = _CPU_FUSED if fusion is not None else _CPU
         else:
-            plan = self._tuner.decided(key)
+            candidates = self._candidates(fusion)
+            plan = candidates[0] if len(candidates) == 1 else None
         if plan is not None:
-            if len(self._plans) >= 1024:  # dynamic shapes: keep the cache bounded
-                self._plans.clear()
-            self._plans[key] = plan
+            self._remember(key, plan)
         return plan
+
+
+def _describe_signature(key: Hashable) -> str:
+    r"""A readable form of an input signature (see ``_inputs._signature``)."""
+    parts = []
+    for item in key if isinstance(key, tuple) else (key,):
+        if isinstance(item, tuple) and item and isinstance(item[0], torch.Size):
+            parts.append(f"Tensor{tuple(item[0])} {str(item[2]).replace('torch.', '')} on {item[3]}")
+        elif isinstance(item, torch.Size):
+            parts.append(f"Tensor{tuple(item)}")
+        elif isinstance(item, (torch.dtype, torch.device)):
+            parts.append(str(item).replace("torch.", ""))
+    return ", ".join(parts) + (", training" if isinstance(key, tuple) and key and key[-1] is True else "")

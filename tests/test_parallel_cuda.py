@@ -440,9 +440,11 @@ def test_auto_streams_decides_and_stays_correct():
         for _ in range(2 * (_WARMUP + _SAMPLES) + 2):  # more than the tuner's trial calls
             x = torch.randn(16, 64, device=DEV)
             assert_same(p(x), reference(p, x))
-        decided = [k for k in p._tuner.decisions if p._tuner.decided(k) is not None]
-        assert len(decided) == 1, "one input signature, so one decision"
-        assert isinstance(p._tuner.decided(decided[0]), bool)
+        assert not p._tuner.trials, "the trial ends after its calls"
+        assert len(p._plans) == 1, "one input signature, so one decision"
+        (plan,) = p._plans.values()
+        assert not plan.fused and plan.cuda, "fuse=False never fuses"
+        assert list(p.explain()["schedules"].values())[0] in ("unfused, streams", "unfused, sequential")
         for _ in range(4):
             x = torch.randn(16, 64, device=DEV)
             assert_same(p(x), reference(p, x))

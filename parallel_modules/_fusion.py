@@ -1,0 +1,646 @@
+r"""Structurally identical branches evaluated as one: a batched kernel per layer.
+
+Eight copies of ``Linear(256, 256) -> GELU`` on one input launch sixteen small
+kernels; stacked, their weights make one ``[8, 256, 256]`` tensor and the eight
+matrix products one ``baddbmm``. This module finds such groups among a
+``Parallel``'s branches and runs each group as one batched computation.
+
+**Grouping.** Two branches are *identical* when their module trees match:
+same types, same hyper-parameters (``extra_repr`` and public attributes), same
+train/eval modes, same parameter and buffer names, shapes, dtypes, devices and
+``requires_grad``. A branch is *fusable* when nothing in it depends on running
+on its own: no hooks, no instance-level ``forward``, no parametrizations, no
+in-place buffer updates (BatchNorm in training), no random draws (dropout in
+training, whose masks could not match the unfused module's). Branches that are
+not are run as usual, and :meth:`_Fusion.report` says why.
+
+**Parameters stay the branches' own, with no copy per call.** The first fused
+call stacks each parameter (and buffer) of a group into one tensor and points
+every member's parameter at its slice of it (``param.data = stacked[i]``, as
+:meth:`torch.nn.RNNBase.flatten_parameters` does for cuDNN). The parameters
+keep their identity, names, values and state-dict entries; an optimizer
+updating them in place updates the stacked tensor, so the next call -- eager,
+or a CUDA graph that read it by address -- sees the new values. Every eager
+call checks that each parameter still points into its stack (a parameter
+replaced or re-assigned by hand is stacked anew). Gradients reach each member's
+parameter through :class:`_Unstack`, whose backward hands each one its slice
+of the stacked gradient. While a compiler traces, the stacks are built with
+``torch.stack`` instead, so the traced graph reads the real parameters.
+
+**Layouts.** A group's intermediate value is held in one of three layouts,
+chosen so that each layer maps to one existing kernel:
+
+* *shared*: the group's common input, ``[B, ...]`` (every member sees it);
+* *stacked*: ``[N, B, ...]``, member ``i`` at index ``i`` of dim 0 -- what
+  ``baddbmm`` and :func:`torch.vmap` work on;
+* *channels*: ``[B, N * C, ...]``, member ``i`` owning channels
+  ``i*C .. (i+1)*C`` -- what a grouped convolution works on.
+
+Linear layers, convolutions, eval-mode BatchNorm, LayerNorm, pointwise
+activations, pooling and ``Flatten`` have batched rules below; any other
+module is run under :func:`torch.vmap` over :func:`torch.func.functional_call`
+(correct for anything vmap can batch, slower in eager mode). A group that
+fails to run batched (vmap cannot batch an operation, data-dependent control
+flow) is marked unfusable with the error as its reason.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.utils import _pytree as pytree
+
+from ._streams import _is_tracing
+
+__all__: list[str] = []
+
+_SHARED, _STACKED, _CHANNELS = 0, 1, 2
+
+# Pointwise modules without parameters: applied to a value as it is, in any
+# layout (a shared value stays shared: every member would compute the same).
+_POINTWISE = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardswish,
+    nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+    nn.LogSigmoid, nn.Identity,
+)
+# Pooling works channel by channel, so it applies in the shared and channels layouts.
+_POOLING = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+)
+# Modules whose batched rule does not depend on train/eval mode.
+_MODE_FREE = frozenset((*_POINTWISE, *_POOLING, nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                        nn.LayerNorm, nn.Flatten))
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+# Parameters or buffers registered anywhere since a group was stacked (a
+# parameter replaced with ``module.weight = nn.Parameter(...)``,
+# ``load_state_dict(assign=True)``): groups check their members anew.
+_registrations = 0
+_hooks_installed = False
+_hooks_lock = threading.Lock()
+
+
+def _count_registration(*_: Any) -> None:
+    global _registrations
+    _registrations += 1
+
+
+def _install_registration_hooks() -> None:
+    global _hooks_installed
+    with _hooks_lock:
+        if not _hooks_installed:
+            nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+            nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+            _hooks_installed = True
+
+
+# -------------------------------------------------------------- identical?
+def _hyperparameters(m: nn.Module) -> dict[str, Any]:
+    return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # tensors, arrays: not hyper-parameters we can compare
+        return False
+
+
+def _describe_tensor(t: torch.Tensor | None) -> str:
+    if t is None:
+        return "None"
+    grad = ", requires_grad" if t.requires_grad else ""
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}{grad}"
+
+
+def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
+    r"""How module ``b`` differs in structure from ``a``, or ``None`` if identical."""
+    where = f"submodule {path!r}" if path else "the branch"
+    if type(a) is not type(b):
+        return f"{where} is {type(b).__name__}, expected {type(a).__name__}"
+    if a.training != b.training:
+        return f"{where} is in {'training' if b.training else 'eval'} mode, expected {'training' if a.training else 'eval'}"
+    if a.extra_repr() != b.extra_repr():
+        return f"{where} is {type(b).__name__}({b.extra_repr()}), expected {type(a).__name__}({a.extra_repr()})"
+    ha, hb = _hyperparameters(a), _hyperparameters(b)
+    for k in sorted(set(ha) | set(hb)):
+        if k not in ha or k not in hb or not _same_value(ha[k], hb[k]):
+            return f"{where} has {k}={hb.get(k, '<missing>')!r}, expected {ha.get(k, '<missing>')!r}"
+    for kind, ta, tb in (("parameter", a._parameters, b._parameters), ("buffer", a._buffers, b._buffers)):
+        if list(ta) != list(tb):
+            return f"{where} has {kind}s {list(tb)}, expected {list(ta)}"
+        for name in ta:
+            x, y = ta[name], tb[name]
+            same = (x is None) == (y is None) and (
+                x is None or (x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+                              and x.requires_grad == y.requires_grad))
+            if not same:
+                return f"{kind} {_join(path, name)!r} is {_describe_tensor(y)}, expected {_describe_tensor(x)}"
+    if list(a._modules) != list(b._modules):
+        return f"{where} has children {list(b._modules)}, expected {list(a._modules)}"
+    for name, ca in a._modules.items():
+        cb = b._modules[name]
+        if (ca is None) != (cb is None):
+            return f"submodule {_join(path, name)!r} is {cb!r}, expected {ca!r}"
+        if ca is not None:
+            diff = _difference(ca, cb, _join(path, name))
+            if diff is not None:
+                return diff
+    return None
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _unfusable(branch: nn.Module) -> str | None:
+    r"""Why ``branch`` cannot run batched with identical branches, or ``None``."""
+    for path, m in branch.named_modules():
+        where = f"submodule {path!r} ({type(m).__name__})" if path else f"the branch ({type(m).__name__})"
+        if any(getattr(m, h, None) for h in _HOOKS):
+            return f"{where} has hooks, which a batched call would not run once per branch"
+        if "forward" in vars(m):
+            return f"{where} has its forward replaced on the instance"
+        if getattr(m, "parametrizations", None) is not None:
+            return f"{where} is parametrized (torch.nn.utils.parametrize)"
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            return f"{where} has uninitialized lazy parameters; call the module once first"
+        if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None):
+            return (f"{where} normalizes with batch statistics and updates its running statistics in place "
+                    f"(BatchNorm in training mode); call .eval() on it to allow fusion")
+        if isinstance(m, (_DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.training and m.p > 0:
+            return (f"{where} draws random masks in training mode; fused, its masks could not match the "
+                    f"unfused module's")
+        for kind, tensors in (("parameter", m._parameters), ("buffer", m._buffers)):
+            for name, t in tensors.items():
+                if t is not None and (type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided):
+                    return f"{kind} {_join(path, name)!r} is a {type(t).__name__}, not a plain dense tensor"
+    named = list(branch.named_parameters(remove_duplicate=False)) + list(branch.named_buffers(remove_duplicate=False))
+    if len({id(t) for _, t in named}) != len(named):
+        return "it uses one parameter or buffer in several places (tied weights)"
+    return None
+
+
+def _tensor_ids(branch: nn.Module) -> set[int]:
+    return {id(t) for t in branch.parameters()} | {id(t) for t in branch.buffers()}
+
+
+def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, str]]:
+    r"""Partition branch indices into groups of identical fusable branches.
+
+    Returns the groups of two or more members, and a reason for every branch
+    left out of them.
+    """
+    reasons: dict[int, str] = {}
+    groups: list[list[int]] = []
+    for i, branch in enumerate(branches):
+        why = _unfusable(branch)
+        if why is not None:
+            reasons[i] = why
+            continue
+        ids = _tensor_ids(branch)
+        for group in groups:
+            if _difference(branches[group[0]], branch) is None:
+                shared = next((j for j in group if ids & _tensor_ids(branches[j])), None)
+                if shared is not None:
+                    reasons[i] = f"it shares parameters or buffers with branch index {shared}"
+                    break
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    for group in groups:
+        if len(group) == 1:
+            reasons[group[0]] = "no other branch is identical to it"
+    return [g for g in groups if len(g) > 1], reasons
+
+
+# ------------------------------------------------------------ the stacks
+class _Unstack(torch.autograd.Function):
+    r"""The stacked tensor, as a function of the members' parameters.
+
+    Forward returns the stack itself (the parameters already alias its slices,
+    so no copy is made); backward gives each parameter its slice of the
+    stacked gradient, so gradients accumulate in every branch's own ``.grad``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, stacked: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return stacked.view_as(stacked)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        return (None, *grad.unbind(0))
+
+
+class _Entry(NamedTuple):
+    owners: tuple[nn.Module, ...]  # the submodule holding the tensor, per member
+    attr: str  # its name there
+    kind: str  # "_parameters" or "_buffers"
+
+
+class _Value(NamedTuple):
+    t: torch.Tensor
+    layout: int
+
+
+class _Group:
+    r"""One group of identical branches, evaluated as one batched computation."""
+
+    def __init__(self, indices: list[int], members: list[nn.Module]) -> None:
+        self.indices = indices
+        self.members = members
+        self.n = len(members)
+        self.template = members[0]
+        self.entries: dict[str, _Entry] = {}
+        for kind, named in (("_parameters", "named_parameters"), ("_buffers", "named_buffers")):
+            for qual, _ in getattr(self.template, named)(remove_duplicate=False):
+                path, _, attr = qual.rpartition(".")
+                owners = tuple(m.get_submodule(path) for m in members)
+                self.entries[qual] = _Entry(owners, attr, kind)
+        self.stacks: dict[str, torch.Tensor] = {}
+        self.bound: dict[str, list[torch.Tensor]] = {}
+        self.expected: list[tuple[torch.Tensor, int]] = []
+        self.registrations = -1
+        self.program: list[_Step] | None = None
+
+    # Stacks ---------------------------------------------------------------
+    def _tensors(self, entry: _Entry) -> list[torch.Tensor]:
+        return [getattr(o, entry.kind)[entry.attr] for o in entry.owners]
+
+    def _bound(self) -> bool:
+        r"""Whether every member's parameters and buffers still point into the stacks."""
+        if self.registrations != _registrations:
+            # Something was registered somewhere: compare the objects, not only their addresses.
+            for qual, tensors in self.bound.items():
+                if any(t is not b for t, b in zip(self._tensors(self.entries[qual]), tensors)):
+                    return False
+            self.registrations = _registrations
+        return all(t.data_ptr() == p for t, p in self.expected)
+
+    def bind(self) -> bool:
+        r"""Stack each parameter and buffer of the members; point the members at their slices.
+
+        Returns whether any tensor moved to new memory (which invalidates CUDA
+        graphs that read the old memory by address). Idempotent: tensors
+        already laid out as consecutive slices of one storage (by an earlier
+        bind) are adopted as they are, so finding the groups anew moves nothing.
+        """
+        if self.stacks and self._bound():
+            return False
+        moved = False
+        stacks: dict[str, torch.Tensor] = {}
+        bound: dict[str, list[torch.Tensor]] = {}
+        expected: list[tuple[torch.Tensor, int]] = []
+        with torch.no_grad():
+            for qual, entry in self.entries.items():
+                tensors = self._tensors(entry)
+                if tensors[0] is None:
+                    continue
+                stacked = _adopt(tensors)
+                if stacked is None:
+                    stacked = torch.stack([t.detach() for t in tensors])
+                    moved = True
+                    for i, t in enumerate(tensors):
+                        # ``.data =`` keeps the Parameter object (optimizers hold it)
+                        # and makes it a view of the stack: updates reach both.
+                        t.data = stacked[i]
+                stacks[qual], bound[qual] = stacked, tensors
+                expected += [(t, t.data_ptr()) for t in tensors]
+        self.stacks, self.bound, self.expected = stacks, bound, expected
+        self.registrations = _registrations
+        return moved
+
+    def _stacked(self, qual: str, tracing: bool) -> torch.Tensor | None:
+        entry = self.entries[qual]
+        if tracing:
+            tensors = self._tensors(entry)
+            return None if tensors[0] is None else torch.stack(tensors)
+        stacked = self.stacks.get(qual)
+        if stacked is None:
+            return None
+        if torch.is_grad_enabled() and entry.kind == "_parameters" and stacked.dtype.is_floating_point:
+            tensors = self._tensors(entry)
+            if tensors[0].requires_grad:
+                return _Unstack.apply(stacked, *tensors)
+        return stacked
+
+    # Running --------------------------------------------------------------
+    def run(self, x: torch.Tensor) -> Any:
+        r"""Every member's output on the shared input ``x``, batched (see :func:`_split`).
+
+        Outside tracing, :meth:`bind` must have been called since the members last changed.
+        """
+        tracing = _is_tracing()
+        if not tracing and not torch.is_grad_enabled():
+            get: _Get = self.stacks.get  # nothing to differentiate: the stacks as they are
+        else:
+            get = lambda qual: self._stacked(qual, tracing)  # noqa: E731
+        program = self.program
+        if program is None:
+            program = self.program = _program(self, self.template, "")
+        value: Any = _Value(x, _SHARED)
+        for step in program:
+            if not isinstance(value, _Value):
+                raise TypeError(f"a layer of {type(self.template).__name__} returned a structured value "
+                                f"where the next layer expects a tensor")
+            value = step(value, get)
+        return value
+
+
+def _adopt(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    r"""The stack ``tensors`` already are (consecutive contiguous slices of one storage), or ``None``."""
+    first = tensors[0]
+    storage = first.untyped_storage()
+    start, numel = first.storage_offset(), first.numel()
+    for i, t in enumerate(tensors):
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.storage_offset() != start + i * numel):
+            return None
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, start, (len(tensors), *first.shape))
+
+
+def _to_stacked(v: _Value, n: int) -> torch.Tensor:
+    if v.layout == _STACKED:
+        return v.t
+    if v.layout == _SHARED:
+        return v.t.expand(n, *v.t.shape)
+    return v.t.unflatten(1, (n, -1)).movedim(1, 0)
+
+
+def _to_channels(v: _Value, n: int) -> torch.Tensor:
+    if v.layout == _CHANNELS:
+        return v.t
+    if v.layout == _SHARED:
+        return v.t.repeat(1, n, *([1] * (v.t.dim() - 2)))
+    return v.t.movedim(0, 1).flatten(1, 2)
+
+
+class _Joined:
+    r"""The outputs of a call where one group covered every branch, in order, still batched.
+
+    A ``cat``/``stack``/``sum``/``mean`` join is read off the batched value
+    (:meth:`join`) without splitting it into N tensors first; :meth:`split`
+    gives the per-branch outputs for any other join.
+    """
+
+    __slots__ = ("value", "n")
+
+    def __init__(self, value: _Value, n: int) -> None:
+        self.value, self.n = value, n
+
+    def split(self) -> list[Any]:
+        return _split(self.value, self.n)
+
+    def join(self, how: Any, dim: int) -> torch.Tensor | None:
+        r"""The joined outputs computed from the batched value, or ``None`` where no shortcut applies."""
+        t, layout, n = self.value.t, self.value.layout, self.n
+        if layout == _CHANNELS:
+            # [B, N*C, ...] is already the outputs concatenated along dimension 1.
+            return t if how == "cat" and dim in (1, 1 - t.dim()) else None
+        if layout != _STACKED:
+            return None
+        d = dim + t.dim() - 1 if dim < 0 else dim  # dim of a member's output, which lacks dim 0 of t
+        if how == "cat" and 0 <= d < t.dim() - 1:
+            return t.movedim(0, d).flatten(d, d + 1)
+        if how == "stack" and 0 <= d < t.dim():
+            return t if d == 0 else t.movedim(0, d).contiguous()
+        if how == "sum":
+            return t.sum(0)
+        if how == "mean":
+            return t.mean(0)
+        return None
+
+
+def _split(v: _Value | Any, n: int) -> list[Any]:
+    if not isinstance(v, _Value):  # structured output of a vmapped module: stacked leaves
+        leaves, spec = pytree.tree_flatten(v)
+        columns = [leaf.unbind(0) if isinstance(leaf, torch.Tensor) else (leaf,) * n for leaf in leaves]
+        return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
+    if v.layout == _SHARED:
+        return [v.t] * n
+    if v.layout == _STACKED:
+        return list(v.t.unbind(0))
+    return list(v.t.unflatten(1, (n, -1)).unbind(1))
+
+
+_Get = Callable[[str], "torch.Tensor | None"]
+_Step = Callable[[_Value, _Get], Any]
+
+
+def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
+    r"""The batched steps that compute submodule ``m`` (at ``prefix`` in the template) for every member.
+
+    Built once per group, so that a call does no module-type dispatch or name
+    formatting: each step has its parameters' qualified names baked in.
+    """
+    if type(m) is nn.Sequential:
+        return [step for name, child in m._modules.items() for step in _program(group, child, _join(prefix, name))]
+    n = group.n
+    q = lambda name: _join(prefix, name)  # noqa: E731
+    fallback = _vmapped_step(group, m, prefix)
+
+    if type(m) in _POINTWISE or isinstance(m, _DropoutNd):  # dropout: only in eval or with p=0 (see _unfusable)
+        return [lambda v, get: _Value(m(v.t), v.layout)]
+
+    if type(m) is nn.Linear:
+        w_name, b_name = q("weight"), q("bias")
+
+        def linear(v: _Value, get: _Get) -> _Value:
+            t = v.t
+            w, b = get(w_name), get(b_name)
+            if v.layout == _SHARED:
+                lead = t.shape[:-1]
+                flat = t.reshape(-1, t.shape[-1]).expand(n, -1, -1)
+            else:
+                flat = _to_stacked(v, n)
+                lead = flat.shape[1:-1]
+                flat = flat.reshape(n, -1, flat.shape[-1])
+            out = torch.bmm(flat, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), flat, w.mT)
+            return _Value(out.view(n, *lead, out.shape[-1]), _STACKED)
+
+        return [linear]
+
+    if type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and m.padding_mode == "zeros":
+        nd = len(m.kernel_size)
+        conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+        w_name, b_name = q("weight"), q("bias")
+        stride, padding, dilation, groups = m.stride, m.padding, m.dilation, m.groups
+
+        def convolution(v: _Value, get: _Get) -> Any:
+            if v.t.dim() != nd + 2:  # an unbatched input: no channel layout to batch in
+                return fallback(v, get)
+            w, b = get(w_name), get(b_name)
+            if v.layout == _SHARED and groups == 1:
+                x, g = v.t, 1  # members' weights side by side: one convolution, N * C_out channels
+            else:
+                x, g = _to_channels(v, n), groups * n
+            out = conv(x, w.flatten(0, 1), None if b is None else b.flatten(), stride, padding, dilation, g)
+            return _Value(out, _CHANNELS)
+
+        return [convolution]
+
+    if isinstance(m, _BatchNorm):  # eval mode with running statistics (see _unfusable)
+        names = [q(k) for k in ("running_mean", "running_var", "weight", "bias")]
+        eps = m.eps
+
+        def batch_norm(v: _Value, get: _Get) -> Any:
+            if v.t.dim() < 2:
+                return fallback(v, get)
+            mean, var, w, b = (None if t is None else t.flatten() for t in map(get, names))
+            return _Value(F.batch_norm(_to_channels(v, n), mean, var, w, b, False, 0.0, eps), _CHANNELS)
+
+        return [batch_norm]
+
+    if type(m) is nn.LayerNorm:
+        shape, eps = tuple(m.normalized_shape), m.eps
+        w_name, b_name = q("weight"), q("bias")
+
+        def layer_norm(v: _Value, get: _Get) -> _Value:
+            x = v.t if v.layout == _SHARED else _to_stacked(v, n)
+            out = F.layer_norm(x, shape, None, None, eps)
+            w, b = get(w_name), get(b_name)
+            if w is None and b is None:
+                return _Value(out, _SHARED if v.layout == _SHARED else _STACKED)
+            # The affine part per member: weights [N, *shape] broadcast over the batch dimensions.
+            lead = (1,) * (out.dim() - len(shape) - (0 if v.layout == _SHARED else 1))
+            if w is not None:
+                out = out * w.view(n, *lead, *shape)
+            if b is not None:
+                out = out + b.view(n, *lead, *shape)
+            return _Value(out, _STACKED)
+
+        return [layer_norm]
+
+    if type(m) in _POOLING and not getattr(m, "return_indices", False):
+        # Channel by channel: a shared value stays shared, a channels layout stays valid.
+        return [lambda v, get: _Value(m(v.t), _SHARED) if v.layout == _SHARED else
+                _Value(m(_to_channels(v, n)), _CHANNELS)]
+
+    if type(m) is nn.Flatten:
+        start, end = m.start_dim, m.end_dim
+        start, end = (start + 1 if start >= 0 else start), (end + 1 if end >= 0 else end)
+        return [lambda v, get: _Value(m(v.t), _SHARED) if v.layout == _SHARED else
+                _Value(_to_stacked(v, n).flatten(start, end), _STACKED)]
+
+    return [fallback]
+
+
+def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
+    r"""Any other module: :func:`torch.vmap` of :func:`torch.func.functional_call` over the stacks."""
+    quals = [q for q in group.entries if q.startswith(prefix + ".")] if prefix else list(group.entries)
+    local = [(q[len(prefix) + 1:] if prefix else q, q) for q in quals]
+
+    def call(state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+        return torch.func.functional_call(m, state, (x,), tie_weights=False, strict=False)
+
+    shared = torch.vmap(call, in_dims=(0, None))
+    stacked = torch.vmap(call, in_dims=(0, 0))
+
+    def step(v: _Value, get: _Get) -> Any:
+        state = {k: t for k, t in ((k, get(q)) for k, q in local) if t is not None}
+        out = shared(state, v.t) if v.layout == _SHARED else stacked(state, _to_stacked(v, group.n))
+        return _Value(out, _STACKED) if isinstance(out, torch.Tensor) else out
+
+    return step
+
+
+# ------------------------------------------------------- a module's fusion
+class _Fusion:
+    r"""The fused groups of one ``Parallel``, found on first use, and why other branches are not fused.
+
+    ``units`` lists what a call runs, in order: a branch index (run as usual)
+    or a :class:`_Group`. ``scatter`` puts their outputs back in branch order.
+    """
+
+    def __init__(self, owner: str, names: list[str], branches: list[nn.Module], required: bool) -> None:
+        _install_registration_hooks()
+        self.names = names
+        groups, self.reasons = _groups(branches)
+        if required and (len(groups) != 1 or len(groups[0]) != len(branches)):
+            raise ValueError(_required_error(owner, names, branches, self.reasons))
+        self.groups = [_Group(g, [branches[i] for i in g]) for g in groups]
+        # Grouping depended on these submodules' train/eval modes (BatchNorm,
+        # dropout, modules run through vmap): a call that finds one changed
+        # (``branch.train()`` called directly) finds the groups anew.
+        self.modes = [(m, m.training) for branch in branches for m in branch.modules() if type(m) not in _MODE_FREE]
+        self._rebuild()
+
+    def current(self) -> bool:
+        r"""Whether the grouping still holds (no submodule's train/eval mode changed since)."""
+        return all(m.training == mode for m, mode in self.modes)
+
+    def _rebuild(self) -> None:
+        grouped = {i: g for g in self.groups for i in g.indices}
+        units: list[Any] = []
+        seen: set[int] = set()
+        for i in range(len(self.names)):
+            g = grouped.get(i)
+            if g is None:
+                units.append(i)
+            elif id(g) not in seen:
+                seen.add(id(g))
+                units.append(g)
+        self.units = units
+
+    def disable(self, group: _Group, error: BaseException) -> None:
+        r"""Run ``group``'s members as ordinary branches from now on, recording why."""
+        why = f"running them batched failed: {type(error).__name__}: {error}"
+        for i in group.indices:
+            self.reasons[i] = why
+        self.groups = [g for g in self.groups if g is not group]
+        self._rebuild()
+
+    def scatter(self, units: list[Any], outputs: list[Any]) -> Any:
+        r"""Outputs per unit (of ``units``, this call's) -> outputs per branch, in branch order."""
+        if len(units) == 1 and isinstance(outputs[0], _Value):
+            return _Joined(outputs[0], len(self.names))  # one group of every branch, in order
+        result: list[Any] = [None] * len(self.names)
+        for unit, out in zip(units, outputs):
+            if isinstance(unit, _Group):
+                if not isinstance(out, list):  # batched, not the unfused fallback's list
+                    out = _split(out, unit.n)
+                for i, o in zip(unit.indices, out):
+                    result[i] = o
+            else:
+                result[unit] = out
+        return result
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "fused": [[self.names[i] for i in g.indices] for g in self.groups],
+            "unfused": {self.names[i]: why for i, why in sorted(self.reasons.items())},
+        }
+
+
+def _required_error(owner: str, names: list[str], branches: list[nn.Module], reasons: dict[int, str]) -> str:
+    first = 0
+    lines = []
+    if first in reasons and reasons[first] != "no other branch is identical to it":
+        lines.append(f"branch {names[first]!r} cannot be fused: {reasons[first]}")
+    for i, b in enumerate(branches[1:], 1):
+        why = _unfusable(b)
+        if why is not None:
+            lines.append(f"branch {names[i]!r} cannot be fused: {why}")
+            continue
+        diff = _difference(branches[first], b)
+        if diff is not None:
+            lines.append(f"branch {names[i]!r} differs from branch {names[first]!r}: {diff}")
+    return (
+        f"{owner}: fuse=True needs every branch to be structurally identical and fusable, but\n  "
+        + "\n  ".join(lines)
+        + "\nMake the branches identical (same layers, sizes, dtypes, devices and modes), or pass "
+        "fuse='auto' to fuse the identical groups and run the rest on streams, or fuse=False."
+    )

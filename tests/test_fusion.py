@@ -1,0 +1,442 @@
+"""Identical branches fused into one batched computation (``Parallel(fuse=...)``).
+
+Fused results are compared with the unfused module (the branches called one after another,
+``tests/_reference.py``) on fresh random inputs. A batched matrix product may sum in another
+order than one product per branch, so fp32 results agree within ``TOL`` rather than bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from tests._helpers import cpu_and_cuda
+from tests._reference import reference
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def mlp(width: int = 16, depth: int = 2) -> nn.Sequential:
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())])
+
+
+def convnet() -> nn.Sequential:
+    bn = nn.BatchNorm2d(8)
+    with torch.no_grad():  # non-trivial statistics, so that using the wrong ones shows
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.uniform_(0.5, 2)
+        bn.bias.uniform_(-1, 1)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2),
+        bn.eval(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(8 * 2 * 2, 5), nn.LayerNorm(5),
+    )
+
+
+class Scale(nn.Module):
+    r"""A custom module the fusion has no rule for: run through torch.vmap."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight.sigmoid() + x.mean(-1, keepdim=True)
+
+
+class Branchy(nn.Module):
+    r"""Python control flow on tensor values: vmap cannot batch it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y if y.sum() > 0 else -y
+
+
+def assert_close(a, b):
+    torch.testing.assert_close(a, b, **TOL)
+
+
+def fused_groups(p: Parallel) -> list[list[str]]:
+    return p.explain()["fused"]
+
+
+# ------------------------------------------------------------------ results
+CASES = {
+    "mlp": (lambda: mlp(), lambda d: torch.randn(6, 16, device=d)),
+    "mlp-3d-input": (lambda: mlp(), lambda d: torch.randn(2, 3, 16, device=d)),
+    "conv": (convnet, lambda d: torch.randn(4, 3, 8, 8, device=d)),
+    "custom-vmap": (lambda: nn.Sequential(nn.Linear(16, 16), Scale(16), nn.Tanh()), lambda d: torch.randn(5, 16, device=d)),
+    "layernorm-first": (lambda: nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4)), lambda d: torch.randn(5, 16, device=d)),
+}
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("join", ["cat", "stack", "sum", None])
+def test_fused_equals_unfused(device, case, join):
+    build, make = CASES[case]
+    branches = [build() for _ in range(4)]
+    p = Parallel(*branches, join=join, dim=1 if join != "stack" else 0, fuse=True).to(device).eval()
+    with torch.no_grad():
+        for _ in range(3):  # fresh inputs each call
+            x = make(device)
+            assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == [["0", "1", "2", "3"]]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("streams", [False, True])
+def test_mixed_groups_and_reasons(device, streams):
+    a = [mlp() for _ in range(3)]
+    b = [nn.Linear(16, 16) for _ in range(2)]
+    odd = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+    # Interleaved: outputs must come back in branch order.
+    branches = [a[0], b[0], odd, a[1], b[1], a[2]]
+    p = Parallel(*branches, fuse="auto", streams=streams).to(device).eval()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 16, device=device)
+            assert_close(p(x), reference(p, x))
+    info = p.explain()
+    assert info["fused"] == [["0", "3", "5"], ["1", "4"]]
+    assert list(info["unfused"]) == ["2"] and "no other branch is identical" in info["unfused"]["2"]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_gradients_and_optimizer_steps(device):
+    torch.manual_seed(1)
+    branches = [mlp() for _ in range(4)]
+    ref_branches = copy.deepcopy(branches)
+    p = Parallel(*branches, join="sum", fuse=True).to(device)
+    ref = Parallel(*ref_branches, join="sum").to(device)
+    opt = torch.optim.SGD(p.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(4):
+        x = torch.randn(6, 16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, out_ref = p(x), ref(xr)
+        assert_close(out, out_ref)
+        (out ** 2).sum().backward()
+        (out_ref ** 2).sum().backward()
+        assert_close(x.grad, xr.grad)
+        for (name, q), qr in zip(p.named_parameters(), ref.parameters()):
+            assert q.grad is not None, f"no gradient reached {name}"
+            assert_close(q.grad, qr.grad)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    # The optimizer updated the branches' own parameters: the next call must use them.
+    x = torch.randn(6, 16, device=device)
+    assert_close(p(x), ref(x))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_autograd_grad_of_parameters(device):
+    p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True).to(device)
+    x = torch.randn(5, 16, device=device)
+    params = list(p.parameters())
+    grads = torch.autograd.grad(p(x).sum(), params)
+    expected = torch.autograd.grad(reference(p, x).sum(), params)
+    for g, e in zip(grads, expected):
+        assert_close(g, e)
+
+
+def test_state_dict_unchanged_by_fusion():
+    branches = [mlp() for _ in range(3)]
+    before = copy.deepcopy(nn.ModuleList(branches).state_dict())
+    p = Parallel(*branches, fuse=True)
+    p(torch.randn(2, 16))  # stacks the parameters
+    after = p.state_dict()
+    assert list(after) == list(before)
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+    # A state dict saved from the fused module loads into a plain ModuleList.
+    buf = io.BytesIO()
+    torch.save(p.state_dict(), buf)
+    buf.seek(0)
+    plain = nn.ModuleList([mlp() for _ in range(3)])
+    plain.load_state_dict(torch.load(buf))
+    x = torch.randn(4, 16)
+    assert_close(torch.cat([b(x) for b in plain], 1), p(x))
+
+
+def test_parameters_keep_identity_and_load_state_dict():
+    branches = [mlp() for _ in range(3)]
+    ids = [id(q) for q in nn.ModuleList(branches).parameters()]
+    p = Parallel(*branches, fuse=True)
+    p(torch.randn(2, 16))
+    assert [id(q) for q in p.parameters()] == ids, "optimizers built before fusion hold these objects"
+    other = Parallel(*[mlp() for _ in range(3)])
+    p.load_state_dict(other.state_dict())  # in-place copies
+    x = torch.randn(4, 16)
+    assert_close(p(x), other(x))
+    third = Parallel(*[mlp() for _ in range(3)])
+    p.load_state_dict(third.state_dict(), assign=True)  # replaces the Parameter objects
+    assert_close(p(x), third(x))
+
+
+def test_parameter_replaced_by_hand_is_seen():
+    branches = [nn.Linear(16, 8) for _ in range(3)]
+    p = Parallel(*branches, fuse=True)
+    x = torch.randn(4, 16)
+    p(x)
+    branches[1].weight = nn.Parameter(torch.randn(8, 16))
+    assert_close(p(x), reference(p, x))
+    with torch.no_grad():
+        branches[2].bias.data = torch.randn(8)  # a new tensor behind the same Parameter
+    assert_close(p(x), reference(p, x))
+
+
+def test_to_dtype_and_copies():
+    p = Parallel(*[mlp() for _ in range(3)], fuse=True)
+    x = torch.randn(4, 16)
+    p(x)
+    p.double()
+    assert_close(p(x.double()), reference(p, x.double()))
+    for clone in (copy.deepcopy(p), pickle.loads(pickle.dumps(p))):
+        assert clone.fuse is True
+        assert_close(clone(x.double()), p(x.double()))
+        assert fused_groups(clone) == [["0", "1", "2"]]
+
+
+# ------------------------------------------------------------ not fusable
+def hooked() -> nn.Module:
+    m = nn.Linear(16, 16)
+    m.register_forward_hook(lambda *a: None)
+    return m
+
+
+def tied() -> nn.Module:
+    a = nn.Linear(16, 16)
+    b = nn.Linear(16, 16)
+    b.weight = a.weight
+    return nn.Sequential(a, b)
+
+
+UNFUSABLE = {
+    "batchnorm-training": (lambda: nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)), "running statistics"),
+    "dropout-training": (lambda: nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)), "random masks"),
+    "hooks": (hooked, "hooks"),
+    "tied-weights": (tied, "tied weights"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNFUSABLE))
+def test_unfusable_branches_run_unfused_with_a_reason(case):
+    build, why = UNFUSABLE[case]
+    branches = [build() for _ in range(3)]
+    p = Parallel(*branches, join="tuple", fuse="auto").train()
+    x = torch.randn(8, 16)
+    torch.manual_seed(3)
+    out = p(x)
+    torch.manual_seed(3)
+    assert_close(out, reference(p, x))
+    info = p.explain()
+    assert info["fused"] == []
+    assert set(info["unfused"]) == {"0", "1", "2"}
+    assert all(why in reason for reason in info["unfused"].values()), info
+    with pytest.raises(ValueError, match=why):
+        Parallel(*branches, fuse=True)
+
+
+def test_eval_mode_makes_batchnorm_and_dropout_fusable():
+    branches = [nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5)) for _ in range(3)]
+    p = Parallel(*branches, fuse="auto")
+    x = torch.randn(8, 16)
+    p.train()(x)
+    assert fused_groups(p) == []
+    p.eval()
+    assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == [["0", "1", "2"]]
+    branches[1].train()  # changed behind the container's back: grouping must notice
+    torch.manual_seed(0)
+    out = p(x)
+    torch.manual_seed(0)
+    assert_close(out, reference(p, x))
+    assert "1" in p.explain()["unfused"]
+
+
+def test_shared_module_is_not_fused_with_itself():
+    lin = nn.Linear(16, 16)
+    p = Parallel(lin, lin, nn.Linear(16, 16), fuse="auto")
+    x = torch.randn(3, 16)
+    assert_close(p(x), reference(p, x))
+    assert "shares parameters" in p.explain()["unfused"]["1"]
+
+
+def test_vmap_failure_disables_group_once_and_says_why():
+    p = Parallel(*[Branchy() for _ in range(3)], fuse="auto")
+    x = torch.randn(4, 16)
+    with pytest.warns(UserWarning, match="cannot run batched"):
+        out = p(x)
+    assert_close(out, reference(p, x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a warning on every call
+        assert_close(p(x), reference(p, x))
+    assert "running them batched failed" in p.explain()["unfused"]["0"]
+    forced = Parallel(*[Branchy() for _ in range(3)], fuse=True)
+    with pytest.raises(RuntimeError, match="fuse=True, but branches"):
+        forced(x)
+    assert_close(Parallel(*forced, fuse="auto")(x), reference(forced, x))
+
+
+# ------------------------------------------------------------------ errors
+def test_fuse_true_names_the_differing_branch():
+    with pytest.raises(ValueError) as e:
+        Parallel(nn.Linear(16, 8), nn.Linear(16, 8), nn.Linear(16, 4), fuse=True)
+    msg = str(e.value)
+    assert "branch '2' differs from branch '0'" in msg and "out_features=4" in msg and "out_features=8" in msg
+    with pytest.raises(ValueError, match="fuse must be True, False or 'auto'"):
+        Parallel(nn.Linear(2, 2), fuse="yes")
+    with pytest.raises(ValueError, match=r"float64"):
+        Parallel(nn.Linear(16, 8), nn.Linear(16, 8).double(), fuse=True)
+
+
+def test_bad_input_names_the_branch_and_module_recovers():
+    p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True)
+    with pytest.raises(RuntimeError) as e:
+        p(torch.randn(4, 15))
+    assert "branch '0'" in "".join(getattr(e.value, "__notes__", [])) + str(e.value)
+    x = torch.randn(4, 16)
+    assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == [["0", "1", "2"]], "a bad input must not switch fusion off"
+
+
+def test_kwargs_calls_run_unfused():
+    class Add(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, y=None):
+            return self.lin(x) + (0 if y is None else y)
+
+    p = Parallel(Add(), Add(), fuse=True)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    assert_close(p(x, y=y), reference(p, x, y=y))
+    assert_close(p(x), reference(p, x))
+
+
+def test_repr_shows_fuse():
+    assert "fuse='auto'" in repr(Parallel(nn.Linear(2, 2), nn.Linear(2, 2), fuse="auto"))
+    assert "fuse" not in repr(Parallel(nn.Linear(2, 2)))
+
+
+# ------------------------------------------------------------------ tracing
+def test_export_of_fused_module_equals_eager():
+    p = Parallel(*[mlp() for _ in range(4)], fuse=True).eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        p(x)  # fusion bound before tracing, as in a model used eagerly first
+    ep = torch.export.export(p, (x,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("bmm" in t for t in targets), f"expected batched matmuls in the exported graph: {targets}"
+    assert list(ep.state_dict) == list(p.state_dict())
+    for _ in range(2):
+        x = torch.randn(3, 16)
+        assert_close(ep.module()(x), reference(p, x))
+
+
+def test_compile_fullgraph_of_fused_module():
+    torch._dynamo.reset()
+    p = Parallel(*[mlp() for _ in range(3)], fuse=True)
+    compiled = torch.compile(p, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 16, requires_grad=True)
+    out = compiled(x)
+    assert_close(out, reference(p, x))
+    out.sum().backward()
+    grads = [q.grad.clone() for q in p.parameters()]
+    p.zero_grad()
+    reference(p, x).sum().backward()
+    for g, q in zip(grads, p.parameters()):
+        assert_close(g, q.grad)
+
+
+# -------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+def test_cuda_graph_with_fusion_sees_optimizer_steps():
+    torch.manual_seed(2)
+    p = Parallel(*[mlp(64) for _ in range(8)], fuse=True, cuda_graph=True).cuda()
+    ref = copy.deepcopy(p)
+    ref.fuse, ref.cuda_graph = False, False
+    opt = torch.optim.Adam(p.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for _ in range(4):
+        x = torch.randn(8, 64, device="cuda")
+        out, out_ref = p(x), ref(x)
+        assert_close(out, out_ref)
+        out.square().mean().backward()
+        out_ref.square().mean().backward()
+        for q, qr in zip(p.parameters(), ref.parameters()):
+            assert_close(q.grad, qr.grad)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert p._graphs.captures == 1, "one signature, one capture"
+    with torch.no_grad():
+        p.eval(), ref.eval()
+        for _ in range(3):
+            x = torch.randn(8, 64, device="cuda")
+            assert_close(p(x), ref(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 8])
+def test_cuda_conv_branches_fused_auto(batch):
+    branches = [nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1))
+                for _ in range(4)]
+    p = Parallel(*branches, fuse="auto").cuda().eval()
+    with torch.no_grad():
+        for _ in range(60):  # through the tuner's trial calls
+            x = torch.randn(batch, 64, 56, 56, device="cuda")
+            torch.testing.assert_close(p(x), reference(p, x), rtol=1e-4, atol=1e-4)
+    assert len(p.explain()["schedules"]) == 1
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_parameters_are_stacked_at_construction_and_after_to(device):
+    from parallel_modules._fusion import _adopt
+
+    branches = [nn.Linear(16, 8) for _ in range(3)]
+    p = Parallel(*branches, fuse="auto")
+    stacked = _adopt([b.weight for b in branches])
+    assert stacked is not None, "stacked when the module is built, before any call"
+    p.to(device)
+    stacked = _adopt([b.weight for b in branches])
+    assert stacked is not None and stacked.device.type == device
+    with torch.no_grad():
+        branches[1].weight.add_(1.0)  # as an optimizer would: the stack sees it
+    assert torch.equal(stacked[1], branches[1].weight)
+
+
+@pytest.mark.cuda
+def test_user_graph_of_the_same_branches_captured_after_construction_stays_valid():
+    branches = [mlp(32) for _ in range(4)]
+    p = Parallel(*branches, fuse=True).cuda().eval()
+    x = torch.randn(8, 32, device="cuda")
+    static = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                torch.cat([b(static) for b in branches], 1)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            out = torch.cat([b(static) for b in branches], 1)
+        for _ in range(5):
+            y = torch.randn(8, 32, device="cuda")
+            assert_close(p(y), reference(p, y))  # fused calls must not move the parameters
+            static.copy_(y)
+            g.replay()
+            assert torch.equal(out, torch.cat([b(y) for b in branches], 1))
