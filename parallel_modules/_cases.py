@@ -68,6 +68,12 @@ def head_branches(n: int = 4, width: int = 512, classes: int = 100) -> list[nn.M
     return [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, classes)) for _ in range(n)]
 
 
+def conv_branches(n: int = 4, channels: int = 64) -> list[nn.Module]:
+    r"""``n`` identical branches of two 3x3 convolutions (``channels`` -> ``channels``) with a ReLU between."""
+    return [nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(channels, channels, 3, padding=1)) for _ in range(n)]
+
+
 def tiny_branches(n: int) -> list[nn.Module]:
     r"""``n`` branches of one tiny op each: pure launch overhead."""
     return [nn.Linear(16, 16) for _ in range(n)]
@@ -160,6 +166,7 @@ CASES: dict[str, Case] = {
         Case("mlp16", lambda: mlp_branches(16), lambda b: (b, 256), (8,), quick=False),
         Case("inception", inception_branches, lambda b: (b, 192, 35, 35), (1, 8, 64),
              dtypes=(torch.float32, torch.float16)),
+        Case("conv4", conv_branches, lambda b: (b, 64, 56, 56), (1, 8)),
         Case("heads", head_branches, lambda b: (b, 512), (32,)),
         Case("compute", compute_bound_branches, lambda b: (b, 4096), (4096,), quick=False),
         Case("tiny2", lambda: tiny_branches(2), lambda b: (b, 16), (8,), quick=False),
