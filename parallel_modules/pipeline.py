@@ -152,9 +152,12 @@ class ParallelSequential(nn.Sequential):
         attribute ``mixes_batch = True``.
 
     .. note::
-        A pinned CPU input is read by non-blocking copies; the call returns once
-        those copies have finished, so the caller may overwrite the input right
-        away, as after :meth:`torch.Tensor.to`. Outputs made on side streams are
+        A pinned CPU input is read by non-blocking copies ordered after the
+        caller's earlier work, exactly as by ``x.to(device, non_blocking=True)``:
+        the call returns before they have run, so do not modify the input in
+        place until the caller's stream has passed this call (freeing it is
+        safe). A pageable input is staged into pinned memory first and may be
+        changed as soon as the call returns. Outputs made on side streams are
         safe to keep, free or use on the caller's stream (they are marked with
         :meth:`torch.Tensor.record_stream`).
     """
@@ -458,11 +461,10 @@ class ParallelSequential(nn.Sequential):
         """
         count = len(pieces)
         lanes: list[Callable[[int, Any], Any]] = []
-        user_pinned = [False]
         if copy:
             def copy_lane(m: int, value: Any) -> Any:
                 try:
-                    return _to_device(value, device, non_blocking=True, pinned=user_pinned)
+                    return _to_device(value, device, non_blocking=True)
                 except Exception as e:
                     raise _with_context(e, f"(raised copying micro-batch {m} of {count} to {device} in "
                                            f"{type(self).__name__})")
@@ -525,35 +527,26 @@ class ParallelSequential(nn.Sequential):
                 for lane in range(used):
                     joins[lane].record(streams[lane])
                     caller.wait_event(joins[lane])
-            if user_pinned[0]:
-                # The copies read the caller's own pinned memory asynchronously:
-                # return only once they are done, so the caller may overwrite
-                # it, as after Tensor.to. Staging buffers pinned here need no
-                # wait: the caching host allocator records the copy stream's
-                # use of them and reuses them only after the copies finished.
-                (events[e0 + (count - 1) * n_lanes] if done else joins[0]).synchronize()
         for value in values:
             _mark(value, caller)
         return values
 
 
-def _to_device(value: Any, device: torch.device, non_blocking: bool, pinned: list[bool] | None = None) -> Any:
+def _to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:
     r"""Copy the CPU tensors of ``value`` to ``device``.
 
     Non-blocking copies need page-locked memory to be asynchronous: a pageable
     piece is first copied into a pinned staging buffer (on the CPU, now), and
-    the device copy reads that buffer later, on the copy stream.
+    the device copy reads that buffer later, on the copy stream. Pinned memory
+    (the caller's or the staging buffers) freed before the copy has run is not
+    reused early: the caching host allocator records the copy's stream.
     """
 
     def move(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             return t
-        if non_blocking:
-            if t.is_pinned():
-                if pinned is not None:
-                    pinned[0] = True
-            else:
-                t = t.pin_memory()
+        if non_blocking and not t.is_pinned():
+            t = t.pin_memory()
         return t.to(device, non_blocking=non_blocking)
 
     if isinstance(value, torch.Tensor):

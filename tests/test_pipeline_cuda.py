@@ -117,8 +117,16 @@ def test_host_to_device(pinned: bool, chunks: int) -> None:
         torch.cuda._sleep(SLEEP)  # delays the copies: they fork from the caller's stream
         out = model(x)
         assert out.device.type == "cuda"
-        # The caller may overwrite its input as soon as the call returns.
-        x.fill_(float("nan"))
+        if pinned:
+            # As after x.to("cuda", non_blocking=True): the copies may still be
+            # queued, but freeing the input is safe -- its pinned block is not
+            # handed out again before they ran.
+            del x
+            junk = [torch.full((13, 32), float("nan")).pin_memory() for _ in range(4)]
+            del junk
+        else:
+            # A pageable input was staged during the call: overwriting it is safe at once.
+            x.fill_(float("nan"))
         assert torch.equal(out, expected)
     _assert_clean(torch.cuda.default_stream())
 
