@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from parallel_modules.timeline import KernelEvent, Timeline, save_timelines
+from parallel_modules.timeline import KernelEvent, Timeline, load_timelines, save_timelines
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -123,7 +123,7 @@ def test_timeline_committed(monkeypatch) -> None:
     text = run_notebook(NOTEBOOKS / "timeline.ipynb", monkeypatch)
     trace = NOTEBOOKS / "data" / "inception_timeline.json"
     if trace.exists():  # says when and where it was recorded, from the file itself
-        meta = json.loads(trace.read_text())["otherData"]
+        meta = next(iter(load_timelines(trace).values())).metadata
         assert f"recorded {meta['recorded']} on {meta['gpu']}" in text
     else:
         assert "No trace committed at notebooks/data/inception_timeline.json yet" in text
