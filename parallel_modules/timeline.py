@@ -19,16 +19,17 @@ Example::
     ...     tl = record_timeline(block, torch.randn(1, 192, 35, 35, device="cuda"))
     >>> print(tl.summary())
     >>> tl.plot()                                      # one row per stream (matplotlib)
-    >>> save_timelines("trace.json", tl)              # kernels only: a few kB
+    >>> save_timelines("trace.json", tl)              # kernels only: small enough to commit
     >>> load_timelines("trace.json")["Parallel"].overlap_fraction
 
 Kernels replayed from a CUDA graph are in the trace too: the profiler
-(Kineto) records CUPTI's per-kernel activity records, which include kernels
-launched by ``cudaGraphLaunch``, each with the stream it ran on (recent
-versions also add ``"graph id"``/``"graph node id"`` to the kernel's ``args``).
-The stream ids of graph kernels are the ones the driver ran the graph's
-branches on, which need not be the streams used during capture; the launch
-itself shows as one ``cudaGraphLaunch`` CPU-side event, not kept here.
+(Kineto) records CUPTI's per-kernel activity records, which include the
+kernels of a ``cudaGraphLaunch``, each with the stream CUPTI reports for it
+(recent versions also put ``"graph id"`` and ``"graph node id"`` in the
+kernel's ``args``). For graph kernels these stream ids are the ones the graph
+ran on, which need not be the streams used during capture. The launch itself
+is one ``cudaGraphLaunch`` runtime event on the CPU side, not kept here; nor
+are memory copies and sets, which are not kernels.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch
 
 __all__ = ["KernelEvent", "Timeline", "record_timeline", "load_timelines", "save_timelines"]
 
-PathLike = Union[str, "os.PathLike[str]"]
+_PathLike = Union[str, "os.PathLike[str]"]
 
 # Written into the compact files so that load_timelines can tell them from Kineto's traces.
 _FORMAT = "parallel_modules.timeline/1"
@@ -252,7 +253,7 @@ def _pyplot() -> Any:
 # Reading traces
 
 
-def _read_json(path: PathLike) -> Any:
+def _read_json(path: _PathLike) -> Any:
     path = os.fspath(path)
     opener = gzip.open if path.endswith(".gz") else open  # torch's tensorboard handler writes .json.gz
     with opener(path, "rt") as f:
@@ -323,7 +324,7 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
             for d in devices}
 
 
-def load_timelines(trace: PathLike | Mapping[str, Any] | list) -> dict[str, Timeline]:
+def load_timelines(trace: _PathLike | Mapping[str, Any] | list) -> dict[str, Timeline]:
     r"""Reads the GPU kernels of a Chrome trace, or of a file written by :func:`save_timelines`.
 
     Works without a GPU. Only kernel events are kept (memory copies, CPU
@@ -353,7 +354,7 @@ def load_timelines(trace: PathLike | Mapping[str, Any] | list) -> dict[str, Time
     return _timelines_from_trace(_read_json(trace), name or "trace")
 
 
-def save_timelines(path: PathLike, *timelines: Timeline, metadata: Mapping[str, Any] | None = None) -> None:
+def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str, Any] | None = None) -> None:
     r"""Writes timelines to a small JSON file: kernel events only, one process per timeline.
 
     The file is a valid Chrome trace (open it in ``chrome://tracing`` or
