@@ -32,10 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", metavar="PNG", help="also draw both timelines (needs matplotlib)")
     args = p.parse_args(argv)
 
+    if not torch.cuda.is_available():
+        print(f"make_timeline_trace: stream timelines need a CUDA GPU, and torch {torch.__version__} sees none; "
+              "run this on the GPU machine.", file=sys.stderr)
+        return 1
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     case = CASES["inception"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda"
     branches = case.branches(device, torch.float32)  # the same modules for both recordings
     x = case.make_input(args.batch, device, torch.float32)
     modules = {"eager sequential": SequentialBranches(branches, case.join, case.dim),
