@@ -1,0 +1,476 @@
+r"""See branches overlap: GPU kernels per CUDA stream, from a ``torch.profiler`` trace.
+
+A :class:`Timeline` holds the GPU kernels of a few calls of a module, each with
+the CUDA stream it ran on and its start and end time, and measures how much of
+the GPU's busy time had kernels running on two or more streams at once (see
+:attr:`Timeline.overlap_fraction`). It comes from one of two places:
+
+* :func:`record_timeline` profiles a module live (needs a CUDA GPU);
+* :func:`load_timelines` reads a Chrome trace written by
+  :meth:`torch.profiler.profile.export_chrome_trace`, or the compact file
+  written by :func:`save_timelines` -- this works anywhere, the CPU included,
+  so a trace recorded on a GPU machine can be committed and looked at later.
+
+Example::
+
+    >>> from parallel_modules.timeline import record_timeline, save_timelines, load_timelines
+    >>> block = Parallel(a, b, c, cuda_graph=True).cuda().eval()
+    >>> with torch.no_grad():
+    ...     tl = record_timeline(block, torch.randn(1, 192, 35, 35, device="cuda"))
+    >>> print(tl.summary())
+    >>> tl.plot()                                      # one row per stream (matplotlib)
+    >>> save_timelines("trace.json", tl)              # kernels only: small enough to commit
+    >>> load_timelines("trace.json")["Parallel"].overlap_fraction
+
+Kernels replayed from a CUDA graph are in the trace too: the profiler
+(Kineto) records CUPTI's per-kernel activity records, which include the
+kernels of a ``cudaGraphLaunch``, each with the stream CUPTI reports for it
+(recent versions also put ``"graph id"`` and ``"graph node id"`` in the
+kernel's ``args``). For graph kernels these stream ids are the ones the graph
+ran on, which need not be the streams used during capture. The launch itself
+is one ``cudaGraphLaunch`` runtime event on the CPU side, not kept here; nor
+are memory copies and sets, which are not kernels.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gzip
+import json
+import os
+import platform
+import tempfile
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
+
+import torch
+
+__all__ = ["KernelEvent", "Timeline", "record_timeline", "load_timelines", "save_timelines"]
+
+_PathLike = Union[str, "os.PathLike[str]"]
+
+# Written into the compact files so that load_timelines can tell them from Kineto's traces.
+_FORMAT = "parallel_modules.timeline/1"
+
+
+class KernelEvent(NamedTuple):
+    r"""One GPU kernel: its name, the CUDA stream and device it ran on, and when (microseconds)."""
+
+    name: str
+    stream: int
+    start_us: float
+    end_us: float
+    device: int = 0
+
+    @property
+    def duration_us(self) -> float:
+        return self.end_us - self.start_us
+
+
+def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    r"""Union of intervals as sorted, disjoint ``(start, end)`` pairs; empty intervals dropped."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _time_with_at_least(per_stream: Mapping[int, list[tuple[float, float]]], k: int) -> float:
+    r"""Total time during which at least ``k`` of the streams are busy.
+
+    ``per_stream`` holds each stream's merged (disjoint) intervals, so the count
+    of open intervals at a time is the number of busy streams.
+    """
+    edges = [(t, +1) for ivs in per_stream.values() for t, _ in ivs]
+    edges += [(t, -1) for ivs in per_stream.values() for _, t in ivs]
+    # Time accrues only between distinct edge times, so kernels that touch (one
+    # ends as the other starts) add no overlap, whatever the order at equal times.
+    edges.sort()
+    total, busy, since = 0.0, 0, 0.0
+    for t, step in edges:
+        if busy >= k:
+            total += t - since
+        busy += step
+        since = t
+    return total
+
+
+class Timeline:
+    r"""The GPU kernels of a profiled call, grouped by CUDA stream, and how much they overlap.
+
+    Times are in microseconds from the first kernel's start. Let ``n(t)`` be
+    the number of streams that have a kernel running at time ``t`` (several
+    kernels on one stream count once). Then
+
+    * :attr:`busy_us` is the time with ``n(t) >= 1``: the GPU runs something;
+    * :attr:`overlap_us` is the time with ``n(t) >= 2``;
+    * :attr:`overlap_fraction` is ``overlap_us / busy_us`` (``0.0`` without
+      kernels): the share of the GPU's busy time during which kernels of two
+      or more streams ran together. ``0`` means fully serial, values near
+      ``1`` mean streams almost always overlapped. Idle gaps (CPU-bound
+      launches, time between calls) are in neither, so the fraction does not
+      depend on how many calls were recorded or how far apart they were;
+    * :attr:`span_us` is the time from the first kernel's start to the last
+      kernel's end, and ``span_us - busy_us`` the GPU's idle time within it.
+
+    Intervals touching end to start do not overlap. Timelines are per GPU:
+    :func:`load_timelines` splits a trace with kernels on several devices.
+
+    Args:
+        kernels: the kernels, in any order.
+        label: a name for the recording, e.g. ``"eager sequential"``.
+        metadata: where and how it was recorded (GPU, versions, date, ...).
+
+    Example::
+
+        >>> tl = Timeline([KernelEvent("a", 7, 0.0, 10.0), KernelEvent("b", 13, 5.0, 15.0)])
+        >>> tl.busy_us, tl.overlap_us, tl.overlap_fraction
+        (15.0, 5.0, 0.3333333333333333)
+    """
+
+    def __init__(self, kernels: Iterable[KernelEvent], label: str = "trace",
+                 metadata: Mapping[str, Any] | None = None) -> None:
+        kernels = sorted(kernels, key=lambda k: (k.start_us, k.end_us, k.stream))
+        t0 = kernels[0].start_us if kernels else 0.0
+        self.kernels: list[KernelEvent] = [k._replace(start_us=k.start_us - t0, end_us=k.end_us - t0) for k in kernels]
+        self.label = label
+        self.metadata: dict[str, Any] = dict(metadata or {})
+
+    def __repr__(self) -> str:
+        return (f"Timeline({self.label!r}, kernels={len(self.kernels)}, streams={self.streams}, "
+                f"overlap_fraction={self.overlap_fraction:.3f})")
+
+    @property
+    def streams(self) -> list[int]:
+        r"""The CUDA stream ids that ran kernels, in order of their first kernel."""
+        return list(dict.fromkeys(k.stream for k in self.kernels))
+
+    def intervals(self) -> dict[int, list[tuple[float, float]]]:
+        r"""Per stream, the ``(start_us, end_us)`` intervals of its kernels, in start order."""
+        out: dict[int, list[tuple[float, float]]] = {s: [] for s in self.streams}
+        for k in self.kernels:
+            out[k.stream].append((k.start_us, k.end_us))
+        return out
+
+    def _busy(self) -> dict[int, list[tuple[float, float]]]:
+        return {s: _merge(ivs) for s, ivs in self.intervals().items()}
+
+    @property
+    def span_us(self) -> float:
+        return max((k.end_us for k in self.kernels), default=0.0)
+
+    @property
+    def busy_us(self) -> float:
+        return _time_with_at_least(self._busy(), 1)
+
+    @property
+    def overlap_us(self) -> float:
+        return _time_with_at_least(self._busy(), 2)
+
+    @property
+    def overlap_fraction(self) -> float:
+        busy = self._busy()
+        total = _time_with_at_least(busy, 1)
+        return _time_with_at_least(busy, 2) / total if total > 0 else 0.0
+
+    def summary(self) -> str:
+        r"""A few lines: kernels and busy time per stream, then span, busy, idle and overlap."""
+        if not self.kernels:
+            return f"{self.label}: no GPU kernels"
+        busy = self._busy()
+        lines = [f"{self.label}: {len(self.kernels)} kernels on {len(busy)} stream(s)"]
+        for s, ivs in busy.items():
+            n = sum(1 for k in self.kernels if k.stream == s)
+            lines.append(f"  stream {s:>4}: {n:4d} kernels, busy {sum(e - b for b, e in ivs):9.1f} us")
+        total = _time_with_at_least(busy, 1)
+        lines.append(f"  span {self.span_us:.1f} us, GPU busy {total:.1f} us, idle {self.span_us - total:.1f} us")
+        lines.append(f"  >= 2 streams at once: {self.overlap_us:.1f} us = {100 * self.overlap_fraction:.1f}% of busy time")
+        return "\n".join(lines)
+
+    def plot(self, ax: Any = None, *, title: str | None = None) -> Any:
+        r"""Draw the timeline, one row per stream, with matplotlib; returns the ``Axes``.
+
+        A grey band above the rows marks where two or more streams run at once.
+
+        Args:
+            ax: a matplotlib ``Axes`` to draw into; a new figure when ``None``.
+            title: the title; defaults to the label and the overlap fraction.
+        """
+        plt = _pyplot()
+        own_figure = ax is None
+        if own_figure:
+            _, ax = plt.subplots(figsize=(10, 0.6 * max(1, len(self.streams)) + 1.2))
+        streams = self.streams
+        colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+        for row, s in enumerate(streams):
+            bars = [(b, e - b) for b, e in self.intervals()[s]]
+            ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=colors[row % len(colors)], edgecolors="black",
+                           linewidth=0.3)
+        overlap = _overlap_intervals(self._busy())
+        if overlap:
+            ax.broken_barh([(b, e - b) for b, e in overlap], (-0.9, 0.3), facecolors="0.4")
+        ax.set_yticks([-0.75, *range(len(streams))], [">= 2 streams", *(f"stream {s}" for s in streams)])
+        ax.set_ylim(len(streams) - 0.5, -1.0)  # first stream on top, overlap band above it
+        ax.set_xlim(0, max(self.span_us, 1e-3))
+        ax.set_xlabel("time since first kernel (us)")
+        ax.set_title(title if title is not None else
+                     f"{self.label}: {100 * self.overlap_fraction:.0f}% of GPU busy time on >= 2 streams")
+        if own_figure:
+            ax.figure.tight_layout()
+        return ax
+
+
+def _overlap_intervals(per_stream: Mapping[int, list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    r"""The intervals during which at least two streams are busy (for the plot's band)."""
+    edges = sorted([(t, +1) for ivs in per_stream.values() for t, _ in ivs] +
+                   [(t, -1) for ivs in per_stream.values() for _, t in ivs])
+    out: list[tuple[float, float]] = []
+    busy, since = 0, 0.0
+    for t, step in edges:
+        if busy >= 2 and t > since:
+            out.append((since, t))
+        busy += step
+        since = t
+    return _merge(out)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("parallel_modules.timeline: plotting needs matplotlib, which is not installed: "
+                          "pip install matplotlib (or pip install 'parallel_modules[plot]')") from e
+    return plt
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading traces
+
+
+def _read_json(path: _PathLike) -> Any:
+    path = os.fspath(path)
+    opener = gzip.open if path.endswith(".gz") else open  # torch's tensorboard handler writes .json.gz
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _is_kernel(event: Mapping[str, Any]) -> bool:
+    # Kineto writes GPU kernels as complete ("X") events of category "kernel" ("Kernel" in old
+    # versions); memcpy/memset are "gpu_memcpy"/"gpu_memset", CPU ops "cpu_op", launches "cuda_runtime".
+    return event.get("ph") == "X" and str(event.get("cat", "")).lower() == "kernel"
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _kernel(event: Mapping[str, Any]) -> KernelEvent:
+    args = event.get("args") or {}
+    # Kineto puts the stream in args["stream"] and also uses it as the row ("tid"); the device
+    # is args["device"] and the row group ("pid").
+    stream = _int(args.get("stream", event.get("tid")), 0)
+    device = _int(args.get("device", event.get("pid")), 0)
+    start = float(event["ts"])
+    return KernelEvent(str(event.get("name", "?")), stream, start, start + float(event.get("dur", 0.0)), device)
+
+
+def _trace_metadata(trace: Mapping[str, Any]) -> dict[str, Any]:
+    r"""What a full Kineto trace says about where it was recorded."""
+    meta: dict[str, Any] = {}
+    props = trace.get("deviceProperties") or []
+    if props and isinstance(props[0], Mapping) and "name" in props[0]:
+        meta["gpu"] = props[0]["name"]
+    for key in ("cuda_runtime_version", "cuda_driver_version", "with_cuda_graphs"):
+        if key in trace:
+            meta[key] = trace[key]
+    return meta
+
+
+def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
+    if isinstance(trace, list):  # the JSON array format of Chrome traces
+        trace = {"traceEvents": trace}
+    if not isinstance(trace, Mapping) or not isinstance(trace.get("traceEvents"), list):
+        raise ValueError("parallel_modules.timeline: not a Chrome trace: expected a JSON object with a "
+                         f"'traceEvents' list (or a list of events), got {type(trace).__name__}")
+    other = trace.get("otherData") or {}
+    if other.get("format") == _FORMAT:  # our compact file: one process ("pid") per recording
+        meta = {k: v for k, v in other.items() if k not in ("format", "runs")}
+        runs = {int(r["pid"]): r for r in other.get("runs", [])}
+        by_pid: dict[int, list[KernelEvent]] = defaultdict(list)
+        for e in trace["traceEvents"]:
+            if _is_kernel(e):
+                by_pid[_int(e.get("pid"), 0)].append(_kernel(e))
+        out = {}
+        for pid in sorted(set(runs) | set(by_pid)):
+            run = runs.get(pid, {"label": f"run {pid}"})
+            out[run["label"]] = Timeline(by_pid.get(pid, []), run["label"],
+                                         {**meta, **{k: v for k, v in run.items() if k not in ("label", "pid")}})
+        return out
+    kernels = [_kernel(e) for e in trace["traceEvents"] if _is_kernel(e)]
+    meta = _trace_metadata(trace)
+    devices = sorted({k.device for k in kernels})
+    if len(devices) <= 1:
+        return {label: Timeline(kernels, label, meta)}
+    return {f"{label} cuda:{d}": Timeline([k for k in kernels if k.device == d], f"{label} cuda:{d}", meta)
+            for d in devices}
+
+
+def load_timelines(trace: _PathLike | Mapping[str, Any] | list) -> dict[str, Timeline]:
+    r"""Reads the GPU kernels of a Chrome trace, or of a file written by :func:`save_timelines`.
+
+    Works without a GPU. Only kernel events are kept (memory copies, CPU
+    operators and CUDA runtime calls are dropped).
+
+    Args:
+        trace: the path of a ``.json`` (or ``.json.gz``) trace -- a file from
+            ``prof.export_chrome_trace(path)`` or from :func:`save_timelines`
+            -- or the already parsed JSON.
+
+    Returns:
+        The timelines by label: for a compact file, one per recording saved in
+        it; for a profiler trace, one labelled with the file's name (one per
+        device if kernels ran on several GPUs). A trace without kernels gives a
+        timeline without kernels.
+
+    Example::
+
+        >>> prof.export_chrome_trace("trace.json")
+        >>> (tl,) = load_timelines("trace.json").values()
+    """
+    if isinstance(trace, (Mapping, list)):
+        return _timelines_from_trace(trace, "trace")
+    name = os.path.basename(os.fspath(trace))
+    for suffix in (".gz", ".json", ".pt.trace"):
+        name = name[: -len(suffix)] if name.endswith(suffix) else name
+    return _timelines_from_trace(_read_json(trace), name or "trace")
+
+
+def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str, Any] | None = None) -> None:
+    r"""Writes timelines to a small JSON file: kernel events only, one process per timeline.
+
+    The file is a valid Chrome trace (open it in ``chrome://tracing`` or
+    Perfetto: each timeline is a process, each stream a thread) and
+    :func:`load_timelines` reads it back with labels and metadata. Each
+    timeline's metadata is kept with it; ``metadata`` applies to the file.
+
+    Args:
+        path: where to write.
+        *timelines: the timelines, with distinct labels.
+        metadata: extra facts about the whole file (e.g. what was recorded).
+    """
+    labels = [t.label for t in timelines]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"save_timelines: timeline labels must be distinct to be told apart, got {labels}")
+    events: list[dict[str, Any]] = []
+    runs = []
+    for pid, tl in enumerate(timelines):
+        runs.append({"label": tl.label, "pid": pid, **tl.metadata})
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": tl.label}})
+        for s in tl.streams:
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": s, "args": {"name": f"stream {s}"}})
+        for k in tl.kernels:
+            events.append({"ph": "X", "cat": "kernel", "name": k.name, "pid": pid, "tid": k.stream,
+                           "ts": round(k.start_us, 3), "dur": round(k.duration_us, 3),
+                           "args": {"stream": k.stream, "device": k.device}})
+    doc = {"otherData": {"format": _FORMAT, **dict(metadata or {}), "runs": runs},
+           "displayTimeUnit": "ms", "traceEvents": events}
+    with open(os.fspath(path), "w") as f:
+        json.dump(doc, f, indent=0, separators=(",", ":"))
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Recording
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    return {"recorded": datetime.datetime.now().isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version()}
+
+
+def _cuda_device(args: Sequence[Any], kwargs: Mapping[str, Any], module: Any) -> torch.device | None:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if isinstance(module, torch.nn.Module):
+        tensors += list(module.parameters())[:1]
+    for t in tensors:
+        if t.is_cuda:
+            return t.device
+    return None
+
+
+def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, calls: int = 3,
+                    label: str | None = None, **kwargs: Any) -> Timeline:
+    r"""Profiles ``calls`` calls of ``module(*args, **kwargs)`` and returns their GPU kernels.
+
+    The ``warmup`` calls run first, outside the profiler, so that lazy
+    initialisation, cuDNN's choices, the stream tuning of
+    ``Parallel(streams="auto")`` (its first 26 calls per input signature) and
+    CUDA graph capture are not in the timeline. The recorded calls are then
+    run back to back under :class:`torch.profiler.profile` with CUDA activity,
+    followed by a synchronisation, and the trace is read like
+    :func:`load_timelines` reads a file. Grad mode is the caller's: wrap the
+    call in ``torch.no_grad()`` to record inference.
+
+    Stream timelines need CUDA: without a CUDA GPU, or when no argument nor
+    parameter is on a CUDA device, this raises ``RuntimeError`` rather than
+    return an empty timeline. A trace recorded on a GPU can be read anywhere
+    with :func:`load_timelines`.
+
+    Args:
+        module: the module (or any callable) to profile.
+        *args, **kwargs: its inputs.
+        warmup: calls before profiling. Default: ``30``.
+        calls: profiled calls. Default: ``3``.
+        label: the timeline's label. Default: the module's class name.
+
+    Example::
+
+        >>> with torch.no_grad():
+        ...     tl = record_timeline(block, x)
+        >>> tl.overlap_fraction
+    """
+    name = label or type(module).__name__
+    if calls < 1:
+        raise ValueError(f"record_timeline: calls must be >= 1, got {calls}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"record_timeline({name}): stream timelines need a CUDA GPU, and torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}). On the CPU branches run one after another, so there is no timeline "
+            "to record; read a trace recorded on a GPU with parallel_modules.timeline.load_timelines(path).")
+    device = _cuda_device(args, kwargs, module)
+    if device is None:
+        raise RuntimeError(
+            f"record_timeline({name}): no input and no parameter is on a CUDA device, so the call would run no "
+            "GPU kernels. Move the module and its inputs to CUDA first, e.g. module.cuda(), x.cuda().")
+    from torch.profiler import ProfilerActivity, profile
+
+    if ProfilerActivity.CUDA not in torch.profiler.supported_activities():
+        raise RuntimeError(f"record_timeline({name}): this torch build's profiler cannot record CUDA activity")
+    for _ in range(warmup):
+        module(*args, **kwargs)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            module(*args, **kwargs)
+        torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        trace = _read_json(path)
+    kernels = [_kernel(e) for e in trace["traceEvents"] if _is_kernel(e)]
+    kernels = [k for k in kernels if k.device == device.index] or kernels
+    meta = {**_environment(device), "calls": calls, "warmup": warmup, **_trace_metadata(trace)}
+    if not kernels:
+        raise RuntimeError(f"record_timeline({name}): the profiler recorded no GPU kernels in {calls} call(s) "
+                           "on " + str(device) + ". Does the module run on CUDA?")
+    return Timeline(kernels, name, meta)

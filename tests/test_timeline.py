@@ -1,0 +1,280 @@
+"""The profiling helper: kernels per stream, overlap, plots, traces saved and loaded.
+
+The interval logic is checked on the CPU with synthetic traces in Kineto's Chrome-trace layout
+whose answers are worked out by hand below, and against a brute-force count on random traces.
+The ``cuda`` tests record real ``Parallel`` calls and are run on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parallel_modules import Parallel
+from parallel_modules._cases import CASES, SequentialBranches
+from parallel_modules.timeline import KernelEvent, Timeline, load_timelines, record_timeline, save_timelines
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T0 = 1_000_000.5  # traces count from an arbitrary origin; timelines count from their first kernel
+
+
+def kernel(name: str, stream: int, start: float, end: float, device: int = 0) -> dict:
+    # The fields Kineto writes for a GPU kernel (libkineto output_json.cpp / CuptiActivity.cpp).
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": device, "tid": stream, "ts": T0 + start,
+            "dur": end - start, "args": {"device": device, "stream": stream, "correlation": 1, "grid": [1, 1, 1]}}
+
+
+def noise() -> list[dict]:
+    r"""Events of a real trace that are not kernels and overlap everything: must be ignored."""
+    return [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::conv2d", "pid": 99, "tid": 99, "ts": T0 - 5, "dur": 100.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 99, "tid": 99, "ts": T0, "dur": 50.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "pid": 0, "tid": 7, "ts": T0 + 1, "dur": 30.0,
+         "args": {"device": 0, "stream": 7}},
+        {"ph": "f", "id": 1, "pid": 0, "tid": 7, "ts": T0, "cat": "ac2g", "name": "ac2g", "bp": "e"},
+        {"name": "thread_name", "ph": "M", "ts": T0, "pid": 0, "tid": 7, "args": {"name": "stream 7"}},
+        {"name": "Record Window End", "ph": "i", "s": "g", "pid": "", "tid": "", "ts": T0 + 99},
+    ]
+
+
+def hand_trace() -> dict:
+    r"""Three streams; the answers, worked out by hand (times relative to the first kernel):
+
+    stream 7:  [0, 10], [2, 4] (inside the first: counts once), [12, 20]   busy 18
+    stream 13: [5, 15]                                                     busy 10
+    stream 21: [14, 16], [20, 25] (starts as stream 7 ends: no overlap)    busy 7
+    busy (>= 1 stream): [0, 25]                          = 25
+    >= 2 streams:       [5, 10] + [12, 16]               = 5 + 4 = 9
+    >= 3 streams:       [14, 15]                         = 1
+    overlap fraction    9 / 25                           = 0.36
+    """
+    events = [kernel("a", 7, 0, 10), kernel("a_inner", 7, 2, 4), kernel("b", 13, 5, 15), kernel("c", 7, 12, 20),
+              kernel("d", 21, 14, 16), kernel("e", 21, 20, 25), kernel("empty", 13, 30, 30)]
+    return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "Test GPU"}],
+            "traceEvents": noise() + events[::-1]}
+
+
+def test_overlap_of_hand_computed_trace() -> None:
+    (tl,) = load_timelines(hand_trace()).values()
+    assert tl.streams == [7, 13, 21]
+    assert len(tl.kernels) == 7
+    assert tl.intervals() == {7: [(0, 10), (2, 4), (12, 20)], 13: [(5, 15), (30, 30)], 21: [(14, 16), (20, 25)]}
+    assert tl.busy_us == 25
+    assert tl.overlap_us == 9
+    assert tl.overlap_fraction == pytest.approx(0.36)
+    assert tl.span_us == 30  # the zero-length kernel ends the span but adds no busy time
+    assert tl.metadata["gpu"] == "Test GPU"
+    assert "36.0% of busy time" in tl.summary()
+
+
+def test_serial_streams_do_not_overlap() -> None:
+    # Back to back on two streams (each starts as the other ends), as a sequential schedule does.
+    tl = Timeline([KernelEvent("a", 1, 0, 4), KernelEvent("b", 2, 4, 6), KernelEvent("c", 1, 6, 9)])
+    assert (tl.busy_us, tl.overlap_us, tl.overlap_fraction) == (9, 0, 0.0)
+    assert Timeline([]).overlap_fraction == 0.0 and "no GPU kernels" in Timeline([]).summary()
+
+
+def brute_force(kernels: list[KernelEvent]) -> tuple[int, int]:
+    r"""Busy and >=2-stream time on an integer grid: count the streams busy in each unit cell."""
+    busy = overlap = 0
+    for t in range(max(k.end_us for k in kernels)):
+        n = len({k.stream for k in kernels if k.start_us <= t and t + 1 <= k.end_us})
+        busy += n >= 1
+        overlap += n >= 2
+    return busy, overlap
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_overlap_matches_brute_force_on_random_traces(seed: int) -> None:
+    rng = random.Random(seed)
+    kernels = []
+    for _ in range(rng.randint(1, 25)):
+        start = rng.randint(0, 60)
+        kernels.append(KernelEvent("k", rng.choice([3, 5, 8, 13]), start, start + rng.randint(0, 12)))
+    tl = Timeline(kernels)
+    t0 = min(k.start_us for k in kernels)
+    busy, overlap = brute_force([k._replace(start_us=k.start_us - t0, end_us=k.end_us - t0) for k in kernels])
+    assert (tl.busy_us, tl.overlap_us) == (busy, overlap)
+
+
+def test_load_from_json_and_gzip_files(tmp_path) -> None:
+    plain, packed = tmp_path / "run.json", tmp_path / "run.pt.trace.json.gz"
+    plain.write_text(json.dumps(hand_trace()))
+    with gzip.open(packed, "wt") as f:
+        json.dump(hand_trace(), f)
+    for path, label in ((plain, "run"), (packed, "run")):
+        (name, tl), = load_timelines(path).items()
+        assert name == tl.label == label
+        assert (tl.busy_us, tl.overlap_us) == (25, 9)
+    # Chrome's JSON array format: a bare list of events.
+    (tl,) = load_timelines(hand_trace()["traceEvents"]).values()
+    assert tl.overlap_us == 9
+
+
+def test_kernels_on_two_devices_give_two_timelines() -> None:
+    trace = {"traceEvents": [kernel("a", 7, 0, 10, device=0), kernel("b", 7, 5, 15, device=1),
+                             kernel("c", 9, 5, 15, device=1)]}
+    tls = load_timelines(trace)
+    assert sorted(tls) == ["trace cuda:0", "trace cuda:1"]
+    assert tls["trace cuda:0"].overlap_us == 0  # same stream id on another GPU is not concurrency here
+    assert tls["trace cuda:1"].overlap_us == 10
+
+
+def test_not_a_trace_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a Chrome trace.*traceEvents"):
+        load_timelines({"events": []})
+
+
+def test_compact_file_round_trip(tmp_path) -> None:
+    (full,) = load_timelines(hand_trace()).values()
+    serial = Timeline([KernelEvent("x" * 300, 7, 0, 4), KernelEvent("y", 7, 4, 9)], "eager sequential",
+                      {"gpu": "Test GPU", "calls": 3})
+    full.label = "Parallel"
+    path = tmp_path / "compact.json"
+    save_timelines(path, serial, full, metadata={"recorded": "2026-01-02T03:04:05", "case": "hand"})
+    doc = json.loads(path.read_text())
+    # Kernels only (plus the names of rows), and a valid Chrome trace: one process per timeline.
+    assert {e["ph"] for e in doc["traceEvents"]} == {"X", "M"}
+    assert all(e["cat"] == "kernel" for e in doc["traceEvents"] if e["ph"] == "X")
+    assert sorted({e["pid"] for e in doc["traceEvents"]}) == [0, 1]
+    loaded = load_timelines(path)
+    assert list(loaded) == ["eager sequential", "Parallel"]
+    for before in (serial, full):
+        after = loaded[before.label]
+        assert [(k.name, k.stream, k.device) for k in after.kernels] == [(k.name, k.stream, k.device)
+                                                                          for k in before.kernels]
+        assert [k.start_us for k in after.kernels] == pytest.approx([k.start_us for k in before.kernels])
+        assert (after.busy_us, after.overlap_us) == pytest.approx((before.busy_us, before.overlap_us))
+    assert loaded["eager sequential"].metadata == {"recorded": "2026-01-02T03:04:05", "case": "hand",
+                                                   "gpu": "Test GPU", "calls": 3}
+    assert loaded["Parallel"].metadata["gpu"] == "Test GPU"  # from the trace it was loaded from
+
+
+def test_save_refuses_duplicate_labels(tmp_path) -> None:
+    with pytest.raises(ValueError, match="distinct.*'a', 'a'"):
+        save_timelines(tmp_path / "x.json", Timeline([], "a"), Timeline([], "a"))
+
+
+def test_real_cpu_profiler_trace_loads_without_kernels(tmp_path) -> None:
+    # Kineto's own file, as written on this machine: CPU operators only, no GPU kernels.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        Parallel(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))(torch.randn(2, 8))
+    path = tmp_path / "cpu.json"
+    prof.export_chrome_trace(str(path))
+    assert any(e.get("cat") == "cpu_op" for e in json.loads(path.read_text())["traceEvents"])
+    (tl,) = load_timelines(path).values()
+    assert tl.kernels == [] and tl.streams == [] and tl.overlap_fraction == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+def test_record_without_cuda_says_so() -> None:
+    block = Parallel(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match=r"record_timeline\(Parallel\): stream timelines need a CUDA GPU"):
+        record_timeline(block, torch.randn(2, 4))
+
+
+def test_plot_one_row_per_stream() -> None:
+    try:  # in the test extra: fail rather than skip where it is missing, as CI must run this
+        import matplotlib
+    except ImportError:
+        if os.environ.get("PARALLEL_MODULES_ALLOW_MISSING_EXTRAS"):
+            pytest.skip("matplotlib missing and PARALLEL_MODULES_ALLOW_MISSING_EXTRAS is set")
+        raise
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (tl,) = load_timelines(hand_trace()).values()
+    ax = tl.plot()
+    try:
+        assert [t.get_text() for t in ax.get_yticklabels()] == [">= 2 streams", "stream 7", "stream 13", "stream 21"]
+        bars = [len(c.get_paths()) for c in ax.collections]
+        # One bar per kernel on each stream's row, then the band where >= 2 streams run:
+        # [5, 10] and [12, 16].
+        assert bars == [3, 2, 2, 2]
+        band = ax.collections[-1].get_paths()
+        assert [tuple(p.get_extents().intervalx) for p in band] == [(5, 10), (12, 16)]
+        assert "36%" in ax.get_title()
+    finally:
+        plt.close(ax.figure)
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    with pytest.raises(ImportError, match="plotting needs matplotlib.*pip install"):
+        Timeline([KernelEvent("a", 1, 0, 1)]).plot()
+
+
+def test_tool_without_cuda_exits_with_the_message(tmp_path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the message given without CUDA")
+    out = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_timeline_trace.py"), str(out)],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode != 0
+    assert "need a CUDA GPU" in proc.stderr
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------- CUDA
+
+
+def inception():
+    case = CASES["inception"]
+    branches = case.branches("cuda", torch.float32)
+    x = case.make_input(1, "cuda", torch.float32)
+    return branches, x
+
+
+@pytest.mark.cuda
+def test_record_streams_true_runs_on_several_streams() -> None:
+    branches, x = inception()
+    with torch.no_grad():
+        seq = record_timeline(SequentialBranches(branches), x, warmup=3)
+        par = record_timeline(Parallel(*branches, streams=True), x, warmup=3)
+    assert len(seq.streams) == 1, seq.summary()
+    assert len(par.streams) >= 2, par.summary()
+    assert par.label == "Parallel" and par.metadata["gpu"] == torch.cuda.get_device_name()
+    # Same convolutions either way: about as many kernels (the join may differ by a copy).
+    assert abs(len(par.kernels) - len(seq.kernels)) <= 3 * 3, (seq.summary(), par.summary())
+
+
+@pytest.mark.cuda
+def test_record_cuda_graph_replay_shows_kernels_on_several_streams(tmp_path) -> None:
+    branches, x = inception()
+    with torch.no_grad():
+        tl = record_timeline(Parallel(*branches, cuda_graph=True), x, calls=3)
+    # Kernels replayed from the graph are in the trace, on more than one stream.
+    assert len(tl.kernels) >= 3 * 4, tl.summary()
+    assert len(tl.streams) >= 2, tl.summary()
+    path = tmp_path / "graph.json"
+    save_timelines(path, tl)
+    (back,) = load_timelines(path).values()
+    assert back.overlap_fraction == pytest.approx(tl.overlap_fraction, abs=1e-6)
+    assert back.metadata["gpu"] == torch.cuda.get_device_name()
+
+
+@pytest.mark.cuda
+def test_record_refuses_a_cpu_call_on_a_gpu_machine() -> None:
+    with pytest.raises(RuntimeError, match="no input and no parameter is on a CUDA device"):
+        record_timeline(Parallel(torch.nn.Linear(4, 4)), torch.randn(2, 4))
+
+
+@pytest.mark.cuda
+def test_tool_writes_both_recordings(tmp_path) -> None:
+    out = tmp_path / "inception.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_timeline_trace.py"), str(out)],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr
+    runs = load_timelines(out)
+    assert list(runs) == ["eager sequential", "Parallel(cuda_graph=True)"]
+    assert len(runs["eager sequential"].streams) == 1
+    assert len(runs["Parallel(cuda_graph=True)"].streams) >= 2
+    assert os.path.getsize(out) < 200_000
