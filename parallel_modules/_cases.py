@@ -92,10 +92,11 @@ class Case:
     quick: bool = True
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     trunk: Callable[[], nn.Module] | None = None
+    train: bool = False  # time a training step (forward, backward, SGD step) instead of inference
 
     def branches(self, device, dtype) -> list[nn.Module]:
         torch.manual_seed(0)
-        return [b.to(device=device, dtype=dtype).eval() for b in self.build()]
+        return [b.to(device=device, dtype=dtype).train(self.train) for b in self.build()]
 
     def make_input(self, batch: int, device, dtype) -> torch.Tensor:
         return torch.randn(self.input_shape(batch), device=device, dtype=dtype)
@@ -164,6 +165,7 @@ CASES: dict[str, Case] = {
     for c in [
         Case("mlp8", lambda: mlp_branches(8), lambda b: (b, 256), (8,)),
         Case("mlp16", lambda: mlp_branches(16), lambda b: (b, 256), (8,), quick=False),
+        Case("mlp8-train", lambda: mlp_branches(8), lambda b: (b, 256), (8,), train=True),
         Case("inception", inception_branches, lambda b: (b, 192, 35, 35), (1, 8, 64),
              dtypes=(torch.float32, torch.float16)),
         Case("conv4", conv_branches, lambda b: (b, 64, 56, 56), (1, 8)),

@@ -338,9 +338,14 @@ class _Replay(torch.autograd.Function):
                     static.copy_(g)
             assert graph.bwd is not None
             graph.bwd.replay()
-            # Clones: autograd may keep a returned gradient as a parameter's
+            # Copies: autograd may keep a returned gradient as a parameter's
             # .grad, which must not alias memory the next replay overwrites.
-            result = tuple(g.clone() if g is not None else None for g in graph.grad_inputs)
+            # One multi-tensor launch for all of them (``x * 1`` is exact)
+            # instead of a clone per parameter, which cost more CPU time than
+            # both replays together on an 8-branch MLP.
+            present = [g for g in graph.grad_inputs if g is not None]
+            copies = iter(torch._foreach_mul(present, 1.0) if present else ())
+            result = tuple(next(copies) if g is not None else None for g in graph.grad_inputs)
         return (None, None) + result
 
 

@@ -17,6 +17,7 @@ graph: no schedule of the branches can beat it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import inspect
 import json
@@ -90,6 +91,42 @@ def _modes(case: Case, device: torch.device, dtype: torch.dtype, x: torch.Tensor
         modes["compile reduce-overhead"] = torch.compile(SequentialBranches(branches, case.join, case.dim),
                                                          mode="reduce-overhead")
     return modes
+
+
+def _train_modes(case: Case, device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
+    r"""Training steps (zero_grad, forward, backward, SGD step), each mode on its own copy of the branches."""
+    def step(model: nn.Module) -> Callable:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def run(x: torch.Tensor) -> nn.Module:
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+            return model
+
+        return run
+
+    def parallel(**kw: Any) -> nn.Module:
+        return Parallel(*case.branches(device, dtype), join=case.join, dim=case.dim, **kw)
+
+    modes = {"eager seq": step(SequentialBranches(case.branches(device, dtype), case.join, case.dim)),
+             "eager Parallel": step(parallel()), "eager Parallel fused": step(parallel(fuse=True))}
+    if device.type == "cuda":
+        modes["graph Parallel"] = step(parallel(cuda_graph=True))
+        modes["graph Parallel fused"] = step(parallel(cuda_graph=True, fuse=True))
+    return modes
+
+
+def _check_training(name: str, model: nn.Module, ref: nn.Module, dtype: torch.dtype) -> str:
+    r"""Parameters after the same steps as the sequential module: equal, or close for fused modes."""
+    tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
+    params, expected = list(model.parameters()), list(ref.parameters())
+    if "fuse" not in name and all(torch.equal(p, e) for p, e in zip(params, expected)):
+        return "equal"
+    if all(torch.allclose(p, e, rtol=tol, atol=tol) for p, e in zip(params, expected)):
+        return f"close({tol:g})"
+    err = max((p - e).abs().max().item() for p, e in zip(params, expected))
+    raise AssertionError(f"bench: training mode {name!r} differs from the sequential module (max abs error {err:.3g})")
 
 
 def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
@@ -180,21 +217,33 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
     cuda = device.type == "cuda"
     x = case.make_input(batch, device, dtype)
     pipeline = isinstance(case, PipelineCase)
-    with torch.no_grad():
-        modes = _pipeline_modes(case, device, dtype) if pipeline else _modes(case, device, dtype, x, quick)
-        ref = modes["eager seq"](x)
-        checks = {}
-        for name, fn in modes.items():
-            for _ in range(40 if cuda else 2):  # warm-up: lazy init, stream tuning (26 calls), capture, compilation
-                out = fn(x)
-            # Pipelines: micro-batches may pick other kernels than the whole
-            # batch, and transposed convolutions are not deterministic.
-            checks[name] = "reference" if name == "eager seq" else _check(name, out, ref, dtype, not pipeline)
+    train = not pipeline and case.train
+    with torch.no_grad() if not train else contextlib.nullcontext():
+        if train:
+            modes = _train_modes(case, device, dtype)
+            # The same steps on the same inputs in every mode, then compare parameters.
+            inputs = [case.make_input(batch, device, dtype) for _ in range(3)]
+            trained = {name: [fn(xi) for xi in inputs][-1] for name, fn in modes.items()}
+            checks = {name: "reference" if name == "eager seq" else
+                      _check_training(name, m, trained["eager seq"], dtype) for name, m in trained.items()}
+            for fn in modes.values():
+                for _ in range(40 if cuda else 2):  # warm-up, as below
+                    fn(x)
+        else:
+            modes = _pipeline_modes(case, device, dtype) if pipeline else _modes(case, device, dtype, x, quick)
+            ref = modes["eager seq"](x)
+            checks = {}
+            for name, fn in modes.items():
+                for _ in range(40 if cuda else 2):  # warm-up: lazy init, stream tuning, capture, compilation
+                    out = fn(x)
+                # Pipelines: micro-batches may pick other kernels than the whole
+                # batch, and transposed convolutions are not deterministic.
+                checks[name] = "reference" if name == "eager seq" else _check(name, out, ref, dtype, not pipeline)
         samples: dict[str, list[float]] = {name: [] for name in modes}
         for _ in range(reps):  # interleaved: every mode sees the same conditions
             for name, fn in modes.items():
                 samples[name].append(_sample(fn, x, group, cuda))
-        floor = _floor(case, device, dtype, x) if cuda and not pipeline else None
+        floor = _floor(case, device, dtype, x) if cuda and not pipeline and not train else None
         parts = _copy_and_compute(case, device, dtype, x, group) if cuda and pipeline and case.host_input else {}
     result: dict[str, Any] = {"case": case.name, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
                               "shape": list(x.shape), "floor_us": floor and floor * 1e6, **parts, "modes": {}}
