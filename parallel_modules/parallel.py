@@ -12,6 +12,7 @@ from ._autotune import _StreamTuner
 from ._graphs import _capture_underway, _CudaGraphs, _graphing
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
+from ._placement import _UNPLACED, _place
 from ._streams import _current_stream, _is_tracing, _run_forked
 
 __all__ = ["Parallel"]
@@ -198,6 +199,7 @@ class Parallel(nn.Module):
         graphs captured anew."""
         self._tuner = _StreamTuner(on_decided=self._plans_set)
         self._plans: dict[Hashable, bool] = {}
+        self._placement: Any = _UNPLACED  # which device each branch runs on: _placement.py
         graphs = self.__dict__.get("_graphs")
         if graphs is not None:
             graphs.clear()
@@ -324,6 +326,11 @@ class Parallel(nn.Module):
         return _join_outputs(type(self).__name__, self.join, self.dim, self._modules, outputs)
 
     def _outputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        placement = self._placement
+        if placement is not None:  # branches on several devices, or not looked at yet
+            placement = _place(self) if placement is _UNPLACED else placement
+            if placement is not None:
+                return placement.run(self, args, kwargs)
         if _is_tracing():
             # Compilers see the branches one after the other and schedule them.
             return self._run(args, kwargs)
