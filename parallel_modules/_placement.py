@@ -43,6 +43,13 @@ Streams and events for remote branch ``k`` on device ``d`` (caller's device
   parameters) cannot overtake the branch. Both joins are made whatever
   happened, so an exception in a branch leaves no stream running ahead.
 
+Remote branches are issued first, each whole (copy in, branch, copy out), then
+the local ones, so the remote devices are busy while the caller's device works.
+While a remote branch runs, its device is the current device and ``S_k`` that
+device's current stream, so code in the branch that relies on the current
+device (``device="cuda"``, ``torch.cuda.current_stream()``) addresses its own
+device; the caller's current device and streams are restored afterwards.
+
 Memory lifetime, without a synchronisation:
 
 * the input ``x`` belongs to ``C``'s pool and is read on ``T_k``; ``C`` waits
@@ -168,8 +175,6 @@ class _Placement:
         where: the placement in words, for error messages.
     """
 
-    __slots__ = ("names", "homes", "where")
-
     def __init__(self, names: list[str], homes: list[torch.device | None], where: str) -> None:
         self.names = names
         self.homes = homes
@@ -199,7 +204,10 @@ class _Placement:
             )
         if module.streams is False:
             return self._one_by_one(module, device, args, kwargs)
-        return self._forked(module, device, args, kwargs)
+        # Making a stream current also makes its device current (torch._C._cuda_setStream):
+        # the device context puts the caller's current device back at the end.
+        with torch.cuda.device(device):
+            return self._forked(module, device, args, kwargs)
 
     # ------------------------------------------------------------ one by one
     def _one_by_one(self, module: "Parallel", device: torch.device, args: tuple, kwargs: dict) -> list[Any]:
@@ -280,11 +288,11 @@ class _Placement:
                 lane.wait_event(fork_c)
                 _set_stream(side)  # current on the branch's device
                 side.wait_event(fork_d)
+                torch.cuda.set_device(home)  # code in the branch sees its own device as current
                 launched.append(i)
                 try:
-                    with torch.cuda.device(home):
-                        a, k = _to((args, kwargs), home)  # copied on the lane; the branch waits for it
-                        out = branches[i](*a, **k)
+                    a, k = _to((args, kwargs), home)  # copied on the lane; the branch waits for it
+                    out = branches[i](*a, **k)
                     outputs[i] = _to(out, device)  # copied on the branch's stream; the lane waits for it
                 except Exception as e:
                     raise module._branch_error(e, i)
@@ -324,10 +332,10 @@ class _Placement:
                 raise module._branch_error(e, local[k])
 
         calls = [branches[i] for i in local]
-        with torch.cuda.device(device):
-            if len(calls) == 1:
-                results = [run(0, calls[0])]
-            else:
-                results = _run_forked(calls, device, run)
+        torch.cuda.set_device(device)  # restored by run()
+        if len(calls) == 1:
+            results = [run(0, calls[0])]
+        else:
+            results = _run_forked(calls, device, run)
         for i, out in zip(local, results):
             outputs[i] = out

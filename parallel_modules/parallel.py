@@ -147,6 +147,17 @@ class Parallel(nn.Module):
         in any order on the GPU. Outputs produced on side streams are safe to
         keep, free or use on the caller's stream (they are marked with
         :meth:`torch.Tensor.record_stream`).
+
+    .. note::
+        Branches may live on different GPUs, e.g.
+        ``Parallel(a.to("cuda:0"), b.to("cuda:1"))``: each branch runs on the
+        device of its parameters, on a copy of the input made there on a side
+        stream of that device, and its outputs are copied back to the input's
+        device before the join (``streams=False``: one device after the other).
+        Gradients flow back through the copies. Branches without parameters run
+        on the input's device. Refused: ``cuda_graph=True`` with such branches
+        (graph each device's branches in a ``Parallel`` of its own instead), and
+        CPU branches next to CUDA ones.
     """
 
     _modules: dict[str, nn.Module]  # type: ignore[assignment]

@@ -166,13 +166,17 @@ def test_caller_on_side_stream_of_each_device():
     s0, s1 = torch.cuda.Stream(D0), torch.cuda.Stream(D1)
     with torch.no_grad():
         p(torch.randn(8, 32, device=D0))
-        with torch.cuda.stream(s0), torch.cuda.stream(s1):
+        # (Entering a stream context also makes its device current: s0 last, so cuda:0.)
+        with torch.cuda.stream(s1), torch.cuda.stream(s0):
+            assert torch.cuda.current_device() == 0
             base = torch.randn(64, 32, device=D0)
             torch.cuda._sleep(SLEEP)  # on s0: the input below is produced late
             x = base * 2
             out = p(x)
             assert torch.cuda.current_stream(D0) == s0 and torch.cuda.current_stream(D1) == s1
-        torch.cuda.synchronize()
+            assert torch.cuda.current_device() == 0
+        torch.cuda.synchronize(D0)
+        torch.cuda.synchronize(D1)
         assert_same(out, placed_reference(p, x))
 
 
