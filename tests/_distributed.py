@@ -239,8 +239,20 @@ def _train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
             "sleep_on_side_stream": list(_SleepInBackward.streams), "error": None}
 
 
+def _die_with_parent() -> None:
+    r"""Ask Linux to kill this process if the test process dies (``timeout`` kills only it)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass  # not Linux: run()'s deadline still applies while the test process lives
+
+
 def _worker(rank: int, world: int, port: int, backend: str, configs: list[dict], out_dir: str,
             timeout_s: float) -> None:
+    _die_with_parent()
     for k, v in NCCL_ENV.items():
         os.environ.setdefault(k, v)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -49,7 +49,7 @@ from parallel_modules import Parallel
 from parallel_modules._cases import SequentialBranches, mlp_branches
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-DEADLINE_S = 240
+DEADLINE_S = 120
 
 
 def _log(msg: str) -> None:
@@ -146,6 +146,13 @@ class _Net(nn.Module):
 
 
 def _ddp_worker(rank: int, world: int, port: int, steps: int, rounds: int, out_dir: str) -> None:
+    try:  # die with the parent, should `timeout` kill it (Linux)
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    except Exception:
+        pass
     for k, v in NCCL_ENV.items():
         os.environ.setdefault(k, v)
     torch.cuda.set_device(rank)
