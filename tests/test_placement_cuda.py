@@ -5,8 +5,9 @@ running each branch on its own device one after the other:
 ``branch(x.to(branch_device)).to(x.device)``, joined as the plain expression would join
 them. Gradients upstream of the fork are compared within fp32 rounding (rtol=1e-5,
 atol=1e-6): the autograd engine adds the branches' contributions in whatever order its
-per-device threads deliver them, in the reference too. Delay tests use ``torch.cuda._sleep`` so that a missing event wait or join would
-almost surely let a kernel read data before it is written.
+per-device threads deliver them, in the reference too (and parameters follow them after
+the first step). Delay tests use ``torch.cuda._sleep`` so that a missing event wait or
+join would almost surely let a kernel read data before it is written.
 """
 
 from __future__ import annotations
