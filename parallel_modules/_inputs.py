@@ -59,22 +59,17 @@ def _module_devices(module: nn.Module) -> set[torch.device]:
 
 
 def _check_devices(owner: str, names: Iterable[str], children: Iterable[nn.Module], device: torch.device) -> None:
-    r"""Refuse inputs on another device than the parameters, and mixed placements.
+    r"""Refuse inputs on another device than the parameters.
 
     Caught here, once per input signature, the error can name the branch; left
     to the first kernel, it would say only "Expected all tensors to be on the
-    same device".
+    same device". (Branches on several devices never get here: ``_placement``
+    runs them.)
     """
     seen: dict[torch.device, str] = {}
     for name, child in zip(names, children):
         for d in _module_devices(child):
             seen.setdefault(d, name)
-    if len(seen) > 1:
-        where = ", ".join(f"branch {n!r} on {d}" for d, n in seen.items())
-        raise RuntimeError(
-            f"{owner}: branches have parameters on different devices ({where}); all branches "
-            f"must live on one device. Move them with {owner.split('(')[0]}.to(device)."
-        )
     for d, name in seen.items():
         if d.type != device.type or (d.index is not None and device.index is not None and d.index != device.index):
             raise RuntimeError(

@@ -14,6 +14,7 @@ from ._fusion import _Fusion, _Group, _Joined
 from ._graphs import _capture_underway, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
+from ._placement import _UNPLACED, _place
 from ._streams import _current_stream, _is_tracing, _run_forked
 
 __all__ = ["Parallel"]
@@ -161,6 +162,17 @@ class Parallel(nn.Module):
         in any order on the GPU. Outputs produced on side streams are safe to
         keep, free or use on the caller's stream (they are marked with
         :meth:`torch.Tensor.record_stream`).
+
+    .. note::
+        Branches may live on different GPUs, e.g.
+        ``Parallel(a.to("cuda:0"), b.to("cuda:1"))``: each branch runs on the
+        device of its parameters, on a copy of the input made there on a side
+        stream of that device, and its outputs are copied back to the input's
+        device before the join (``streams=False``: one device after the other).
+        Gradients flow back through the copies. Branches without parameters run
+        on the input's device. Refused: ``cuda_graph=True`` with such branches
+        (graph each device's branches in a ``Parallel`` of its own instead), and
+        CPU branches next to CUDA ones.
     """
 
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
@@ -219,6 +231,7 @@ class Parallel(nn.Module):
         self._tuner = _ScheduleTuner()
         self._plans: dict[Hashable, _Schedule] = {}
         self._fusion: _Fusion | None = None
+        self._placement: Any = _UNPLACED  # which device each branch runs on: _placement.py
         graphs = self.__dict__.get("_graphs")
         if graphs is not None:
             graphs.clear()
@@ -470,6 +483,11 @@ class Parallel(nn.Module):
         return _join_outputs(type(self).__name__, self.join, self.dim, self._modules, outputs)
 
     def _outputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        placement = self._placement
+        if placement is not None:  # branches on several devices, or not looked at yet
+            placement = _place(self) if placement is _UNPLACED else placement
+            if placement is not None:
+                return placement.run(self, args, kwargs)
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs)
         if _is_tracing():
             # Compilers see the branches (or fused groups) one after the other and schedule them.

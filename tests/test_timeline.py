@@ -257,7 +257,8 @@ def test_record_cuda_graph_replay_shows_kernels_on_several_streams(tmp_path) -> 
     path = tmp_path / "graph.json"
     save_timelines(path, tl)
     (back,) = load_timelines(path).values()
-    assert back.overlap_fraction == pytest.approx(tl.overlap_fraction, abs=1e-6)
+    # Saved times are rounded to the nanosecond, so the fraction agrees to about 1e-5 on a ~400 us span.
+    assert back.overlap_fraction == pytest.approx(tl.overlap_fraction, abs=1e-4)
     assert back.metadata["gpu"] == torch.cuda.get_device_name()
 
 
