@@ -71,6 +71,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.multiprocessing.reductions import StorageWeakRef
+# What torch.func.functional_call swaps a module's parameters with (see ``_with_aliases``).
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _signature
@@ -629,14 +631,17 @@ class _CudaGraphs:
                                         for t in tensors]
                         graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
                         call = _bind(forward, args, kwargs, graph.inputs)
-                        surface = tuple(s for s in graph.inputs if s.requires_grad) + graph.params
+                        leaves = graph.params
+                        if needs_grad:
+                            call, leaves = _with_aliases(owner, call)
+                        surface = tuple(s for s in graph.inputs if s.requires_grad) + leaves
                         for _ in range(_WARMUP_ITERS):
                             out = call()
                             if needs_grad:
                                 _grad(out, surface)
                             del out
                     torch.cuda.synchronize()
-                    self._record(graph, call, surface, needs_grad, stream, caller, index, tensors)
+                    self._record(graph, call, surface, leaves, needs_grad, stream, caller, index, tensors)
                     graphs.append(graph)
                 graph = graphs[0] if len(graphs) == 1 else _fastest(graphs, stream)
             finally:
@@ -658,7 +663,7 @@ class _CudaGraphs:
         with self._lock:
             return {k: g.variant for k, g in self._graphs.items()}
 
-    def _record(self, graph: _Graph, call: Callable[[], Any], surface: tuple, needs_grad: bool,
+    def _record(self, graph: _Graph, call: Callable[[], Any], surface: tuple, leaves: tuple, needs_grad: bool,
                 stream: torch.cuda.Stream, caller: torch.cuda.Stream, index: int,
                 tensors: list[torch.Tensor]) -> None:
         def captured(g: torch.cuda.CUDAGraph, fn: Callable[[], Any]) -> Any:
@@ -701,7 +706,7 @@ class _CudaGraphs:
                 diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
                 allow_unused=True))
             by_id = {id(t): g for t, g in zip(surface, grads)}
-            graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *graph.params]]
+            graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *leaves]]
         else:
             # Replays copy into the static inputs with autograd on: they must not be leaves requiring grad.
             for s in graph.inputs:
@@ -734,6 +739,29 @@ def _graph_variant(owner: nn.Module) -> Any:
     r"""The variant of ``owner`` being warmed up or captured in this thread (``None``: the only one)."""
     current = getattr(_local, "variant", None)
     return current[1] if current is not None and current[0] is owner else None
+
+
+def _with_aliases(owner: nn.Module, call: Callable[[], Any]) -> tuple[Callable[[], Any], tuple]:
+    r"""``call`` run with the parameters that require grad replaced by aliases: same memory, new leaves.
+
+    The captured backward must not involve the parameters' own gradient
+    accumulators: autograd orders each one after the stream it was created
+    on, and one created on the default stream and kept alive -- as
+    DistributedDataParallel keeps them -- would make the capture depend on the
+    legacy stream, which CUDA forbids. Aliases sharing the parameters' memory
+    (so the graphs read the live values, and optimizer steps between calls
+    are seen) are fresh leaves whose accumulators are created during warm-up
+    on the capture stream; the gradients the backward graph computes for them
+    are handed to the real parameters by :class:`_Replay`, outside the graph.
+    """
+    named = [(name, p) for name, p in owner.named_parameters() if p.requires_grad]
+    aliases = {name: p.detach().requires_grad_() for name, p in named}
+
+    def aliased() -> Any:
+        with _reparametrize_module(owner, aliases):
+            return call()
+
+    return aliased, tuple(aliases.values())
 
 
 def _bind(forward: Callable[..., Any], args: tuple, kwargs: dict, static: list[torch.Tensor]) -> Callable[[], Any]:
