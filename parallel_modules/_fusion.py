@@ -457,19 +457,34 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
 
     if type(m) is nn.Linear:
         w_name, b_name = q("weight"), q("bias")
+        # Views of the stacks, kept while the stacks are the same objects (no
+        # grad: every call gets the stacks themselves), so that a call costs one
+        # launch per layer and no view operations: eager fused calls are
+        # CPU-bound, a view costing a third of a kernel launch.
+        views: list[Any] = [None, None, None, None]
 
         def linear(v: _Value, get: _Get) -> _Value:
             t = v.t
             w, b = get(w_name), get(b_name)
-            if v.layout == _SHARED:
+            if views[0] is w and views[2] is b:
+                wt, bias = views[1], views[3]
+            else:
+                wt, bias = w.mT, None if b is None else b.unsqueeze(1)
+                if not w.requires_grad and (b is None or not b.requires_grad):
+                    views[:] = [w, wt, b, bias]
+            if v.layout == _SHARED and t.dim() == 2:
+                flat, lead = t.expand(n, -1, -1), None
+            elif v.layout == _STACKED and t.dim() == 3:
+                flat, lead = t, None
+            elif v.layout == _SHARED:
                 lead = t.shape[:-1]
                 flat = t.reshape(-1, t.shape[-1]).expand(n, -1, -1)
             else:
                 flat = _to_stacked(v, n)
                 lead = flat.shape[1:-1]
                 flat = flat.reshape(n, -1, flat.shape[-1])
-            out = torch.bmm(flat, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), flat, w.mT)
-            return _Value(out.view(n, *lead, out.shape[-1]), _STACKED)
+            out = torch.bmm(flat, wt) if bias is None else torch.baddbmm(bias, flat, wt)
+            return _Value(out if lead is None else out.view(n, *lead, out.shape[-1]), _STACKED)
 
         return [linear]
 
