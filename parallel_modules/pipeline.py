@@ -259,8 +259,9 @@ class ParallelSequential(nn.Sequential):
         # Stages added, replaced or removed (append, insert, [i] = m, del ...)
         # show up as a different tuple of children.
         if plan is None or plan.stages != tuple(self._modules.values()):
-            plan = self._plan = self._make_plan()
-            self._home = plan.home
+            plan = self._make_plan()
+            if not _is_tracing():  # a tracer would record the assignments as side effects of forward
+                self._plan, self._home = plan, plan.home
         return plan
 
     # -------------------------------------------------------------- container
@@ -383,7 +384,10 @@ class ParallelSequential(nn.Sequential):
             # The plain Sequential, as cheap as nn.Sequential: one attribute
             # read and one device comparison more.
             home = self._home
-            if home is None or (isinstance(input, torch.Tensor) and input.device == home):
+            # (``isinstance(home, torch.device)`` first: dynamo cannot compare a
+            # device with the _UNKNOWN/_MIXED sentinels, and fullgraph=True fails.)
+            if home is None or (isinstance(home, torch.device) and isinstance(input, torch.Tensor)
+                                and input.device == home):
                 for module in self._modules.values():
                     input = module(input)
                 return input
