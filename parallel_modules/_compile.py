@@ -226,15 +226,8 @@ class _TensorRT:
                 settings["inputs"] = list(args)
         return torch_tensorrt.compile(self.module, **settings)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.module.training:
-            raise RuntimeError("TensorRT engines are built for inference and record no autograd history; the "
-                               "child is in training mode. Call .eval() on the model (and run it under "
-                               "torch.no_grad() or torch.inference_mode()).")
-        device = _input_device(args, kwargs)
-        if device is None or device.type != "cuda":
-            raise RuntimeError(f"TensorRT engines run on CUDA devices; the input is "
-                               f"{'on ' + str(device) if device is not None else 'not a tensor'}.")
+    def engine(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
+        r"""The engine for this call's signature, built from its inputs the first time."""
         # Engines built from example tensors have static shapes: one per
         # signature, unless the options describe the inputs themselves.
         key = None if any(k in self.options for k in ("inputs", "arg_inputs")) else _signature(args, kwargs, False)
@@ -246,6 +239,19 @@ class _TensorRT:
                     engine = self.engines[key] = self._build(args, kwargs)
                     while len(self.engines) > _MAX_ENGINES:
                         self.engines.popitem(last=False)
+        return engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _import_tensorrt()
+        if self.module.training:
+            raise RuntimeError("TensorRT engines are built for inference and record no autograd history, but "
+                               "the module is in training mode. Call .eval() on the model (and run it under "
+                               "torch.no_grad() or torch.inference_mode()).")
+        device = _input_device(args, kwargs)
+        if device is None or device.type != "cuda":
+            raise RuntimeError(f"TensorRT engines run on CUDA devices; the input is "
+                               f"{'on ' + str(device) if device is not None else 'not a tensor'}.")
+        engine = self.engine(args, kwargs)
         caller = torch.cuda.current_stream(device)
         if caller != torch.cuda.default_stream(device):
             return engine(*args, **kwargs)
