@@ -326,8 +326,7 @@ def _inception(dtype: torch.dtype, **settings) -> Parallel:
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("dtype, batch", [(torch.float32, 1), (torch.float16, 8)], ids=["fp32-b1", "fp16-b8"])
 def test_inductor_branches_under_the_cuda_graph_equal_eager(dtype, batch):
     block = _inception(dtype, cuda_graph=True, compile="inductor")
     with torch.no_grad():
