@@ -387,6 +387,13 @@ class StreamRecorder:
         return run
 
 
+def _side_streams(count: int, capturing: bool = False) -> list[int]:
+    r"""The ids of the side streams a top-level fork uses (the library's pool, slots 0..count-1)."""
+    from parallel_modules._streams import _pools
+
+    return [s.stream_id for s in _pools[(torch.cuda.current_device(), capturing)].streams[:count]]
+
+
 @cuda
 def test_compiled_branches_run_on_their_branch_streams():
     recorder = StreamRecorder()
@@ -398,25 +405,25 @@ def test_compiled_branches_run_on_their_branch_streams():
             out = block(x)
         caller.synchronize()
     assert_close(out, cat_reference(block, x), *CUDA_TOL[torch.float32])
-    per_branch = [set(s) for s in recorder.streams.values()]
-    assert len(per_branch) == 4 and all(len(s) == 1 for s in per_branch)
-    assert per_branch[0] == {caller.stream_id}  # branch 0 on the caller's stream, as in eager
-    side = [next(iter(s)) for s in per_branch[1:]]
-    assert len(set(side)) == 3 and caller.stream_id not in side
-    assert torch.cuda.default_stream().stream_id not in side
+    # One compiled graph per branch, each run 3 times on the stream its eager branch would use:
+    # branch 0 on the caller's stream, the others on the library's side streams.
+    runs = list(recorder.streams.values())
+    assert runs == [[sid] * 3 for sid in [caller.stream_id, *_side_streams(3)]]
+    assert torch.cuda.default_stream().stream_id not in runs[1]
 
 
 @cuda
 def test_compiled_branches_are_captured_on_the_graph_streams():
+    from parallel_modules._graphs import _capture_stream
+
     recorder = StreamRecorder()
     block = Parallel(*[b.cuda() for b in branches(3)], cuda_graph=True, compile=recorder)
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(8, 16, device="cuda")
             assert_close(block(x), cat_reference(block, x), *CUDA_TOL[torch.float32])
-    runs = [s for s in recorder.streams.values()]
-    # Warm-up (3 runs) and capture (1); replays run no Python.
-    assert [len(s) for s in runs] == [4, 4, 4]
-    used = {sid for s in runs for sid in s}
-    assert torch.cuda.default_stream().stream_id not in used
-    assert len({s[-1] for s in runs}) == 3  # captured on three different streams: concurrent in the graph
+    # Warm-up (3 runs) and capture (1 run), on the capture stream and the capture's side
+    # streams; replays run no Python.
+    expected = [_capture_stream(torch.cuda.current_device()).stream_id, *_side_streams(2, capturing=True)]
+    assert list(recorder.streams.values()) == [[sid] * 4 for sid in expected]
+    assert torch.cuda.default_stream().stream_id not in expected

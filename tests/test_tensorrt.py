@@ -25,6 +25,7 @@ from torch import nn
 
 from parallel_modules import Parallel, ParallelSequential
 from parallel_modules._compile import _Compiler, _TensorRT
+from parallel_modules._streams import _pools
 from parallel_modules._cases import inception_branches
 from tests._reference import assert_close, assert_same
 
@@ -200,8 +201,9 @@ def test_on_a_user_stream_engines_run_on_the_branch_streams(fake):
         expected = cat_reference(block, x)
     caller.synchronize()
     assert_same(out, expected)
-    assert fake.streams[0] == caller.stream_id  # branch 0: the caller's stream, as without TensorRT
-    assert len(set(fake.streams)) == 3 and torch.cuda.default_stream().stream_id not in fake.streams
+    # Branch 0 on the caller's stream, the others on the library's side streams: as without TensorRT.
+    side = [s.stream_id for s in _pools[(torch.cuda.current_device(), False)].streams[:2]]
+    assert fake.streams == [caller.stream_id, *side]
 
 
 @cuda
@@ -211,7 +213,8 @@ def test_engines_under_the_cuda_graph(fake):
     with torch.no_grad():
         for _ in range(4):
             x = torch.randn(8, 16, device="cuda")
-            assert_same(pipe(x), pipe[1](pipe[0](x)))
+            # Micro-batches of 4 rows may pick other matmul kernels than the batch of 8.
+            assert_close(pipe(x), pipe[1](pipe[0](x)), 1e-5, 1e-6)
     assert pipe._graphs.captures == 1
     assert len(fake.builds) == 2  # one engine per stage: both micro-batches have one signature
     assert torch.cuda.default_stream().stream_id not in fake.streams
