@@ -287,7 +287,10 @@ class _Child:
         try:
             fn = self.fn
             if fn is None:
-                fn = self.fn = self.compiler._build(self)
+                with self.compiler._lock:  # two threads' first calls build one compiled form
+                    fn = self.fn
+                    if fn is None:
+                        fn = self.fn = self.compiler._build(self)
             return fn(*args, **kwargs)
         except Exception as e:
             return self._failed(e, args, kwargs)
