@@ -193,6 +193,12 @@ def test_deepcopy_and_pickle_compile_their_own_modules():
             assert not torch.allclose(clone(x), block(x))
             assert all(c.module is m for c, m in zip(clone._compiler._calls, clone))
         assert_close(block(x), cat_reference(block, x), *CPU_TOL)
+        pipe = ParallelSequential(mlp(16, 16), mlp(16, 4), chunks=2, compile="aot_eager")
+        pipe(x)
+        clone = copy.deepcopy(pipe)
+        assert clone._compiler._calls == [] and clone._compiler.settings() == pipe._compiler.settings()
+        assert_close(clone(x), clone[1](clone[0](x)), *CPU_TOL)
+        assert all(c.module is m for c, m in zip(clone._compiler._calls, clone))
 
 
 def test_to_drops_the_compiled_code_and_follows_the_dtype():
