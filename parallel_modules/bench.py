@@ -31,6 +31,7 @@ from torch import nn
 
 from . import Parallel, ParallelSequential
 from ._cases import CASES, PIPELINES, Case, PipelineCase, SequentialBranches
+from ._graphs import _clear_cublas_workspaces
 
 __all__ = ["main"]
 
@@ -51,8 +52,12 @@ def _capture(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, clone: bool = T
             fn(static_x)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
+    # cuBLAS workspaces allocated inside the capture, from the graph's pool: the
+    # reduce-overhead mode clears the process-wide ones (see _graphs._clear_cublas).
+    _clear_cublas_workspaces()
     with torch.no_grad(), torch.cuda.graph(g):
         static_out = fn(static_x)
+    _clear_cublas_workspaces()
 
     def replay(inp: torch.Tensor):
         static_x.copy_(inp)
