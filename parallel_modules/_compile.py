@@ -109,7 +109,7 @@ Backend = Union[str, Callable[..., Any]]
 _MAX_ENGINES = 8
 # Lines of the backend's message quoted in a compile error.
 _MESSAGE_LINES = 12
-# Backends and inductor settings that capture CUDA graphs of their own.
+# torch.compile backends that capture CUDA graphs of their own.
 _GRAPHING_BACKENDS = ("cudagraphs",)
 
 
@@ -392,7 +392,7 @@ class _Compiler:
                     old = {id(c.module): c for c in self._calls}
                     calls = []
                     for i, (name, module) in enumerate(modules.items()):
-                        child = old.get(id(module))
+                        child = old.pop(id(module), None)  # (a module given twice gets two)
                         if child is None or child.module is not module:
                             child = _Child(self, module, i, name)
                         child.index, child.name = i, name
