@@ -111,6 +111,27 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+# cuBLAS keeps one workspace per (handle, stream) in a process-wide cache, allocated at the
+# first matrix product on a stream and baked into every graph captured on that stream. A graph
+# whose workspace came from that cache replays into memory it does not own: whoever clears the
+# cache -- inductor's CUDA graph trees (mode="reduce-overhead") do, around every warm-up and
+# recording, and recent torch releases do when any graph captured on the stream is destroyed
+# -- frees it, and once the allocator reuses or releases it, replays corrupt other tensors or
+# fault with an illegal memory access (pytorch/pytorch#193402). Clearing the cache right
+# before a capture makes cuBLAS allocate the workspaces the capture needs inside it, from the
+# signature's private pool, which lives as long as the graph; clearing it again afterwards
+# keeps later eager products out of that pool. Cudagraph trees do the same
+# (torch/_inductor/cudagraph_trees.py, clear_cublass_cache). The cost: each graph holds a
+# workspace per stream that runs products in it (32 MiB on sm90 by default; the
+# CUBLAS_WORKSPACE_CONFIG environment variable sets the size), bounded by max_graphs.
+_clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+
+
+def _clear_cublas_workspaces() -> None:
+    if _clear_cublas is not None:
+        _clear_cublas()
+
+
 def _graphing() -> bool:
     r"""Whether this thread is warming up or capturing a ``cuda_graph=True`` module."""
     return getattr(_local, "active", False)
@@ -641,10 +662,12 @@ class _CudaGraphs:
                                 _grad(out, surface)
                             del out
                     torch.cuda.synchronize()
+                    _clear_cublas_workspaces()  # the capture allocates its own (see _clear_cublas_workspaces)
                     self._record(graph, call, surface, leaves, needs_grad, stream, caller, index, tensors)
                     graphs.append(graph)
                 graph = graphs[0] if len(graphs) == 1 else _fastest(graphs, stream)
             finally:
+                _clear_cublas_workspaces()
                 _local.active = False
                 _local.variant = None
                 torch.set_autocast_cache_enabled(autocast_cache)

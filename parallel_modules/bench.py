@@ -33,6 +33,7 @@ from torch import nn
 from . import Parallel, ParallelSequential
 from ._cases import CASES, PIPELINES, Case, PipelineCase, SequentialBranches
 from ._fusion import _groups
+from ._graphs import _clear_cublas_workspaces
 
 __all__ = ["main"]
 
@@ -53,8 +54,12 @@ def _capture(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, clone: bool = T
             fn(static_x)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
+    # cuBLAS workspaces allocated inside the capture, from the graph's pool: the
+    # reduce-overhead mode clears the process-wide ones (see _graphs._clear_cublas).
+    _clear_cublas_workspaces()
     with torch.no_grad(), torch.cuda.graph(g):
         static_out = fn(static_x)
+    _clear_cublas_workspaces()
 
     def replay(inp: torch.Tensor):
         static_x.copy_(inp)
@@ -90,6 +95,9 @@ def _modes(case: Case, device: torch.device, dtype: torch.dtype, x: torch.Tensor
         modes["compile"] = torch.compile(seq)
         modes["compile reduce-overhead"] = torch.compile(SequentialBranches(branches, case.join, case.dim),
                                                          mode="reduce-overhead")
+        if _graph_supported():  # each branch compiled by inductor, under our multi-stream graph
+            modes["compile branches + graph"] = Parallel(*branches, join=case.join, dim=case.dim, cuda_graph=True,
+                                                         compile="inductor")
     return modes
 
 
@@ -213,7 +221,7 @@ class _Progress:
 
 
 def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: torch.device, reps: int, group: int,
-             quick: bool) -> dict[str, Any]:
+             quick: bool, only: list[str] | None = None) -> dict[str, Any]:
     cuda = device.type == "cuda"
     x = case.make_input(batch, device, dtype)
     pipeline = isinstance(case, PipelineCase)
@@ -231,6 +239,8 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
                     fn(x)
         else:
             modes = _pipeline_modes(case, device, dtype) if pipeline else _modes(case, device, dtype, x, quick)
+            if only:  # the reference always runs: every speed-up and check is relative to it
+                modes = {k: v for k, v in modes.items() if k == "eager seq" or any(o in k for o in only)}
             ref = modes["eager seq"](x)
             checks = {}
             for name, fn in modes.items():
@@ -329,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", action="append", choices=sorted({**CASES, **PIPELINES}), help="run only these cases")
     p.add_argument("--batch", type=int, action="append", help="override the cases' batch sizes")
     p.add_argument("--dtype", choices=sorted(_DTYPES), action="append", help="override the cases' dtypes")
+    p.add_argument("--mode", action="append", metavar="TEXT",
+                   help="run only the modes whose name contains TEXT (and 'eager seq'); repeatable")
     p.add_argument("--reps", type=int, default=None, help="samples per mode (default 100, quick 30)")
     p.add_argument("--group", type=int, default=20, help="back-to-back calls per sample")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
@@ -360,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = _Progress(len(work), enabled=sys.stderr.isatty() or cuda)
     results = []
     for case, b, d in work:
-        results.append(run_case(case, b, d, device, reps, args.group, quick))
+        results.append(run_case(case, b, d, device, reps, args.group, quick, args.mode))
         if args.json:  # after every case: a crash later on keeps what was measured
             _write_json(args.json, _environment(device), results)
         progress.step(f"{case.name} b{b} {str(d).replace('torch.', '')}")

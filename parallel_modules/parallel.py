@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ._autotune import _ScheduleTuner
+from ._compile import Backend, _compiler
 from ._fusion import _Fusion, _Group, _Joined
 from ._graphs import _capture_underway, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
@@ -110,6 +111,21 @@ class Parallel(nn.Module):
             ``False``.
         graph_fallback: when a signature cannot be captured, warn once and
             run it eagerly from then on instead of raising. Default: ``False``.
+        compile: compile each branch on its own, at its first call, and run
+            the compiled code under this module's streams and CUDA graph:
+            ``"inductor"`` (or another :func:`torch.compile` backend name or
+            callable), or ``"tensorrt"`` (``torch_tensorrt.compile(branch,
+            ir="dynamo", inputs=<the call's tensors>)``, inference only, one
+            engine per input signature). The state dict does not change.
+            Branches fused with ``fuse`` run batched instead. Default:
+            ``None``. See ``parallel_modules/_compile.py``.
+        compile_options: keyword arguments for :func:`torch.compile`
+            (``dynamic`` defaults to ``False``: one compilation per input
+            signature; modes with CUDA graphs are refused, ``cuda_graph=True``
+            captures the compiled branches instead), or for
+            ``torch_tensorrt.compile``. Default: ``None``.
+        compile_fallback: when a branch fails to compile, warn once and run it
+            eagerly from then on instead of raising. Default: ``False``.
 
     Example::
 
@@ -180,16 +196,21 @@ class Parallel(nn.Module):
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
                  streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False, fuse: Fuse = False) -> None: ...
+                 static_outputs: bool = False, graph_fallback: bool = False, fuse: Fuse = False,
+                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
+                 compile_fallback: bool = False) -> None: ...
 
     @overload
     def __init__(self, branches: "OrderedDict[str, nn.Module | Callable[..., Any]]", /, *, join: JoinSpec = "cat",
                  dim: int = 1, streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False, fuse: Fuse = False) -> None: ...
+                 static_outputs: bool = False, graph_fallback: bool = False, fuse: Fuse = False,
+                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
+                 compile_fallback: bool = False) -> None: ...
 
     def __init__(self, *branches: Any, join: JoinSpec = "cat", dim: int = 1, streams: Streams = "auto",
                  cuda_graph: bool = False, max_graphs: int = 8, static_outputs: bool = False,
-                 graph_fallback: bool = False, fuse: Fuse = False) -> None:
+                 graph_fallback: bool = False, fuse: Fuse = False, compile: Backend | None = None,
+                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None:
         super().__init__()
         owner = type(self).__name__
         if len(branches) == 1 and isinstance(branches[0], OrderedDict):
@@ -217,6 +238,7 @@ class Parallel(nn.Module):
         self.static_outputs = bool(static_outputs)
         self.graph_fallback = bool(graph_fallback)
         self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback)
+        self._compiler = _compiler(owner, "branch", compile, compile_options, compile_fallback)
         for name, branch in items:
             self.add_module(name, _as_module(owner, name, branch))
         self._param_moves = self._graph_moves = 0
@@ -260,9 +282,11 @@ class Parallel(nn.Module):
         self._fusion = fusion
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
-        # .to(), .cuda(), .half() ... move parameters: re-check devices, stack anew.
+        # .to(), .cuda(), .half() ... move parameters: re-check devices, stack anew, compile again.
         module = super()._apply(fn, recurse)
         self._reset()
+        if self._compiler is not None:
+            self._compiler.clear()
         return module
 
     def __getstate__(self) -> dict:
@@ -274,6 +298,7 @@ class Parallel(nn.Module):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("_compiler", None)  # pickled before compile= existed
         super().__setstate__(state)
         self._reset()
 
@@ -281,7 +306,8 @@ class Parallel(nn.Module):
     def _settings(self) -> dict[str, Any]:
         return {"join": self.join, "dim": self.dim, "streams": self.streams, "cuda_graph": self.cuda_graph,
                 "max_graphs": self.max_graphs, "static_outputs": self.static_outputs,
-                "graph_fallback": self.graph_fallback, "fuse": self.fuse}
+                "graph_fallback": self.graph_fallback, "fuse": self.fuse,
+                **(self._compiler.settings() if self._compiler else {})}
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -339,6 +365,8 @@ class Parallel(nn.Module):
         if self.cuda_graph:
             text += (f", cuda_graph=True, max_graphs={self.max_graphs}, static_outputs={self.static_outputs}, "
                      f"graph_fallback={self.graph_fallback}")
+        if self._compiler is not None:
+            text += ", " + self._compiler.extra_repr()
         return text
 
     # ---------------------------------------------------------------- fusion
@@ -418,9 +446,14 @@ class Parallel(nn.Module):
         name = list(self._modules)[index]
         return _with_context(error, f"(raised in branch {name!r} (index {index}) of {type(self).__name__})")
 
+    def _branches(self) -> list[Any]:
+        r"""The callable to run for each branch: the branch, or its compiled form (``compile=``)."""
+        compiler = self._compiler
+        return list(self._modules.values()) if compiler is None else compiler.calls(self._modules)
+
     def _call(self, index: int, args: tuple, kwargs: dict) -> Any:
         try:
-            return list(self._modules.values())[index](*args, **kwargs)
+            return self._branches()[index](*args, **kwargs)
         except Exception as e:
             raise self._branch_error(e, index)
 
@@ -433,20 +466,20 @@ class Parallel(nn.Module):
         if fusion is None and (device is None or len(self._modules) == 1):
             outputs: list[Any] = []
             try:
-                for module in self._modules.values():
-                    outputs.append(module(*args, **kwargs))
+                for call in self._branches():
+                    outputs.append(call(*args, **kwargs))
             except Exception as e:
                 raise self._branch_error(e, len(outputs))
             return outputs
 
         if fusion is None:
-            def run(i: int, module: nn.Module) -> Any:
+            def run(i: int, call: Any) -> Any:
                 try:
-                    return module(*args, **kwargs)
+                    return call(*args, **kwargs)
                 except Exception as e:
                     raise self._branch_error(e, i)
 
-            calls: list[Any] = list(self._modules.values())
+            calls: list[Any] = self._branches()
         else:
             def run(i: int, unit: Any) -> Any:
                 if isinstance(unit, _Group):

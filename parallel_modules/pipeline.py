@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from ._compile import Backend, _compiler
 from ._joins import _describe
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _CudaGraphs
@@ -131,6 +132,12 @@ class ParallelSequential(nn.Sequential):
             the next call) instead of fresh tensors. Default: ``False``.
         graph_fallback: when a signature cannot be captured, warn once and run
             it eagerly instead of raising. Default: ``False``.
+        compile: compile each stage on its own, at its first call (micro-batch
+            shapes included), and run it under this module's streams and graph;
+            as :class:`~parallel_modules.Parallel`'s ``compile``. Default: ``None``.
+        compile_options: as :class:`~parallel_modules.Parallel`'s. Default: ``None``.
+        compile_fallback: warn once and run a stage that fails to compile
+            eagerly instead of raising. Default: ``False``.
 
     Example::
 
@@ -164,14 +171,18 @@ class ParallelSequential(nn.Sequential):
 
     @overload
     def __init__(self, *stages: nn.Module, chunks: int = 1, cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False) -> None: ...
+                 static_outputs: bool = False, graph_fallback: bool = False, compile: Backend | None = None,
+                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None: ...
 
     @overload
     def __init__(self, stages: "OrderedDict[str, nn.Module]", /, *, chunks: int = 1, cuda_graph: bool = False,
-                 max_graphs: int = 8, static_outputs: bool = False, graph_fallback: bool = False) -> None: ...
+                 max_graphs: int = 8, static_outputs: bool = False, graph_fallback: bool = False,
+                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
+                 compile_fallback: bool = False) -> None: ...
 
     def __init__(self, *stages: Any, chunks: int = 1, cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False) -> None:
+                 static_outputs: bool = False, graph_fallback: bool = False, compile: Backend | None = None,
+                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None:
         owner = type(self).__name__
         if len(stages) == 1 and isinstance(stages[0], OrderedDict):
             items = list(stages[0].items())
@@ -195,6 +206,7 @@ class ParallelSequential(nn.Sequential):
         self.static_outputs = bool(static_outputs)
         self.graph_fallback = bool(graph_fallback)
         self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback)
+        self._compiler = _compiler(owner, "stage", compile, compile_options, compile_fallback)
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -223,8 +235,10 @@ class ParallelSequential(nn.Sequential):
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
-        # .to(), .cuda(), .half() ... may move parameters: look at them anew.
+        # .to(), .cuda(), .half() ... may move parameters: look at them anew, compile again.
         self._reset()
+        if self._compiler is not None:
+            self._compiler.clear()
         return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True) -> "ParallelSequential":
@@ -240,6 +254,7 @@ class ParallelSequential(nn.Sequential):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("_compiler", None)  # pickled before compile= existed
         super().__setstate__(state)
         self._reset()
 
@@ -262,14 +277,16 @@ class ParallelSequential(nn.Sequential):
         # Stages added, replaced or removed (append, insert, [i] = m, del ...)
         # show up as a different tuple of children.
         if plan is None or plan.stages != tuple(self._modules.values()):
-            plan = self._plan = self._make_plan()
-            self._home = plan.home
+            plan = self._make_plan()
+            if not _is_tracing():  # a tracer would record the assignments as side effects of forward
+                self._plan, self._home = plan, plan.home
         return plan
 
     # -------------------------------------------------------------- container
     def _settings(self) -> dict[str, Any]:
         return {"chunks": self._chunks, "cuda_graph": self.cuda_graph, "max_graphs": self.max_graphs,
-                "static_outputs": self.static_outputs, "graph_fallback": self.graph_fallback}
+                "static_outputs": self.static_outputs, "graph_fallback": self.graph_fallback,
+                **(self._compiler.settings() if self._compiler else {})}
 
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
         if isinstance(idx, slice):
@@ -278,7 +295,8 @@ class ParallelSequential(nn.Sequential):
 
     def extra_repr(self) -> str:
         settings = self._settings() if self.cuda_graph else {"chunks": self._chunks}
-        return ", ".join(f"{k}={v!r}" for k, v in settings.items())
+        text = ", ".join(f"{k}={v!r}" for k, v in settings.items() if not k.startswith("compile"))
+        return text + (", " + self._compiler.extra_repr() if self._compiler is not None else "")
 
     # ---------------------------------------------------------------- checks
     def _refuse_mixing(self, plan: _Plan) -> None:
@@ -381,13 +399,21 @@ class ParallelSequential(nn.Sequential):
             return self._graphs(self._eager, (input,), {})
         return self._eager(input)
 
+    def _stages(self) -> Any:
+        r"""The callable to run for each stage: the stage, or its compiled form (``compile=``)."""
+        compiler = self._compiler
+        return self._modules.values() if compiler is None else compiler.calls(self._modules)
+
     def _eager(self, input: Any) -> Any:
         if self._chunks == 1:
             # The plain Sequential, as cheap as nn.Sequential: one attribute
             # read and one device comparison more.
             home = self._home
-            if home is None or (isinstance(input, torch.Tensor) and input.device == home):
-                for module in self._modules.values():
+            # (``isinstance(home, torch.device)`` first: dynamo cannot compare a
+            # device with the _UNKNOWN/_MIXED sentinels, and fullgraph=True fails.)
+            if home is None or (isinstance(home, torch.device) and isinstance(input, torch.Tensor)
+                                and input.device == home):
+                for module in self._stages():
                     input = module(input)
                 return input
         return self._forward(input)
@@ -411,12 +437,12 @@ class ParallelSequential(nn.Sequential):
         if self._chunks == 1:
             if copy_to is not None:
                 input = _to_device(input, copy_to, non_blocking=False)
-            for module in self._modules.values():
+            for module in self._stages():
                 input = module(input)
             return input
 
         pieces = self._split(input)
-        stages = list(zip(plan.names, plan.stages))
+        stages = list(zip(plan.names, self._stages()))
         if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")):
             # Compilers see the micro-batches one after the other (no stream
             # ops in the graph) and schedule them; the CPU runs them in order.

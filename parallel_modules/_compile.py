@@ -1,0 +1,423 @@
+r"""Compiled branches: each branch (or stage) compiled on its own, run under the library's streams and graphs.
+
+``Parallel(..., compile="inductor")`` and ``ParallelSequential(..., compile=...)``
+keep their children exactly as they are -- the state dict, indexing and the
+modules users hold do not change -- and keep next to them, outside the module
+tree, one callable per child that runs the child's compiled form
+(:class:`_Compiler`). ``Parallel._run`` and ``ParallelSequential`` ask for "the
+callable to run for child i" and otherwise run as before, so the fork/join on
+side streams and the whole-forward CUDA graph (``cuda_graph=True``) stay in
+the library, around the compiled code:
+
+* **streams** -- inductor's generated code and Torch-TensorRT's runtime launch
+  their work on the *current* stream at call time, which is the branch's side
+  stream (or, for Torch-TensorRT, an engine stream they fork from it with an
+  event), so compiled branches overlap like eager ones;
+* **CUDA graph** -- compilation happens at a child's first call; with
+  ``cuda_graph=True`` that is the warm-up that precedes capture, so the capture
+  records the compiled kernels and nothing is compiled inside it. Inductor's
+  own CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``,
+  ``triton.cudagraphs``) would capture inside our capture and are refused;
+* **dynamo's cache** -- dynamo keeps compiled code, its guards and its
+  recompile limit (``torch._dynamo.config.recompile_limit``, 8) per *code
+  object* (documented in :func:`torch.compile`). ``torch.compile(module)``
+  compiles the code of ``Module.__call__``/``forward``, which every module of a
+  class shares: a model with more than 8 compiled branches would exhaust the
+  limit and run the rest eagerly. Each child is therefore compiled through a
+  function with a code object of its own (``_entry``), which gives it its own
+  cache, its own limit, and a name in dynamo's logs;
+* **shapes** -- ``dynamic=False`` by default: every new input signature
+  compiles kernels specialised to it, as the module's CUDA graphs are per
+  signature anyway and static kernels are the fastest. Micro-batches of
+  unequal size (``ParallelSequential``, a batch not divisible by ``chunks``)
+  compile twice. Past the recompile limit dynamo runs the child eagerly with a
+  warning; pass ``compile_options={"dynamic": None}`` (or ``True``) for inputs
+  whose shapes vary widely;
+* **tracing** -- while a compiler traces a model that contains these modules
+  (whole-model ``torch.compile``, ``torch.export``, Torch-TensorRT), the plain
+  children are traced: the outer compiler sees ordinary modules.
+
+``.to()``/``.cuda()``/``.half()`` drop the compiled callables (engines bake in
+weights, dtypes and devices); pickling and ``copy.deepcopy`` carry the settings
+but no compiled code; both compile again at the next call. ``train()``/
+``eval()`` keep them: dynamo guards on the training flag and recompiles once
+per mode.
+
+Errors: compilation errors surface at a child's first call (or at a
+recompilation). The child is then run eagerly on the same inputs to tell the
+two apart: if the eager child raises too, the inputs are at fault and its
+error is raised as it is; otherwise the compiler is, and the error names the
+module, the child and the backend's message -- or, with
+``compile_fallback=True``, one warning says so and the child runs eagerly from
+then on.
+
+**Torch-TensorRT, per branch** (``compile="tensorrt"``): each child is
+compiled at its first call with ``torch_tensorrt.compile(child, ir="dynamo",
+inputs=<that call's tensors>, **compile_options)`` (``arg_inputs``/
+``kwarg_inputs`` when the call has keyword arguments), one engine per input
+signature (unless ``compile_options`` gives ``inputs``/``arg_inputs`` itself,
+e.g. ``torch_tensorrt.Input`` ranges). Engines are called from their branch's
+stream; when that is the legacy default stream (branch 0, or every branch with
+``streams=False``, of a caller on the default stream), the call moves to a side
+stream of the library's and back with events, because TensorRT synchronises
+around work enqueued on the default stream ("Using default stream in
+enqueueV3() may lead to performance issues due to additional calls to
+cudaStreamSynchronize()"). Engines are inference-only: a child in training
+mode is refused. Keep Torch-TensorRT's own CUDA graphs
+(``torch_tensorrt.runtime.set_cudagraphs_mode``) off under ``cuda_graph=True``.
+
+**Torch-TensorRT, whole model** (documented path, no option of ours)::
+
+    model = MyNet().eval().cuda()          # contains Parallel / ParallelSequential blocks
+    x = torch.randn(8, 192, 35, 35, device="cuda")
+    trt_model = torch_tensorrt.compile(model, ir="dynamo", inputs=[x], max_aux_streams=4)
+    # or, in two steps:
+    ep = torch.export.export(model, (x,))
+    trt_model = torch_tensorrt.dynamo.compile(ep, inputs=[x], max_aux_streams=4)
+
+The exported program holds the branches one after another and no stream or
+event operation (``tests/test_tracing_models.py`` checks both, and that it
+equals eager), so TensorRT builds one network in which the branches are
+independent layers; its builder may then run them concurrently on up to
+``max_aux_streams`` auxiliary streams of its own (TensorRT >= 8.6; ``None``
+lets TensorRT's heuristics decide, ``0`` turns it off). The library's streams
+and CUDA graphs play no part in that program.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+import types
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Mapping, Union
+
+import torch
+from torch import nn
+
+from ._inputs import _input_device, _signature
+from ._streams import _is_tracing, _record_on
+
+__all__: list[str] = []
+
+Backend = Union[str, Callable[..., Any]]
+
+# Engines kept per child, one per input signature (Torch-TensorRT builds
+# static-shape engines from example inputs); as ``max_graphs``' default.
+_MAX_ENGINES = 8
+# Lines of the backend's message quoted in a compile error.
+_MESSAGE_LINES = 12
+# torch.compile backends that capture CUDA graphs of their own.
+_GRAPHING_BACKENDS = ("cudagraphs",)
+
+
+def _compiler(owner: str, kind: str, backend: Backend | None, options: Mapping[str, Any] | None,
+              fallback: bool) -> "_Compiler | None":
+    r"""Validate ``compile=``/``compile_options=``/``compile_fallback=`` at construction."""
+    if backend is None:
+        if options:
+            raise ValueError(f"{owner}: compile_options={dict(options)!r} was given without compile=; pass "
+                             f"compile='inductor' (or another backend) too, or drop compile_options.")
+        return None
+    return _Compiler(owner, kind, backend, options, fallback)
+
+
+def _backend_name(backend: Backend) -> str:
+    return backend if isinstance(backend, str) else getattr(backend, "__qualname__", None) or repr(backend)
+
+
+def _torch_compile_kwargs(owner: str, backend: Backend, options: dict[str, Any]) -> dict[str, Any]:
+    r"""The keyword arguments of :func:`torch.compile` for one child, checked."""
+    allowed = [p for p in inspect.signature(torch.compile).parameters if p not in ("model", "backend")]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"{owner}: compile_options {unknown} are not arguments of torch.compile; with "
+                         f"compile={_backend_name(backend)!r} they may be {allowed}.")
+    if isinstance(backend, str) and backend in _GRAPHING_BACKENDS:
+        raise ValueError(f"{owner}: compile={backend!r} captures CUDA graphs of its own, which cannot run inside "
+                         f"this module's; use compile='inductor' and cuda_graph=True, which captures the "
+                         f"compiled branches in one graph.")
+    kwargs = {"dynamic": False, **options}
+    if backend == "inductor":
+        # Mode and options both become inductor options, so that CUDA graphs
+        # can be turned off explicitly, whatever the global inductor config says.
+        from torch._inductor import list_mode_options
+
+        mode = kwargs.pop("mode", None)
+        try:
+            settings = dict(list_mode_options(mode or "default"))
+        except RuntimeError as e:
+            raise ValueError(f"{owner}: compile_options mode={mode!r}: {e}") from None
+        settings.update(kwargs.pop("options", None) or {})
+        if settings.get("triton.cudagraphs"):
+            raise ValueError(
+                f"{owner}: compile='inductor' with {'mode=' + repr(mode) if mode else 'triton.cudagraphs=True'} "
+                f"would capture inductor's own CUDA graphs inside this module's. Use cuda_graph=True on the "
+                f"module (it captures the compiled branches in one graph) with mode='default' or "
+                f"'max-autotune-no-cudagraphs'."
+            )
+        settings["triton.cudagraphs"] = False
+        kwargs["options"] = settings
+    return kwargs
+
+
+def _entry(module: nn.Module, label: str) -> Callable[..., Any]:
+    r"""``module(*args, **kwargs)`` as a function whose code object is its own.
+
+    Dynamo caches compiled code per code object (see the module docstring), so
+    every child gets a cache, guards and a recompile limit of its own; the
+    name shows up in dynamo's logs and errors.
+    """
+
+    def branch(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    code = branch.__code__.replace(co_name=label)
+    if hasattr(code, "co_qualname"):  # Python 3.11+
+        code = code.replace(co_qualname=label)
+    return types.FunctionType(code, branch.__globals__, label, branch.__defaults__, branch.__closure__)
+
+
+# ------------------------------------------------------------------ TensorRT
+_substitutes: dict[int, torch.cuda.Stream] = {}
+_substitutes_lock = threading.Lock()
+
+
+def _substitute_stream(device: torch.device) -> torch.cuda.Stream:
+    r"""A side stream of ``device`` on which engines run instead of the legacy default stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _substitutes.get(index)
+    if stream is None:
+        with _substitutes_lock:
+            stream = _substitutes.setdefault(index, torch.cuda.Stream(index))
+    return stream
+
+
+def _import_tensorrt() -> Any:
+    try:
+        import torch_tensorrt
+    except ImportError as e:
+        raise ImportError(
+            f"compile='tensorrt' needs the torch_tensorrt package ({e}); install it with "
+            f"pip install 'parallel_modules[tensorrt]' (it needs NVIDIA's TensorRT libraries)."
+        ) from e
+    return torch_tensorrt
+
+
+class _TensorRT:
+    r"""One child as Torch-TensorRT engines: built per input signature, called off the default stream."""
+
+    def __init__(self, module: nn.Module, options: dict[str, Any]) -> None:
+        self.module = module
+        self.options = options
+        self.engines: OrderedDict[Hashable, Callable[..., Any]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def _build(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
+        torch_tensorrt = _import_tensorrt()
+        settings = dict(self.options)
+        settings.setdefault("ir", "dynamo")
+        if not any(k in settings for k in ("inputs", "arg_inputs", "kwarg_inputs")):
+            if kwargs:  # arg_inputs/kwarg_inputs: Torch-TensorRT >= 2.5
+                settings["arg_inputs"], settings["kwarg_inputs"] = list(args), dict(kwargs)
+            else:
+                settings["inputs"] = list(args)
+        return torch_tensorrt.compile(self.module, **settings)
+
+    def engine(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
+        r"""The engine for this call's signature, built from its inputs the first time."""
+        # Engines built from example tensors have static shapes: one per
+        # signature, unless the options describe the inputs themselves.
+        key = None if any(k in self.options for k in ("inputs", "arg_inputs")) else _signature(args, kwargs, False)
+        engine = self.engines.get(key)
+        if engine is None:
+            with self.lock:
+                engine = self.engines.get(key)
+                if engine is None:
+                    engine = self.engines[key] = self._build(args, kwargs)
+                    while len(self.engines) > _MAX_ENGINES:
+                        self.engines.popitem(last=False)
+        return engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _import_tensorrt()
+        if self.module.training:
+            raise RuntimeError("TensorRT engines are built for inference and record no autograd history, but "
+                               "the module is in training mode. Call .eval() on the model (and run it under "
+                               "torch.no_grad() or torch.inference_mode()).")
+        device = _input_device(args, kwargs)
+        if device is None or device.type != "cuda":
+            raise RuntimeError(f"TensorRT engines run on CUDA devices; the input is "
+                               f"{'on ' + str(device) if device is not None else 'not a tensor'}.")
+        engine = self.engine(args, kwargs)
+        caller = torch.cuda.current_stream(device)
+        if caller != torch.cuda.default_stream(device):
+            return engine(*args, **kwargs)
+        # The legacy default stream: TensorRT would synchronise around it. Run
+        # on a side stream forked from it and join back, as a side branch.
+        side = _substitute_stream(device)
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            out = engine(*args, **kwargs)
+        caller.wait_stream(side)
+        # Outputs were allocated on ``side`` and are used on ``caller``.
+        _record_on(out, caller)
+        return out
+
+
+# -------------------------------------------------------------- one child
+class _Child:
+    r"""The callable run for one child: its compiled form, built at the first call."""
+
+    __slots__ = ("compiler", "module", "index", "name", "fn", "eager")
+
+    def __init__(self, compiler: "_Compiler", module: nn.Module, index: int, name: str) -> None:
+        self.compiler = compiler
+        self.module = module
+        self.index = index
+        self.name = name
+        self.fn: Callable[..., Any] | None = None
+        self.eager = False  # compilation failed, compile_fallback=True: run the child itself
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.eager:
+            return self.module(*args, **kwargs)
+        try:
+            fn = self.fn
+            if fn is None:
+                with self.compiler._lock:  # two threads' first calls build one compiled form
+                    fn = self.fn
+                    if fn is None:
+                        fn = self.fn = self.compiler._build(self)
+            return fn(*args, **kwargs)
+        except Exception as e:
+            return self._failed(e, args, kwargs)
+
+    def _failed(self, error: Exception, args: tuple, kwargs: dict) -> Any:
+        # Compilers report errors in the user's code (a shape mismatch) as
+        # their own: run the child eagerly to tell which one this is.
+        try:
+            out = self.module(*args, **kwargs)
+        except Exception as eager_error:
+            # The child fails without the compiler too: that is the error to see.
+            raise eager_error from None
+        compiler = self.compiler
+        message = (
+            f"{compiler.owner}: {compiler.kind} {self.name!r} (index {self.index}, {type(self.module).__name__}) "
+            f"failed to compile with compile={_backend_name(compiler.backend)!r}:\n  {_summary(error)}\n"
+        )
+        if not compiler.fallback:
+            raise RuntimeError(
+                message + f"Run eagerly, the {compiler.kind} works on these inputs, so the compiler failed: pass "
+                f"compile_fallback=True to run it eagerly with a warning, or compile=None."
+            ) from error
+        self.eager, self.fn = True, None
+        warnings.warn(message + f"compile_fallback=True: this {compiler.kind} runs eagerly from now on.",
+                      UserWarning, stacklevel=2)
+        return out
+
+
+def _summary(error: BaseException) -> str:
+    lines = f"{type(error).__name__}: {error}".strip().splitlines()
+    text = "\n  ".join(line for line in lines[:_MESSAGE_LINES])
+    return text + ("\n  ..." if len(lines) > _MESSAGE_LINES else "")
+
+
+# --------------------------------------------------------------- compiler
+class _Compiler:
+    r"""The compiled forms of one module's children, built lazily, never in its state dict.
+
+    Args:
+        owner: the module's class name, for messages.
+        kind: ``"branch"`` or ``"stage"``, for messages.
+        backend: ``"tensorrt"``, or a :func:`torch.compile` backend (a
+            registered name such as ``"inductor"``, or a callable).
+        options: keyword arguments of :func:`torch.compile` (``mode``,
+            ``dynamic``, ``fullgraph``, ``options``, ...), or of
+            ``torch_tensorrt.compile`` for ``"tensorrt"``.
+        fallback: warn once and run a child eagerly when it fails to compile.
+    """
+
+    def __init__(self, owner: str, kind: str, backend: Backend, options: Mapping[str, Any] | None,
+                 fallback: bool) -> None:
+        if not (isinstance(backend, str) or callable(backend)):
+            raise TypeError(f"{owner}: compile must be None, a backend name such as 'inductor' or 'tensorrt', "
+                            f"or a torch.compile backend callable; got {type(backend).__name__} ({backend!r}).")
+        if options is not None and not isinstance(options, Mapping):
+            raise TypeError(f"{owner}: compile_options must be a dict of keyword arguments, got "
+                            f"{type(options).__name__} ({options!r}).")
+        if isinstance(backend, str) and backend != "tensorrt":
+            names = torch.compiler.list_backends(exclude_tags=())
+            if backend not in names:
+                raise ValueError(f"{owner}: unknown compile backend {backend!r}; expected 'tensorrt' or one of "
+                                 f"torch.compiler.list_backends(): {sorted(names)}, or a backend callable.")
+        self.owner = owner
+        self.kind = kind
+        self.backend = backend
+        self.options = dict(options or {})
+        self.fallback = bool(fallback)
+        self._kwargs = None if backend == "tensorrt" else _torch_compile_kwargs(owner, backend, self.options)
+        self._init_cache()
+
+    def _init_cache(self) -> None:
+        self._children: tuple[nn.Module, ...] = ()
+        self._calls: list[_Child] = []
+        self._lock = threading.Lock()
+
+    def settings(self) -> dict[str, Any]:
+        r"""The constructor arguments that recreate this compiler (slicing keeps them)."""
+        return {"compile": self.backend, "compile_options": dict(self.options) or None,
+                "compile_fallback": self.fallback}
+
+    def extra_repr(self) -> str:
+        text = f"compile={_backend_name(self.backend)!r}"
+        if self.options:
+            text += f", compile_options={self.options!r}"
+        if self.fallback:
+            text += ", compile_fallback=True"
+        return text
+
+    def calls(self, modules: Mapping[str, nn.Module]) -> list[Any]:
+        r"""The callable to run for each child: its compiled form; the child itself while tracing."""
+        if _is_tracing():
+            # A compiler tracing the whole model compiles the children itself.
+            return list(modules.values())
+        children = tuple(modules.values())
+        if children != self._children:  # identity: modules compare by ``is``
+            with self._lock:
+                if children != self._children:
+                    # Children added, replaced or removed: keep what the others compiled.
+                    old = {id(c.module): c for c in self._calls}
+                    calls = []
+                    for i, (name, module) in enumerate(modules.items()):
+                        child = old.pop(id(module), None)  # (a module given twice gets two)
+                        if child is None or child.module is not module:
+                            child = _Child(self, module, i, name)
+                        child.index, child.name = i, name
+                        calls.append(child)
+                    self._calls, self._children = calls, children
+        return self._calls
+
+    def clear(self) -> None:
+        r"""Drop every compiled child (parameters moved or cast): the next call compiles anew."""
+        with self._lock:
+            self._calls, self._children = [], ()
+
+    def _build(self, child: _Child) -> Callable[..., Any]:
+        if self.backend == "tensorrt":
+            return _TensorRT(child.module, self.options)
+        label = re.sub(r"\W", "_", f"{self.owner}_{self.kind}_{child.name}")
+        return torch.compile(_entry(child.module, label), backend=self.backend, **self._kwargs)
+
+    def __getstate__(self) -> dict:
+        # Compiled code belongs to this process and to these very modules.
+        state = self.__dict__.copy()
+        for k in ("_children", "_calls", "_lock"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_cache()

@@ -1,0 +1,435 @@
+"""``compile=``: each branch (or stage) compiled on its own, under the library's streams and graphs.
+
+CPU tests use inductor where its numerics are the point (it compiles C++ on the CPU, so
+sparingly) and otherwise dynamo backends that record what they are given. Tolerances for
+inductor against the eager branches: rtol=1e-5, atol=1e-6 in fp32 on the CPU (measured:
+1.2e-7 max abs error); on CUDA rtol=1e-4, atol=1e-5 in fp32 (convolutions may pick other
+cuDNN algorithms) and 1e-2 in fp16, as the benchmark checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel, ParallelSequential
+from parallel_modules._cases import inception_branches
+from tests._reference import assert_close, assert_same
+
+CPU_TOL = (1e-5, 1e-6)
+CUDA_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-2)}
+cuda = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
+
+
+def branches(n: int = 3) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [mlp() for _ in range(n)]
+
+
+def cat_reference(block: Parallel, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([b(x) for b in block], 1)
+
+
+class Recorder:
+    r"""A torch.compile backend that keeps every graph it is given and runs it as it is."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.failures = 0
+        self.fail_on = fail_on
+        self.__qualname__ = "Recorder"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if self.fail_on is not None and self.fail_on in str(gm.graph):
+            self.failures += 1
+            raise RuntimeError(f"boom from backend: cannot compile {self.fail_on}")
+        self.graphs.append(gm)
+        return gm.forward
+
+
+# ------------------------------------------------------------------ results
+def test_inductor_branches_equal_eager():
+    block = Parallel(*branches(3), compile="inductor")
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            assert_close(block(x), cat_reference(block, x), *CPU_TOL)
+
+
+def test_inductor_stages_equal_eager_with_uneven_micro_batches():
+    torch.manual_seed(0)
+    pipe = ParallelSequential(mlp(16, 16), nn.ReLU(), mlp(16, 4), chunks=3, compile="inductor")
+    with torch.no_grad():
+        for batch in (7, 7, 6):  # 3, 2, 2 then 2, 2, 2: shapes the stages compile for
+            x = torch.randn(batch, 16)
+            assert_close(pipe(x), pipe[2](pipe[1](pipe[0](x))), *CPU_TOL)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_training_gradients_equal_eager(backend):
+    block = Parallel(*branches(3), join="sum", compile=backend)
+    reference = copy.deepcopy(block)
+    params, ref_params = list(block.parameters()), list(reference.parameters())
+    for _ in range(2):
+        base = torch.randn(4, 16)
+        x, x_ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+        out = block(x)
+        expected = sum(b(x_ref) for b in reference)
+        assert_close(out, expected, *CPU_TOL)
+        w = torch.randn_like(out)
+        got = torch.autograd.grad((out * w).sum(), [x, *params])
+        want = torch.autograd.grad((expected * w).sum(), [x_ref, *ref_params])
+        for g, e in zip(got, want):
+            assert_close(g, e, *CPU_TOL)
+
+
+def test_train_and_eval_both_correct_and_buffers_follow_eager():
+    torch.manual_seed(0)
+    make = lambda: [nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8)), mlp()]  # noqa: E731
+    block = Parallel(*make(), compile="aot_eager")
+    reference = copy.deepcopy(block)
+    for mode in (True, False, True):
+        block.train(mode)
+        reference.train(mode)
+        with torch.no_grad():
+            x = torch.randn(4, 16)
+            assert_close(block(x), torch.cat([b(x) for b in reference], 1), *CPU_TOL)
+    for b, r in zip(block.buffers(), reference.buffers()):
+        assert_close(b, r, *CPU_TOL)
+    assert block[0][1].num_batches_tracked.item() == 2
+
+
+# --------------------------------------------------- module tree and state
+def test_state_dict_and_module_tree_unchanged():
+    block = Parallel(OrderedDict(a=mlp(), b=mlp()), join="dict", compile=Recorder())
+    pipe = ParallelSequential(mlp(16, 16), mlp(16, 4), chunks=2, compile=Recorder())
+    block(torch.randn(4, 16))
+    pipe(torch.randn(4, 16))
+    assert list(block.state_dict()) == list(nn.ModuleDict(OrderedDict(a=block.a, b=block.b)).state_dict())
+    assert list(pipe.state_dict()) == list(nn.Sequential(*pipe).state_dict())
+    for model in (block, pipe):
+        names = [n for n, _ in model.named_modules()]
+        assert not any("_orig_mod" in n for n in names), names
+        assert not any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+    block.load_state_dict(copy.deepcopy(block.state_dict()))
+
+
+def test_repr_and_slicing_keep_the_settings():
+    block = Parallel(*branches(3), compile="inductor", compile_options={"fullgraph": True}, compile_fallback=True)
+    assert "compile='inductor', compile_options={'fullgraph': True}, compile_fallback=True" in repr(block)
+    head = block[:2]
+    assert isinstance(head, Parallel) and len(head) == 2
+    assert head._compiler.settings() == block._compiler.settings()
+    assert head._compiler is not block._compiler
+    pipe = ParallelSequential(mlp(16, 16), mlp(16, 4), chunks=2, cuda_graph=True, compile="aot_eager")
+    text = repr(pipe)
+    assert "chunks=2" in text and "cuda_graph=True" in text and text.count("compile=") == 1
+    assert pipe[1:]._compiler.settings()["compile"] == "aot_eager"
+    assert "compile" not in repr(Parallel(*branches(2)))
+
+
+def test_each_branch_has_a_compile_cache_of_its_own():
+    # Dynamo caches per code object with a limit of 8 entries; twelve nn.Sequential
+    # branches compiled through one code object would leave four running eagerly.
+    recorder = Recorder()
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(*[nn.Linear(8, 8) for _ in range(i % 3 + 1)]) for i in range(12)],
+                     compile=recorder)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert_same(block(x), cat_reference(block, x))
+        assert len(recorder.graphs) == 12
+        block(x)
+    assert len(recorder.graphs) == 12  # no recompilation either
+
+
+@pytest.mark.parametrize(
+    "options, graphs",
+    # Default: static shapes, one graph per batch size. dynamic=None is torch.compile's own
+    # default (static first, then one dynamic graph); dynamic=True: one dynamic graph.
+    [({}, 3), ({"dynamic": None}, 2), ({"dynamic": True}, 1)],
+    ids=["default_static", "automatic", "dynamic"],
+)
+def test_shapes_static_by_default(options, graphs):
+    recorder = Recorder()
+    block = Parallel(mlp(), compile=recorder, compile_options=options)
+    with torch.no_grad():
+        for batch in (4, 5, 6, 4):
+            x = torch.randn(batch, 16)
+            assert_same(block(x), block[0](x))
+    assert len(recorder.graphs) == graphs
+    last = [n.meta.get("example_value") for n in recorder.graphs[-1].graph.nodes if n.op == "placeholder"]
+    static = all(isinstance(d, int) for v in last if isinstance(v, torch.Tensor) for d in v.shape)
+    assert static == (not options)
+
+
+def test_deepcopy_and_pickle_compile_their_own_modules():
+    block = Parallel(*branches(2), compile="aot_eager")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        block(x)
+        assert len(block._compiler._calls) == 2
+        for clone in (copy.deepcopy(block), pickle.loads(pickle.dumps(block))):
+            assert clone._compiler._calls == []
+            clone[1][0].weight.add_(1.0)  # the clone's own parameters must be the ones read
+            assert_close(clone(x), cat_reference(clone, x), *CPU_TOL)
+            assert not torch.allclose(clone(x), block(x))
+            assert all(c.module is m for c, m in zip(clone._compiler._calls, clone))
+        assert_close(block(x), cat_reference(block, x), *CPU_TOL)
+        pipe = ParallelSequential(mlp(16, 16), mlp(16, 4), chunks=2, compile="aot_eager")
+        pipe(x)
+        clone = copy.deepcopy(pipe)
+        assert clone._compiler._calls == [] and clone._compiler.settings() == pipe._compiler.settings()
+        assert_close(clone(x), clone[1](clone[0](x)), *CPU_TOL)
+        assert all(c.module is m for c, m in zip(clone._compiler._calls, clone))
+
+
+def test_to_drops_the_compiled_code_and_follows_the_dtype():
+    recorder = Recorder()
+    block = Parallel(*branches(2), compile=recorder)
+    pipe = ParallelSequential(mlp(16, 16), mlp(16, 4), compile=Recorder())
+    with torch.no_grad():
+        for model in (block, pipe):
+            model(torch.randn(4, 16))
+            assert model._compiler._calls
+            model.double()
+            assert model._compiler._calls == []
+        x = torch.randn(4, 16, dtype=torch.float64)
+        out = block(x)
+        assert out.dtype == torch.float64
+        assert_same(out, cat_reference(block, x))
+        assert pipe(x).dtype == torch.float64
+    assert len(recorder.graphs) == 4
+
+
+def test_changed_branches_compile_and_the_others_keep_their_code():
+    recorder = Recorder()
+    block = Parallel(*branches(2), compile=recorder)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        block(x)
+        assert len(recorder.graphs) == 2
+        kept = block._compiler._calls[0]
+        block.append(nn.Linear(16, 4))
+        assert_same(block(x), cat_reference(block, x))
+        assert len(recorder.graphs) == 3 and block._compiler._calls[0] is kept
+        block[1] = nn.Linear(16, 8)
+        assert_same(block(x), cat_reference(block, x))
+        assert len(recorder.graphs) == 4
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize("owner", ["Parallel", "ParallelSequential"])
+def test_compile_error_surfaces_at_the_first_call_and_names_the_child(owner):
+    recorder = Recorder(fail_on="tanh")
+    torch.manual_seed(0)
+    if owner == "Parallel":
+        model = Parallel(OrderedDict(good=mlp(), bad=nn.Sequential(nn.Linear(16, 8), nn.Tanh())), compile=recorder)
+        what = "branch 'bad' (index 1, Sequential)"
+    else:
+        model = ParallelSequential(OrderedDict(good=mlp(16, 16), bad=nn.Sequential(nn.Linear(16, 8), nn.Tanh())),
+                                   chunks=2, compile=recorder)
+        what = "stage 'bad' (index 1, Sequential)"
+    assert recorder.failures == 0  # construction compiles nothing
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(4, 16))
+    message = str(info.value)
+    assert message.startswith(f"{owner}: {what} failed to compile with compile='Recorder'")
+    assert "boom from backend: cannot compile tanh" in message
+    assert "compile_fallback=True" in message
+    assert recorder.failures >= 1
+
+
+def test_compile_fallback_warns_once_and_runs_the_branch_eagerly():
+    recorder = Recorder(fail_on="tanh")
+    torch.manual_seed(0)
+    block = Parallel(OrderedDict(good=mlp(), bad=nn.Sequential(nn.Linear(16, 8), nn.Tanh())),
+                     compile=recorder, compile_fallback=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(4, 16)
+                assert_same(block(x), cat_reference(block, x))
+    messages = [str(w.message) for w in record if "failed to compile" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "branch 'bad'" in messages[0] and "boom from backend" in messages[0] and "eagerly" in messages[0]
+    assert recorder.failures == 1  # not retried
+    assert len(recorder.graphs) == 1  # the good branch stays compiled
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_bad_input_is_not_reported_as_a_compile_error(fallback):
+    recorder = Recorder()
+    block = Parallel(*branches(2), compile=recorder, compile_fallback=fallback)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError) as info:
+            block(torch.randn(4, 15))
+    assert "failed to compile" not in str(info.value)
+    assert "15" in str(info.value)  # the shape mismatch, as the eager branch reports it
+    assert "(raised in branch '0' (index 0) of Parallel)" in getattr(info.value, "__notes__", [str(info.value)])[-1]
+    assert not [w for w in record if "failed to compile" in str(w.message)]
+    x = torch.randn(4, 16)  # still usable, and still compiled
+    with torch.no_grad():
+        assert_same(block(x), cat_reference(block, x))
+    assert len(recorder.graphs) == 2 and not any(c.eager for c in block._compiler._calls)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"compile": "no_such_backend"}, ValueError, "unknown compile backend 'no_such_backend'"),
+        ({"compile": 3}, TypeError, "compile must be None"),
+        ({"compile_options": {"fullgraph": True}}, ValueError, "without compile="),
+        ({"compile": "inductor", "compile_options": ["fullgraph"]}, TypeError, "must be a dict"),
+        ({"compile": "inductor", "compile_options": {"fullgrpah": True}}, ValueError, r"\['fullgrpah'\] are not"),
+        ({"compile": "inductor", "compile_options": {"mode": "reduce-overhead"}}, ValueError,
+         "mode='reduce-overhead' would capture inductor's own CUDA graphs"),
+        ({"compile": "inductor", "compile_options": {"mode": "max-autotune"}}, ValueError, "max-autotune-no-cudagraphs"),
+        ({"compile": "inductor", "compile_options": {"options": {"triton.cudagraphs": True}}}, ValueError,
+         "triton.cudagraphs=True"),
+        ({"compile": "inductor", "compile_options": {"mode": "no-such-mode"}}, ValueError, "mode='no-such-mode'"),
+        ({"compile": "cudagraphs"}, ValueError, "captures CUDA graphs of its own"),
+    ],
+)
+@pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
+def test_bad_settings_are_refused_at_construction(owner, kwargs, error, match):
+    with pytest.raises(error, match=match) as info:
+        owner(mlp(16, 16), mlp(16, 16), **kwargs)
+    assert str(info.value).startswith(owner.__name__ + ":")
+
+
+def test_inductor_modes_without_cuda_graphs_are_accepted():
+    for mode in ("default", "max-autotune-no-cudagraphs"):
+        block = Parallel(mlp(), compile="inductor", compile_options={"mode": mode})
+        kwargs = block._compiler._kwargs
+        assert "mode" not in kwargs and kwargs["options"]["triton.cudagraphs"] is False
+        assert kwargs["dynamic"] is False
+
+
+# -------------------------------------------------------------------- CUDA
+def _inception(dtype: torch.dtype, **settings) -> Parallel:
+    torch.manual_seed(0)
+    return Parallel(*[b.to("cuda", dtype).eval() for b in inception_branches()], **settings)
+
+
+@cuda
+@pytest.mark.parametrize("dtype, batch", [(torch.float32, 1), (torch.float16, 8)], ids=["fp32-b1", "fp16-b8"])
+def test_inductor_branches_under_the_cuda_graph_equal_eager(dtype, batch):
+    block = _inception(dtype, cuda_graph=True, compile="inductor")
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(batch, 192, 35, 35, device="cuda", dtype=dtype)
+            out = block(x)
+            assert out.shape == (batch, 256, 35, 35)
+            assert_close(out, cat_reference(block, x), *CUDA_TOL[dtype])
+    assert block._graphs.captures == 1 and len(block._graphs) == 1
+
+
+@cuda
+def test_inductor_stages_under_the_cuda_graph_equal_eager():
+    torch.manual_seed(0)
+    pipe = ParallelSequential(mlp(16, 64), nn.ReLU(), mlp(64, 4), chunks=2, cuda_graph=True,
+                              compile="inductor").cuda().eval()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 16, device="cuda")
+            assert_close(pipe(x), pipe[2](pipe[1](pipe[0](x))), *CUDA_TOL[torch.float32])
+    assert pipe._graphs.captures == 1
+
+
+@cuda
+def test_inductor_branches_training_under_the_cuda_graph():
+    block = Parallel(*branches(3), join="sum", cuda_graph=True, compile="inductor").cuda()
+    reference = copy.deepcopy(block)
+    reference.cuda_graph, reference._compiler = False, None
+    for _ in range(3):
+        base = torch.randn(8, 16, device="cuda")
+        x, x_ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+        out, expected = block(x), reference(x_ref)
+        assert_close(out, expected, *CUDA_TOL[torch.float32])
+        out.sum().backward()
+        expected.sum().backward()
+        assert_close(x.grad, x_ref.grad, *CUDA_TOL[torch.float32])
+        for p, r in zip(block.parameters(), reference.parameters()):
+            assert_close(p.grad, r.grad, *CUDA_TOL[torch.float32])
+            p.grad = r.grad = None
+    assert block._graphs.captures == 1 and block._graphs._graphs and next(iter(block._graphs._graphs.values())).bwd
+
+
+class StreamRecorder:
+    r"""A torch.compile backend whose compiled code notes the current stream each time it runs."""
+
+    def __init__(self) -> None:
+        self.streams: dict[int, list[int]] = {}
+        self.__qualname__ = "StreamRecorder"
+
+    def __call__(self, gm, example_inputs):
+        key = len(self.streams)
+        self.streams[key] = []
+
+        def run(*args):
+            self.streams[key].append(torch.cuda.current_stream().stream_id)
+            return gm.forward(*args)
+
+        return run
+
+
+def _side_streams(count: int, capturing: bool = False) -> list[int]:
+    r"""The ids of the side streams a top-level fork uses (the library's pool, slots 0..count-1)."""
+    from parallel_modules._streams import _pools
+
+    return [s.stream_id for s in _pools[(torch.cuda.current_device(), capturing)].streams[:count]]
+
+
+@cuda
+def test_compiled_branches_run_on_their_branch_streams():
+    recorder = StreamRecorder()
+    block = Parallel(*[b.cuda() for b in branches(4)], streams=True, compile=recorder)
+    caller = torch.cuda.Stream()
+    with torch.no_grad(), torch.cuda.stream(caller):
+        for _ in range(3):
+            x = torch.randn(8, 16, device="cuda")
+            out = block(x)
+        caller.synchronize()
+    assert_close(out, cat_reference(block, x), *CUDA_TOL[torch.float32])
+    # One compiled graph per branch, each run 3 times on the stream its eager branch would use:
+    # branch 0 on the caller's stream, the others on the library's side streams.
+    runs = list(recorder.streams.values())
+    assert runs == [[sid] * 3 for sid in [caller.stream_id, *_side_streams(3)]]
+    assert torch.cuda.default_stream().stream_id not in runs[1]
+
+
+@cuda
+def test_compiled_branches_are_captured_on_the_graph_streams():
+    from parallel_modules._graphs import _capture_stream
+
+    recorder = StreamRecorder()
+    block = Parallel(*[b.cuda() for b in branches(3)], cuda_graph=True, compile=recorder)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 16, device="cuda")
+            assert_close(block(x), cat_reference(block, x), *CUDA_TOL[torch.float32])
+    # Warm-up (3 runs) and capture (1 run), on the capture stream and the capture's side
+    # streams; replays run no Python.
+    expected = [_capture_stream(torch.cuda.current_device()).stream_id, *_side_streams(2, capturing=True)]
+    assert list(recorder.streams.values()) == [[sid] * 4 for sid in expected]
+    assert torch.cuda.default_stream().stream_id not in expected
