@@ -93,6 +93,7 @@ class Case:
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     trunk: Callable[[], nn.Module] | None = None
     train: bool = False  # time a training step (forward, backward, SGD step) instead of inference
+    compiled: bool = False  # also time torch.compile modes (full suite only: compiling takes a while)
 
     def branches(self, device, dtype) -> list[nn.Module]:
         torch.manual_seed(0)
@@ -163,14 +164,14 @@ PIPELINES: dict[str, PipelineCase] = {
 CASES: dict[str, Case] = {
     c.name: c
     for c in [
-        Case("mlp8", lambda: mlp_branches(8), lambda b: (b, 256), (8,)),
+        Case("mlp8", lambda: mlp_branches(8), lambda b: (b, 256), (8,), compiled=True),
         Case("mlp16", lambda: mlp_branches(16), lambda b: (b, 256), (8,), quick=False),
         Case("mlp8-train", lambda: mlp_branches(8), lambda b: (b, 256), (8,), train=True),
         Case("inception", inception_branches, lambda b: (b, 192, 35, 35), (1, 8, 64),
-             dtypes=(torch.float32, torch.float16)),
+             dtypes=(torch.float32, torch.float16), compiled=True),
         Case("conv4", conv_branches, lambda b: (b, 64, 56, 56), (1, 8)),
         Case("heads", head_branches, lambda b: (b, 512), (32,)),
-        Case("compute", compute_bound_branches, lambda b: (b, 4096), (4096,), quick=False),
+        Case("compute", compute_bound_branches, lambda b: (b, 4096), (4096,), quick=False, compiled=True),
         Case("tiny2", lambda: tiny_branches(2), lambda b: (b, 16), (8,), quick=False),
         Case("tiny4", lambda: tiny_branches(4), lambda b: (b, 16), (8,), quick=False),
         Case("tiny8", lambda: tiny_branches(8), lambda b: (b, 16), (8,)),

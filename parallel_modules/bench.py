@@ -90,7 +90,7 @@ def _modes(case: Case, device: torch.device, dtype: torch.dtype, x: torch.Tensor
         modes["graph Parallel fused"] = Parallel(*branches, join=case.join, dim=case.dim, fuse=True, cuda_graph=True)
         modes["graph Parallel fuse=auto"] = Parallel(*branches, join=case.join, dim=case.dim, fuse="auto",
                                                      cuda_graph=True)
-    if not quick:
+    if not quick and case.compiled:
         torch._dynamo.reset()
         modes["compile"] = torch.compile(seq)
         modes["compile reduce-overhead"] = torch.compile(SequentialBranches(branches, case.join, case.dim),
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(_DTYPES), action="append", help="override the cases' dtypes")
     p.add_argument("--mode", action="append", metavar="TEXT",
                    help="run only the modes whose name contains TEXT (and 'eager seq'); repeatable")
-    p.add_argument("--reps", type=int, default=None, help="samples per mode (default 100, quick 30)")
+    p.add_argument("--reps", type=int, default=None, help="samples per mode, each of --group calls (default 40, quick 20)")
     p.add_argument("--group", type=int, default=20, help="back-to-back calls per sample")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the speed-ups (needs matplotlib)")
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     quick = args.quick or not cuda
-    reps = args.reps or (30 if quick else 100)
+    reps = args.reps or (20 if quick else 40)
     if not cuda:
         print("bench: no CUDA GPU found: running the reduced CPU suite, which checks every mode's output "
               "against the sequential module. Streams and CUDA graphs need a CUDA GPU.")
