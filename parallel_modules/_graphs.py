@@ -76,7 +76,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _signature
-from ._streams import _current_stream, _is_tracing, _pools
+from ._streams import _current_stream, _graph_state, _is_tracing, _pools
 
 __all__: list[str] = []
 
@@ -89,7 +89,7 @@ _MAX_FAILED = 1024
 # ``active``: this thread is warming up or capturing a graphed module. A graphed
 # module called from inside (a nested block) runs eagerly and is recorded by the
 # enclosing capture instead of capturing a graph of its own.
-_local = threading.local()
+_local = _graph_state
 # One capture at a time in the process: captures share a capture stream per
 # device, and ``torch.cuda.graph`` synchronises the device on entry.
 _capture_lock = threading.Lock()

@@ -137,19 +137,26 @@ class _DevicePool:
         self._local.offset = value
 
 
+# Set by ``_graphs`` while this thread warms up or captures a ``cuda_graph=True``
+# module (``active``); defined here so that the pool can see it.
+_graph_state = threading.local()
+
 _pools: dict[tuple[int, bool], _DevicePool] = {}
 _pools_lock = threading.Lock()
 
 
 def _pool(device: torch.device) -> _DevicePool:
-    r"""The side streams of ``device``; a second set while a CUDA graph is captured.
+    r"""The side streams of ``device``; a second set while a CUDA graph is warmed up or captured.
 
     Work that another thread enqueues on a stream while it takes part in a
     capture would be absorbed into the graph (or invalidate it), so captures,
     which the graph module serialises, fork onto streams eager calls never use.
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.is_current_stream_capturing())
+    # Our warm-up runs on the streams its capture will use, as
+    # make_graphed_callables warms up on the capture's side stream: per-stream
+    # lazy state (cuBLAS workspaces, cuDNN plans) is then set up before capture.
+    key = (index, getattr(_graph_state, "active", False) or torch.cuda.is_current_stream_capturing())
     pool = _pools.get(key)
     if pool is None:
         with _pools_lock:
