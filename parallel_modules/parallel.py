@@ -94,7 +94,9 @@ class Parallel(nn.Module):
         streams: ``True`` to always fork onto side streams, ``False`` to run
             branches one after another on the caller's stream, ``"auto"`` to
             time both on the first calls of each input signature and keep the
-            faster one (as ``torch.backends.cudnn.benchmark`` does). Default:
+            faster one (as ``torch.backends.cudnn.benchmark`` does); while
+            autograd records for trainable parameters, ``"auto"`` runs
+            sequentially (the backward cannot be timed in advance). Default:
             ``"auto"``. While ``cuda_graph`` captures, ``"auto"`` forks.
         cuda_graph: ``True`` to capture the whole forward pass -- and, when
             autograd records and an input or a parameter requires grad, the
@@ -556,6 +558,12 @@ class Parallel(nn.Module):
         r"""The schedules worth trying for a CUDA call; the plain sequential one first."""
         fuses = [False, True] if self.fuse == "auto" and fusion is not None else [self.fuse is True and fusion is not None]
         forks = [False, True] if self.streams == "auto" else [bool(self.streams)]
+        if len(forks) == 2 and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            # Training: the backward of forked branches runs on their streams too,
+            # and the tuner times only the forward, so it cannot see what forking
+            # costs there (under DDP on 2 H200s it chose to fork: 0.85x the plain
+            # step). Fork in training only when told to, with streams=True.
+            forks = [False]
         units = len(fusion.units) if fusion is not None else len(self._modules)
         candidates = []
         for fused in fuses:

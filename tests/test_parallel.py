@@ -525,3 +525,16 @@ def test_dtype_change_is_followed():
     out = p(x)
     assert out.dtype == torch.float64
     assert_same(out, torch.cat([b(x) for b in branches], 1))
+
+
+def test_auto_streams_never_fork_while_training():
+    # The tuner times forward calls only; the backward of forked branches runs on
+    # their streams too, so "auto" must not fork while autograd records.
+    p = Parallel(*three_branches(), streams="auto")
+    assert {c.forked for c in p._candidates(None)} == {False}
+    with torch.no_grad():
+        assert {c.forked for c in p._candidates(None)} == {False, True}
+    for q in p.parameters():
+        q.requires_grad_(False)
+    assert {c.forked for c in p._candidates(None)} == {False, True}
+    assert {c.forked for c in Parallel(*three_branches(), streams=True)._candidates(None)} == {True}
