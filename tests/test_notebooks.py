@@ -97,7 +97,7 @@ def test_getting_started_picks_up_a_newer_benchmark(tmp_path, monkeypatch) -> No
     # A checkout with the committed run and a newer one (made up here, never committed).
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "notebooks").mkdir()
-    for f in (ROOT / "benchmarks").iterdir():
+    for f in (ROOT / "benchmarks").glob("*.json"):  # runs only (PNGs, sub-folders of other tools skipped)
         shutil.copy(f, tmp_path / "benchmarks")
     newer = newest_gpu_benchmark()
     newer["environment"].update(date="2999-01-02T03:04:05", gpu="Test GPU 9000")
