@@ -8,6 +8,8 @@ puts the repository root on ``sys.path`` and the import works with both ``pytest
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 
 def cpu_and_cuda() -> tuple:
@@ -22,3 +24,33 @@ def cpu_and_cuda() -> tuple:
         def test_something(device): ...
     """
     return ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
+
+
+def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
+    r"""A small branch: ``Linear(i, 16) -> GELU -> Linear(16, o)``."""
+    return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    r"""Each test compiles from scratch (import it into a test module to apply it there)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# GPU cycles that ``Sleepy`` spins for by default: long enough (~50 ms on an H100) that a
+# missing wait lets the next kernel read unfinished data almost surely.
+SLEEP = 100_000_000
+
+
+class Sleepy(nn.Module):
+    r"""Keeps the current stream (of the current device) busy for ``cycles`` before computing ``inner``."""
+
+    def __init__(self, inner: nn.Module, cycles: int = SLEEP) -> None:
+        super().__init__()
+        self.inner, self.cycles = inner, cycles
+
+    def forward(self, x):
+        torch.cuda._sleep(self.cycles)
+        return self.inner(x)

@@ -21,21 +21,13 @@ from torch import nn
 from parallel_modules import Parallel, ParallelSequential
 from parallel_modules._cases import inception_branches
 from tests._reference import assert_close, assert_same
+from tests._helpers import fresh_dynamo, mlp  # noqa: F401 (fresh_dynamo: an autouse fixture)
 
 CPU_TOL = (1e-5, 1e-6)
 CUDA_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-2)}
 cuda = pytest.mark.cuda
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
 
 
 def branches(n: int = 3) -> list[nn.Module]:

@@ -21,6 +21,7 @@ from torch import nn
 from parallel_modules import Parallel
 from parallel_modules import _streams
 from tests._reference import assert_same, reference
+from tests._helpers import Sleepy
 
 pytestmark = pytest.mark.cuda
 
@@ -51,16 +52,6 @@ def side_streams() -> list[torch.cuda.Stream]:
     return list(_streams._pool(torch.device(DEV)).streams)
 
 
-class Sleepy(nn.Module):
-    r"""Keeps its stream busy for ``cycles`` before computing ``inner``."""
-
-    def __init__(self, inner: nn.Module, cycles: int = SLEEP) -> None:
-        super().__init__()
-        self.inner, self.cycles = inner, cycles
-
-    def forward(self, x):
-        torch.cuda._sleep(self.cycles)
-        return self.inner(x)
 
 
 class StreamProbe(nn.Module):

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from parallel_modules import Parallel
 from parallel_modules import _streams
 from tests._reference import assert_close, assert_same, join_reference, reference
+from tests._helpers import Sleepy
 
 # ~50-70 ms of GPU clock cycles on an H100/H200: far longer than the CPU needs to enqueue
 # what follows, so work that should have waited runs too early.
@@ -58,16 +59,6 @@ def placed_reference(module: nn.Module, x: torch.Tensor) -> Any:
     return join_reference(module.join, module.dim, names, outs)
 
 
-class Sleepy(nn.Module):
-    r"""Keeps the current stream (of the current device) busy before computing ``inner``."""
-
-    def __init__(self, inner: nn.Module, cycles: int = SLEEP) -> None:
-        super().__init__()
-        self.inner, self.cycles = inner, cycles
-
-    def forward(self, x):
-        torch.cuda._sleep(self.cycles)
-        return self.inner(x)
 
 
 class Probe(nn.Module):

@@ -19,21 +19,13 @@ from parallel_modules import Parallel
 from parallel_modules._streams import _is_tracing
 from tests._helpers import cpu_and_cuda
 from tests._reference import assert_close, reference
+from tests._helpers import fresh_dynamo, mlp  # noqa: F401 (fresh_dynamo: an autouse fixture)
 
 RTOL, ATOL = 1e-5, 1e-6
 STREAM_WORDS = ("record_stream", "stream", "event", "wait")
 KINDS = ["cat", "sum", "nested", "dict"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
 
 
 def make_model(kind: str) -> nn.Module:

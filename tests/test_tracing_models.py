@@ -33,6 +33,7 @@ from torch import nn
 from parallel_modules import Parallel, ParallelSequential
 from tests._helpers import cpu_and_cuda
 from tests._reference import assert_close, assert_same, join_reference
+from tests._helpers import fresh_dynamo, mlp  # noqa: F401 (fresh_dynamo: an autouse fixture)
 
 CPU_TOL = (1e-5, 1e-6)
 CUDA_TOL = (1e-4, 1e-5)
@@ -42,15 +43,6 @@ def tol(device: str) -> tuple[float, float]:
     return CUDA_TOL if device == "cuda" else CPU_TOL
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
 
 
 def make_model(kind: str, **settings) -> nn.Module:
