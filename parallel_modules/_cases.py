@@ -91,7 +91,6 @@ class Case:
     dim: int = 1
     quick: bool = True
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
-    trunk: Callable[[], nn.Module] | None = None
     train: bool = False  # time a training step (forward, backward, SGD step) instead of inference
     compiled: bool = False  # also time torch.compile modes (full suite only: compiling takes a while)
 
