@@ -288,6 +288,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def per_rank(results: list[dict], name: str) -> list[dict]:
+    r"""Each rank's result for config ``name``, asserting that no rank raised."""
+    per_rank = [r[name] for r in results]
+    for rank, r in enumerate(per_rank):
+        assert r["error"] is None, f"rank {rank}, {name}:\n{r['error']}"
+    return per_rank
+
+
 def run(configs: list[Config], backend: str, out_dir: str | Path, world: int = 2, deadline_s: float = 120.0,
         collective_timeout_s: float = 60.0) -> list[dict]:
     r"""Train every configuration in ``world`` fresh processes; each rank's results, by name.

@@ -43,16 +43,11 @@ def results(tmp_path_factory):
     return D.run(CONFIGS, "gloo", tmp_path_factory.mktemp("gloo"), deadline_s=DEADLINE_S)
 
 
-def _result(results: list[dict], name: str) -> list[dict]:
-    per_rank = [r[name] for r in results]
-    for rank, r in enumerate(per_rank):
-        assert r["error"] is None, f"rank {rank}, {name}:\n{r['error']}"
-    return per_rank
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if not n.startswith("control")])
 def test_parameters_match_single_process_reference_after_every_step(results, name):
-    for rank, r in enumerate(_result(results, name)):
+    for rank, r in enumerate(D.per_rank(results, name)):
         assert len(r["diffs"]) == D.STEPS
         worst = max(r["diffs"])
         assert worst <= ATOL, f"rank {rank}: max |param - reference| per step {r['diffs']}"
@@ -61,7 +56,7 @@ def test_parameters_match_single_process_reference_after_every_step(results, nam
 
 def test_comparison_catches_unaveraged_gradients(results):
     # Without a wrapper each rank follows its own half batch: far from the reference.
-    per_rank = _result(results, "control-no-averaging")
+    per_rank = D.per_rank(results, "control-no-averaging")
     for r in per_rank:
         assert min(r["diffs"]) > 100 * ATOL
     assert not per_rank[1]["ranks_equal"]  # (rank 0 compares with itself)

@@ -64,11 +64,6 @@ def results(tmp_path_factory):
     return D.run(CONFIGS, "nccl", tmp_path_factory.mktemp("nccl"), deadline_s=DEADLINE_S)
 
 
-def _result(results: list[dict], name: str) -> list[dict]:
-    per_rank = [r[name] for r in results]
-    for rank, r in enumerate(per_rank):
-        assert r["error"] is None, f"rank {rank}, {name}:\n{r['error']}"
-    return per_rank
 
 
 # FSDP2 sharding the whole model (not each branch) left the reference in 1 of 2 runs on
@@ -82,7 +77,7 @@ _SUSPECT = {"fsdp2": "FSDP2 on the whole model: parameters drifted in 1 of 2 GPU
     pytest.param(n, marks=pytest.mark.xfail(reason=_SUSPECT[n], strict=False)) if n in _SUSPECT else n
     for n in NAMES if not n.startswith("control")])
 def test_parameters_match_single_process_reference_after_every_step(results, name):
-    for rank, r in enumerate(_result(results, name)):
+    for rank, r in enumerate(D.per_rank(results, name)):
         assert len(r["diffs"]) == D.STEPS
         assert max(r["diffs"]) <= ATOL, f"rank {rank}: max |param - reference| per step {r['diffs']}"
         assert r["ranks_equal"], f"rank {rank}: parameters differ from rank 0's"
@@ -91,17 +86,17 @@ def test_parameters_match_single_process_reference_after_every_step(results, nam
 @pytest.mark.parametrize("name", [n for n in NAMES if "delay" in n])
 def test_delayed_backward_ran_on_a_side_stream(results, name):
     # The sleep sat on the branch's side stream, not on the stream DDP's hooks run on.
-    for r in _result(results, name):
+    for r in D.per_rank(results, name):
         assert r["sleep_on_side_stream"] == [True] * D.STEPS
 
 
 def test_comparison_catches_a_gradient_finished_on_an_unwaited_stream(results):
-    for r in _result(results, "control-rogue-gradient"):
+    for r in D.per_rank(results, "control-rogue-gradient"):
         assert max(r["diffs"]) > 10 * ATOL, r["diffs"]
 
 
 def test_comparison_catches_unaveraged_gradients(results):
-    per_rank = _result(results, "control-no-averaging")
+    per_rank = D.per_rank(results, "control-no-averaging")
     for r in per_rank:
         assert min(r["diffs"]) > 10 * ATOL, r["diffs"]
     assert not per_rank[1]["ranks_equal"]
