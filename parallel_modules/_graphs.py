@@ -60,6 +60,7 @@ after it are done.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import traceback
 import warnings
@@ -130,11 +131,6 @@ _clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
 def _clear_cublas_workspaces() -> None:
     if _clear_cublas is not None:
         _clear_cublas()
-
-
-def _graphing() -> bool:
-    r"""Whether this thread is warming up or capturing a ``cuda_graph=True`` module."""
-    return getattr(_local, "active", False)
 
 
 def _capture_underway() -> bool:
@@ -754,7 +750,7 @@ def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, reps: int = 15) ->
     stream.synchronize()
     for i, start, end in events:
         times[i].append(start.elapsed_time(end))
-    medians = [sorted(t)[len(t) // 2] for t in times]
+    medians = [statistics.median(t) for t in times]
     return graphs[medians.index(min(medians))]
 
 
