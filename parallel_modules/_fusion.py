@@ -574,7 +574,10 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
 
 # ------------------------------------------------------- a module's fusion
 class _Fusion:
-    r"""The fused groups of one ``Parallel``, found on first use, and why other branches are not fused.
+    r"""The fused groups of one ``Parallel`` and why its other branches are not fused.
+
+    Found when the branches are set (see ``Parallel._prepare_fusion``) and
+    again when a submodule's train/eval mode changed (:meth:`current`).
 
     ``units`` lists what a call runs, in order: a branch index (run as usual)
     or a :class:`_Group`. ``scatter`` puts their outputs back in branch order.

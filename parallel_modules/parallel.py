@@ -273,15 +273,19 @@ class Parallel(nn.Module):
         branches -- must read the new memory.
         """
         try:
-            fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
-                             required=self.fuse is True)
+            self._fusion = self._new_fusion()
         except ValueError:
             if strict:
                 raise
-            return  # fuse=True and the branches no longer all match: the next call says so
-        if any([group.bind() for group in fusion.groups]):
+            # fuse=True and the branches no longer all match: the next call says so.
+
+    def _new_fusion(self) -> _Fusion:
+        r"""Group the branches as they are now; outside tracing, stack the groups' parameters."""
+        fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
+                         required=self.fuse is True)
+        if not _is_tracing() and any([group.bind() for group in fusion.groups]):
             self._param_moves += 1
-        self._fusion = fusion
+        return fusion
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... move parameters: re-check devices, stack anew, compile again.
@@ -385,8 +389,9 @@ class Parallel(nn.Module):
         fusion = self._fusion
         if self.fuse is False:
             fused, unfused = [], {name: "fuse=False" for name in self._modules}
-        elif fusion is None:
-            fused, unfused = [], {name: "not called yet: groups are found at the first call" for name in self._modules}
+        elif fusion is None:  # fuse=True, and a change to the branches left them not all identical
+            fused, unfused = [], {name: "fuse=True, but the branches are no longer all identical; the next "
+                                        "call raises and says how" for name in self._modules}
         else:
             report = fusion.report()
             fused, unfused = report["fused"], report["unfused"]
@@ -406,11 +411,7 @@ class Parallel(nn.Module):
             return None
         fusion = self._fusion
         if fusion is None or not fusion.current():
-            fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
-                             required=self.fuse is True)
-            if not _is_tracing() and any([group.bind() for group in fusion.groups]):
-                self._param_moves += 1
-            self._fusion = fusion
+            fusion = self._fusion = self._new_fusion()
         return fusion if fusion.groups else None
 
     def _graph_variants(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -453,9 +454,9 @@ class Parallel(nn.Module):
         compiler = self._compiler
         return list(self._modules.values()) if compiler is None else compiler.calls(self._modules)
 
-    def _call(self, index: int, args: tuple, kwargs: dict) -> Any:
+    def _call(self, index: int, args: tuple, kwargs: dict, branches: list[Any] | None = None) -> Any:
         try:
-            return self._branches()[index](*args, **kwargs)
+            return (self._branches() if branches is None else branches)[index](*args, **kwargs)
         except Exception as e:
             raise self._branch_error(e, index)
 
@@ -483,10 +484,12 @@ class Parallel(nn.Module):
 
             calls: list[Any] = self._branches()
         else:
+            branches = self._branches()
+
             def run(i: int, unit: Any) -> Any:
                 if isinstance(unit, _Group):
                     return self._run_group(fusion, unit, args, kwargs)
-                return self._call(unit, args, kwargs)
+                return self._call(unit, args, kwargs, branches)
 
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
@@ -605,4 +608,6 @@ def _describe_signature(key: Hashable) -> str:
             parts.append(f"Tensor{tuple(item)}")
         elif isinstance(item, (torch.dtype, torch.device)):
             parts.append(str(item).replace("torch.", ""))
-    return ", ".join(parts) + (", training" if isinstance(key, tuple) and key and key[-1] is True else "")
+    # The train/eval flag: last of a single tensor's key, third of a structured call's.
+    training = key[-1] if isinstance(key[0], torch.Size) else key[2]
+    return ", ".join(parts) + (", training" if training is True else "")

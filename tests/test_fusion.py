@@ -440,3 +440,20 @@ def test_user_graph_of_the_same_branches_captured_after_construction_stays_valid
             static.copy_(y)
             g.replay()
             assert torch.equal(out, torch.cat([b(y) for b in branches], 1))
+
+
+def test_explain_names_the_mode_of_each_signature():
+    class Add(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, y=None):
+            return self.lin(x) + (0 if y is None else y)
+
+    p = Parallel(Add(), Add(), fuse="auto")
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    p.eval()(x, y=y), p(x)
+    assert not any("training" in k for k in p.explain()["schedules"]), p.explain()
+    p.train()(x, y=y), p(x)
+    assert sum("training" in k for k in p.explain()["schedules"]) == 2, p.explain()
