@@ -77,7 +77,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _signature
-from ._streams import _current_stream, _graph_state, _is_tracing, _pools
+from ._streams import _current_stream, _graph_state, _is_tracing, _pools, _stream_capturing
 
 __all__: list[str] = []
 
@@ -139,7 +139,7 @@ def _capture_underway() -> bool:
     A ``Parallel`` always forks onto side streams then: in a graph, forking is
     what makes branches concurrent, and warm-up must run what capture will.
     """
-    return getattr(_local, "active", False) or torch.cuda.is_current_stream_capturing()
+    return getattr(_local, "active", False) or _stream_capturing()
 
 
 def _capture_stream(index: int) -> torch.cuda.Stream:

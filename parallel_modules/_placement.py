@@ -253,7 +253,7 @@ class _Placement:
         pool_c = _pool(device)
         caller = _current_stream(device)
         base_c = pool_c.offset
-        lanes = pool_c.side_streams(base_c, len(remote))  # T_k: the copy lane of each remote branch
+        lanes = pool_c.side_streams(base_c, len(remote), caller)  # T_k: the copy lane of each remote branch
         forks_c, joins_c = pool_c.events(base_c + len(remote))
         fork_c = forks_c[base_c]
         members: dict[torch.device, list[int]] = {}
@@ -265,7 +265,7 @@ class _Placement:
             pool_d = _pool(home)
             base_d = pool_d.offset
             current_d = _current_stream(home)
-            sides = pool_d.side_streams(base_d, len(group))
+            sides = pool_d.side_streams(base_d, len(group), current_d)
             forks_d, joins_d = pool_d.events(base_d + len(group))
             pools.append((pool_d, base_d))
             for s, i in enumerate(group):

@@ -52,6 +52,11 @@ _MAX_SIDE_STREAMS = 32
 # a torch release removes them, and the public API is used when they are gone.
 _get_current = getattr(torch._C, "_cuda_getCurrentStream", None)
 _set_current = getattr(torch._C, "_cuda_setStream", None)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+# ``Event.record(stream)`` and ``Stream.wait_event(event)`` are two and three
+# Python frames around these; a fork/join calls them twice per side branch.
+_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None) or torch.cuda.Event.record
+_wait = getattr(getattr(torch._C, "_CudaEventBase", None), "wait", None) or torch.cuda.Event.wait
 _streams_by_id: dict[tuple, torch.cuda.Stream] = {}
 
 
@@ -74,6 +79,11 @@ def _set_stream(stream: torch.cuda.Stream) -> None:
         torch.cuda.set_stream(stream)
     else:
         _set_current(stream.stream_id, stream.device_index, stream.device_type)
+
+
+def _stream_capturing() -> bool:
+    r"""``torch.cuda.is_current_stream_capturing()`` without the Python layer."""
+    return _capturing() if _capturing is not None else torch.cuda.is_current_stream_capturing()
 
 
 def _is_tracing() -> bool:
@@ -101,17 +111,30 @@ class _DevicePool:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.streams: list[torch.cuda.Stream] = []
+        self.ids: set[int] = set()
         self._lock = threading.Lock()
         self._local = threading.local()
 
-    def side_streams(self, offset: int, count: int) -> list[torch.cuda.Stream]:
-        end = offset + count
+    def side_streams(self, offset: int, count: int, caller: torch.cuda.Stream | None = None
+                     ) -> list[torch.cuda.Stream]:
+        r"""The streams of slots ``offset .. offset + count - 1``; never ``caller``.
+
+        ``torch.cuda.Stream()`` hands out streams round-robin from PyTorch's
+        pool of 32, which these streams come from too, so a caller's own stream
+        can be one of them: a branch forked onto it would run after the
+        caller's work instead of beside it. The next slot's stream stands in.
+        """
+        end = offset + count + 1  # one more, to stand in for the caller's
         if len(self.streams) < min(end, _MAX_SIDE_STREAMS):
             with self._lock:
                 while len(self.streams) < min(end, _MAX_SIDE_STREAMS):
                     self.streams.append(torch.cuda.Stream(self.device))
+                    self.ids.add(self.streams[-1].stream_id)
         n = len(self.streams)
-        return [self.streams[i % n] for i in range(offset, end)]
+        streams = self.streams[offset:end] if end <= n else [self.streams[i % n] for i in range(offset, end)]
+        if caller is not None and caller.stream_id in self.ids and caller in streams:
+            streams.remove(caller)
+        return streams[:count]
 
     def events(self, end: int) -> tuple[list[torch.cuda.Event], list[torch.cuda.Event]]:
         r"""This thread's fork and join events, at least ``end`` of each."""
@@ -145,7 +168,7 @@ _pools: dict[tuple[int, bool], _DevicePool] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(device: torch.device) -> _DevicePool:
+def _pool(device: torch.device, capturing: bool | None = None) -> _DevicePool:
     r"""The side streams of ``device``; a second set while a CUDA graph is warmed up or captured.
 
     Work that another thread enqueues on a stream while it takes part in a
@@ -156,7 +179,9 @@ def _pool(device: torch.device) -> _DevicePool:
     # Our warm-up runs on the streams its capture will use, as
     # make_graphed_callables warms up on the capture's side stream: per-stream
     # lazy state (cuBLAS workspaces, cuDNN plans) is then set up before capture.
-    key = (index, getattr(_graph_state, "active", False) or torch.cuda.is_current_stream_capturing())
+    if capturing is None:
+        capturing = getattr(_graph_state, "active", False) or _stream_capturing()
+    key = (index, capturing)
     pool = _pools.get(key)
     if pool is None:
         with _pools_lock:
@@ -180,23 +205,24 @@ def _record_on(outputs: Any, stream: torch.cuda.Stream) -> None:
             leaf.record_stream(stream)
 
 
-def _run_forked(calls: list[Any], device: torch.device, run: Any) -> list[Any]:
+def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None) -> list[Any]:
     r"""Run ``run(i, calls[i])`` for every item, item 0 on the caller's stream.
 
     Items 1.. run on side streams forked from the caller's current stream and
     joined back into it, in the order described in this module's docstring.
     ``run`` must raise with its own context; whatever happens, every launched
     side stream is joined and the caller's stream is restored before this
-    returns or raises.
+    returns or raises. ``capturing``: whether a graph capture or its warm-up is
+    underway, when the caller knows (see :func:`_pool`).
     """
-    pool = _pool(device)
+    pool = _pool(device, capturing)
     caller = _current_stream(device)
     n = len(calls)
     base = pool.offset
-    streams = pool.side_streams(base, n - 1)
+    streams = pool.side_streams(base, n - 1, caller)
     forks, joins = pool.events(base + n)
     fork = forks[base]
-    fork.record(caller)
+    _record(fork, caller)
 
     outputs = [run(0, calls[0])]
     pool.offset = base + n - 1
@@ -205,20 +231,20 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any) -> list[Any]:
         for i in range(1, n):
             side = streams[i - 1]
             _set_stream(side)
-            side.wait_event(fork)
+            _wait(fork, side)
             launched = i
             try:
                 outputs.append(run(i, calls[i]))
             finally:
                 # Recorded even if the branch raised: the caller must not run
                 # ahead of work already enqueued on ``side``.
-                joins[base + i].record(side)
+                _record(joins[base + i], side)
     finally:
         pool.offset = base
         _set_stream(caller)
         # Join: every launched side stream, whatever happened.
         for i in range(1, launched + 1):
-            caller.wait_event(joins[base + i])
+            _wait(joins[base + i], caller)
     for out in outputs[1:]:
         _record_on(out, caller)
     return outputs

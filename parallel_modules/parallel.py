@@ -461,10 +461,11 @@ class Parallel(nn.Module):
             raise self._branch_error(e, index)
 
     def _run(self, args: tuple, kwargs: dict, device: torch.device | None = None,
-             fusion: _Fusion | None = None) -> list[Any]:
+             fusion: _Fusion | None = None, capturing: bool | None = None) -> list[Any]:
         r"""Run the branches: one after another, or forked onto ``device``'s side streams.
 
         With ``fusion``, each group of identical branches runs as one unit.
+        ``capturing``: whether a graph capture or warm-up is underway, if known.
         """
         if fusion is None and (device is None or len(self._modules) == 1):
             outputs: list[Any] = []
@@ -496,9 +497,9 @@ class Parallel(nn.Module):
             outputs = [run(i, c) for i, c in enumerate(calls)]
         elif device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                outputs = _run_forked(calls, device, run)
+                outputs = _run_forked(calls, device, run, capturing)
         else:
-            outputs = _run_forked(calls, device, run)
+            outputs = _run_forked(calls, device, run, capturing)
         return outputs if fusion is None else fusion.scatter(calls, outputs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -546,12 +547,12 @@ class Parallel(nn.Module):
             # told not to -- forking is what makes branches concurrent in a graph.
             if fusion is not None and _graph_variant(self) == "unfused":
                 fusion = None
-            return self._run(args, kwargs, device if self.streams is not False else None, fusion)
+            return self._run(args, kwargs, device if self.streams is not False else None, fusion, True)
         if plan is not None:
-            return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None)
+            return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None, False)
         out, decided = self._tuner.run(
             key, _current_stream(device), self._candidates(fusion),
-            lambda s: self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None),
+            lambda s: self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None, False),
         )
         if decided is not None:
             self._remember(key, decided)

@@ -502,7 +502,7 @@ class ParallelSequential(nn.Sequential):
         pool = _pool(device)
         caller = torch.cuda.current_stream(device)
         base = pool.offset
-        streams = pool.side_streams(base, n_lanes)
+        streams = pool.side_streams(base, n_lanes, caller)
         # Events: one per (piece, lane), then the fork, then one join per lane.
         events, e0 = _take_events(device, count * n_lanes + 1 + n_lanes)
         fork = events[e0 + count * n_lanes]
