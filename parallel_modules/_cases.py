@@ -68,6 +68,11 @@ def head_branches(n: int = 4, width: int = 512, classes: int = 100) -> list[nn.M
     return [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, classes)) for _ in range(n)]
 
 
+def shared_trunk(width: int = 512) -> nn.Module:
+    r"""The shared trunk the heads sit on: two ``Linear(width, width)`` + GELU."""
+    return nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU())
+
+
 def conv_branches(n: int = 4, channels: int = 64) -> list[nn.Module]:
     r"""``n`` identical branches of two 3x3 convolutions (``channels`` -> ``channels``) with a ReLU between."""
     return [nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
@@ -93,10 +98,22 @@ class Case:
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     train: bool = False  # time a training step (forward, backward, SGD step) instead of inference
     compiled: bool = False  # also time torch.compile modes (full suite only: compiling takes a while)
+    trunk: Callable[[], nn.Module] | None = None  # a module in front of the branches, shared by all
 
     def branches(self, device, dtype) -> list[nn.Module]:
         torch.manual_seed(0)
         return [b.to(device=device, dtype=dtype).train(self.train) for b in self.build()]
+
+    def model(self, block: nn.Module, device, dtype) -> nn.Module:
+        r"""``block`` (the branches, in any mode) behind the case's trunk, if it has one.
+
+        The trunk is built anew from the same seed each time, so every mode's
+        model computes the same function.
+        """
+        if self.trunk is None:
+            return block
+        torch.manual_seed(1)
+        return nn.Sequential(self.trunk().to(device=device, dtype=dtype).train(self.train), block)
 
     def make_input(self, batch: int, device, dtype) -> torch.Tensor:
         return torch.randn(self.input_shape(batch), device=device, dtype=dtype)
@@ -169,7 +186,7 @@ CASES: dict[str, Case] = {
         Case("inception", inception_branches, lambda b: (b, 192, 35, 35), (1, 8, 64),
              dtypes=(torch.float32, torch.float16), compiled=True),
         Case("conv4", conv_branches, lambda b: (b, 64, 56, 56), (1, 8)),
-        Case("heads", head_branches, lambda b: (b, 512), (32,)),
+        Case("heads", head_branches, lambda b: (b, 512), (32,), trunk=shared_trunk),
         Case("compute", compute_bound_branches, lambda b: (b, 4096), (4096,), quick=False, compiled=True),
         Case("tiny2", lambda: tiny_branches(2), lambda b: (b, 16), (8,), quick=False),
         Case("tiny4", lambda: tiny_branches(4), lambda b: (b, 16), (8,), quick=False),

@@ -72,38 +72,46 @@ def _capture(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, clone: bool = T
         g.replay()
         return static_out.clone() if clone else static_out
 
-    replay.graph = g  # keep it alive
+    # The graph reads ``fn``'s parameters by address: keep them alive as long as the replay.
+    replay.graph, replay.module = g, fn
     return replay
 
 
 def _modes(case: Case, device: torch.device, dtype: torch.dtype, x: torch.Tensor, quick: bool) -> dict[str, Callable]:
     branches = case.branches(device, dtype)
-    seq = SequentialBranches(branches, case.join, case.dim)
-    modes: dict[str, Callable] = {"eager seq": seq, "eager Parallel": Parallel(*branches, join=case.join, dim=case.dim)}
+
+    def parallel(**kw: Any) -> nn.Module:
+        return case.model(Parallel(*branches, join=case.join, dim=case.dim, **kw), device, dtype)
+
+    def graphed(**kw: Any) -> Callable:
+        # Alone, a Parallel captures itself (cuda_graph=True); behind a trunk, the
+        # user captures the whole model, and the Parallel forks inside the capture.
+        if case.trunk is None and _graph_supported():
+            return parallel(cuda_graph=True, **kw)
+        return _capture(parallel(**{"streams": True, **kw}), x)
+
+    seq = case.model(SequentialBranches(branches, case.join, case.dim), device, dtype)
+    modes: dict[str, Callable] = {"eager seq": seq, "eager Parallel": parallel()}
     fusable = bool(_groups(branches)[0])
     if fusable:  # identical branches: fused, forced and chosen automatically
-        modes["eager Parallel fused"] = Parallel(*branches, join=case.join, dim=case.dim, fuse=True)
+        modes["eager Parallel fused"] = parallel(fuse=True)
     if device.type != "cuda":
         return modes
-    modes["eager Parallel streams"] = Parallel(*branches, join=case.join, dim=case.dim, streams=True)
+    modes["eager Parallel streams"] = parallel(streams=True)
     modes["graph seq"] = _capture(seq, x)
-    if _graph_supported():
-        modes["graph Parallel"] = Parallel(*branches, join=case.join, dim=case.dim, cuda_graph=True)
-    else:
-        modes["graph Parallel"] = _capture(Parallel(*branches, join=case.join, dim=case.dim, streams=True), x)
+    modes["graph Parallel"] = graphed()
     if fusable:
-        modes["eager Parallel fuse=auto"] = Parallel(*branches, join=case.join, dim=case.dim, fuse="auto")
-        modes["graph Parallel fused"] = Parallel(*branches, join=case.join, dim=case.dim, fuse=True, cuda_graph=True)
-        modes["graph Parallel fuse=auto"] = Parallel(*branches, join=case.join, dim=case.dim, fuse="auto",
-                                                     cuda_graph=True)
+        modes["eager Parallel fuse=auto"] = parallel(fuse="auto")
+        modes["graph Parallel fused"] = graphed(fuse=True)
+        if case.trunk is None:  # choosing between captures is cuda_graph=True's job
+            modes["graph Parallel fuse=auto"] = parallel(fuse="auto", cuda_graph=True)
     if not quick and case.compiled:
         torch._dynamo.reset()
         modes["compile"] = torch.compile(seq)
-        modes["compile reduce-overhead"] = torch.compile(SequentialBranches(branches, case.join, case.dim),
-                                                         mode="reduce-overhead")
+        modes["compile reduce-overhead"] = torch.compile(
+            case.model(SequentialBranches(branches, case.join, case.dim), device, dtype), mode="reduce-overhead")
         if _graph_supported():  # each branch compiled by inductor, under our multi-stream graph
-            modes["compile branches + graph"] = Parallel(*branches, join=case.join, dim=case.dim, cuda_graph=True,
-                                                         compile="inductor")
+            modes["compile branches + graph"] = graphed(compile="inductor")
     return modes
 
 
@@ -121,10 +129,10 @@ def _train_modes(case: Case, device: torch.device, dtype: torch.dtype) -> dict[s
         return run
 
     def parallel(**kw: Any) -> nn.Module:
-        return Parallel(*case.branches(device, dtype), join=case.join, dim=case.dim, **kw)
+        return case.model(Parallel(*case.branches(device, dtype), join=case.join, dim=case.dim, **kw), device, dtype)
 
-    modes = {"eager seq": step(SequentialBranches(case.branches(device, dtype), case.join, case.dim)),
-             "eager Parallel": step(parallel()), "eager Parallel fused": step(parallel(fuse=True))}
+    seq = case.model(SequentialBranches(case.branches(device, dtype), case.join, case.dim), device, dtype)
+    modes = {"eager seq": step(seq), "eager Parallel": step(parallel()), "eager Parallel fused": step(parallel(fuse=True))}
     if device.type == "cuda":
         modes["graph Parallel"] = step(parallel(cuda_graph=True))
         modes["graph Parallel fused"] = step(parallel(cuda_graph=True, fuse=True))
@@ -191,10 +199,10 @@ def _sample(fn: Callable, x: torch.Tensor, group: int, cuda: bool) -> float:
 
 
 def _floor(case: Case, device, dtype, x) -> float:
-    r"""The longest single branch, captured alone in a graph (replay only)."""
+    r"""The longest single branch (behind the trunk, if any), captured alone in a graph (replay only)."""
     worst = 0.0
     for b in case.branches(device, dtype):
-        replay = _capture(b, x, clone=False)
+        replay = _capture(case.model(b, device, dtype), x, clone=False)
         for _ in range(10):
             replay(x)
         worst = max(worst, statistics.median(_sample(replay, x, 10, True) for _ in range(30)))

@@ -1,0 +1,61 @@
+"""The benchmark's workloads (``parallel_modules._cases``) checked on the CPU.
+
+The benchmark checks every mode against the sequential module before timing
+it; these tests run the same checks on every case at a small batch, so a case
+that stops matching its reference fails CI, not only a GPU run.
+"""
+import pytest
+import torch
+from torch import nn
+
+from parallel_modules import Parallel, ParallelSequential
+from parallel_modules._cases import CASES, PIPELINES, SequentialBranches
+from parallel_modules.bench import main
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_case_in_parallel_equals_its_sequential_module(name):
+    case = CASES[name]
+    branches = case.branches("cpu", torch.float32)
+    seq = case.model(SequentialBranches(branches, case.join, case.dim), "cpu", torch.float32)
+    par = case.model(Parallel(*branches, join=case.join, dim=case.dim), "cpu", torch.float32)
+    x = case.make_input(2, "cpu", torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(par(x), seq(x), rtol=0, atol=0)
+
+
+def test_a_case_with_a_trunk_puts_the_same_trunk_in_front_of_every_mode():
+    case = CASES["heads"]
+    assert case.trunk is not None
+    branches = case.branches("cpu", torch.float32)
+    a = case.model(Parallel(*branches), "cpu", torch.float32)
+    b = case.model(SequentialBranches(branches), "cpu", torch.float32)
+    assert isinstance(a, nn.Sequential) and a[1] is not b[1]
+    for pa, pb in zip(a[0].parameters(), b[0].parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    x = case.make_input(3, "cpu", torch.float32)
+    with torch.no_grad():
+        # The heads see the trunk's features, not the input.
+        torch.testing.assert_close(a(x), SequentialBranches(branches)(a[0](x)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_every_pipeline_case_equals_its_sequential_module(name):
+    case = PIPELINES[name]
+    stages = case.stages("cpu", torch.float32)
+    x = case.make_input(max(case.chunks), "cpu", torch.float32)
+    with torch.no_grad():
+        ref = nn.Sequential(*stages)(x)
+        for chunks in case.chunks:
+            # Micro-batches may take other kernels than the whole batch: close, not equal.
+            torch.testing.assert_close(ParallelSequential(*stages, chunks=chunks)(x), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_bench_command_checks_and_tables_a_case_on_the_cpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU suite, on a GPU machine too
+    assert main(["--case", "heads", "--reps", "2", "--group", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU found" in out
+    rows = [line for line in out.splitlines() if line.startswith("heads")]
+    assert [r.split()[3:5] for r in rows][:2] == [["eager", "seq"], ["eager", "Parallel"]]
+    assert rows[0].endswith("reference") and rows[1].endswith("equal") and "close(" in rows[2]
