@@ -185,16 +185,20 @@ def test_parameters_keep_identity_and_load_state_dict():
     assert_close(p(x), third(x))
 
 
-def test_parameter_replaced_by_hand_is_seen():
-    branches = [nn.Linear(16, 8) for _ in range(3)]
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_parameter_replaced_by_hand_is_seen(device):
+    branches = [nn.Linear(16, 8).to(device) for _ in range(3)]
     p = Parallel(*branches, fuse=True)
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, device=device)
     p(x)
-    branches[1].weight = nn.Parameter(torch.randn(8, 16))
+    branches[1].weight = nn.Parameter(torch.randn(8, 16, device=device))
     assert_close(p(x), reference(p, x))
     with torch.no_grad():
-        branches[2].bias.data = torch.randn(8)  # a new tensor behind the same Parameter
+        branches[2].bias.data = torch.randn(8, device=device)  # a new tensor behind the same Parameter
     assert_close(p(x), reference(p, x))
+    with torch.no_grad():
+        branches[0].weight.data = branches[0].weight.clone()  # same values, new memory: restacked
+    assert p._fusion.groups[0].bind() is True
 
 
 def test_to_dtype_and_copies():
