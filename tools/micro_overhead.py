@@ -36,14 +36,41 @@ def per_call(fn) -> float:
     return sorted(best)[2]
 
 
+def profile(label, fn, calls=2000, rows=16):
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"==== {label}: {per_call(fn):.1f} us per call without the profiler")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+
+
 with torch.no_grad():
     for name, fn in [("_signature", lambda: _signature((x,), {}, False)),
                      ("_is_tracing", _is_tracing), ("_capture_underway", _capture_underway),
                      ("_input_device", lambda: _input_device((x,), {})),
                      ("_current_stream", lambda: _current_stream(dev)), ("_pool", lambda: _pool(dev)),
-                     ("is_current_stream_capturing", torch.cuda.is_current_stream_capturing),
                      ("torch.is_grad_enabled", torch.is_grad_enabled)]:
         print(f"{name:<32}{per_call(fn):7.2f} us")
+    import sys
+    if "--profile" in sys.argv:
+        from parallel_modules._cases import mlp_branches
+        torch.manual_seed(0)
+        x256 = torch.randn(8, 256, device=dev)
+        fused = Parallel(*[b.to(dev) for b in mlp_branches(8)], fuse=True)
+        profile("mlp8 fuse=True", lambda: fused(x256))
+        tiny2 = Parallel(*[nn.Linear(16, 16).to(dev) for _ in range(2)])
+        seq2 = SequentialBranches(list(tiny2))
+        print(f"tiny2: Parallel (auto) {per_call(lambda: tiny2(x)):.1f} us, sequential module {per_call(lambda: seq2(x)):.1f} us")
+        profile("tiny2 auto", lambda: tiny2(x))
+        tiny8 = Parallel(*[nn.Linear(16, 16).to(dev) for _ in range(8)], streams=True)
+        profile("tiny8 streams=True", lambda: tiny8(x))
+        sys.exit(0)
     for n in (2, 4, 8, 16):
         lins = [nn.Linear(16, 16).to(dev) for _ in range(n)]
         seq = SequentialBranches(lins)
