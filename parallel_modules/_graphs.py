@@ -77,7 +77,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _signature
-from ._streams import _current_stream, _graph_state, _is_tracing, _pools, _stream_capturing
+from ._streams import _capture_underway, _current_stream, _graph_state, _is_tracing, _pools
 
 __all__: list[str] = []
 
@@ -131,15 +131,6 @@ _clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
 def _clear_cublas_workspaces() -> None:
     if _clear_cublas is not None:
         _clear_cublas()
-
-
-def _capture_underway() -> bool:
-    r"""Whether this thread is inside a graph capture (ours or the user's) or our warm-up.
-
-    A ``Parallel`` always forks onto side streams then: in a graph, forking is
-    what makes branches concurrent, and warm-up must run what capture will.
-    """
-    return getattr(_local, "active", False) or _stream_capturing()
 
 
 def _capture_stream(index: int) -> torch.cuda.Stream:

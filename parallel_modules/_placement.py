@@ -86,9 +86,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ._graphs import _capture_underway
 from ._inputs import _input_device, _module_devices
-from ._streams import _current_stream, _is_tracing, _pool, _record_on, _run_forked, _set_stream
+from ._streams import _capture_underway, _current_stream, _is_tracing, _pool, _record_on, _run_forked, _set_stream
 
 if TYPE_CHECKING:
     from .parallel import Parallel

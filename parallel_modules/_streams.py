@@ -164,6 +164,16 @@ class _DevicePool:
 # module (``active``); defined here so that the pool can see it.
 _graph_state = threading.local()
 
+
+def _capture_underway() -> bool:
+    r"""Whether this thread is inside a graph capture (ours or the user's) or our warm-up.
+
+    A ``Parallel`` always forks onto side streams then: in a graph, forking is
+    what makes branches concurrent, and warm-up must run what capture will.
+    """
+    return getattr(_graph_state, "active", False) or _stream_capturing()
+
+
 _pools: dict[tuple[int, bool], _DevicePool] = {}
 _pools_lock = threading.Lock()
 
@@ -179,9 +189,7 @@ def _pool(device: torch.device, capturing: bool | None = None) -> _DevicePool:
     # Our warm-up runs on the streams its capture will use, as
     # make_graphed_callables warms up on the capture's side stream: per-stream
     # lazy state (cuBLAS workspaces, cuDNN plans) is then set up before capture.
-    if capturing is None:
-        capturing = getattr(_graph_state, "active", False) or _stream_capturing()
-    key = (index, capturing)
+    key = (index, _capture_underway() if capturing is None else capturing)
     pool = _pools.get(key)
     if pool is None:
         with _pools_lock:

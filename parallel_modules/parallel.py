@@ -12,11 +12,11 @@ from torch import nn
 from ._autotune import _ScheduleTuner
 from ._compile import Backend, _compiler
 from ._fusion import _Fusion, _Group, _Joined
-from ._graphs import _capture_underway, _CudaGraphs, _graph_variant
+from ._graphs import _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
 from ._placement import _UNPLACED, _place
-from ._streams import _current_stream, _is_tracing, _run_forked
+from ._streams import _capture_underway, _current_stream, _is_tracing, _run_forked
 
 __all__ = ["Parallel"]
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from parallel_modules import Parallel
 from parallel_modules._cases import SequentialBranches
-from parallel_modules._graphs import _capture_underway
+from parallel_modules._streams import _capture_underway
 from parallel_modules._inputs import _input_device, _signature
 from parallel_modules._streams import _current_stream, _is_tracing, _pool
 

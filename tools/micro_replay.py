@@ -125,7 +125,7 @@ for name, batch in [("mlp8", 8), ("inception", 1), ("tiny8", 8), ("heads", 32)]:
         pieces = {
             "_is_tracing": _streams._is_tracing,
             "_input_device": lambda: _inputs._input_device((x,), {}),
-            "_capture_underway": _graphs._capture_underway,
+            "_capture_underway": _streams._capture_underway,
             "_signature": lambda: _inputs._signature((x,), {}, False),
             "_current_stream": lambda: _streams._current_stream(dev),
             "autocast state": _graphs._autocast_state,
