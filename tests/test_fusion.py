@@ -67,6 +67,17 @@ def assert_close(a, b):
     torch.testing.assert_close(a, b, **TOL)
 
 
+class AddY(nn.Module):
+    r"""A branch with a keyword argument: ``lin(x) + y``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, y=None):
+        return self.lin(x) + (0 if y is None else y)
+
+
 def fused_groups(p: Parallel) -> list[list[str]]:
     return p.explain()["fused"]
 
@@ -317,15 +328,7 @@ def test_bad_input_names_the_branch_and_module_recovers():
 
 
 def test_kwargs_calls_run_unfused():
-    class Add(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x, y=None):
-            return self.lin(x) + (0 if y is None else y)
-
-    p = Parallel(Add(), Add(), fuse=True)
+    p = Parallel(AddY(), AddY(), fuse=True)
     x, y = torch.randn(2, 4), torch.randn(2, 4)
     assert_close(p(x, y=y), reference(p, x, y=y))
     assert_close(p(x), reference(p, x))
@@ -447,15 +450,7 @@ def test_user_graph_of_the_same_branches_captured_after_construction_stays_valid
 
 
 def test_explain_names_the_mode_of_each_signature():
-    class Add(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x, y=None):
-            return self.lin(x) + (0 if y is None else y)
-
-    p = Parallel(Add(), Add(), fuse="auto")
+    p = Parallel(AddY(), AddY(), fuse="auto")
     x, y = torch.randn(2, 4), torch.randn(2, 4)
     p.eval()(x, y=y), p(x)
     assert not any("training" in k for k in p.explain()["schedules"]), p.explain()
