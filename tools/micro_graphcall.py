@@ -3,46 +3,16 @@
 Usage: ``PYTHONPATH=. python3 tools/micro_graphcall.py``: per variant, the host time per call
 (many calls, then one sync) and the top functions of a cProfile of 2000 calls.
 """
-import cProfile
-import io
-import pstats
-import time
 
 import torch
 
 from parallel_modules import Parallel, ParallelSequential
 from parallel_modules._cases import CASES, PIPELINES, SequentialBranches
+from _timing import cpu_us, profile  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 dev = torch.device("cuda")
-
-
-def cpu_us(fn, n=2000):
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return min(best)
-
-
-def profile(name, fn, n=2000, top=14):
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    print(f"---- cProfile {name} ({n} calls)")
-    print("\n".join(line for line in s.getvalue().splitlines() if line.strip() and "function calls" not in line)[:3500])
 
 
 case = CASES["mlp8"]

@@ -4,9 +4,7 @@ Times Parallel(N x Linear(16, 16)) with streams=True/False/"auto" against the
 branches called in a loop, the per-call helpers one by one, and prints a
 cProfile of the forked call. Run on the GPU machine: ``python3 tools/micro_overhead.py``.
 """
-import cProfile
-import pstats
-import time
+import statistics
 
 import torch
 from torch import nn
@@ -14,6 +12,7 @@ from torch import nn
 from parallel_modules import Parallel
 from parallel_modules._cases import SequentialBranches
 from parallel_modules._streams import _capture_underway
+from _timing import cpu_us, profile as _profile  # tools/ is the script's directory
 from parallel_modules._inputs import _input_device, _signature
 from parallel_modules._streams import _current_stream, _is_tracing, _pool
 
@@ -23,31 +22,12 @@ CALLS = 5000
 
 
 def per_call(fn) -> float:
-    for _ in range(300):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        best.append((time.perf_counter() - t0) / CALLS * 1e6)
-        torch.cuda.synchronize()
-    return sorted(best)[2]
+    return cpu_us(fn, CALLS, warmup=300, repeats=5, pick=statistics.median)
 
 
 def profile(label, fn, calls=2000, rows=16):
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
     print(f"==== {label}: {per_call(fn):.1f} us per call without the profiler")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+    _profile(label, fn, calls, rows, warmup=200)
 
 
 with torch.no_grad():
@@ -83,10 +63,4 @@ with torch.no_grad():
               + f"  | auto/seq {t['seq module'] / t['auto']:.3f}x")
         if n == 8:
             p = mods["streams=True"]
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(2000):
-                p(x)
-            prof.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            _profile("N=8 streams=True", lambda: p(x), 2000, 18)

@@ -10,13 +10,13 @@ and GPU time per call (events around many back-to-back calls) of
 Usage: ``PYTHONPATH=. python3 tools/micro_replay.py``
 """
 import statistics
-import time
 
 import torch
 
 from parallel_modules import Parallel
 from parallel_modules import _graphs, _inputs, _streams
 from parallel_modules._cases import CASES, SequentialBranches
+import _timing  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -24,17 +24,7 @@ dev = torch.device("cuda")
 
 
 def cpu_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return min(best)
+    return _timing.cpu_us(fn, n, warmup=50, repeats=5)
 
 
 def gpu_us(fn, group=20, reps=30):
