@@ -87,7 +87,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _module_devices
-from ._streams import _capture_underway, _current_stream, _is_tracing, _pool, _record_on, _run_forked, _set_stream
+from ._streams import (_capture_underway, _current_stream, _is_tracing, _join_backward, _pool, _record_on, _run_forked,
+                       _set_stream)
 
 if TYPE_CHECKING:
     from .parallel import Parallel
@@ -316,6 +317,9 @@ class _Placement:
                 current_d.wait_event(side_done)
         for i in remote:
             _record_on(outputs[i], caller)
+        # Remote parameters' gradients are summed on the remote streams. (Never
+        # under a capture: placement refuses it above.)
+        _join_backward((*args, *kwargs.values()), [s for i in launched for s in (work[i][1], work[i][3])])
         return outputs
 
     def _run_local(self, module: "Parallel", device: torch.device, branches: list[Any], local: list[int],
@@ -335,6 +339,6 @@ class _Placement:
         if len(calls) == 1:
             results = [run(0, calls[0])]
         else:
-            results = _run_forked(calls, device, run)
+            results = _run_forked(calls, device, run, None, (*args, *kwargs.values()))
         for i, out in zip(local, results):
             outputs[i] = out

@@ -14,6 +14,15 @@ Stream order, in one place:
 * **join** -- after a side branch has been launched, an event is recorded on
   its stream and the caller's stream waits on it, so everything the caller
   enqueues afterwards (the join itself, the next layer) sees finished outputs;
+* **backward** -- the autograd engine runs each backward operation on the
+  stream its forward ran on, and hands gradients between streams with events.
+  A parameter's gradient, though, is summed into ``.grad`` by its own node
+  after the branch's input gradient has been handed on: a reader of ``.grad``
+  in the middle of the backward pass (FSDP2's reduce-scatter of an enclosing
+  module starts when that module's input gradient is ready) would run ahead
+  of it. The engine makes the caller wait for such side streams only at the
+  end of ``backward()``; :func:`_join_backward` makes it wait as soon as the
+  gradient of the block's input is complete;
 * **memory** -- a tensor allocated on a side stream and handed to the caller
   is marked with :meth:`torch.Tensor.record_stream`, so the caching allocator
   does not give its block to another side-stream allocation while the
@@ -213,7 +222,48 @@ def _record_on(outputs: Any, stream: torch.cuda.Stream) -> None:
             leaf.record_stream(stream)
 
 
-def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None) -> list[Any]:
+class _BackwardJoin:
+    r"""Gradient hook of a block's input: its consumer's stream waits for the block's side streams."""
+
+    __slots__ = ("streams",)
+
+    def __init__(self, streams: list[torch.cuda.Stream]) -> None:
+        self.streams = streams
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        # The engine runs the hook on the stream of the node that consumes
+        # this gradient (the input's producer, on the caller's stream), after
+        # every branch has contributed to it. Whatever those branches enqueued
+        # on their streams before that -- their parameters' ``.grad`` sums,
+        # which the engine ran first -- is then ordered before the consumer.
+        current = _current_stream(grad.device)
+        for stream in self.streams:
+            if stream != current:
+                current.wait_stream(stream)
+
+
+def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> None:
+    r"""Order the backward of ``inputs``' consumers after all work on ``streams`` (see module docstring).
+
+    Only inputs made by an operation get the hook: a hook on a leaf tensor
+    would stay on it for every later call, and a leaf's gradient is the end of
+    the backward pass, where the engine joins the side streams itself. Not used
+    while a graph is captured: a capture may not wait on streams outside it.
+    """
+    if not torch.is_grad_enabled():
+        return
+    hook = None
+    for value in inputs:
+        # (Tensors first: flattening costs microseconds, a fork/join's budget.)
+        for leaf in (value,) if isinstance(value, torch.Tensor) else pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None and leaf.is_cuda:
+                if hook is None:
+                    hook = _BackwardJoin(list(streams))
+                leaf.register_hook(hook)
+
+
+def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None,
+                inputs: tuple | list = ()) -> list[Any]:
     r"""Run ``run(i, calls[i])`` for every item, item 0 on the caller's stream.
 
     Items 1.. run on side streams forked from the caller's current stream and
@@ -221,8 +271,11 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     ``run`` must raise with its own context; whatever happens, every launched
     side stream is joined and the caller's stream is restored before this
     returns or raises. ``capturing``: whether a graph capture or its warm-up is
-    underway, when the caller knows (see :func:`_pool`).
+    underway, when the caller knows (see :func:`_pool`). ``inputs``: the values
+    the items read (a tuple), for :func:`_join_backward`.
     """
+    if capturing is None:
+        capturing = _capture_underway()
     pool = _pool(device, capturing)
     caller = _current_stream(device)
     n = len(calls)
@@ -255,4 +308,6 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
             _wait(joins[base + i], caller)
     for out in outputs[1:]:
         _record_on(out, caller)
+    if inputs and not capturing:
+        _join_backward(inputs, streams)
     return outputs

@@ -497,9 +497,9 @@ class Parallel(nn.Module):
             outputs = [run(i, c) for i, c in enumerate(calls)]
         elif device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                outputs = _run_forked(calls, device, run, capturing)
+                outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()))
         else:
-            outputs = _run_forked(calls, device, run, capturing)
+            outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()))
         return outputs if fusion is None else fusion.scatter(calls, outputs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -29,7 +29,7 @@ from ._compile import Backend, _compiler
 from ._joins import _describe
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _CudaGraphs
-from ._streams import _is_tracing, _pool
+from ._streams import _capture_underway, _is_tracing, _join_backward, _pool
 
 __all__ = ["ParallelSequential"]
 
@@ -459,9 +459,9 @@ class ParallelSequential(nn.Sequential):
         assert target is not None
         if target.index is not None and target.index != torch.cuda.current_device():
             with torch.cuda.device(target):
-                outputs = self._pipeline(stages, pieces, target, copy_to is not None)
+                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None)
         else:
-            outputs = self._pipeline(stages, pieces, target, copy_to is not None)
+            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None)
         return self._concat(outputs)
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
@@ -473,9 +473,9 @@ class ParallelSequential(nn.Sequential):
             )
 
     def _pipeline(
-        self, stages: list[tuple[str, nn.Module]], pieces: list[Any], device: torch.device, copy: bool
+        self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool
     ) -> list[Any]:
-        r"""Run every piece through every lane on the side streams; outputs per piece.
+        r"""Run every piece of ``input`` through every lane on the side streams; outputs per piece.
 
         Work is issued as a wavefront: at step ``t`` lane ``l`` gets piece
         ``t - l``, from the last lane to the first. The items of one step do
@@ -499,7 +499,8 @@ class ParallelSequential(nn.Sequential):
             lanes.append(lambda m, v, s=s, name=name, stage=stage: self._call(s, name, stage, m, count, v))
         n_lanes = len(lanes)
 
-        pool = _pool(device)
+        capturing = _capture_underway()
+        pool = _pool(device, capturing)
         caller = torch.cuda.current_stream(device)
         base = pool.offset
         streams = pool.side_streams(base, n_lanes, caller)
@@ -555,6 +556,9 @@ class ParallelSequential(nn.Sequential):
                     caller.wait_event(joins[lane])
         for value in values:
             _mark(value, caller)
+        if not capturing:
+            # Stage parameters take one gradient per piece, summed on their lane.
+            _join_backward((input,), streams[:used])
         return values
 
 

@@ -68,3 +68,92 @@ def test_a_caller_on_one_of_the_pools_streams_still_forks_beside_itself():
         torch.cuda.current_stream().wait_stream(caller)
     assert caller not in seen[-2:] and seen[-2] != seen[-1]
     assert torch.equal(out, expected)
+
+
+# ------------------------------------------------- backward: parameter gradients
+# ~25 ms on an H100: far longer than the CPU takes to reach the reader below.
+_LONG_SLEEP = 50_000_000
+
+
+class _SlowGrad(torch.autograd.Function):
+    r"""Identity on a weight; its backward sleeps on its stream before passing the gradient on."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(_LONG_SLEEP)
+        return g * 1
+
+
+class _SlowWeightGradLinear(torch.nn.Linear):
+    r"""A Linear whose weight gradient arrives late on its stream (its input gradient does not)."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, _SlowGrad.apply(self.weight), self.bias)
+
+
+class _ReadGradsInBackward(torch.autograd.Function):
+    r"""What FSDP2 puts in front of a module it shards: when the gradient of the
+    module's input is complete, its backward reads the module's parameter
+    gradients, on the stream that gradient is handed to (the caller's)."""
+
+    @staticmethod
+    def forward(ctx, x, module, seen):
+        ctx.module, ctx.seen = module, seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.extend(None if p.grad is None else p.grad.clone() for p in ctx.module.parameters())
+        return g, None, None
+
+
+def _blocks():
+    from parallel_modules import Parallel, ParallelSequential
+
+    def side():
+        return torch.nn.Sequential(_SlowWeightGradLinear(16, 16), torch.nn.Tanh())
+
+    yield "Parallel", Parallel(torch.nn.Linear(16, 16), side(), side(), join="sum", streams=True)
+    yield "ParallelSequential", ParallelSequential(torch.nn.Linear(16, 16), side(), side(), chunks=3)
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["Parallel", "ParallelSequential"])
+def test_parameter_gradients_are_complete_when_the_input_gradient_is(kind):
+    # The engine hands a branch's input gradient to the caller's stream with an
+    # event, but sums its parameters' gradients on the branch's stream after
+    # that: without the backward join the reader clones unfinished gradients.
+    block = dict(_blocks())[kind].cuda()
+    stem = torch.nn.Linear(16, 16).cuda()
+    for _ in range(3):  # fresh inputs: stale memory cannot hold the right values
+        seen: list = []
+        x = torch.randn(12, 16, device="cuda")
+        block(_ReadGradsInBackward.apply(stem(x), block, seen)).square().sum().backward()
+        torch.cuda.synchronize()
+        final = [p.grad for p in block.parameters()]
+        assert len(seen) == len(final) and all(s is not None for s in seen)
+        for (name, _), s, f in zip(block.named_parameters(), seen, final):
+            assert torch.equal(s, f), f"{kind}: {name}.grad read in backward differs from the final one"
+        block.zero_grad(set_to_none=True)
+        stem.zero_grad(set_to_none=True)
+
+
+@cuda
+def test_the_backward_join_hooks_inputs_made_by_an_operation_only_and_only_with_grad():
+    from parallel_modules import Parallel
+
+    block = Parallel(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), streams=True).cuda()
+    leaf = torch.randn(4, 8, device="cuda", requires_grad=True)
+    for _ in range(2):
+        block(leaf).sum().backward()
+    assert not leaf._backward_hooks  # it would stay there for every later call
+    made = leaf * 1
+    with torch.no_grad():
+        block(made)
+    assert not made._backward_hooks
+    block(made)
+    assert len(made._backward_hooks) == 1
