@@ -15,7 +15,9 @@ the library, around the compiled code:
   event), so compiled branches overlap like eager ones;
 * **CUDA graph** -- compilation happens at a child's first call; with
   ``cuda_graph=True`` that is the warm-up that precedes capture, so the capture
-  records the compiled kernels and nothing is compiled inside it. Inductor's
+  records the compiled kernels and nothing is compiled inside it. An inference
+  signature is captured a second time with the eager children and the faster
+  of the two graphs kept (``Parallel.explain()`` says which). Inductor's
   own CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``,
   ``triton.cudagraphs``) would capture inside our capture and are refused;
 * **dynamo's cache** -- dynamo keeps compiled code, its guards and its
@@ -103,6 +105,14 @@ from ._streams import _is_tracing, _record_on
 __all__: list[str] = []
 
 Backend = Union[str, Callable[..., Any]]
+
+# The two ways a module with ``compile=`` is captured when ``cuda_graph=True``
+# captures an inference signature (variants of ``_graphs``): with the compiled
+# children and with the children as they are. The faster replay is kept, as
+# cudnn.benchmark keeps the fastest algorithm: compiled code is not always
+# faster once launches cost nothing (the Inception block on an H100, batch 64,
+# fp32: 2.98 ms with inductor's kernels against 1.78 ms with eager ones).
+_COMPILED, _EAGER = "compiled", "eager"
 
 # Engines kept per child, one per input signature (Torch-TensorRT builds
 # static-shape engines from example inputs); as ``max_graphs``' default.

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._autotune import _ScheduleTuner
-from ._compile import Backend, _compiler
+from ._compile import _COMPILED, _EAGER, Backend, _compiler
 from ._fusion import _Fusion, _Group, _Joined
 from ._graphs import _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
@@ -119,7 +119,9 @@ class Parallel(nn.Module):
             callable), or ``"tensorrt"`` (``torch_tensorrt.compile(branch,
             ir="dynamo", inputs=<the call's tensors>)``, inference only, one
             engine per input signature). The state dict does not change.
-            Branches fused with ``fuse`` run batched instead. Default:
+            Branches fused with ``fuse`` run batched instead. With
+            ``cuda_graph=True``, an inference signature is also captured with
+            the branches as they are, and the faster replay kept. Default:
             ``None``. See ``parallel_modules/_compile.py``.
         compile_options: keyword arguments for :func:`torch.compile`
             (``dynamic`` defaults to ``False``: one compilation per input
@@ -384,7 +386,9 @@ class Parallel(nn.Module):
         every other branch with the reason it is not fused; ``"schedules"``:
         for each input signature seen so far, the schedule in use
         (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
-        chosen by ``"auto"`` or forced).
+        chosen by ``"auto"`` or forced; for a CUDA graph with ``compile=``,
+        also ``"compiled branches"`` or ``"eager branches"``, whichever
+        replayed faster).
         """
         fusion = self._fusion
         if self.fuse is False:
@@ -400,8 +404,10 @@ class Parallel(nn.Module):
         if self.cuda_graph:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
             for k, variant in self._graphs.variants().items():
-                how = variant or ("fused" if fused_graphs else "unfused")
-                schedules[_describe_signature(k[0])] = f"CUDA graph, {how}, " + (
+                how = [v for v in variant or () if v in ("fused", "unfused")] or [
+                    "fused" if fused_graphs else "unfused"]
+                how += [f"{v} branches" for v in variant or () if v in (_COMPILED, _EAGER)]
+                schedules[_describe_signature(k[0])] = f"CUDA graph, {', '.join(how)}, " + (
                     "streams" if self.streams is not False else "sequential")
         return {"fused": fused, "unfused": unfused, "schedules": schedules}
 
@@ -414,11 +420,16 @@ class Parallel(nn.Module):
             fusion = self._fusion = self._new_fusion()
         return fusion if fusion.groups else None
 
-    def _graph_variants(self, args: tuple, kwargs: dict) -> list[Any]:
-        r"""For ``cuda_graph=True``: the ways to capture this call; the graph code keeps the fastest."""
-        if self.fuse == "auto" and self._fusion_for(args, kwargs) is not None:
-            return ["fused", "unfused"]
-        return [None]
+    def _graph_variants(self, args: tuple, kwargs: dict) -> list[tuple[str, ...] | None]:
+        r"""For ``cuda_graph=True``: the ways to capture this call; the graph code keeps the fastest.
+
+        Each is a tuple of ``"fused"``/``"unfused"`` (``fuse="auto"``) and
+        ``_COMPILED``/``_EAGER`` (``compile=``); training captures the first only.
+        """
+        fuses = ["fused", "unfused"] if self.fuse == "auto" and self._fusion_for(args, kwargs) is not None else [""]
+        compiles = [_COMPILED, _EAGER] if self._compiler is not None else [""]
+        variants = [tuple(v for v in (f, c) if v) for f in fuses for c in compiles]
+        return [v or None for v in variants]
 
     def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict) -> list[Any]:
         try:
@@ -452,7 +463,9 @@ class Parallel(nn.Module):
     def _branches(self) -> list[Any]:
         r"""The callable to run for each branch: the branch, or its compiled form (``compile=``)."""
         compiler = self._compiler
-        return list(self._modules.values()) if compiler is None else compiler.calls(self._modules)
+        if compiler is None or _EAGER in (_graph_variant(self) or ()):
+            return list(self._modules.values())
+        return compiler.calls(self._modules)
 
     def _call(self, index: int, args: tuple, kwargs: dict, branches: list[Any] | None = None) -> Any:
         try:
@@ -545,7 +558,7 @@ class Parallel(nn.Module):
             # an enclosing block, or the user's own capture): launches cost
             # nothing at replay, so fuse what is allowed to fuse, and fork unless
             # told not to -- forking is what makes branches concurrent in a graph.
-            if fusion is not None and _graph_variant(self) == "unfused":
+            if fusion is not None and "unfused" in (_graph_variant(self) or ()):
                 fusion = None
             return self._run(args, kwargs, device if self.streams is not False else None, fusion, True)
         if plan is not None:

@@ -25,10 +25,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from ._compile import Backend, _compiler
+from ._compile import _COMPILED, _EAGER, Backend, _compiler
 from ._joins import _describe
 from ._inputs import _input_device, _module_devices, _with_context
-from ._graphs import _CudaGraphs
+from ._graphs import _CudaGraphs, _graph_variant
 from ._streams import _capture_underway, _is_tracing, _join_backward, _pool
 
 __all__ = ["ParallelSequential"]
@@ -402,7 +402,13 @@ class ParallelSequential(nn.Sequential):
     def _stages(self) -> Any:
         r"""The callable to run for each stage: the stage, or its compiled form (``compile=``)."""
         compiler = self._compiler
-        return self._modules.values() if compiler is None else compiler.calls(self._modules)
+        if compiler is None or _EAGER in (_graph_variant(self) or ()):
+            return self._modules.values()
+        return compiler.calls(self._modules)
+
+    def _graph_variants(self, args: tuple, kwargs: dict) -> list[tuple[str, ...] | None]:
+        r"""For ``cuda_graph=True``: the ways to capture this call (compiled stages or eager); the faster is kept."""
+        return [(_COMPILED,), (_EAGER,)] if self._compiler is not None else [None]
 
     def _eager(self, input: Any) -> Any:
         if self._chunks == 1:

@@ -425,3 +425,86 @@ def test_compiled_branches_are_captured_on_the_graph_streams():
     expected = [_capture_stream(torch.cuda.current_device()).stream_id, *_side_streams(2, capturing=True)]
     assert list(recorder.streams.values()) == [[sid] * 4 for sid in expected]
     assert torch.cuda.default_stream().stream_id not in expected
+
+
+# ------------------------------------------------ compiled or eager, whichever replays faster
+# About 1 ms on current GPUs: far more than the branches themselves take.
+SLEEP = 2_000_000
+
+
+class SlowBackend:
+    r"""A torch.compile backend whose compiled code keeps the stream busy first: a slow compiled branch."""
+
+    def __init__(self) -> None:
+        self.__qualname__ = "SlowBackend"
+
+    def __call__(self, gm, example_inputs):
+        def run(*args):
+            torch.cuda._sleep(SLEEP)
+            return gm.forward(*args)
+
+        return run
+
+
+class SlowWhenEager(nn.Module):
+    r"""Doubles its input; run eagerly it keeps the stream busy first, traced by dynamo it does not."""
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling():
+            torch.cuda._sleep(SLEEP)
+        return x * 2
+
+
+def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
+    # Every combination is captured for inference; training captures the first.
+    block = Parallel(mlp(), mlp(), fuse="auto", cuda_graph=True, compile="eager")
+    x = torch.randn(8, 16)
+    assert block._graph_variants((x,), {}) == [
+        ("fused", "compiled"), ("fused", "eager"), ("unfused", "compiled"), ("unfused", "eager")]
+    assert Parallel(mlp(), nn.ReLU(), cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
+        ("compiled",), ("eager",)]
+    assert Parallel(mlp(), nn.ReLU(), cuda_graph=True)._graph_variants((x,), {}) == [None]
+    pipe = ParallelSequential(mlp(), mlp(16, 4), chunks=2, cuda_graph=True, compile="eager")
+    assert pipe._graph_variants((x,), {}) == [("compiled",), ("eager",)]
+
+
+@cuda
+def test_the_cuda_graph_keeps_eager_branches_when_the_compiled_ones_replay_slower():
+    block = Parallel(*[b.cuda().eval() for b in branches(3)], cuda_graph=True, compile=SlowBackend())
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 16, device="cuda")
+            assert_close(block(x), cat_reference(block, x), *CUDA_TOL[torch.float32])
+    assert list(block._graphs.variants().values()) == [("eager",)]
+    assert list(block.explain()["schedules"].values()) == ["CUDA graph, unfused, eager branches, streams"]
+
+
+@cuda
+def test_the_cuda_graph_keeps_compiled_branches_when_they_replay_faster():
+    block = Parallel(SlowWhenEager(), SlowWhenEager(), mlp().cuda(), cuda_graph=True, compile="eager")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 16, device="cuda")
+            assert_same(block(x), torch.cat([x * 2, x * 2, block[2](x)], 1))
+    assert list(block._graphs.variants().values()) == [("compiled",)]
+    assert "compiled branches" in next(iter(block.explain()["schedules"].values()))
+
+
+@cuda
+def test_the_cuda_graph_weighs_compiled_stages_against_eager_ones():
+    torch.manual_seed(0)
+    pipe = ParallelSequential(mlp(16, 64), mlp(64, 4), chunks=2, cuda_graph=True,
+                              compile=SlowBackend()).cuda().eval()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 16, device="cuda")
+            assert_close(pipe(x), pipe[1](pipe[0](x)), *CUDA_TOL[torch.float32])
+    assert list(pipe._graphs.variants().values()) == [("eager",)]
+
+
+@cuda
+def test_training_graphs_capture_the_compiled_branches_only():
+    block = Parallel(*[b.cuda() for b in branches(2)], join="sum", cuda_graph=True, compile=SlowBackend())
+    x = torch.randn(8, 16, device="cuda", requires_grad=True)
+    block(x).sum().backward()
+    assert list(block._graphs.variants().values()) == [("compiled",)]
