@@ -1,0 +1,78 @@
+"""Compiled conv branches: does one channels_last conversion before the fork pay? (dev tool, not shipped)
+
+Per-branch inductor converts an NCHW input to channels_last in every branch (one
+``triton_poi_fused_convolution`` of ~24 us per branch at batch 64 fp16 on an H100);
+whole-model compilation converts once. Variants captured by hand, timed interleaved.
+Usage: ``PYTHONPATH=. python3 tools/exp_channels_last.py [b64-fp16 b8-fp32 ...]``
+"""
+import statistics
+import sys
+
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from parallel_modules._cases import inception_branches
+from parallel_modules.bench import _capture
+
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+CL = torch.channels_last
+
+
+def branches(dtype):
+    torch.manual_seed(0)
+    return [b.to("cuda", dtype).eval() for b in inception_branches()]
+
+
+class Seq(nn.Module):
+    def __init__(self, bs):
+        super().__init__()
+        self.bs = nn.ModuleList(bs)
+
+    def forward(self, x):
+        return torch.cat([b(x) for b in self.bs], 1)
+
+
+def run(batch, dtype):
+    x = torch.randn(batch, 192, 35, 35, device="cuda", dtype=dtype)
+    cat = Parallel(*branches(dtype), streams=True, compile="inductor")
+    tup = Parallel(*branches(dtype), streams=True, compile="inductor", join="tuple")
+
+    def into_nchw(x):
+        outs = tup(x.contiguous(memory_format=CL))
+        res = torch.empty(x.shape[0], 256, *x.shape[2:], device=x.device, dtype=x.dtype)
+        return torch.cat(outs, 1, out=res)
+
+    variants = {
+        "reduce-overhead": torch.compile(Seq(branches(dtype)), mode="reduce-overhead"),
+        "A: NCHW": _capture(cat, x, clone=False),
+        "B: channels_last in, out": _capture(lambda x: cat(x.contiguous(memory_format=CL)), x, clone=False),
+        "C: B + .contiguous()": _capture(lambda x: cat(x.contiguous(memory_format=CL)).contiguous(), x,
+                                         clone=False),
+        "D: channels_last in, cat out= NCHW": _capture(into_nchw, x, clone=False),
+    }
+    times = {k: [] for k in variants}
+    with torch.no_grad():
+        ref = Seq(branches(dtype))(x)
+        for name, m in variants.items():
+            for _ in range(3):
+                out = m(x)
+            print(f"  {name:<36} err {(out.float() - ref.float()).abs().max().item():.1e} strides {out.stride()}")
+        for _ in range(30):
+            for name, m in variants.items():
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(10):
+                    m(x)
+                e.record()
+                e.synchronize()
+                times[name].append(s.elapsed_time(e) * 100)
+    ro = statistics.median(times["reduce-overhead"])
+    for name, t in times.items():
+        print(f"b{batch} {str(dtype)[6:]:<8} {name:<36} {statistics.median(t):8.1f} us  RO/this {ro / statistics.median(t):.2f}x")
+
+
+CONFIGS = {"b64-fp16": (64, torch.float16), "b64-fp32": (64, torch.float32), "b8-fp16": (8, torch.float16),
+           "b1-fp16": (1, torch.float16), "b8-fp32": (8, torch.float32)}
+for key in sys.argv[1:] or CONFIGS:
+    run(*CONFIGS[key])
