@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from parallel_modules import Parallel, ParallelSequential
+from tests._helpers import sleep_in_backward
 
 # NVLink multicast stays off in every process started here, as on the GPU machine (set
 # there already; kept if a caller sets other values).
@@ -62,26 +63,8 @@ class Config:
 
 
 # ---------------------------------------------------------------------- the model
-class _SleepInBackward(torch.autograd.Function):
-    r"""Identity; its backward keeps the stream it runs on busy before passing the gradient on.
-
-    Everything that follows in branch b's backward -- the weight gradient of its Linear --
-    is computed after the sleep, on that stream: an all-reduce not ordered after it would
-    read a gradient that is not there yet.
-    """
-
-    streams: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        stream = torch.cuda.current_stream()
-        _SleepInBackward.streams.append(stream != torch.cuda.default_stream(stream.device))
-        torch.cuda._sleep(SLEEP)
-        return g * 1
+# The streams branch b's sleeping backward ran on (hook="sleep").
+_SLEPT_ON: list = []
 
 
 class _RogueBackward(torch.autograd.Function):
@@ -120,7 +103,7 @@ class _Hook(nn.Module):
 
     def forward(self, x):
         if self.kind == "sleep":
-            return _SleepInBackward.apply(x)
+            return sleep_in_backward(x, SLEEP, _SLEPT_ON)
         if self.kind == "rogue":
             return _RogueBackward.apply(x)
         return x
@@ -210,7 +193,7 @@ def _train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
     wrapped = _wrap(model, cfg, device)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    _SleepInBackward.streams.clear()
+    _SLEPT_ON.clear()
     diffs, scale, ranks_equal = [], 0.0, True
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(1000 + step)
@@ -236,7 +219,7 @@ def _train(cfg: Config, rank: int, world: int, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"diffs": diffs, "scale": scale, "ranks_equal": ranks_equal,
-            "sleep_on_side_stream": list(_SleepInBackward.streams), "error": None}
+            "sleep_on_side_stream": [s != torch.cuda.default_stream(s.device) for s in _SLEPT_ON], "error": None}
 
 
 def _die_with_parent() -> None:

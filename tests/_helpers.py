@@ -54,3 +54,39 @@ class Sleepy(nn.Module):
     def forward(self, x):
         torch.cuda._sleep(self.cycles)
         return self.inner(x)
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cycles, streams):
+        ctx.cycles, ctx.streams = cycles, streams
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.streams is not None:
+            ctx.streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(ctx.cycles)
+        return g * 1, None, None
+
+
+def sleep_in_backward(x: torch.Tensor, cycles: int = SLEEP, streams: list | None = None) -> torch.Tensor:
+    r"""``x`` unchanged; in backward, its gradient is passed on only after ``cycles`` GPU cycles.
+
+    The sleep runs on the stream autograd runs this backward on (the one its forward ran on),
+    which is appended to ``streams`` when given: whatever follows on that stream -- the
+    gradients of the weights before it -- comes late, and a consumer that does not wait for
+    that stream reads unfinished data.
+    """
+    return _SleepInBackward.apply(x, cycles, streams)
+
+
+class SlowGrad(nn.Module):
+    r"""Identity module around :func:`sleep_in_backward`."""
+
+    def __init__(self, cycles: int = SLEEP, streams: list | None = None) -> None:
+        super().__init__()
+        self.cycles, self.streams = cycles, streams
+
+    def forward(self, x):
+        return sleep_in_backward(x, self.cycles, self.streams)

@@ -21,7 +21,7 @@ from torch import nn
 from parallel_modules import Parallel
 from parallel_modules import _streams
 from tests._reference import assert_same, reference
-from tests._helpers import Sleepy
+from tests._helpers import Sleepy, sleep_in_backward
 
 pytestmark = pytest.mark.cuda
 
@@ -267,26 +267,13 @@ def test_slow_first_branch_joined_output_survives_allocator_reuse():
 
 
 # ------------------------------------------------------------------- 6. gradients
-class SlowGrad(torch.autograd.Function):
-    r"""Identity whose backward sleeps first: gradient consumers must wait for it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        torch.cuda._sleep(SLEEP // 2)
-        return g * 1
-
-
 class SlowGradBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inner = mlp()
 
     def forward(self, x):
-        return self.inner(SlowGrad.apply(x))
+        return self.inner(sleep_in_backward(x, SLEEP // 2))
 
 
 @pytest.mark.parametrize("use_backward", [True, False], ids=["backward", "autograd.grad"])

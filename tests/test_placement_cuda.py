@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from parallel_modules import Parallel
 from parallel_modules import _streams
 from tests._reference import assert_close, assert_same, join_reference, reference
-from tests._helpers import Sleepy
+from tests._helpers import SlowGrad, Sleepy
 
 # ~50-70 ms of GPU clock cycles on an H100/H200: far longer than the CPU needs to enqueue
 # what follows, so work that should have waited runs too early.
@@ -73,25 +73,7 @@ class Probe(nn.Module):
         return self.inner(x)
 
 
-class SleepInBackward(torch.autograd.Function):
-    r"""Identity whose backward first keeps its stream busy, and records that stream."""
-
-    streams: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        SleepInBackward.streams.append(torch.cuda.current_stream())
-        torch.cuda._sleep(SLEEP)
-        return g * 1
-
-
-class SlowGrad(nn.Module):
-    def forward(self, x):
-        return SleepInBackward.apply(x)
+STREAMS: list = []  # the streams SlowGrad(streams=STREAMS) slept on
 
 
 # ----------------------------------------------------------- two GPUs: values
@@ -254,7 +236,7 @@ def test_gradients_across_devices_with_delay_in_remote_backward():
     trunk = nn.Linear(32, 32).to(D0)
     block = Parallel(OrderedDict(
         a=mlp().to(D0),
-        b=nn.Sequential(nn.Linear(32, 32), SlowGrad(), nn.GELU(), nn.Linear(32, 16)).to(D1),
+        b=nn.Sequential(nn.Linear(32, 32), SlowGrad(SLEEP, STREAMS), nn.GELU(), nn.Linear(32, 16)).to(D1),
         c=mlp().to(D1),
     ), join="cat", streams=True)
     head = nn.Linear(48, 4).to(D0)
@@ -268,7 +250,7 @@ def test_gradients_across_devices_with_delay_in_remote_backward():
         return ref[3](torch.cat(outs, 1))
 
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
-    SleepInBackward.streams.clear()
+    STREAMS.clear()
     for step in range(3):
         x = torch.randn(32, 32, device=D0, requires_grad=True)
         xr = x.detach().clone().requires_grad_()
@@ -293,8 +275,8 @@ def test_gradients_across_devices_with_delay_in_remote_backward():
         assert_close(q, r)
     # The delayed backward ran on the remote branch's side stream (the model's) and on
     # cuda:1's default stream (the reference's).
-    assert len(SleepInBackward.streams) == 6
-    model_streams, ref_streams = SleepInBackward.streams[0::2], SleepInBackward.streams[1::2]
+    assert len(STREAMS) == 6
+    model_streams, ref_streams = STREAMS[0::2], STREAMS[1::2]
     assert all(s.device == D1 and s != torch.cuda.default_stream(D1) for s in model_streams)
     assert all(s == torch.cuda.default_stream(D1) for s in ref_streams)
 
