@@ -17,7 +17,9 @@ the library, around the compiled code:
   ``cuda_graph=True`` that is the warm-up that precedes capture, so the capture
   records the compiled kernels and nothing is compiled inside it. An inference
   signature is captured a second time with the eager children and the faster
-  of the two graphs kept (``Parallel.explain()`` says which). Inductor's
+  of the two graphs kept (``Parallel.explain()`` says which); the compiled
+  code (for Torch-TensorRT, engines holding device memory) is kept either
+  way, for the next signature. Inductor's
   own CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``,
   ``triton.cudagraphs``) would capture inside our capture and are refused;
 * **dynamo's cache** -- dynamo keeps compiled code, its guards and its

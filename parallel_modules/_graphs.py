@@ -606,10 +606,12 @@ class _CudaGraphs:
                  tensors: list[torch.Tensor], device: torch.device, needs_grad: bool,
                  params: list[nn.Parameter]) -> _Graph:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        # Ways the owner can run this call (``Parallel(fuse="auto")``: fused or
-        # not): each is captured and the fastest replay kept, as
-        # cudnn.benchmark keeps the fastest algorithm. Training graphs take the
-        # first, to capture (and hold the memory of) one backward only.
+        # Ways the owner can run this call (``fuse="auto"``: fused or not;
+        # ``compile=``: compiled children or eager): each is captured and the
+        # fastest replay kept, as cudnn.benchmark keeps the fastest algorithm.
+        # Each new graph is timed against the best so far and the slower freed
+        # at once, so at most two graphs' memory is held. Training graphs take
+        # the first, to capture (and hold the memory of) one backward only.
         variants = getattr(owner, "_graph_variants", lambda a, k: [None])(args, kwargs)
         if needs_grad:
             variants = variants[:1]
@@ -629,7 +631,7 @@ class _CudaGraphs:
                 # buffers, allocated on the capture stream, are reused from here on.
                 torch.cuda.synchronize()
                 stream.wait_stream(caller)
-                graphs = []
+                best = None
                 for variant in variants:
                     _local.variant = (owner, variant)
                     graph = _Graph(self.name, torch.device("cuda", index))
@@ -651,8 +653,9 @@ class _CudaGraphs:
                     torch.cuda.synchronize()
                     _clear_cublas_workspaces()  # the capture allocates its own (see _clear_cublas_workspaces)
                     self._record(graph, call, surface, leaves, needs_grad, stream, caller, index, tensors)
-                    graphs.append(graph)
-                graph = graphs[0] if len(graphs) == 1 else _fastest(graphs, stream)
+                    best = graph if best is None else _fastest([best, graph], stream)
+                    del graph, call  # the slower one's pool goes with its last reference
+                graph = best
             finally:
                 _clear_cublas_workspaces()
                 _local.active = False

@@ -223,43 +223,63 @@ def _record_on(outputs: Any, stream: torch.cuda.Stream) -> None:
 
 
 class _BackwardJoin:
-    r"""Gradient hook of a block's input: its consumer's stream waits for the block's side streams."""
+    r"""Gradient hook of a block's input: its consumer's stream waits for the blocks' side streams.
 
-    __slots__ = ("streams",)
+    One per input tensor, however many blocks read it (an encoder output fed to
+    every decoder layer): each adds its side streams to ``streams``.
+    """
 
-    def __init__(self, streams: list[torch.cuda.Stream]) -> None:
-        self.streams = streams
+    __slots__ = ("device", "streams")
 
-    def __call__(self, grad: torch.Tensor) -> None:
-        # The engine runs the hook on the stream of the node that consumes
-        # this gradient (the input's producer, on the caller's stream), after
-        # every branch has contributed to it. Whatever those branches enqueued
-        # on their streams before that -- their parameters' ``.grad`` sums,
-        # which the engine ran first -- is then ordered before the consumer.
-        current = _current_stream(grad.device)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.streams: dict[torch.cuda.Stream, None] = {}  # ordered, no repeats
+
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        # ``grad`` may be None: an input that is one output of a split gets no
+        # gradient when only its siblings are used; its producer still runs.
+        if torch.compiler.is_compiling():  # compiled autograd traces hooks: no stream ops in its graph
+            return
+        # The engine runs the hook on the stream of the node that consumes this
+        # gradient (the input's producer), after every block has contributed to
+        # it. What those blocks enqueued on their side streams before then --
+        # their parameters' ``.grad`` sums included: the engine runs a
+        # gradient's accumulation before any node of an earlier operation -- is
+        # then ordered before the consumer.
+        current = _current_stream(self.device)
         for stream in self.streams:
             if stream != current:
                 current.wait_stream(stream)
 
 
-def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> None:
-    r"""Order the backward of ``inputs``' consumers after all work on ``streams`` (see module docstring).
+_JOIN_ATTR = "_parallel_modules_backward_join"
 
-    Only inputs made by an operation get the hook: a hook on a leaf tensor
-    would stay on it for every later call, and a leaf's gradient is the end of
-    the backward pass, where the engine joins the side streams itself. Not used
-    while a graph is captured: a capture may not wait on streams outside it.
+
+def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> None:
+    r"""Order the backward of ``inputs``' producers after all work on ``streams`` (see module docstring).
+
+    Only inputs made by an operation get the hook, so leaf inputs (a tensor
+    created with ``requires_grad=True``) are not covered: a hook on a leaf
+    would stay on it for every later call. The engine itself makes the caller
+    wait for every side stream at the end of ``backward()``. Not used while a
+    graph is captured: a capture may not wait on streams outside it.
     """
     if not torch.is_grad_enabled():
         return
-    hook = None
     for value in inputs:
         # (Tensors first: flattening costs microseconds, a fork/join's budget.)
         for leaf in (value,) if isinstance(value, torch.Tensor) else pytree.tree_leaves(value):
             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None and leaf.is_cuda:
+                hook = getattr(leaf, _JOIN_ATTR, None)
                 if hook is None:
-                    hook = _BackwardJoin(list(streams))
-                leaf.register_hook(hook)
+                    hook = _BackwardJoin(leaf.device)
+                    leaf.register_hook(hook)
+                    try:
+                        setattr(leaf, _JOIN_ATTR, hook)
+                    except AttributeError:  # a tensor subclass with __slots__: one hook per call then
+                        pass
+                for stream in streams:
+                    hook.streams[stream] = None
 
 
 def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None,

@@ -426,10 +426,16 @@ class Parallel(nn.Module):
         Each is a tuple of ``"fused"``/``"unfused"`` (``fuse="auto"``) and
         ``_COMPILED``/``_EAGER`` (``compile=``); training captures the first only.
         """
-        fuses = ["fused", "unfused"] if self.fuse == "auto" and self._fusion_for(args, kwargs) is not None else [""]
-        compiles = [_COMPILED, _EAGER] if self._compiler is not None else [""]
-        variants = [tuple(v for v in (f, c) if v) for f in fuses for c in compiles]
-        return [v or None for v in variants]
+        fusion = self._fusion_for(args, kwargs) if self.fuse is not False else None
+        fuses = ["fused", "unfused"] if self.fuse == "auto" and fusion is not None else [""]
+        # Fused groups run batched, never compiled: with every branch in one, both ways are the same.
+        all_fused = fusion is not None and all(isinstance(u, _Group) for u in fusion.units)
+        variants = []
+        for f in fuses:
+            fused = f == "fused" or (not f and self.fuse is True and fusion is not None)
+            compiles = [_COMPILED, _EAGER] if self._compiler is not None and not (fused and all_fused) else [""]
+            variants += [tuple(v for v in (f, c) if v) or None for c in compiles]
+        return variants
 
     def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict) -> list[Any]:
         try:

@@ -457,15 +457,35 @@ class SlowWhenEager(nn.Module):
 
 def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
     # Every combination is captured for inference; training captures the first.
-    block = Parallel(mlp(), mlp(), fuse="auto", cuda_graph=True, compile="eager")
     x = torch.randn(8, 16)
+    block = Parallel(mlp(), mlp(), nn.Identity(), fuse="auto", cuda_graph=True, compile="eager")
     assert block._graph_variants((x,), {}) == [
         ("fused", "compiled"), ("fused", "eager"), ("unfused", "compiled"), ("unfused", "eager")]
+    # Fused groups never run compiled: with every branch fused, both ways are one.
+    block = Parallel(mlp(), mlp(), fuse="auto", cuda_graph=True, compile="eager")
+    assert block._graph_variants((x,), {}) == [("fused",), ("unfused", "compiled"), ("unfused", "eager")]
+    assert Parallel(mlp(), mlp(), fuse=True, cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [None]
     assert Parallel(mlp(), nn.ReLU(), cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
         ("compiled",), ("eager",)]
     assert Parallel(mlp(), nn.ReLU(), cuda_graph=True)._graph_variants((x,), {}) == [None]
     pipe = ParallelSequential(mlp(), mlp(16, 4), chunks=2, cuda_graph=True, compile="eager")
     assert pipe._graph_variants((x,), {}) == [("compiled",), ("eager",)]
+
+
+def test_the_eager_variant_runs_the_children_themselves():
+    from parallel_modules import _graphs
+
+    block = Parallel(mlp(), mlp(), compile="eager")
+    pipe = ParallelSequential(mlp(), mlp(16, 4), compile="eager")
+    assert block._branches()[0] is not block[0] and list(pipe._stages())[0] is not pipe[0]
+    try:
+        _graphs._local.variant = (block, ("eager",))
+        assert block._branches() == [block[0], block[1]]
+        assert list(pipe._stages())[0] is not pipe[0]  # another module's variant
+        _graphs._local.variant = (pipe, ("eager",))
+        assert list(pipe._stages()) == [pipe[0], pipe[1]]
+    finally:
+        _graphs._local.variant = None
 
 
 @cuda

@@ -68,11 +68,12 @@ def results(tmp_path_factory):
 
 # FSDP2 sharding the whole model (not each branch) left the reference in 1 of 3 runs on
 # 2 x H200 (torch 2.11): the error grew step by step (4e-5 .. 3e-4), a stream race, not rounding.
-# Cause found by reading the engine: a stage's parameters take one gradient per micro-batch,
-# summed on the stage's lane stream *after* the pipe's input gradient has been handed to the
-# caller's stream, where FSDP2's post-backward starts the reduce-scatter. The backward join
-# (_streams._join_backward; tests/test_streams.py reproduces the race on one GPU) now orders
-# it. Kept as a non-strict xfail until tools/repeat_fsdp2.py shows no drift over many runs.
+# Likely cause, from reading the engine: a stage's parameters take one gradient per
+# micro-batch, summed on the stage's lane stream *after* the pipe's input gradient has been
+# handed to the caller's stream, where FSDP2's post-backward starts the reduce-scatter. That
+# race exists (tests/test_streams.py shows it on one GPU: it fails without the backward join,
+# _streams._join_backward, which now orders it); that it caused the drift is not shown yet.
+# Kept as a non-strict xfail until tools/repeat_fsdp2.py shows no drift over many runs.
 _SUSPECT = {"fsdp2": "FSDP2 on the whole model: parameters drifted in 1 of 3 GPU runs (suspected stream race)"}
 
 

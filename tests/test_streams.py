@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from parallel_modules import _streams
+from tests._helpers import sleep_in_backward
 
 cuda = pytest.mark.cuda
 
@@ -71,28 +72,12 @@ def test_a_caller_on_one_of_the_pools_streams_still_forks_beside_itself():
 
 
 # ------------------------------------------------- backward: parameter gradients
-# ~25 ms on an H100: far longer than the CPU takes to reach the reader below.
-_LONG_SLEEP = 50_000_000
-
-
-class _SlowGrad(torch.autograd.Function):
-    r"""Identity on a weight; its backward sleeps on its stream before passing the gradient on."""
-
-    @staticmethod
-    def forward(ctx, w):
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        torch.cuda._sleep(_LONG_SLEEP)
-        return g * 1
-
-
 class _SlowWeightGradLinear(torch.nn.Linear):
     r"""A Linear whose weight gradient arrives late on its stream (its input gradient does not)."""
 
     def forward(self, x):
-        return torch.nn.functional.linear(x, _SlowGrad.apply(self.weight), self.bias)
+        # ~25 ms on an H100: far longer than the CPU takes to reach the reader below.
+        return torch.nn.functional.linear(x, sleep_in_backward(self.weight, 50_000_000), self.bias)
 
 
 class _ReadGradsInBackward(torch.autograd.Function):
@@ -156,4 +141,22 @@ def test_the_backward_join_hooks_inputs_made_by_an_operation_only_and_only_with_
         block(made)
     assert not made._backward_hooks
     block(made)
+    other = Parallel(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), streams=True).cuda()
+    other(made)  # one hook per tensor, however many blocks read it
     assert len(made._backward_hooks) == 1
+    (block(made).sum() + other(made).sum()).backward()
+    assert len(made._backward_hooks) == 1
+
+
+@cuda
+def test_the_backward_join_takes_an_input_that_gets_no_gradient():
+    # One output of a split, unused by the loss while its sibling is: its hook receives None.
+    from parallel_modules import Parallel, ParallelSequential
+
+    for block in (Parallel(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), streams=True),
+                  ParallelSequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), chunks=2)):
+        x = torch.randn(6, 8, device="cuda", requires_grad=True)
+        a, b = (x * 1).split(4, dim=1)
+        block.cuda()(a)
+        b.sum().backward()
+        assert torch.equal(x.grad, torch.cat([torch.zeros(6, 4), torch.ones(6, 4)], 1).cuda())
