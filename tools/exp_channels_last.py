@@ -9,34 +9,20 @@ import statistics
 import sys
 
 import torch
-from torch import nn
 
 from parallel_modules import Parallel
-from parallel_modules._cases import inception_branches
+from parallel_modules._cases import CASES, SequentialBranches as Seq
 from parallel_modules.bench import _capture
 
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 CL = torch.channels_last
-
-
-def branches(dtype):
-    torch.manual_seed(0)
-    return [b.to("cuda", dtype).eval() for b in inception_branches()]
-
-
-class Seq(nn.Module):
-    def __init__(self, bs):
-        super().__init__()
-        self.bs = nn.ModuleList(bs)
-
-    def forward(self, x):
-        return torch.cat([b(x) for b in self.bs], 1)
+DEV, INCEPTION = torch.device("cuda"), CASES["inception"]
 
 
 def run(batch, dtype):
     x = torch.randn(batch, 192, 35, 35, device="cuda", dtype=dtype)
-    cat = Parallel(*branches(dtype), streams=True, compile="inductor")
-    tup = Parallel(*branches(dtype), streams=True, compile="inductor", join="tuple")
+    cat = Parallel(*INCEPTION.branches(DEV, dtype), streams=True, compile="inductor")
+    tup = Parallel(*INCEPTION.branches(DEV, dtype), streams=True, compile="inductor", join="tuple")
 
     def into_nchw(x):
         outs = tup(x.contiguous(memory_format=CL))
@@ -44,7 +30,7 @@ def run(batch, dtype):
         return torch.cat(outs, 1, out=res)
 
     variants = {
-        "reduce-overhead": torch.compile(Seq(branches(dtype)), mode="reduce-overhead"),
+        "reduce-overhead": torch.compile(Seq(INCEPTION.branches(DEV, dtype)), mode="reduce-overhead"),
         "A: NCHW": _capture(cat, x, clone=False),
         "B: channels_last in, out": _capture(lambda x: cat(x.contiguous(memory_format=CL)), x, clone=False),
         "C: B + .contiguous()": _capture(lambda x: cat(x.contiguous(memory_format=CL)).contiguous(), x,
@@ -53,7 +39,7 @@ def run(batch, dtype):
     }
     times = {k: [] for k in variants}
     with torch.no_grad():
-        ref = Seq(branches(dtype))(x)
+        ref = Seq(INCEPTION.branches(DEV, dtype))(x)
         for name, m in variants.items():
             for _ in range(3):
                 out = m(x)

@@ -7,43 +7,31 @@ import statistics
 import sys
 
 import torch
-from torch import nn
 
 from parallel_modules import Parallel
-from parallel_modules._cases import inception_branches
+from parallel_modules._cases import CASES, SequentialBranches as Seq
 
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+DEV, INCEPTION = torch.device("cuda"), CASES["inception"]
 dtype = torch.float16 if (sys.argv[2] if len(sys.argv) > 2 else "fp16") == "fp16" else torch.float32
-
-
-def branches():
-    torch.manual_seed(0)
-    return [b.to("cuda", dtype).eval() for b in inception_branches()]
-
-
-class Seq(nn.Module):
-    def __init__(self, bs):
-        super().__init__()
-        self.bs = nn.ModuleList(bs)
-
-    def forward(self, x):
-        return torch.cat([b(x) for b in self.bs], 1)
 
 
 x = torch.randn(batch, 192, 35, 35, device="cuda", dtype=dtype)
 x_cl = x.contiguous(memory_format=torch.channels_last)
 variants = {
-    "reduce-overhead": (torch.compile(Seq(branches()), mode="reduce-overhead"), x),
-    "inductor whole, no graph": (torch.compile(Seq(branches())), x),
-    "branches+graph": (Parallel(*branches(), cuda_graph=True, compile="inductor"), x),
-    "branches+graph seq": (Parallel(*branches(), cuda_graph=True, compile="inductor", streams=False), x),
-    "branches+graph, channels_last in": (Parallel(*branches(), cuda_graph=True, compile="inductor"), x_cl),
-    "eager branches+graph, channels_last in": (Parallel(*branches(), cuda_graph=True), x_cl),
-    "eager branches+graph": (Parallel(*branches(), cuda_graph=True), x),
+    "reduce-overhead": (torch.compile(Seq(INCEPTION.branches(DEV, dtype)), mode="reduce-overhead"), x),
+    "inductor whole, no graph": (torch.compile(Seq(INCEPTION.branches(DEV, dtype))), x),
+    "branches+graph": (Parallel(*INCEPTION.branches(DEV, dtype), cuda_graph=True, compile="inductor"), x),
+    "branches+graph seq": (Parallel(*INCEPTION.branches(DEV, dtype), cuda_graph=True, compile="inductor",
+                                    streams=False), x),
+    "branches+graph, channels_last in": (Parallel(*INCEPTION.branches(DEV, dtype), cuda_graph=True,
+                                                  compile="inductor"), x_cl),
+    "eager branches+graph, channels_last in": (Parallel(*INCEPTION.branches(DEV, dtype), cuda_graph=True), x_cl),
+    "eager branches+graph": (Parallel(*INCEPTION.branches(DEV, dtype), cuda_graph=True), x),
 }
 with torch.no_grad():
-    ref = Seq(branches())(x)
+    ref = Seq(INCEPTION.branches(DEV, dtype))(x)
     for name, (m, inp) in variants.items():
         for _ in range(5):
             out = m(inp)
@@ -67,7 +55,7 @@ for name, t in times.items():
 # Kernels of the whole-model and the per-branch compilation, without graphs (a graph hides them).
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-per_branch = Parallel(*branches(), compile="inductor", streams=False)
+per_branch = Parallel(*INCEPTION.branches(DEV, dtype), compile="inductor", streams=False)
 with torch.no_grad():
     for name, m in (("inductor whole", variants["inductor whole, no graph"][0]), ("inductor per branch", per_branch)):
         for _ in range(3):
