@@ -77,7 +77,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _signature
-from ._streams import _capture_underway, _current_stream, _graph_state, _is_tracing, _pools
+from ._streams import _capture_underway, _current_stream, _graph_state, _is_tracing, _pools, _use_count
 
 __all__: list[str] = []
 
@@ -96,10 +96,9 @@ _local = _graph_state
 _capture_lock = threading.Lock()
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 
-# The number of strong references to a storage: how inductor's cudagraph trees
-# tell whether a graph's output is still in use. Where a torch release lacks it,
-# outputs are always cloned (``tests/test_graphs.py`` notices).
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# ``_use_count``: the number of strong references to a storage, how inductor's
+# cudagraph trees tell whether a graph's output is still in use. Where a torch
+# release lacks it, outputs are always cloned (``tests/test_graphs.py`` notices).
 # Calls in a row whose cloned outputs were already freed when the next call
 # came, after which a graph lends its output buffers; and calls watched before
 # concluding that the caller keeps outputs.
@@ -750,7 +749,7 @@ def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, reps: int = 15) ->
 
 def _graph_variant(owner: nn.Module) -> Any:
     r"""The variant of ``owner`` being warmed up or captured in this thread (``None``: the only one)."""
-    current = getattr(_local, "variant", None)
+    current = _local.variant
     return current[1] if current is not None and current[0] is owner else None
 
 

@@ -32,6 +32,15 @@ class _Schedule(NamedTuple):
     cuda: bool  # False: not a CUDA input, so no stream or capture to think about
 
 
+class _Reduced(NamedTuple):
+    r"""Branch outputs already joined, by the fork that ran them (see ``_streams._run_forked``'s ``join``)."""
+
+    value: Any
+
+
+# Joins that read the outputs and return new tensors: a fork may run them itself.
+_REDUCING_JOINS = ("cat", "stack", "sum", "mean")
+
 _CPU = _Schedule(False, False, False)
 _CPU_FUSED = _Schedule(True, False, False)
 
@@ -480,7 +489,7 @@ class Parallel(nn.Module):
             raise self._branch_error(e, index)
 
     def _run(self, args: tuple, kwargs: dict, device: torch.device | None = None,
-             fusion: _Fusion | None = None, capturing: bool | None = None) -> list[Any]:
+             fusion: _Fusion | None = None, capturing: bool | None = None) -> Any:
         r"""Run the branches: one after another, or forked onto ``device``'s side streams.
 
         With ``fusion``, each group of identical branches runs as one unit.
@@ -514,12 +523,20 @@ class Parallel(nn.Module):
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
             outputs = [run(i, c) for i, c in enumerate(calls)]
-        elif device.index is not None and device.index != torch.cuda.current_device():
+            return outputs if fusion is None else fusion.scatter(calls, outputs)
+        # Joined by the fork when it can: side outputs are then freed without record_stream.
+        join = self._combine if fusion is None and self.join in _REDUCING_JOINS else None
+        if device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()))
+                outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join)
         else:
-            outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()))
+            outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join)
+        if join is not None:
+            return _Reduced(outputs)
         return outputs if fusion is None else fusion.scatter(calls, outputs)
+
+    def _combine(self, outputs: list[Any]) -> Any:
+        return _join_outputs(type(self).__name__, self.join, self.dim, self._modules, outputs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
@@ -533,12 +550,14 @@ class Parallel(nn.Module):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         outputs = self._outputs(args, kwargs)
+        if type(outputs) is _Reduced:
+            return outputs.value
         if isinstance(outputs, _Joined):  # one group of identical branches ran them all
             joined = outputs.join(self.join, self.dim) if isinstance(self.join, str) else None
             if joined is not None:
                 return joined
             outputs = outputs.split()
-        return _join_outputs(type(self).__name__, self.join, self.dim, self._modules, outputs)
+        return self._combine(outputs)
 
     def _outputs(self, args: tuple, kwargs: dict) -> list[Any]:
         placement = self._placement
@@ -546,14 +565,19 @@ class Parallel(nn.Module):
             placement = _place(self) if placement is _UNPLACED else placement
             if placement is not None:
                 return placement.run(self, args, kwargs)
-        fusion = None if self.fuse is False else self._fusion_for(args, kwargs)
         if _is_tracing():
             # Compilers see the branches (or fused groups) one after the other and schedule them.
-            return self._run(args, kwargs, None, fusion)
+            return self._run(args, kwargs, None, None if self.fuse is False else self._fusion_for(args, kwargs))
         # One dict lookup per call decides everything: the schedule chosen for
         # this signature, or none yet (tuning).
         key = _signature(args, kwargs, self.training)
         plan = self._plans.get(key)
+        if plan is not None and not (plan.cuda and _capture_underway()):
+            # The common case, with nothing in its way: every call costs the
+            # module's own bookkeeping, which must stay small next to a branch.
+            return self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
+                             self._fusion_for(args, kwargs) if plan.fused else None, False)
+        fusion = None if self.fuse is False else self._fusion_for(args, kwargs)
         if plan is None:
             plan = self._plan(key, args, kwargs, fusion)
         if plan is not None and not plan.cuda:

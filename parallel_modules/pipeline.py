@@ -51,14 +51,19 @@ class _Plan(NamedTuple):
 # streams of the device it was created for), and the first one free: a
 # ParallelSequential nested in a stage takes the events after its parent's,
 # so it never re-records one its parent has yet to wait on.
-_local = threading.local()
+class _Events(threading.local):
+    # Class attributes: the defaults each thread sees before it writes its own.
+    events: dict[int, list[torch.cuda.Event]] | None = None
+    cursor = 0
+
+
+_local = _Events()
 
 
 def _take_events(device: torch.device, count: int) -> tuple[list[torch.cuda.Event], int]:
-    table = getattr(_local, "events", None)
+    table = _local.events
     if table is None:
         table = _local.events = {}
-        _local.cursor = 0
     events = table.setdefault(device.index, [])
     start = _local.cursor
     while len(events) < start + count:

@@ -266,6 +266,37 @@ def test_slow_first_branch_joined_output_survives_allocator_reuse():
     assert_same(out, reference(p, x))
 
 
+@pytest.mark.parametrize("keep", ["hook", "view", "saved for backward"])
+def test_joined_output_kept_elsewhere_survives_allocator_reuse(keep):
+    # A joined side output is freed without record_stream only when nothing but the
+    # fork holds it. Here something does (a hook's stash, a view, a tensor autograd
+    # saved): after the call the caller's stream, delayed, reads it; then it is dropped
+    # and its block offered to new side-stream allocations, which must wait for the read.
+    kept: list[torch.Tensor] = []
+    side = nn.Linear(64, 64)
+    if keep == "hook":
+        side.register_forward_hook(lambda m, i, o: kept.append(o))
+    elif keep == "view":
+        side.register_forward_hook(lambda m, i, o: kept.append(o[:, :32]))
+    branches = [nn.Linear(64, 64), side if keep != "saved for backward" else nn.Sequential(side, nn.Tanh())]
+    p = Parallel(*branches, join="cat", streams=True).to(DEV)
+    x = torch.randn(16, 64, device=DEV, requires_grad=keep == "saved for backward")
+    with torch.set_grad_enabled(keep == "saved for backward"):
+        out = p(x)
+    if keep == "saved for backward":  # tanh saves its output: the kept tensor is the side output
+        kept.append(out.grad_fn.next_functions[1][0]._saved_result)
+    with torch.no_grad():
+        torch.cuda._sleep(SLEEP)
+        read = kept[0] * 1  # the caller's stream reads the side output late ...
+        expected_read = branches[1](x)[:, :32] if keep == "view" else branches[1](x)
+        kept.clear()
+        del out  # ... and its memory is released to its side stream's pool
+        junk = _scribble_on_side_streams(tuple(read.shape))
+    torch.cuda.synchronize()
+    del junk
+    assert_same(read, expected_read.detach())
+
+
 # ------------------------------------------------------------------- 6. gradients
 class SlowGradBranch(nn.Module):
     def __init__(self) -> None:

@@ -160,3 +160,14 @@ def test_the_backward_join_takes_an_input_that_gets_no_gradient():
         block.cuda()(a)
         b.sum().backward()
         assert torch.equal(x.grad, torch.cat([torch.zeros(6, 4), torch.ones(6, 4)], 1).cuda())
+
+
+def test_an_output_held_only_by_the_forks_list_is_told_from_one_held_elsewhere():
+    # Joined side outputs skip record_stream only when the fork's list holds them alone;
+    # the count that means "alone" is measured at import.
+    outputs = [None, torch.randn(3)]
+    assert _streams._references(outputs, 1) == _streams._OWN_REFERENCES
+    stash = outputs[1]
+    assert _streams._references(outputs, 1) == _streams._OWN_REFERENCES + 1
+    del stash
+    assert _streams._references(outputs, 1) == _streams._OWN_REFERENCES
