@@ -466,7 +466,10 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
     fallback = _vmapped_step(group, m, prefix)
 
     if type(m) in _POINTWISE or isinstance(m, _DropoutNd):  # dropout: only in eval or with p=0 (see _unfusable)
-        return [lambda v, get: _Value(m(v.t), v.layout)]
+        # ``forward`` itself: fused members have no hooks (see _unfusable), and
+        # ``Module.__call__`` costs as much CPU as the launch it wraps.
+        forward = m.forward
+        return [lambda v, get: _Value(forward(v.t), v.layout)]
 
     if type(m) is nn.Linear:
         w_name, b_name = q("weight"), q("bias")
