@@ -181,16 +181,25 @@ def _check(name: str, out: Any, ref: Any, dtype: torch.dtype, exact: bool) -> st
     raise AssertionError(f"bench: mode {name!r} differs from the sequential module (max abs error {err:.3g})")
 
 
-def _sample(fn: Callable, x: torch.Tensor, group: int, cuda: bool) -> float:
-    r"""Mean seconds per call over ``group`` back-to-back calls."""
+def _sample(fn: Callable, x: torch.Tensor, group: int, cuda: bool, host: list[float] | None = None) -> float:
+    r"""Mean seconds per call over ``group`` back-to-back calls.
+
+    On CUDA, the GPU's time between an event before the calls and one after;
+    ``host`` receives the CPU's mean time per call to enqueue them, which is
+    what a module's own overhead costs (a GPU that keeps up waits for it).
+    """
     if cuda:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(group):
             fn(x)
+        t1 = time.perf_counter()
         end.record()
         end.synchronize()
+        if host is not None:
+            host.append((t1 - t0) / group)
         return start.elapsed_time(end) / 1e3 / group
     t0 = time.perf_counter()
     for _ in range(group):
@@ -271,9 +280,10 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
             group = max(1, min(group, round(_SAMPLE_S / call)))
             reps = max(reps, -(-_MIN_RUNS // group))
         samples: dict[str, list[float]] = {name: [] for name in modes}
+        host: dict[str, list[float]] = {name: [] for name in modes}
         for _ in range(reps):  # interleaved: every mode sees the same conditions
             for name, fn in modes.items():
-                samples[name].append(_sample(fn, x, group, cuda))
+                samples[name].append(_sample(fn, x, group, cuda, host[name]))
         floor = _floor(case, device, dtype, x) if cuda and not pipeline and not train else None
         parts = _copy_and_compute(case, device, dtype, x, group) if cuda and pipeline and case.host_input else {}
     result: dict[str, Any] = {"case": case.name, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
@@ -285,6 +295,7 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
         result["modes"][name] = {
             "median_us": med * 1e6, "iqr_us": (q[2] - q[0]) * 1e6, "runs": len(s) * group,
             "speedup_vs_eager_seq": base / med, "x_floor": med / floor if floor else None, "check": checks[name],
+            "host_median_us": statistics.median(host[name]) * 1e6 if host[name] else None,
         }
     return result
 
@@ -315,13 +326,20 @@ def _table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _fork_overhead(results: list[dict[str, Any]]) -> dict[int, float]:
+def _fork_overhead(results: list[dict[str, Any]], key: str = "median_us") -> dict[int, float]:
+    r"""Per side branch: eager ``Parallel(streams=True)`` of N tiny branches minus the sequential module, / (N - 1).
+
+    ``key``: ``"host_median_us"`` for the CPU's time (the fork/join's own
+    cost), ``"median_us"`` for the GPU's (which adds the latency of each
+    cross-stream wait on the GPU).
+    """
     out = {}
     for r in results:
         if r["case"].startswith("tiny") and "eager Parallel streams" in r["modes"]:
             n = int(r["case"][4:])
             m = r["modes"]
-            out[n] = (m["eager Parallel streams"]["median_us"] - m["eager seq"]["median_us"]) / (n - 1)
+            if m["eager seq"].get(key) is not None:
+                out[n] = (m["eager Parallel streams"][key] - m["eager seq"][key]) / (n - 1)
     return out
 
 
@@ -400,10 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     env = _environment(device)
     print(f"parallel_modules benchmark  {env}")
     print(_table(results))
-    overhead = _fork_overhead(results)
-    if overhead:
-        print("fork/join CPU overhead per side branch (eager Parallel streams=True minus eager seq, / (N-1)): "
-              + ", ".join(f"N={n}: {us:.1f} us" for n, us in overhead.items()))
+    for key, what in (("host_median_us", "CPU time"), ("median_us", "GPU time")):
+        overhead = _fork_overhead(results, key)
+        if overhead:
+            print(f"fork/join overhead per side branch, {what} (eager Parallel streams=True minus eager seq, / (N-1)): "
+                  + ", ".join(f"N={n}: {us:.1f} us" for n, us in overhead.items()))
     if args.json:
         _write_json(args.json, env, results)
     if args.plot:

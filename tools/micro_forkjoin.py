@@ -35,6 +35,20 @@ t("torch.cuda.current_device", lambda: torch.cuda.current_device())
 def fj():
     ev.record(cur); s1.wait_event(ev); torch.cuda.set_stream(s1); y = lin(x); ev.record(s1); torch.cuda.set_stream(cur); cur.wait_event(ev); y.record_stream(cur)
 t("full fork/join of 1 Linear (public)", fj)
+def fj_c(record=True):
+    _rec(ev, cur); _wait(ev, s1); _set(sid, sdi, sdt); y = lin(x); _rec(ev, s1); _set(cid, cdi, cdt); _wait(ev, cur)
+    if record:
+        y.record_stream(cur)
+_rec, _wait, _set = torch._C._CudaEventBase.record, torch._C._CudaEventBase.wait, torch._C._cuda_setStream
+t("full fork/join of 1 Linear (C bindings)", fj_c)
+t("  the same without record_stream", lambda: fj_c(False))
+t("  Linear alone", lambda: lin(x))
+def alloc_free(record):
+    y = torch.empty(8, 16, device=dev)
+    if record:
+        y.record_stream(s1)
+t("empty(8,16) + free", lambda: alloc_free(False))
+t("empty(8,16) + record_stream + free", lambda: alloc_free(True))
 ss = [torch.cuda.Stream() for _ in range(16)]
 lins = [nn.Linear(16, 16).cuda() for _ in range(16)]
 def same():

@@ -11,6 +11,7 @@ from torch import nn
 
 from parallel_modules import Parallel
 from parallel_modules._cases import SequentialBranches
+from parallel_modules import _streams
 from parallel_modules._streams import _capture_underway
 from _timing import cpu_us, profile as _profile  # tools/ is the script's directory
 from parallel_modules._inputs import _input_device, _signature
@@ -58,8 +59,14 @@ with torch.no_grad():
         mods = {"seq module": seq, "loop": loop, "streams=True": Parallel(*lins, streams=True),
                 "streams=False": Parallel(*lins, streams=False), "auto": Parallel(*lins)}
         t = {k: per_call(lambda m=m: m(x)) for k, m in mods.items()}
+        # The same forked call with every side output marked with record_stream
+        # (the scheme joined outputs used before; _streams' docstring, memory).
+        use_count, _streams._use_count = _streams._use_count, None
+        t["streams=True record_stream"] = per_call(lambda: mods["streams=True"](x))
+        _streams._use_count = use_count
         print(f"N={n:<3}" + "  ".join(f"{k} {v:6.1f}" for k, v in t.items())
               + f"  | fork/join per side branch {(t['streams=True'] - t['seq module']) / (n - 1):5.1f} us"
+              + f" ({(t['streams=True record_stream'] - t['seq module']) / (n - 1):5.1f} with record_stream)"
               + f"  | auto/seq {t['seq module'] / t['auto']:.3f}x")
         if n == 8:
             p = mods["streams=True"]
