@@ -1,8 +1,10 @@
 """Where the CPU time of a graphed / fused call goes (dev tool, not shipped).
 
-Usage: ``PYTHONPATH=. python3 tools/micro_graphcall.py``: per variant, the host time per call
-(many calls, then one sync) and the top functions of a cProfile of 2000 calls.
+Usage: ``PYTHONPATH=. python3 tools/micro_graphcall.py [CASE]``: per variant, the host time per call
+(many calls, then one sync) and the top functions of a cProfile of 2000 calls. With a case name
+(default mlp8, at its first batch size), only the inference calls.
 """
+import sys
 
 import torch
 
@@ -15,15 +17,15 @@ torch.backends.cudnn.allow_tf32 = False
 dev = torch.device("cuda")
 
 
-case = CASES["mlp8"]
+case = CASES[sys.argv[1] if len(sys.argv) > 1 else "mlp8"]
 br = case.branches(dev, torch.float32)
-x = case.make_input(8, dev, torch.float32)
+x = case.make_input(case.batches[0], dev, torch.float32)
 variants = {}
 with torch.no_grad():
     variants["eager seq"] = SequentialBranches(br)
-    variants["eager fused"] = Parallel(*br, fuse=True)
+    variants["eager fused"] = Parallel(*br, fuse="auto")
     variants["graph Parallel"] = Parallel(*br, cuda_graph=True)
-    variants["graph fused"] = Parallel(*br, cuda_graph=True, fuse=True)
+    variants["graph fused"] = Parallel(*br, cuda_graph=True, fuse="auto")
     g = variants["graph fused"]
     for v in variants.values():
         for _ in range(40):
@@ -36,6 +38,8 @@ with torch.no_grad():
         print(f"{name:<36}{cpu_us(fn):9.2f} us CPU/call")
     profile("graph fused", lambda: g(x))
     profile("eager fused", lambda: variants["eager fused"](x), n=500)
+if len(sys.argv) > 1:
+    sys.exit(0)
 
 # Training step, graphed.
 tcase = CASES["mlp8-train"]
