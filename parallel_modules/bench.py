@@ -338,8 +338,7 @@ def _fork_overhead(results: list[dict[str, Any]], key: str = "median_us") -> dic
         if r["case"].startswith("tiny") and "eager Parallel streams" in r["modes"]:
             n = int(r["case"][4:])
             m = r["modes"]
-            if m["eager seq"].get(key) is not None:
-                out[n] = (m["eager Parallel streams"][key] - m["eager seq"][key]) / (n - 1)
+            out[n] = (m["eager Parallel streams"][key] - m["eager seq"][key]) / (n - 1)
     return out
 
 

@@ -494,6 +494,7 @@ class Parallel(nn.Module):
 
         With ``fusion``, each group of identical branches runs as one unit.
         ``capturing``: whether a graph capture or warm-up is underway, if known.
+        Returns the outputs in branch order, or ``_Reduced`` when the fork joined them.
         """
         if fusion is None and (device is None or len(self._modules) == 1):
             outputs: list[Any] = []
@@ -523,16 +524,16 @@ class Parallel(nn.Module):
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
             outputs = [run(i, c) for i, c in enumerate(calls)]
-            return outputs if fusion is None else fusion.scatter(calls, outputs)
-        # Joined by the fork when it can: side outputs are then freed without record_stream.
-        join = self._combine if fusion is None and self.join in _REDUCING_JOINS else None
-        if device.index is not None and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join)
         else:
-            outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join)
-        if join is not None:
-            return _Reduced(outputs)
+            # Joined by the fork when it can: side outputs are then freed without record_stream.
+            join = self._combine if fusion is None and self.join in _REDUCING_JOINS else None
+            if device.index is not None and device.index != torch.cuda.current_device():
+                with torch.cuda.device(device):
+                    outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join)
+            else:
+                outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join)
+            if join is not None:
+                return _Reduced(outputs)
         return outputs if fusion is None else fusion.scatter(calls, outputs)
 
     def _combine(self, outputs: list[Any]) -> Any:
@@ -559,7 +560,7 @@ class Parallel(nn.Module):
             outputs = outputs.split()
         return self._combine(outputs)
 
-    def _outputs(self, args: tuple, kwargs: dict) -> list[Any]:
+    def _outputs(self, args: tuple, kwargs: dict) -> Any:
         placement = self._placement
         if placement is not None:  # branches on several devices, or not looked at yet
             placement = _place(self) if placement is _UNPLACED else placement

@@ -2,6 +2,7 @@
 import cProfile
 import io
 import pstats
+import statistics
 import time
 from typing import Callable
 
@@ -39,3 +40,18 @@ def profile(name: str, fn: Callable[[], object], n: int = 2000, top: int = 14, w
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
     print(f"---- cProfile {name} ({n} calls)")
     print("\n".join(line for line in s.getvalue().splitlines() if line.strip() and "function calls" not in line)[:3500])
+
+
+def gpu_medians(calls: dict[str, Callable[[], object]], rounds: int = 30, per_sample: int = 10) -> dict[str, float]:
+    r"""Median GPU microseconds per call of each entry, sampled interleaved (``per_sample`` calls per sample)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(per_sample):
+                fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / per_sample)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -5,7 +5,6 @@ Per-branch inductor converts an NCHW input to channels_last in every branch (one
 whole-model compilation converts once. Variants captured by hand, timed interleaved.
 Usage: ``PYTHONPATH=. python3 tools/exp_channels_last.py [b64-fp16 b8-fp32 ...]``
 """
-import statistics
 import sys
 
 import torch
@@ -13,6 +12,7 @@ import torch
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES, SequentialBranches as Seq
 from parallel_modules.bench import _capture
+from _timing import gpu_medians  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 CL = torch.channels_last
@@ -37,25 +37,15 @@ def run(batch, dtype):
                                          clone=False),
         "D: channels_last in, cat out= NCHW": _capture(into_nchw, x, clone=False),
     }
-    times = {k: [] for k in variants}
     with torch.no_grad():
         ref = Seq(INCEPTION.branches(DEV, dtype))(x)
         for name, m in variants.items():
             for _ in range(3):
                 out = m(x)
             print(f"  {name:<36} err {(out.float() - ref.float()).abs().max().item():.1e} strides {out.stride()}")
-        for _ in range(30):
-            for name, m in variants.items():
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(10):
-                    m(x)
-                e.record()
-                e.synchronize()
-                times[name].append(s.elapsed_time(e) * 100)
-    ro = statistics.median(times["reduce-overhead"])
+        times = gpu_medians({name: (lambda m=m: m(x)) for name, m in variants.items()})
     for name, t in times.items():
-        print(f"b{batch} {str(dtype)[6:]:<8} {name:<36} {statistics.median(t):8.1f} us  RO/this {ro / statistics.median(t):.2f}x")
+        print(f"b{batch} {str(dtype)[6:]:<8} {name:<36} {t:8.1f} us  RO/this {times['reduce-overhead'] / t:.2f}x")
 
 
 CONFIGS = {"b64-fp16": (64, torch.float16), "b64-fp32": (64, torch.float32), "b8-fp16": (8, torch.float16),

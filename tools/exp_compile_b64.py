@@ -3,13 +3,13 @@
 Each variant is timed by GPU events over back-to-back calls, interleaved, median of samples.
 Usage on the GPU machine: ``PYTHONPATH=. python3 tools/exp_compile_b64.py [batch] [fp16|fp32]``
 """
-import statistics
 import sys
 
 import torch
 
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES, SequentialBranches as Seq
+from _timing import gpu_medians  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 64
@@ -39,18 +39,9 @@ with torch.no_grad():
         print(f"{name:<40} max err {err:.2e}  out strides {out.stride()}", flush=True)
         if hasattr(m, "explain"):
             print("   ", list(m.explain()["schedules"].values()))
-    times = {k: [] for k in variants}
-    for _ in range(30):
-        for name, (m, inp) in variants.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(10):
-                m(inp)
-            e.record()
-            e.synchronize()
-            times[name].append(s.elapsed_time(e) * 100)  # us per call
+    times = gpu_medians({name: (lambda m=m, inp=inp: m(inp)) for name, (m, inp) in variants.items()})
 for name, t in times.items():
-    print(f"{name:<40} {statistics.median(t):8.1f} us")
+    print(f"{name:<40} {t:8.1f} us")
 
 # Kernels of the whole-model and the per-branch compilation, without graphs (a graph hides them).
 from torch.profiler import ProfilerActivity, profile  # noqa: E402

@@ -7,7 +7,6 @@ Inception block by hand with ``Parallel(streams=True)`` inside, one variant per 
 of high-priority side stream, and times the replays interleaved.
 Usage: ``PYTHONPATH=. python3 tools/exp_priority.py [b1-fp32 b1-fp16 b8-fp32 ...]``
 """
-import statistics
 import sys
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from parallel_modules import Parallel, _streams
 from parallel_modules._cases import CASES, SequentialBranches as Seq
 from parallel_modules.bench import _capture
+from _timing import gpu_medians  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 DEV, INCEPTION = torch.device("cuda"), CASES["inception"]
@@ -45,24 +45,14 @@ def run(batch, dtype):
         graphed(x)  # captures
     replay = next(iter(graphed._graphs._graphs.values())).fwd.replay
     variants["its graph's replay() alone"] = lambda x: replay()
-    times = {k: [] for k in variants}
     with torch.no_grad():
         ref = seq(x)
         for name, m in variants.items():
             out = m(x)
             assert out is None or torch.equal(out, ref) or dtype != torch.float32, name
-        for _ in range(40):
-            for name, m in variants.items():
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(10):
-                    m(x)
-                e.record()
-                e.synchronize()
-                times[name].append(s.elapsed_time(e) * 100)
-    base = statistics.median(times["graph seq"])
+        times = gpu_medians({name: (lambda m=m: m(x)) for name, m in variants.items()}, rounds=40)
     for name, t in times.items():
-        print(f"b{batch} {str(dtype)[6:]:<8} {name:<26} {statistics.median(t):8.1f} us  graph seq/this {base / statistics.median(t):.2f}x")
+        print(f"b{batch} {str(dtype)[6:]:<8} {name:<26} {t:8.1f} us  graph seq/this {times['graph seq'] / t:.2f}x")
 
 
 CONFIGS = {"b1-fp32": (1, torch.float32), "b1-fp16": (1, torch.float16), "b8-fp32": (8, torch.float32),
