@@ -76,6 +76,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
+from ._compile import _WHOLE
 from ._inputs import _input_device, _signature
 from ._streams import _capture_underway, _current_stream, _graph_state, _is_tracing, _pools, _use_count
 
@@ -606,7 +607,8 @@ class _CudaGraphs:
                  params: list[nn.Parameter]) -> _Graph:
         index = device.index if device.index is not None else torch.cuda.current_device()
         # Ways the owner can run this call (``fuse="auto"``: fused or not;
-        # ``compile=``: compiled children or eager): each is captured and the
+        # ``compile=``: compiled children, eager ones, or the owner compiled as
+        # a whole): each is captured and the
         # fastest replay kept, as cudnn.benchmark keeps the fastest algorithm.
         # Each new graph is timed against the best so far and the slower freed
         # at once, so at most two graphs' memory is held. Training graphs take
@@ -633,25 +635,37 @@ class _CudaGraphs:
                 best = None
                 for variant in variants:
                     _local.variant = (owner, variant)
+                    whole = variant is not None and _WHOLE in variant
                     graph = _Graph(self.name, torch.device("cuda", index))
                     graph.variant = variant
-                    with torch.cuda.stream(stream):
-                        graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad)
-                                        for t in tensors]
-                        graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
-                        call = _bind(forward, args, kwargs, graph.inputs)
-                        leaves = graph.params
-                        if needs_grad:
-                            call, leaves = _with_aliases(owner, call)
-                        surface = tuple(s for s in graph.inputs if s.requires_grad) + leaves
-                        for _ in range(_WARMUP_ITERS):
-                            out = call()
+                    try:
+                        with torch.cuda.stream(stream):
+                            graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad)
+                                            for t in tensors]
+                            graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
+                            run = owner._compiler.whole(forward) if whole else forward
+                            call = _bind(run, args, kwargs, graph.inputs)
+                            leaves = graph.params
                             if needs_grad:
-                                _grad(out, surface)
-                            del out
-                    torch.cuda.synchronize()
-                    _clear_cublas_workspaces()  # the capture allocates its own (see _clear_cublas_workspaces)
-                    self._record(graph, call, surface, leaves, needs_grad, stream, caller, index, tensors)
+                                call, leaves = _with_aliases(owner, call)
+                            surface = tuple(s for s in graph.inputs if s.requires_grad) + leaves
+                            for _ in range(_WARMUP_ITERS):
+                                out = call()
+                                if needs_grad:
+                                    _grad(out, surface)
+                                del out
+                        torch.cuda.synchronize()
+                        _clear_cublas_workspaces()  # the capture allocates its own (see _clear_cublas_workspaces)
+                        self._record(graph, call, surface, leaves, needs_grad, stream, caller, index, tensors)
+                    except Exception:
+                        # The module compiled as a whole is only ever an alternative
+                        # to variants already captured: where the compiler cannot
+                        # make it, or its code cannot be captured, those stay.
+                        if not whole or best is None:
+                            raise
+                        del graph
+                        torch.cuda.synchronize()
+                        continue
                     best = graph if best is None else _fastest([best, graph], stream)
                     del graph, call  # the slower one's pool goes with its last reference
                 graph = best

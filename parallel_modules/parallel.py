@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._autotune import _ScheduleTuner
-from ._compile import _COMPILED, _EAGER, Backend, _compiler
+from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
 from ._fusion import _Fusion, _Group, _Joined
 from ._graphs import _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
@@ -131,7 +131,10 @@ class Parallel(nn.Module):
             Branches fused with ``fuse`` run batched instead. With
             ``cuda_graph=True``, an inference signature is also captured with
             the branches as they are, and the faster replay kept. Default:
-            ``None``. See ``parallel_modules/_compile.py``.
+            ``None``. With a :func:`torch.compile` backend, the block compiled as
+            a whole (the branches one after another, on one stream, with the
+            compiler's fusion across them) is captured too, and kept where it
+            replays fastest. See ``parallel_modules/_compile.py``.
         compile_options: keyword arguments for :func:`torch.compile`
             (``dynamic`` defaults to ``False``: one compilation per input
             signature; modes with CUDA graphs are refused, ``cuda_graph=True``
@@ -396,8 +399,8 @@ class Parallel(nn.Module):
         for each input signature seen so far, the schedule in use
         (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
         chosen by ``"auto"`` or forced; for a CUDA graph with ``compile=``,
-        also ``"compiled branches"`` or ``"eager branches"``, whichever
-        replayed faster).
+        also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
+        compiled as one, one stream"``, whichever replayed fastest).
         """
         fusion = self._fusion
         if self.fuse is False:
@@ -413,6 +416,9 @@ class Parallel(nn.Module):
         if self.cuda_graph:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
             for k, variant in self._graphs.variants().items():
+                if variant is not None and _WHOLE in variant:
+                    schedules[_describe_signature(k[0])] = "CUDA graph, the block compiled as one, one stream"
+                    continue
                 how = [v for v in variant or () if v in ("fused", "unfused")] or [
                     "fused" if fused_graphs else "unfused"]
                 how += [f"{v} branches" for v in variant or () if v in (_COMPILED, _EAGER)]
@@ -433,7 +439,9 @@ class Parallel(nn.Module):
         r"""For ``cuda_graph=True``: the ways to capture this call; the graph code keeps the fastest.
 
         Each is a tuple of ``"fused"``/``"unfused"`` (``fuse="auto"``) and
-        ``_COMPILED``/``_EAGER`` (``compile=``); training captures the first only.
+        ``_COMPILED``/``_EAGER`` (``compile=``), then, with a torch.compile
+        backend, ``(_WHOLE,)``: the block compiled as one program (see
+        ``_compile``); training captures the first only.
         """
         fusion = self._fusion_for(args, kwargs) if self.fuse is not False else None
         fuses = ["fused", "unfused"] if self.fuse == "auto" and fusion is not None else [""]
@@ -444,6 +452,8 @@ class Parallel(nn.Module):
             fused = f == "fused" or (not f and self.fuse is True and fusion is not None)
             compiles = [_COMPILED, _EAGER] if self._compiler is not None and not (fused and all_fused) else [""]
             variants += [tuple(v for v in (f, c) if v) or None for c in compiles]
+        if self._compiler is not None and self._compiler.compiles_whole:
+            variants.append((_WHOLE,))
         return variants
 
     def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict) -> list[Any]:
@@ -478,7 +488,9 @@ class Parallel(nn.Module):
     def _branches(self) -> list[Any]:
         r"""The callable to run for each branch: the branch, or its compiled form (``compile=``)."""
         compiler = self._compiler
-        if compiler is None or _EAGER in (_graph_variant(self) or ()):
+        # (Tracing first: a compiler tracing the block compiles the branches
+        # itself, and need not read the thread's capture state.)
+        if compiler is None or _is_tracing() or _EAGER in (_graph_variant(self) or ()):
             return list(self._modules.values())
         return compiler.calls(self._modules)
 

@@ -423,7 +423,10 @@ def test_compiled_branches_are_captured_on_the_graph_streams():
     # Warm-up (3 runs) and capture (1 run), on the capture stream and the capture's side
     # streams; replays run no Python.
     expected = [_capture_stream(torch.cuda.current_device()).stream_id, *_side_streams(2, capturing=True)]
-    assert list(recorder.streams.values()) == [[sid] * 4 for sid in expected]
+    runs = list(recorder.streams.values())
+    assert runs[:3] == [[sid] * 4 for sid in expected]
+    # Then the block compiled as one program, captured to be weighed against them: one stream.
+    assert runs[3:] == [[expected[0]] * 4]
     assert torch.cuda.default_stream().stream_id not in expected
 
 
@@ -456,20 +459,48 @@ class SlowWhenEager(nn.Module):
 
 
 def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
-    # Every combination is captured for inference; training captures the first.
+    # Every combination is captured for inference, then the whole block compiled as one;
+    # training captures the first.
     x = torch.randn(8, 16)
     block = Parallel(mlp(), mlp(), nn.Identity(), fuse="auto", cuda_graph=True, compile="eager")
     assert block._graph_variants((x,), {}) == [
-        ("fused", "compiled"), ("fused", "eager"), ("unfused", "compiled"), ("unfused", "eager")]
+        ("fused", "compiled"), ("fused", "eager"), ("unfused", "compiled"), ("unfused", "eager"), ("whole",)]
     # Fused groups never run compiled: with every branch fused, both ways are one.
     block = Parallel(mlp(), mlp(), fuse="auto", cuda_graph=True, compile="eager")
-    assert block._graph_variants((x,), {}) == [("fused",), ("unfused", "compiled"), ("unfused", "eager")]
-    assert Parallel(mlp(), mlp(), fuse=True, cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [None]
+    assert block._graph_variants((x,), {}) == [
+        ("fused",), ("unfused", "compiled"), ("unfused", "eager"), ("whole",)]
+    assert Parallel(mlp(), mlp(), fuse=True, cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
+        None, ("whole",)]
     assert Parallel(mlp(), nn.ReLU(), cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
-        ("compiled",), ("eager",)]
+        ("compiled",), ("eager",), ("whole",)]
     assert Parallel(mlp(), nn.ReLU(), cuda_graph=True)._graph_variants((x,), {}) == [None]
     pipe = ParallelSequential(mlp(), mlp(16, 4), chunks=2, cuda_graph=True, compile="eager")
-    assert pipe._graph_variants((x,), {}) == [("compiled",), ("eager",)]
+    assert pipe._graph_variants((x,), {}) == [("compiled",), ("eager",), ("whole",)]
+    # Torch-TensorRT builds engines per child only.
+    assert Parallel(mlp(), mlp(), cuda_graph=True, compile="tensorrt")._graph_variants((x,), {}) == [
+        ("compiled",), ("eager",)]
+
+
+def test_the_whole_variant_is_the_block_compiled_as_one_program():
+    recorder = Recorder()
+    block = Parallel(*branches(3), compile=recorder).eval()
+    pipe = ParallelSequential(mlp(16, 16), nn.ReLU(), mlp(16, 4), chunks=3, compile=recorder).eval()
+    with torch.no_grad():
+        x = torch.randn(6, 16)
+        assert_same(block._compiler.whole(block._forward)(x), cat_reference(block, x))
+        # One program for the block: every branch's two Linear layers, the join, no stream op.
+        (graph,) = recorder.graphs
+        assert str(graph.graph).count("linear") == 6 and "cat" in str(graph.graph)
+        assert not any(w in str(graph.graph).lower() for w in ("stream", "event"))
+        assert_same(pipe._compiler.whole(pipe._eager)(x), pipe[2](pipe[1](pipe[0](x))))
+        assert str(recorder.graphs[1].graph).count("linear") == 4 * 3  # every micro-batch, one program
+    # Compiled once per compiler; dropped with the rest of the compiled code.
+    whole = block._compiler._whole
+    block._compiler.whole(block._forward)
+    assert block._compiler._whole is whole
+    assert copy.deepcopy(block)._compiler._whole is None
+    block.to(torch.float64)
+    assert block._compiler._whole is None
 
 
 def test_the_eager_variant_runs_the_children_themselves():
@@ -506,8 +537,45 @@ def test_the_cuda_graph_keeps_compiled_branches_when_they_replay_faster():
         for _ in range(3):
             x = torch.randn(8, 16, device="cuda")
             assert_same(block(x), torch.cat([x * 2, x * 2, block[2](x)], 1))
-    assert list(block._graphs.variants().values()) == [("compiled",)]
-    assert "compiled branches" in next(iter(block.explain()["schedules"].values()))
+    # Compiled code, branch by branch or as one block (here they tie), never the slow eager branches.
+    (variant,) = block._graphs.variants().values()
+    assert variant in [("compiled",), ("whole",)]
+    assert "eager" not in next(iter(block.explain()["schedules"].values()))
+
+
+@cuda
+def test_the_cuda_graph_keeps_the_block_compiled_as_one_when_it_replays_fastest():
+    # Each compiled program sleeps once per call, each eager branch once: branch by branch on
+    # one stream, compiled or not, two sleeps; the block compiled as one program, one sleep.
+    for owner in ("Parallel", "ParallelSequential"):
+        if owner == "Parallel":
+            module = Parallel(SlowWhenEager(), SlowWhenEager(), streams=False, cuda_graph=True,
+                              compile=SlowBackend())
+            reference = lambda x: torch.cat([x * 2, x * 2], 1)  # noqa: E731
+        else:
+            module = ParallelSequential(SlowWhenEager(), SlowWhenEager(), cuda_graph=True, compile=SlowBackend())
+            reference = lambda x: x * 4  # noqa: E731
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(8, 16, device="cuda")
+                assert_same(module(x), reference(x))
+        assert list(module._graphs.variants().values()) == [("whole",)], owner
+        if owner == "Parallel":
+            assert list(module.explain()["schedules"].values()) == [
+                "CUDA graph, the block compiled as one, one stream"]
+
+
+@cuda
+def test_a_block_that_cannot_be_compiled_as_one_keeps_its_other_graphs():
+    # The backend refuses any program with a concatenation: the whole block's, not a branch's.
+    recorder = Recorder(fail_on="cat")
+    block = Parallel(mlp().cuda(), mlp().cuda(), cuda_graph=True, compile=recorder)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 16, device="cuda")
+            assert_close(block(x), cat_reference(block, x), *CUDA_TOL[torch.float32])
+    assert recorder.failures >= 1 and len(recorder.graphs) == 2  # the two branches compiled
+    assert list(block._graphs.variants().values())[0] in [("compiled",), ("eager",)]
 
 
 @cuda
