@@ -9,9 +9,11 @@ Every *lane* (the optional host-to-device copy, then each stage) runs on a side
 stream of its own from the library's pool, so lanes working on different
 pieces overlap. Lane ``l`` starts piece ``m`` after waiting on the event lane
 ``l-1`` recorded when it finished piece ``m``; a stream runs its work in
-issue order, so each lane also handles its pieces in order. The caller's
-stream waits on the last event of the last lane (which, through that chain of
-events, follows every piece of every lane) and concatenates the outputs.
+issue order, so each lane also handles its pieces in order. The last lane
+copies each output into its place in the concatenated result as soon as it is
+made (or, for outputs that are not plain tensors, the caller concatenates them
+afterwards), and the caller's stream waits on the last event of the last lane,
+which, through that chain of events, follows every piece of every lane.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from ._compile import _COMPILED, _EAGER, Backend, _compiler
+from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
 from ._joins import _describe
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _CudaGraphs, _graph_variant
-from ._streams import _capture_underway, _is_tracing, _join_backward, _pool
+# (The C-level stream and event calls of ``_streams``: a call records and waits on events
+# twice per piece and lane, where the Python wrappers cost microseconds each.)
+from ._streams import (_capture_underway, _current_stream, _is_tracing, _join_backward, _pool, _record,
+                       _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
 
@@ -101,8 +106,10 @@ class ParallelSequential(nn.Sequential):
     own and starts a micro-batch as soon as the previous stage has finished
     it (an event per micro-batch and stage), so while the decoder works on
     micro-batch ``m`` the encoder already computes ``m + 1``. Side streams fork
-    from the caller's current stream and the outputs are concatenated on it,
-    so the module works inside ``torch.cuda.stream(s)`` like any other.
+    from the caller's current stream and join back into it before the output
+    is returned (the last stage's stream writes each micro-batch's output into
+    the concatenated result as it finishes), so the module works inside
+    ``torch.cuda.stream(s)`` like any other.
 
     Micro-batches follow :func:`torch.tensor_split`: exactly ``chunks`` pieces
     whose sizes differ by at most one, larger pieces first (a batch of 13 in
@@ -407,13 +414,20 @@ class ParallelSequential(nn.Sequential):
     def _stages(self) -> Any:
         r"""The callable to run for each stage: the stage, or its compiled form (``compile=``)."""
         compiler = self._compiler
-        if compiler is None or _EAGER in (_graph_variant(self) or ()):
+        if compiler is None or _is_tracing() or _EAGER in (_graph_variant(self) or ()):
             return self._modules.values()
         return compiler.calls(self._modules)
 
     def _graph_variants(self, args: tuple, kwargs: dict) -> list[tuple[str, ...] | None]:
-        r"""For ``cuda_graph=True``: the ways to capture this call (compiled stages or eager); the faster is kept."""
-        return [(_COMPILED,), (_EAGER,)] if self._compiler is not None else [None]
+        r"""For ``cuda_graph=True``: the ways to capture this call; the fastest is kept.
+
+        Compiled stages or eager ones, and with a torch.compile backend the
+        whole module compiled as one program (micro-batches one after another).
+        """
+        compiler = self._compiler
+        if compiler is None:
+            return [None]
+        return [(_COMPILED,), (_EAGER,)] + ([(_WHOLE,)] if compiler.compiles_whole else [])
 
     def _eager(self, input: Any) -> Any:
         if self._chunks == 1:
@@ -473,6 +487,8 @@ class ParallelSequential(nn.Sequential):
                 outputs = self._pipeline(stages, input, pieces, target, copy_to is not None)
         else:
             outputs = self._pipeline(stages, input, pieces, target, copy_to is not None)
+        if isinstance(outputs, _Gather):
+            return outputs.out
         return self._concat(outputs)
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
@@ -485,8 +501,11 @@ class ParallelSequential(nn.Sequential):
 
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool
-    ) -> list[Any]:
-        r"""Run every piece of ``input`` through every lane on the side streams; outputs per piece.
+    ) -> list[Any] | _Gather:
+        r"""Run every piece of ``input`` through every lane on the side streams.
+
+        Returns the outputs per piece, or, where the last lane concatenated
+        them as they came (:class:`_Gather`), the concatenation.
 
         Work is issued as a wavefront: at step ``t`` lane ``l`` gets piece
         ``t - l``, from the last lane to the first. The items of one step do
@@ -495,6 +514,16 @@ class ParallelSequential(nn.Sequential):
         GPU always has work queued on several streams; and handling the older
         piece first keeps the pipeline draining. Each lane still receives its
         pieces in order, which its stream preserves.
+
+        A copy lane reading pinned memory is issued whole before the wavefront:
+        its copies wait for nothing but the fork and cost the CPU only their
+        enqueueing, so the copy engine runs them back to back while the CPU
+        issues the compute. In the wavefront the copy of piece ``m + 1`` was
+        enqueued only after the compute of piece ``m``, and on the GPU machine
+        the CPU took longer to issue that compute (two convolutions) than the
+        copy engine took to copy a piece: it idled 86 us between copies. A
+        pageable input is staged into pinned memory by the CPU piece by piece,
+        which the wavefront overlaps with the GPU's work.
         """
         count = len(pieces)
         lanes: list[Callable[[int, Any], Any]] = []
@@ -512,7 +541,7 @@ class ParallelSequential(nn.Sequential):
 
         capturing = _capture_underway()
         pool = _pool(device, capturing)
-        caller = torch.cuda.current_stream(device)
+        caller = _current_stream(device)
         base = pool.offset
         streams = pool.side_streams(base, n_lanes, caller)
         # Events: one per (piece, lane), then the fork, then one join per lane.
@@ -523,18 +552,29 @@ class ParallelSequential(nn.Sequential):
         values = list(pieces)
         used = 0  # lanes 0 .. used-1 have work enqueued
         done = False
+        ahead = copy and _pinned(input)  # the copy lane issued whole, first
+        last = n_lanes - 1
+        gather = _Gather([p.shape[0] for p in pieces]) if isinstance(input, torch.Tensor) else None
         # Stages that fork (a nested Parallel or ParallelSequential) take the
         # pool's streams after ours.
         pool.offset = base + n_lanes
         try:
-            fork.record(caller)
+            _record(fork, caller)
+            if ahead:
+                stream = streams[0]
+                _set_stream(stream)
+                used = 1
+                _wait(fork, stream)
+                for m in range(count):
+                    values[m] = lanes[0](m, values[m])
+                    _record(events[e0 + m * n_lanes], stream)
             for t in range(count + n_lanes - 1):
-                for lane in range(min(t, n_lanes - 1), -1, -1):
+                for lane in range(min(t, n_lanes - 1), 0 if ahead else -1, -1):
                     m = t - lane
                     if m >= count:
                         break
                     stream = streams[lane]
-                    torch.cuda.set_stream(stream)
+                    _set_stream(stream)
                     used = max(used, lane + 1)
                     if lane == 0:
                         if m == 0:
@@ -543,34 +583,97 @@ class ParallelSequential(nn.Sequential):
                             # the events, so one wait on the fork orders the
                             # whole call after the caller's earlier work
                             # (including optimizer updates of the parameters).
-                            stream.wait_event(fork)
+                            _wait(fork, stream)
                     else:
-                        stream.wait_event(events[e0 + m * n_lanes + lane - 1])
+                        _wait(events[e0 + m * n_lanes + lane - 1], stream)
                         if streams[lane - 1] is not stream:
                             _mark(values[m], stream)
                     values[m] = lanes[lane](m, values[m])
-                    events[e0 + m * n_lanes + lane].record(stream)
+                    if lane < last:
+                        _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
+                    else:
+                        if gather is not None:
+                            gather.add(m, values[m])
+                        if m == count - 1:  # no lane follows the last: only the join waits, once
+                            _record(events[e0 + m * n_lanes + lane], stream)
             done = True
         finally:
             pool.offset = base
             _local.cursor = e0
-            torch.cuda.set_stream(caller)
+            _set_stream(caller)
             if done:
                 # Join: the last lane's last event follows every lane's every
                 # piece (each lane waited on its predecessor, piece by piece).
-                caller.wait_event(events[e0 + count * n_lanes - 1])
+                _wait(events[e0 + count * n_lanes - 1], caller)
             else:
                 # A lane raised: join every stream that has work enqueued, so
                 # the caller never runs ahead of it, then let the error go.
                 for lane in range(used):
-                    joins[lane].record(streams[lane])
-                    caller.wait_event(joins[lane])
-        for value in values:
-            _mark(value, caller)
+                    _record(joins[lane], streams[lane])
+                    _wait(joins[lane], caller)
         if not capturing:
             # Stage parameters take one gradient per piece, summed on their lane.
             _join_backward((input,), streams[:used])
+        if gather is not None and gather.complete():
+            # The caller reads only the concatenation; the pieces were read on their own lane.
+            _mark(gather.out, caller)
+            return gather
+        for value in values:
+            _mark(value, caller)
         return values
+
+
+class _Gather:
+    r"""The last lane's outputs concatenated along dimension 0 as they come, on that lane.
+
+    A concatenation on the caller's stream after the join would start only once
+    the last piece is done, and lengthen every call by a pass over the whole
+    output (36 us for the 51 MB of the host-to-device benchmark on the GPU
+    machine); copied into its place as soon as it is made, each piece but the
+    last overlaps the pipeline's other work. Taken only where the result is the
+    one ``torch.cat`` gives: contiguous tensors of one dtype, the input pieces'
+    sizes along dimension 0, the same other dimensions, and no autograd history
+    to record (``copy_`` into a buffer would record it differently). Otherwise
+    ``complete()`` is false and the caller concatenates as before.
+    """
+
+    __slots__ = ("sizes", "out", "offset", "ok")
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.out: torch.Tensor | None = None
+        self.offset = 0
+        self.ok = len(sizes) > 1
+
+    def add(self, m: int, value: Any) -> None:
+        if not self.ok:
+            return
+        out = self.out
+        if (not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != self.sizes[m]
+                or (value.requires_grad and torch.is_grad_enabled()) or not value.is_contiguous()
+                or (out is not None and (value.shape[1:] != out.shape[1:] or value.dtype != out.dtype
+                                         or value.device != out.device))):
+            self.ok = False
+            return
+        if out is None:
+            # Allocated on this lane's stream, which writes it; the caller's
+            # stream reads it after the join (record_stream, as for outputs).
+            out = self.out = value.new_empty((sum(self.sizes), *value.shape[1:]))
+        _place(out[self.offset:self.offset + value.shape[0]], value)
+        self.offset += value.shape[0]
+
+    def complete(self) -> bool:
+        return self.ok and self.out is not None and self.offset == self.out.shape[0]
+
+
+def _place(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _pinned(value: Any) -> bool:
+    r"""Whether every CPU tensor of ``value`` is in page-locked memory (copies of it are asynchronous)."""
+    leaves = (value,) if isinstance(value, torch.Tensor) else pytree.tree_leaves(value)
+    return all(t.is_pinned() for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "cpu")
 
 
 def _to_device(value: Any, device: torch.device, non_blocking: bool) -> Any:

@@ -5,7 +5,7 @@ repository root (``tests/test_pipeline_cuda.py`` does so in a subprocess). The
 sanitizer raises on the first unsynchronized access between streams, which
 makes this script exit non-zero with "CSAN" in its stderr.
 
-``--broken`` disables every stream-to-event wait first, a deliberately wrong
+``--broken`` disables every stream-to-event wait of the pipeline first, a deliberately wrong
 variant the sanitizer must catch: it proves the harness can fail.
 """
 
@@ -21,7 +21,9 @@ from parallel_modules import ParallelSequential
 
 def main(broken: bool) -> int:
     if broken:
-        torch.cuda.Stream.wait_event = lambda self, event: None  # type: ignore[method-assign]
+        from parallel_modules import pipeline
+
+        pipeline._wait = lambda event, stream: None  # the pipeline's every stream-to-event wait
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
@@ -48,8 +50,15 @@ def main(broken: bool) -> int:
         opt.step()
         opt.zero_grad()
         del out, expected
+    # Inference: the last lane concatenates the pieces itself (pinned: copies issued first).
     with torch.no_grad():
-        out = model(torch.randn(7, 32))
+        for kind in ("pageable", "pinned", "device"):
+            x = torch.randn(7, 32)
+            x = x.pin_memory() if kind == "pinned" else x.cuda() if kind == "device" else x
+            out = model(x)
+            if not torch.equal(out, torch.cat([ref(p) for p in x.cuda().tensor_split(3)])):
+                print(f"mismatch for a {kind} input without autograd", file=sys.stderr)
+                return 1
     torch.cuda.synchronize()
     print("ok", out.shape)
     return 0

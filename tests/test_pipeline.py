@@ -361,3 +361,32 @@ def test_compile_and_export_match_eager() -> None:
     assert torch.equal(compiled(x), expected)
     exported = torch.export.export(model, (x,))
     assert torch.equal(exported.module()(x), expected)
+
+
+# ------------------------------------------------------------- the last lane's concatenation
+def test_gather_concatenates_like_cat_or_declines():
+    from parallel_modules.pipeline import _Gather
+
+    pieces = [torch.randn(5, 3), torch.randn(4, 3), torch.randn(4, 3)]
+    gather = _Gather([5, 4, 4])
+    for m, p in enumerate(pieces):
+        assert not gather.complete()
+        gather.add(m, p)
+    assert gather.complete() and torch.equal(gather.out, torch.cat(pieces))
+    # What torch.cat would give differently, or autograd would record: left to the caller's cat.
+    wrong = {
+        "size along dim 0": [torch.randn(5, 3), torch.randn(3, 3), torch.randn(4, 3)],
+        "other dims": [torch.randn(5, 3), torch.randn(4, 2), torch.randn(4, 3)],
+        "dtype": [torch.randn(5, 3), torch.randn(4, 3).double(), torch.randn(4, 3)],
+        "layout": [torch.randn(3, 5).t(), torch.randn(4, 3), torch.randn(4, 3)],
+        "structure": [(torch.randn(5, 3),), (torch.randn(4, 3),), (torch.randn(4, 3),)],
+        "autograd": [torch.randn(5, 3, requires_grad=True), torch.randn(4, 3), torch.randn(4, 3)],
+    }
+    for what, outputs in wrong.items():
+        gather = _Gather([5, 4, 4])
+        for m, o in enumerate(outputs):
+            gather.add(m, o)
+        assert not gather.complete(), what
+    single = _Gather([5])
+    single.add(0, torch.randn(5, 3))
+    assert not single.complete()  # one piece: nothing to concatenate

@@ -7,10 +7,12 @@ pick other kernels for the other batch size, within ``RTOL``/``ATOL``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
 import sys
+from unittest import mock
 from collections import OrderedDict
 from pathlib import Path
 
@@ -63,19 +65,33 @@ def _assert_clean(caller: torch.cuda.Stream) -> None:
     assert _pool(torch.device("cuda")).offset == 0
 
 
+def _gathered(expected: bool):
+    r"""Where ``expected``, the last lane concatenates (``_Gather``): the caller's ``_concat`` must not run."""
+    if not expected:
+        return contextlib.nullcontext()
+    return mock.patch.object(ParallelSequential, "_concat", lambda self, outputs: pytest.fail("not gathered"))
+
+
+# Recording autograd, the caller concatenates the outputs; without, the last lane does.
+GRAD = pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+
+
+@GRAD
 @pytest.mark.parametrize("chunks", [1, 2, 3, 8])
-def test_bitwise_equal_to_sequential_on_pieces(chunks: int) -> None:
+def test_bitwise_equal_to_sequential_on_pieces(chunks: int, grad: bool) -> None:
     model = _model(chunks)
     for _ in range(3):  # fresh inputs; batch 13 gives uneven pieces
         x = torch.randn(13, 32, device="cuda")
-        out = model(x)
+        with torch.set_grad_enabled(grad), _gathered(not grad and chunks > 1):
+            out = model(x)
         assert torch.equal(out, _pieces_reference(model, x, chunks))
         torch.testing.assert_close(out, nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
     _assert_clean(torch.cuda.default_stream())
 
 
+@GRAD
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_delay_inside_each_stage(stage: int) -> None:
+def test_delay_inside_each_stage(stage: int, grad: bool) -> None:
     # A stage that starts late on every piece: a missing wait lets the next
     # stage read an unfinished piece; a missing join lets the cat read
     # unfinished outputs; a missing record_stream lets the previous stage's
@@ -83,7 +99,8 @@ def test_delay_inside_each_stage(stage: int) -> None:
     model = _model(4, sleep_in=stage)
     for _ in range(2):
         x = torch.randn(13, 32, device="cuda")
-        out = model(x)
+        with torch.set_grad_enabled(grad), _gathered(not grad):
+            out = model(x)
         assert torch.equal(out, _pieces_reference(model, x, 4))
 
 
@@ -105,9 +122,11 @@ def test_delay_before_producer_on_non_default_caller_stream() -> None:
     torch.cuda.current_stream().wait_stream(side)
 
 
+@GRAD
 @pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
 @pytest.mark.parametrize("chunks", [1, 3, 4])
-def test_host_to_device(pinned: bool, chunks: int) -> None:
+def test_host_to_device(pinned: bool, chunks: int, grad: bool) -> None:
+    # (Pinned: the copy lane is issued whole before the stages.)
     model = _model(chunks, sleep_in=0)
     for _ in range(2):
         x = torch.randn(13, 32)
@@ -115,7 +134,8 @@ def test_host_to_device(pinned: bool, chunks: int) -> None:
             x = x.pin_memory()
         expected = model(x.cuda())
         torch.cuda._sleep(SLEEP)  # delays the copies: they fork from the caller's stream
-        out = model(x)
+        with torch.set_grad_enabled(grad), _gathered(not grad and chunks > 1):
+            out = model(x)
         assert out.device.type == "cuda"
         if pinned:
             # As after x.to("cuda", non_blocking=True): the copies may still be
