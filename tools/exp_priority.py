@@ -32,12 +32,12 @@ def run(batch, dtype):
     x = torch.randn(batch, 192, 35, 35, device="cuda", dtype=dtype)
     block = Parallel(*INCEPTION.branches(DEV, dtype), streams=True)
     seq = Seq(list(block))
-    variants = {"graph seq": _capture(seq, x, clone=False)}
+    variants = {"graph seq": _capture(seq, x)}
     n = len(block) - 1
     for name, prio in [("all normal", [LOW] * n), *[(f"branch {k + 1} high", [HIGH if i == k else LOW for i in range(n)])
                                                    for k in range(n)], ("all side high", [HIGH] * n)]:
         with_side_streams(prio)
-        variants[name] = _capture(block, x, clone=False)
+        variants[name] = _capture(block, x)
     with_side_streams([LOW] * n)
     graphed = Parallel(*INCEPTION.branches(DEV, dtype), cuda_graph=True)
     variants["Parallel(cuda_graph=True)"] = graphed

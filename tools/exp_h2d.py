@@ -1,0 +1,60 @@
+"""Host-to-device pipeline: which of its parts pays (dev tool, not shipped).
+
+Times, interleaved in one process, the h2d case (64 x 3x224x224 fp32, pinned) copied then computed
+on one stream against ``ParallelSequential(chunks=4)`` with the copy lane issued first or in the
+wavefront, and the last stage's pieces concatenated by the last lane as they come or by the caller
+at the end; GPU time per call (events around back-to-back calls) and CPU time per call.
+Usage: ``PYTHONPATH=. python3 tools/exp_h2d.py [chunks]``
+"""
+import sys
+
+import torch
+from torch import nn
+
+from parallel_modules import ParallelSequential, pipeline
+from parallel_modules._cases import PIPELINES
+from _timing import cpu_us, gpu_medians  # tools/ is the script's directory
+
+torch.backends.cudnn.allow_tf32 = False
+dev = torch.device("cuda")
+chunks = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+case = PIPELINES["h2d"]
+stages = case.stages(dev, torch.float32)
+seq = nn.Sequential(*stages)
+x = case.make_input(64, dev, torch.float32)
+model = ParallelSequential(*stages, chunks=chunks)
+
+FLAGS = {"ahead": True, "gather": True}
+pinned, add = pipeline._pinned, pipeline._Gather.add
+pipeline._pinned = lambda v: FLAGS["ahead"] and pinned(v)
+
+
+def gather_add(self, m, value):
+    if not FLAGS["gather"]:
+        self.ok = False
+    add(self, m, value)
+
+
+pipeline._Gather.add = gather_add
+
+
+def variant(ahead, gather):
+    def run():
+        FLAGS.update(ahead=ahead, gather=gather)
+        return model(x)
+    return run
+
+
+variants = {"copy then compute": lambda: seq(x.to(dev, non_blocking=True))}
+for ahead in (True, False):
+    for gather in (True, False):
+        variants[f"c{chunks} copies first={ahead} gather={gather}"] = variant(ahead, gather)
+with torch.no_grad():
+    ref = seq(x.to(dev))
+    for name, fn in variants.items():
+        torch.testing.assert_close(fn(), ref, rtol=1e-4, atol=1e-4)
+    times = gpu_medians(variants, rounds=30, per_sample=5)
+    host = {name: cpu_us(fn, n=50, warmup=5) for name, fn in variants.items()}
+print(f"{'variant':<40}{'GPU us/call':>12}{'speed-up':>10}{'CPU us/call':>13}")
+for name, t in times.items():
+    print(f"{name:<40}{t:12.1f}{times['copy then compute'] / t:9.2f}x{host[name]:13.1f}")
