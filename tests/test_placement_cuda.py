@@ -242,6 +242,7 @@ def test_gradients_across_devices_with_delay_in_remote_backward():
     head = nn.Linear(48, 4).to(D0)
     model = nn.Sequential(trunk, nn.ReLU(), block, head)
     ref = copy.deepcopy(model)
+    ref[2].b[1].streams = STREAMS  # (deepcopy copied the list: both note their streams in the one list)
 
     def ref_forward(x):  # the model written out: each branch on its device, one after the other
         h = torch.relu(ref[0](x))
