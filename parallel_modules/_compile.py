@@ -389,12 +389,15 @@ class _Compiler:
         self._children: tuple[nn.Module, ...] = ()
         self._calls: list[_Child] = []
         self._whole: Callable[..., Any] | None = None
+        # Why the owner could not be compiled (or captured) as one program, once it failed:
+        # not tried again (each try costs a compilation) until the compiled code is dropped.
+        self.whole_failure: str | None = None
         self._lock = threading.Lock()
 
     @property
     def compiles_whole(self) -> bool:
-        r"""Whether the owner can also be captured compiled as a whole (``_WHOLE``): torch.compile backends."""
-        return self.backend != "tensorrt"
+        r"""Whether the owner is also captured compiled as a whole (``_WHOLE``): torch.compile backends, until that fails."""
+        return self.backend != "tensorrt" and self.whole_failure is None
 
     def settings(self) -> dict[str, Any]:
         r"""The constructor arguments that recreate this compiler (slicing keeps them)."""
@@ -433,7 +436,7 @@ class _Compiler:
     def clear(self) -> None:
         r"""Drop every compiled child (parameters moved or cast): the next call compiles anew."""
         with self._lock:
-            self._calls, self._children, self._whole = [], (), None
+            self._calls, self._children, self._whole, self.whole_failure = [], (), None, None
 
     def whole(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         r"""``forward`` (a bound method of the owner) compiled as one program (the ``_WHOLE`` variant).
@@ -443,6 +446,7 @@ class _Compiler:
         owner is an argument of the compiled function, not held by it, so the
         compiled code keeps no reference cycle through the module.
         """
+        assert self.backend != "tensorrt", "Torch-TensorRT engines are built per child only"
         compiled = self._whole
         if compiled is None:
             label = re.sub(r"\W", "_", f"{self.owner}_whole")
@@ -460,7 +464,7 @@ class _Compiler:
     def __getstate__(self) -> dict:
         # Compiled code belongs to this process and to these very modules.
         state = self.__dict__.copy()
-        for k in ("_children", "_calls", "_whole", "_lock"):
+        for k in ("_children", "_calls", "_whole", "whole_failure", "_lock"):
             state.pop(k, None)
         return state
 

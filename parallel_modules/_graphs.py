@@ -657,12 +657,14 @@ class _CudaGraphs:
                         torch.cuda.synchronize()
                         _clear_cublas_workspaces()  # the capture allocates its own (see _clear_cublas_workspaces)
                         self._record(graph, call, surface, leaves, needs_grad, stream, caller, index, tensors)
-                    except Exception:
+                    except Exception as e:
                         # The module compiled as a whole is only ever an alternative
                         # to variants already captured: where the compiler cannot
-                        # make it, or its code cannot be captured, those stay.
+                        # make it, or its code cannot be captured, those stay, and
+                        # later signatures do not try again (``explain()`` says why).
                         if not whole or best is None:
                             raise
+                        owner._compiler.whole_failure = f"{type(e).__name__}: {str(e).strip()[:500]}"
                         del graph
                         torch.cuda.synchronize()
                         continue

@@ -400,7 +400,9 @@ class Parallel(nn.Module):
         (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
         chosen by ``"auto"`` or forced; for a CUDA graph with ``compile=``,
         also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
-        compiled as one, one stream"``, whichever replayed fastest).
+        compiled as one, one stream"``, whichever replayed fastest); and, if the
+        block could not be compiled (or captured) as one program,
+        ``"not compiled as one"``: why.
         """
         fusion = self._fusion
         if self.fuse is False:
@@ -424,7 +426,10 @@ class Parallel(nn.Module):
                 how += [f"{v} branches" for v in variant or () if v in (_COMPILED, _EAGER)]
                 schedules[_describe_signature(k[0])] = f"CUDA graph, {', '.join(how)}, " + (
                     "streams" if self.streams is not False else "sequential")
-        return {"fused": fused, "unfused": unfused, "schedules": schedules}
+        info = {"fused": fused, "unfused": unfused, "schedules": schedules}
+        if self._compiler is not None and self._compiler.whole_failure is not None:
+            info["not compiled as one"] = self._compiler.whole_failure
+        return info
 
     def _fusion_for(self, args: tuple, kwargs: dict) -> _Fusion | None:
         r"""The fused groups that apply to this call, or ``None`` (fusion off, nothing to fuse, not one tensor)."""
