@@ -631,8 +631,9 @@ class _Gather:
     output (36 us for the 51 MB of the host-to-device benchmark on the GPU
     machine); copied into its place as soon as it is made, each piece but the
     last overlaps the pipeline's other work. Taken only where the result is the
-    one ``torch.cat`` gives: contiguous tensors of one dtype, the input pieces'
-    sizes along dimension 0, the same other dimensions, and no autograd history
+    one ``torch.cat`` gives: contiguous (and not also channels-last) strided
+    tensors of one dtype, the input pieces' sizes along dimension 0, the same
+    other dimensions, and no autograd history
     to record (``copy_`` into a buffer would record it differently). Otherwise
     ``complete()`` is false and the caller concatenates as before.
     """
@@ -649,8 +650,9 @@ class _Gather:
         if not self.ok:
             return
         out = self.out
-        if (not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != self.sizes[m]
-                or (value.requires_grad and torch.is_grad_enabled()) or not value.is_contiguous()
+        if (not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.dim() == 0
+                or value.shape[0] != self.sizes[m] or (value.requires_grad and torch.is_grad_enabled())
+                or not value.is_contiguous() or _also_channels_last(value)
                 or (out is not None and (value.shape[1:] != out.shape[1:] or value.dtype != out.dtype
                                          or value.device != out.device))):
             self.ok = False
@@ -668,6 +670,13 @@ class _Gather:
 
 def _place(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
+
+
+def _also_channels_last(t: torch.Tensor) -> bool:
+    r"""Whether a contiguous ``t`` is channels-last too (size-1 dims): ``torch.cat`` may then pick either layout."""
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
 
 
 def _pinned(value: Any) -> bool:

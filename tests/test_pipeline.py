@@ -381,6 +381,9 @@ def test_gather_concatenates_like_cat_or_declines():
         "layout": [torch.randn(3, 5).t(), torch.randn(4, 3), torch.randn(4, 3)],
         "structure": [(torch.randn(5, 3),), (torch.randn(4, 3),), (torch.randn(4, 3),)],
         "autograd": [torch.randn(5, 3, requires_grad=True), torch.randn(4, 3), torch.randn(4, 3)],
+        # Contiguous and channels-last at once: torch.cat may give channels-last strides.
+        "ambiguous layout": [torch.randn(5, 3, 1, 1), torch.randn(4, 3, 1, 1), torch.randn(4, 3, 1, 1)],
+        "sparse": [torch.randn(5, 3).to_sparse(), torch.randn(4, 3).to_sparse(), torch.randn(4, 3).to_sparse()],
     }
     for what, outputs in wrong.items():
         gather = _Gather([5, 4, 4])

@@ -84,6 +84,7 @@ def test_bitwise_equal_to_sequential_on_pieces(chunks: int, grad: bool) -> None:
         x = torch.randn(13, 32, device="cuda")
         with torch.set_grad_enabled(grad), _gathered(not grad and chunks > 1):
             out = model(x)
+        assert out.requires_grad == grad  # recording autograd: concatenated by the caller, with history
         assert torch.equal(out, _pieces_reference(model, x, chunks))
         torch.testing.assert_close(out, nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
     _assert_clean(torch.cuda.default_stream())
@@ -101,6 +102,7 @@ def test_delay_inside_each_stage(stage: int, grad: bool) -> None:
         x = torch.randn(13, 32, device="cuda")
         with torch.set_grad_enabled(grad), _gathered(not grad):
             out = model(x)
+        assert out.requires_grad == grad
         assert torch.equal(out, _pieces_reference(model, x, 4))
 
 
