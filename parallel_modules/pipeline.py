@@ -633,9 +633,9 @@ class _Gather:
     last overlaps the pipeline's other work. Taken only where the result is the
     one ``torch.cat`` gives: contiguous (and not also channels-last) strided
     tensors of one dtype, the input pieces' sizes along dimension 0, the same
-    other dimensions, and no autograd history
-    to record (``copy_`` into a buffer would record it differently). Otherwise
-    ``complete()`` is false and the caller concatenates as before.
+    other dimensions, and no autograd history to record (``copy_`` into a
+    buffer would record it differently). Otherwise ``complete()`` is false and
+    the caller concatenates as before.
     """
 
     __slots__ = ("sizes", "out", "offset", "ok")
@@ -661,15 +661,11 @@ class _Gather:
             # Allocated on this lane's stream, which writes it; the caller's
             # stream reads it after the join (record_stream, as for outputs).
             out = self.out = value.new_empty((sum(self.sizes), *value.shape[1:]))
-        _place(out[self.offset:self.offset + value.shape[0]], value)
+        out[self.offset:self.offset + value.shape[0]].copy_(value)
         self.offset += value.shape[0]
 
     def complete(self) -> bool:
         return self.ok and self.out is not None and self.offset == self.out.shape[0]
-
-
-def _place(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
 
 
 def _also_channels_last(t: torch.Tensor) -> bool:
