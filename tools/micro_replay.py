@@ -30,17 +30,9 @@ def cpu_us(fn, n=2000):
 def gpu_us(fn, group=20, reps=30):
     for _ in range(20):
         fn()
-    s = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(group):
-            fn()
-        b.record()
-        b.synchronize()
-        s.append(a.elapsed_time(b) * 1e3 / group)
-    return statistics.median(s)
+    torch.cuda.synchronize()
+    # (Each sample starts after the previous one's end event was waited for: an idle GPU.)
+    return _timing.gpu_medians({"fn": fn}, rounds=reps, per_sample=group)["fn"]
 
 
 def single_gpu_us(fn, reps=50):
