@@ -179,9 +179,9 @@ class _Lending:
 
     __slots__ = ("lent", "watch", "streak", "previous", "refs", "baseline")
 
-    def __init__(self) -> None:
+    def __init__(self, lend: bool = True) -> None:
         self.lent = False
-        self.watch = _WATCH if _use_count is not None else 0
+        self.watch = _WATCH if lend and _use_count is not None else 0
         self.streak = 0
         self.previous: list[StorageWeakRef] = []  # storages of the last call's clones
         self.refs: list[StorageWeakRef] = []  # storages of the lent buffers
@@ -231,7 +231,7 @@ def _storage_refs(tensors: list[torch.Tensor]) -> list[StorageWeakRef]:
 class _Graph:
     r"""The graphs, static buffers and replay ordering of one input signature."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(self, name: str, device: torch.device, lend: bool = True) -> None:
         self.name = name
         self.device = device
         self.lock = threading.Lock()
@@ -242,7 +242,7 @@ class _Graph:
         # overwritten.
         self.last: torch.cuda.Stream | None = None
         # Inference outputs: cloned, or lent without a copy (see ``_Lending``).
-        self.lending = _Lending()
+        self.lending = _Lending(lend)
         self.fwd = torch.cuda.CUDAGraph()
         self.bwd: torch.cuda.CUDAGraph | None = None
         self.variant: Any = None  # how the owner ran while captured (``_graph_variants``)
@@ -473,10 +473,14 @@ class _CudaGraphs:
             until the module's next call) instead of fresh copies.
         fallback: on a failed capture warn once and run that signature
             eagerly from then on, instead of raising.
+        lend: whether outputs the caller is seen dropping in time may be lent
+            (see :class:`_Lending`). That tells only that the caller's stream
+            is done with them: a caller that hands outputs to work on other
+            streams, as a pipeline stage does to the next, must not be lent any.
     """
 
     def __init__(self, owner: nn.Module, max_graphs: int = 8, static_outputs: bool = False,
-                 fallback: bool = False) -> None:
+                 fallback: bool = False, lend: bool = True) -> None:
         name = type(owner).__name__
         if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"{name}: max_graphs must be an int >= 1, got {max_graphs!r}.")
@@ -484,6 +488,7 @@ class _CudaGraphs:
         self.max_graphs = max_graphs
         self.static_outputs = bool(static_outputs)
         self.fallback = bool(fallback)
+        self.lend = lend
         self.captures = 0  # graphs captured so far (diagnostics and tests)
         self._owner = weakref.ref(owner)
         self._lock = threading.Lock()
@@ -636,7 +641,7 @@ class _CudaGraphs:
                 for variant in variants:
                     _local.variant = (owner, variant)
                     whole = variant is not None and _WHOLE in variant
-                    graph = _Graph(self.name, torch.device("cuda", index))
+                    graph = _Graph(self.name, torch.device("cuda", index), self.lend)
                     graph.variant = variant
                     try:
                         with torch.cuda.stream(stream):

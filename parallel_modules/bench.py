@@ -169,9 +169,14 @@ def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype
         modes = {"eager seq": seq}
     for c in case.chunks:
         modes[f"ParallelSequential chunks={c}"] = ParallelSequential(*stages, chunks=c)
-    if device.type == "cuda" and not case.host_input:
+    if device.type == "cuda":
         x = case.make_input(case.batches[0], device, dtype)
-        modes["graph seq"] = _capture(seq, x)
+        if case.host_input:
+            # Copy then replay; the modules replay each stage per micro-batch, the copies eager.
+            replay = _capture(seq, x.to(device))
+            modes["graph seq"] = lambda x: replay(x.to(device, non_blocking=True))
+        else:
+            modes["graph seq"] = _capture(seq, x)
         for c in case.chunks:
             modes[f"graph ParallelSequential chunks={c}"] = ParallelSequential(*stages, chunks=c, cuda_graph=True)
     return modes

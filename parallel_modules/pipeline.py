@@ -138,7 +138,11 @@ class ParallelSequential(nn.Sequential):
         cuda_graph: capture the whole forward pass (all stages, all
             micro-batches, every stream) once per input signature and replay
             it; as :class:`~parallel_modules.Parallel`'s ``cuda_graph``, whose
-            capture rules apply. CPU inputs run eagerly. Default: ``False``.
+            capture rules apply. A CPU input to stages on a CUDA device is
+            copied eagerly (the copies read new host memory every call), and
+            each stage's work on a micro-batch is replayed from a graph of
+            that stage; calls that record autograd then run eagerly.
+            Default: ``False``.
         max_graphs: graphs kept, least recently used freed first. Default: ``8``.
         static_outputs: return the graph's own output buffers (overwritten by
             the next call) instead of fresh tensors. Default: ``False``.
@@ -240,6 +244,8 @@ class ParallelSequential(nn.Sequential):
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""
         self._plan: _Plan | None = None
         self._home: Any = _UNKNOWN
+        # Each stage's graphs for host inputs (``_stage_graphs``), by stage name.
+        self._per_stage: dict[str, _CudaGraphs] = {}
         graphs = self.__dict__.get("_graphs")
         if graphs is not None:
             graphs.clear()
@@ -263,6 +269,7 @@ class ParallelSequential(nn.Sequential):
         state.pop("_plan", None)
         state.pop("_home", None)
         state.pop("_graphs", None)
+        state.pop("_per_stage", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -407,9 +414,51 @@ class ParallelSequential(nn.Sequential):
     # ---------------------------------------------------------------- forward
     def forward(self, input: Any) -> Any:
         r"""Run the stages on ``input``, micro-batch by micro-batch, and concatenate the outputs."""
-        if self.cuda_graph:
+        if self.cuda_graph and not self._host_input(input):
             return self._graphs(self._eager, (input,), {})
         return self._eager(input)
+
+    def _host_input(self, input: Any) -> bool:
+        r"""Whether ``input`` is on the CPU and the stages on one CUDA device (it is then copied in here)."""
+        device = input.device if isinstance(input, torch.Tensor) else _input_device((input,), {})
+        if device is None or device.type != "cpu":
+            return False
+        home = self._get_plan().home
+        return isinstance(home, torch.device) and home.type == "cuda"
+
+    def _stage_graphs(self, plan: _Plan) -> list[_CudaGraphs] | None:
+        r"""For ``cuda_graph=True`` and a host input: each stage's graphs, replayed micro-batch by micro-batch.
+
+        The whole call cannot be one graph: its copies read the caller's host
+        memory, a new address every call. Each stage's work on one micro-batch
+        can, and replaying it costs the CPU a few microseconds where launching
+        its kernels one by one costs tens per kernel -- on a CPU-bound
+        pipeline, the difference between the copies overlapping the compute
+        and the copy engine waiting for the CPU. Micro-batches of one size
+        share a graph (the last, smaller one has its own). Calls that record
+        autograd run eagerly: every micro-batch's forward would overwrite the
+        activations the previous one's backward needs.
+        """
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            self._graphs._warn_once(
+                "host-training", f"{type(self).__name__}: cuda_graph=True with a CPU input graphs each "
+                f"stage per micro-batch, which training cannot use (each micro-batch's forward would "
+                f"overwrite the activations the previous one's backward needs): calls that record "
+                f"autograd run eagerly. Move the input to the GPU first to graph the whole call.")
+            return None
+        graphs = []
+        last = len(plan.stages) - 1
+        for s, (name, stage) in enumerate(zip(plan.names, plan.stages)):
+            cache = self._per_stage.get(name)
+            if cache is None or cache._owner() is not stage or cache.lend != (s == last):
+                # Outputs are lent by the last stage only: the others' are read by
+                # the next lane, on another stream, while their own lane may
+                # already replay the next micro-batch into the same buffers.
+                cache = _CudaGraphs(stage, self.max_graphs, False, self.graph_fallback, lend=s == last)
+                cache.name = f"{type(self).__name__} stage {name!r}"
+                self._per_stage[name] = cache
+            graphs.append(cache)
+        return graphs
 
     def _stages(self) -> Any:
         r"""The callable to run for each stage: the stage, or its compiled form (``compile=``)."""
@@ -459,15 +508,22 @@ class ParallelSequential(nn.Sequential):
                 plan = self._get_plan()
                 if plan.home is not None and device != plan.home:
                     raise self._placement_error(plan, device)
+        graphs = self._stage_graphs(plan) if copy_to is not None and self.cuda_graph and not _is_tracing() else None
         if self._chunks == 1:
             if copy_to is not None:
                 input = _to_device(input, copy_to, non_blocking=False)
+            if graphs is not None:
+                for module, cache in zip(self._stages(), graphs):
+                    input = cache(module, (input,), {})
+                return input
             for module in self._stages():
                 input = module(input)
             return input
 
         pieces = self._split(input)
         stages = list(zip(plan.names, self._stages()))
+        if graphs is not None:
+            stages = [(name, lambda v, c=cache, f=stage: c(f, (v,), {})) for (name, stage), cache in zip(stages, graphs)]
         if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")):
             # Compilers see the micro-batches one after the other (no stream
             # ops in the graph) and schedule them; the CPU runs them in order.
@@ -482,11 +538,12 @@ class ParallelSequential(nn.Sequential):
 
         target = copy_to if copy_to is not None else device
         assert target is not None
+        ahead = copy_to is not None and _pinned(input)  # the copy lane issued whole, first
         if target.index is not None and target.index != torch.cuda.current_device():
             with torch.cuda.device(target):
-                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None)
+                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead)
         else:
-            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None)
+            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead)
         if isinstance(outputs, _Gather):
             return outputs.out
         return self._concat(outputs)
@@ -500,7 +557,8 @@ class ParallelSequential(nn.Sequential):
             )
 
     def _pipeline(
-        self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool
+        self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,
+        ahead: bool = False,
     ) -> list[Any] | _Gather:
         r"""Run every piece of ``input`` through every lane on the side streams.
 
@@ -515,15 +573,18 @@ class ParallelSequential(nn.Sequential):
         piece first keeps the pipeline draining. Each lane still receives its
         pieces in order, which its stream preserves.
 
-        A copy lane reading pinned memory is issued whole before the wavefront:
-        its copies wait for nothing but the fork and cost the CPU only their
-        enqueueing, so the copy engine runs them back to back while the CPU
-        issues the compute. In the wavefront the copy of piece ``m + 1`` was
-        enqueued only after the compute of piece ``m``, and on the GPU machine
-        the CPU took longer to issue that compute (two convolutions) than the
-        copy engine took to copy a piece: it idled 86 us between copies. A
-        pageable input is staged into pinned memory by the CPU piece by piece,
-        which the wavefront overlaps with the GPU's work.
+        With ``ahead``, a copy lane reading pinned memory is issued whole
+        before the wavefront: its copies wait for nothing but the fork and cost
+        the CPU only their enqueueing, so the copy engine runs them back to
+        back while the CPU issues the compute. In the wavefront the copy of
+        piece ``m + 1`` was enqueued only after the compute of piece ``m``, and
+        on the GPU machine the CPU took longer to issue that compute (two
+        eager convolutions) than the copy engine took to copy a piece: it
+        idled 86 us between copies. (Stages replayed from graphs are issued in
+        microseconds, yet there too issuing the copies first measured as fast
+        as the wavefront, or faster: 961 against 984 us at 4 pieces.) A
+        pageable input is staged into pinned memory by the CPU piece by
+        piece, which the wavefront overlaps with the GPU's work.
         """
         count = len(pieces)
         lanes: list[Callable[[int, Any], Any]] = []
@@ -552,7 +613,6 @@ class ParallelSequential(nn.Sequential):
         values = list(pieces)
         used = 0  # lanes 0 .. used-1 have work enqueued
         done = False
-        ahead = copy and _pinned(input)  # the copy lane issued whole, first
         last = n_lanes - 1
         gather = _Gather([p.shape[0] for p in pieces]) if isinstance(input, torch.Tensor) else None
         # Stages that fork (a nested Parallel or ParallelSequential) take the
@@ -592,8 +652,12 @@ class ParallelSequential(nn.Sequential):
                     if lane < last:
                         _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
                     else:
-                        if gather is not None:
-                            gather.add(m, values[m])
+                        if gather is not None and gather.add(m, values[m]):
+                            # In its place in the result: let the piece go now. Its memory
+                            # is reused sooner, and a graphed last stage (host input) sees
+                            # its output released before the next replay, so it lends the
+                            # next one instead of copying it (both on this lane's stream).
+                            values[m] = None
                         if m == count - 1:  # no lane follows the last: only the join waits, once
                             _record(events[e0 + m * n_lanes + lane], stream)
             done = True
@@ -618,6 +682,8 @@ class ParallelSequential(nn.Sequential):
             # The caller reads only the concatenation; the pieces were read on their own lane.
             _mark(gather.out, caller)
             return gather
+        if gather is not None:
+            gather.restore(values)
         for value in values:
             _mark(value, caller)
         return values
@@ -635,7 +701,8 @@ class _Gather:
     tensors of one dtype, the input pieces' sizes along dimension 0, the same
     other dimensions, and no autograd history to record (``copy_`` into a
     buffer would record it differently). Otherwise ``complete()`` is false and
-    the caller concatenates as before.
+    the caller concatenates as before, the pieces already taken given back as
+    views of the result (:meth:`restore`).
     """
 
     __slots__ = ("sizes", "out", "offset", "ok")
@@ -646,9 +713,10 @@ class _Gather:
         self.offset = 0
         self.ok = len(sizes) > 1
 
-    def add(self, m: int, value: Any) -> None:
+    def add(self, m: int, value: Any) -> bool:
+        r"""Copy piece ``m`` into its place (on the current stream); whether it was taken."""
         if not self.ok:
-            return
+            return False
         out = self.out
         if (not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.dim() == 0
                 or value.shape[0] != self.sizes[m] or (value.requires_grad and torch.is_grad_enabled())
@@ -656,13 +724,23 @@ class _Gather:
                 or (out is not None and (value.shape[1:] != out.shape[1:] or value.dtype != out.dtype
                                          or value.device != out.device))):
             self.ok = False
-            return
+            return False
         if out is None:
             # Allocated on this lane's stream, which writes it; the caller's
             # stream reads it after the join (record_stream, as for outputs).
             out = self.out = value.new_empty((sum(self.sizes), *value.shape[1:]))
         out[self.offset:self.offset + value.shape[0]].copy_(value)
         self.offset += value.shape[0]
+        return True
+
+    def restore(self, values: list[Any]) -> None:
+        r"""Give back the pieces taken (``None`` in ``values``) as views of the result, where a later one was not."""
+        start = 0
+        for m, size in enumerate(self.sizes):
+            if values[m] is None:
+                assert self.out is not None
+                values[m] = self.out[start:start + size]
+            start += size
 
     def complete(self) -> bool:
         return self.ok and self.out is not None and self.offset == self.out.shape[0]

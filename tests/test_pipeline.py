@@ -393,3 +393,17 @@ def test_gather_concatenates_like_cat_or_declines():
     single = _Gather([5])
     single.add(0, torch.randn(5, 3))
     assert not single.complete()  # one piece: nothing to concatenate
+
+
+def test_gather_restores_pieces_taken_before_it_gave_up() -> None:
+    from parallel_modules.pipeline import _Gather
+
+    pieces = list(torch.randn(13, 4).tensor_split(3))
+    gather = _Gather([p.shape[0] for p in pieces])
+    values: list = list(pieces)
+    assert gather.add(0, values[0])
+    values[0] = None
+    assert not gather.add(1, values[1].t().contiguous().t())  # not contiguous: gather gives up
+    assert not gather.add(2, values[2]) and not gather.complete()
+    gather.restore(values)
+    assert all(torch.equal(v, p) for v, p in zip(values, pieces))

@@ -153,6 +153,93 @@ def test_host_to_device(pinned: bool, chunks: int, grad: bool) -> None:
     _assert_clean(torch.cuda.default_stream())
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_host_input_graphed_per_stage(pinned: bool, chunks: int) -> None:
+    # cuda_graph=True with a CPU input: copies eager, each stage replayed per micro-batch.
+    eager = _model(chunks, sleep_in=0)
+    model = ParallelSequential(*copy.deepcopy(list(eager)), chunks=chunks, cuda_graph=True)
+    kept = []
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(13, 32)
+            if pinned:
+                x = x.pin_memory()
+            expected = eager(x.cuda())
+            torch.cuda._sleep(SLEEP)  # delays the copies: they fork from the caller's stream
+            with _gathered(chunks > 1):
+                out = model(x)
+            _assert_clean(torch.cuda.default_stream())
+            assert torch.equal(out, expected)
+            kept.append((out, expected))  # a later call must not overwrite an output still held
+    # One graph per stage and micro-batch size (13 in 3 pieces: 5, 4, 4), none of the whole call.
+    sizes = len({p.shape[0] for p in torch.empty(13).tensor_split(chunks)})
+    assert [c.captures for c in model._per_stage.values()] == [sizes] * 3
+    assert model._graphs.captures == 0
+    for out, expected in kept:
+        assert torch.equal(out, expected)
+    # A new stage object gets graphs of its own; .to() forgets them all.
+    model[2] = copy.deepcopy(eager[2])
+    with torch.no_grad():
+        assert torch.equal(model(x), eager(x.cuda()))
+    assert model._per_stage["2"]._owner() is model[2]
+    model.to(torch.device("cuda"))
+    assert model._per_stage == {}
+
+
+def test_host_input_graphed_training_runs_eagerly() -> None:
+    model = _model(3)
+    model.cuda_graph = True
+    ref = copy.deepcopy(model)
+    ref.cuda_graph = False
+    x = torch.randn(13, 32)
+    with pytest.warns(UserWarning, match="training cannot use"):
+        model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad)
+    assert model._per_stage == {} and model._graphs.captures == 0
+
+
+class _Item(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum().item() > -1e30 else x  # a host sync: cannot be captured
+
+
+def test_host_input_graphed_capture_failure_names_the_stage() -> None:
+    model = ParallelSequential(nn.Linear(8, 8), _Item(), chunks=2, cuda_graph=True).cuda()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=r"ParallelSequential stage '1': CUDA graph capture failed"):
+            model(x)
+        _assert_clean(torch.cuda.default_stream())
+        expected = nn.Sequential(*model)(x.cuda())
+        model.cuda_graph = False  # eager calls still work afterwards
+        assert torch.equal(model(x), expected)
+        fallback = ParallelSequential(*model, chunks=2, cuda_graph=True, graph_fallback=True)
+        with pytest.warns(UserWarning, match="graph_fallback=True"):
+            assert torch.equal(fallback(x), expected)
+        assert torch.equal(fallback(x), expected)
+
+
+class _LayoutBySize(nn.Module):
+    def forward(self, x):
+        # Contiguous for 5 samples, transposed for fewer: the last lane takes the
+        # first micro-batch of 13 in 3 (5, 4, 4) into the result, then gives up.
+        return x * 2 if x.shape[0] == 5 else (x * 2).t().contiguous().t()
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_gather_gives_up_after_taking_a_piece(graphed: bool) -> None:
+    model = ParallelSequential(nn.Linear(8, 8), _LayoutBySize(), chunks=3, cuda_graph=graphed).cuda()
+    reference = nn.Sequential(*model)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(13, 8)
+            expected = torch.cat([reference(p) for p in x.cuda().tensor_split(3)])
+            assert torch.equal(model(x if graphed else x.cuda()), expected)
+
+
 def test_host_to_device_structured_input() -> None:
     class Two(nn.Module):
         def __init__(self) -> None:
