@@ -4,7 +4,8 @@ Times, interleaved in one process, the h2d case (64 x 3x224x224 fp32, pinned) co
 on one stream against ``ParallelSequential(chunks=4)`` with the copy lane issued first or in the
 wavefront, and the last stage's pieces concatenated by the last lane as they come or by the caller
 at the end; GPU time per call (events around back-to-back calls) and CPU time per call.
-Usage: ``PYTHONPATH=. python3 tools/exp_h2d.py [chunks]``
+Usage: ``PYTHONPATH=. python3 tools/exp_h2d.py [chunks]``; ends with the operators that take the CPU time of
+a chunked call (a profile of 20 calls).
 """
 import sys
 
@@ -27,12 +28,20 @@ model = ParallelSequential(*stages, chunks=chunks)
 FLAGS = {"ahead": True, "gather": True}
 pinned, add = pipeline._pinned, pipeline._Gather.add
 pipeline._pinned = lambda v: FLAGS["ahead"] and pinned(v)
+run_pipeline = ParallelSequential._pipeline
+
+
+def forced_pipeline(self, stages, input, pieces, device, copy, ahead=False):
+    return run_pipeline(self, stages, input, pieces, device, copy, FLAGS.get("force_ahead", ahead))
+
+
+ParallelSequential._pipeline = forced_pipeline
 
 
 def gather_add(self, m, value):
     if not FLAGS["gather"]:
         self.ok = False
-    add(self, m, value)
+    return add(self, m, value)
 
 
 pipeline._Gather.add = gather_add
@@ -41,6 +50,7 @@ pipeline._Gather.add = gather_add
 def variant(ahead, gather):
     def run():
         FLAGS.update(ahead=ahead, gather=gather)
+        FLAGS.pop("force_ahead", None)
         return model(x)
     return run
 
@@ -49,12 +59,41 @@ variants = {"copy then compute": lambda: seq(x.to(dev, non_blocking=True))}
 for ahead in (True, False):
     for gather in (True, False):
         variants[f"c{chunks} copies first={ahead} gather={gather}"] = variant(ahead, gather)
+graphed = ParallelSequential(*stages, chunks=chunks, cuda_graph=True)
+for ahead in (True, False):
+    variants[f"c{chunks} graphed per stage, copies first={ahead}"] = (
+        lambda ahead=ahead: (FLAGS.update(ahead=True, gather=True, force_ahead=ahead), graphed(x))[1])
 with torch.no_grad():
     ref = seq(x.to(dev))
     for name, fn in variants.items():
         torch.testing.assert_close(fn(), ref, rtol=1e-4, atol=1e-4)
     times = gpu_medians(variants, rounds=30, per_sample=5)
     host = {name: cpu_us(fn, n=50, warmup=5) for name, fn in variants.items()}
-print(f"{'variant':<40}{'GPU us/call':>12}{'speed-up':>10}{'CPU us/call':>13}")
+    FLAGS.pop("force_ahead", None)
+print(f"{'variant':<48}{'GPU us/call':>12}{'speed-up':>10}{'CPU us/call':>13}")
 for name, t in times.items():
-    print(f"{name:<40}{t:12.1f}{times['copy then compute'] / t:9.2f}x{host[name]:13.1f}")
+    print(f"{name:<48}{t:12.1f}{times['copy then compute'] / t:9.2f}x{host[name]:13.1f}")
+
+# Where the CPU time of a chunked call goes: operators by their own CPU time over 20 calls.
+FLAGS.update(ahead=True, gather=True)
+with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    for _ in range(20):
+        model(x)
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+# One call of the graphed module (host input: copies eager, the stage replayed per micro-batch):
+# every GPU activity, microseconds from the first, with its stream.
+with torch.no_grad():
+    for _ in range(20):
+        graphed(x)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graphed(x)
+        torch.cuda.synchronize()
+events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+t0 = events[0].time_range.start
+print(f"---- graphed chunks={chunks}: GPU activity of one call (us from the first)")
+for e in events:
+    print(f"  {e.time_range.start - t0:8.1f} {e.time_range.end - t0:8.1f}  stream {e.device_resource_id:>3}  {e.name[:70]}")
