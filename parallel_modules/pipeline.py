@@ -611,55 +611,54 @@ class ParallelSequential(nn.Sequential):
         joins = events[e0 + count * n_lanes + 1:]
 
         values = list(pieces)
-        used = 0  # lanes 0 .. used-1 have work enqueued
         done = False
         last = n_lanes - 1
         gather = _Gather([p.shape[0] for p in pieces]) if isinstance(input, torch.Tensor) else None
+        used = 0  # lanes 0 .. used-1 have work enqueued
+
+        def issue(lane: int, m: int) -> None:
+            r"""Enqueue lane ``lane``'s work on piece ``m`` on the lane's stream."""
+            nonlocal used
+            stream = streams[lane]
+            _set_stream(stream)
+            used = max(used, lane + 1)
+            if lane == 0:
+                if m == 0:
+                    # Lane 0 reads the input (made on the caller's stream); every
+                    # later lane follows lane 0 through the events, so one wait on
+                    # the fork orders the whole call after the caller's earlier
+                    # work (including optimizer updates of the parameters).
+                    _wait(fork, stream)
+            else:
+                _wait(events[e0 + m * n_lanes + lane - 1], stream)
+                if streams[lane - 1] is not stream:
+                    _mark(values[m], stream)
+            values[m] = lanes[lane](m, values[m])
+            if lane < last:
+                _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
+                return
+            if gather is not None and gather.add(m, values[m]):
+                # In its place in the result: let the piece go now. Its memory is
+                # reused sooner, and a graphed last stage (host input) sees its
+                # output released before the next replay, so it lends the next
+                # one instead of copying it (both on this lane's stream).
+                values[m] = None
+            if m == count - 1:  # no lane follows the last: only the join waits, once
+                _record(events[e0 + m * n_lanes + lane], stream)
+
         # Stages that fork (a nested Parallel or ParallelSequential) take the
         # pool's streams after ours.
         pool.offset = base + n_lanes
         try:
             _record(fork, caller)
             if ahead:
-                stream = streams[0]
-                _set_stream(stream)
-                used = 1
-                _wait(fork, stream)
                 for m in range(count):
-                    values[m] = lanes[0](m, values[m])
-                    _record(events[e0 + m * n_lanes], stream)
+                    issue(0, m)
             for t in range(count + n_lanes - 1):
-                for lane in range(min(t, n_lanes - 1), 0 if ahead else -1, -1):
-                    m = t - lane
-                    if m >= count:
+                for lane in range(min(t, last), 0 if ahead else -1, -1):
+                    if t - lane >= count:
                         break
-                    stream = streams[lane]
-                    _set_stream(stream)
-                    used = max(used, lane + 1)
-                    if lane == 0:
-                        if m == 0:
-                            # Lane 0 reads the input (made on the caller's
-                            # stream); every later lane follows lane 0 through
-                            # the events, so one wait on the fork orders the
-                            # whole call after the caller's earlier work
-                            # (including optimizer updates of the parameters).
-                            _wait(fork, stream)
-                    else:
-                        _wait(events[e0 + m * n_lanes + lane - 1], stream)
-                        if streams[lane - 1] is not stream:
-                            _mark(values[m], stream)
-                    values[m] = lanes[lane](m, values[m])
-                    if lane < last:
-                        _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
-                    else:
-                        if gather is not None and gather.add(m, values[m]):
-                            # In its place in the result: let the piece go now. Its memory
-                            # is reused sooner, and a graphed last stage (host input) sees
-                            # its output released before the next replay, so it lends the
-                            # next one instead of copying it (both on this lane's stream).
-                            values[m] = None
-                        if m == count - 1:  # no lane follows the last: only the join waits, once
-                            _record(events[e0 + m * n_lanes + lane], stream)
+                    issue(lane, t - lane)
             done = True
         finally:
             pool.offset = base
