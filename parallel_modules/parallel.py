@@ -568,6 +568,11 @@ class Parallel(nn.Module):
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         outputs = self._outputs(args, kwargs)
+        if type(outputs) is list and self.join == "cat":
+            try:
+                return torch.cat(outputs, self.dim)
+            except Exception:
+                pass  # structured outputs, or a mismatch: _combine joins leaf by leaf or names it
         if type(outputs) is _Reduced:
             return outputs.value
         if isinstance(outputs, _Joined):  # one group of identical branches ran them all
@@ -593,6 +598,16 @@ class Parallel(nn.Module):
         if plan is not None and not (plan.cuda and _capture_underway()):
             # The common case, with nothing in its way: every call costs the
             # module's own bookkeeping, which must stay small next to a branch.
+            if not (plan.forked or plan.fused) and self._compiler is None:
+                # (``_run``'s sequential loop, inlined: on tiny branches each
+                # Python call saved is a measurable part of the call.)
+                outputs: list[Any] = []
+                try:
+                    for branch in self._modules.values():
+                        outputs.append(branch(*args, **kwargs))
+                except Exception as e:
+                    raise self._branch_error(e, len(outputs))
+                return outputs
             return self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
                              self._fusion_for(args, kwargs) if plan.fused else None, False)
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs)
