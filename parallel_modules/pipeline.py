@@ -508,22 +508,19 @@ class ParallelSequential(nn.Sequential):
                 plan = self._get_plan()
                 if plan.home is not None and device != plan.home:
                     raise self._placement_error(plan, device)
+        calls = self._stages()
         graphs = self._stage_graphs(plan) if copy_to is not None and self.cuda_graph and not _is_tracing() else None
+        if graphs is not None:
+            calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
         if self._chunks == 1:
             if copy_to is not None:
                 input = _to_device(input, copy_to, non_blocking=False)
-            if graphs is not None:
-                for module, cache in zip(self._stages(), graphs):
-                    input = cache(module, (input,), {})
-                return input
-            for module in self._stages():
+            for module in calls:
                 input = module(input)
             return input
 
         pieces = self._split(input)
-        stages = list(zip(plan.names, self._stages()))
-        if graphs is not None:
-            stages = [(name, lambda v, c=cache, f=stage: c(f, (v,), {})) for (name, stage), cache in zip(stages, graphs)]
+        stages = list(zip(plan.names, calls))
         if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")):
             # Compilers see the micro-batches one after the other (no stream
             # ops in the graph) and schedule them; the CPU runs them in order.
