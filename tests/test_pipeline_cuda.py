@@ -60,6 +60,11 @@ def _pieces_reference(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.T
     return torch.cat([ref(p) for p in x.tensor_split(chunks)])
 
 
+def _host_batch(pinned: bool) -> torch.Tensor:
+    x = torch.randn(13, 32)
+    return x.pin_memory() if pinned else x
+
+
 def _assert_clean(caller: torch.cuda.Stream) -> None:
     assert torch.cuda.current_stream() == caller
     assert _pool(torch.device("cuda")).offset == 0
@@ -131,9 +136,7 @@ def test_host_to_device(pinned: bool, chunks: int, grad: bool) -> None:
     # (Pinned: the copy lane is issued whole before the stages.)
     model = _model(chunks, sleep_in=0)
     for _ in range(2):
-        x = torch.randn(13, 32)
-        if pinned:
-            x = x.pin_memory()
+        x = _host_batch(pinned)
         expected = model(x.cuda())
         torch.cuda._sleep(SLEEP)  # delays the copies: they fork from the caller's stream
         with torch.set_grad_enabled(grad), _gathered(not grad and chunks > 1):
@@ -162,9 +165,7 @@ def test_host_input_graphed_per_stage(pinned: bool, chunks: int) -> None:
     kept = []
     with torch.no_grad():
         for _ in range(4):
-            x = torch.randn(13, 32)
-            if pinned:
-                x = x.pin_memory()
+            x = _host_batch(pinned)
             expected = eager(x.cuda())
             torch.cuda._sleep(SLEEP)  # delays the copies: they fork from the caller's stream
             with _gathered(chunks > 1):
