@@ -492,7 +492,10 @@ def test_the_whole_variant_is_the_block_compiled_as_one_program():
         (graph,) = recorder.graphs
         assert str(graph.graph).count("linear") == 6 and "cat" in str(graph.graph)
         assert not any(w in str(graph.graph).lower() for w in ("stream", "event"))
-        assert_same(pipe._compiler.whole(pipe._eager)(x), pipe[2](pipe[1](pipe[0](x))))
+        # Against the stages on the same micro-batches: a matrix product of 2 rows may sum in
+        # another order than one of 6 (it does with MKL on AMD EPYC), so only that is bit-for-bit.
+        pieces = [pipe[2](pipe[1](pipe[0](p))) for p in x.tensor_split(3)]
+        assert_same(pipe._compiler.whole(pipe._eager)(x), torch.cat(pieces))
         assert str(recorder.graphs[1].graph).count("linear") == 4 * 3  # every micro-batch, one program
     # Compiled once per compiler; dropped with the rest of the compiled code.
     whole = block._compiler._whole
