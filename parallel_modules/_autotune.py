@@ -65,9 +65,13 @@ class _ScheduleTuner:
 
     def __init__(self) -> None:
         self.trials: dict[Hashable, _Trial] = {}
+        # The median cost measured for each candidate, per decided signature:
+        # ``explain()`` shows it, so a user can see why a schedule was kept.
+        self.costs: dict[Hashable, dict[Hashable, float]] = {}
 
     def clear(self) -> None:
         self.trials.clear()
+        self.costs.clear()
 
     def run(self, key: Hashable, stream: torch.cuda.Stream, candidates: Sequence[Hashable],
             run: Callable[[Hashable], Any]) -> tuple[Any, Hashable | None]:
@@ -98,6 +102,9 @@ class _ScheduleTuner:
             return out, None
         del self.trials[key]
         costs = {c: trial.cost(c) for c in trial.candidates}
+        if len(self.costs) >= _MAX_TRIALS:
+            self.costs.pop(next(iter(self.costs)))
+        self.costs[key] = costs
         best = min(costs, key=costs.__getitem__)
         baseline = trial.candidates[0]
         return out, (best if costs[best] < _MARGIN * costs[baseline] else baseline)

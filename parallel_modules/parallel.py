@@ -413,8 +413,8 @@ class Parallel(nn.Module):
         else:
             report = fusion.report()
             fused, unfused = report["fused"], report["unfused"]
-        schedules = {_describe_signature(k): ("fused" if p.fused else "unfused") + ", "
-                     + ("streams" if p.forked else "sequential") for k, p in self._plans.items()}
+        schedules = {_describe_signature(k): _describe_schedule(p) + _describe_costs(self._tuner.costs.get(k))
+                     for k, p in self._plans.items()}
         if self.cuda_graph:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
             for k, variant in self._graphs.variants().items():
@@ -673,6 +673,17 @@ class Parallel(nn.Module):
         if plan is not None:
             self._remember(key, plan)
         return plan
+
+
+def _describe_schedule(plan: _Schedule) -> str:
+    return ("fused" if plan.fused else "unfused") + ", " + ("streams" if plan.forked else "sequential")
+
+
+def _describe_costs(costs: dict[Hashable, float] | None) -> str:
+    r"""What ``"auto"`` measured per call for each schedule it tried, where it chose."""
+    if not costs:
+        return ""
+    return " (timed: " + ", ".join(f"{_describe_schedule(s)} {c * 1e6:.1f} us" for s, c in costs.items()) + ")"
 
 
 def _describe_signature(key: Hashable) -> str:
