@@ -679,11 +679,12 @@ def _describe_schedule(plan: _Schedule) -> str:
     return ("fused" if plan.fused else "unfused") + ", " + ("streams" if plan.forked else "sequential")
 
 
-def _describe_costs(costs: dict[Hashable, float] | None) -> str:
-    r"""What ``"auto"`` measured per call for each schedule it tried, where it chose."""
+def _describe_costs(costs: dict[Hashable, Any] | None) -> str:
+    # What "auto" measured per call for each schedule it tried, where it chose (see _autotune).
     if not costs:
         return ""
-    return " (timed: " + ", ".join(f"{_describe_schedule(s)} {c * 1e6:.1f} us" for s, c in costs.items()) + ")"
+    return " (timed per call: " + "; ".join(
+        f"{_describe_schedule(s)}: CPU {t.cpu * 1e6:.1f} us, GPU {t.gpu * 1e6:.1f} us" for s, t in costs.items()) + ")"
 
 
 def _describe_signature(key: Hashable) -> str:
