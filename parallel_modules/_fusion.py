@@ -477,22 +477,42 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
         # grad: every call gets the stacks themselves), so that a call costs one
         # launch per layer and no view operations: eager fused calls are
         # CPU-bound, a view costing a third of a kernel launch.
-        views: list[Any] = [None, None, None, None]
+        views: list[Any] = [None] * 6
 
         def linear(v: _Value, get: _Get) -> _Value:
-            t = v.t
+            t, layout = v.t, v.layout
             w, b = get(w_name), get(b_name)
             if views[0] is w and views[2] is b:
-                wt, bias = views[1], views[3]
+                wt, bias, rows, row_bias = views[1], views[3], views[4], views[5]
             else:
                 wt, bias = w.mT, None if b is None else b.unsqueeze(1)
+                rows, row_bias = w.flatten(0, 1), None if b is None else b.flatten()
                 if not w.requires_grad and (b is None or not b.requires_grad):
-                    views[:] = [w, wt, b, bias]
-            if v.layout == _SHARED and t.dim() == 2:
-                flat, lead = t.expand(n, -1, -1), None
-            elif v.layout == _STACKED and t.dim() == 3:
+                    views[:] = [w, wt, b, bias, rows, row_bias]
+            if layout == _SHARED and t.dim() == 2:
+                # Every member reads the same rows: one product with the members' weights
+                # one after another ([N * out, in]), the bias added in its epilogue -- one
+                # kernel where a batched product needs two (the bias copied into the
+                # output first), and member i's outputs come out as columns
+                # i*out .. (i+1)*out: the channels layout, which a cat join reads as it is.
+                return _Value(F.linear(t, rows, row_bias), _CHANNELS)
+            if (t.dim() == (3 if layout == _STACKED else 2) and not (t.requires_grad or w.requires_grad)
+                    and not torch.is_autocast_enabled(t.device.type)):
+                # Inference on one row vector per sample and member: the batched product
+                # reads the [N, B, in] view of any layout as it is and writes the channels
+                # layout directly, [B, N * out], where a contiguous [N, B, out] result
+                # would cost a transposing copy before a cat join. (``out=`` allows no
+                # autograd, and autocast leaves it in the input's dtype.)
+                x = _to_stacked(v, n)
+                out = t.new_empty((x.shape[1], n, wt.shape[-1])).transpose(0, 1)
+                if bias is None:
+                    torch.bmm(x, wt, out=out)
+                else:
+                    torch.baddbmm(bias, x, wt, out=out)
+                return _Value(out.transpose(0, 1).flatten(1), _CHANNELS)
+            if layout == _STACKED and t.dim() == 3:
                 flat, lead = t, None
-            elif v.layout == _SHARED:
+            elif layout == _SHARED:
                 lead = t.shape[:-1]
                 flat = t.reshape(-1, t.shape[-1]).expand(n, -1, -1)
             else:

@@ -89,6 +89,13 @@ CASES = {
     "conv": (convnet, lambda d: torch.randn(4, 3, 8, 8, device=d)),
     "custom-vmap": (lambda: nn.Sequential(nn.Linear(16, 16), Scale(16), nn.Tanh()), lambda d: torch.randn(5, 16, device=d)),
     "layernorm-first": (lambda: nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4)), lambda d: torch.randn(5, 16, device=d)),
+    # Products without bias (``bmm`` into the channels layout) and a narrower last layer.
+    "no-bias": (lambda: nn.Sequential(nn.Linear(16, 16, bias=False), nn.GELU(), nn.Linear(16, 16, bias=False)),
+                lambda d: torch.randn(6, 16, device=d)),
+    "head": (lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 5)), lambda d: torch.randn(7, 16, device=d)),
+    # A stacked value (after LayerNorm's per-member affine) into a product.
+    "layernorm-between": (lambda: nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 8)),
+                          lambda d: torch.randn(5, 16, device=d)),
 }
 
 
@@ -104,6 +111,28 @@ def test_fused_equals_unfused(device, case, join):
             x = make(device)
             assert_close(p(x), reference(p, x))
     assert fused_groups(p) == [["0", "1", "2", "3"]]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("grad", ["frozen", "trainable"])
+def test_fused_products_under_autograd_and_autocast(device, grad):
+    # Recording autograd with frozen parameters, products write the channels layout with
+    # ``out=``; with trainable ones they must not (``out=`` allows no autograd). Under autocast
+    # neither may: the result must be in autocast's dtype, as the unfused branches' is.
+    p = Parallel(*[mlp(depth=3) for _ in range(4)], fuse=True).to(device)
+    p.requires_grad_(grad == "trainable")
+    x = torch.randn(6, 16, device=device)
+    out = p(x)
+    assert out.requires_grad == (grad == "trainable")
+    assert_close(out, reference(p, x))
+    if grad == "trainable":
+        out.square().sum().backward()
+        assert all(q.grad is not None for q in p.parameters())
+    low = torch.bfloat16
+    with torch.autocast(device_type=torch.device(device).type, dtype=low), torch.no_grad():
+        out, expected = p(x), reference(p, x)
+    assert out.dtype == expected.dtype == low
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
