@@ -133,6 +133,10 @@ def _clear_cublas_workspaces() -> None:
         _clear_cublas()
 
 
+# ``CUDAGraph.replay`` without its Python frame (the method of the C base class it calls).
+_launch = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None) or torch.cuda.CUDAGraph.replay
+
+
 def _capture_stream(index: int) -> torch.cuda.Stream:
     stream = _capture_streams.get(index)
     if stream is None:
@@ -278,11 +282,11 @@ class _Graph:
         else:
             with self.lock:
                 lending = self.lending
-                if not static_outputs and lending.held():
+                if lending.lent and not static_outputs and lending.held():
                     return _HELD
                 self._order(_current_stream(self.device))
                 self._copy_in(tensors)
-                self.fwd.replay()
+                _launch(self.fwd)
                 if static_outputs:
                     outs = self.outputs
                 else:
@@ -499,6 +503,8 @@ class _CudaGraphs:
         self._recent: deque[bool] = deque(maxlen=2 * max_graphs)
         self._params: list[nn.Parameter] | None = None
         self._warned: set[str] = set()
+        # (key, graph) of the last single-tensor call that found or captured a graph (see __call__).
+        self._hot: tuple[Hashable, _Graph] | None = None
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -510,6 +516,7 @@ class _CudaGraphs:
             self._failed.clear()
             self._recent.clear()
             self._params = None
+            self._hot = None
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
@@ -520,6 +527,41 @@ class _CudaGraphs:
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if _is_tracing():
             return forward(*args, **kwargs)
+        # A call with one tensor and the signature of the last one replayed -- every
+        # call of a model in a loop -- skips the cache: no hashing, no lock, no LRU
+        # update. (The key is the cache's own, so both paths agree on what may replay.)
+        hot = self._hot
+        if hot is not None and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            owner = self._owner()
+            if owner is not None and not _capture_underway() and self._key(owner, args, kwargs, ()) == hot[0]:
+                self._recent.append(False)
+                return self._replay(hot[1], forward, args, kwargs, [args[0]])
+        return self._lookup(forward, args, kwargs)
+
+    def _key(self, owner: nn.Module, args: tuple, kwargs: dict, extra: tuple) -> Hashable:
+        r"""Everything a graph is captured for: inputs, modes, and which parameters require grad."""
+        params = self._params
+        if params is None:
+            params = self._params = list(owner.parameters())
+        grad = torch.is_grad_enabled()
+        return (
+            _signature(args, kwargs, owner.training),
+            extra,
+            torch.is_inference_mode_enabled(),
+            _autocast_state(),
+            tuple(p.requires_grad for p in params) if grad else None,
+        )
+
+    def _replay(self, graph: _Graph, forward: Callable[..., Any], args: tuple, kwargs: dict,
+                tensors: list[torch.Tensor]) -> Any:
+        out = graph.replay(tensors, self.static_outputs)
+        if out is _HELD:
+            # The caller still holds an output lent by an earlier replay, which
+            # this replay would overwrite: compute this call eagerly.
+            return forward(*args, **kwargs)
+        return out
+
+    def _lookup(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         device = _input_device(args, kwargs)
         if device is None or device.type != "cuda":
             got = f"on {device}" if device is not None else "not a tensor"
@@ -544,17 +586,10 @@ class _CudaGraphs:
         owner = self._owner()
         if owner is None:
             return forward(*args, **kwargs)
+        key = self._key(owner, args, kwargs, extra)
         params = self._params
-        if params is None:
-            params = self._params = list(owner.parameters())
+        assert params is not None
         grad = torch.is_grad_enabled()
-        key = (
-            _signature(args, kwargs, owner.training),
-            extra,
-            torch.is_inference_mode_enabled(),
-            _autocast_state(),
-            tuple(p.requires_grad for p in params) if grad else None,
-        )
         with self._lock:
             try:
                 graph = self._graphs.get(key)
@@ -583,19 +618,17 @@ class _CudaGraphs:
                                                 f"eagerly from now on.")
                 else:
                     self._insert(key, graph)
+            if graph is not None and not extra and len(tensors) == 1 and len(args) == 1:
+                self._hot = (key, graph)
         if graph is None:
             return forward(*args, **kwargs)
-        out = graph.replay(tensors, self.static_outputs)
-        if out is _HELD:
-            # The caller still holds an output lent by an earlier replay, which
-            # this replay would overwrite: compute this call eagerly.
-            return forward(*args, **kwargs)
-        return out
+        return self._replay(graph, forward, args, kwargs, tensors)
 
     def _insert(self, key: Hashable, graph: _Graph) -> None:
         self._graphs[key] = graph
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)  # frees the graph and, with it, its pool
+            self._hot = None  # (it may have been the evicted one)
         self._recent.append(True)
         if sum(self._recent) > self.max_graphs:
             self._warn_once(

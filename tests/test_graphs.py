@@ -370,6 +370,38 @@ def test_new_signature_captures_and_cache_is_bounded():
 
 
 @cuda
+def test_a_repeated_signature_skips_the_cache_but_sees_every_change():
+    # Calls with the signature of the last replay take a shortcut past the cache; the same
+    # tensor under another mode must still capture (or find) the graph of that mode.
+    block = _graphed(_mlp(4)).eval()
+    x = torch.randn(8, 64, device="cuda")
+    modes = {
+        "eval": lambda: torch.no_grad(),
+        "autocast": lambda: torch.autocast("cuda", dtype=torch.float16),
+        "inference_mode": lambda: torch.inference_mode(),
+    }
+    for round in range(2):  # the second round finds every graph in the cache
+        for name, mode in modes.items():
+            for _ in range(3):
+                with mode():
+                    out, expected = block(x), _reference(block, x)
+                assert out.dtype == expected.dtype and torch.equal(out, expected), name
+        block.train()
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(block(x), _reference(block, x))
+        block.eval()
+        assert block._graphs.captures == 4, round
+    # Recording autograd for an input that requires grad: a training graph, gradients included.
+    xg = x.clone().requires_grad_()
+    out = block(xg)
+    assert out.requires_grad and block._graphs.captures == 5
+    (grad,) = torch.autograd.grad(out.sum(), xg)
+    (expected,) = torch.autograd.grad(_reference(block, xg).sum(), xg)
+    assert torch.equal(grad, expected)
+
+
+@cuda
 def test_threads_on_their_own_streams():
     block = _graphed(_mlp(8))
     errors: list[BaseException] = []
