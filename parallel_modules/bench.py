@@ -232,12 +232,23 @@ def _floor(case: Case, device, dtype, x) -> float:
     return worst
 
 
-def _copy_and_compute(case: PipelineCase, device, dtype, x: torch.Tensor, group: int) -> dict[str, float]:
-    r"""A host-input case's two halves timed alone: what overlapping them can gain."""
-    seq = nn.Sequential(*case.stages(device, dtype))
-    on_device = x.to(device)
-    halves = {"copy_us": lambda t: t.to(device, non_blocking=True), "compute_us": lambda t: seq(on_device)}
-    return {k: 1e6 * statistics.median(_sample(fn, x, group, True) for _ in range(20)) for k, fn in halves.items()}
+def _parts(case: PipelineCase, device, dtype, x: torch.Tensor, group: int) -> dict[str, float]:
+    r"""What a pipeline overlaps, each part timed alone on the whole batch: what overlapping can gain.
+
+    A host-input case: the copy and the compute. Otherwise each stage, on the
+    previous stage's output: micro-batches can at best hide all but the longest.
+    """
+    stages = case.stages(device, dtype)
+    if case.host_input:
+        seq = nn.Sequential(*stages)
+        on_device = x.to(device)
+        parts = {"copy_us": lambda t: t.to(device, non_blocking=True), "compute_us": lambda t: seq(on_device)}
+    else:
+        parts, value = {}, x
+        for i, stage in enumerate(stages):
+            parts[f"stage{i}_us"] = lambda t, stage=stage, value=value: stage(value)
+            value = stage(value)
+    return {k: 1e6 * statistics.median(_sample(fn, x, group, True) for _ in range(20)) for k, fn in parts.items()}
 
 
 class _Progress:
@@ -305,7 +316,7 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
             for name, fn in modes.items():
                 samples[name].append(_sample(fn, x, group, cuda, host[name]))
         floor = _floor(case, device, dtype, x) if cuda and not pipeline and not train else None
-        parts = _copy_and_compute(case, device, dtype, x, group) if cuda and pipeline and case.host_input else {}
+        parts = _parts(case, device, dtype, x, group) if cuda and pipeline else {}
     result: dict[str, Any] = {"case": case.name, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
                               "shape": list(x.shape), "floor_us": floor and floor * 1e6, **parts, "modes": {}}
     base = statistics.median(samples["eager seq"])
@@ -343,6 +354,12 @@ def _table(results: list[dict[str, Any]]) -> str:
         if "copy_us" in r:
             lines.append(f"{'':<24}{'alone: host-to-device copy':<26}{r['copy_us']:>11.1f}")
             lines.append(f"{'':<24}{'alone: compute':<26}{r['compute_us']:>11.1f}")
+        stages = [v for k, v in r.items() if k.startswith("stage") and k.endswith("_us")]
+        for i, us in enumerate(stages):
+            lines.append(f"{'':<24}{f'alone: stage {i}':<26}{us:>11.1f}")
+        if stages:
+            # Every stage overlapped with the others, for free: only the longest remains.
+            lines.append(f"{'':<24}{'bound: sum / longest':<26}{sum(stages) / max(stages):>10.2f}x")
     return "\n".join(lines)
 
 

@@ -59,3 +59,16 @@ def test_the_bench_command_checks_and_tables_a_case_on_the_cpu(capsys, monkeypat
     rows = [line for line in out.splitlines() if line.startswith("heads")]
     assert [r.split()[3:5] for r in rows][:2] == [["eager", "seq"], ["eager", "Parallel"]]
     assert rows[0].endswith("reference") and rows[1].endswith("equal") and "close(" in rows[2]
+
+
+def test_the_table_bounds_a_pipeline_by_its_stages_alone():
+    from parallel_modules.bench import _table
+
+    mode = {"median_us": 100.0, "iqr_us": 1.0, "speedup_vs_eager_seq": 1.0, "x_floor": None, "check": "reference"}
+    result = {"case": "encdec", "batch": 8, "dtype": "float32", "floor_us": None, "modes": {"eager seq": mode},
+              "stage0_us": 30.0, "stage1_us": 90.0}
+    lines = _table([result]).splitlines()
+    assert [line.split()[-1] for line in lines if "alone: stage" in line] == ["30.0", "90.0"]
+    # Stages of 30 and 90 us overlapped perfectly leave the 90: at most 120 / 90 faster.
+    (bound,) = [line for line in lines if "bound" in line]
+    assert bound.split()[-1] == "1.33x"
