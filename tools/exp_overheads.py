@@ -1,0 +1,170 @@
+"""Where per-call time goes, measured several ways in one process (dev tool, not shipped).
+
+Usage: ``PYTHONPATH=. python3 tools/exp_overheads.py [forkjoin] [tuner] [graphcall] [kernels]``
+
+* ``forkjoin``: host microseconds per call of tinyN (N x Linear(16, 16)) sequential and forked,
+  measured back to back (5000 calls) and as the benchmark does (groups of 20 after a
+  synchronize, modes interleaved), so the two methods' fork/join figures can be compared;
+* ``tuner``: what ``streams="auto"`` measures and keeps on fresh modules warmed up as the
+  benchmark warms them up, against the steady-state cost of each schedule;
+* ``graphcall``: the pieces of a ``cuda_graph=True`` call (mlp8), alone, and a cProfile;
+* ``kernels``: the CUDA kernels of one eager call of the fused and unfused mlp8, and the GPU
+  time of each graph's replay.
+"""
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from parallel_modules._cases import CASES, SequentialBranches
+from _timing import cpu_us, gpu_medians, profile  # tools/ is the script's directory
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+dev = torch.device("cuda")
+what = sys.argv[1:] or ["forkjoin", "tuner", "graphcall", "kernels"]
+
+
+def bench_style(fns: dict, x, reps: int = 40, group: int = 20) -> dict[str, tuple[float, float]]:
+    r"""As ``parallel_modules.bench._sample``: (host us, GPU us) per call, medians, interleaved."""
+    host = {k: [] for k in fns}
+    gpu = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(group):
+                fn(x)
+            t1 = time.perf_counter()
+            end.record()
+            end.synchronize()
+            host[k].append((t1 - t0) / group * 1e6)
+            gpu[k].append(start.elapsed_time(end) * 1e3 / group)
+    return {k: (statistics.median(host[k]), statistics.median(gpu[k])) for k in fns}
+
+
+def warm(fn, x, n=40):
+    for _ in range(n):
+        fn(x)
+    torch.cuda.synchronize()
+
+
+if "forkjoin" in what:
+    print("==== fork/join: host us per call (back to back | bench style host/GPU)")
+    for n in (2, 4, 8):
+        case = CASES[f"tiny{n}"]
+        br = case.branches(dev, torch.float32)
+        x = case.make_input(8, dev, torch.float32)
+        mods = {"seq": SequentialBranches(br), "streams": Parallel(*br, streams=True),
+                "sequential Parallel": Parallel(*br, streams=False)}
+        with torch.no_grad():
+            for m in mods.values():
+                warm(m, x)
+            b2b = {k: cpu_us(lambda m=m: m(x), n=5000, repeats=5, pick=statistics.median) for k, m in mods.items()}
+            bs = bench_style(mods, x)
+            alone = {k: bench_style({k: m}, x)[k] for k, m in mods.items()}
+        for k in mods:
+            print(f"tiny{n:<3}{k:<22} b2b {b2b[k]:7.1f} | bench {bs[k][0]:7.1f} / {bs[k][1]:7.1f}"
+                  f" | bench, not interleaved {alone[k][0]:7.1f} / {alone[k][1]:7.1f}")
+        print(f"tiny{n:<3}fork/join per side branch: b2b {(b2b['streams'] - b2b['seq']) / (n - 1):.1f} us, "
+              f"bench {(bs['streams'][0] - bs['seq'][0]) / (n - 1):.1f} us, "
+              f"not interleaved {(alone['streams'][0] - alone['seq'][0]) / (n - 1):.1f} us")
+        if n == 2:
+            # The first call of a group against the rest: per-group fixed costs.
+            m = mods["streams"]
+            firsts, rest = [], []
+            with torch.no_grad():
+                for _ in range(200):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    m(x)
+                    t1 = time.perf_counter()
+                    for _ in range(19):
+                        m(x)
+                    t2 = time.perf_counter()
+                    firsts.append((t1 - t0) * 1e6)
+                    rest.append((t2 - t1) / 19 * 1e6)
+            print(f"tiny2 streams: first call after a sync {statistics.median(firsts):.1f} us, "
+                  f"the next 19 {statistics.median(rest):.1f} us each")
+            with torch.no_grad():
+                profile("tiny2 streams=True", lambda: m(x), n=3000, top=18, warmup=100)
+
+if "tuner" in what:
+    print("==== streams='auto': what the tuner measured and kept, fresh modules, bench-style warm-up")
+    for name, batch, dtype in [("inception", 8, torch.float32), ("inception", 1, torch.float32),
+                               ("inception", 8, torch.float16), ("conv4", 8, torch.float32)]:
+        case = CASES[name]
+        br = case.branches(dev, dtype)
+        x = case.make_input(batch, dev, dtype)
+        with torch.no_grad():
+            seq = SequentialBranches(br)
+            forced = {"seq": seq, "streams=False": Parallel(*br, streams=False),
+                      "streams=True": Parallel(*br, streams=True)}
+            for m in forced.values():
+                warm(m, x)
+            for trial in range(4):
+                p = Parallel(*br)
+                warm(p, x)
+                (desc,) = p.explain()["schedules"].values()
+                print(f"{name} b{batch} {str(dtype)[6:]} trial {trial}: {desc}")
+            steady = bench_style({**forced, "auto (last)": p}, x, reps=30)
+        print("  steady state host/GPU us: " + ", ".join(f"{k} {h:.1f}/{g:.1f}" for k, (h, g) in steady.items()))
+
+if "graphcall" in what:
+    print("==== graphed mlp8 call: pieces, host us per call")
+    from parallel_modules.bench import _capture
+    case = CASES["mlp8"]
+    br = case.branches(dev, torch.float32)
+    x = case.make_input(8, dev, torch.float32)
+    with torch.no_grad():
+        # Captured by hand as the benchmark's baselines are: copy the input in, replay.
+        hand = {"floor (branch 0)": _capture(br[0], x), "graph seq": _capture(SequentialBranches(br), x)}
+        mods = {"graph streams": Parallel(*br, cuda_graph=True),
+                "graph fused": Parallel(*br, cuda_graph=True, fuse=True)}
+        for m in mods.values():
+            warm(m, x)
+        for label, fn in hand.items():
+            print(f"{label:<14}{'copy-in + replay':<24}{cpu_us(lambda fn=fn: fn(x), n=3000):8.2f} us"
+                  f"   replay() alone {cpu_us(fn.graph.replay, n=3000):8.2f} us")
+        for label, m in mods.items():
+            (graph,) = m._graphs._graphs.values()
+            static = graph.inputs[0]
+            pieces = {
+                "module call": lambda m=m: m(x),
+                "_CudaGraphs.__call__": lambda m=m: m._graphs(m._forward, (x,), {}),
+                "_Graph.replay": lambda g=graph: g.replay([x], False),
+                "fwd.replay()": graph.fwd.replay,
+                "static.copy_(x)": lambda s=static: s.copy_(x),
+                "torch._foreach_copy_": lambda s=static: torch._foreach_copy_([s], [x]),
+                "aten.copy_.default": lambda s=static: torch.ops.aten.copy_.default(s, x),
+                "lending.outputs": lambda g=graph: g.lending.outputs(g.outputs),
+            }
+            for k, fn in pieces.items():
+                print(f"{label:<14}{k:<24}{cpu_us(fn, n=3000):8.2f} us")
+            profile(f"{label} call", lambda m=m: m(x), n=3000, top=16, warmup=100)
+        gpu = gpu_medians({**{k: (lambda m=m: m(x)) for k, m in mods.items()},
+                           **{k: (lambda fn=fn: fn(x)) for k, fn in hand.items()}})
+        print("GPU us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in gpu.items()))
+
+if "kernels" in what:
+    print("==== kernels of one eager mlp8 call (fused and unfused), GPU us each")
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    case = CASES["mlp8"]
+    br = case.branches(dev, torch.float32)
+    x = case.make_input(8, dev, torch.float32)
+    with torch.no_grad():
+        for label, m in {"fused": Parallel(*br, fuse=True), "one branch": br[0]}.items():
+            warm(m, x)
+            print(f"-- {label}: {cpu_us(lambda m=m: m(x), n=2000):.1f} us of CPU per eager call")
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                m(x)
+                torch.cuda.synchronize()
+            evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            print(f"-- {label}: {len(evs)} kernels/copies")
+            for e in evs:
+                print(f"   {e.device_time:7.2f} us  {e.name[:110]}")
