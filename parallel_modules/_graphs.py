@@ -530,8 +530,13 @@ class _CudaGraphs:
         # A call with one tensor and the signature of the last one replayed -- every
         # call of a model in a loop -- skips the cache: no hashing, no lock, no LRU
         # update. (The key is the cache's own, so both paths agree on what may replay.)
+        # Not while another thread holds the lock to capture: callers then wait for the
+        # capture to end, as on the cache's path -- PyTorch's CUDA generator refuses
+        # random draws anywhere in the process during a capture, and a caller that ran
+        # ahead would draw its next input in the middle of it.
         hot = self._hot
-        if hot is not None and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+        if (hot is not None and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+                and not self._lock.locked()):
             owner = self._owner()
             if owner is not None and not _capture_underway() and self._key(owner, args, kwargs, ()) == hot[0]:
                 self._recent.append(False)
