@@ -58,7 +58,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
 
-from ._streams import _is_tracing
+from ._streams import _capture_underway, _is_tracing
 
 __all__: list[str] = []
 
@@ -276,6 +276,8 @@ class _Group:
         self.expected: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
         self.registrations = -1
         self.program: list[_Step] | None = None
+        # Whether the call running now is being captured in a CUDA graph (see _kernels_cost_more).
+        self.graphing = False
 
     # Stacks ---------------------------------------------------------------
     def _tensors(self, entry: _Entry) -> list[torch.Tensor]:
@@ -347,6 +349,7 @@ class _Group:
         Outside tracing, :meth:`bind` must have been called since the members last changed.
         """
         tracing = _is_tracing()
+        self.graphing = not tracing and _kernels_cost_more(x)
         if not tracing and not torch.is_grad_enabled():
             get: _Get = self.stacks.get  # nothing to differentiate: the stacks as they are
         else:
@@ -361,6 +364,18 @@ class _Group:
                                 f"where the next layer expects a tensor")
             value = step(value, get)
         return value
+
+
+def _kernels_cost_more(x: torch.Tensor) -> bool:
+    r"""Whether the call on ``x`` is being captured in a CUDA graph.
+
+    A replay costs the GPU's kernels, not the CPU's operations: products then
+    take the layouts that launch the fewest kernels, at the price of view and
+    allocation operations (see the ``Linear`` step of :func:`_program`). An
+    eager fused call is CPU-bound instead, each operation costing about as
+    much as a launch, so it takes the fewest operations.
+    """
+    return x.is_cuda and _capture_underway()
 
 
 def _python_same_addresses(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
@@ -489,15 +504,15 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 rows, row_bias = w.flatten(0, 1), None if b is None else b.flatten()
                 if not w.requires_grad and (b is None or not b.requires_grad):
                     views[:] = [w, wt, b, bias, rows, row_bias]
-            if layout == _SHARED and t.dim() == 2:
+            if group.graphing and layout == _SHARED and t.dim() == 2:
                 # Every member reads the same rows: one product with the members' weights
                 # one after another ([N * out, in]), the bias added in its epilogue -- one
                 # kernel where a batched product needs two (the bias copied into the
                 # output first), and member i's outputs come out as columns
                 # i*out .. (i+1)*out: the channels layout, which a cat join reads as it is.
                 return _Value(F.linear(t, rows, row_bias), _CHANNELS)
-            if (t.dim() == (3 if layout == _STACKED else 2) and not (t.requires_grad or w.requires_grad)
-                    and not torch.is_autocast_enabled(t.device.type)):
+            if (group.graphing and t.dim() == (3 if layout == _STACKED else 2)
+                    and not (t.requires_grad or w.requires_grad) and not torch.is_autocast_enabled(t.device.type)):
                 # Inference on one row vector per sample and member: the batched product
                 # reads the [N, B, in] view of any layout as it is and writes the channels
                 # layout directly, [B, N * out], where a contiguous [N, B, out] result
@@ -510,7 +525,9 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 else:
                     torch.baddbmm(bias, x, wt, out=out)
                 return _Value(out.transpose(0, 1).flatten(1), _CHANNELS)
-            if layout == _STACKED and t.dim() == 3:
+            if layout == _SHARED and t.dim() == 2:
+                flat, lead = t.expand(n, -1, -1), None
+            elif layout == _STACKED and t.dim() == 3:
                 flat, lead = t, None
             elif layout == _SHARED:
                 lead = t.shape[:-1]

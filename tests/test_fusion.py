@@ -99,10 +99,20 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["eager", "graph"])
+def layouts(request, monkeypatch):
+    r"""Both layout choices of fused products: the fewest operations (eager calls) and the fewest
+    kernels (calls captured in a CUDA graph), forced so that the CPU runs both."""
+    from parallel_modules import _fusion
+
+    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: request.param == "graph")
+    return request.param
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("join", ["cat", "stack", "sum", None])
-def test_fused_equals_unfused(device, case, join):
+def test_fused_equals_unfused(device, case, join, layouts):
     build, make = CASES[case]
     branches = [build() for _ in range(4)]
     p = Parallel(*branches, join=join, dim=1 if join != "stack" else 0, fuse=True).to(device).eval()
@@ -115,7 +125,7 @@ def test_fused_equals_unfused(device, case, join):
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("grad", ["frozen", "trainable"])
-def test_fused_products_under_autograd_and_autocast(device, grad):
+def test_fused_products_under_autograd_and_autocast(device, grad, layouts):
     # Recording autograd with frozen parameters, products write the channels layout with
     # ``out=``; with trainable ones they must not (``out=`` allows no autograd). Under autocast
     # neither may: the result must be in autocast's dtype, as the unfused branches' is.
