@@ -564,6 +564,27 @@ class Parallel(nn.Module):
                 self._graphs.clear()
                 self._graph_moves = self._param_moves
             return self._graphs(self._forward, args, kwargs)
+        if self._placement is None and not _is_tracing():
+            # The common case, inline: a signature whose schedule is decided and
+            # sequential (what "auto" keeps for branches too small to gain from
+            # streams). On tiny branches each Python frame saved is a measurable
+            # part of the call, which must stay within a few percent of calling
+            # the branches by hand. (``_run``'s sequential loop is its twin.)
+            plan = self._plans.get(_signature(args, kwargs, self.training))
+            if (plan is not None and not (plan.forked or plan.fused) and self._compiler is None
+                    and not (plan.cuda and _capture_underway())):
+                outputs: list[Any] = []
+                try:
+                    for branch in self._modules.values():
+                        outputs.append(branch(*args, **kwargs))
+                except Exception as e:
+                    raise self._branch_error(e, len(outputs))
+                if self.join == "cat":
+                    try:
+                        return torch.cat(outputs, self.dim)
+                    except Exception:
+                        pass  # structured outputs, or a mismatch: _combine joins leaf by leaf or names it
+                return self._combine(outputs)
         return self._forward(*args, **kwargs)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -596,18 +617,7 @@ class Parallel(nn.Module):
         key = _signature(args, kwargs, self.training)
         plan = self._plans.get(key)
         if plan is not None and not (plan.cuda and _capture_underway()):
-            # The common case, with nothing in its way: every call costs the
-            # module's own bookkeeping, which must stay small next to a branch.
-            if not (plan.forked or plan.fused) and self._compiler is None:
-                # (``_run``'s sequential loop, inlined: on tiny branches each
-                # Python call saved is a measurable part of the call.)
-                outputs: list[Any] = []
-                try:
-                    for branch in self._modules.values():
-                        outputs.append(branch(*args, **kwargs))
-                except Exception as e:
-                    raise self._branch_error(e, len(outputs))
-                return outputs
+            # A decided schedule (the sequential one usually runs inline in ``forward``).
             return self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
                              self._fusion_for(args, kwargs) if plan.fused else None, False)
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs)
