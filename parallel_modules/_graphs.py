@@ -446,7 +446,8 @@ def _abandon(graph: torch.cuda.CUDAGraph, pool: Any, capture: torch.cuda.Stream,
 
 
 def _streams_left_capturing(index: int) -> bool:
-    streams = [s for capturing in (False, True) for s in getattr(_pools.get((index, capturing)), "streams", [])]
+    streams = [s for capturing in (False, True) for kind in ("streams", "high")
+               for s in getattr(_pools.get((index, capturing)), kind, [])]
     caller = torch.cuda.current_stream()
     try:
         for s in [_capture_stream(index), *streams]:

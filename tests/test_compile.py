@@ -473,7 +473,15 @@ def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
         None, ("whole",)]
     assert Parallel(mlp(), nn.ReLU(), cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
         ("compiled",), ("eager",), ("whole",)]
-    assert Parallel(mlp(), nn.ReLU(), cuda_graph=True)._graph_variants((x,), {}) == [None]
+    # Without compile= or fuse=: branches that differ are also tried each on a high-priority stream
+    # (all but the first, which runs on the capture stream), up to eight of them.
+    from parallel_modules.parallel import _Priority
+
+    assert Parallel(mlp(), nn.ReLU(), nn.Tanh(), cuda_graph=True)._graph_variants((x,), {}) == [
+        None, (_Priority(1),), (_Priority(2),)]
+    assert Parallel(mlp(), mlp(), cuda_graph=True)._graph_variants((x,), {}) == [None]  # nothing to put first
+    assert Parallel(mlp(), nn.ReLU(), streams=False, cuda_graph=True)._graph_variants((x,), {}) == [None]
+    assert Parallel(mlp(), *[nn.ReLU()] * 8, cuda_graph=True)._graph_variants((x,), {}) == [None]
     pipe = ParallelSequential(mlp(), mlp(16, 4), chunks=2, cuda_graph=True, compile="eager")
     assert pipe._graph_variants((x,), {}) == [("compiled",), ("eager",), ("whole",)]
     # Torch-TensorRT builds engines per child only.

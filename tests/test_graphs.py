@@ -402,6 +402,28 @@ def test_a_repeated_signature_skips_the_cache_but_sees_every_change():
 
 
 @cuda
+def test_a_branch_captured_on_a_high_priority_stream_replays_equal(monkeypatch):
+    # Heterogeneous branches are also captured with each side branch on a high-priority
+    # stream; here the last variant (branch '2' first) is made to replay fastest.
+    from parallel_modules import _graphs
+
+    monkeypatch.setattr(_graphs, "_fastest", lambda graphs, stream: graphs[-1])
+    torch.manual_seed(0)
+    branches = [nn.Linear(64, 32), nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16)),
+                nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 64), nn.ReLU())])]
+    block = _graphed(branches).eval()
+    with torch.no_grad():
+        for _ in range(4):  # fresh inputs: replays equal eager bit for bit
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(block, x))
+    (variant,) = block._graphs.variants().values()
+    assert [type(v).__name__ for v in variant] == ["_Priority"] and variant[0].index == 2
+    (described,) = block.explain()["schedules"].values()
+    assert described.endswith("streams, branch '2' on a high-priority stream"), described
+    assert block._graphs.captures == 1  # one signature, however many variants it tried
+
+
+@cuda
 def test_threads_on_their_own_streams():
     block = _graphed(_mlp(8))
     errors: list[BaseException] = []

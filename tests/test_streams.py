@@ -34,6 +34,27 @@ def test_stream_capturing_follows_a_capture():
 
 
 @cuda
+def test_high_runs_one_item_on_a_high_priority_stream_and_joins_it():
+    greatest = torch.cuda.Stream.priority_range()[1]
+    dev = torch.device("cuda")
+    x = torch.randn(64, device=dev)
+    seen: dict[int, torch.cuda.Stream] = {}
+
+    def run(i, fn):
+        seen[i] = torch.cuda.current_stream()
+        if i == 2:
+            torch.cuda._sleep(1_000_000)  # late: a missing join lets the caller read too early
+        return fn(x)
+
+    caller = torch.cuda.current_stream()
+    out = _streams._run_forked([torch.neg, torch.exp, torch.sin], dev, run, high=2)
+    assert seen[0] == caller and torch.cuda.current_stream() == caller
+    assert seen[2].priority == greatest and seen[1].priority != greatest and seen[1] != seen[2]
+    assert torch.equal(out[2], torch.sin(x)) and torch.equal(out[1], torch.exp(x))
+    assert _streams._pool(dev).offset == 0
+
+
+@cuda
 def test_side_streams_never_include_the_callers_stream():
     dev = torch.device("cuda")
     pool = _streams._pool(dev)
