@@ -20,6 +20,7 @@ from torch import nn
 
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES, SequentialBranches
+from parallel_modules.bench import _capture, _sample
 from _timing import cpu_us, gpu_medians, profile  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -29,23 +30,13 @@ what = sys.argv[1:] or ["forkjoin", "tuner", "graphcall", "kernels"]
 
 
 def bench_style(fns: dict, x, reps: int = 40, group: int = 20) -> dict[str, tuple[float, float]]:
-    r"""As ``parallel_modules.bench._sample``: (host us, GPU us) per call, medians, interleaved."""
-    host = {k: [] for k in fns}
-    gpu = {k: [] for k in fns}
+    r"""As the benchmark samples: (host us, GPU us) per call, medians of ``reps`` interleaved groups."""
+    host: dict[str, list[float]] = {k: [] for k in fns}
+    gpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, fn in fns.items():
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            for _ in range(group):
-                fn(x)
-            t1 = time.perf_counter()
-            end.record()
-            end.synchronize()
-            host[k].append((t1 - t0) / group * 1e6)
-            gpu[k].append(start.elapsed_time(end) * 1e3 / group)
-    return {k: (statistics.median(host[k]), statistics.median(gpu[k])) for k in fns}
+            gpu[k].append(_sample(fn, x, group, True, host[k]))
+    return {k: (statistics.median(host[k]) * 1e6, statistics.median(gpu[k]) * 1e6) for k in fns}
 
 
 def warm(fn, x, n=40):
@@ -117,7 +108,6 @@ if "tuner" in what:
 
 if "graphcall" in what:
     print("==== graphed mlp8 call: pieces, host us per call")
-    from parallel_modules.bench import _capture
     case = CASES["mlp8"]
     br = case.branches(dev, torch.float32)
     x = case.make_input(8, dev, torch.float32)
