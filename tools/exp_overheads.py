@@ -163,3 +163,32 @@ if "kernels" in what:
             print(f"-- {label}: {len(evs)} kernels/copies")
             for e in evs:
                 print(f"   {e.device_time:7.2f} us  {e.name[:110]}")
+
+if "seqpath" in what:
+    # What the planned sequential path costs beyond calling the branches, sampled as the benchmark
+    # samples, with each of its checks stubbed out in turn (diagnostic variants, not correct modules),
+    # each against the sequential module in the same interleaved samples.
+    from parallel_modules import parallel as par_mod
+    from parallel_modules._streams import _graph_state
+    print("==== sequential schedule: Parallel(streams=False) minus the sequential module, us per call")
+    real = (par_mod._capture_underway, par_mod._is_tracing)
+    variants = {"as shipped": real,
+                "no stream-capture query": (lambda: _graph_state.active, real[1]),
+                "no capture query, no tracing check": (lambda: _graph_state.active, lambda: False)}
+    for n in (2, 4):
+        case = CASES[f"tiny{n}"]
+        br = case.branches(dev, torch.float32)
+        x = case.make_input(8, dev, torch.float32)
+        seq, par = SequentialBranches(br), Parallel(*br, streams=False)
+        with torch.no_grad():
+            warm(seq, x), warm(par, x)
+            for label, (capture, tracing) in variants.items():
+                par_mod._capture_underway, par_mod._is_tracing = capture, tracing
+                try:
+                    res = bench_style({"seq": seq, "par": par}, x, reps=100)
+                    b2b = [cpu_us(lambda m=m: m(x), n=5000, repeats=5, pick=statistics.median) for m in (seq, par)]
+                finally:
+                    par_mod._capture_underway, par_mod._is_tracing = real
+                print(f"tiny{n:<3}{label:<36} bench: seq {res['seq'][0]:6.1f} overhead {res['par'][0] - res['seq'][0]:5.1f}"
+                      f"   b2b: seq {b2b[0]:6.1f} overhead {b2b[1] - b2b[0]:5.1f}")
+    print(f"_cuda_isCurrentStreamCapturing() alone: {cpu_us(torch._C._cuda_isCurrentStreamCapturing, n=5000):.2f} us")
