@@ -276,8 +276,6 @@ class _Group:
         self.expected: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
         self.registrations = -1
         self.program: list[_Step] | None = None
-        # Whether the call running now is being captured in a CUDA graph (see _kernels_cost_more).
-        self.graphing = False
 
     # Stacks ---------------------------------------------------------------
     def _tensors(self, entry: _Entry) -> list[torch.Tensor]:
@@ -343,13 +341,15 @@ class _Group:
         return stacked
 
     # Running --------------------------------------------------------------
-    def run(self, x: torch.Tensor) -> Any:
+    def run(self, x: torch.Tensor, cat_joined: bool = False) -> Any:
         r"""Every member's output on the shared input ``x``, batched (see :func:`_split`).
 
         Outside tracing, :meth:`bind` must have been called since the members last changed.
+        ``cat_joined``: the caller concatenates the outputs along their dimension 1,
+        which reads the channels layout as it is (see :func:`_kernels_cost_more`).
         """
         tracing = _is_tracing()
-        self.graphing = not tracing and _kernels_cost_more(x)
+        _call.fewer_kernels = cat_joined and not tracing and _kernels_cost_more(x)
         if not tracing and not torch.is_grad_enabled():
             get: _Get = self.stacks.get  # nothing to differentiate: the stacks as they are
         else:
@@ -373,9 +373,21 @@ def _kernels_cost_more(x: torch.Tensor) -> bool:
     take the layouts that launch the fewest kernels, at the price of view and
     allocation operations (see the ``Linear`` step of :func:`_program`). An
     eager fused call is CPU-bound instead, each operation costing about as
-    much as a launch, so it takes the fewest operations.
+    much as a launch, so it takes the fewest operations. Only where a ``cat``
+    join reads those layouts as they are (``_Group.run``'s ``cat_joined``):
+    split into per-branch outputs, they would not be contiguous, where the
+    eager path's are.
     """
     return x.is_cuda and _capture_underway()
+
+
+class _CallState(threading.local):
+    r"""What the running fused call of this thread decided once for all its steps."""
+
+    fewer_kernels = False
+
+
+_call = _CallState()
 
 
 def _python_same_addresses(tensors: list[torch.Tensor], ptrs: list[int], indices: list[int]) -> bool:
@@ -492,27 +504,27 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
         # grad: every call gets the stacks themselves), so that a call costs one
         # launch per layer and no view operations: eager fused calls are
         # CPU-bound, a view costing a third of a kernel launch.
-        views: list[Any] = [None] * 6
+        views: list[Any] = [None] * 4
 
         def linear(v: _Value, get: _Get) -> _Value:
             t, layout = v.t, v.layout
             w, b = get(w_name), get(b_name)
             if views[0] is w and views[2] is b:
-                wt, bias, rows, row_bias = views[1], views[3], views[4], views[5]
+                wt, bias = views[1], views[3]
             else:
                 wt, bias = w.mT, None if b is None else b.unsqueeze(1)
-                rows, row_bias = w.flatten(0, 1), None if b is None else b.flatten()
                 if not w.requires_grad and (b is None or not b.requires_grad):
-                    views[:] = [w, wt, b, bias, rows, row_bias]
-            if group.graphing and layout == _SHARED and t.dim() == 2:
+                    views[:] = [w, wt, b, bias]
+            if _call.fewer_kernels and layout == _SHARED and t.dim() == 2:
                 # Every member reads the same rows: one product with the members' weights
                 # one after another ([N * out, in]), the bias added in its epilogue -- one
                 # kernel where a batched product needs two (the bias copied into the
                 # output first), and member i's outputs come out as columns
                 # i*out .. (i+1)*out: the channels layout, which a cat join reads as it is.
-                return _Value(F.linear(t, rows, row_bias), _CHANNELS)
-            if (group.graphing and t.dim() == (3 if layout == _STACKED else 2)
-                    and not (t.requires_grad or w.requires_grad) and not torch.is_autocast_enabled(t.device.type)):
+                return _Value(F.linear(t, w.flatten(0, 1), None if b is None else b.flatten()), _CHANNELS)
+            if (_call.fewer_kernels and t.dim() == (3 if layout == _STACKED else 2)
+                    and not (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+                    and not torch.is_autocast_enabled(t.device.type)):
                 # Inference on one row vector per sample and member: the batched product
                 # reads the [N, B, in] view of any layout as it is and writes the channels
                 # layout directly, [B, N * out], where a contiguous [N, B, out] result

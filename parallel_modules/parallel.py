@@ -11,7 +11,7 @@ from torch import nn
 
 from ._autotune import _ScheduleTuner
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
-from ._fusion import _Fusion, _Group, _groups, _Joined
+from ._fusion import _difference, _Fusion, _Group, _Joined
 from ._graphs import _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
@@ -486,7 +486,8 @@ class Parallel(nn.Module):
         try:
             if not _is_tracing() and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
-            return group.run(args[0])
+            # A cat along dim 1 of every branch reads the group's channels layout as it is.
+            return group.run(args[0], len(fusion.units) == 1 and self.join == "cat" and self.dim in (1, -1))
         except Exception as e:
             if _is_tracing():
                 raise
@@ -593,7 +594,8 @@ class Parallel(nn.Module):
             # streams). On tiny branches each Python frame saved is a measurable
             # part of the call, which must stay within a few percent of calling
             # the branches by hand. (``_run``'s sequential loop is its twin.)
-            plan = self._plans.get(_signature(args, kwargs, self.training))
+            key = _signature(args, kwargs, self.training)
+            plan = self._plans.get(key)
             if (plan is not None and not (plan.forked or plan.fused) and self._compiler is None
                     and not (plan.cuda and _capture_underway())):
                 outputs: list[Any] = []
@@ -608,10 +610,14 @@ class Parallel(nn.Module):
                     except Exception:
                         pass  # structured outputs, or a mismatch: _combine joins leaf by leaf or names it
                 return self._combine(outputs)
+            return self._joined(self._outputs(args, kwargs, (key, plan)))
         return self._forward(*args, **kwargs)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        outputs = self._outputs(args, kwargs)
+        return self._joined(self._outputs(args, kwargs))
+
+    def _joined(self, outputs: Any) -> Any:
+        r"""The join of what ``_outputs`` returned (a list, already joined, or a fused group's value)."""
         if type(outputs) is list and self.join == "cat":
             try:
                 return torch.cat(outputs, self.dim)
@@ -626,19 +632,24 @@ class Parallel(nn.Module):
             outputs = outputs.split()
         return self._combine(outputs)
 
-    def _outputs(self, args: tuple, kwargs: dict) -> Any:
-        placement = self._placement
-        if placement is not None:  # branches on several devices, or not looked at yet
-            placement = _place(self) if placement is _UNPLACED else placement
-            if placement is not None:
-                return placement.run(self, args, kwargs)
-        if _is_tracing():
-            # Compilers see the branches (or fused groups) one after the other and schedule them.
-            return self._run(args, kwargs, None, None if self.fuse is False else self._fusion_for(args, kwargs))
-        # One dict lookup per call decides everything: the schedule chosen for
-        # this signature, or none yet (tuning).
-        key = _signature(args, kwargs, self.training)
-        plan = self._plans.get(key)
+    def _outputs(self, args: tuple, kwargs: dict, looked_up: tuple[Hashable, Any] | None = None) -> Any:
+        r"""Run the branches as this call's schedule says. ``looked_up``: the call's signature and
+        its plan, where ``forward`` found them (the branches on one device, and no tracer)."""
+        if looked_up is None:
+            placement = self._placement
+            if placement is not None:  # branches on several devices, or not looked at yet
+                placement = _place(self) if placement is _UNPLACED else placement
+                if placement is not None:
+                    return placement.run(self, args, kwargs)
+            if _is_tracing():
+                # Compilers see the branches (or fused groups) one after the other and schedule them.
+                return self._run(args, kwargs, None, None if self.fuse is False else self._fusion_for(args, kwargs))
+            # One dict lookup per call decides everything: the schedule chosen for
+            # this signature, or none yet (tuning).
+            key = _signature(args, kwargs, self.training)
+            plan = self._plans.get(key)
+        else:
+            key, plan = looked_up
         if plan is not None and not (plan.cuda and _capture_underway()):
             # A decided schedule (the sequential one usually runs inline in ``forward``).
             return self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
@@ -710,8 +721,7 @@ class Parallel(nn.Module):
 
 def _all_identical(branches: list[nn.Module]) -> bool:
     r"""Whether every branch is structurally identical to the first (nothing to put first)."""
-    groups, _ = _groups(branches)
-    return len(groups) == 1 and len(groups[0]) == len(branches)
+    return all(_difference(branches[0], b) is None for b in branches[1:])
 
 
 def _describe_schedule(plan: _Schedule) -> str:

@@ -480,6 +480,8 @@ def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
     assert Parallel(mlp(), nn.ReLU(), nn.Tanh(), cuda_graph=True)._graph_variants((x,), {}) == [
         None, (_Priority(1),), (_Priority(2),)]
     assert Parallel(mlp(), mlp(), cuda_graph=True)._graph_variants((x,), {}) == [None]  # nothing to put first
+    shared = mlp()  # identical, though not fusable: one module twice
+    assert Parallel(shared, shared, cuda_graph=True)._graph_variants((x,), {}) == [None]
     assert Parallel(mlp(), nn.ReLU(), streams=False, cuda_graph=True)._graph_variants((x,), {}) == [None]
     assert Parallel(mlp(), *[nn.ReLU()] * 8, cuda_graph=True)._graph_variants((x,), {}) == [None]
     pipe = ParallelSequential(mlp(), mlp(16, 4), chunks=2, cuda_graph=True, compile="eager")

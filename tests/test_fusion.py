@@ -124,25 +124,41 @@ def test_fused_equals_unfused(device, case, join, layouts):
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
-@pytest.mark.parametrize("grad", ["frozen", "trainable"])
+@pytest.mark.parametrize("grad", ["frozen", "trainable", "bias only"])
 def test_fused_products_under_autograd_and_autocast(device, grad, layouts):
     # Recording autograd with frozen parameters, products write the channels layout with
-    # ``out=``; with trainable ones they must not (``out=`` allows no autograd). Under autocast
-    # neither may: the result must be in autocast's dtype, as the unfused branches' is.
+    # ``out=``; with any trainable one they must not (``out=`` allows no autograd). Under
+    # autocast neither may: the result must be in autocast's dtype, as the unfused branches' is.
     p = Parallel(*[mlp(depth=3) for _ in range(4)], fuse=True).to(device)
-    p.requires_grad_(grad == "trainable")
+    for name, q in p.named_parameters():
+        q.requires_grad_(grad == "trainable" or (grad == "bias only" and name.endswith("bias")))
     x = torch.randn(6, 16, device=device)
     out = p(x)
-    assert out.requires_grad == (grad == "trainable")
+    assert out.requires_grad == (grad != "frozen")
     assert_close(out, reference(p, x))
-    if grad == "trainable":
+    if grad != "frozen":
         out.square().sum().backward()
-        assert all(q.grad is not None for q in p.parameters())
+        assert all(q.grad is not None for q in p.parameters() if q.requires_grad)
     low = torch.bfloat16
     with torch.autocast(device_type=torch.device(device).type, dtype=low), torch.no_grad():
         out, expected = p(x), reference(p, x)
     assert out.dtype == expected.dtype == low
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("join", ["cat", None, "stack"])
+def test_fused_outputs_have_the_unfused_strides(device, join, layouts):
+    # The fewer-kernel layouts serve a cat along dim 1 only: split into per-branch outputs they
+    # would not be contiguous, and a graph's outputs would change strides once it lends them.
+    p = Parallel(*[mlp(depth=2) for _ in range(3)], join=join, dim=1 if join != "stack" else 0,
+                 fuse=True).to(device).eval()
+    x = torch.randn(5, 16, device=device)
+    with torch.no_grad():
+        outs, expected = p(x), reference(p, x)
+    for o, e in zip(outs if join is None else [outs], expected if join is None else [expected]):
+        assert o.stride() == e.stride()
+        assert_close(o, e)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
