@@ -140,3 +140,20 @@ def test_compile_fullgraph_training_gradients(device):
         want = torch.autograd.grad((expected * w).sum(), [x, *params])
         for g, e in zip(got, want):
             assert_close(g, e, RTOL, ATOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_compile_fullgraph_of_a_pipeline_on_a_pinned_host_input(chunks):
+    # The host input is copied in by the module; a traced copy must not ask whether the input is
+    # pinned (dynamo cannot trace Tensor.is_pinned), and computes what the eager module does.
+    from parallel_modules import ParallelSequential
+
+    model = ParallelSequential(mlp(), mlp(16, 4), chunks=chunks).cuda()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(6, 16).pin_memory()
+            out = compiled(x)
+            assert out.device.type == "cuda"
+            assert_close(out, model(x), RTOL, ATOL)
