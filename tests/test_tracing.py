@@ -149,7 +149,7 @@ def test_compile_fullgraph_of_a_pipeline_on_a_pinned_host_input(chunks):
     # pinned (dynamo cannot trace Tensor.is_pinned), and computes what the eager module does.
     from parallel_modules import ParallelSequential
 
-    model = ParallelSequential(mlp(), mlp(16, 4), chunks=chunks).cuda()
+    model = ParallelSequential(mlp(16, 16), mlp(16, 4), chunks=chunks).cuda()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         for _ in range(2):
