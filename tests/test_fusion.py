@@ -452,6 +452,26 @@ def test_cuda_graph_with_fusion_sees_optimizer_steps():
 
 
 @pytest.mark.cuda
+def test_cuda_products_wait_for_biases_written_on_a_side_stream(monkeypatch):
+    # With the layouts of a capture, the biases of batched products are written into their
+    # output buffers on a side stream (``_Prefill``). Delayed there, the products must still
+    # accumulate onto them; without the join they would read uninitialised memory.
+    from parallel_modules import _fusion
+    from parallel_modules._streams import _pool
+
+    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)
+    p = Parallel(*[mlp(64, depth=3) for _ in range(8)], join="cat", dim=1, fuse=True).cuda().eval()
+    caller = torch.cuda.current_stream()
+    pool = _pool(caller.device)
+    side = pool.side_streams(pool.offset, 1, caller)[0]
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 64, device="cuda")
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(20_000_000)
+            assert_close(p(x), reference(p, x))
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 8])
 def test_cuda_conv_branches_fused_auto(batch):
     branches = [nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1))

@@ -192,3 +192,40 @@ if "seqpath" in what:
                 print(f"tiny{n:<3}{label:<36} bench: seq {res['seq'][0]:6.1f} overhead {res['par'][0] - res['seq'][0]:5.1f}"
                       f"   b2b: seq {b2b[0]:6.1f} overhead {b2b[1] - b2b[0]:5.1f}")
     print(f"_cuda_isCurrentStreamCapturing() alone: {cpu_us(torch._C._cuda_isCurrentStreamCapturing, n=5000):.2f} us")
+
+if "train" in what:
+    # Where a training step's host time goes (mlp8, batch 8): each part of the bench's step timed
+    # alone, then a cProfile of whole steps, for the sequential module and the graphed Parallel.
+    print("==== training step parts, host us (mlp8, batch 8, fp32)")
+    from parallel_modules.bench import _train_modes
+    case = CASES["mlp8-train"] if "mlp8-train" in CASES else CASES["mlp8"]
+    x = case.make_input(8, dev, torch.float32)
+    for label, kw in {"eager seq": None, "graph Parallel": dict(cuda_graph=True),
+                      "graph Parallel fused": dict(cuda_graph=True, fuse=True)}.items():
+        br = case.branches(dev, torch.float32)
+        model = case.model(SequentialBranches(br, case.join, case.dim) if kw is None else
+                           Parallel(*br, join=case.join, dim=case.dim, **kw), dev, torch.float32)
+        for opt_kw in ({}, {"fused": True}):
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3, **opt_kw)
+            state: dict = {}
+
+            def zero(): opt.zero_grad(set_to_none=True)
+            def fwd(): state["loss"] = model(x).square().mean()
+            def bwd(): state["loss"].backward()
+            def step(): opt.step()
+            def whole(): zero(); fwd(); bwd(); step()
+            for _ in range(50):
+                whole()
+            torch.cuda.synchronize()
+            parts = {k: [] for k in ("zero_grad", "forward+loss", "backward", "opt.step", "whole")}
+            for _ in range(300):
+                t0 = time.perf_counter(); zero(); t1 = time.perf_counter(); fwd(); t2 = time.perf_counter()
+                bwd(); t3 = time.perf_counter(); step(); t4 = time.perf_counter()
+                for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+                    parts[k].append(v * 1e6)
+            torch.cuda.synchronize()
+            gpu = gpu_medians({"step": whole}, rounds=20, per_sample=10)["step"]
+            print(f"{label:<22}{str(opt_kw):<16}" + "  ".join(f"{k} {statistics.median(v):7.1f}" for k, v in parts.items())
+                  + f"   bench-style GPU/step {gpu:7.1f}")
+        if kw is not None:
+            profile(f"{label} step", whole, n=500, top=22)
