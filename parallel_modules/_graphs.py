@@ -133,6 +133,10 @@ def _clear_cublas_workspaces() -> None:
         _clear_cublas()
 
 
+# Views of a flat tensor shaped as a list of tensors, in one C++ call (what
+# ``torch._utils._unflatten_dense_tensors`` calls).
+_unflatten = torch._C._nn.unflatten_dense_tensors
+
 # ``CUDAGraph.replay`` without its Python frame (the method of the C base class it calls).
 _launch = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None) or torch.cuda.CUDAGraph.replay
 
@@ -259,10 +263,37 @@ class _Graph:
         self.out_grad: list[bool] = []
         self.grad_outputs: list[torch.Tensor | None] = []
         self.grad_inputs: list[torch.Tensor | None] = []
+        self.grad_present: list[torch.Tensor] = []  # the gradients computed (see plan_grads)
+        self.grad_numel = 0
         self.params: tuple[torch.Tensor, ...] = ()
         # Training: forward replays so far, and the last one whose backward ran.
         self.gen = 0
         self.bwd_gen = -1
+
+    def plan_grads(self) -> None:
+        r"""Decide how :meth:`fresh_grads` copies the backward graph's gradients."""
+        present = self.grad_present = [g for g in self.grad_inputs if g is not None]
+        self.grad_numel = 0
+        if len(present) > 1 and all(g.dtype == present[0].dtype and g.is_contiguous() for g in present):
+            self.grad_numel = sum(g.numel() for g in present)
+
+    def fresh_grads(self) -> list[torch.Tensor]:
+        r"""Copies of the gradients the backward graph left in its buffers.
+
+        Autograd may keep a returned gradient as a parameter's ``.grad``, which
+        must not alias memory the next replay overwrites. Gradients of one dtype
+        are copied into one new buffer, handed out as views of it (shaped and
+        strided as the parameters, so that autograd keeps them as they are): one
+        allocation and one multi-tensor copy, where a new tensor per gradient
+        cost more CPU time than both replays together on an 8-branch MLP.
+        """
+        present = self.grad_present
+        if not self.grad_numel:
+            return torch._foreach_mul(present, 1.0) if present else []  # ``x * 1`` is exact
+        flat = torch.empty(self.grad_numel, dtype=present[0].dtype, device=self.device)
+        copies = _unflatten(flat, present)
+        torch._foreach_copy_(copies, present)
+        return copies
 
     def _order(self, stream: torch.cuda.Stream) -> None:
         last = self.last
@@ -278,7 +309,10 @@ class _Graph:
     def replay(self, tensors: list[torch.Tensor], static_outputs: bool) -> Any:
         r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
         if self.bwd is not None:
-            outs = _Replay.apply(self, static_outputs, *tensors, *self.params)
+            if _apply is None or torch._C._are_functorch_transforms_active():
+                outs = _Replay.apply(self, static_outputs, *tensors, *self.params)
+            else:
+                outs = _apply(self, static_outputs, *_unwrap_dead(tensors), *self.params)
         else:
             with self.lock:
                 lending = self.lending
@@ -352,15 +386,19 @@ class _Replay(torch.autograd.Function):
                     static.copy_(g)
             assert graph.bwd is not None
             graph.bwd.replay()
-            # Copies: autograd may keep a returned gradient as a parameter's
-            # .grad, which must not alias memory the next replay overwrites.
-            # One multi-tensor launch for all of them (``x * 1`` is exact)
-            # instead of a clone per parameter, which cost more CPU time than
-            # both replays together on an 8-branch MLP.
-            present = [g for g in graph.grad_inputs if g is not None]
-            copies = iter(torch._foreach_mul(present, 1.0) if present else ())
+            copies = iter(graph.fresh_grads())
             result = tuple(next(copies) if g is not None else None for g in graph.grad_inputs)
         return (None, None) + result
+
+
+# ``_Replay.apply`` less ``Function.apply``'s Python prologue, which walks every
+# input (the parameters among them: 64 for eight 4-layer MLPs) to unwrap
+# functorch's dead wrappers, and cost a third of a training call's forward on
+# the H100 machine. Taken where no functorch transform is active, as the
+# prologue itself does; only the call's own tensors can be such wrappers.
+_apply = getattr(super(torch.autograd.Function, _Replay), "apply", None)
+_unwrap_dead = getattr(getattr(torch, "_functorch", None), "utils", None)
+_unwrap_dead = getattr(_unwrap_dead, "unwrap_dead_wrappers", None) or (lambda args: args)
 
 
 # ------------------------------------------------------------------ failures
@@ -774,16 +812,36 @@ class _CudaGraphs:
                 graph.grad_outputs = [torch.empty_like(o) if g else None for o, g in zip(outputs, graph.out_grad)]
             graph.bwd = torch.cuda.CUDAGraph()
             diff = [o for o in outputs if o.requires_grad]
-            grads = captured(graph.bwd, lambda: torch.autograd.grad(
+            grads = captured(graph.bwd, lambda: _in_layout(torch.autograd.grad(
                 diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
-                allow_unused=True))
+                allow_unused=True), surface))
             by_id = {id(t): g for t, g in zip(surface, grads)}
             graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *leaves]]
+            graph.plan_grads()
         else:
             # Replays copy into the static inputs with autograd on: they must not be leaves requiring grad.
             for s in graph.inputs:
                 s.requires_grad_(False)
         graph.outputs = [o.detach() for o in outputs]
+
+
+def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:
+    r"""``grads``, each in the memory layout of the tensor it is the gradient of.
+
+    Autograd keeps a returned gradient as a leaf's ``.grad`` only if its strides
+    are the leaf's (for a dense leaf); any other it copies on every backward, an
+    allocation and a launch each (a fused group's weight gradients come
+    transposed: ``w.mT`` is what its products read). Copied once in the
+    backward graph instead.
+    """
+    out = []
+    for g, t in zip(grads, tensors):
+        if g is not None and g.stride() != t.stride():
+            like = torch.empty_like(t)  # t's strides where t is dense
+            if like.stride() == t.stride():
+                g = like.copy_(g)
+        out.append(g)
+    return out
 
 
 def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, reps: int = 15) -> _Graph:

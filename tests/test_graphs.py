@@ -319,6 +319,36 @@ def test_training_gradients_equal_eager(input_grad):
 
 
 @cuda
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("between", ["set_to_none", "accumulate"])
+def test_training_gradients_are_never_overwritten_by_a_later_replay(between, fuse):
+    # Gradients are handed out as views of one fresh buffer per backward, which autograd keeps
+    # as the parameters' .grad without a copy (fused weight gradients too, which the products
+    # compute transposed). .grad tensors kept after zero_grad(set_to_none=True), or accumulated
+    # into over several backwards, must see no later replay.
+    branches = _mlp(4)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches, fuse=fuse)
+    kept, kept_ref = [], []
+    for _ in range(4):
+        x = torch.randn(8, 64, device="cuda")
+        block(x).square().sum().backward()
+        _reference(reference, x).square().sum().backward()
+        tol = dict(rtol=1e-5, atol=1e-5) if fuse else {}
+        for p, p_ref in zip(block.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad, **tol)
+        if between == "set_to_none":
+            assert len({p.grad.untyped_storage().data_ptr() for p in block.parameters()}) == 1
+            kept.append([p.grad for p in block.parameters()])
+            kept_ref.append([p.grad.clone() for p in reference.parameters()])
+            block.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+    for grads, grads_ref in zip(kept, kept_ref):
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref, **tol)
+
+
+@cuda
 def test_training_backward_after_a_later_forward_is_refused():
     block = _graphed(_mlp(2))
     x = torch.randn(8, 64, device="cuda")
