@@ -1,6 +1,6 @@
 """Where per-call time goes, measured several ways in one process (dev tool, not shipped).
 
-Usage: ``PYTHONPATH=. python3 tools/exp_overheads.py [forkjoin] [tuner] [graphcall] [kernels]``
+Usage: ``PYTHONPATH=. python3 tools/exp_overheads.py [forkjoin] [tuner] [graphcall] [kernels] [seqpath] [train [prof]]``
 
 * ``forkjoin``: host microseconds per call of tinyN (N x Linear(16, 16)) sequential and forked,
   measured back to back (5000 calls) and as the benchmark does (groups of 20 after a
@@ -9,7 +9,10 @@ Usage: ``PYTHONPATH=. python3 tools/exp_overheads.py [forkjoin] [tuner] [graphca
   benchmark warms them up, against the steady-state cost of each schedule;
 * ``graphcall``: the pieces of a ``cuda_graph=True`` call (mlp8), alone, and a cProfile;
 * ``kernels``: the CUDA kernels of one eager call of the fused and unfused mlp8, and the GPU
-  time of each graph's replay.
+  time of each graph's replay;
+* ``train``: the host time of each part of an mlp8 training step (zero_grad, forward, backward,
+  optimizer step), sequential and graphed, with the graph call's shortcuts undone one at a time
+  (``prof``: and a cProfile and a torch.profiler table of the graphed steps).
 """
 import statistics
 import sys
@@ -195,25 +198,36 @@ if "seqpath" in what:
 
 if "train" in what:
     # Where a training step's host time goes (mlp8, batch 8): each part of the bench's step timed
-    # alone, then a cProfile of whole steps, for the sequential module and the graphed Parallel.
+    # alone, for the sequential module and the graphed Parallel, the latter also with each of
+    # the graph call's shortcuts undone (diagnostic variants), then a cProfile of whole steps.
     print("==== training step parts, host us (mlp8, batch 8, fp32)")
-    from parallel_modules.bench import _train_modes
-    case = CASES["mlp8-train"] if "mlp8-train" in CASES else CASES["mlp8"]
+    from parallel_modules import _graphs
+    case = CASES["mlp8-train"]
     x = case.make_input(8, dev, torch.float32)
-    for label, kw in {"eager seq": None, "graph Parallel": dict(cuda_graph=True),
-                      "graph Parallel fused": dict(cuda_graph=True, fuse=True)}.items():
+    undo = {
+        "foreach_mul grad copies": (_graphs._Graph, "fresh_grads",
+                                    lambda self: torch._foreach_mul(self.grad_present, 1.0)),
+        "Function.apply": (_graphs, "_apply", None),
+    }
+    variants = [("eager seq", None, None), ("graph Parallel", dict(cuda_graph=True), None),
+                *[("graph Parallel", dict(cuda_graph=True), u) for u in undo],
+                ("graph Parallel fused", dict(cuda_graph=True, fuse=True), None)]
+    for label, kw, u in variants:
         br = case.branches(dev, torch.float32)
         model = case.model(SequentialBranches(br, case.join, case.dim) if kw is None else
                            Parallel(*br, join=case.join, dim=case.dim, **kw), dev, torch.float32)
-        for opt_kw in ({}, {"fused": True}):
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3, **opt_kw)
-            state: dict = {}
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        state: dict = {}
+        saved = None if u is None else getattr(undo[u][0], undo[u][1])
 
-            def zero(): opt.zero_grad(set_to_none=True)
-            def fwd(): state["loss"] = model(x).square().mean()
-            def bwd(): state["loss"].backward()
-            def step(): opt.step()
-            def whole(): zero(); fwd(); bwd(); step()
+        def zero(): opt.zero_grad(set_to_none=True)
+        def fwd(): state["loss"] = model(x).square().mean()
+        def bwd(): state["loss"].backward()
+        def step(): opt.step()
+        def whole(): zero(); fwd(); bwd(); step()
+        if u is not None:
+            setattr(undo[u][0], undo[u][1], undo[u][2])
+        try:
             for _ in range(50):
                 whole()
             torch.cuda.synchronize()
@@ -225,7 +239,17 @@ if "train" in what:
                     parts[k].append(v * 1e6)
             torch.cuda.synchronize()
             gpu = gpu_medians({"step": whole}, rounds=20, per_sample=10)["step"]
-            print(f"{label:<22}{str(opt_kw):<16}" + "  ".join(f"{k} {statistics.median(v):7.1f}" for k, v in parts.items())
+            name = label + ("" if u is None else f" (undone: {u})")
+            print(f"{name:<52}" + "  ".join(f"{k} {statistics.median(v):7.1f}" for k, v in parts.items())
                   + f"   bench-style GPU/step {gpu:7.1f}")
-        if kw is not None:
-            profile(f"{label} step", whole, n=500, top=22)
+            if kw is not None and u is None and "prof" in what:
+                profile(f"{label} step", whole, n=500, top=22)
+                from torch.profiler import ProfilerActivity, profile as tprofile
+                with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(20):
+                        whole()
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+        finally:
+            if u is not None:
+                setattr(undo[u][0], undo[u][1], saved)
