@@ -1,0 +1,67 @@
+"""GPU time of the products a fused MLP group runs, per BLAS backend and layout (dev tool, not shipped).
+
+Usage: ``PYTHONPATH=. python3 tools/exp_bmm.py``. Each variant is captured 20 times in one CUDA
+graph, so that the replay time per product is the kernels' own (no launch overhead), and compared
+with the single-branch ``addmm`` that sets the floor.
+"""
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+torch.backends.cuda.matmul.allow_tf32 = False
+dev = torch.device("cuda")
+
+
+def per_call_us(fn, reps=20, samples=30):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(samples):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+B, D = 8, 256
+for backend in ("default", "cublaslt"):
+    if backend != "default":
+        try:
+            torch.backends.cuda.preferred_blas_library(backend)
+        except Exception as e:  # noqa: BLE001
+            print(backend, "unavailable:", e)
+            continue
+    x1 = torch.randn(B, D, device=dev)
+    w1, b1 = torch.randn(D, D, device=dev), torch.randn(D, device=dev)
+    print(f"-- {backend}: single branch F.linear [{B},{D}]x[{D},{D}]+bias: {per_call_us(lambda: F.linear(x1, w1, b1)):.2f} us")
+    for n in (8, 16):
+        x = torch.randn(n, B, D, device=dev)
+        w = torch.randn(n, D, D, device=dev)
+        bias = torch.randn(n, 1, D, device=dev)
+        out = torch.empty(B, n, D, device=dev).transpose(0, 1)
+        wide = torch.randn(n * D, D, device=dev)
+        bw = torch.randn(n * D, device=dev)
+        cases = {
+            "bmm x W^T (contiguous out)": lambda: torch.bmm(x, w.mT),
+            "bmm into channels layout (out=)": lambda: torch.bmm(x, w.mT, out=out),
+            "baddbmm_ onto prefilled channels": lambda: out.baddbmm_(x, w.mT),
+            "bmm W x^T": lambda: torch.bmm(w, x.mT),
+            "shared input: one F.linear [N*D, D] + bias": lambda: F.linear(x1, wide, bw),
+            "gelu on [B, N*D]": lambda: F.gelu(out),
+        }
+        for name, fn in cases.items():
+            print(f"   N={n:<3}{name:<44}{per_call_us(fn):6.2f} us")
+torch.backends.cuda.preferred_blas_library("default") if hasattr(torch.backends.cuda, "preferred_blas_library") else None
