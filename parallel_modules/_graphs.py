@@ -396,9 +396,12 @@ class _Replay(torch.autograd.Function):
 # functorch's dead wrappers, and cost a third of a training call's forward on
 # the H100 machine. Taken where no functorch transform is active, as the
 # prologue itself does; only the call's own tensors can be such wrappers.
-_apply = getattr(super(torch.autograd.Function, _Replay), "apply", None)
-_unwrap_dead = getattr(getattr(torch, "_functorch", None), "utils", None)
-_unwrap_dead = getattr(_unwrap_dead, "unwrap_dead_wrappers", None) or (lambda args: args)
+try:
+    from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead
+
+    _apply: Callable[..., Any] | None = super(torch.autograd.Function, _Replay).apply
+except (ImportError, AttributeError):  # another torch: Function.apply as it is
+    _apply = None
 
 
 # ------------------------------------------------------------------ failures
