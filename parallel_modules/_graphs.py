@@ -133,10 +133,6 @@ def _clear_cublas_workspaces() -> None:
         _clear_cublas()
 
 
-# Views of a flat tensor shaped as a list of tensors, in one C++ call (what
-# ``torch._utils._unflatten_dense_tensors`` calls).
-_unflatten = torch._C._nn.unflatten_dense_tensors
-
 # ``CUDAGraph.replay`` without its Python frame (the method of the C base class it calls).
 _launch = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None) or torch.cuda.CUDAGraph.replay
 
@@ -264,7 +260,10 @@ class _Graph:
         self.grad_outputs: list[torch.Tensor | None] = []
         self.grad_inputs: list[torch.Tensor | None] = []
         self.grad_present: list[torch.Tensor] = []  # the gradients computed (see plan_grads)
-        self.grad_numel = 0
+        self.grad_buffers: list[tuple[torch.Size, torch.dtype, int]] = []
+        self.grad_sources: list[torch.Tensor] = []
+        self.grad_rest: list[torch.Tensor] = []
+        self.grad_order: list[int] = []
         self.params: tuple[torch.Tensor, ...] = ()
         # Training: forward replays so far, and the last one whose backward ran.
         self.gen = 0
@@ -273,27 +272,41 @@ class _Graph:
     def plan_grads(self) -> None:
         r"""Decide how :meth:`fresh_grads` copies the backward graph's gradients."""
         present = self.grad_present = [g for g in self.grad_inputs if g is not None]
-        self.grad_numel = 0
-        if len(present) > 1 and all(g.dtype == present[0].dtype and g.is_contiguous() for g in present):
-            self.grad_numel = sum(g.numel() for g in present)
+        groups: dict[tuple, list[int]] = {}
+        for i, g in enumerate(present):
+            groups.setdefault((g.shape, g.dtype) if g.is_contiguous() else (i,), []).append(i)
+        # (shape, dtype, count) of each buffer; the gradients in buffer order; and, for each
+        # gradient, its position among the buffers' views.
+        self.grad_buffers = [(key[0], key[1], len(idx)) for key, idx in groups.items() if len(key) == 2]
+        self.grad_sources = [present[i] for key, idx in groups.items() if len(key) == 2 for i in idx]
+        rest = [i for key, idx in groups.items() if len(key) == 1 for i in idx]
+        self.grad_rest = [present[i] for i in rest]
+        order = [i for key, idx in groups.items() if len(key) == 2 for i in idx] + rest
+        self.grad_order = sorted(range(len(order)), key=order.__getitem__)
 
     def fresh_grads(self) -> list[torch.Tensor]:
-        r"""Copies of the gradients the backward graph left in its buffers.
+        r"""Copies of the gradients the backward graph left in its buffers, in ``grad_present``'s order.
 
         Autograd may keep a returned gradient as a parameter's ``.grad``, which
-        must not alias memory the next replay overwrites. Gradients of one dtype
-        are copied into one new buffer, handed out as views of it (shaped and
-        strided as the parameters, so that autograd keeps them as they are): one
-        allocation and one multi-tensor copy, where a new tensor per gradient
-        cost more CPU time than both replays together on an 8-branch MLP.
+        must not alias memory the next replay overwrites. Gradients of one
+        shape and dtype are copied into one new ``[count, *shape]`` buffer and
+        handed out as the views ``unbind`` makes of it, strided as the
+        parameters, so that autograd keeps them as they are: an allocation per
+        shape, one multi-tensor copy, and views made in one call each, where a
+        new tensor per gradient cost more CPU time than both replays together
+        on an 8-branch MLP (and ``torch._utils._unflatten_dense_tensors``' views
+        of one flat buffer, made one by one, twice as much as ``unbind``'s).
+        Non-contiguous gradients (channels-last parameters) are copied as they
+        are.
         """
-        present = self.grad_present
-        if not self.grad_numel:
-            return torch._foreach_mul(present, 1.0) if present else []  # ``x * 1`` is exact
-        flat = torch.empty(self.grad_numel, dtype=present[0].dtype, device=self.device)
-        copies = _unflatten(flat, present)
-        torch._foreach_copy_(copies, present)
-        return copies
+        views: list[torch.Tensor] = []
+        for shape, dtype, count in self.grad_buffers:
+            views += torch.empty((count, *shape), dtype=dtype, device=self.device).unbind(0)
+        if views:
+            torch._foreach_copy_(views, self.grad_sources)
+        if self.grad_rest:
+            views += torch._foreach_mul(self.grad_rest, 1.0)  # ``x * 1`` is exact
+        return [views[i] for i in self.grad_order]
 
     def _order(self, stream: torch.cuda.Stream) -> None:
         last = self.last

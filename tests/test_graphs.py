@@ -318,6 +318,29 @@ def test_training_gradients_equal_eager(input_grad):
     assert graph.bwd is not None and block._graphs.captures == 1
 
 
+def test_fresh_gradients_are_copies_in_order_and_layout():
+    # How a training replay hands out the backward graph's gradients (``_Graph.fresh_grads``),
+    # on the CPU: gradients of mixed shapes and dtypes, and a channels-last one, come back in
+    # order, equal, in their own layout, and in no memory of the graph's.
+    from parallel_modules._graphs import _Graph
+
+    graph = _Graph.__new__(_Graph)
+    graph.device = torch.device("cpu")
+    grads = [torch.randn(3, 4), None, torch.randn(5), torch.randn(3, 4, dtype=torch.float64),
+             torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), torch.randn(3, 4), torch.randn(5)]
+    graph.grad_inputs = grads
+    graph.plan_grads()
+    present = [g for g in grads if g is not None]
+    for _ in range(2):
+        fresh = graph.fresh_grads()
+        assert len(fresh) == len(present)
+        for f, g in zip(fresh, present):
+            assert torch.equal(f, g) and f.dtype == g.dtype and f.stride() == g.stride()
+            assert f.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+    same_shape = [f.untyped_storage().data_ptr() for f in fresh if f.shape == (3, 4) and f.dtype == torch.float32]
+    assert len(same_shape) == 2 and same_shape[0] == same_shape[1]  # one buffer per shape and dtype
+
+
 @cuda
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("between", ["set_to_none", "accumulate"])
@@ -338,7 +361,9 @@ def test_training_gradients_are_never_overwritten_by_a_later_replay(between, fus
         for p, p_ref in zip(block.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, p_ref.grad, **tol)
         if between == "set_to_none":
-            assert len({p.grad.untyped_storage().data_ptr() for p in block.parameters()}) == 1
+            # One buffer per parameter shape, which autograd kept as it is (no copy per parameter).
+            shapes = {p.shape for p in block.parameters()}
+            assert len({p.grad.untyped_storage().data_ptr() for p in block.parameters()}) == len(shapes)
             kept.append([p.grad for p in block.parameters()])
             kept_ref.append([p.grad.clone() for p in reference.parameters()])
             block.zero_grad(set_to_none=True)
