@@ -431,16 +431,14 @@ class _Prefill:
     def filled(self, bias: torch.Tensor, rows: int) -> torch.Tensor:
         r"""A ``[N, rows, out]`` view of a ``[rows, N, out]`` buffer holding ``bias`` (``[N, 1, out]``) in every row."""
         n, _, width = bias.shape
-        if self.side is None:
-            out = bias.new_empty((rows, n, width)).transpose(0, 1)
-            return out.copy_(bias.expand(n, rows, width))
-        with torch.cuda.stream(self.side):
+        with torch.cuda.stream(self.side):  # (no stream: in line)
             out = bias.new_empty((rows, n, width)).transpose(0, 1)
             out.copy_(bias.expand(n, rows, width))
+        if self.side is not None:
             done = torch.cuda.Event()
             done.record(self.side)
-        self.caller.wait_event(done)
-        out.record_stream(self.caller)
+            self.caller.wait_event(done)
+            out.record_stream(self.caller)
         return out
 
 
