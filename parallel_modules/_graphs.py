@@ -259,7 +259,6 @@ class _Graph:
         self.out_grad: list[bool] = []
         self.grad_outputs: list[torch.Tensor | None] = []
         self.grad_inputs: list[torch.Tensor | None] = []
-        self.grad_present: list[torch.Tensor] = []  # the gradients computed (see plan_grads)
         self.grad_buffers: list[tuple[torch.Size, torch.dtype, int]] = []
         self.grad_sources: list[torch.Tensor] = []
         self.grad_rest: list[torch.Tensor] = []
@@ -271,21 +270,24 @@ class _Graph:
 
     def plan_grads(self) -> None:
         r"""Decide how :meth:`fresh_grads` copies the backward graph's gradients."""
-        present = self.grad_present = [g for g in self.grad_inputs if g is not None]
-        groups: dict[tuple, list[int]] = {}
+        present = [g for g in self.grad_inputs if g is not None]
+        buffers: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
+        rest: list[int] = []
         for i, g in enumerate(present):
-            groups.setdefault((g.shape, g.dtype) if g.is_contiguous() else (i,), []).append(i)
-        # (shape, dtype, count) of each buffer; the gradients in buffer order; and, for each
-        # gradient, its position among the buffers' views.
-        self.grad_buffers = [(key[0], key[1], len(idx)) for key, idx in groups.items() if len(key) == 2]
-        self.grad_sources = [present[i] for key, idx in groups.items() if len(key) == 2 for i in idx]
-        rest = [i for key, idx in groups.items() if len(key) == 1 for i in idx]
+            if g.is_contiguous():
+                buffers.setdefault((g.shape, g.dtype), []).append(i)
+            else:
+                rest.append(i)
+        grouped = [i for indices in buffers.values() for i in indices]
+        self.grad_buffers = [(shape, dtype, len(indices)) for (shape, dtype), indices in buffers.items()]
+        self.grad_sources = [present[i] for i in grouped]
         self.grad_rest = [present[i] for i in rest]
-        order = [i for key, idx in groups.items() if len(key) == 2 for i in idx] + rest
+        # Where each gradient's copy lands among the buffers' views, then the rest's copies.
+        order = grouped + rest
         self.grad_order = sorted(range(len(order)), key=order.__getitem__)
 
     def fresh_grads(self) -> list[torch.Tensor]:
-        r"""Copies of the gradients the backward graph left in its buffers, in ``grad_present``'s order.
+        r"""Copies of the gradients the backward graph left in its buffers (``grad_inputs`` without its ``None``s).
 
         Autograd may keep a returned gradient as a parameter's ``.grad``, which
         must not alias memory the next replay overwrites. Gradients of one
