@@ -593,7 +593,7 @@ class Parallel(nn.Module):
             # sequential (what "auto" keeps for branches too small to gain from
             # streams). On tiny branches each Python frame saved is a measurable
             # part of the call, which must stay within a few percent of calling
-            # the branches by hand. (``_run``'s sequential loop is its twin.)
+            # the branches by hand. (``_run``'s sequential loop and ``_joined``'s cat are its twins.)
             key = _signature(args, kwargs, self.training)
             plan = self._plans.get(key)
             if (plan is not None and not (plan.forked or plan.fused) and self._compiler is None
