@@ -2,7 +2,8 @@
 
 Usage: ``PYTHONPATH=. python3 tools/exp_bmm.py``. Each variant is captured 20 times in one CUDA
 graph, so that the replay time per product is the kernels' own (no launch overhead), and compared
-with the single-branch ``addmm`` that sets the floor.
+with the single-branch ``addmm`` that sets the floor, and the same products as grouped 1x1
+convolutions (cuDNN, bias in the epilogue).
 """
 import statistics
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
 dev = torch.device("cuda")
 
 
@@ -61,7 +63,21 @@ for backend in ("default", "cublaslt"):
             "bmm W x^T": lambda: torch.bmm(w, x.mT),
             "shared input: one F.linear [N*D, D] + bias": lambda: F.linear(x1, wide, bw),
             "gelu on [B, N*D]": lambda: F.gelu(out),
+            # The channels layout [B, N*D] is a grouped 1x1 convolution's: bias in the epilogue.
+            "grouped conv1d [B, N*D, 1] + bias": lambda: F.conv1d(xc1, wc1, bw, groups=n),
+            "grouped conv2d [B, N*D, 1, 1] + bias": lambda: F.conv2d(xc2, wc2, bw, groups=n),
         }
+        xc1 = out.transpose(0, 1).reshape(B, n * D, 1)
+        xc2 = xc1.unsqueeze(-1)
+        wc1 = w.reshape(n * D, D, 1)
+        wc2 = wc1.unsqueeze(-1)
+        for bench in (False, True):
+            torch.backends.cudnn.benchmark = bench
+            for name in ("grouped conv1d [B, N*D, 1] + bias", "grouped conv2d [B, N*D, 1, 1] + bias"):
+                print(f"   N={n:<3}{name + (' (cudnn.benchmark)' if bench else ''):<44}{per_call_us(cases[name]):6.2f} us")
+        torch.backends.cudnn.benchmark = False
+        for name in [k for k in cases if k.startswith("grouped")]:
+            del cases[name]
         for name, fn in cases.items():
             print(f"   N={n:<3}{name:<44}{per_call_us(fn):6.2f} us")
 torch.backends.cuda.preferred_blas_library("default") if hasattr(torch.backends.cuda, "preferred_blas_library") else None

@@ -1,6 +1,6 @@
 """Where per-call time goes, measured several ways in one process (dev tool, not shipped).
 
-Usage: ``PYTHONPATH=. python3 tools/exp_overheads.py [forkjoin] [tuner] [graphcall] [kernels] [seqpath] [train [prof]]``
+Usage: ``PYTHONPATH=. python3 tools/exp_overheads.py [forkjoin] [tuner] [graphcall] [kernels] [seqpath] [train [prof] [gc]]``
 
 * ``forkjoin``: host microseconds per call of tinyN (N x Linear(16, 16)) sequential and forked,
   measured back to back (5000 calls) and as the benchmark does (groups of 20 after a
@@ -12,8 +12,10 @@ Usage: ``PYTHONPATH=. python3 tools/exp_overheads.py [forkjoin] [tuner] [graphca
   time of each graph's replay;
 * ``train``: the host time of each part of an mlp8 training step (zero_grad, forward, backward,
   optimizer step), sequential and graphed, with the graph call's shortcuts undone one at a time
-  (``prof``: and a cProfile and a torch.profiler table of the graphed steps).
+  (``prof``: and a cProfile and a torch.profiler table of the graphed steps; ``gc``: and each
+  step with Python's garbage collector off).
 """
+import gc
 import statistics
 import sys
 import time
@@ -212,20 +214,25 @@ if "train" in what:
     variants = [("eager seq", None, None), ("graph Parallel", dict(cuda_graph=True), None),
                 *[("graph Parallel", dict(cuda_graph=True), u) for u in undo],
                 ("graph Parallel fused", dict(cuda_graph=True, fuse=True), None)]
+    if "gc" in what:  # Python's cyclic garbage collector off while timing
+        variants += [("eager seq", None, "gc"), ("graph Parallel", dict(cuda_graph=True), "gc"),
+                     ("graph Parallel fused", dict(cuda_graph=True, fuse=True), "gc")]
     for label, kw, u in variants:
         br = case.branches(dev, torch.float32)
         model = case.model(SequentialBranches(br, case.join, case.dim) if kw is None else
                            Parallel(*br, join=case.join, dim=case.dim, **kw), dev, torch.float32)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         state: dict = {}
-        saved = None if u is None else getattr(undo[u][0], undo[u][1])
+        saved = None if u in (None, "gc") else getattr(undo[u][0], undo[u][1])
 
         def zero(): opt.zero_grad(set_to_none=True)
         def fwd(): state["loss"] = model(x).square().mean()
         def bwd(): state["loss"].backward()
         def step(): opt.step()
         def whole(): zero(); fwd(); bwd(); step()
-        if u is not None:
+        if u == "gc":
+            gc.disable()
+        elif u is not None:
             setattr(undo[u][0], undo[u][1], undo[u][2])
         try:
             for _ in range(50):
@@ -239,7 +246,7 @@ if "train" in what:
                     parts[k].append(v * 1e6)
             torch.cuda.synchronize()
             gpu = gpu_medians({"step": whole}, rounds=20, per_sample=10)["step"]
-            name = label + ("" if u is None else f" (undone: {u})")
+            name = label + ("" if u is None else " (gc off)" if u == "gc" else f" (undone: {u})")
             print(f"{name:<52}" + "  ".join(f"{k} {statistics.median(v):7.1f}" for k, v in parts.items())
                   + f"   bench-style GPU/step {gpu:7.1f}")
             if kw is not None and u is None and "prof" in what:
@@ -251,5 +258,7 @@ if "train" in what:
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
         finally:
-            if u is not None:
+            if u == "gc":
+                gc.enable()
+            elif u is not None:
                 setattr(undo[u][0], undo[u][1], saved)
