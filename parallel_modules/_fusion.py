@@ -570,14 +570,15 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 wt, bias = w.mT, None if b is None else b.unsqueeze(1)
                 if not w.requires_grad and (b is None or not b.requires_grad):
                     views[:] = [w, wt, b, bias]
-            if _call.fewer_kernels and layout == _SHARED and t.dim() == 2:
+            fewer = _call.fewer_kernels  # (a thread-local: read once)
+            if fewer and layout == _SHARED and t.dim() == 2:
                 # Every member reads the same rows: one product with the members' weights
                 # one after another ([N * out, in]), the bias added in its epilogue -- one
                 # kernel where a batched product needs two (the bias copied into the
                 # output first), and member i's outputs come out as columns
                 # i*out .. (i+1)*out: the channels layout, which a cat join reads as it is.
                 return _Value(F.linear(t, w.flatten(0, 1), None if b is None else b.flatten()), _CHANNELS)
-            if (_call.fewer_kernels and t.dim() == (3 if layout == _STACKED else 2)
+            if (fewer and t.dim() == (3 if layout == _STACKED else 2)
                     and not (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
                     and not torch.is_autocast_enabled(t.device.type)):
                 # Inference on one row vector per sample and member: the batched product

@@ -610,6 +610,17 @@ class Parallel(nn.Module):
                     except Exception:
                         pass  # structured outputs, or a mismatch: _combine joins leaf by leaf or names it
                 return self._combine(outputs)
+            if (plan is not None and plan.fused and not plan.forked and self._compiler is None
+                    and not (plan.cuda and _capture_underway())):
+                # Every branch in one fused group, decided: the group runs and its
+                # batched value is joined, without the general path's frames and
+                # closures (``_outputs``, ``_run``): an eager fused call is
+                # CPU-bound, and they cost 3-4 us of its 155-165 on the H100
+                # machine (``tools/exp_fused_eager.py``).
+                fusion = self._fusion_for(args, kwargs)
+                if fusion is not None and len(fusion.units) == 1 and isinstance(fusion.units[0], _Group):
+                    out = self._run_group(fusion, fusion.units[0], args, kwargs)
+                    return self._joined(fusion.scatter(fusion.units, [out]))
             return self._joined(self._outputs(args, kwargs, (key, plan)))
         return self._forward(*args, **kwargs)
 
