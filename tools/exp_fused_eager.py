@@ -39,21 +39,25 @@ def by_hand(x):
 W0t, B0 = w0.view(n, 256, 256).mT, b0.view(n, 1, 256)
 
 
-def as_the_module(x):
+def as_the_module(x, join=True):
     r"""The operations the eager fused call runs: the first layer batched too, the cat from the stacked layout."""
     h = F.gelu(torch.baddbmm(B0, x.expand(n, -1, -1), W0t))
     for i in range(3):
         h = F.gelu(torch.baddbmm(B[i], h, Wt[i]))
-    return h.movedim(0, 1).flatten(1, 2)
+    return h.movedim(0, 1).flatten(1, 2) if join else h
 
 
 with torch.no_grad():
     fused(x), fused(x)
     key = _signature((x,), {}, fused.training)
     plan = fused._plans[key]
+    group = fused._fusion.groups[0]
     calls = {"eager seq": seq, "eager fused": fused, "fused ops by hand": by_hand,
              "fused forward()": fused.forward,
              "fused, general path": lambda x: fused._joined(fused._outputs((x,), {}, (key, plan))),
+             "group.bind() (no change)": lambda x: group.bind(),
+             "group._run (no join)": lambda x: group._run(x, False),
+             "the module's ops, no join": lambda x: as_the_module(x, join=False),
              "the module's ops by hand": as_the_module,
              "one F.gelu": lambda x: F.gelu(x), "one torch.baddbmm": lambda x: torch.baddbmm(B[0], W[0], Wt[0])}
     best: dict[str, float] = {}
