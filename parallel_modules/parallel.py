@@ -589,34 +589,34 @@ class Parallel(nn.Module):
                 self._graph_moves = self._param_moves
             return self._graphs(self._forward, args, kwargs)
         if self._placement is None and not _is_tracing():
-            # The common case, inline: a signature whose schedule is decided and
+            # The common cases, inline: a signature whose schedule is decided,
             # sequential (what "auto" keeps for branches too small to gain from
-            # streams). On tiny branches each Python frame saved is a measurable
-            # part of the call, which must stay within a few percent of calling
-            # the branches by hand. (``_run``'s sequential loop and ``_joined``'s cat are its twins.)
+            # streams) or fused. On tiny branches each Python frame saved is a
+            # measurable part of the call, which must stay within a few percent
+            # of calling the branches by hand. (``_run``'s sequential loop and
+            # ``_joined``'s cat are its twins.)
             key = _signature(args, kwargs, self.training)
             plan = self._plans.get(key)
-            if (plan is not None and not (plan.forked or plan.fused) and self._compiler is None
+            if (plan is not None and not plan.forked and self._compiler is None
                     and not (plan.cuda and _capture_underway())):
-                outputs: list[Any] = []
-                try:
-                    for branch in self._modules.values():
-                        outputs.append(branch(*args, **kwargs))
-                except Exception as e:
-                    raise self._branch_error(e, len(outputs))
-                if self.join == "cat":
+                if not plan.fused:
+                    outputs: list[Any] = []
                     try:
-                        return torch.cat(outputs, self.dim)
-                    except Exception:
-                        pass  # structured outputs, or a mismatch: _combine joins leaf by leaf or names it
-                return self._combine(outputs)
-            if (plan is not None and plan.fused and not plan.forked and self._compiler is None
-                    and not (plan.cuda and _capture_underway())):
-                # Every branch in one fused group, decided: the group runs and its
-                # batched value is joined, without the general path's frames and
-                # closures (``_outputs``, ``_run``): an eager fused call is
-                # CPU-bound, and they cost 3-4 us of its 155-165 on the H100
-                # machine (``tools/exp_fused_eager.py``).
+                        for branch in self._modules.values():
+                            outputs.append(branch(*args, **kwargs))
+                    except Exception as e:
+                        raise self._branch_error(e, len(outputs))
+                    if self.join == "cat":
+                        try:
+                            return torch.cat(outputs, self.dim)
+                        except Exception:
+                            pass  # structured outputs, or a mismatch: _combine joins leaf by leaf or names it
+                    return self._combine(outputs)
+                # Every branch in one fused group: the group runs and its batched
+                # value is joined, without the general path's frames and closures
+                # (``_outputs``, ``_run``): an eager fused call is CPU-bound, and
+                # they cost 3-4 us of its 155-165 on the H100 machine
+                # (``tools/exp_fused_eager.py``).
                 fusion = self._fusion_for(args, kwargs)
                 if fusion is not None and len(fusion.units) == 1 and isinstance(fusion.units[0], _Group):
                     out = self._run_group(fusion, fusion.units[0], args, kwargs)
