@@ -341,15 +341,17 @@ class _Group:
         return stacked
 
     # Running --------------------------------------------------------------
-    def run(self, x: torch.Tensor, cat_joined: bool = False) -> Any:
+    def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False) -> Any:
         r"""Every member's output on the shared input ``x``, batched (see :func:`_split`).
 
         Outside tracing, :meth:`bind` must have been called since the members last changed.
         ``cat_joined``: the caller concatenates the outputs along their dimension 1,
         which reads the channels layout as it is (see :func:`_kernels_cost_more`).
+        ``eager``: the caller has already seen that no compiler traces and no graph
+        is being captured, which an eager call, CPU-bound, need not ask again.
         """
-        tracing = _is_tracing()
-        fewer = cat_joined and not tracing and _kernels_cost_more(x)
+        tracing = False if eager else _is_tracing()
+        fewer = cat_joined and not tracing and not eager and _kernels_cost_more(x)
         before = _call.fewer_kernels, _call.prefill
         _call.fewer_kernels, _call.prefill = fewer, _Prefill(x) if fewer else None
         try:

@@ -482,12 +482,13 @@ class Parallel(nn.Module):
             variants += [(_Priority(i),) for i in range(1, n)]
         return variants
 
-    def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict) -> list[Any]:
+    def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict, eager: bool = False) -> list[Any]:
+        r"""The group's batched value. ``eager``: the caller saw no tracer and no capture (see :meth:`_Group.run`)."""
         try:
-            if not _is_tracing() and group.bind():  # a parameter was replaced: stacked anew
+            if (eager or not _is_tracing()) and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
-            return group.run(args[0], len(fusion.units) == 1 and self.join == "cat" and self.dim in (1, -1))
+            return group.run(args[0], len(fusion.units) == 1 and self.join == "cat" and self.dim in (1, -1), eager)
         except Exception as e:
             if _is_tracing():
                 raise
@@ -614,12 +615,13 @@ class Parallel(nn.Module):
                     return self._combine(outputs)
                 # Every branch in one fused group: the group runs and its batched
                 # value is joined, without the general path's frames and closures
-                # (``_outputs``, ``_run``): an eager fused call is CPU-bound, and
-                # they cost 3-4 us of its 155-165 on the H100 machine
-                # (``tools/exp_fused_eager.py``).
+                # (``_outputs``, ``_run``) and without asking again whether a
+                # compiler traces or a graph is captured: an eager fused call is
+                # CPU-bound, and those cost 2-4 us of a 125-165 us call (mlp8) on
+                # the H100 machine (``tools/exp_fused_eager.py``).
                 fusion = self._fusion_for(args, kwargs)
                 if fusion is not None and len(fusion.units) == 1 and isinstance(fusion.units[0], _Group):
-                    out = self._run_group(fusion, fusion.units[0], args, kwargs)
+                    out = self._run_group(fusion, fusion.units[0], args, kwargs, eager=True)
                     return self._joined(fusion.scatter(fusion.units, [out]))
             return self._joined(self._outputs(args, kwargs, (key, plan)))
         return self._forward(*args, **kwargs)
