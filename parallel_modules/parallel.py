@@ -623,6 +623,9 @@ class Parallel(nn.Module):
                 if fusion is not None and len(fusion.units) == 1 and isinstance(fusion.units[0], _Group):
                     out = self._run_group(fusion, fusion.units[0], args, kwargs, eager=True)
                     return self._joined(fusion.scatter(fusion.units, [out]))
+                # Mixed groups (or none left): what ``_outputs`` runs for this plan,
+                # with the groups already found.
+                return self._joined(self._run(args, kwargs, None, fusion, False))
             return self._joined(self._outputs(args, kwargs, (key, plan)))
         return self._forward(*args, **kwargs)
 
@@ -664,7 +667,7 @@ class Parallel(nn.Module):
         else:
             key, plan = looked_up
         if plan is not None and not (plan.cuda and _capture_underway()):
-            # A decided schedule (the sequential one usually runs inline in ``forward``).
+            # A decided schedule (those that do not fork usually run inline in ``forward``).
             return self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
                              self._fusion_for(args, kwargs) if plan.fused else None, False)
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs)
