@@ -363,7 +363,7 @@ class _Replay(torch.autograd.Function):
         with graph.lock:
             graph._order(_current_stream(graph.device))
             graph._copy_in(inputs[: len(graph.inputs)])
-            graph.fwd.replay()
+            _launch(graph.fwd)
             graph.gen += 1
             ctx.gen = graph.gen
             outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
@@ -400,7 +400,7 @@ class _Replay(torch.autograd.Function):
                 if static is not None and static.data_ptr() != g.data_ptr():
                     static.copy_(g)
             assert graph.bwd is not None
-            graph.bwd.replay()
+            _launch(graph.bwd)
             copies = iter(graph.fresh_grads())
             result = tuple(next(copies) if g is not None else None for g in graph.grad_inputs)
         return (None, None) + result
