@@ -25,7 +25,8 @@ A capture follows :func:`torch.cuda.make_graphed_callables`:
   static outputs with respect to the inputs and parameters that require grad)
   and both graphs are wrapped in an :class:`torch.autograd.Function`, whose
   backward replays the backward graph. Parameters are inputs of that function,
-  so autograd accumulates their gradients into ``.grad`` as usual;
+  so autograd accumulates their gradients into ``.grad`` as usual -- or, with
+  ``direct_grads``, the function writes them itself (see :func:`_accumulate`);
 * the first call's result is the graph's first **replay** on that call's
   inputs, so every user call -- the first included -- runs the module once;
 * **outputs** -- clones of the graph's output buffers, or the buffers
@@ -264,6 +265,12 @@ class _Graph:
         self.grad_rest: list[torch.Tensor] = []
         self.grad_order: list[int] = []
         self.params: tuple[torch.Tensor, ...] = ()
+        # ``direct_grads``: the parameters' gradients are written by ``_Replay``
+        # itself, and this zero-size leaf stands in for them among its inputs
+        # (see ``_accumulate``); ``token_node`` is its gradient accumulator.
+        self.direct = False
+        self.token: torch.Tensor | None = None
+        self.token_node: Any = None
         # Training: forward replays so far, and the last one whose backward ran.
         self.gen = 0
         self.bwd_gen = -1
@@ -324,10 +331,12 @@ class _Graph:
     def replay(self, tensors: list[torch.Tensor], static_outputs: bool) -> Any:
         r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
         if self.bwd is not None:
+            direct = self.direct and _direct_allowed(self.params)
+            rest = (self.token,) if direct else self.params
             if _apply is None or torch._C._are_functorch_transforms_active():
-                outs = _Replay.apply(self, static_outputs, *tensors, *self.params)
+                outs = _Replay.apply(self, static_outputs, direct, *tensors, *rest)
             else:
-                outs = _apply(self, static_outputs, *_unwrap_dead(tensors), *self.params)
+                outs = _apply(self, static_outputs, direct, *_unwrap_dead(tensors), *rest)
         else:
             with self.lock:
                 lending = self.lending
@@ -355,11 +364,15 @@ class _Replay(torch.autograd.Function):
     r"""Forward: replay the forward graph. Backward: replay the backward graph.
 
     Inputs are the call's tensors followed by the parameters that require grad,
-    so autograd routes gradients to both (as ``make_graphed_callables`` does).
+    so autograd routes gradients to both (as ``make_graphed_callables`` does);
+    ``direct``: followed by the graph's token instead, and the parameters'
+    gradients are accumulated by :func:`_accumulate`.
     """
 
     @staticmethod
-    def forward(ctx: Any, graph: _Graph, static_outputs: bool, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, graph: _Graph, static_outputs: bool, direct: bool,  # type: ignore[override]
+                *inputs: torch.Tensor) -> tuple:
+        ctx.direct = direct
         with graph.lock:
             graph._order(_current_stream(graph.device))
             graph._copy_in(inputs[: len(graph.inputs)])
@@ -403,7 +416,70 @@ class _Replay(torch.autograd.Function):
             _launch(graph.bwd)
             copies = iter(graph.fresh_grads())
             result = tuple(next(copies) if g is not None else None for g in graph.grad_inputs)
-        return (None, None) + result
+        if not ctx.direct:
+            return (None, None, None) + result
+        n = len(graph.inputs)
+        # ``.backward()`` runs every accumulator; ``torch.autograd.grad`` and
+        # ``backward(inputs=...)`` run only those of the tensors they name, and
+        # must leave every other ``.grad`` as it is.
+        if _will_execute(graph.token_node):
+            _accumulate(graph.params, result[n:])
+        return (None, None, None) + result[:n] + (None,)
+
+
+def _direct_allowed(params: tuple[torch.Tensor, ...]) -> bool:
+    r"""Whether ``direct_grads`` may bypass the parameters' gradient accumulators on this call.
+
+    Not when anything may be listening on them: a hook on a parameter
+    (``register_hook``, ``register_post_accumulate_grad_hook``), or a process
+    group, whose DistributedDataParallel and FSDP register hooks on the
+    accumulators from C++, where they cannot be seen. Those calls go through
+    autograd as without ``direct_grads``.
+    """
+    if _will_execute_node is None or _distributed():
+        return False
+    for p in params:
+        if p._backward_hooks or p._post_accumulate_grad_hooks:
+            return False
+    return True
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _accumulate(params: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]) -> None:
+    r"""Sum ``grads`` into ``params``' ``.grad`` as autograd's accumulators do, all at once.
+
+    A ``.grad`` that is ``None`` takes the gradient itself (a fresh copy, in the
+    parameter's layout: see :meth:`_Graph.fresh_grads`), as an accumulator
+    does when it may steal it; the others are summed in place, in one
+    multi-tensor add. The engine runs one accumulator node per parameter, and
+    on an 8-branch MLP (64 parameters) those took more host time than
+    everything else in the backward pass (``tools/exp_train_step.py``).
+    """
+    into: list[torch.Tensor] = []
+    adds: list[torch.Tensor] = []
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            into.append(p.grad)
+            adds.append(g)
+    if into:
+        torch._foreach_add_(into, adds)
+
+
+# Whether the running backward pass will execute an autograd node (what
+# ``torch.autograd.graph.register_multi_grad_hook`` asks); without it,
+# ``direct_grads`` is never used.
+_will_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _will_execute(node: Any) -> bool:
+    return _will_execute_node(node)  # (never None here: ``_direct_allowed``)
 
 
 # ``_Replay.apply`` less ``Function.apply``'s Python prologue, which walks every
@@ -538,10 +614,12 @@ class _CudaGraphs:
             (see :class:`_Lending`). That tells only that the caller's stream
             is done with them: a caller that hands outputs to work on other
             streams, as a pipeline stage does to the next, must not be lent any.
+        direct_grads: training replays write the parameters' gradients into
+            ``.grad`` themselves (see :func:`_accumulate`).
     """
 
     def __init__(self, owner: nn.Module, max_graphs: int = 8, static_outputs: bool = False,
-                 fallback: bool = False, lend: bool = True) -> None:
+                 fallback: bool = False, lend: bool = True, direct_grads: bool = False) -> None:
         name = type(owner).__name__
         if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"{name}: max_graphs must be an int >= 1, got {max_graphs!r}.")
@@ -550,6 +628,7 @@ class _CudaGraphs:
         self.static_outputs = bool(static_outputs)
         self.fallback = bool(fallback)
         self.lend = lend
+        self.direct_grads = bool(direct_grads)
         self.captures = 0  # graphs captured so far (diagnostics and tests)
         self._owner = weakref.ref(owner)
         self._lock = threading.Lock()
@@ -836,6 +915,10 @@ class _CudaGraphs:
             by_id = {id(t): g for t, g in zip(surface, grads)}
             graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *leaves]]
             graph.plan_grads()
+            if self.direct_grads and graph.params:
+                graph.direct = True
+                graph.token = torch.zeros(0, device=graph.device, requires_grad=True)
+                graph.token_node = torch.autograd.graph.get_gradient_edge(graph.token).node
         else:
             # Replays copy into the static inputs with autograd on: they must not be leaves requiring grad.
             for s in graph.inputs:

@@ -145,6 +145,9 @@ def _train_modes(case: Case, device: torch.device, dtype: torch.dtype) -> dict[s
     if device.type == "cuda":
         modes["graph Parallel"] = step(parallel(cuda_graph=True))
         modes["graph Parallel fused"] = step(parallel(cuda_graph=True, fuse=True))
+        # The parameters' gradients written by the backward replay, not autograd's accumulators.
+        modes["graph Parallel direct_grads"] = step(parallel(cuda_graph=True, direct_grads=True))
+        modes["graph Parallel fused direct_grads"] = step(parallel(cuda_graph=True, fuse=True, direct_grads=True))
     return modes
 
 

@@ -131,6 +131,21 @@ class Parallel(nn.Module):
             ``False``.
         graph_fallback: when a signature cannot be captured, warn once and
             run it eagerly from then on instead of raising. Default: ``False``.
+        direct_grads: with ``cuda_graph=True`` in training, the backward
+            replay writes the parameters' gradients into ``.grad`` itself
+            (set, or summed into what is there) instead of handing each to
+            autograd's accumulator for that parameter, whose host time is
+            most of a CPU-bound graphed training step. The parameters are
+            then not part of autograd's graph: ``loss.backward()`` fills their
+            ``.grad`` as usual, ``torch.autograd.grad`` and
+            ``backward(inputs=...)`` leave it alone, and asking either for the
+            parameters' own gradients fails as for tensors the loss does not
+            use. Calls made while a parameter has a hook
+            (:meth:`~torch.Tensor.register_hook`,
+            :meth:`~torch.Tensor.register_post_accumulate_grad_hook`) or a
+            :mod:`torch.distributed` process group exists (DDP and FSDP hook
+            the accumulators) go through autograd as without it. Default:
+            ``False``.
         compile: compile each branch on its own, at its first call, and run
             the compiled code under this module's streams and CUDA graph:
             ``"inductor"`` (or another :func:`torch.compile` backend name or
@@ -221,21 +236,22 @@ class Parallel(nn.Module):
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
                  streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False, fuse: Fuse = False,
-                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
-                 compile_fallback: bool = False) -> None: ...
+                 static_outputs: bool = False, graph_fallback: bool = False, direct_grads: bool = False,
+                 fuse: Fuse = False, compile: Backend | None = None,
+                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None: ...
 
     @overload
     def __init__(self, branches: "OrderedDict[str, nn.Module | Callable[..., Any]]", /, *, join: JoinSpec = "cat",
                  dim: int = 1, streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False, fuse: Fuse = False,
-                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
-                 compile_fallback: bool = False) -> None: ...
+                 static_outputs: bool = False, graph_fallback: bool = False, direct_grads: bool = False,
+                 fuse: Fuse = False, compile: Backend | None = None,
+                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None: ...
 
     def __init__(self, *branches: Any, join: JoinSpec = "cat", dim: int = 1, streams: Streams = "auto",
                  cuda_graph: bool = False, max_graphs: int = 8, static_outputs: bool = False,
-                 graph_fallback: bool = False, fuse: Fuse = False, compile: Backend | None = None,
-                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None:
+                 graph_fallback: bool = False, direct_grads: bool = False, fuse: Fuse = False,
+                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
+                 compile_fallback: bool = False) -> None:
         super().__init__()
         owner = type(self).__name__
         if len(branches) == 1 and isinstance(branches[0], OrderedDict):
@@ -262,7 +278,9 @@ class Parallel(nn.Module):
         self.max_graphs = max_graphs
         self.static_outputs = bool(static_outputs)
         self.graph_fallback = bool(graph_fallback)
-        self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback)
+        self.direct_grads = bool(direct_grads)
+        self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback,
+                                   direct_grads=self.direct_grads)
         self._compiler = _compiler(owner, "branch", compile, compile_options, compile_fallback)
         for name, branch in items:
             self.add_module(name, _as_module(owner, name, branch))
@@ -283,7 +301,8 @@ class Parallel(nn.Module):
         if graphs is not None:
             graphs.clear()
         elif "max_graphs" in self.__dict__:  # unpickled or deep-copied: graphs never are
-            self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback)
+            self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
+                                       direct_grads=self.direct_grads)
         if self.fuse is not False:
             self._prepare_fusion(strict)
 
@@ -328,6 +347,7 @@ class Parallel(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("_compiler", None)  # pickled before compile= existed
+        state.setdefault("direct_grads", False)  # pickled before direct_grads= existed
         super().__setstate__(state)
         self._reset()
 
@@ -335,7 +355,7 @@ class Parallel(nn.Module):
     def _settings(self) -> dict[str, Any]:
         return {"join": self.join, "dim": self.dim, "streams": self.streams, "cuda_graph": self.cuda_graph,
                 "max_graphs": self.max_graphs, "static_outputs": self.static_outputs,
-                "graph_fallback": self.graph_fallback, "fuse": self.fuse,
+                "graph_fallback": self.graph_fallback, "direct_grads": self.direct_grads, "fuse": self.fuse,
                 **(self._compiler.settings() if self._compiler else {})}
 
     def __len__(self) -> int:
@@ -394,6 +414,8 @@ class Parallel(nn.Module):
         if self.cuda_graph:
             text += (f", cuda_graph=True, max_graphs={self.max_graphs}, static_outputs={self.static_outputs}, "
                      f"graph_fallback={self.graph_fallback}")
+            if self.direct_grads:
+                text += ", direct_grads=True"
         if self._compiler is not None:
             text += ", " + self._compiler.extra_repr()
         return text

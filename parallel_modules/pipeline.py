@@ -148,6 +148,10 @@ class ParallelSequential(nn.Sequential):
             the next call) instead of fresh tensors. Default: ``False``.
         graph_fallback: when a signature cannot be captured, warn once and run
             it eagerly instead of raising. Default: ``False``.
+        direct_grads: with ``cuda_graph=True`` in training, the backward
+            replay writes the parameters' gradients into ``.grad`` itself; as
+            :class:`~parallel_modules.Parallel`'s ``direct_grads``. Default:
+            ``False``.
         compile: compile each stage on its own, at its first call (micro-batch
             shapes included), and run it under this module's streams and graph;
             as :class:`~parallel_modules.Parallel`'s ``compile``. Default: ``None``.
@@ -187,18 +191,20 @@ class ParallelSequential(nn.Sequential):
 
     @overload
     def __init__(self, *stages: nn.Module, chunks: int = 1, cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False, compile: Backend | None = None,
-                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None: ...
+                 static_outputs: bool = False, graph_fallback: bool = False, direct_grads: bool = False,
+                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
+                 compile_fallback: bool = False) -> None: ...
 
     @overload
     def __init__(self, stages: "OrderedDict[str, nn.Module]", /, *, chunks: int = 1, cuda_graph: bool = False,
                  max_graphs: int = 8, static_outputs: bool = False, graph_fallback: bool = False,
-                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
-                 compile_fallback: bool = False) -> None: ...
+                 direct_grads: bool = False, compile: Backend | None = None,
+                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None: ...
 
     def __init__(self, *stages: Any, chunks: int = 1, cuda_graph: bool = False, max_graphs: int = 8,
-                 static_outputs: bool = False, graph_fallback: bool = False, compile: Backend | None = None,
-                 compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None:
+                 static_outputs: bool = False, graph_fallback: bool = False, direct_grads: bool = False,
+                 compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
+                 compile_fallback: bool = False) -> None:
         owner = type(self).__name__
         if len(stages) == 1 and isinstance(stages[0], OrderedDict):
             items = list(stages[0].items())
@@ -221,7 +227,9 @@ class ParallelSequential(nn.Sequential):
         self.max_graphs = max_graphs
         self.static_outputs = bool(static_outputs)
         self.graph_fallback = bool(graph_fallback)
-        self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback)
+        self.direct_grads = bool(direct_grads)
+        self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback,
+                                   direct_grads=self.direct_grads)
         self._compiler = _compiler(owner, "stage", compile, compile_options, compile_fallback)
         self._reset()
 
@@ -250,7 +258,8 @@ class ParallelSequential(nn.Sequential):
         if graphs is not None:
             graphs.clear()
         elif "max_graphs" in self.__dict__:  # unpickled or deep-copied: graphs never are
-            self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback)
+            self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
+                                       direct_grads=self.direct_grads)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... may move parameters: look at them anew, compile again.
@@ -274,6 +283,7 @@ class ParallelSequential(nn.Sequential):
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("_compiler", None)  # pickled before compile= existed
+        state.setdefault("direct_grads", False)  # pickled before direct_grads= existed
         super().__setstate__(state)
         self._reset()
 
@@ -305,6 +315,7 @@ class ParallelSequential(nn.Sequential):
     def _settings(self) -> dict[str, Any]:
         return {"chunks": self._chunks, "cuda_graph": self.cuda_graph, "max_graphs": self.max_graphs,
                 "static_outputs": self.static_outputs, "graph_fallback": self.graph_fallback,
+                "direct_grads": self.direct_grads,
                 **(self._compiler.settings() if self._compiler else {})}
 
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]

@@ -70,14 +70,19 @@ def test_repr_shows_graph_settings_and_slicing_keeps_them():
     plain = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
     assert "cuda_graph" not in repr(plain)
     block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), cuda_graph=True, max_graphs=3,
-                     static_outputs=True, graph_fallback=True)
+                     static_outputs=True, graph_fallback=True, direct_grads=True)
     text = repr(block)
-    for setting in ("cuda_graph=True", "max_graphs=3", "static_outputs=True", "graph_fallback=True"):
+    for setting in ("cuda_graph=True", "max_graphs=3", "static_outputs=True", "graph_fallback=True",
+                    "direct_grads=True"):
         assert setting in text
+    assert "direct_grads" not in repr(Parallel(nn.Linear(4, 4), cuda_graph=True))
     part = block[1:]
     assert isinstance(part, Parallel) and len(part) == 2
     assert (part.cuda_graph, part.max_graphs, part.static_outputs, part.graph_fallback) == (True, 3, True, True)
     assert part._graphs is not block._graphs and part._graphs.max_graphs == 3
+    assert part.direct_grads and part._graphs.direct_grads
+    clone = pickle.loads(pickle.dumps(block))
+    assert clone.direct_grads and clone._graphs.direct_grads
 
 
 def test_state_dict_unaffected():
@@ -107,6 +112,56 @@ def test_copy_and_pickle_get_a_fresh_cache():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert torch.equal(clone(x), _reference(clone, x))
+
+
+def test_accumulate_sets_or_sums_like_autograd():
+    # ``direct_grads`` hands a training replay's gradients out with ``_accumulate``: a ``.grad``
+    # that is None takes the gradient itself, any other is summed into in place, exactly as
+    # autograd's accumulators do for the same gradients.
+    from parallel_modules._graphs import _accumulate
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(3, 4)) for _ in range(3)]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    params[1].grad = torch.randn(3, 4)
+    twins[1].grad = params[1].grad.clone()
+    kept = params[1].grad
+    grads = (torch.randn(3, 4), torch.randn(3, 4), None)
+    _accumulate(tuple(params), grads)
+    sum((t * g).sum() for t, g in zip(twins, grads) if g is not None).backward()
+    assert params[0].grad is grads[0] and params[1].grad is kept and params[2].grad is None
+    for p, t in zip(params, twins):
+        assert (p.grad is None) == (t.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, t.grad)
+
+
+def test_direct_grads_defer_to_parameter_hooks():
+    # A hook on a parameter listens on its accumulator: calls made meanwhile go through autograd.
+    from parallel_modules._graphs import _direct_allowed
+
+    params = tuple(nn.Parameter(torch.randn(2)) for _ in range(3))
+    assert _direct_allowed(params)
+    for register in (lambda p: p.register_hook(lambda g: g),
+                     lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):
+        handle = register(params[1])
+        assert not _direct_allowed(params)
+        handle.remove()
+        assert _direct_allowed(params)
+
+
+def test_direct_grads_on_the_cpu_train_through_autograd():
+    branches = _mlp(3, width=16)
+    reference = nn.ModuleList(copy.deepcopy(branches))
+    block = Parallel(*branches, cuda_graph=True, direct_grads=True)
+    for _ in range(2):
+        x = torch.randn(4, 16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            block(x).square().sum().backward()
+        _reference(reference, x).square().sum().backward()
+        for p, p_ref in zip(block.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, p_ref.grad)
 
 
 def test_moving_or_changing_branches_drops_graphs():
@@ -289,11 +344,13 @@ def test_static_outputs_alias_the_graph_buffers():
 
 
 @cuda
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("input_grad", [True, False])
-def test_training_gradients_equal_eager(input_grad):
+def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
     branches = _mlp(8)
     reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
-    block = _graphed(branches)
+    block = _graphed(branches, direct_grads=direct)
+    accumulated = _count_accumulate(monkeypatch)
     opt = torch.optim.SGD(block.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     weight = torch.randn(8, 8 * 64, device="cuda")
@@ -316,6 +373,22 @@ def test_training_gradients_equal_eager(input_grad):
         torch.testing.assert_close(p, p_ref)
     graph = _only_graph(block)
     assert graph.bwd is not None and block._graphs.captures == 1
+    assert accumulated == ([5] if direct else [0])  # direct_grads took the backward's gradients itself
+
+
+def _count_accumulate(monkeypatch) -> list[int]:
+    r"""Count the calls of ``_graphs._accumulate`` (``direct_grads`` handing gradients out)."""
+    from parallel_modules import _graphs
+
+    calls = [0]
+    real = _graphs._accumulate
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(_graphs, "_accumulate", counted)
+    return calls
 
 
 def test_fresh_gradients_are_copies_in_order_and_layout():
@@ -342,16 +415,17 @@ def test_fresh_gradients_are_copies_in_order_and_layout():
 
 
 @cuda
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("between", ["set_to_none", "accumulate"])
-def test_training_gradients_are_never_overwritten_by_a_later_replay(between, fuse):
+def test_training_gradients_are_never_overwritten_by_a_later_replay(between, fuse, direct):
     # Gradients are handed out as views of one fresh buffer per backward, which autograd keeps
     # as the parameters' .grad without a copy (fused weight gradients too, which the products
     # compute transposed). .grad tensors kept after zero_grad(set_to_none=True), or accumulated
     # into over several backwards, must see no later replay.
     branches = _mlp(4)
     reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
-    block = _graphed(branches, fuse=fuse)
+    block = _graphed(branches, fuse=fuse, direct_grads=direct)
     kept, kept_ref = [], []
     for _ in range(4):
         x = torch.randn(8, 64, device="cuda")
@@ -383,6 +457,89 @@ def test_training_backward_after_a_later_forward_is_refused():
     with pytest.raises(RuntimeError, match="backward"):
         first.sum().backward()
     block(x).sum().backward()  # still usable
+
+
+@cuda
+def test_direct_grads_leave_grad_alone_outside_backward(monkeypatch):
+    # torch.autograd.grad and backward(inputs=...) name the tensors whose gradients they want:
+    # the parameters' .grad must stay as it is, as autograd leaves it; a plain backward fills it.
+    branches = _mlp(3)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches, direct_grads=True)
+    accumulated = _count_accumulate(monkeypatch)
+    for _ in range(2):
+        base = torch.randn(8, 64, device="cuda")
+        x, x_ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+        (g,) = torch.autograd.grad(block(x).square().sum(), x)
+        (g_ref,) = torch.autograd.grad(_reference(reference, x_ref).square().sum(), x_ref)
+        torch.testing.assert_close(g, g_ref)
+        block(x).square().sum().backward(inputs=[x])
+        torch.testing.assert_close(x.grad, g_ref)
+        assert all(p.grad is None for p in block.parameters())
+    assert accumulated == [0]
+    block(x).square().sum().backward()
+    _reference(reference, x_ref).square().sum().backward()
+    for p, p_ref in zip(block.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad)
+    assert accumulated == [1]
+
+
+@cuda
+@pytest.mark.parametrize("listener", ["post_accumulate_hook", "tensor_hook", "process_group"])
+def test_direct_grads_defer_to_hooks_and_process_groups(listener, monkeypatch):
+    from parallel_modules import _graphs
+
+    branches = _mlp(3)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches, direct_grads=True)
+    accumulated = _count_accumulate(monkeypatch)
+    block(torch.randn(8, 64, device="cuda")).sum().backward()  # captured; direct
+    assert accumulated == [1]
+    block.zero_grad()
+    first = next(block.parameters())
+    seen: list[torch.Tensor] = []
+    distributed = _graphs._distributed
+    if listener == "post_accumulate_hook":
+        handle = first.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    elif listener == "tensor_hook":
+        handle = first.register_hook(lambda g: seen.append(g.clone()))
+    else:
+        monkeypatch.setattr(_graphs, "_distributed", lambda: True)
+    for _ in range(2):
+        x = torch.randn(8, 64, device="cuda")
+        block(x).square().sum().backward()
+        _reference(reference, x).square().sum().backward()
+        for p, p_ref in zip(block.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad)
+    assert accumulated == [1]  # autograd's accumulators took them, and ran the hooks
+    if listener == "process_group":
+        monkeypatch.setattr(_graphs, "_distributed", distributed)
+    else:
+        assert len(seen) == 2
+        if listener == "post_accumulate_hook":
+            torch.testing.assert_close(seen[-1], first.grad)
+        handle.remove()
+    block(x).sum().backward()
+    assert accumulated == [2]  # nothing listens any more: direct again
+
+
+@cuda
+def test_direct_grads_in_a_graphed_pipeline(monkeypatch):
+    from parallel_modules import ParallelSequential
+
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)]
+    reference = nn.Sequential(*copy.deepcopy(stages)).cuda()
+    model = ParallelSequential(*stages, chunks=2, cuda_graph=True, direct_grads=True).cuda()
+    accumulated = _count_accumulate(monkeypatch)
+    for _ in range(3):
+        x = torch.randn(16, 32, device="cuda")
+        model(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        for p, p_ref in zip(model.parameters(), reference.parameters()):
+            # Two micro-batches against the whole batch: another summation order.
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6)
+    assert accumulated == [3]
 
 
 @cuda
