@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import threading
 import traceback
 import warnings
@@ -233,6 +234,98 @@ def _storage_refs(tensors: list[torch.Tensor]) -> list[StorageWeakRef]:
 
 
 # ----------------------------------------------------------------- one graph
+class _GradCopies:
+    r"""Copies of some of the gradients a backward graph leaves in its buffers, which its next replay overwrites.
+
+    Autograd may keep a returned gradient as a parameter's ``.grad``, which
+    must not alias memory the next replay overwrites. Gradients of one shape
+    and dtype are copied into one new ``[count, *shape]`` buffer and handed out
+    as the views ``unbind`` makes of it, strided as the parameters, so that
+    autograd keeps them as they are: an allocation per shape, one multi-tensor
+    copy, and views made in one call each, where a new tensor per gradient
+    cost more CPU time than both replays together on an 8-branch MLP (and
+    ``torch._utils._unflatten_dense_tensors``' views of one flat buffer, made
+    one by one, twice as much as ``unbind``'s). Non-contiguous gradients
+    (channels-last parameters) are copied as they are.
+
+    Args:
+        grads: the graph's gradient buffers; ``None`` where it computes none.
+    """
+
+    def __init__(self, grads: list[torch.Tensor | None]) -> None:
+        self.sources = [g for g in grads if g is not None]
+        self.device = self.sources[0].device if self.sources else None
+        buffers: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
+        rest: list[int] = []
+        for i, g in enumerate(self.sources):
+            if g.is_contiguous():
+                buffers.setdefault((g.shape, g.dtype), []).append(i)
+            else:
+                rest.append(i)
+        grouped = [i for indices in buffers.values() for i in indices]
+        self.buffers = [(shape, dtype, len(indices)) for (shape, dtype), indices in buffers.items()]
+        self.grouped = [self.sources[i] for i in grouped]
+        self.rest = [self.sources[i] for i in rest]
+        # Where each gradient's copy lands among the buffers' views, then the rest's copies.
+        order = grouped + rest
+        self.order = sorted(range(len(order)), key=order.__getitem__)
+        # ``reused``: the copies last handed out, the tensors that own their memory, and
+        # how many references to each (and to that memory) there were when they were made.
+        self.kept: list[torch.Tensor] | None = None
+        self.owners: list[torch.Tensor] = []
+        self.counts: list[int] = []
+
+    def fresh(self) -> list[torch.Tensor]:
+        r"""New copies, in the order of ``grads`` without its ``None``s."""
+        return self._make()[0]
+
+    def _make(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        views: list[torch.Tensor] = []
+        owners: list[torch.Tensor] = []
+        for shape, dtype, count in self.buffers:
+            owners.append(torch.empty((count, *shape), dtype=dtype, device=self.device))
+            views += owners[-1].unbind(0)
+        if views:
+            torch._foreach_copy_(views, self.grouped)
+        if self.rest:
+            copies = torch._foreach_mul(self.rest, 1.0)  # ``x * 1`` is exact
+            views += copies
+            owners += copies
+        return [views[i] for i in self.order], owners
+
+    def reused(self) -> list[torch.Tensor]:
+        r"""The copies handed out last time, refilled, if nothing else holds them any more; else new ones.
+
+        For ``direct_grads``, which hands them to the parameters' ``.grad``
+        itself: after ``zero_grad(set_to_none=True)`` dropped them, making new
+        ones (an allocation per shape, a view per gradient) took as much host
+        time as the rest of the backward pass. Any reference to them, to their
+        buffers or to their memory (a view, a storage) that was not there when
+        they were made -- a ``.grad`` still set, a gradient kept for later --
+        shows in a reference count and gets new copies; autograd's own saved
+        tensors see the refill in their version counters.
+        """
+        kept = self.kept
+        if kept is not None and self._counts(kept, self.owners) == self.counts:
+            torch._foreach_copy_(kept, self.sources)
+            return kept
+        kept, owners = self._make()
+        self.kept, self.owners = kept, owners
+        self.counts = self._counts(kept, owners)
+        return kept
+
+    @staticmethod
+    def _counts(kept: list[torch.Tensor], owners: list[torch.Tensor]) -> list[int]:
+        counts = [sys.getrefcount(t) for t in kept]
+        counts += [sys.getrefcount(t) for t in owners]
+        # A storage's Python object is one per storage and holds it once, however
+        # many hold the object: a held one shows in the object's count.
+        counts += [sys.getrefcount(t.untyped_storage()) for t in owners]
+        if _use_count is not None:  # views, and anything else holding the memory
+            counts += [_use_count(t.untyped_storage()._cdata) for t in owners]
+        return counts
+
+
 class _Graph:
     r"""The graphs, static buffers and replay ordering of one input signature."""
 
@@ -260,10 +353,10 @@ class _Graph:
         self.out_grad: list[bool] = []
         self.grad_outputs: list[torch.Tensor | None] = []
         self.grad_inputs: list[torch.Tensor | None] = []
-        self.grad_buffers: list[tuple[torch.Size, torch.dtype, int]] = []
-        self.grad_sources: list[torch.Tensor] = []
-        self.grad_rest: list[torch.Tensor] = []
-        self.grad_order: list[int] = []
+        self.copies = _GradCopies([])  # of every gradient, handed to autograd
+        # ``direct_grads``: of the inputs' gradients (to autograd) and of the parameters' (to ``.grad``).
+        self.input_copies = _GradCopies([])
+        self.param_copies = _GradCopies([])
         self.params: tuple[torch.Tensor, ...] = ()
         # ``direct_grads``: the parameters' gradients are written by ``_Replay``
         # itself, and this zero-size leaf stands in for them among its inputs
@@ -276,46 +369,15 @@ class _Graph:
         self.bwd_gen = -1
 
     def plan_grads(self) -> None:
-        r"""Decide how :meth:`fresh_grads` copies the backward graph's gradients."""
-        present = [g for g in self.grad_inputs if g is not None]
-        buffers: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
-        rest: list[int] = []
-        for i, g in enumerate(present):
-            if g.is_contiguous():
-                buffers.setdefault((g.shape, g.dtype), []).append(i)
-            else:
-                rest.append(i)
-        grouped = [i for indices in buffers.values() for i in indices]
-        self.grad_buffers = [(shape, dtype, len(indices)) for (shape, dtype), indices in buffers.items()]
-        self.grad_sources = [present[i] for i in grouped]
-        self.grad_rest = [present[i] for i in rest]
-        # Where each gradient's copy lands among the buffers' views, then the rest's copies.
-        order = grouped + rest
-        self.grad_order = sorted(range(len(order)), key=order.__getitem__)
+        r"""Decide how the backward graph's gradients (``grad_inputs``) are copied out of it."""
+        n = len(self.inputs)
+        self.copies = _GradCopies(self.grad_inputs)
+        self.input_copies = _GradCopies(self.grad_inputs[:n])
+        self.param_copies = _GradCopies(self.grad_inputs[n:])
 
     def fresh_grads(self) -> list[torch.Tensor]:
-        r"""Copies of the gradients the backward graph left in its buffers (``grad_inputs`` without its ``None``s).
-
-        Autograd may keep a returned gradient as a parameter's ``.grad``, which
-        must not alias memory the next replay overwrites. Gradients of one
-        shape and dtype are copied into one new ``[count, *shape]`` buffer and
-        handed out as the views ``unbind`` makes of it, strided as the
-        parameters, so that autograd keeps them as they are: an allocation per
-        shape, one multi-tensor copy, and views made in one call each, where a
-        new tensor per gradient cost more CPU time than both replays together
-        on an 8-branch MLP (and ``torch._utils._unflatten_dense_tensors``' views
-        of one flat buffer, made one by one, twice as much as ``unbind``'s).
-        Non-contiguous gradients (channels-last parameters) are copied as they
-        are.
-        """
-        views: list[torch.Tensor] = []
-        for shape, dtype, count in self.grad_buffers:
-            views += torch.empty((count, *shape), dtype=dtype, device=self.device).unbind(0)
-        if views:
-            torch._foreach_copy_(views, self.grad_sources)
-        if self.grad_rest:
-            views += torch._foreach_mul(self.grad_rest, 1.0)  # ``x * 1`` is exact
-        return [views[i] for i in self.grad_order]
+        r"""Copies of the gradients the backward graph left in its buffers (``grad_inputs`` without its ``None``s)."""
+        return self.copies.fresh()
 
     def _order(self, stream: torch.cuda.Stream) -> None:
         last = self.last
@@ -414,17 +476,21 @@ class _Replay(torch.autograd.Function):
                     static.copy_(g)
             assert graph.bwd is not None
             _launch(graph.bwd)
-            copies = iter(graph.fresh_grads())
-            result = tuple(next(copies) if g is not None else None for g in graph.grad_inputs)
-        if not ctx.direct:
-            return (None, None, None) + result
-        n = len(graph.inputs)
-        # ``.backward()`` runs every accumulator; ``torch.autograd.grad`` and
-        # ``backward(inputs=...)`` run only those of the tensors they name, and
-        # must leave every other ``.grad`` as it is.
-        if _will_execute(graph.token_node):
-            _accumulate(graph.params, result[n:])
-        return (None, None, None) + result[:n] + (None,)
+            if not ctx.direct:
+                return (None, None, None) + _in_place(graph.grad_inputs, graph.fresh_grads())
+            n = len(graph.inputs)
+            # ``.backward()`` runs every accumulator; ``torch.autograd.grad`` and
+            # ``backward(inputs=...)`` run only those of the tensors they name, and
+            # must leave every other ``.grad`` as it is.
+            if _will_execute(graph.token_node):
+                _hand_out(graph.params, graph.grad_inputs[n:], graph.param_copies)
+            return (None, None, None) + _in_place(graph.grad_inputs[:n], graph.input_copies.fresh()) + (None,)
+
+
+def _in_place(grads: list[torch.Tensor | None], copies: list[torch.Tensor]) -> tuple:
+    r"""``copies`` where ``grads`` has a tensor, ``None`` elsewhere."""
+    it = iter(copies)
+    return tuple(next(it) if g is not None else None for g in grads)
 
 
 def _direct_allowed(params: tuple[torch.Tensor, ...]) -> bool:
@@ -448,15 +514,35 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def _hand_out(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None], copies: _GradCopies) -> None:
+    r"""``direct_grads``: sum the backward graph's ``grads`` (buffers) into ``params``' ``.grad``.
+
+    The common cases take no new tensor: every ``.grad`` set (accumulation,
+    ``zero_grad(set_to_none=False)``): one add from the buffers; every
+    ``.grad`` ``None`` (``zero_grad()``'s default): the copies handed out last
+    time, refilled when nothing holds them any more (:meth:`_GradCopies.reused`).
+    Otherwise new copies, by :func:`_accumulate`.
+    """
+    taking = [p for p, g in zip(params, grads) if g is not None]
+    held = [p.grad for p in taking]
+    if all(g is None for g in held):
+        for p, g in zip(taking, copies.reused()):
+            p.grad = g
+    elif all(g is not None for g in held):
+        torch._foreach_add_(held, copies.sources)
+    else:
+        _accumulate(tuple(taking), tuple(copies.fresh()))
+
+
 def _accumulate(params: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]) -> None:
     r"""Sum ``grads`` into ``params``' ``.grad`` as autograd's accumulators do, all at once.
 
     A ``.grad`` that is ``None`` takes the gradient itself (a fresh copy, in the
-    parameter's layout: see :meth:`_Graph.fresh_grads`), as an accumulator
-    does when it may steal it; the others are summed in place, in one
-    multi-tensor add. The engine runs one accumulator node per parameter, and
-    on an 8-branch MLP (64 parameters) those took more host time than
-    everything else in the backward pass (``tools/exp_train_step.py``).
+    parameter's layout: see :class:`_GradCopies`), as an accumulator does when
+    it may steal it; the others are summed in place, in one multi-tensor add.
+    The engine runs one accumulator node per parameter, and on an 8-branch MLP
+    (64 parameters) those took more host time than everything else in the
+    backward pass (``tools/exp_train_step.py``).
     """
     into: list[torch.Tensor] = []
     adds: list[torch.Tensor] = []

@@ -114,6 +114,42 @@ def test_copy_and_pickle_get_a_fresh_cache():
             assert torch.equal(clone(x), _reference(clone, x))
 
 
+def test_direct_grads_reuse_their_copies_only_when_nothing_holds_them():
+    # direct_grads hands the parameters the copies it made last time, refilled, once nothing
+    # holds them any more; a copy, its buffer or its memory held anywhere gets new copies, and
+    # what is held is never overwritten.
+    from parallel_modules._graphs import _GradCopies
+
+    grads = [torch.randn(3, 4), None, torch.randn(3, 4), torch.randn(5),
+             torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)]
+    present = [g for g in grads if g is not None]
+    copies = _GradCopies(grads)
+
+    def refill() -> None:
+        for g in present:
+            g.normal_()
+        for c, g in zip(copies.reused(), present):
+            assert torch.equal(c, g) and c.stride() == g.stride()
+
+    refill()
+    kept = copies.kept
+    refill()
+    assert copies.kept is kept  # nothing held them: the same copies, refilled
+    for hold in (lambda c: c[0], lambda c: c[3], lambda c: c[2].view(-1), lambda c: c[0]._base,
+                 lambda c: c[1].untyped_storage()):
+        held = hold(copies.kept)
+        snapshot = held.clone() if isinstance(held, torch.Tensor) else None
+        kept = copies.kept
+        refill()
+        assert copies.kept is not kept  # new copies: one of the last is still held
+        if snapshot is not None:
+            assert torch.equal(held, snapshot)
+        del held, kept
+        kept = copies.kept
+        refill()
+        assert copies.kept is kept  # let go of: reused again
+
+
 def test_accumulate_sets_or_sums_like_autograd():
     # ``direct_grads`` hands a training replay's gradients out with ``_accumulate``: a ``.grad``
     # that is None takes the gradient itself, any other is summed into in place, exactly as
@@ -350,10 +386,11 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
     branches = _mlp(8)
     reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
     block = _graphed(branches, direct_grads=direct)
-    accumulated = _count_accumulate(monkeypatch)
+    handed = _count_hand_outs(monkeypatch)
     opt = torch.optim.SGD(block.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     weight = torch.randn(8, 8 * 64, device="cuda")
+    handed_out = []  # direct_grads: the parameters' copies after each backward
     for _ in range(5):
         base = torch.randn(8, 64, device="cuda")
         x, x_ref = base.clone().requires_grad_(input_grad), base.clone().requires_grad_(input_grad)
@@ -361,6 +398,7 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
         torch.testing.assert_close(out, out_ref)
         (out * weight).sum().backward()
         (out_ref * weight).sum().backward()
+        handed_out.append(_only_graph(block).param_copies.kept)
         if input_grad:
             torch.testing.assert_close(x.grad, x_ref.grad)
         for p, p_ref in zip(block.parameters(), reference.parameters()):
@@ -373,21 +411,23 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
         torch.testing.assert_close(p, p_ref)
     graph = _only_graph(block)
     assert graph.bwd is not None and block._graphs.captures == 1
-    assert accumulated == ([5] if direct else [0])  # direct_grads took the backward's gradients itself
+    assert handed == ([5] if direct else [0])  # direct_grads took the backward's gradients itself
+    # zero_grad() let go of them: the same copies, refilled, every step.
+    assert (handed_out[0] is not None and all(k is handed_out[0] for k in handed_out)) == direct
 
 
-def _count_accumulate(monkeypatch) -> list[int]:
-    r"""Count the calls of ``_graphs._accumulate`` (``direct_grads`` handing gradients out)."""
+def _count_hand_outs(monkeypatch) -> list[int]:
+    r"""Count the calls of ``_graphs._hand_out`` (``direct_grads`` handing gradients to ``.grad``)."""
     from parallel_modules import _graphs
 
     calls = [0]
-    real = _graphs._accumulate
+    real = _graphs._hand_out
 
     def counted(*args):
         calls[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(_graphs, "_accumulate", counted)
+    monkeypatch.setattr(_graphs, "_hand_out", counted)
     return calls
 
 
@@ -399,6 +439,7 @@ def test_fresh_gradients_are_copies_in_order_and_layout():
 
     graph = _Graph.__new__(_Graph)
     graph.device = torch.device("cpu")
+    graph.inputs = []
     grads = [torch.randn(3, 4), None, torch.randn(5), torch.randn(3, 4, dtype=torch.float64),
              torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), torch.randn(3, 4), torch.randn(5)]
     graph.grad_inputs = grads
@@ -466,7 +507,7 @@ def test_direct_grads_leave_grad_alone_outside_backward(monkeypatch):
     branches = _mlp(3)
     reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
     block = _graphed(branches, direct_grads=True)
-    accumulated = _count_accumulate(monkeypatch)
+    handed = _count_hand_outs(monkeypatch)
     for _ in range(2):
         base = torch.randn(8, 64, device="cuda")
         x, x_ref = base.clone().requires_grad_(), base.clone().requires_grad_()
@@ -476,12 +517,12 @@ def test_direct_grads_leave_grad_alone_outside_backward(monkeypatch):
         block(x).square().sum().backward(inputs=[x])
         torch.testing.assert_close(x.grad, g_ref)
         assert all(p.grad is None for p in block.parameters())
-    assert accumulated == [0]
+    assert handed == [0]
     block(x).square().sum().backward()
     _reference(reference, x_ref).square().sum().backward()
     for p, p_ref in zip(block.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad)
-    assert accumulated == [1]
+    assert handed == [1]
 
 
 @cuda
@@ -492,9 +533,9 @@ def test_direct_grads_defer_to_hooks_and_process_groups(listener, monkeypatch):
     branches = _mlp(3)
     reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
     block = _graphed(branches, direct_grads=True)
-    accumulated = _count_accumulate(monkeypatch)
+    handed = _count_hand_outs(monkeypatch)
     block(torch.randn(8, 64, device="cuda")).sum().backward()  # captured; direct
-    assert accumulated == [1]
+    assert handed == [1]
     block.zero_grad()
     first = next(block.parameters())
     seen: list[torch.Tensor] = []
@@ -511,7 +552,7 @@ def test_direct_grads_defer_to_hooks_and_process_groups(listener, monkeypatch):
         _reference(reference, x).square().sum().backward()
         for p, p_ref in zip(block.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, p_ref.grad)
-    assert accumulated == [1]  # autograd's accumulators took them, and ran the hooks
+    assert handed == [1]  # autograd's accumulators took them, and ran the hooks
     if listener == "process_group":
         monkeypatch.setattr(_graphs, "_distributed", distributed)
     else:
@@ -520,7 +561,7 @@ def test_direct_grads_defer_to_hooks_and_process_groups(listener, monkeypatch):
             torch.testing.assert_close(seen[-1], first.grad)
         handle.remove()
     block(x).sum().backward()
-    assert accumulated == [2]  # nothing listens any more: direct again
+    assert handed == [2]  # nothing listens any more: direct again
 
 
 @cuda
@@ -531,7 +572,7 @@ def test_direct_grads_in_a_graphed_pipeline(monkeypatch):
     stages = [nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)]
     reference = nn.Sequential(*copy.deepcopy(stages)).cuda()
     model = ParallelSequential(*stages, chunks=2, cuda_graph=True, direct_grads=True).cuda()
-    accumulated = _count_accumulate(monkeypatch)
+    handed = _count_hand_outs(monkeypatch)
     for _ in range(3):
         x = torch.randn(16, 32, device="cuda")
         model(x).square().mean().backward()
@@ -539,7 +580,7 @@ def test_direct_grads_in_a_graphed_pipeline(monkeypatch):
         for p, p_ref in zip(model.parameters(), reference.parameters()):
             # Two micro-batches against the whole batch: another summation order.
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6)
-    assert accumulated == [3]
+    assert handed == [3]
 
 
 @cuda
