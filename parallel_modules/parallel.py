@@ -144,8 +144,10 @@ class Parallel(nn.Module):
             (:meth:`~torch.Tensor.register_hook`,
             :meth:`~torch.Tensor.register_post_accumulate_grad_hook`) or a
             :mod:`torch.distributed` process group exists (DDP and FSDP hook
-            the accumulators) go through autograd as without it. Default:
-            ``False``.
+            the accumulators) go through autograd as without it. After
+            ``zero_grad()``, the gradients' memory stays with the graph, which
+            refills it at the next backward unless something still holds the
+            old gradients. Default: ``False``.
         compile: compile each branch on its own, at its first call, and run
             the compiled code under this module's streams and CUDA graph:
             ``"inductor"`` (or another :func:`torch.compile` backend name or

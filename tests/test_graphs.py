@@ -518,6 +518,9 @@ def test_direct_grads_leave_grad_alone_outside_backward(monkeypatch):
         torch.testing.assert_close(x.grad, g_ref)
         assert all(p.grad is None for p in block.parameters())
     assert handed == [0]
+    # Documented: the parameters are not in autograd's graph, so asking for theirs fails.
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(block(x).sum(), [next(block.parameters())])
     block(x).square().sum().backward()
     _reference(reference, x_ref).square().sum().backward()
     for p, p_ref in zip(block.parameters(), reference.parameters()):
