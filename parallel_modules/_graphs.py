@@ -364,6 +364,10 @@ class _Graph:
         self.direct = False
         self.token: torch.Tensor | None = None
         self.token_node: Any = None
+        # The token's gradient: defined, so that the engine orders the token's
+        # accumulator -- whose stream the caller's waits on at the end of
+        # ``backward()`` -- after the stream this backward writes ``.grad`` on.
+        self.token_grad: torch.Tensor | None = None
         # Training: forward replays so far, and the last one whose backward ran.
         self.gen = 0
         self.bwd_gen = -1
@@ -483,8 +487,17 @@ class _Replay(torch.autograd.Function):
             # ``backward(inputs=...)`` run only those of the tensors they name, and
             # must leave every other ``.grad`` as it is.
             if _will_execute(graph.token_node):
+                if not _direct_allowed(graph.params):
+                    raise RuntimeError(
+                        f"{graph.name}: a hook was registered on a parameter, or a torch.distributed process "
+                        f"group created, between this call's forward and its backward, with direct_grads=True: "
+                        f"the forward took the parameters out of autograd's graph, so the hook would not run. "
+                        f"Register hooks (and create process groups) before the forward call, or pass "
+                        f"direct_grads=False."
+                    )
                 _hand_out(graph.params, graph.grad_inputs[n:], graph.param_copies)
-            return (None, None, None) + _in_place(graph.grad_inputs[:n], graph.input_copies.fresh()) + (None,)
+            return ((None, None, None) + _in_place(graph.grad_inputs[:n], graph.input_copies.fresh())
+                    + (graph.token_grad,))
 
 
 def _in_place(grads: list[torch.Tensor | None], copies: list[torch.Tensor]) -> tuple:
@@ -524,6 +537,8 @@ def _hand_out(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None]
     Otherwise new copies, by :func:`_accumulate`.
     """
     taking = [p for p, g in zip(params, grads) if g is not None]
+    if not taking:
+        return
     held = [p.grad for p in taking]
     if all(g is None for g in held):
         for p, g in zip(taking, copies.reused()):
@@ -1001,10 +1016,11 @@ class _CudaGraphs:
             by_id = {id(t): g for t, g in zip(surface, grads)}
             graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *leaves]]
             graph.plan_grads()
-            if self.direct_grads and graph.params:
+            if self.direct_grads and any(g is not None for g in graph.grad_inputs[len(graph.inputs):]):
                 graph.direct = True
                 graph.token = torch.zeros(0, device=graph.device, requires_grad=True)
                 graph.token_node = torch.autograd.graph.get_gradient_edge(graph.token).node
+                graph.token_grad = torch.zeros(0, device=graph.device)
         else:
             # Replays copy into the static inputs with autograd on: they must not be leaves requiring grad.
             for s in graph.inputs:

@@ -170,6 +170,12 @@ def test_accumulate_sets_or_sums_like_autograd():
         assert (p.grad is None) == (t.grad is None)
         if p.grad is not None:
             assert torch.equal(p.grad, t.grad)
+    # Parameters the backward graph computes no gradient for are left alone, call after call.
+    from parallel_modules._graphs import _GradCopies, _hand_out
+
+    nothing = _GradCopies([None, None])
+    for _ in range(2):
+        _hand_out(tuple(twins[:2]), [None, None], nothing)
 
 
 def test_direct_grads_defer_to_parameter_hooks():
@@ -565,6 +571,14 @@ def test_direct_grads_defer_to_hooks_and_process_groups(listener, monkeypatch):
         handle.remove()
     block(x).sum().backward()
     assert handed == [2]  # nothing listens any more: direct again
+    # A hook registered between a direct forward and its backward could not run: refused, by name.
+    out = block(x)
+    handle = first.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(RuntimeError, match="Parallel.*hook.*before the forward"):
+        out.sum().backward()
+    handle.remove()
+    block(x).sum().backward()
+    assert handed == [3]  # and the module works on
 
 
 @cuda
