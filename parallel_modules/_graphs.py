@@ -26,7 +26,7 @@ A capture follows :func:`torch.cuda.make_graphed_callables`:
   and both graphs are wrapped in an :class:`torch.autograd.Function`, whose
   backward replays the backward graph. Parameters are inputs of that function,
   so autograd accumulates their gradients into ``.grad`` as usual -- or, with
-  ``direct_grads``, the function writes them itself (see :func:`_accumulate`);
+  ``direct_grads``, the function writes them itself (see :func:`_hand_out`);
 * the first call's result is the graph's first **replay** on that call's
   inputs, so every user call -- the first included -- runs the module once;
 * **outputs** -- clones of the graph's output buffers, or the buffers
@@ -318,11 +318,13 @@ class _GradCopies:
     def _counts(kept: list[torch.Tensor], owners: list[torch.Tensor]) -> list[int]:
         counts = [sys.getrefcount(t) for t in kept]
         counts += [sys.getrefcount(t) for t in owners]
-        # A storage's Python object is one per storage and holds it once, however
-        # many hold the object: a held one shows in the object's count.
-        counts += [sys.getrefcount(t.untyped_storage()) for t in owners]
-        if _use_count is not None:  # views, and anything else holding the memory
-            counts += [_use_count(t.untyped_storage()._cdata) for t in owners]
+        for t in owners:
+            storage = t.untyped_storage()
+            # A storage's Python object is one per storage and holds it once, however
+            # many hold the object: a held one shows in the object's count.
+            counts.append(sys.getrefcount(storage))
+            if _use_count is not None:  # views, and anything else holding the memory
+                counts.append(_use_count(storage._cdata))
         return counts
 
 
@@ -353,15 +355,14 @@ class _Graph:
         self.out_grad: list[bool] = []
         self.grad_outputs: list[torch.Tensor | None] = []
         self.grad_inputs: list[torch.Tensor | None] = []
-        self.copies = _GradCopies([])  # of every gradient, handed to autograd
-        # ``direct_grads``: of the inputs' gradients (to autograd) and of the parameters' (to ``.grad``).
+        # Copies of the inputs' gradients (to autograd) and of the parameters' (to
+        # autograd, or to ``.grad`` with ``direct_grads``).
         self.input_copies = _GradCopies([])
         self.param_copies = _GradCopies([])
         self.params: tuple[torch.Tensor, ...] = ()
         # ``direct_grads``: the parameters' gradients are written by ``_Replay``
-        # itself, and this zero-size leaf stands in for them among its inputs
-        # (see ``_accumulate``); ``token_node`` is its gradient accumulator.
-        self.direct = False
+        # itself, and this zero-size leaf (``None`` without it) stands in for them
+        # among its inputs (see ``_hand_out``); ``token_node`` is its accumulator.
         self.token: torch.Tensor | None = None
         self.token_node: Any = None
         # The token's gradient: defined, so that the engine orders the token's
@@ -375,13 +376,12 @@ class _Graph:
     def plan_grads(self) -> None:
         r"""Decide how the backward graph's gradients (``grad_inputs``) are copied out of it."""
         n = len(self.inputs)
-        self.copies = _GradCopies(self.grad_inputs)
         self.input_copies = _GradCopies(self.grad_inputs[:n])
         self.param_copies = _GradCopies(self.grad_inputs[n:])
 
     def fresh_grads(self) -> list[torch.Tensor]:
         r"""Copies of the gradients the backward graph left in its buffers (``grad_inputs`` without its ``None``s)."""
-        return self.copies.fresh()
+        return self.input_copies.fresh() + self.param_copies.fresh()
 
     def _order(self, stream: torch.cuda.Stream) -> None:
         last = self.last
@@ -397,7 +397,7 @@ class _Graph:
     def replay(self, tensors: list[torch.Tensor], static_outputs: bool) -> Any:
         r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
         if self.bwd is not None:
-            direct = self.direct and _direct_allowed(self.params)
+            direct = self.token is not None and _direct_allowed(self.params)
             rest = (self.token,) if direct else self.params
             if _apply is None or torch._C._are_functorch_transforms_active():
                 outs = _Replay.apply(self, static_outputs, direct, *tensors, *rest)
@@ -432,7 +432,7 @@ class _Replay(torch.autograd.Function):
     Inputs are the call's tensors followed by the parameters that require grad,
     so autograd routes gradients to both (as ``make_graphed_callables`` does);
     ``direct``: followed by the graph's token instead, and the parameters'
-    gradients are accumulated by :func:`_accumulate`.
+    gradients are accumulated by :func:`_hand_out`.
     """
 
     @staticmethod
@@ -486,7 +486,7 @@ class _Replay(torch.autograd.Function):
             # ``.backward()`` runs every accumulator; ``torch.autograd.grad`` and
             # ``backward(inputs=...)`` run only those of the tensors they name, and
             # must leave every other ``.grad`` as it is.
-            if _will_execute(graph.token_node):
+            if _will_execute_node(graph.token_node):
                 if not _direct_allowed(graph.params):
                     raise RuntimeError(
                         f"{graph.name}: a hook was registered on a parameter, or a torch.distributed process "
@@ -575,12 +575,8 @@ def _accumulate(params: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | No
 
 # Whether the running backward pass will execute an autograd node (what
 # ``torch.autograd.graph.register_multi_grad_hook`` asks); without it,
-# ``direct_grads`` is never used.
+# ``direct_grads`` is never used (``_direct_allowed``).
 _will_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
-
-
-def _will_execute(node: Any) -> bool:
-    return _will_execute_node(node)  # (never None here: ``_direct_allowed``)
 
 
 # ``_Replay.apply`` less ``Function.apply``'s Python prologue, which walks every
@@ -716,7 +712,7 @@ class _CudaGraphs:
             is done with them: a caller that hands outputs to work on other
             streams, as a pipeline stage does to the next, must not be lent any.
         direct_grads: training replays write the parameters' gradients into
-            ``.grad`` themselves (see :func:`_accumulate`).
+            ``.grad`` themselves (see :func:`_hand_out`).
     """
 
     def __init__(self, owner: nn.Module, max_graphs: int = 8, static_outputs: bool = False,
@@ -1017,7 +1013,6 @@ class _CudaGraphs:
             graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *leaves]]
             graph.plan_grads()
             if self.direct_grads and any(g is not None for g in graph.grad_inputs[len(graph.inputs):]):
-                graph.direct = True
                 graph.token = torch.zeros(0, device=graph.device, requires_grad=True)
                 graph.token_node = torch.autograd.graph.get_gradient_edge(graph.token).node
                 graph.token_grad = torch.zeros(0, device=graph.device)

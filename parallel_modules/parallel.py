@@ -280,9 +280,7 @@ class Parallel(nn.Module):
         self.max_graphs = max_graphs
         self.static_outputs = bool(static_outputs)
         self.graph_fallback = bool(graph_fallback)
-        self.direct_grads = bool(direct_grads)
-        self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback,
-                                   direct_grads=self.direct_grads)
+        self.direct_grads = bool(direct_grads)  # the graph cache is made by _reset, below
         self._compiler = _compiler(owner, "branch", compile, compile_options, compile_fallback)
         for name, branch in items:
             self.add_module(name, _as_module(owner, name, branch))
@@ -302,7 +300,7 @@ class Parallel(nn.Module):
         graphs = self.__dict__.get("_graphs")
         if graphs is not None:
             graphs.clear()
-        elif "max_graphs" in self.__dict__:  # unpickled or deep-copied: graphs never are
+        else:  # constructed, unpickled or deep-copied: graphs never are copied
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
                                        direct_grads=self.direct_grads)
         if self.fuse is not False:

@@ -227,9 +227,7 @@ class ParallelSequential(nn.Sequential):
         self.max_graphs = max_graphs
         self.static_outputs = bool(static_outputs)
         self.graph_fallback = bool(graph_fallback)
-        self.direct_grads = bool(direct_grads)
-        self._graphs = _CudaGraphs(self, max_graphs, self.static_outputs, self.graph_fallback,
-                                   direct_grads=self.direct_grads)
+        self.direct_grads = bool(direct_grads)  # the graph cache is made by _reset, below
         self._compiler = _compiler(owner, "stage", compile, compile_options, compile_fallback)
         self._reset()
 
@@ -257,7 +255,7 @@ class ParallelSequential(nn.Sequential):
         graphs = self.__dict__.get("_graphs")
         if graphs is not None:
             graphs.clear()
-        elif "max_graphs" in self.__dict__:  # unpickled or deep-copied: graphs never are
+        else:  # constructed, unpickled or deep-copied: graphs never are copied
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
                                        direct_grads=self.direct_grads)
 
