@@ -42,6 +42,17 @@ def profile(name: str, fn: Callable[[], object], n: int = 2000, top: int = 14, w
     print("\n".join(line for line in s.getvalue().splitlines() if line.strip() and "function calls" not in line)[:3500])
 
 
+def op_table(fn: Callable[[], object], calls: int = 20, rows: int = 18) -> None:
+    r"""Print a torch.profiler table (CPU operators by self time) of ``calls`` calls of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
 def gpu_medians(calls: dict[str, Callable[[], object]], rounds: int = 30, per_sample: int = 10) -> dict[str, float]:
     r"""Median GPU microseconds per call of each entry, sampled interleaved (``per_sample`` calls per sample)."""
     times: dict[str, list[float]] = {name: [] for name in calls}

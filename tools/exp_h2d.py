@@ -15,7 +15,7 @@ from torch import nn
 
 from parallel_modules import ParallelSequential, pipeline
 from parallel_modules._cases import PIPELINES
-from _timing import cpu_us, gpu_medians  # tools/ is the script's directory
+from _timing import cpu_us, gpu_medians, op_table  # tools/ is the script's directory
 
 torch.backends.cudnn.allow_tf32 = False
 dev = torch.device("cuda")
@@ -123,11 +123,8 @@ for name, t in times.items():
 
 # Where the CPU time of a chunked call goes: operators by their own CPU time over 20 calls.
 FLAGS.update(ahead=True, gather=True)
-with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-    for _ in range(20):
-        model(x)
-    torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+with torch.no_grad():
+    op_table(lambda: model(x), calls=20, rows=14)
 
 # One call of the graphed module (host input: copies eager, the stage replayed per micro-batch):
 # every GPU activity, microseconds from the first, with its stream.

@@ -26,7 +26,7 @@ from torch import nn
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES, SequentialBranches
 from parallel_modules.bench import _capture, _sample
-from _timing import cpu_us, gpu_medians, profile  # tools/ is the script's directory
+from _timing import cpu_us, gpu_medians, op_table, profile  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -251,12 +251,7 @@ if "train" in what:
                   + f"   bench-style GPU/step {gpu:7.1f}")
             if kw is not None and u is None and "prof" in what:
                 profile(f"{label} step", whole, n=500, top=22)
-                from torch.profiler import ProfilerActivity, profile as tprofile
-                with tprofile(activities=[ProfilerActivity.CPU]) as prof:
-                    for _ in range(20):
-                        whole()
-                    torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+                op_table(whole, calls=20, rows=18)
         finally:
             if u == "gc":
                 gc.enable()

@@ -23,7 +23,7 @@ import torch
 
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES, SequentialBranches
-from _timing import gpu_medians, profile  # tools/ is the script's directory
+from _timing import gpu_medians, op_table, profile  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = torch.device("cuda")
@@ -86,12 +86,7 @@ if "prof" in sys.argv:
     for label in ("graph Parallel direct_grads", "graph Parallel fused direct_grads"):
         step = steps[label][0]
         profile(f"{label} step", step, n=500, top=25)
-        from torch.profiler import ProfilerActivity, profile as tprofile
-        with tprofile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(20):
-                step()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        op_table(step, calls=20, rows=25)
 
 
 leaves = [torch.zeros(256, 256, device=dev, requires_grad=True) for _ in range(64)]
