@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.fx import _symbolic_trace
@@ -345,7 +345,8 @@ def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> No
 
 
 def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None,
-                inputs: tuple | list = (), join: Callable[[list[Any]], Any] | None = None, high: int = 0) -> Any:
+                inputs: tuple | list = (), join: Callable[[list[Any]], Any] | None = None, high: int = 0,
+                order: Sequence[int] | None = None) -> Any:
     r"""Run ``run(i, calls[i])`` for every item, item 0 on the caller's stream.
 
     Items 1.. run on side streams forked from the caller's current stream and
@@ -359,7 +360,9 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     (never an output itself); its result is returned instead of the outputs,
     which are then released as the module docstring says (memory). ``high``:
     an item (1..) to run on its slot's high-priority stream instead (see
-    :meth:`_DevicePool.high_stream`); 0 for none.
+    :meth:`_DevicePool.high_stream`); 0 for none. ``order``: the items in the
+    order to launch them, ``order[0]`` on the caller's stream (see
+    ``Parallel._graph_variants``); the outputs stay in item order.
     """
     if capturing is None:
         capturing = _capture_underway()
@@ -375,29 +378,44 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     fork = forks[base]
     _record(fork, caller)
 
-    outputs = [run(0, calls[0])]
+    if order is None:
+        outputs = [run(0, calls[0])]
+    else:
+        # Launched out of item order: the slots fill in ``order``.
+        outputs = [None] * n
+        outputs[order[0]] = run(order[0], calls[order[0]])
     pool.offset = base + n - 1
     launched = 0
     try:
-        for i in range(1, n):
-            side = streams[i - 1]
+        for slot in range(1, n):
+            side = streams[slot - 1]
             _set_stream(side)
             _wait(fork, side)
-            launched = i
+            launched = slot
             try:
-                outputs.append(run(i, calls[i]))
+                if order is None:
+                    outputs.append(run(slot, calls[slot]))
+                else:
+                    outputs[order[slot]] = run(order[slot], calls[order[slot]])
             finally:
                 # Recorded even if the branch raised: the caller must not run
                 # ahead of work already enqueued on ``side``.
-                _record(joins[base + i], side)
+                _record(joins[base + slot], side)
     finally:
         pool.offset = base
         _set_stream(caller)
         # Join: every launched side stream, whatever happened.
-        for i in range(1, launched + 1):
-            _wait(joins[base + i], caller)
+        for slot in range(1, launched + 1):
+            _wait(joins[base + slot], caller)
     if inputs and not capturing:
         _join_backward(inputs, streams)
+    if order is not None:
+        # Every output not made on the caller's stream is recorded on it. (Orders
+        # are given under capture, where the release below, which takes item 0
+        # for the caller's, would not run either.)
+        for i in order[1:]:
+            _record_on(outputs[i], caller)
+        return outputs if join is None else join(outputs)
     if join is None or capturing or _use_count is None:
         # (Under capture the side streams must end joined into the caller's:
         # no wait may fork them again after the join.)

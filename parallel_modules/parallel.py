@@ -3,6 +3,7 @@ r"""``Parallel``: independent branches on one input, run concurrently."""
 from __future__ import annotations
 
 from collections import OrderedDict
+import time
 import warnings
 from typing import Any, Callable, Hashable, Iterator, Literal, NamedTuple, Union, overload
 
@@ -43,12 +44,21 @@ _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
 # Blocks of this many structurally different branches are also captured with each side
 # branch in turn on a high-priority stream (see ``_graph_variants``).
 _MAX_PRIORITY_VARIANTS = 8
+# The spin that holds the stream while ``_longest_first`` queues the branches it
+# times (about 0.5 ms on an H100; lengthened where the queueing takes longer).
+_SPIN_CYCLES = 1_000_000
 
 
 class _Priority(NamedTuple):
     r"""A graph variant: branch ``index`` captured on a high-priority stream (see ``_streams``)."""
 
     index: int
+
+
+class _Order(NamedTuple):
+    r"""A graph variant: the branches captured in this order, ``order[0]`` on the capture stream."""
+
+    order: tuple[int, ...]
 
 _CPU = _Schedule(False, False, False)
 _CPU_FUSED = _Schedule(True, False, False)
@@ -458,7 +468,9 @@ class Parallel(nn.Module):
                 schedules[_describe_signature(k[0])] = f"CUDA graph, {', '.join(how)}, " + (
                     "streams" if self.streams is not False else "sequential") + "".join(
                     f", branch {list(self._modules)[v.index]!r} on a high-priority stream"
-                    for v in variant or () if isinstance(v, _Priority))
+                    for v in variant or () if isinstance(v, _Priority)) + "".join(
+                    f", launched in the order {[list(self._modules)[i] for i in v.order]}"
+                    for v in variant or () if isinstance(v, _Order))
         info = {"fused": fused, "unfused": unfused, "schedules": schedules}
         if self._compiler is not None and self._compiler.whole_failure is not None:
             info["not compiled as one"] = self._compiler.whole_failure
@@ -473,13 +485,16 @@ class Parallel(nn.Module):
             fusion = self._fusion = self._new_fusion()
         return fusion if fusion.groups else None
 
-    def _graph_variants(self, args: tuple, kwargs: dict) -> list[tuple[str, ...] | None]:
+    def _graph_variants(self, args: tuple, kwargs: dict, first_only: bool = False) -> list[tuple[Any, ...] | None]:
         r"""For ``cuda_graph=True``: the ways to capture this call; the graph code keeps the fastest.
 
         Each is a tuple of ``"fused"``/``"unfused"`` (``fuse="auto"``) and
         ``_COMPILED``/``_EAGER`` (``compile=``), then, with a torch.compile
         backend, ``(_WHOLE,)``: the block compiled as one program (see
-        ``_compile``); training captures the first only.
+        ``_compile``); or, for different branches run as they are, an
+        ``_Order`` or a ``_Priority``. ``first_only``: only the first will be
+        captured (training). Called on the capture stream before warm-up, so
+        it may run the branches (buffers are restored after capture).
         """
         fusion = self._fusion_for(args, kwargs) if self.fuse is not False else None
         fuses = ["fused", "unfused"] if self.fuse == "auto" and fusion is not None else [""]
@@ -493,16 +508,63 @@ class Parallel(nn.Module):
         if self._compiler is not None and self._compiler.compiles_whole:
             variants.append((_WHOLE,))
         n = len(self._modules)
-        if (variants == [None] and self.streams is not False and 2 <= n <= _MAX_PRIORITY_VARIANTS
-                and not _all_identical(list(self._modules.values()))):
+        if (variants == [None] and self.streams is not False and not first_only
+                and 2 <= n <= _MAX_PRIORITY_VARIANTS and not _all_identical(list(self._modules.values()))):
             # Branches of different lengths contending for the GPU: the block may finish
-            # sooner when the longest runs first. Which branch that is depends on the
-            # shapes and the GPU (the Inception block at batch 1: the three-conv branch,
-            # 4-8% faster; at batch 8, the 5x5 one, 3%), so each side branch is tried on
-            # a high-priority stream, as cudnn.benchmark tries algorithms. (The first
-            # branch runs on the capture stream itself.)
+            # sooner when the longest runs first. A replay does not start every stream
+            # of the graph at once: on the H100 machine each side branch began 7-15 us
+            # after the one launched before it (tools/exp_capture_order.py), so the
+            # branches are also captured longest first (the Inception block at batch 1,
+            # fp32: 82 us against 91 in branch order). Which branch is longest depends
+            # on the shapes and the GPU, so each branch is timed alone first, and each
+            # side branch is also tried on a high-priority stream; the fastest replay
+            # is kept, as cudnn.benchmark keeps the fastest algorithm.
+            longest = self._longest_first(args, kwargs)
+            if longest != tuple(range(n)):
+                variants.append((_Order(longest),))
             variants += [(_Priority(i),) for i in range(1, n)]
         return variants
+
+    def _longest_first(self, args: tuple, kwargs: dict, reps: int = 2) -> tuple[int, ...]:
+        r"""The branches by GPU time alone on this call, longest first (ties in branch order).
+
+        Each branch is called once (lazy initialisation, ``cudnn.benchmark``),
+        then ``reps`` times between two events on the current stream, all
+        queued behind a spin kernel: the events then time the GPU's work, as a
+        replay runs it, and not how fast the host launches it (a one-kernel
+        branch and a four-kernel one take the host alike). Not on a CUDA
+        device: branch order.
+        """
+        branches = self._branches()
+        device = _input_device(args, kwargs)
+        if device is None or device.type != "cuda":
+            return tuple(range(len(branches)))
+        stream = torch.cuda.current_stream(device)
+        with torch.no_grad():
+            for i in range(len(branches)):
+                self._call(i, args, kwargs, branches)
+            cycles = _SPIN_CYCLES
+            for _ in range(3):
+                spin, spun = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                marks = []
+                spin.record(stream)
+                queued = time.perf_counter()
+                torch.cuda._sleep(cycles)
+                spun.record(stream)
+                for i in range(len(branches)):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    for _ in range(reps):
+                        self._call(i, args, kwargs, branches)
+                    end.record(stream)
+                    marks.append((start, end))
+                queued = time.perf_counter() - queued
+                stream.synchronize()
+                if queued * 1e3 < spin.elapsed_time(spun):
+                    break  # everything was queued before the spin ended
+                cycles *= 4
+        times = [start.elapsed_time(end) for start, end in marks]
+        return tuple(sorted(range(len(times)), key=lambda i: -times[i]))
 
     def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict, eager: bool = False) -> list[Any]:
         r"""The group's batched value. ``eager``: the caller saw no tracer and no capture (see :meth:`_Group.run`)."""
@@ -591,11 +653,13 @@ class Parallel(nn.Module):
             join = self._combine if fusion is None and self.join in _REDUCING_JOINS else None
             variant = _graph_variant(self) if capturing else None
             high = variant[0].index if variant and isinstance(variant[0], _Priority) else 0
+            order = variant[0].order if variant and isinstance(variant[0], _Order) else None
             if device.index is not None and device.index != torch.cuda.current_device():
                 with torch.cuda.device(device):
-                    outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join, high)
+                    outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join, high,
+                                          order)
             else:
-                outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join, high)
+                outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join, high, order)
             if join is not None:
                 return _Reduced(outputs)
         return outputs if fusion is None else fusion.scatter(calls, outputs)

@@ -476,7 +476,7 @@ class ParallelSequential(nn.Sequential):
             return self._modules.values()
         return compiler.calls(self._modules)
 
-    def _graph_variants(self, args: tuple, kwargs: dict) -> list[tuple[str, ...] | None]:
+    def _graph_variants(self, args: tuple, kwargs: dict, first_only: bool = False) -> list[tuple[str, ...] | None]:
         r"""For ``cuda_graph=True``: the ways to capture this call; the fastest is kept.
 
         Compiled stages or eager ones, and with a torch.compile backend the

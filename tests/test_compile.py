@@ -479,6 +479,15 @@ def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
 
     assert Parallel(mlp(), nn.ReLU(), nn.Tanh(), cuda_graph=True)._graph_variants((x,), {}) == [
         None, (_Priority(1),), (_Priority(2),)]
+    # ... and, where their times alone (measured on CUDA inputs only) put them in another
+    # order, captured longest first; not for training, which captures the first variant only.
+    from parallel_modules.parallel import _Order
+
+    block = Parallel(mlp(), nn.ReLU(), nn.Tanh(), cuda_graph=True)
+    assert block._longest_first((x,), {}) == (0, 1, 2)
+    block._longest_first = lambda args, kwargs: (2, 0, 1)
+    assert block._graph_variants((x,), {}) == [None, (_Order((2, 0, 1)),), (_Priority(1),), (_Priority(2),)]
+    assert block._graph_variants((x,), {}, first_only=True) == [None]
     assert Parallel(mlp(), mlp(), cuda_graph=True)._graph_variants((x,), {}) == [None]  # nothing to put first
     shared = mlp()  # identical, though not fusable: one module twice
     assert Parallel(shared, shared, cuda_graph=True)._graph_variants((x,), {}) == [None]

@@ -693,6 +693,51 @@ def test_a_branch_captured_on_a_high_priority_stream_replays_equal(monkeypatch):
     assert block._graphs.captures == 1  # one signature, however many variants it tried
 
 
+class _Sleepy(nn.Module):
+    r"""A linear layer behind a GPU spin of ``cycles``: branches whose lengths are known."""
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+        self.linear = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(self.cycles)
+        return self.linear(x)
+
+
+@cuda
+def test_branches_captured_longest_first_replay_equal(monkeypatch):
+    # Heterogeneous branches are also captured in the order of their time alone, longest
+    # first (a replay starts the graph's streams one after another); here that variant is
+    # made to replay fastest.
+    from parallel_modules import _graphs
+    from parallel_modules.parallel import _Order
+
+    def ordered_if_any(graphs, stream):
+        return next((g for g in graphs if g.variant and isinstance(g.variant[0], _Order)), graphs[0])
+
+    monkeypatch.setattr(_graphs, "_fastest", ordered_if_any)
+    torch.manual_seed(0)
+    block = _graphed([_Sleepy(10_000), _Sleepy(4_000_000), _Sleepy(1_000_000)]).eval()
+    x = torch.randn(8, 64, device="cuda")
+    assert block._longest_first((x,), {}) == (1, 2, 0)
+    with torch.no_grad():
+        for _ in range(4):  # fresh inputs: replays equal eager bit for bit, outputs in branch order
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(block, x))
+    assert list(block._graphs.variants().values()) == [(_Order((1, 2, 0)),)]
+    (described,) = block.explain()["schedules"].values()
+    assert described.endswith("streams, launched in the order ['1', '2', '0']"), described
+    # Training captures one variant only, and does not time the branches for the others.
+    monkeypatch.setattr(Parallel, "_longest_first", lambda *a: pytest.fail("timed for training"))
+    block.train()
+    xg = torch.randn(8, 64, device="cuda", requires_grad=True)
+    (grad,) = torch.autograd.grad(block(xg).sum(), xg)
+    (expected,) = torch.autograd.grad(_reference(block, xg).sum(), xg)
+    assert torch.equal(grad, expected)
+
+
 @cuda
 def test_threads_on_their_own_streams():
     block = _graphed(_mlp(8))
