@@ -60,6 +60,10 @@ class _Order(NamedTuple):
 
     order: tuple[int, ...]
 
+# A graph variant of a fused call: the biases of its batched products copied in on
+# the capture stream itself, not on a side stream (see ``_fusion._Prefill``).
+_INLINE_BIAS = "bias in line"
+
 _CPU = _Schedule(False, False, False)
 _CPU_FUSED = _Schedule(True, False, False)
 
@@ -465,6 +469,7 @@ class Parallel(nn.Module):
                 how = [v for v in variant or () if v in ("fused", "unfused")] or [
                     "fused" if fused_graphs else "unfused"]
                 how += [f"{v} branches" for v in variant or () if v in (_COMPILED, _EAGER)]
+                how += ["biases copied in line" for v in variant or () if v == _INLINE_BIAS]
                 schedules[_describe_signature(k[0])] = f"CUDA graph, {', '.join(how)}, " + (
                     "streams" if self.streams is not False else "sequential") + "".join(
                     f", branch {list(self._modules)[v.index]!r} on a high-priority stream"
@@ -505,6 +510,8 @@ class Parallel(nn.Module):
             fused = f == "fused" or (not f and self.fuse is True and fusion is not None)
             compiles = [_COMPILED, _EAGER] if self._compiler is not None and not (fused and all_fused) else [""]
             variants += [tuple(v for v in (f, c) if v) or None for c in compiles]
+            if fused and compiles == [""] and not first_only:
+                variants.append(tuple(v for v in (f, _INLINE_BIAS) if v))
         if self._compiler is not None and self._compiler.compiles_whole:
             variants.append((_WHOLE,))
         n = len(self._modules)
@@ -572,7 +579,8 @@ class Parallel(nn.Module):
             if (eager or not _is_tracing()) and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
-            return group.run(args[0], len(fusion.units) == 1 and self.join == "cat" and self.dim in (1, -1), eager)
+            return group.run(args[0], len(fusion.units) == 1 and self.join == "cat" and self.dim in (1, -1), eager,
+                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()))
         except Exception as e:
             if _is_tracing():
                 raise

@@ -466,11 +466,13 @@ def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
     assert block._graph_variants((x,), {}) == [
         ("fused", "compiled"), ("fused", "eager"), ("unfused", "compiled"), ("unfused", "eager"), ("whole",)]
     # Fused groups never run compiled: with every branch fused, both ways are one.
+    # An all-fused call is also captured with its biases copied in line (one stream), except for training.
     block = Parallel(mlp(), mlp(), fuse="auto", cuda_graph=True, compile="eager")
     assert block._graph_variants((x,), {}) == [
-        ("fused",), ("unfused", "compiled"), ("unfused", "eager"), ("whole",)]
+        ("fused",), ("fused", "bias in line"), ("unfused", "compiled"), ("unfused", "eager"), ("whole",)]
+    assert block._graph_variants((x,), {}, first_only=True)[:2] == [("fused",), ("unfused", "compiled")]
     assert Parallel(mlp(), mlp(), fuse=True, cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
-        None, ("whole",)]
+        None, ("bias in line",), ("whole",)]
     assert Parallel(mlp(), nn.ReLU(), cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
         ("compiled",), ("eager",), ("whole",)]
     # Without compile= or fuse=: branches that differ are also tried each on a high-priority stream

@@ -472,6 +472,29 @@ def test_cuda_products_wait_for_biases_written_on_a_side_stream(monkeypatch):
             assert_close(p(x), reference(p, x))
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_cuda_graph_with_biases_copied_in_line(fuse, monkeypatch):
+    # A fused call is also captured with its products' biases copied in on the capture stream
+    # itself (one stream, cheaper to launch); here that variant is made to replay fastest.
+    from parallel_modules import _graphs
+
+    def in_line_if_any(graphs, stream):
+        return next((g for g in graphs if g.variant and "bias in line" in g.variant), graphs[0])
+
+    monkeypatch.setattr(_graphs, "_fastest", in_line_if_any)
+    p = Parallel(*[mlp(64, depth=3) for _ in range(8)], fuse=fuse, cuda_graph=True).cuda().eval()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 64, device="cuda")
+            assert_close(p(x), reference(p, x))
+    (graph,) = p._graphs._graphs.values()
+    assert "bias in line" in graph.variant
+    (described,) = p.explain()["schedules"].values()
+    assert "fused, biases copied in line" in described, described
+    assert p._graphs.captures == 1  # one signature, however many variants it tried
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 8])
 def test_cuda_conv_branches_fused_auto(batch):
     branches = [nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1))

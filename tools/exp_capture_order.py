@@ -196,6 +196,47 @@ def fastest_check(batch, dtype):
               f" 10/sample {ten[k]:6.1f}; module call 10/sample {calls[k]:6.1f}, 1/sample {calls1[k]:6.1f}")
 
 
+def prefill_check(case):
+    r"""A fused graph with each product's bias copied in on a side stream (two streams) or in line (one)."""
+    from parallel_modules import _fusion
+    torch.manual_seed(0)
+    branches = [b.to(DEV).eval() for b in CASES[case].build()]
+    x = torch.randn(CASES[case].input_shape(8), device=DEV)
+    calls = {}
+    init = _fusion._Prefill.__init__
+
+    def inline(self, x, side=True):
+        self.caller = self.side = None  # no stream: the copy in line
+    with torch.no_grad():
+        for label, patch in [("fused, bias copies on a side stream", None), ("fused, one stream", inline)]:
+            if patch:
+                _fusion._Prefill.__init__ = patch
+            m = Parallel(*branches, cuda_graph=True, fuse=True).eval()
+            m(x)
+            _fusion._Prefill.__init__ = init
+            calls[label] = m
+        shipped = calls["fused as shipped"] = Parallel(*branches, cuda_graph=True, fuse=True).eval()
+        shipped(x)
+        print(case, "fused as shipped keeps:", list(shipped.explain()["schedules"].values()))
+        calls["streams"] = Parallel(*branches, cuda_graph=True).eval()
+        # After fuse=True moved the parameters into its stacks: graphs read them by address.
+        calls["floor (branch 0)"] = _capture(branches[0], x)
+        calls["graph seq"] = _capture(Seq(branches), x)
+        for m in calls.values():
+            for _ in range(3):
+                m(x)
+        t = gpu_medians({k: (lambda m=m: m(x)) for k, m in calls.items()}, rounds=60)
+        from _timing import cpu_us
+        for k, m in calls.items():
+            print(f"{case} {k:<40} GPU {t[k]:6.1f} us  host {cpu_us(lambda m=m: m(x), n=2000):6.1f} us"
+                  f"  x floor {t[k] / t['floor (branch 0)']:.2f}")
+
+
+if "prefill" in sys.argv:
+    for c in ("mlp8", "mlp16"):
+        prefill_check(c)
+    sys.exit()
+
 if "fastest" in sys.argv:
     for b, dt in [(1, torch.float32), (8, torch.float32)]:
         fastest_check(b, dt)
