@@ -1043,28 +1043,28 @@ def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:
     return out
 
 
-def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, budget_ms: float = 100.0, group: int = 10,
+def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, budget_ms: float = 100.0, sample_ms: float = 1.0,
              least: int = 8, most: int = 40) -> _Graph:
     r"""The graph whose calls take the least GPU time (median of interleaved samples).
 
     Timed as a module call runs it, the host's part included (the input
-    copied in, then the replay), ``group`` calls to a sample, each sample
-    from an idle GPU. Timed otherwise -- replays alone, or queued far ahead
-    of the GPU -- variants of the Inception block at batch 1 on the H100
-    machine took 80 us a call alike, or ranked the other way round, while
-    called as modules, 94 us in branch order and 88 captured longest first.
-    As many samples of each as fit in ``budget_ms``, from ``least`` to
-    ``most``: variants can differ by a few microseconds, within the spread
-    of a few samples.
+    copied in, then the replay), each sample from an idle GPU and about
+    ``sample_ms`` long (1 to 10 calls). Timed otherwise -- replays alone, or
+    queued far ahead of the GPU -- variants of the Inception block at batch 1
+    on the H100 machine took 80 us a call alike, or ranked the other way
+    round, while called as modules, 94 us in branch order and 88 captured
+    longest first. As many samples of each as fit in ``budget_ms``, from
+    ``least`` to ``most``: variants can differ by a few microseconds, within
+    the spread of a few samples.
     """
     times: list[list[float]] = [[] for _ in graphs]
     with torch.cuda.stream(stream), torch.no_grad():
         sources = [t.detach().clone() for t in graphs[0].inputs]  # (every variant has this signature's inputs)
 
-        def sample(g: _Graph) -> float:
+        def sample(g: _Graph, calls: int) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(group):
+            for _ in range(calls):
                 g.replay(sources, True)
             end.record()
             end.synchronize()
@@ -1072,11 +1072,16 @@ def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, budget_ms: float =
 
         for g in graphs:  # first replays: lazy work in the driver
             g.replay(sources, True)
-        first = sum(sample(g) for g in graphs)
-        reps = max(least, min(most, int(budget_ms / max(first, 1e-3))))
+        call_ms = max(sum(sample(g, 1) for g in graphs) / len(graphs), 1e-3)
+        group = max(1, min(10, int(sample_ms / call_ms)))
+        reps = max(least, min(most, int(budget_ms / (call_ms * group * len(graphs)))))
         for _ in range(reps):
             for i, g in enumerate(graphs):
-                times[i].append(sample(g))
+                times[i].append(sample(g, group))
+    for g in graphs:
+        # Every sample was waited for: no replay needs ordering after the capture
+        # stream, which another thread may be capturing on by the next replay.
+        g.last = None
     medians = [statistics.median(t) for t in times]
     return graphs[medians.index(min(medians))]
 

@@ -378,15 +378,17 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     fork = forks[base]
     _record(fork, caller)
 
-    if order is None:
-        outputs = [run(0, calls[0])]
-    else:
-        # Launched out of item order: the slots fill in ``order``.
-        outputs = [None] * n
-        outputs[order[0]] = run(order[0], calls[order[0]])
+    # A block nested in an item takes the slots after these, item 0's too: it
+    # must not re-record the fork event before the side streams have waited on it.
     pool.offset = base + n - 1
     launched = 0
     try:
+        if order is None:
+            outputs = [run(0, calls[0])]
+        else:
+            # Launched out of item order: the slots fill in ``order``.
+            outputs = [None] * n
+            outputs[order[0]] = run(order[0], calls[order[0]])
         for slot in range(1, n):
             side = streams[slot - 1]
             _set_stream(side)

@@ -9,6 +9,7 @@ from typing import Any, Callable, Hashable, Iterator, Literal, NamedTuple, Union
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
@@ -197,8 +198,9 @@ class Parallel(nn.Module):
         With ``cuda_graph=True`` the first call of each input signature (shapes,
         strides, dtypes, device, ``requires_grad``, grad mode, train/eval,
         autocast, non-tensor arguments) runs the module 3 times to warm up on a
-        side stream, captures it, and returns the graph's first replay on its
-        inputs; buffers such as BatchNorm statistics are restored after the
+        side stream (and, for inference, each branch a few more times, alone, on
+        copies of the inputs, to time it), captures it, and returns the graph's
+        first replay on its inputs; buffers such as BatchNorm statistics are restored after the
         warm-up, so they see one update per call, as in eager mode. Captured
         code must follow the CUDA graph rules:
 
@@ -510,7 +512,7 @@ class Parallel(nn.Module):
             fused = f == "fused" or (not f and self.fuse is True and fusion is not None)
             compiles = [_COMPILED, _EAGER] if self._compiler is not None and not (fused and all_fused) else [""]
             variants += [tuple(v for v in (f, c) if v) or None for c in compiles]
-            if fused and compiles == [""] and not first_only:
+            if fused and compiles == [""] and not first_only and self._copies_biases(fusion, args, kwargs):
                 variants.append(tuple(v for v in (f, _INLINE_BIAS) if v))
         if self._compiler is not None and self._compiler.compiles_whole:
             variants.append((_WHOLE,))
@@ -532,6 +534,22 @@ class Parallel(nn.Module):
             variants += [(_Priority(i),) for i in range(1, n)]
         return variants
 
+    def _copies_biases(self, fusion: _Fusion, args: tuple, kwargs: dict) -> bool:
+        r"""Whether a capture of this fused call copies biases into batched products (see ``_fusion._Prefill``).
+
+        As ``_Group.run`` decides it: one group of every branch, joined by a cat
+        along dimension 1, on rows of features, with a ``Linear`` with a bias
+        after the first layer (the first, on the shared input, adds its bias in
+        the product's epilogue).
+        """
+        if kwargs or len(fusion.units) != 1 or not isinstance(fusion.units[0], _Group):
+            return False
+        if not (self.join == "cat" and self.dim in (1, -1) and args[0].dim() == 2):
+            return False
+        template = fusion.units[0].template
+        layers = _layers(template) if type(template) is nn.Sequential else [template]
+        return any(type(m) is nn.Linear and m.bias is not None for m in layers[1:])
+
     def _longest_first(self, args: tuple, kwargs: dict, reps: int = 2) -> tuple[int, ...]:
         r"""The branches by GPU time alone on this call, longest first (ties in branch order).
 
@@ -539,13 +557,19 @@ class Parallel(nn.Module):
         then ``reps`` times between two events on the current stream, all
         queued behind a spin kernel: the events then time the GPU's work, as a
         replay runs it, and not how fast the host launches it (a one-kernel
-        branch and a four-kernel one take the host alike). Not on a CUDA
-        device: branch order.
+        branch and a four-kernel one take the host alike). The branches read
+        copies of the inputs, which one may change in place. Not on one CUDA
+        device (branches on several devices, or a CPU input, which the first
+        warm-up call then refuses or runs): branch order.
         """
         branches = self._branches()
         device = _input_device(args, kwargs)
-        if device is None or device.type != "cuda":
+        placement = self._placement
+        if placement is _UNPLACED:
+            placement = _place(self)
+        if device is None or device.type != "cuda" or placement is not None:
             return tuple(range(len(branches)))
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
         stream = torch.cuda.current_stream(device)
         with torch.no_grad():
             for i in range(len(branches)):
@@ -827,6 +851,11 @@ class Parallel(nn.Module):
         if plan is not None:
             self._remember(key, plan)
         return plan
+
+
+def _layers(m: nn.Module) -> list[nn.Module]:
+    r"""The modules a ``Sequential`` runs one after another, nested ``Sequential`` s flattened."""
+    return [leaf for c in m._modules.values() for leaf in (_layers(c) if type(c) is nn.Sequential else [c])]
 
 
 def _all_identical(branches: list[nn.Module]) -> bool:

@@ -473,6 +473,10 @@ def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
     assert block._graph_variants((x,), {}, first_only=True)[:2] == [("fused",), ("unfused", "compiled")]
     assert Parallel(mlp(), mlp(), fuse=True, cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
         None, ("bias in line",), ("whole",)]
+    # ... only where the fused call copies biases in: not for a sum, nor for one biased layer.
+    assert Parallel(mlp(), mlp(), fuse=True, join="sum", cuda_graph=True)._graph_variants((x,), {}) == [None]
+    assert Parallel(nn.Linear(16, 4), nn.Linear(16, 4), fuse=True, cuda_graph=True)._graph_variants((x,), {}) == [
+        None]
     assert Parallel(mlp(), nn.ReLU(), cuda_graph=True, compile="eager")._graph_variants((x,), {}) == [
         ("compiled",), ("eager",), ("whole",)]
     # Without compile= or fuse=: branches that differ are also tried each on a high-priority stream
@@ -486,7 +490,7 @@ def test_graphs_of_compiled_children_are_weighed_against_eager_ones():
     from parallel_modules.parallel import _Order
 
     block = Parallel(mlp(), nn.ReLU(), nn.Tanh(), cuda_graph=True)
-    assert block._longest_first((x,), {}) == (0, 1, 2)
+    assert block._longest_first((x,), {}) == (0, 1, 2)  # a CPU input: nothing to time
     block._longest_first = lambda args, kwargs: (2, 0, 1)
     assert block._graph_variants((x,), {}) == [None, (_Order((2, 0, 1)),), (_Priority(1),), (_Priority(2),)]
     assert block._graph_variants((x,), {}, first_only=True) == [None]

@@ -482,6 +482,17 @@ def test_cuda_graph_with_biases_copied_in_line(fuse, monkeypatch):
         return next((g for g in graphs if g.variant and "bias in line" in g.variant), graphs[0])
 
     monkeypatch.setattr(_graphs, "_fastest", in_line_if_any)
+    from parallel_modules import _fusion
+
+    made = []  # (variant being captured, whether its bias copies go to a side stream)
+    prefill_init = _fusion._Prefill.__init__
+
+    def recorded(self, x, side=True):
+        if torch.cuda.is_current_stream_capturing():
+            made.append((_graphs._local.variant[1], side))
+        prefill_init(self, x, side)
+
+    monkeypatch.setattr(_fusion._Prefill, "__init__", recorded)
     p = Parallel(*[mlp(64, depth=3) for _ in range(8)], fuse=fuse, cuda_graph=True).cuda().eval()
     with torch.no_grad():
         for _ in range(3):
@@ -489,6 +500,8 @@ def test_cuda_graph_with_biases_copied_in_line(fuse, monkeypatch):
             assert_close(p(x), reference(p, x))
     (graph,) = p._graphs._graphs.values()
     assert "bias in line" in graph.variant
+    assert made and all(side == ("bias in line" not in (variant or ())) for variant, side in made), made
+    assert {side for _, side in made} == {True, False}  # both captured
     (described,) = p.explain()["schedules"].values()
     assert "fused, biases copied in line" in described, described
     assert p._graphs.captures == 1  # one signature, however many variants it tried

@@ -694,14 +694,19 @@ def test_a_branch_captured_on_a_high_priority_stream_replays_equal(monkeypatch):
 
 
 class _Sleepy(nn.Module):
-    r"""A linear layer behind a GPU spin of ``cycles``: branches whose lengths are known."""
+    r"""A linear layer behind a GPU spin of ``cycles``: branches whose lengths are known.
 
-    def __init__(self, cycles: int) -> None:
+    Under a capture, each call appends ``(tag, stream)`` to ``launches``.
+    """
+
+    def __init__(self, cycles: int, tag: int = 0, launches: list | None = None) -> None:
         super().__init__()
-        self.cycles = cycles
+        self.cycles, self.tag, self.launches = cycles, tag, launches
         self.linear = nn.Linear(64, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.launches is not None and torch.cuda.is_current_stream_capturing():
+            self.launches.append((self.tag, torch.cuda.current_stream()))
         torch.cuda._sleep(self.cycles)
         return self.linear(x)
 
@@ -719,14 +724,27 @@ def test_branches_captured_longest_first_replay_equal(monkeypatch):
 
     monkeypatch.setattr(_graphs, "_fastest", ordered_if_any)
     torch.manual_seed(0)
-    block = _graphed([_Sleepy(10_000), _Sleepy(4_000_000), _Sleepy(1_000_000)]).eval()
+    launches: list = []
+    block = _graphed([_Sleepy(c, i, launches) for i, c in enumerate([10_000, 4_000_000, 1_000_000])]).eval()
     x = torch.randn(8, 64, device="cuda")
     assert block._longest_first((x,), {}) == (1, 2, 0)
+    # Timed on copies: a branch changing its input in place does not change the caller's.
+    seen = []
+    block[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].data_ptr()))
+    block._longest_first((x,), {})
+    assert seen and x.data_ptr() not in seen
+    block[0]._forward_pre_hooks.clear()
     with torch.no_grad():
         for _ in range(4):  # fresh inputs: replays equal eager bit for bit, outputs in branch order
             x = torch.randn(8, 64, device="cuda")
             assert torch.equal(block(x), _reference(block, x))
     assert list(block._graphs.variants().values()) == [(_Order((1, 2, 0)),)]
+    # Captures: branch order (0 on the capture stream), then longest first (1 on it), then
+    # each side branch on a high-priority stream.
+    captures = [launches[i:i + 3] for i in range(0, len(launches), 3)]
+    assert [[tag for tag, _ in c] for c in captures[:2]] == [[0, 1, 2], [1, 2, 0]]
+    assert captures[1][0][1] == captures[0][0][1]  # the first launched runs on the capture stream
+    assert len({s for _, s in captures[1]}) == 3
     (described,) = block.explain()["schedules"].values()
     assert described.endswith("streams, launched in the order ['1', '2', '0']"), described
     # Training captures one variant only, and does not time the branches for the others.
