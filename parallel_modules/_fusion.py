@@ -341,6 +341,17 @@ class _Group:
         return stacked
 
     # Running --------------------------------------------------------------
+    def copies_biases(self, x: torch.Tensor) -> bool:
+        r"""Whether a capture of :meth:`run` on ``x``, ``cat_joined``, copies biases in (see :class:`_Prefill`).
+
+        As the ``Linear`` step of :func:`_program` decides it: on rows of
+        features, every ``Linear`` with a bias after the first layer (the
+        first, on the shared input, adds its bias in the product's epilogue).
+        """
+        template = self.template
+        layers = _layers(template) if type(template) is nn.Sequential else [template]
+        return x.dim() == 2 and any(type(m) is nn.Linear and m.bias is not None for m in layers[1:])
+
     def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False, side_bias: bool = True) -> Any:
         r"""Every member's output on the shared input ``x``, batched (see :func:`_split`).
 
@@ -540,6 +551,11 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
 
 _Get = Callable[[str], "torch.Tensor | None"]
 _Step = Callable[[_Value, _Get], Any]
+
+
+def _layers(m: nn.Sequential) -> list[nn.Module]:
+    r"""The modules ``m`` runs one after another, nested ``Sequential`` s flattened (as :func:`_program` does)."""
+    return [leaf for c in m._modules.values() for leaf in (_layers(c) if type(c) is nn.Sequential else [c])]
 
 
 def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:

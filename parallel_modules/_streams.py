@@ -378,27 +378,22 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     fork = forks[base]
     _record(fork, caller)
 
+    # Slot s (0: the caller's stream) runs item ``launch[s]``; outputs stay in item order.
+    launch = range(n) if order is None else order
+    outputs: list[Any] = [None] * n
     # A block nested in an item takes the slots after these, item 0's too: it
     # must not re-record the fork event before the side streams have waited on it.
     pool.offset = base + n - 1
     launched = 0
     try:
-        if order is None:
-            outputs = [run(0, calls[0])]
-        else:
-            # Launched out of item order: the slots fill in ``order``.
-            outputs = [None] * n
-            outputs[order[0]] = run(order[0], calls[order[0]])
+        outputs[launch[0]] = run(launch[0], calls[launch[0]])
         for slot in range(1, n):
             side = streams[slot - 1]
             _set_stream(side)
             _wait(fork, side)
             launched = slot
             try:
-                if order is None:
-                    outputs.append(run(slot, calls[slot]))
-                else:
-                    outputs[order[slot]] = run(order[slot], calls[order[slot]])
+                outputs[launch[slot]] = run(launch[slot], calls[launch[slot]])
             finally:
                 # Recorded even if the branch raised: the caller must not run
                 # ahead of work already enqueued on ``side``.
@@ -411,18 +406,12 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
             _wait(joins[base + slot], caller)
     if inputs and not capturing:
         _join_backward(inputs, streams)
-    if order is not None:
-        # Every output not made on the caller's stream is recorded on it. (Orders
-        # are given under capture, where the release below, which takes item 0
-        # for the caller's, would not run either.)
-        for i in order[1:]:
-            _record_on(outputs[i], caller)
-        return outputs if join is None else join(outputs)
-    if join is None or capturing or _use_count is None:
+    if join is None or capturing or _use_count is None or order is not None:
         # (Under capture the side streams must end joined into the caller's:
-        # no wait may fork them again after the join.)
-        for out in outputs[1:]:
-            _record_on(out, caller)
+        # no wait may fork them again after the join. Orders are given under
+        # capture; the release below takes item 0 for the caller's stream's.)
+        for i in launch[1:]:
+            _record_on(outputs[i], caller)
         return outputs if join is None else join(outputs)
     try:
         result = join(outputs)

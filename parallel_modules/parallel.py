@@ -534,21 +534,15 @@ class Parallel(nn.Module):
             variants += [(_Priority(i),) for i in range(1, n)]
         return variants
 
-    def _copies_biases(self, fusion: _Fusion, args: tuple, kwargs: dict) -> bool:
-        r"""Whether a capture of this fused call copies biases into batched products (see ``_fusion._Prefill``).
+    def _cat_joined(self, fusion: _Fusion) -> bool:
+        r"""Whether one group runs every branch and a cat along dimension 1 joins them (see ``_Group.run``)."""
+        return len(fusion.units) == 1 and self.join == "cat" and self.dim in (1, -1)
 
-        As ``_Group.run`` decides it: one group of every branch, joined by a cat
-        along dimension 1, on rows of features, with a ``Linear`` with a bias
-        after the first layer (the first, on the shared input, adds its bias in
-        the product's epilogue).
-        """
-        if kwargs or len(fusion.units) != 1 or not isinstance(fusion.units[0], _Group):
-            return False
-        if not (self.join == "cat" and self.dim in (1, -1) and args[0].dim() == 2):
-            return False
-        template = fusion.units[0].template
-        layers = _layers(template) if type(template) is nn.Sequential else [template]
-        return any(type(m) is nn.Linear and m.bias is not None for m in layers[1:])
+    def _copies_biases(self, fusion: _Fusion, args: tuple, kwargs: dict) -> bool:
+        r"""Whether a capture of this fused call copies biases into batched products (see ``_fusion._Prefill``)."""
+        group = fusion.units[0]
+        return (not kwargs and self._cat_joined(fusion) and isinstance(group, _Group)
+                and group.copies_biases(args[0]))
 
     def _longest_first(self, args: tuple, kwargs: dict, reps: int = 2) -> tuple[int, ...]:
         r"""The branches by GPU time alone on this call, longest first (ties in branch order).
@@ -603,7 +597,7 @@ class Parallel(nn.Module):
             if (eager or not _is_tracing()) and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
-            return group.run(args[0], len(fusion.units) == 1 and self.join == "cat" and self.dim in (1, -1), eager,
+            return group.run(args[0], self._cat_joined(fusion), eager,
                              eager or _INLINE_BIAS not in (_graph_variant(self) or ()))
         except Exception as e:
             if _is_tracing():
@@ -851,11 +845,6 @@ class Parallel(nn.Module):
         if plan is not None:
             self._remember(key, plan)
         return plan
-
-
-def _layers(m: nn.Module) -> list[nn.Module]:
-    r"""The modules a ``Sequential`` runs one after another, nested ``Sequential`` s flattened."""
-    return [leaf for c in m._modules.values() for leaf in (_layers(c) if type(c) is nn.Sequential else [c])]
 
 
 def _all_identical(branches: list[nn.Module]) -> bool:
