@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.fx import _symbolic_trace
@@ -70,7 +70,10 @@ _MAX_SIDE_STREAMS = 32
 # CPU); these are the C bindings they call. ``tests/test_streams.py`` fails if
 # a torch release removes them, and the public API is used when they are gone.
 _get_current = getattr(torch._C, "_cuda_getCurrentStream", None)
-_set_current = getattr(torch._C, "_cuda_setStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device  # (CUDA initialised)
+_set_current = getattr(torch._C, "_cuda_setStream", None) or (
+    lambda stream_id, device_index, device_type: torch.cuda.set_stream(
+        torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)))
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 # ``Event.record(stream)`` and ``Stream.wait_event(event)`` are two and three
 # Python frames around these; a fork/join calls them twice per side branch.
@@ -83,7 +86,7 @@ def _current_stream(device: torch.device) -> torch.cuda.Stream:
     r"""``torch.cuda.current_stream(device)``, with the Python object cached."""
     if _get_current is None:
         return torch.cuda.current_stream(device)
-    data = _get_current(device.index if device.index is not None else torch.cuda.current_device())
+    data = _get_current(device.index if device.index is not None else _current_device())
     stream = _streams_by_id.get(data)
     if stream is None:
         if len(_streams_by_id) > 4096:  # a program creating streams endlessly
@@ -94,10 +97,7 @@ def _current_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _set_stream(stream: torch.cuda.Stream) -> None:
     r"""``torch.cuda.set_stream(stream)`` without the Python layers."""
-    if _set_current is None:
-        torch.cuda.set_stream(stream)
-    else:
-        _set_current(stream.stream_id, stream.device_index, stream.device_type)
+    _set_current(stream.stream_id, stream.device_index, stream.device_type)
 
 
 def _stream_capturing() -> bool:
@@ -128,6 +128,15 @@ class _ThreadSlots(threading.local):
     offset = 0
     forks: list[torch.cuda.Event] | None = None
     joins: list[torch.cuda.Event] | None = None
+    forked: dict[tuple[int, int, int], "_Slots"] | None = None  # see _DevicePool.slots
+
+
+class _Slots(NamedTuple):
+    r"""What one fork of ``count`` items from slot ``offset`` uses: see :meth:`_DevicePool.slots`."""
+
+    streams: tuple[torch.cuda.Stream, ...]  # of items 1..
+    fork: torch.cuda.Event
+    joins: tuple[torch.cuda.Event, ...]  # of items 1..
 
 
 class _DevicePool:
@@ -198,6 +207,27 @@ class _DevicePool:
             local.joins.append(torch.cuda.Event())
         return forks, local.joins
 
+    def slots(self, offset: int, count: int, caller: torch.cuda.Stream) -> _Slots:
+        r"""This thread's side streams and events for a fork of ``count`` items from slot ``offset``.
+
+        :meth:`side_streams` and :meth:`events`, looked up once per thread,
+        offset, count and caller and then kept: neither changes once made, and
+        on tiny branches the lookups are a measurable part of a fork's cost.
+        """
+        local = self._local
+        cache = local.forked
+        if cache is None:
+            cache = local.forked = {}
+        key = (offset, count, caller.stream_id)
+        slots = cache.get(key)
+        if slots is None:
+            if len(cache) >= 256:  # callers on ever new streams: keep it bounded
+                cache.clear()
+            forks, joins = self.events(offset + count)
+            slots = cache[key] = _Slots(tuple(self.side_streams(offset, count - 1, caller)), forks[offset],
+                                        tuple(joins[offset + 1:offset + count]))
+        return slots
+
     @property
     def offset(self) -> int:
         # The first slot this thread's next fork uses: a Parallel nested in a
@@ -240,7 +270,7 @@ def _pool(device: torch.device, capturing: bool | None = None) -> _DevicePool:
     capture would be absorbed into the graph (or invalidate it), so captures,
     which the graph module serialises, fork onto streams eager calls never use.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index if device.index is not None else _current_device()
     # Our warm-up runs on the streams its capture will use, as
     # make_graphed_callables warms up on the capture's side stream: per-stream
     # lazy state (cuBLAS workspaces, cuDNN plans) is then set up before capture.
@@ -346,20 +376,24 @@ def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> No
 
 def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None,
                 inputs: tuple | list = (), join: Callable[[list[Any]], Any] | None = None, high: int = 0,
-                order: Sequence[int] | None = None) -> Any:
+                order: Sequence[int] | None = None, args: tuple = (), kwargs: dict | None = None,
+                error: Callable[[Exception, int], Exception] | None = None) -> Any:
     r"""Run ``run(i, calls[i])`` for every item, item 0 on the caller's stream.
 
     Items 1.. run on side streams forked from the caller's current stream and
     joined back into it, in the order described in this module's docstring.
     ``run`` must raise with its own context; whatever happens, every launched
     side stream is joined and the caller's stream is restored before this
-    returns or raises. ``capturing``: whether a graph capture or its warm-up is
-    underway, when the caller knows (see :func:`_pool`). ``inputs``: the values
-    the items read (a tuple), for :func:`_join_backward`. ``join``: a function
-    that reads the outputs on the caller's stream and returns new tensors
-    (never an output itself); its result is returned instead of the outputs,
-    which are then released as the module docstring says (memory). ``high``:
-    an item (1..) to run on its slot's high-priority stream instead (see
+    returns or raises. ``run=None`` calls ``calls[i](*args, **kwargs)``
+    instead and raises ``error(exception, i)`` for an exception it raises (a
+    frame less per item: on tiny branches the fork's cost is its Python).
+    ``capturing``: whether a graph capture or its warm-up is underway, when the
+    caller knows (see :func:`_pool`). ``inputs``: the values the items read (a
+    tuple), for :func:`_join_backward`. ``join``: a function that reads the
+    outputs on the caller's stream and returns new tensors (never an output
+    itself); its result is returned instead of the outputs, which are then
+    released as the module docstring says (memory). ``high``: an item (1..)
+    to run on its slot's high-priority stream instead (see
     :meth:`_DevicePool.high_stream`); 0 for none. ``order``: the items in the
     order to launch them, ``order[0]`` on the caller's stream (see
     ``Parallel._graph_variants``); the outputs stay in item order.
@@ -369,13 +403,14 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     pool = _pool(device, capturing)
     caller = _current_stream(device)
     n = len(calls)
-    base = pool.offset
-    streams = pool.side_streams(base, n - 1, caller)
+    local = pool._local  # (pool.offset, without the property's frame: this runs on every call)
+    base = local.offset
+    streams, fork, joins = pool.slots(base, n, caller)
     if high:
         streams = list(streams)
         streams[high - 1] = pool.high_stream(base + high - 1)
-    forks, joins = pool.events(base + n)
-    fork = forks[base]
+    if kwargs is None:
+        kwargs = {}
     _record(fork, caller)
 
     # Slot s (0: the caller's stream) runs item ``launch[s]``; outputs stay in item order.
@@ -383,28 +418,34 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     outputs: list[Any] = [None] * n
     # A block nested in an item takes the slots after these, item 0's too: it
     # must not re-record the fork event before the side streams have waited on it.
-    pool.offset = base + n - 1
+    local.offset = base + n - 1
     launched = 0
+    item = launch[0]
     try:
-        outputs[launch[0]] = run(launch[0], calls[launch[0]])
+        outputs[item] = run(item, calls[item]) if run is not None else calls[item](*args, **kwargs)
         for slot in range(1, n):
             side = streams[slot - 1]
-            _set_stream(side)
+            _set_current(side.stream_id, side.device_index, side.device_type)
             _wait(fork, side)
             launched = slot
+            item = launch[slot]
             try:
-                outputs[launch[slot]] = run(launch[slot], calls[launch[slot]])
+                outputs[item] = run(item, calls[item]) if run is not None else calls[item](*args, **kwargs)
             finally:
                 # Recorded even if the branch raised: the caller must not run
                 # ahead of work already enqueued on ``side``.
-                _record(joins[base + slot], side)
+                _record(joins[slot - 1], side)
+    except Exception as e:
+        if run is None and error is not None:
+            raise error(e, item)
+        raise
     finally:
-        pool.offset = base
-        _set_stream(caller)
+        local.offset = base
+        _set_current(caller.stream_id, caller.device_index, caller.device_type)
         # Join: every launched side stream, whatever happened.
-        for slot in range(1, launched + 1):
-            _wait(joins[base + slot], caller)
-    if inputs and not capturing:
+        for slot in range(launched):
+            _wait(joins[slot], caller)
+    if inputs and not capturing and torch.is_grad_enabled():
         _join_backward(inputs, streams)
     if join is None or capturing or _use_count is None or order is not None:
         # (Under capture the side streams must end joined into the caller's:

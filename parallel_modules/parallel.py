@@ -18,7 +18,7 @@ from ._graphs import _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
 from ._placement import _UNPLACED, _place
-from ._streams import _capture_underway, _current_stream, _is_tracing, _run_forked
+from ._streams import _capture_underway, _current_device, _current_stream, _is_tracing, _run_forked
 
 __all__ = ["Parallel"]
 
@@ -655,13 +655,8 @@ class Parallel(nn.Module):
                 raise self._branch_error(e, len(outputs))
             return outputs
 
+        run: Any = None  # _run_forked calls each branch on args, kwargs (and names it in an error)
         if fusion is None:
-            def run(i: int, call: Any) -> Any:
-                try:
-                    return call(*args, **kwargs)
-                except Exception as e:
-                    raise self._branch_error(e, i)
-
             calls: list[Any] = self._branches()
         else:
             branches = self._branches()
@@ -673,24 +668,31 @@ class Parallel(nn.Module):
 
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
-            outputs = [run(i, c) for i, c in enumerate(calls)]
+            outputs = [run(i, c) for i, c in enumerate(calls)]  # (fused: one unit, or no device)
         else:
             # Joined by the fork when it can: side outputs are then freed without record_stream.
             join = self._combine if fusion is None and self.join in _REDUCING_JOINS else None
             variant = _graph_variant(self) if capturing else None
             high = variant[0].index if variant and isinstance(variant[0], _Priority) else 0
             order = variant[0].order if variant and isinstance(variant[0], _Order) else None
-            if device.index is not None and device.index != torch.cuda.current_device():
+            inputs = (*args, *kwargs.values()) if torch.is_grad_enabled() else ()
+            if device.index is not None and device.index != _current_device():
                 with torch.cuda.device(device):
-                    outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join, high,
-                                          order)
+                    outputs = _run_forked(calls, device, run, capturing, inputs, join, high, order, args, kwargs,
+                                          self._branch_error)
             else:
-                outputs = _run_forked(calls, device, run, capturing, (*args, *kwargs.values()), join, high, order)
+                outputs = _run_forked(calls, device, run, capturing, inputs, join, high, order, args, kwargs,
+                                      self._branch_error)
             if join is not None:
                 return _Reduced(outputs)
         return outputs if fusion is None else fusion.scatter(calls, outputs)
 
     def _combine(self, outputs: list[Any]) -> Any:
+        if self.join == "cat":  # the common case, without _join_outputs' frame
+            try:
+                return torch.cat(outputs, self.dim)
+            except Exception:
+                pass  # structured outputs, or a mismatch: _join_outputs joins leaf by leaf or names it
         return _join_outputs(type(self).__name__, self.join, self.dim, self._modules, outputs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -707,11 +709,14 @@ class Parallel(nn.Module):
             # streams) or fused. On tiny branches each Python frame saved is a
             # measurable part of the call, which must stay within a few percent
             # of calling the branches by hand. (``_run``'s sequential loop and
-            # ``_joined``'s cat are its twins.)
+            # ``_combine``'s cat are its twins.)
             key = _signature(args, kwargs, self.training)
             plan = self._plans.get(key)
-            if (plan is not None and not plan.forked and self._compiler is None
-                    and not (plan.cuda and _capture_underway())):
+            if plan is not None and self._compiler is None and not (plan.cuda and _capture_underway()):
+                if plan.forked:
+                    # Decided to fork: ``_outputs``' own decided case, without its frame.
+                    return self._joined(self._run(args, kwargs, _input_device(args, kwargs),
+                                                  self._fusion_for(args, kwargs) if plan.fused else None, False))
                 if not plan.fused:
                     outputs: list[Any] = []
                     try:
@@ -746,11 +751,6 @@ class Parallel(nn.Module):
 
     def _joined(self, outputs: Any) -> Any:
         r"""The join of what ``_outputs`` returned (a list, already joined, or a fused group's value)."""
-        if type(outputs) is list and self.join == "cat":
-            try:
-                return torch.cat(outputs, self.dim)
-            except Exception:
-                pass  # structured outputs, or a mismatch: _combine joins leaf by leaf or names it
         if type(outputs) is _Reduced:
             return outputs.value
         if isinstance(outputs, _Joined):  # one group of identical branches ran them all

@@ -1,0 +1,89 @@
+"""Where a forked eager call of N tiny branches spends its host time, layer by layer (dev tool, not shipped).
+
+Usage: ``PYTHONPATH=. python3 tools/exp_forkjoin_layers.py [N]`` on the GPU machine.
+
+Each variant adds one layer of the library's call path to the one before: the branches in a
+loop, a hand-written fork/join, the pool lookups, ``_run_forked``, ``Parallel._run``,
+``Parallel.forward``. Variants are sampled interleaved (rounds of a few thousand calls each),
+so the host's drift hits them alike; medians per call are printed with the step from the
+previous variant.
+"""
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from parallel_modules import Parallel
+from parallel_modules._streams import _current_stream, _pool, _record, _run_forked, _set_current, _wait
+
+dev = torch.device("cuda")
+x = torch.randn(8, 16, device=dev)
+n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+lins = [nn.Linear(16, 16).to(dev) for _ in range(n)]
+par = Parallel(*lins, streams=True)
+pool = _pool(dev, False)
+cur = torch.cuda.current_stream()
+sides = pool.side_streams(0, n - 1, cur)
+forks, joins = pool.events(n)
+fork = forks[0]
+ids = [(s.stream_id, s.device_index, s.device_type) for s in sides]
+cid = (cur.stream_id, cur.device_index, cur.device_type)
+
+
+def hand(lookups=False):
+    if lookups:
+        p = _pool(dev, False)
+        c = _current_stream(dev)
+        ss = p.side_streams(0, n - 1, c)
+        fk, jn = p.events(n)
+    _record(fork, cur)
+    outs = [lins[0](x)]
+    for i in range(1, n):
+        _set_current(*ids[i - 1])
+        _wait(fork, sides[i - 1])
+        outs.append(lins[i](x))
+        _record(joins[i], sides[i - 1])
+    _set_current(*cid)
+    for i in range(1, n):
+        _wait(joins[i], cur)
+    y = torch.cat(outs, 1)
+    _record(fork, cur)
+    for s in sides:
+        _wait(fork, s)
+    return y
+
+
+def run(i, call):
+    return call(x)
+
+
+cat = lambda outs: torch.cat(outs, 1)  # noqa: E731
+variants = {
+    "loop+cat": lambda: torch.cat([l(x) for l in lins], 1),
+    "hand": hand,
+    "hand+lookups": lambda: hand(True),
+    "_run_forked": lambda: _run_forked(lins, dev, run, False, (x,), cat),
+    "_run_forked+_combine": lambda: _run_forked(lins, dev, run, False, (x,), par._combine),
+    "Parallel._run": lambda: par._run((x,), {}, dev, None, False),
+    "Parallel()": lambda: par(x),
+}
+samples = {k: [] for k in variants}
+with torch.no_grad():
+    for fn in variants.values():
+        for _ in range(300):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(15):
+        for k, fn in variants.items():
+            t0 = time.perf_counter()
+            for _ in range(1000):
+                fn()
+            samples[k].append((time.perf_counter() - t0) * 1e3)  # us per call
+            torch.cuda.synchronize()
+prev = None
+for k, s in samples.items():
+    m = statistics.median(s)
+    print(f"N={n} {k:<24}{m:8.1f} us" + (f"  {m - prev:+6.1f}" if prev is not None else ""))
+    prev = m
