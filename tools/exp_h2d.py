@@ -5,7 +5,8 @@ on one stream against ``ParallelSequential(chunks=4)`` with the copy lane issued
 wavefront, and the last stage's pieces concatenated by the last lane as they come or by the caller
 at the end; GPU time per call (events around back-to-back calls) and CPU time per call.
 Usage: ``PYTHONPATH=. python3 tools/exp_h2d.py [chunks] [lanes]``; ends with the operators that take the CPU time of
-a chunked call (a profile of 20 calls). ``lanes``: only when each lane of the graphed call
+a chunked call (a profile of 20 calls), the GPU activity of one graphed call, and its host
+operations of 10 us or more. ``lanes``: only when each lane of the graphed call
 reaches each point, from timing events, over calls made back to back.
 """
 import sys
@@ -64,6 +65,7 @@ graphed = ParallelSequential(*stages, chunks=chunks, cuda_graph=True)
 for ahead in (True, False):
     variants[f"c{chunks} graphed per stage, copies first={ahead}"] = (
         lambda ahead=ahead: (FLAGS.update(ahead=True, gather=True, force_ahead=ahead), graphed(x))[1])
+
 if "lanes" in sys.argv:
     # Timing events: the pipeline's own (fork, copy of each piece, the last piece's end), and
     # ours around the graphed stage's copy-in and the gather copy of each piece.
@@ -149,3 +151,21 @@ with torch.no_grad():
     FLAGS.pop("force_ahead", None)
     print(f"x.is_pinned(): {cpu_us(x.is_pinned, n=200):.1f} us, of a piece {cpu_us(x[16:32].is_pinned, n=200):.1f} us")
     profile(f"graphed chunks={chunks}", lambda: graphed(x), n=50, top=25, warmup=5)
+
+# The CUDA runtime calls of one graphed call that took the host 10 us or more, from its start:
+# a copy issued late by a host that blocked (an allocation, a synchronisation) shows here.
+with torch.no_grad():
+    for _ in range(20):
+        graphed(x)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graphed(x)
+        torch.cuda.synchronize()
+cpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU),
+             key=lambda e: e.time_range.start)
+t0 = cpu[0].time_range.start
+print("---- graphed call: host operations of 10 us or more (us from the call's start)")
+for e in cpu:
+    if e.time_range.end - e.time_range.start >= 10 or e.name.startswith(("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")):
+        print(f"  {e.time_range.start - t0:8.1f} {e.time_range.end - t0:8.1f}  {e.name[:60]}")
