@@ -66,6 +66,44 @@ def test_side_streams_never_include_the_callers_stream():
 
 
 @cuda
+def test_slots_are_the_side_streams_and_events_a_fork_takes_kept_per_caller():
+    dev = torch.device("cuda")
+    pool = _streams._pool(dev)
+    default = torch.cuda.current_stream(dev)
+    slots = pool.slots(1, 3, default)
+    forks, joins = pool.events(4)
+    assert list(slots.streams) == pool.side_streams(1, 2, default)
+    assert slots.fork is forks[1] and list(slots.joins) == joins[2:4]
+    assert pool.slots(1, 3, default) is slots  # looked up once
+    # A caller on one of the pool's streams gets other streams, and its own entry.
+    caller = pool.streams[1]
+    other = pool.slots(1, 3, caller)
+    assert caller not in other.streams and len({s.stream_id for s in other.streams}) == 2
+    assert other.fork is slots.fork
+
+
+@cuda
+def test_run_forked_names_the_item_that_raised_and_joins_the_others():
+    dev = torch.device("cuda")
+    x = torch.randn(64, device=dev)
+    caller = torch.cuda.current_stream()
+
+    def slow(t):
+        torch.cuda._sleep(1_000_000)
+        return t * 2
+
+    def bad(t):
+        raise ValueError("boom")
+
+    with pytest.raises(RuntimeError, match="item 2: boom"):
+        _streams._run_forked([torch.neg, slow, bad], dev, None, args=(x,),
+                             error=lambda e, i: RuntimeError(f"item {i}: {e}"))
+    assert torch.cuda.current_stream() == caller and _streams._pool(dev).offset == 0
+    out = _streams._run_forked([torch.neg, slow], dev, None, args=(x,))
+    assert torch.equal(out[1], x * 2)  # joined: read on the caller's stream after the slow item
+
+
+@cuda
 def test_a_caller_on_one_of_the_pools_streams_still_forks_beside_itself():
     # torch.cuda.Stream() cycles through the same 32 streams the pool takes: a
     # user's stream can be a side stream. Branches must then go elsewhere.
