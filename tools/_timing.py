@@ -66,3 +66,45 @@ def gpu_medians(calls: dict[str, Callable[[], object]], rounds: int = 30, per_sa
             end.synchronize()
             times[name].append(start.elapsed_time(end) * 1e3 / per_sample)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def hand_fork_join(branches: list, x: torch.Tensor, caller, sides: list, fork, joins: list,
+                   release: str | None = "wait", events: bool = True, switch: bool = True) -> torch.Tensor:
+    r"""The fork/join of ``_streams._run_forked`` written out by hand for ``branches`` on ``x``, joined by cat.
+
+    Branch 0 on ``caller``, branch i on ``sides[i - 1]``, forked with ``fork``,
+    joined with ``joins[i - 1]``, through the C bindings ``_streams`` holds
+    (read at each call, so that a tool may stand them in). ``release``: how the
+    side outputs are freed after the cat -- ``"wait"`` (every side stream waits
+    for the caller's, as the library does), ``"record_stream"``, or ``None``
+    (not at all: unsafe, a measure only). ``events`` / ``switch``: leave out
+    the events, the stream switches.
+    """
+    from parallel_modules import _streams
+
+    record, wait, switch_to = _streams._record, _streams._wait, _streams._set_current
+    if events:
+        record(fork, caller)
+    outs = [branches[0](x)]
+    for branch, side, join in zip(branches[1:], sides, joins):
+        if switch:
+            switch_to(side.stream_id, side.device_index, side.device_type)
+        if events:
+            wait(fork, side)
+        outs.append(branch(x))
+        if events:
+            record(join, side)
+    if switch:
+        switch_to(caller.stream_id, caller.device_index, caller.device_type)
+    if events:
+        for join in joins:
+            wait(join, caller)
+    y = torch.cat(outs, 1)
+    if release == "record_stream":
+        for out in outs[1:]:
+            out.record_stream(caller)
+    elif release == "wait":
+        record(fork, caller)
+        for side in sides:
+            wait(fork, side)
+    return y

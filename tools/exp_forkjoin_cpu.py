@@ -26,6 +26,7 @@ from parallel_modules._cases import SequentialBranches
 from parallel_modules._inputs import _signature
 import parallel_modules.parallel as P
 from parallel_modules.parallel import _Schedule
+from _timing import hand_fork_join  # tools/ is the script's directory
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 noop = lambda *a, **k: None  # noqa: E731
@@ -57,26 +58,10 @@ dev = torch.device("cuda", 0)
 cur = S._current_stream(dev)
 sides = pool.streams[:n - 1]
 fork, joins = pool._local.forks[0], pool._local.joins
-rec, wait, setc = S._record, S._wait, S._set_current
 
 
 def hand():
-    rec(fork, cur)
-    outs = [lins[0](x)]
-    for i in range(1, n):
-        s = sides[i - 1]
-        setc(s.stream_id, s.device_index, s.device_type)
-        wait(fork, s)
-        outs.append(lins[i](x))
-        rec(joins[i], s)
-    setc(cur.stream_id, cur.device_index, cur.device_type)
-    for i in range(1, n):
-        wait(joins[i], cur)
-    y = torch.cat(outs, 1)
-    rec(fork, cur)
-    for s in sides:
-        wait(fork, s)
-    return y
+    return hand_fork_join(lins, x, cur, sides, fork, joins[1:n])
 
 
 def run(i, call):

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from parallel_modules import Parallel
-from parallel_modules._streams import _record, _set_current, _wait
-from _timing import cpu_us, profile  # tools/ is the script's directory
+from _timing import cpu_us, hand_fork_join, profile  # tools/ is the script's directory
 
 dev = torch.device("cuda")
 x = torch.randn(8, 16, device=dev)
@@ -33,49 +32,19 @@ for n in [int(a) for a in sys.argv[1:]] or [2, 4, 8, 16]:
     cur = torch.cuda.current_stream()
     fork = torch.cuda.Event()
     joins = [torch.cuda.Event() for _ in range(n - 1)]
-    ids = [(s.stream_id, s.device_index, s.device_type) for s in sides]
-    cid = (cur.stream_id, cur.device_index, cur.device_type)
 
-    def hand(record=True, events=True, switch=True):
-        if events:
-            _record(fork, cur)
-        outs = [lins[0](x)]
-        for i in range(1, n):
-            if switch:
-                _set_current(*ids[i - 1])
-            if events:
-                _wait(fork, sides[i - 1])
-            outs.append(lins[i](x))
-            if events:
-                _record(joins[i - 1], sides[i - 1])
-        if switch:
-            _set_current(*cid)
-        if events:
-            for j in joins:
-                _wait(j, cur)
-        y = torch.cat(outs, 1)
-        if record:
-            for o in outs[1:]:
-                o.record_stream(cur)
-        return y
-
-    def hand_wait_after():
-        # The joined-output release the library uses instead of record_stream.
-        y = hand(record=False)
-        _record(fork, cur)
-        for s in sides:
-            _wait(fork, s)
-        return y
+    def hand(release="wait", events=True, switch=True):
+        return hand_fork_join(lins, x, cur, sides, fork, joins, release, events, switch)
 
     par = Parallel(*lins, streams=True)
     with torch.no_grad():
         t = {
             "loop+cat": per_call(lambda: torch.cat([l(x) for l in lins], 1)),
-            "hand record_stream": per_call(hand),
-            "hand wait-after": per_call(hand_wait_after),
-            "hand no release": per_call(lambda: hand(record=False)),
-            "hand no events": per_call(lambda: hand(record=False, events=False)),
-            "hand no switch": per_call(lambda: hand(record=False, events=False, switch=False)),
+            "hand record_stream": per_call(lambda: hand("record_stream")),
+            "hand wait-after": per_call(hand),
+            "hand no release": per_call(lambda: hand(None)),
+            "hand no events": per_call(lambda: hand(None, events=False)),
+            "hand no switch": per_call(lambda: hand(None, events=False, switch=False)),
             "Parallel streams=True": per_call(lambda: par(x)),
         }
         base = t["loop+cat"]

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from parallel_modules import Parallel
-from parallel_modules._streams import _current_stream, _pool, _record, _run_forked, _set_current, _wait
+from parallel_modules._streams import _current_stream, _pool, _run_forked
+from _timing import hand_fork_join  # tools/ is the script's directory
 
 dev = torch.device("cuda")
 x = torch.randn(8, 16, device=dev)
@@ -28,31 +29,12 @@ cur = torch.cuda.current_stream()
 sides = pool.side_streams(0, n - 1, cur)
 forks, joins = pool.events(n)
 fork = forks[0]
-ids = [(s.stream_id, s.device_index, s.device_type) for s in sides]
-cid = (cur.stream_id, cur.device_index, cur.device_type)
 
 
 def hand(lookups=False):
-    if lookups:
-        p = _pool(dev, False)
-        c = _current_stream(dev)
-        ss = p.side_streams(0, n - 1, c)
-        fk, jn = p.events(n)
-    _record(fork, cur)
-    outs = [lins[0](x)]
-    for i in range(1, n):
-        _set_current(*ids[i - 1])
-        _wait(fork, sides[i - 1])
-        outs.append(lins[i](x))
-        _record(joins[i], sides[i - 1])
-    _set_current(*cid)
-    for i in range(1, n):
-        _wait(joins[i], cur)
-    y = torch.cat(outs, 1)
-    _record(fork, cur)
-    for s in sides:
-        _wait(fork, s)
-    return y
+    if lookups:  # what _run_forked looks up before it forks
+        _pool(dev, False).slots(0, n, _current_stream(dev))
+    return hand_fork_join(lins, x, cur, sides, fork, joins[1:n])
 
 
 def run(i, call):
