@@ -22,7 +22,10 @@ keep their identity, names, values and state-dict entries; an optimizer
 updating them in place updates the stacked tensor, so the next call -- eager,
 or a CUDA graph that read it by address -- sees the new values. Every eager
 call checks that each parameter still points into its stack (a parameter
-replaced or re-assigned by hand is stacked anew). Gradients reach each member's
+replaced or re-assigned by hand is stacked anew). The biases of ``Linear``
+layers of one width after the first are stacked further, into one tensor for
+all those layers, so that a CUDA graph writes them all into their products'
+outputs with one kernel (see :class:`_Prefill`); each bias stays contiguous. Gradients reach each member's
 parameter through :class:`_Unstack`, whose backward hands each one its slice
 of the stacked gradient. While a compiler traces, the stacks are built with
 ``torch.stack`` instead, so the traced graph reads the real parameters.
@@ -272,6 +275,11 @@ class _Group:
                 self.entries[qual] = _Entry(owners, attr, kind)
         self.stacks: dict[str, torch.Tensor] = {}
         self.bound: dict[str, list[torch.Tensor]] = {}
+        # The biases a capture writes into the products' output buffers (see
+        # _Prefill), by width and dtype: each class with more than one is stacked
+        # into one tensor ``[layers, N, width]`` by bind, and filled by one kernel.
+        self.joint_classes = _joint_bias_classes(self.template)
+        self.joint: dict[str, tuple[torch.Tensor, int]] = {}  # bias name -> (its class's tensor, its index)
         # Every member tensor and the address it had when bound (see _bound).
         self.expected: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
         self.registrations = -1
@@ -320,8 +328,25 @@ class _Group:
                         t.data = stacked[i]
                 stacks[qual], bound[qual] = stacked, tensors
                 tensors_bound += tensors
+            joint: dict[str, tuple[torch.Tensor, int]] = {}
+            for quals in self.joint_classes:
+                parts = [stacks.get(q) for q in quals]
+                if (any(t is None for t in parts) or len({(t.dtype, t.shape) for t in parts}) != 1
+                        or len({t.data_ptr() for t in parts}) != len(parts)):  # (a bias tied to another)
+                    continue
+                together = _adopt(parts)
+                if together is None:
+                    # One tensor for the class: each layer's stack (and so each member's
+                    # bias, still contiguous) becomes a slice of it.
+                    together = torch.stack(parts)
+                    moved = True
+                    for k, q in enumerate(quals):
+                        for i, t in enumerate(bound[q]):
+                            t.data = together[k, i]
+                        stacks[q] = together[k]
+                joint.update((q, (together, k)) for k, q in enumerate(quals))
         ptrs = [t.data_ptr() for t in tensors_bound]
-        self.stacks, self.bound = stacks, bound
+        self.stacks, self.bound, self.joint = stacks, bound, joint
         self.expected = (tensors_bound, ptrs, list(range(len(ptrs))))
         self.registrations = _registrations
         return moved
@@ -366,7 +391,7 @@ class _Group:
         tracing = False if eager else _is_tracing()
         fewer = cat_joined and not tracing and not eager and _kernels_cost_more(x)
         before = _call.fewer_kernels, _call.prefill
-        _call.fewer_kernels, _call.prefill = fewer, _Prefill(x, side_bias) if fewer else None
+        _call.fewer_kernels, _call.prefill = fewer, _Prefill(x, side_bias, self.joint) if fewer else None
         try:
             return self._run(x, tracing)
         finally:
@@ -434,9 +459,10 @@ class _Prefill:
     ``Parallel`` captures both and keeps the faster).
     """
 
-    __slots__ = ("caller", "side")
+    __slots__ = ("caller", "side", "joint", "buffers")
 
-    def __init__(self, x: torch.Tensor, side: bool = True) -> None:
+    def __init__(self, x: torch.Tensor, side: bool = True,
+                 joint: dict[str, tuple[torch.Tensor, int]] | None = None) -> None:
         self.caller = self.side = None
         if x.is_cuda and side:
             pool = _pool(x.device)
@@ -445,19 +471,69 @@ class _Prefill:
             start = torch.cuda.Event()
             start.record(self.caller)
             self.side.wait_event(start)
+        self.joint = joint or {}  # see _Group.joint
+        self.buffers: dict[int, torch.Tensor] = {}  # a class's buffers, by id of its biases' tensor
 
-    def filled(self, bias: torch.Tensor, rows: int) -> torch.Tensor:
-        r"""A ``[N, rows, out]`` view of a ``[rows, N, out]`` buffer holding ``bias`` (``[N, 1, out]``) in every row."""
-        n, _, width = bias.shape
+    def filled(self, bias: torch.Tensor, rows: int, name: str | None = None) -> torch.Tensor:
+        r"""A ``[N, rows, out]`` view of a ``[rows, N, out]`` buffer holding ``bias`` (``[N, 1, out]``) in every row.
+
+        Where ``name`` is a bias stored with others of its width (``_Group.joint``),
+        the first of them asked for fills the buffers of all in one kernel (a
+        copy per product is one kernel per layer on the replay's path, where
+        the copies run in line), and the others get theirs.
+        """
+        entry = self.joint.get(name) if name is not None else None
+        if entry is not None:
+            together, k = entry
+            buffers = self.buffers.get(id(together))
+            if buffers is None and together.numel() * rows * together.element_size() <= _JOINT_FILL_BYTES:
+                buffers = self.buffers[id(together)] = self._fill(together, rows)
+            if buffers is not None and buffers.shape[1] == rows:
+                return buffers[k].transpose(0, 1)
+        return self._fill(bias.transpose(0, 1), rows)[0].transpose(0, 1)
+
+    def _fill(self, biases: torch.Tensor, rows: int) -> torch.Tensor:
+        r"""``[L, rows, N, out]`` buffers, ``biases`` (``[L, N, out]``) written into every row, on the side stream."""
+        layers, n, width = biases.shape
         with torch.cuda.stream(self.side):  # (no stream: in line)
-            out = bias.new_empty((rows, n, width)).transpose(0, 1)
-            out.copy_(bias.expand(n, rows, width))
+            out = biases.new_empty((layers, rows, n, width))
+            out.copy_(biases.unsqueeze(1).expand(layers, rows, n, width))
         if self.side is not None:
             done = torch.cuda.Event()
             done.record(self.side)
             self.caller.wait_event(done)
             out.record_stream(self.caller)
         return out
+
+
+# The buffers of one class of biases (see _Prefill.filled) are allocated together and
+# live until the group's last product; per layer, each could be freed after its
+# activation. Small products, where the kernel saved matters, take the joint fill.
+_JOINT_FILL_BYTES = 8 << 20
+
+
+def _joint_bias_classes(template: nn.Module) -> list[list[str]]:
+    r"""The biases of ``template``'s ``Linear`` layers after its first, by width and dtype, in classes of two or more.
+
+    These are the biases a capture writes into batched products' outputs (see
+    :meth:`_Group.copies_biases`), named as in the template.
+    """
+    if type(template) is not nn.Sequential:
+        return []
+    classes: dict[tuple[int, torch.dtype], list[str]] = {}
+
+    def walk(m: nn.Module, prefix: str, first: list[bool]) -> None:
+        for name, child in m._modules.items():
+            qual = _join(prefix, name)
+            if type(child) is nn.Sequential:
+                walk(child, qual, first)
+                continue
+            if type(child) is nn.Linear and child.bias is not None and not first[0]:
+                classes.setdefault((child.out_features, child.bias.dtype), []).append(_join(qual, "bias"))
+            first[0] = False
+
+    walk(template, "", [True])
+    return [quals for quals in classes.values() if len(quals) > 1]
 
 
 _call = _CallState()
@@ -616,7 +692,7 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 else:  # the bias already in place (see _Prefill): the product accumulates onto it
                     prefill = _call.prefill
                     assert prefill is not None
-                    out = prefill.filled(bias, x.shape[1]).baddbmm_(x, wt)
+                    out = prefill.filled(bias, x.shape[1], b_name).baddbmm_(x, wt)
                 return _Value(out.transpose(0, 1).flatten(1), _CHANNELS)
             if layout == _SHARED and t.dim() == 2:
                 flat, lead = t.expand(n, -1, -1), None

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel
 from tests._helpers import cpu_and_cuda
@@ -93,6 +94,8 @@ CASES = {
     "no-bias": (lambda: nn.Sequential(nn.Linear(16, 16, bias=False), nn.GELU(), nn.Linear(16, 16, bias=False)),
                 lambda d: torch.randn(6, 16, device=d)),
     "head": (lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 5)), lambda d: torch.randn(7, 16, device=d)),
+    # Biases of one width after the first layer, stacked together (filled by one copy in a capture).
+    "deep": (lambda: nn.Sequential(*mlp(depth=4), nn.Linear(16, 5)), lambda d: torch.randn(6, 16, device=d)),
     # A stacked value (after LayerNorm's per-member affine) into a product.
     "layernorm-between": (lambda: nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 8)),
                           lambda d: torch.randn(5, 16, device=d)),
@@ -204,6 +207,57 @@ def test_gradients_and_optimizer_steps(device):
     # The optimizer updated the branches' own parameters: the next call must use them.
     x = torch.randn(6, 16, device=device)
     assert_close(p(x), ref(x))
+
+
+def deep_mlp() -> nn.Sequential:
+    r"""Three 32-wide biased products after the first layer, and a 5-wide last one."""
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                         nn.Linear(32, 32), nn.Linear(32, 5))
+
+
+class CountCopies(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("joint", [True, False])
+def test_biases_of_one_width_share_a_tensor_and_one_copy(device, joint, monkeypatch):
+    # Captured, a fused call writes each batched product's bias into its output buffer
+    # before the product (``_Prefill``), a kernel per layer on the replay's path. Biases of
+    # one width are stacked as one tensor, so that one copy writes every such layer's.
+    from parallel_modules import _fusion
+
+    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)  # the layouts of a capture
+    if not joint:  # buffers too large to keep together: a copy per layer, as before
+        monkeypatch.setattr(_fusion, "_JOINT_FILL_BYTES", 0)
+    torch.manual_seed(0)
+    branches = [deep_mlp() for _ in range(4)]
+    before = copy.deepcopy(nn.ModuleList(branches).state_dict())
+    p = Parallel(*branches, fuse=True).to(device).eval()
+    wide = [b[k].bias for k in (2, 4, 6) for b in branches]
+    assert len({t.untyped_storage().data_ptr() for t in wide}) == 1, "the 32-wide biases share one tensor"
+    assert all(t.is_contiguous() for t in wide), "each bias stays contiguous"
+    assert branches[0][7].bias.untyped_storage().data_ptr() != wide[0].untyped_storage().data_ptr()
+    after = p.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k].cpu(), before[k]) for k in before)
+
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(6, 16, device=device)
+            with CountCopies() as counted:
+                out = p._forward(x)  # the general path, which asks whether a capture is underway
+            assert_close(out, reference(p, x))
+            # One copy for the three 32-wide biases and one for the 5-wide one; or four.
+            assert counted.copies == (2 if joint else 4), counted.copies
+            branches[step][4].bias.add_(1.0)  # as an optimizer would: seen by the next call
+    assert p._fusion.groups[0].bind() is False, "nothing was stacked anew"
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -487,10 +541,10 @@ def test_cuda_graph_with_biases_copied_in_line(fuse, monkeypatch):
     made = []  # (variant being captured, whether its bias copies go to a side stream)
     prefill_init = _fusion._Prefill.__init__
 
-    def recorded(self, x, side=True):
+    def recorded(self, x, side=True, *args, **kwargs):
         if torch.cuda.is_current_stream_capturing():
             made.append((_graphs._local.variant[1], side))
-        prefill_init(self, x, side)
+        prefill_init(self, x, side, *args, **kwargs)
 
     monkeypatch.setattr(_fusion._Prefill, "__init__", recorded)
     p = Parallel(*[mlp(64, depth=3) for _ in range(8)], fuse=fuse, cuda_graph=True).cuda().eval()
