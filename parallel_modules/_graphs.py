@@ -68,7 +68,7 @@ import traceback
 import warnings
 import weakref
 from collections import OrderedDict, deque
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -195,10 +195,12 @@ class _Lending:
 
     def held(self) -> bool:
         r"""Whether a lent output (or a view of one) is still alive; stops lending if so."""
-        if self.lent and any(_use_count(r.cdata) > b for r, b in zip(self.refs, self.baseline)):
-            self.lent = False
-            self.watch = 0
-            return True
+        if self.lent:
+            for r, b in zip(self.refs, self.baseline):  # (a loop: a generator costs a frame per call)
+                if _use_count(r.cdata) > b:
+                    self.lent = False
+                    self.watch = 0
+                    return True
         return False
 
     def outputs(self, static: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -394,7 +396,7 @@ class _Graph:
             if static.data_ptr() != t.data_ptr():
                 static.copy_(t)
 
-    def replay(self, tensors: list[torch.Tensor], static_outputs: bool) -> Any:
+    def replay(self, tensors: Sequence[torch.Tensor], static_outputs: bool) -> Any:
         r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
         if self.bwd is not None:
             direct = self.token is not None and _direct_allowed(self.params)
@@ -404,15 +406,25 @@ class _Graph:
             else:
                 outs = _apply(self, static_outputs, direct, *_unwrap_dead(tensors), *rest)
         else:
+            # (``_order``, ``_copy_in`` and ``_Lending.outputs`` written out for the
+            # steady state: an inference replay is a few microseconds of CPU, and
+            # every Python frame on its path a measurable part of it.)
             with self.lock:
                 lending = self.lending
-                if lending.lent and not static_outputs and lending.held():
+                lent = lending.lent
+                if lent and not static_outputs and lending.held():
                     return _HELD
-                self._order(_current_stream(self.device))
-                self._copy_in(tensors)
+                stream = _current_stream(self.device)
+                if self.last is not stream:
+                    self._order(stream)
+                for static, t in zip(self.inputs, tensors):
+                    if static.data_ptr() != t.data_ptr():
+                        static.copy_(t)
                 _launch(self.fwd)
                 if static_outputs:
                     outs = self.outputs
+                elif lent:
+                    outs = [o.detach() for o in self.outputs]
                 else:
                     # A user keeping an output across two calls must never see
                     # it overwritten by the next replay: clone, or lend the
@@ -773,7 +785,8 @@ class _CudaGraphs:
             owner = self._owner()
             if owner is not None and not _capture_underway() and self._key(owner, args, kwargs, ()) == hot[0]:
                 self._recent.append(False)
-                return self._replay(hot[1], forward, args, kwargs, [args[0]])
+                out = hot[1].replay(args, self.static_outputs)  # (``_replay``, without its frame)
+                return forward(*args, **kwargs) if out is _HELD else out
         return self._lookup(forward, args, kwargs)
 
     def _key(self, owner: nn.Module, args: tuple, kwargs: dict, extra: tuple) -> Hashable:
