@@ -331,8 +331,9 @@ class _Group:
             joint: dict[str, tuple[torch.Tensor, int]] = {}
             for quals in self.joint_classes:
                 parts = [stacks.get(q) for q in quals]
-                if (any(t is None for t in parts) or len({(t.dtype, t.shape) for t in parts}) != 1
-                        or len({t.data_ptr() for t in parts}) != len(parts)):  # (a bias tied to another)
+                # (One width and dtype per class: the stacks' shapes agree. A bias tied to
+                # another of the class would have two places in the tensor.)
+                if any(t is None for t in parts) or len({t.data_ptr() for t in parts}) != len(parts):
                     continue
                 together = _adopt(parts)
                 if together is None:
@@ -374,7 +375,7 @@ class _Group:
         first, on the shared input, adds its bias in the product's epilogue).
         """
         template = self.template
-        layers = _layers(template) if type(template) is nn.Sequential else [template]
+        layers = [m for _, m in _layers(template)] if type(template) is nn.Sequential else [template]
         return x.dim() == 2 and any(type(m) is nn.Linear and m.bias is not None for m in layers[1:])
 
     def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False, side_bias: bool = True) -> Any:
@@ -482,7 +483,7 @@ class _Prefill:
         copy per product is one kernel per layer on the replay's path, where
         the copies run in line), and the others get theirs.
         """
-        entry = self.joint.get(name) if name is not None else None
+        entry = self.joint.get(name)
         if entry is not None:
             together, k = entry
             buffers = self.buffers.get(id(together))
@@ -521,18 +522,9 @@ def _joint_bias_classes(template: nn.Module) -> list[list[str]]:
     if type(template) is not nn.Sequential:
         return []
     classes: dict[tuple[int, torch.dtype], list[str]] = {}
-
-    def walk(m: nn.Module, prefix: str, first: list[bool]) -> None:
-        for name, child in m._modules.items():
-            qual = _join(prefix, name)
-            if type(child) is nn.Sequential:
-                walk(child, qual, first)
-                continue
-            if type(child) is nn.Linear and child.bias is not None and not first[0]:
-                classes.setdefault((child.out_features, child.bias.dtype), []).append(_join(qual, "bias"))
-            first[0] = False
-
-    walk(template, "", [True])
+    for qual, m in _layers(template)[1:]:
+        if type(m) is nn.Linear and m.bias is not None:
+            classes.setdefault((m.out_features, m.bias.dtype), []).append(_join(qual, "bias"))
     return [quals for quals in classes.values() if len(quals) > 1]
 
 
@@ -629,9 +621,11 @@ _Get = Callable[[str], "torch.Tensor | None"]
 _Step = Callable[[_Value, _Get], Any]
 
 
-def _layers(m: nn.Sequential) -> list[nn.Module]:
-    r"""The modules ``m`` runs one after another, nested ``Sequential`` s flattened (as :func:`_program` does)."""
-    return [leaf for c in m._modules.values() for leaf in (_layers(c) if type(c) is nn.Sequential else [c])]
+def _layers(m: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    r"""The modules ``m`` runs one after another and their names, nested ``Sequential`` s flattened (as
+    :func:`_program` does)."""
+    return [leaf for name, c in m._modules.items()
+            for leaf in (_layers(c, _join(prefix, name)) if type(c) is nn.Sequential else [(_join(prefix, name), c)])]
 
 
 def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
