@@ -4,18 +4,22 @@ Times, interleaved in one process, the h2d case (64 x 3x224x224 fp32, pinned) co
 on one stream against ``ParallelSequential(chunks=4)`` with the copy lane issued first or in the
 wavefront, and the last stage's pieces concatenated by the last lane as they come or by the caller
 at the end; GPU time per call (events around back-to-back calls) and CPU time per call.
-Usage: ``PYTHONPATH=. python3 tools/exp_h2d.py [chunks] [lanes]``; ends with the operators that take the CPU time of
+Usage: ``PYTHONPATH=. python3 tools/exp_h2d.py [chunks] [lanes|slots]``; ends with the operators that take the CPU time of
 a chunked call (a profile of 20 calls), the GPU activity of one graphed call, and its host
 operations of 10 us or more. ``lanes``: only when each lane of the graphed call
-reaches each point, from timing events, over calls made back to back.
+reaches each point, from timing events, over calls made back to back. ``slots``: only the
+library's graphed call against a pipeline written by hand with one graph per micro-batch slot
+(the copy writes the graph's input) and with one graph whose input is copied in.
 """
 import sys
+import time
 
 import torch
 from torch import nn
 
 from parallel_modules import ParallelSequential, pipeline
 from parallel_modules._cases import PIPELINES
+from parallel_modules.bench import _capture
 from _timing import cpu_us, gpu_medians, op_table  # tools/ is the script's directory
 
 torch.backends.cudnn.allow_tf32 = False
@@ -65,6 +69,111 @@ graphed = ParallelSequential(*stages, chunks=chunks, cuda_graph=True)
 for ahead in (True, False):
     variants[f"c{chunks} graphed per stage, copies first={ahead}"] = (
         lambda ahead=ahead: (FLAGS.update(ahead=True, gather=True, force_ahead=ahead), graphed(x))[1])
+
+if "slots" in sys.argv:
+    # By hand, the pipeline with one graph per micro-batch slot, each captured on its own device
+    # staging buffer, into which the copy stream writes the piece (no copy into a graph's input);
+    # against one graph for every slot (its input copied in, as the library's stages are).
+    piece = 64 // chunks
+    copy_s, comp_s, caller = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.current_stream()
+    staging = [torch.empty((piece, *x.shape[1:]), device=dev) for _ in range(chunks)]
+
+    def capture_on(buf):
+        # As ``_capture``, but the graph reads ``buf`` itself: a replay copies nothing in.
+        side = torch.cuda.Stream()
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                seq(buf)
+        caller.wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = seq(buf)
+        return lambda _buf: (g.replay(), out)[1]
+
+    with torch.no_grad():
+        per_slot = [capture_on(s) for s in staging]
+        shared = _capture(seq, staging[0])
+    ev = [torch.cuda.Event() for _ in range(chunks)]
+
+    def by_hand(slots, allocate=False):
+        copy_s.wait_stream(caller)
+        comp_s.wait_stream(caller)
+        pieces = list(staging)
+        with torch.cuda.stream(copy_s):
+            for m in range(chunks):
+                if allocate:  # as the library: a new tensor per piece, read on the compute stream
+                    pieces[m] = x[m * piece:(m + 1) * piece].to(dev, non_blocking=True)
+                    pieces[m].record_stream(comp_s)
+                else:
+                    staging[m].copy_(x[m * piece:(m + 1) * piece], non_blocking=True)
+                ev[m].record()
+        out = None
+        with torch.cuda.stream(comp_s):
+            for m in range(chunks):
+                comp_s.wait_event(ev[m])
+                y = per_slot[m](staging[m]) if slots else shared(pieces[m])
+                if out is None:
+                    out = torch.empty((64, *y.shape[1:]), device=dev)
+                out[m * piece:(m + 1) * piece].copy_(y)
+        caller.wait_stream(comp_s)
+        out.record_stream(caller)
+        return out
+
+    runs = {"copy then compute": variants["copy then compute"],
+            f"c{chunks} library graphed, copies first": variants[f"c{chunks} graphed per stage, copies first=True"],
+            f"c{chunks} by hand, one graph per slot": lambda: by_hand(True),
+            f"c{chunks} by hand, one graph, copied in": lambda: by_hand(False),
+            f"c{chunks} by hand, copied in, pieces allocated": lambda: by_hand(False, True)}
+    with torch.no_grad():
+        ref = seq(x.to(dev))
+        for name, fn in runs.items():
+            torch.testing.assert_close(fn(), ref, rtol=1e-4, atol=1e-4)
+        for rep in range(2):
+            times = gpu_medians(runs, rounds=30, per_sample=5)
+            for name, t in times.items():
+                print(f"{name:<48}{t:10.1f} us {times['copy then compute'] / t:6.3f}x")
+        for name, fn in runs.items():
+            # Host time per call, and the GPU's period between calls made back to back (events on the
+            # caller's stream before each call).
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(9)]
+            torch.cuda.synchronize()
+            for e in marks:
+                e.record()
+                fn()
+            torch.cuda.synchronize()
+            periods = " ".join(f"{a.elapsed_time(b) * 1e3:6.1f}" for a, b in zip(marks, marks[1:]))
+            # Whether a call waits for the GPU: calls queued behind a long kernel.
+            torch.cuda._sleep(50_000_000)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                fn()
+            behind = (time.perf_counter() - t0) / 5 * 1e6
+            torch.cuda.synchronize()
+            print(f"{name:<48} host {cpu_us(fn, n=20, warmup=3):7.1f} us/call ({behind:7.1f} queued behind a "
+                  f"long kernel); periods {periods}")
+        for cache in graphed._per_stage.values():
+            for key, g in cache._graphs.items():
+                print(f"stage graph {key[0][0]}: lent={g.lending.lent} watch={g.lending.watch} streak={g.lending.streak}")
+        # The GPU activity of the second of two calls back to back, from that call's first.
+        for name in list(runs)[1:3]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                runs[name]()
+                torch.cuda.synchronize()
+                with torch.profiler.record_function("second"):
+                    pass
+                runs[name]()
+                runs[name]()
+                torch.cuda.synchronize()
+            events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                            key=lambda e: e.time_range.start)
+            third = events[len(events) // 2:]
+            t0 = third[0].time_range.start
+            print(f"---- {name}: GPU activity of the later calls (us)")
+            for e in third:
+                print(f"  {e.time_range.start - t0:8.1f} {e.time_range.end - t0:8.1f}  stream {e.device_resource_id:>3}  "
+                      f"{e.name[:60]}")
+    sys.exit()
 
 if "lanes" in sys.argv:
     # Timing events: the pipeline's own (fork, copy of each piece, the last piece's end), and

@@ -116,6 +116,8 @@ if "graphcall" in what:
     case = CASES["mlp8"]
     br = case.branches(dev, torch.float32)
     x = case.make_input(8, dev, torch.float32)
+    from parallel_modules import _streams
+    ident = nn.Identity()
     with torch.no_grad():
         # First: fuse=True stacks the branches' parameters into new memory, which graphs read by address.
         mods = {"graph streams": Parallel(*br, cuda_graph=True),
@@ -139,6 +141,13 @@ if "graphcall" in what:
                 "torch._foreach_copy_": lambda s=static: torch._foreach_copy_([s], [x]),
                 "aten.copy_.default": lambda s=static: torch.ops.aten.copy_.default(s, x),
                 "lending.outputs": lambda g=graph: g.lending.outputs(g.outputs),
+                "lending.held": lambda g=graph: g.lending.held(),
+                "outputs detached": lambda g=graph: [o.detach() for o in g.outputs],
+                "_key": lambda m=m: m._graphs._key(m, (x,), {}, ()),
+                "_capture_underway": _streams._capture_underway,
+                "_is_tracing": _streams._is_tracing,
+                "_current_stream": lambda: _streams._current_stream(dev),
+                "Module.__call__ of Identity": lambda: ident(x),
             }
             for k, fn in pieces.items():
                 print(f"{label:<14}{k:<24}{cpu_us(fn, n=3000):8.2f} us")
