@@ -8,8 +8,11 @@ Usage: ``PYTHONPATH=. python3 tools/exp_h2d.py [chunks] [lanes|slots]``; ends wi
 a chunked call (a profile of 20 calls), the GPU activity of one graphed call, and its host
 operations of 10 us or more. ``lanes``: only when each lane of the graphed call
 reaches each point, from timing events, over calls made back to back. ``slots``: only the
-library's graphed call against a pipeline written by hand with one graph per micro-batch slot
-(the copy writes the graph's input) and with one graph whose input is copied in.
+library's graphed call (also with its stages replayed from graphs captured by hand) against a
+pipeline written by hand with one graph per micro-batch slot (the copy writes the graph's input),
+with one graph whose input is copied in, and with pieces allocated per call; then the host time,
+the periods of calls back to back, and one call from an idle GPU under the profiler (``window``:
+the host operations between its first two replays).
 """
 import sys
 import time
@@ -120,8 +123,24 @@ if "slots" in sys.argv:
         out.record_stream(caller)
         return out
 
+    # The library's pipeline with each stage replayed by a graph captured by hand (no _CudaGraphs):
+    # what the pipeline's own machinery costs, apart from the graph cache's call.
+    class HandStage:
+        def __init__(self, stage):
+            with torch.no_grad():
+                self.replay = _capture(stage, x[:piece].to(dev))
+
+        def __call__(self, forward, args, kwargs):
+            return self.replay(args[0])
+
+    hand_stages = ParallelSequential(*stages, chunks=chunks, cuda_graph=True)
+    hand_stages._stage_graphs = lambda plan, kept=[HandStage(s) for s in stages]: kept
+
     runs = {"copy then compute": variants["copy then compute"],
             f"c{chunks} library graphed, copies first": variants[f"c{chunks} graphed per stage, copies first=True"],
+            f"c{chunks} library, stages replayed by hand": lambda: (FLAGS.update(ahead=True, gather=True),
+                                                                    FLAGS.pop("force_ahead", None),
+                                                                    hand_stages(x))[-1],
             f"c{chunks} by hand, one graph per slot": lambda: by_hand(True),
             f"c{chunks} by hand, one graph, copied in": lambda: by_hand(False),
             f"c{chunks} by hand, copied in, pieces allocated": lambda: by_hand(False, True)}
@@ -155,24 +174,34 @@ if "slots" in sys.argv:
         for cache in graphed._per_stage.values():
             for key, g in cache._graphs.items():
                 print(f"stage graph {key[0][0]}: lent={g.lending.lent} watch={g.lending.watch} streak={g.lending.streak}")
-        # The GPU activity of the second of two calls back to back, from that call's first.
-        for name in list(runs)[1:3]:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        # One call from an idle GPU: when the host issues each copy and replay (CUDA runtime calls,
+        # us from the call's start) and when the GPU runs them.
+        for name in [n for n in runs if "library graphed" in n or "copied in, pieces" in n]:
+            for _ in range(3):
+                runs[name]()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
                 runs[name]()
                 torch.cuda.synchronize()
-                with torch.profiler.record_function("second"):
-                    pass
-                runs[name]()
-                runs[name]()
-                torch.cuda.synchronize()
-            events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                            key=lambda e: e.time_range.start)
-            third = events[len(events) // 2:]
-            t0 = third[0].time_range.start
-            print(f"---- {name}: GPU activity of the later calls (us)")
-            for e in third:
-                print(f"  {e.time_range.start - t0:8.1f} {e.time_range.end - t0:8.1f}  stream {e.device_resource_id:>3}  "
-                      f"{e.name[:60]}")
+            evs = sorted(prof.events(), key=lambda e: e.time_range.start)
+            t0 = evs[0].time_range.start
+            if "window" in sys.argv:
+                # Every host operation between the first two graph launches.
+                launches = [e.time_range.start for e in evs if e.name.startswith("cudaGraphLaunch")]
+                print(f"---- {name}: host operations between the first two graph launches (us from the call's start)")
+                for e in evs:
+                    if (e.device_type != torch.autograd.DeviceType.CUDA
+                            and launches[0] <= e.time_range.start <= launches[1]):
+                        print(f"  {e.time_range.start - t0:8.1f} {e.time_range.end - t0:8.1f}  {e.name[:70]}")
+                continue
+            print(f"---- {name}: one call from an idle GPU (us from its start)")
+            for e in evs:
+                gpu = e.device_type == torch.autograd.DeviceType.CUDA
+                if gpu or e.name.startswith(("cudaMemcpyAsync", "cudaGraphLaunch", "cudaMalloc", "cudaFree",
+                                             "cudaStreamSynchronize", "cudaEventSynchronize")):
+                    print(f"  {'GPU' if gpu else 'CPU'} {e.time_range.start - t0:8.1f} {e.time_range.end - t0:8.1f}  "
+                          f"{e.name[:50]}")
     sys.exit()
 
 if "lanes" in sys.argv:
