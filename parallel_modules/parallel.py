@@ -146,12 +146,15 @@ class Parallel(nn.Module):
             ``False``.
         graph_fallback: when a signature cannot be captured, warn once and
             run it eagerly from then on instead of raising. Default: ``False``.
-        direct_grads: with ``cuda_graph=True`` in training, the backward
-            replay writes the parameters' gradients into ``.grad`` itself
-            (set, or summed into what is there) instead of handing each to
-            autograd's accumulator for that parameter, whose host time is
-            most of a CPU-bound graphed training step. The parameters are
-            then not part of autograd's graph: ``loss.backward()`` fills their
+        direct_grads: with ``cuda_graph=True`` in training, take the
+            parameters out of autograd's graph. Without it they are inputs
+            of the replay's autograd node as in any graph, and a plain
+            ``loss.backward()`` with nothing listening on them has the
+            backward replay write their gradients into ``.grad`` itself (set,
+            or summed into what is there) and hand their accumulators none;
+            the engine still visits one accumulator per parameter, whose host
+            time is a large part of a CPU-bound graphed training step. With
+            it, the engine visits none: ``loss.backward()`` fills their
             ``.grad`` as usual, ``torch.autograd.grad`` and
             ``backward(inputs=...)`` leave it alone, and asking either for the
             parameters' own gradients fails as for tensors the loss does not

@@ -417,9 +417,11 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
         torch.testing.assert_close(p, p_ref)
     graph = _only_graph(block)
     assert graph.bwd is not None and block._graphs.captures == 1
-    assert handed == ([5] if direct else [0])  # direct_grads took the backward's gradients itself
-    # zero_grad() let go of them: the same copies, refilled, every step.
-    assert (handed_out[0] is not None and all(k is handed_out[0] for k in handed_out)) == direct
+    # A plain backward() with nothing listening on the parameters: the replay's backward
+    # wrote their gradients itself, with or without direct_grads; zero_grad() let go of
+    # them, so the same copies, refilled, every step.
+    assert handed == [5]
+    assert handed_out[0] is not None and all(k is handed_out[0] for k in handed_out)
 
 
 def _count_hand_outs(monkeypatch) -> list[int]:
@@ -504,6 +506,88 @@ def test_training_backward_after_a_later_forward_is_refused():
     with pytest.raises(RuntimeError, match="backward"):
         first.sum().backward()
     block(x).sum().backward()  # still usable
+
+
+@cuda
+@pytest.mark.parametrize("listener", [None, "post_accumulate_hook", "tensor_hook", "late_hook"])
+def test_parameters_stay_in_autograds_graph_without_direct_grads(listener, monkeypatch):
+    # Without direct_grads the parameters are inputs of the replay's autograd node, as in any
+    # graph: torch.autograd.grad and backward(inputs=...) may name them, hooks on them run as
+    # they do on the eager module -- one registered between a forward and its backward too --
+    # and only a plain backward() with nothing listening lets the replay write .grad itself.
+    branches = _mlp(3)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches)
+    handed = _count_hand_outs(monkeypatch)
+    params, params_ref = list(block.parameters()), list(reference.parameters())
+    seen: list[torch.Tensor] = []
+    seen_ref: list[torch.Tensor] = []
+
+    def listen(step: int) -> None:
+        for p, into in ((params[0], seen), (params_ref[0], seen_ref)):
+            if listener == "post_accumulate_hook" and step == 0:
+                p.register_post_accumulate_grad_hook(lambda p, into=into: into.append(p.grad.clone()))
+            elif (listener == "tensor_hook" and step == 0) or (listener == "late_hook" and step == 1):
+                p.register_hook(lambda g, into=into: into.append(g.clone()))
+
+    for step in range(3):
+        base = torch.randn(8, 64, device="cuda")
+        x, x_ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+        if listener != "late_hook":
+            listen(step)
+        grads = torch.autograd.grad(block(x).square().sum(), [x, *params])
+        grads_ref = torch.autograd.grad(_reference(reference, x_ref).square().sum(), [x_ref, *params_ref])
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref)
+        block(x).square().sum().backward(inputs=[params[1]])
+        assert params[1].grad is not None and all(p.grad is None for i, p in enumerate(params) if i != 1)
+        torch.testing.assert_close(params[1].grad, grads_ref[2])
+        block.zero_grad()
+        out, out_ref = block(x), _reference(reference, x_ref)
+        if listener == "late_hook":
+            listen(step)  # between the forward and its backward
+        out.square().sum().backward()
+        out_ref.square().sum().backward()
+        for p, p_ref in zip(params, params_ref):
+            torch.testing.assert_close(p.grad, p_ref.grad)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+        block.zero_grad()
+        reference.zero_grad()
+    assert len(seen) == len(seen_ref) and bool(seen) == (listener is not None)
+    for g, g_ref in zip(seen, seen_ref):
+        torch.testing.assert_close(g, g_ref)
+    # The replay wrote .grad itself on the plain backward()s no hook listened to.
+    assert handed == [{None: 3, "late_hook": 1}.get(listener, 0)]
+
+
+@cuda
+@pytest.mark.parametrize("outside_first", [False, True])
+def test_training_gradients_of_a_parameter_also_used_outside_the_block(outside_first):
+    # A parameter the graphed block shares with the rest of the model (tied weights): the
+    # replay writes its share into .grad, the accumulator adds the rest, in whichever order
+    # the engine runs them; with .grad set by an earlier backward, both add to it.
+    branches = _mlp(3)
+    head = nn.Linear(64, 64).cuda()
+    block = _graphed(branches)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    head_ref = copy.deepcopy(head)
+    shared, shared_ref = branches[1][0].weight, reference[1][0].weight
+
+    def loss(blk, hd, w, x):
+        out = blk(x) if blk is block else _reference(blk, x)
+        tied = torch.nn.functional.linear(hd(x), w)  # the shared weight, outside the block
+        return (out.square().sum() + tied.sum()) if outside_first else (tied.sum() + out.square().sum())
+
+    for step in range(4):
+        x = torch.randn(8, 64, device="cuda")
+        loss(block, head, shared, x).backward()
+        loss(reference, head_ref, shared_ref, x).backward()
+        for p, p_ref in zip([*block.parameters(), *head.parameters()],
+                            [*reference.parameters(), *head_ref.parameters()]):
+            torch.testing.assert_close(p.grad, p_ref.grad)
+        if step % 2:  # every other step, accumulate over two backwards
+            for m in (block, head, reference, head_ref):
+                m.zero_grad()
 
 
 @cuda

@@ -12,8 +12,11 @@ replay's ``autograd.Function``, which takes every parameter as an input. Measure
 * the same with ``direct_grads=True``: the replay's Function takes only the call's tensors and
   a zero-size token, and its backward hands each parameter its gradient itself, so the engine
   runs no accumulator per parameter;
+* the graphs' token dropped, so that the parameters' gradients go through autograd's
+  accumulators, as every training graph without ``direct_grads`` did before;
 * the engine alone: ``backward()`` through a Function with 0 and 64 leaf inputs whose backward
-  returns ready-made gradients (which the accumulators must copy: they are kept elsewhere).
+  returns ready-made gradients (``kept``: which the accumulators must copy, they are held
+  elsewhere; ``fresh``: views of a new buffer, which they may keep) or none.
 """
 import statistics
 import sys
@@ -31,7 +34,10 @@ dev = torch.device("cuda")
 
 case = CASES["mlp8-train"]
 x = case.make_input(8, dev, torch.float32)
-variants = [("eager seq", None), ("graph Parallel", dict(cuda_graph=True)),
+# ``accumulators``: the graphs' token dropped after capture, so that their parameters' gradients go
+# through autograd's accumulators (how every training graph ran before the token served them all).
+variants = [("eager seq", None), ("graph Parallel accumulators", dict(cuda_graph=True)),
+            ("graph Parallel", dict(cuda_graph=True)),
             ("graph Parallel direct_grads", dict(cuda_graph=True, direct_grads=True)),
             ("graph Parallel fused", dict(cuda_graph=True, fuse=True)),
             ("graph Parallel fused direct_grads", dict(cuda_graph=True, fuse=True, direct_grads=True))]
@@ -65,11 +71,16 @@ for label, kw in variants:
 
     steps[label] = make()
     params[label] = model
+    if "accumulators" in label:
+        steps[label][0]()  # captures
+        for m in model.modules():
+            for g in getattr(getattr(m, "_graphs", None), "_graphs", {}).values():
+                g.token = None
 for _ in range(30):
     for step, _ in steps.values():
         step()
 torch.cuda.synchronize()
-for a, b in [("graph Parallel", "graph Parallel direct_grads"),
+for a, b in [("graph Parallel accumulators", "graph Parallel"), ("graph Parallel", "graph Parallel direct_grads"),
              ("graph Parallel fused", "graph Parallel fused direct_grads"), ("eager seq", "graph Parallel direct_grads")]:
     pa, pb = list(params[a].parameters()), list(params[b].parameters())
     err = max((p - q).abs().max().item() for p, q in zip(pa, pb))
@@ -92,14 +103,18 @@ if "prof" in sys.argv:
 leaves = [torch.zeros(256, 256, device=dev, requires_grad=True) for _ in range(64)]
 ready = [torch.ones(256, 256, device=dev) for _ in range(64)]
 x0 = torch.zeros(8, device=dev, requires_grad=True)
-for k in (0, 64):
+for k, how in ((0, "kept"), (64, "kept"), (64, "fresh"), (64, "none")):
     class _Ready(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, *leaves):
             return x.clone()
 
         @staticmethod
-        def backward(ctx, g, k=k):
+        def backward(ctx, g, k=k, how=how):
+            if how == "none":
+                return (g,) + (None,) * k
+            if how == "fresh":  # views of one new buffer, which the accumulators may keep
+                return (g, *torch.empty(k, 256, 256, device=dev).unbind(0))
             return (g, *ready[:k])
 
     samples = []
@@ -111,4 +126,5 @@ for k in (0, 64):
         t0 = time.perf_counter()
         loss.backward()
         samples.append((time.perf_counter() - t0) * 1e6)
-    print(f"engine alone: backward through a Function with {k:2d} leaf inputs: {statistics.median(samples[100:]):6.1f} us")
+    print(f"engine alone: backward through a Function with {k:2d} leaf inputs, gradients {how}: "
+          f"{statistics.median(samples[100:]):6.1f} us")
