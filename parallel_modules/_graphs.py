@@ -142,6 +142,11 @@ def _clear_cublas_workspaces() -> None:
 _launch = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None) or torch.cuda.CUDAGraph.replay
 
 
+# Whether autograd warns of an accumulator fed from another stream (torch >= 2.9), and setting it.
+_mismatch_warned = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", lambda: False)
+_warn_mismatch = getattr(torch._C, "_set_warn_on_accumulate_grad_stream_mismatch", lambda enabled: None)
+
+
 def _capture_stream(index: int) -> torch.cuda.Stream:
     stream = _capture_streams.get(index)
     if stream is None:
@@ -943,6 +948,14 @@ class _CudaGraphs:
             # Casts cached by autocast outside the graph would be read by address
             # and freed when the autocast region ends: cast inside the graph instead.
             torch.set_autocast_cache_enabled(False)
+            # Warm-up and capture differentiate the static inputs of branches that run
+            # on side streams: an input's accumulator (made on the capture stream) gets
+            # gradients from nodes of other streams, which the engine orders with an
+            # event, as it should. PyTorch warns of such a mismatch, once per process,
+            # as a sign of an accumulator kept alive from an earlier iteration; here it
+            # is by design, and it is this module's own call, so it is not warned of.
+            warn_mismatch = _mismatch_warned()
+            _warn_mismatch(False)
             _local.active = True
             try:
                 # A graph freed earlier may still be replaying somewhere: its static
@@ -997,6 +1010,7 @@ class _CudaGraphs:
                 _local.active = False
                 _local.variant = None
                 torch.set_autocast_cache_enabled(autocast_cache)
+                _warn_mismatch(warn_mismatch)
                 torch.cuda.set_stream(caller)
                 # Warm-up (and timing replays) ran the module: put its buffers back,
                 # so that the replay of this call is the only update they see.

@@ -1008,3 +1008,37 @@ def test_capture_failure_in_subprocess(mode):
     done = subprocess.run([sys.executable, "-c", _FAILURE_SCRIPT, mode], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+
+
+_MISMATCH_SCRIPT = textwrap.dedent(
+    """
+    import warnings, torch
+    from torch import nn
+    from parallel_modules import Parallel
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Linear(16, 16) for _ in range(3)], cuda_graph=True).cuda()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            block(torch.randn(4, 16, device="cuda", requires_grad=True)).sum().backward()
+    assert block._graphs.captures == 1
+    messages = [str(w.message) for w in record if "AccumulateGrad" in str(w.message)]
+    assert not messages, messages
+    # Only the module's own capture was spared the warning: the setting is the user's again.
+    assert torch._C._warn_on_accumulate_grad_stream_mismatch()
+    print("OK")
+    """
+)
+
+
+@cuda
+@pytest.mark.skipif(not hasattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch"),
+                    reason="this torch does not warn of accumulators fed from other streams")
+def test_capture_does_not_warn_of_its_own_side_stream_gradients():
+    # Capturing the training graph differentiates an input that branches on side streams
+    # read: its accumulator gets gradients from other streams, by design. PyTorch warns of
+    # that once per process, hence a fresh process.
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", _MISMATCH_SCRIPT], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
