@@ -143,7 +143,7 @@ _launch = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None) or torc
 
 
 # Whether autograd warns of an accumulator fed from another stream (torch >= 2.9), and setting it.
-_mismatch_warned = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", lambda: False)
+_warns_of_mismatch = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", lambda: False)
 _warn_mismatch = getattr(torch._C, "_set_warn_on_accumulate_grad_stream_mismatch", lambda enabled: None)
 
 
@@ -516,35 +516,33 @@ class _Replay(torch.autograd.Function):
             assert graph.bwd is not None
             _launch(graph.bwd)
             n = len(graph.inputs)
-            if not ctx.direct:
-                if graph.token is None:
-                    return (None, None, None) + _in_place(graph.grad_inputs, graph.fresh_grads())
-                inputs = _in_place(graph.grad_inputs[:n], graph.input_copies.fresh())
-                if _will_execute_node(graph.token_node) and _direct_allowed(graph.params):
-                    # A plain ``backward()``, which runs every accumulator, and nothing
-                    # listens on them: the gradients go to ``.grad`` here, in one go, and
-                    # the accumulators get none (each then returns at once), which saves
-                    # the engine most of its per-parameter work (see ``_Graph.token``).
-                    _hand_out(graph.params, graph.grad_inputs[n:], graph.param_copies)
-                    return (None, None, None) + inputs + (None,) * len(graph.params) + (graph.token_grad,)
-                # ``torch.autograd.grad``, ``backward(inputs=...)``, hooks: through autograd.
-                return ((None, None, None) + inputs + _in_place(graph.grad_inputs[n:], graph.param_copies.fresh())
-                        + (None,))
+            if graph.token is None:  # no parameter gradients, or a torch that cannot tell a plain backward()
+                return (None, None, None) + _in_place(graph.grad_inputs, graph.fresh_grads())
+            inputs = (None, None, None) + _in_place(graph.grad_inputs[:n], graph.input_copies.fresh())
             # ``.backward()`` runs every accumulator; ``torch.autograd.grad`` and
-            # ``backward(inputs=...)`` run only those of the tensors they name, and
-            # must leave every other ``.grad`` as it is.
-            if _will_execute_node(graph.token_node):
-                if not _direct_allowed(graph.params):
-                    raise RuntimeError(
-                        f"{graph.name}: a hook was registered on a parameter, or a torch.distributed process "
-                        f"group created, between this call's forward and its backward, with direct_grads=True: "
-                        f"the forward took the parameters out of autograd's graph, so the hook would not run. "
-                        f"Register hooks (and create process groups) before the forward call, or pass "
-                        f"direct_grads=False."
-                    )
+            # ``backward(inputs=...)`` run only those of the tensors they name, never
+            # the token's, and must leave every other ``.grad`` as it is.
+            plain = _will_execute_node(graph.token_node)
+            if ctx.direct:
+                if plain:
+                    if not _direct_allowed(graph.params):
+                        raise RuntimeError(
+                            f"{graph.name}: a hook was registered on a parameter, or a torch.distributed process "
+                            f"group created, between this call's forward and its backward, with direct_grads=True: "
+                            f"the forward took the parameters out of autograd's graph, so the hook would not run. "
+                            f"Register hooks (and create process groups) before the forward call, or pass "
+                            f"direct_grads=False."
+                        )
+                    _hand_out(graph.params, graph.grad_inputs[n:], graph.param_copies)
+                return inputs + (graph.token_grad,)
+            if plain and _direct_allowed(graph.params):
+                # Nothing listens on the parameters: their gradients go to ``.grad`` here,
+                # in one go, and their accumulators get none (each then returns at once),
+                # which saves the engine most of its per-parameter work (see ``_Graph.token``).
                 _hand_out(graph.params, graph.grad_inputs[n:], graph.param_copies)
-            return ((None, None, None) + _in_place(graph.grad_inputs[:n], graph.input_copies.fresh())
-                    + (graph.token_grad,))
+                return inputs + (None,) * len(graph.params) + (graph.token_grad,)
+            # ``torch.autograd.grad``, ``backward(inputs=...)``, hooks: through autograd.
+            return inputs + _in_place(graph.grad_inputs[n:], graph.param_copies.fresh()) + (None,)
 
 
 def _in_place(grads: list[torch.Tensor | None], copies: list[torch.Tensor]) -> tuple:
@@ -954,7 +952,7 @@ class _CudaGraphs:
             # event, as it should. PyTorch warns of such a mismatch, once per process,
             # as a sign of an accumulator kept alive from an earlier iteration; here it
             # is by design, and it is this module's own call, so it is not warned of.
-            warn_mismatch = _mismatch_warned()
+            warn_mismatch = _warns_of_mismatch()
             _warn_mismatch(False)
             _local.active = True
             try:
