@@ -7,6 +7,7 @@ order than one product per branch, so fp32 results agree within ``TOL`` rather t
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import pickle
@@ -215,14 +216,19 @@ def deep_mlp() -> nn.Sequential:
                          nn.Linear(32, 32), nn.Linear(32, 5))
 
 
-class CountCopies(TorchDispatchMode):
+class CountOps(TorchDispatchMode):
+    r"""Counts the operators a call dispatches, by name (``aten.addmm.default`` -> ``"addmm"``)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.copies = 0
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    @property
+    def copies(self) -> int:
+        return self.ops["copy_"]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default:
-            self.copies += 1
+        self.ops[func.__name__.split(".")[0]] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -251,13 +257,35 @@ def test_biases_of_one_width_share_a_tensor_and_one_copy(device, joint, monkeypa
     with torch.no_grad():
         for step in range(3):
             x = torch.randn(6, 16, device=device)
-            with CountCopies() as counted:
+            with CountOps() as counted:
                 out = p._forward(x)  # the general path, which asks whether a capture is underway
             assert_close(out, reference(p, x))
             # One copy for the three 32-wide biases and one for the 5-wide one; or four.
             assert counted.copies == (2 if joint else 4), counted.copies
             branches[step][4].bias.add_(1.0)  # as an optimizer would: seen by the next call
     assert p._fusion.groups[0].bind() is False, "nothing was stacked anew"
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("grad", [False, True])
+def test_eager_linears_joined_by_cat_are_one_product(device, grad):
+    # Identical Linear branches concatenated along dim 1 (a projection split into heads): one
+    # product with the members' weights one after another, the bias in its epilogue, is the
+    # joined output as it is -- no bias copied in, no transposing copy to join.
+    p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True).to(device)
+    x = torch.randn(5, 16, device=device, requires_grad=grad)
+    with torch.set_grad_enabled(grad), CountOps() as counted:
+        out = p(x)
+    assert counted.ops["addmm"] == 1, counted.ops
+    assert not {"baddbmm", "bmm", "copy_", "cat", "clone"} & set(counted.ops), counted.ops
+    expected = reference(p, x)
+    assert out.stride() == expected.stride()
+    assert_close(out, expected)
+    if grad:
+        params = [x, *p.parameters()]
+        grads = torch.autograd.grad(out.square().sum(), params)
+        for g, e in zip(grads, torch.autograd.grad(expected.square().sum(), params)):
+            assert_close(g, e)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
