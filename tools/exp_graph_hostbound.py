@@ -1,0 +1,86 @@
+"""Whether a graphed call is bound by the host or by the GPU (dev tool, not shipped).
+
+Usage: ``PYTHONPATH=. python3 tools/exp_graph_hostbound.py [case ...]`` on the GPU machine. Per variant,
+microseconds per call three ways: host time (calls back to back, then a synchronize), the benchmark's
+time (CUDA events around 20 calls after a synchronize), and the GPU's time alone (the same 20 calls
+queued behind a spin kernel, so that the events time only the GPU's work). Where the benchmark's time
+exceeds the GPU's, the host sets it.
+"""
+import statistics
+import sys
+import time
+
+import torch
+
+from parallel_modules import Parallel
+from parallel_modules._cases import CASES
+
+torch.backends.cuda.matmul.allow_tf32 = False
+dev = torch.device("cuda")
+CALLS = 20
+
+
+def host_us(fn, n=400):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def events_us(fn, spin_cycles=0):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    if spin_cycles:
+        torch.cuda._sleep(spin_cycles)
+    a.record()
+    for _ in range(CALLS):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / CALLS
+
+
+def graphed_by_hand(module, x):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            module(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        module(x)
+    return g.replay
+
+
+for name in sys.argv[1:] or ["mlp8", "mlp16"]:
+    case = CASES[name]
+    br = case.branches(dev, torch.float32)
+    x = case.make_input(8, dev, torch.float32)
+    with torch.no_grad():
+        variants = {
+            "floor (one branch, by hand)": graphed_by_hand(br[0], x),
+            "graph Parallel": Parallel(*br, cuda_graph=True),
+            "graph fused": Parallel(*br, cuda_graph=True, fuse=True),
+            "graph fuse=auto": Parallel(*br, cuda_graph=True, fuse="auto"),
+        }
+        calls = {k: (v if k.startswith("floor") else (lambda v=v: v(x))) for k, v in variants.items()}
+        for fn in calls.values():
+            for _ in range(30):
+                fn()
+        # Enough spin to cover the host's enqueueing of CALLS calls (cycles at ~1.7 GHz).
+        spin = int(200e-6 * CALLS * 1.7e9)
+        rows = {k: ([], [], []) for k in calls}
+        for _ in range(15):
+            for k, fn in calls.items():
+                h, e, g = rows[k]
+                h.append(host_us(fn, 200))
+                e.append(events_us(fn))
+                g.append(events_us(fn, spin))
+        floor = statistics.median(rows["floor (one branch, by hand)"][2])
+        print(f"{name}: us per call -- host / benchmark (events) / GPU alone (behind a spin); x floor (GPU alone)")
+        for k, (h, e, g) in rows.items():
+            hm, em, gm = (statistics.median(v) for v in (h, e, g))
+            print(f"  {k:<30}{hm:8.1f} {em:8.1f} {gm:8.1f}   {em / floor:5.2f}x {gm / floor:5.2f}x")
