@@ -1,10 +1,12 @@
 """Whether a graphed call is bound by the host or by the GPU (dev tool, not shipped).
 
-Usage: ``PYTHONPATH=. python3 tools/exp_graph_hostbound.py [case ...]`` on the GPU machine. Per variant,
+Usage: ``PYTHONPATH=. python3 tools/exp_graph_hostbound.py [--variants] [case ...]`` on the GPU machine. Per variant,
 microseconds per call three ways: host time (calls back to back, then a synchronize), the benchmark's
 time (CUDA events around 20 calls after a synchronize), and the GPU's time alone (the same 20 calls
 queued behind a spin kernel, so that the events time only the GPU's work). Where the benchmark's time
-exceeds the GPU's, the host sets it.
+exceeds the GPU's, the host sets it. ``--variants``: the fused graph with its biases copied in on a side
+stream, in line, and as the module chooses between them (which it names), each forced by a patched
+``Parallel._graph_variants``.
 """
 import statistics
 import sys
@@ -12,7 +14,7 @@ import time
 
 import torch
 
-from parallel_modules import Parallel
+from parallel_modules import Parallel, parallel as _parallel
 from parallel_modules._cases import CASES
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -55,17 +57,37 @@ def graphed_by_hand(module, x):
     return g.replay
 
 
-for name in sys.argv[1:] or ["mlp8", "mlp16"]:
+VARIANTS = "--variants" in sys.argv
+_choose = Parallel._graph_variants
+
+
+def forced(which):
+    r"""A ``Parallel`` subclass whose captures try only the variants ``which`` picks from the usual list."""
+    class Forced(Parallel):
+        def _graph_variants(self, *a, **k):
+            return which(_choose(self, *a, **k))
+    return Forced
+
+
+for name in [a for a in sys.argv[1:] if not a.startswith("--")] or ["mlp8", "mlp16"]:
     case = CASES[name]
     br = case.branches(dev, torch.float32)
     x = case.make_input(8, dev, torch.float32)
     with torch.no_grad():
-        variants = {
-            "floor (one branch, by hand)": graphed_by_hand(br[0], x),
-            "graph Parallel": Parallel(*br, cuda_graph=True),
-            "graph fused": Parallel(*br, cuda_graph=True, fuse=True),
-            "graph fuse=auto": Parallel(*br, cuda_graph=True, fuse="auto"),
-        }
+        variants = {"floor (one branch, by hand)": graphed_by_hand(br[0], x)}
+        if VARIANTS:
+            inline = lambda vs: [v for v in vs if v and _parallel._INLINE_BIAS in v] or vs  # noqa: E731
+            variants.update({
+                "fused, chosen": Parallel(*br, cuda_graph=True, fuse=True),
+                "fused, side stream": forced(lambda vs: vs[:1])(*br, cuda_graph=True, fuse=True),
+                "fused, in line": forced(inline)(*br, cuda_graph=True, fuse=True),
+            })
+        else:
+            variants.update({
+                "graph Parallel": Parallel(*br, cuda_graph=True),
+                "graph fused": Parallel(*br, cuda_graph=True, fuse=True),
+                "graph fuse=auto": Parallel(*br, cuda_graph=True, fuse="auto"),
+            })
         calls = {k: (v if k.startswith("floor") else (lambda v=v: v(x))) for k, v in variants.items()}
         for fn in calls.values():
             for _ in range(30):
@@ -79,6 +101,8 @@ for name in sys.argv[1:] or ["mlp8", "mlp16"]:
                 h.append(host_us(fn, 200))
                 e.append(events_us(fn))
                 g.append(events_us(fn, spin))
+        if VARIANTS:
+            print(f"{name}: the module chose", list(variants["fused, chosen"]._graphs.variants().values()))
         floor = statistics.median(rows["floor (one branch, by hand)"][2])
         print(f"{name}: us per call -- host / benchmark (events) / GPU alone (behind a spin); x floor (GPU alone)")
         for k, (h, e, g) in rows.items():
