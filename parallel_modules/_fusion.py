@@ -318,7 +318,16 @@ class _Group:
         with torch.no_grad():
             for qual, entry in self.entries.items():
                 tensors = self._tensors(entry)
-                if tensors[0] is None:
+                first = tensors[0]
+                for i, t in enumerate(tensors):
+                    # A member's tensor replaced or removed since the group was found: stacking
+                    # would drop it (``None``) or convert it (``torch.stack`` promotes dtypes).
+                    if (t is None) != (first is None) or (t is not None and (
+                            t.shape != first.shape or t.dtype != first.dtype or t.device != first.device)):
+                        raise RuntimeError(
+                            f"the branches are no longer identical: {qual} of branch {self.indices[i]} is "
+                            f"{_describe_tensor(t)}, of branch {self.indices[0]} {_describe_tensor(first)}")
+                if first is None:
                     continue
                 stacked = _adopt(tensors)
                 if stacked is None:
@@ -355,7 +364,9 @@ class _Group:
         return moved
 
     def _stacked(self, qual: str, tracing: bool) -> torch.Tensor | None:
-        entry = self.entries[qual]
+        entry = self.entries.get(qual)
+        if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
+            return None
         if tracing:
             tensors = self._tensors(entry)
             return None if tensors[0] is None else torch.stack(tensors)

@@ -740,9 +740,10 @@ class Parallel(nn.Module):
                 # CPU-bound, and those cost 2-4 us of a 125-165 us call (mlp8) on
                 # the H100 machine (``tools/exp_fused_eager.py``).
                 fusion = self._fusion_for(args, kwargs)
-                if fusion is not None and len(fusion.units) == 1 and isinstance(fusion.units[0], _Group):
-                    out = self._run_group(fusion, fusion.units[0], args, kwargs, eager=True)
-                    return self._joined(fusion.scatter(fusion.units, [out]))
+                units = None if fusion is None else fusion.units  # (a failing group changes fusion.units)
+                if units is not None and len(units) == 1 and isinstance(units[0], _Group):
+                    out = self._run_group(fusion, units[0], args, kwargs, eager=True)
+                    return self._joined(fusion.scatter(units, [out]))
                 # Mixed groups (or none left): what ``_outputs`` runs for this plan,
                 # with the groups already found.
                 return self._joined(self._run(args, kwargs, None, fusion, False))

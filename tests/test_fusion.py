@@ -289,6 +289,39 @@ def test_eager_linears_joined_by_cat_are_one_product(device, grad):
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("join", ["cat", "sum"])
+def test_bias_free_products_under_autograd(device, join):
+    # Recording autograd, each parameter is fetched by name; a Linear without a bias has none.
+    branch = lambda: nn.Sequential(nn.Linear(16, 16, bias=False), nn.GELU(), nn.Linear(16, 8, bias=False))  # noqa: E731
+    p = Parallel(*[branch() for _ in range(3)], join=join, fuse=True).to(device)
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    out, expected = p(x), reference(p, x)
+    assert_close(out, expected)
+    params = [x, *p.parameters()]
+    for g, e in zip(torch.autograd.grad(out.square().sum(), params),
+                    torch.autograd.grad(expected.square().sum(), params)):
+        assert_close(g, e)
+    assert fused_groups(p) == [["0", "1", "2"]]
+
+
+def test_members_made_different_are_not_stacked_as_if_identical():
+    # Member 0's bias removed, then another member's weight replaced (which makes the group
+    # stack anew): stacking must not drop the other members' biases with member 0's.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 8)) for _ in range(3)]
+    p = Parallel(*branches, fuse="auto").eval()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        p(x)
+        branches[0][2].bias = None
+        branches[2][0].weight = nn.Parameter(torch.randn(8, 16))
+        with pytest.warns(UserWarning, match="no longer identical"):
+            out = p(x)
+        assert_close(out, reference(p, x))
+        assert_close(p(x), reference(p, x))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
 def test_autograd_grad_of_parameters(device):
     p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True).to(device)
     x = torch.randn(5, 16, device=device)
