@@ -25,6 +25,45 @@ def cpu_us(fn: Callable[[], object], n: int = 2000, warmup: int = 100, repeats: 
     return pick(samples)
 
 
+def host_us(fn: Callable[[], object], n: int = 300) -> float:
+    r"""Host microseconds per call of ``n`` calls back to back, from a synchronize to the one after them.
+
+    One sample, the final wait for the GPU included: for tools that interleave their variants in rounds
+    and take medians (see ``cpu_us`` for the best of a few samples of host time alone).
+    """
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def graph_by_hand(module: Callable[[torch.Tensor], object], x: torch.Tensor) -> torch.cuda.CUDAGraph:
+    r"""``module`` on a copy of ``x`` captured in a CUDA graph by hand, after a warm-up on a side stream.
+
+    Capture it after any ``Parallel(fuse=...)`` built on the same branches: fusion stacks their parameters
+    into new memory, which a graph reads by address.
+    """
+    from parallel_modules._graphs import _clear_cublas_workspaces
+
+    static = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            module(static)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    # cuBLAS workspaces from the graph's own pool (the modules' captures clear the shared ones).
+    _clear_cublas_workspaces()
+    with torch.cuda.graph(g):
+        module(static)
+    _clear_cublas_workspaces()
+    g.static = static  # read by address: must outlive the graph (later captures empty the cache)
+    return g
+
+
 def profile(name: str, fn: Callable[[], object], n: int = 2000, top: int = 14, warmup: int = 0) -> None:
     r"""Print the ``top`` functions by own time of a cProfile of ``n`` calls."""
     for _ in range(warmup):

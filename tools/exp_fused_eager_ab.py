@@ -8,7 +8,6 @@ sequential module and of ``Parallel(fuse=True)`` from each version, with the res
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -16,18 +15,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pm_before"))
 import pm_before  # noqa: E402
 from parallel_modules import Parallel  # noqa: E402
 from parallel_modules._cases import CASES, SequentialBranches  # noqa: E402
+from _timing import host_us  # noqa: E402  (tools/ is the script's directory)
 
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = torch.device("cuda")
-
-
-def per_call(fn, calls=300):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 for name in sys.argv[1:] or ["mlp8", "mlp16", "tiny2", "tiny8", "tiny16"]:
@@ -46,7 +37,7 @@ for name in sys.argv[1:] or ["mlp8", "mlp16", "tiny2", "tiny8", "tiny16"]:
         samples = {k: [] for k in mods}
         for _ in range(30):  # rounds interleaved: the host's speed drifts
             for k, m in mods.items():
-                samples[k].append(per_call(lambda: m(x)))
+                samples[k].append(host_us(lambda: m(x)))
     med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"{name:<7}" + "  ".join(f"{k} {v:7.1f} us" for k, v in med.items())
           + f"   seq/before {med['seq'] / med['before']:.2f}x  seq/after {med['seq'] / med['after']:.2f}x"

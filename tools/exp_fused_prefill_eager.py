@@ -12,10 +12,11 @@ accumulating in place (``prefill4``) cost 7-14% less host time than ``baddbmm`` 
 """
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+
+from _timing import host_us  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 8
@@ -76,15 +77,6 @@ calls = {"today": today, "linear first": linear_first, "prefill4 stacked": prefi
          "prefill4 channels": prefill4_channels, "linear + prefill3 channels": linear_prefill3_channels}
 
 
-def per_call(f, calls_per_round=300):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls_per_round):
-        f(x)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls_per_round * 1e6
-
-
 with torch.no_grad():
     ref = today(x)
     for label, f in calls.items():
@@ -93,10 +85,10 @@ with torch.no_grad():
         print(f"{label:<28} max |diff| {(out - ref).abs().max().item():.3g}  contiguous {out.is_contiguous()}")
     samples: dict[str, list[float]] = {k: [] for k in calls}
     for f in calls.values():
-        per_call(f, 100)
+        host_us(lambda: f(x), 100)
     for _ in range(25):
         for label, f in calls.items():
-            samples[label].append(per_call(f))
+            samples[label].append(host_us(lambda: f(x)))
     base = statistics.median(samples["today"])
     for label, s in samples.items():
         m = statistics.median(s)

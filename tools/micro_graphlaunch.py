@@ -17,30 +17,11 @@ import torch
 
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES, SequentialBranches
-from parallel_modules._graphs import _clear_cublas_workspaces
-from _timing import cpu_us, gpu_medians, profile  # tools/ is the script's directory
+from _timing import cpu_us, gpu_medians, graph_by_hand, profile  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 dev = torch.device("cuda")
-
-
-def hand_graph(module, x):
-    static = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            module(static)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    # cuBLAS workspaces from the graph's own pool (the modules' captures clear the shared ones).
-    _clear_cublas_workspaces()
-    with torch.cuda.graph(g):
-        module(static)
-    _clear_cublas_workspaces()
-    g.static = static  # read by address: must outlive the graph (later captures empty the cache)
-    return g
 
 
 for name in sys.argv[1:] or ["mlp8", "tiny2"]:
@@ -51,8 +32,8 @@ for name in sys.argv[1:] or ["mlp8", "tiny2"]:
         # First: fuse=True stacks the branches' parameters into new memory, which graphs read by address.
         modules = {"graph Parallel": Parallel(*br, cuda_graph=True),
                    "graph fused": Parallel(*br, cuda_graph=True, fuse=True)}
-        seq_g = hand_graph(SequentialBranches(br), x)
-        fork_g = hand_graph(Parallel(*br, streams=True), x)
+        seq_g = graph_by_hand(SequentialBranches(br), x)
+        fork_g = graph_by_hand(Parallel(*br, streams=True), x)
         calls = {"seq graph replay()": seq_g.replay, "forked graph replay()": fork_g.replay}
         for label, m in modules.items():
             for _ in range(40):
