@@ -80,6 +80,7 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 _record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None) or torch.cuda.Event.record
 _wait = getattr(getattr(torch._C, "_CudaEventBase", None), "wait", None) or torch.cuda.Event.wait
 _streams_by_id: dict[tuple, torch.cuda.Stream] = {}
+_jit_tracing = getattr(torch._C, "_is_tracing", None) or torch.jit.is_tracing
 
 
 def _current_stream(device: torch.device) -> torch.cuda.Stream:
@@ -111,10 +112,13 @@ def _is_tracing() -> bool:
     ``torch.compiler.is_compiling()`` is true under ``torch.compile`` and under
     both strict and non-strict ``torch.export`` (documented public API); the
     flag covers ``torch.fx.symbolic_trace`` (read directly: ``is_fx_tracing()``
-    logs a deprecation warning). TorchScript tracing needs nothing: stream
-    switches are invisible to it and it records the same operations.
+    logs a deprecation warning), and ``torch.jit.trace`` (its C state, as
+    ``torch.jit.is_tracing()`` reads it without the frame): stream switches
+    are invisible to TorchScript, but a fused group must stack its members'
+    parameters in the traced graph, where an untraced call's stacks would be
+    recorded as constants (a saved trace ignoring a later ``load_state_dict``).
     """
-    return torch.compiler.is_compiling() or _symbolic_trace._is_fx_tracing_flag
+    return torch.compiler.is_compiling() or _symbolic_trace._is_fx_tracing_flag or _jit_tracing()
 
 
 class _ThreadSlots(threading.local):

@@ -524,6 +524,29 @@ def test_export_of_fused_module_equals_eager():
         assert_close(ep.module()(x), reference(p, x))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (recent torch warns that torch.jit is deprecated)
+def test_jit_trace_of_fused_module_reads_the_parameters():
+    # torch.jit.trace records the stacks an untraced call reads as constants:
+    # a saved trace would then keep its weights twice and ignore a later
+    # load_state_dict. Traced, a fused group stacks the parameters in the graph.
+    p = Parallel(*[mlp() for _ in range(3)], fuse=True).eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        p(x)  # bound before tracing
+        traced = torch.jit.trace(p, x)
+    consts = [n for n in traced.graph.nodes() if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"]
+    assert not consts, f"parameters baked into the trace as constants: {consts}"
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    other = Parallel(*[mlp() for _ in range(3)])
+    loaded.load_state_dict(other.state_dict())
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert_close(loaded(x), reference(other, x))
+
+
 def test_compile_fullgraph_of_fused_module():
     torch._dynamo.reset()
     p = Parallel(*[mlp() for _ in range(3)], fuse=True)
