@@ -315,7 +315,10 @@ class _Group:
         stacks: dict[str, torch.Tensor] = {}
         bound: dict[str, list[torch.Tensor]] = {}
         tensors_bound: list[torch.Tensor] = []
-        with torch.no_grad():
+        # (Not inference tensors, where the group is first run under inference_mode:
+        # the members' parameters become views of the stacks, and training them
+        # later would fail with "Inference tensors cannot be saved for backward".)
+        with torch.no_grad(), torch.inference_mode(False):
             for qual, entry in self.entries.items():
                 tensors = self._tensors(entry)
                 first = tensors[0]
@@ -375,7 +378,7 @@ class _Group:
             return None
         if torch.is_grad_enabled() and entry.kind == "_parameters" and stacked.dtype.is_floating_point:
             tensors = self._tensors(entry)
-            if tensors[0].requires_grad:
+            if any([t.requires_grad for t in tensors]):  # (members may be frozen one by one)
                 return _Unstack.apply(stacked, *tensors)
         return stacked
 
@@ -607,13 +610,18 @@ class _Joined:
         if layout == _CHANNELS:
             # [B, N*C, ...] is already the outputs concatenated along dimension 1.
             return t if how == "cat" and dim in (1, 1 - t.dim()) else None
+        if layout == _SHARED:  # every member's output is t itself
+            if how == "cat":
+                return torch.cat([t] * n, dim)
+            return torch.stack([t] * n, dim) if how == "stack" else None
         if layout != _STACKED:
             return None
-        d = dim + t.dim() - 1 if dim < 0 else dim  # dim of a member's output, which lacks dim 0 of t
-        if how == "cat" and 0 <= d < t.dim() - 1:
-            return t.movedim(0, d).flatten(d, d + 1)
-        if how == "stack" and 0 <= d < t.dim():
-            return t if d == 0 else t.movedim(0, d).contiguous()
+        if how == "cat":
+            d = dim + t.dim() - 1 if dim < 0 else dim  # in a member's output, which lacks dim 0 of t
+            return t.movedim(0, d).flatten(d, d + 1) if 0 <= d < t.dim() - 1 else None
+        if how == "stack":
+            d = dim + t.dim() if dim < 0 else dim  # in the stacked result, which has t's dims
+            return (t if d == 0 else t.movedim(0, d).contiguous()) if 0 <= d < t.dim() else None
         if how == "sum":
             return t.sum(0)
         if how == "mean":
@@ -622,15 +630,26 @@ class _Joined:
 
 
 def _split(v: _Value | Any, n: int) -> list[Any]:
+    r"""The members' outputs, one tensor each, as the unfused branches would return them.
+
+    Single views (``select``), not ``unbind``'s: autograd refuses in-place
+    operations on outputs of a function returning several views, and a
+    branch's output may be modified in place by its caller. Outputs computed
+    once for all members (the shared layout) are copied for all but the first:
+    unfused, each branch returns a tensor of its own.
+    """
     if not isinstance(v, _Value):  # structured output of a vmapped module: stacked leaves
         leaves, spec = pytree.tree_flatten(v)
-        columns = [leaf.unbind(0) if isinstance(leaf, torch.Tensor) else (leaf,) * n for leaf in leaves]
+        columns = [[leaf.select(0, i) for i in range(n)] if isinstance(leaf, torch.Tensor) else (leaf,) * n
+                   for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
+    t = v.t
     if v.layout == _SHARED:
-        return [v.t] * n
+        return [t, *(t.clone() for _ in range(n - 1))]
     if v.layout == _STACKED:
-        return list(v.t.unbind(0))
-    return list(v.t.unflatten(1, (n, -1)).unbind(1))
+        return [t.select(0, i) for i in range(n)]
+    t = t.unflatten(1, (n, -1))
+    return [t.select(1, i) for i in range(n)]
 
 
 _Get = Callable[[str], "torch.Tensor | None"]
@@ -830,7 +849,8 @@ class _Fusion:
         _install_registration_hooks()
         self.names = names
         groups, self.reasons = _groups(branches)
-        if required and (len(groups) != 1 or len(groups[0]) != len(branches)):
+        # (One branch, or none, is identical to itself: it runs as it is.)
+        if required and len(branches) > 1 and (len(groups) != 1 or len(groups[0]) != len(branches)):
             raise ValueError(_required_error(owner, names, branches, self.reasons))
         self.groups = [_Group(g, [branches[i] for i in g]) for g in groups]
         # Grouping depended on these submodules' train/eval modes (BatchNorm,
@@ -899,6 +919,8 @@ def _required_error(owner: str, names: list[str], branches: list[nn.Module], rea
         diff = _difference(branches[first], b)
         if diff is not None:
             lines.append(f"branch {names[i]!r} differs from branch {names[first]!r}: {diff}")
+        elif i in reasons:  # identical, but not fusable with the others (shared parameters)
+            lines.append(f"branch {names[i]!r} cannot be fused: {reasons[i]}")
     return (
         f"{owner}: fuse=True needs every branch to be structurally identical and fusable, but\n  "
         + "\n  ".join(lines)

@@ -304,6 +304,96 @@ def test_bias_free_products_under_autograd(device, join):
     assert fused_groups(p) == [["0", "1", "2"]]
 
 
+@pytest.mark.parametrize("join", ["cat", "stack"])
+@pytest.mark.parametrize("members", ["mlp", "parameter-free"])
+def test_joins_along_every_dim_negative_ones_too(join, members, layouts):
+    # Members' outputs [5, 3, 16]: cat along -3..2, stack along -4..3, read off the batched
+    # value (stacked layout, or the shared one of parameter-free members) as the unfused join.
+    build = (lambda: mlp()) if members == "mlp" else (lambda: nn.Sequential(nn.ReLU(), nn.Tanh()))
+    x = torch.randn(5, 3, 16)
+    rank = 3 if join == "cat" else 4
+    for dim in range(-rank, rank):
+        p = Parallel(*[build() for _ in range(3)], join=join, dim=dim, fuse=True).eval()
+        with torch.no_grad():
+            out, expected = p(x), reference(p, x)
+        assert out.shape == expected.shape, (dim, out.shape, expected.shape)
+        assert_close(out, expected)
+
+
+@pytest.mark.parametrize("frozen", ["one parameter", "all of member 0"])
+def test_members_frozen_one_by_one_keep_the_others_training(frozen):
+    # Whether the stacks carry gradients back to the members must not be read off member 0 alone.
+    torch.manual_seed(0)
+    p = Parallel(*[mlp() for _ in range(3)], fuse=True)
+    if frozen == "one parameter":
+        p[0][0].weight.requires_grad_(False)
+    else:
+        p[0].requires_grad_(False)
+    x = torch.randn(5, 16)
+    p(x).square().sum().backward()
+    grads = {n: q.grad for n, q in p.named_parameters() if q.requires_grad}
+    p.zero_grad()
+    reference(p, x).square().sum().backward()
+    assert grads.keys() == {n for n, q in p.named_parameters() if q.requires_grad}
+    for n, q in p.named_parameters():
+        if q.requires_grad:
+            assert grads[n] is not None, n
+            assert_close(grads[n], q.grad)
+        else:
+            assert q.grad is None, n
+
+
+@pytest.mark.parametrize("members", ["mlp", "parameter-free", "vmapped"])
+def test_per_branch_outputs_are_tensors_of_their_own(members):
+    # join=None: each branch's output as the unfused branch returns it, a tensor of its own,
+    # which the caller may modify in place under autograd without touching the others.
+    # (Last layers that do not save their output for backward, which an in-place change would spoil.)
+    build = {"mlp": mlp, "parameter-free": lambda: nn.Sequential(nn.Tanh(), nn.Hardtanh()),
+             "vmapped": lambda: nn.Sequential(nn.Linear(16, 16), Scale(16))}[members]
+    p = Parallel(*[build() for _ in range(3)], join=None, fuse=True)
+    x = torch.randn(5, 16, requires_grad=True)
+    outs = p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    expected = reference(p, x)
+    assert len({id(o) for o in outs}) == 3
+    outs[0].mul_(2)  # refused for the outputs of unbind, which returns several views
+    assert_close(outs[0], 2 * expected[0])
+    for o, e in zip(outs[1:], expected[1:]):
+        assert_close(o, e)
+    sum(o.sum() for o in outs).backward()
+    assert x.grad is not None
+
+
+def test_fuse_true_with_one_branch_and_with_shared_parameters():
+    # One branch is identical to itself: fuse=True runs it (a slice of a fused block too).
+    lin = nn.Linear(16, 8)
+    x = torch.randn(5, 16)
+    assert_close(Parallel(lin, fuse=True)(x), lin(x))
+    p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True)
+    assert_close(p[0:1](x), p[0](x))
+    # Identical branches that are one module: the error says why, not nothing.
+    with pytest.raises(ValueError, match=r"branch '1' cannot be fused: it shares parameters"):
+        Parallel(lin, lin, fuse=True)
+
+
+def test_group_first_run_under_inference_mode_leaves_parameters_trainable():
+    # Stacked during validation under inference_mode, the members' parameters must not become
+    # inference tensors: training afterwards saves them for backward.
+    p = Parallel(*[nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8)) for _ in range(3)], fuse="auto")
+    x = torch.randn(5, 16)
+    p(x).sum().backward()  # training: BatchNorm in training mode is not fusable
+    p.eval()
+    with torch.inference_mode():
+        out = p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    assert_close(out, reference(p, x))
+    assert not any(q.is_inference() for q in p.parameters())
+    p.train()
+    p.zero_grad()
+    p(x).sum().backward()
+    assert all(q.grad is not None for q in p.parameters())
+
+
 def test_members_made_different_are_not_stacked_as_if_identical():
     # Member 0's bias removed, then another member's weight replaced (which makes the group
     # stack anew): stacking must not drop the other members' biases with member 0's.
