@@ -95,6 +95,12 @@ def _mark(value: Any, stream: torch.cuda.Stream) -> None:
             leaf.record_stream(stream)
 
 
+def _batch_second(m: nn.Module) -> bool:
+    r"""Whether ``m`` takes its batch along dimension 1 (``batch_first=False``): split along dimension 0, its input is split along its sequence."""
+    return (isinstance(m, (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                           nn.Transformer)) and not getattr(m, "batch_first", True))
+
+
 class ParallelSequential(nn.Sequential):
     r"""A :class:`torch.nn.Sequential` whose stages run as a pipeline over micro-batches.
 
@@ -294,7 +300,7 @@ class ParallelSequential(nn.Sequential):
             for d in _module_devices(stage):
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
-                if isinstance(m, _BatchNorm) or hasattr(m, "mixes_batch"):
+                if isinstance(m, _BatchNorm) or hasattr(m, "mixes_batch") or _batch_second(m):
                     mixers.append((i, qual, m))
         home = next(iter(placement)) if len(placement) == 1 else (_MIXED if placement else None)
         return _Plan(stages, names, home, placement, tuple(mixers))
@@ -318,7 +324,12 @@ class ParallelSequential(nn.Sequential):
 
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
         if isinstance(idx, slice):
-            return self.__class__(OrderedDict(list(self._modules.items())[idx]), **self._settings())
+            items = list(self._modules.items())[idx]
+            if not items:  # as nn.Sequential's: an empty container, the identity
+                empty = self.__class__(nn.Identity(), **self._settings())
+                del empty[0]
+                return empty
+            return self.__class__(OrderedDict(items), **self._settings())
         return super().__getitem__(idx)
 
     def extra_repr(self) -> str:
@@ -332,6 +343,16 @@ class ParallelSequential(nn.Sequential):
             declared = getattr(m, "mixes_batch", None)
             if declared is not None:
                 mixes, why = bool(declared), "declares mixes_batch = True"
+            elif _batch_second(m):
+                raise RuntimeError(
+                    f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
+                    f"({type(m).__name__}) with batch_first=False, which reads its input as (sequence, "
+                    f"batch, ...); with chunks={self._chunks} the input is split along dimension 0, "
+                    "which for it is the sequence, and the result would differ from running the whole "
+                    "batch. Construct it with batch_first=True and feed it batch-first inputs, or use "
+                    "chunks=1; if the stage itself moves the batch to dimension 1 before it, say so "
+                    f"with `model.get_submodule({qual!r}).mixes_batch = False`."
+                )
             else:  # _BatchNorm: batch statistics in training mode, or always without running stats
                 mixes = m.training or (m.running_mean is None and m.running_var is None)
                 why = "normalizes with batch statistics" + (" in training mode" if m.training else "")
@@ -367,8 +388,9 @@ class ParallelSequential(nn.Sequential):
             leaves, spec = [input], None
         else:
             leaves, spec = pytree.tree_flatten(input)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if not tensors or any(t.dim() == 0 for t in tensors):
+        # (0-dim tensors in a structure, a temperature say, go to every piece as they are.)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if not tensors:
             raise ValueError(
                 f"{owner}: with chunks={chunks} the input must be a tensor, or a tuple/list/dict of "
                 f"tensors, batched along dimension 0; got {_describe(input)}."
@@ -377,22 +399,35 @@ class ParallelSequential(nn.Sequential):
         if any(t.shape[0] != batch for t in tensors[1:]):
             paths = pytree.tree_flatten_with_path(input)[0]
             listing = ", ".join(
-                f"input{pytree.keystr(p)}: {t.shape[0]}" for p, t in paths if isinstance(t, torch.Tensor)
+                f"input{pytree.keystr(p)}: {t.shape[0]}" for p, t in paths if isinstance(t, torch.Tensor) and t.dim()
             )
             raise ValueError(
                 f"{owner}: every tensor of the input must have the same batch size along dimension 0 "
                 f"to be split into micro-batches, got {listing}. Pass tensors of one batch, or use "
                 "chunks=1."
             )
+        if batch == 0:  # nothing to split: one (empty) micro-batch, as nn.Sequential runs it
+            return [input]
         if chunks > batch:
             raise ValueError(
                 f"{owner}: chunks={chunks} is larger than the batch size {batch}; every micro-batch "
                 f"needs at least one sample. Use chunks <= {batch} (set model.chunks), a larger "
                 "batch, or drop_last=True in the DataLoader for a short last batch."
             )
+        # Recording autograd, each piece gets memory of its own: views of one input share
+        # its version counter, so an in-place first operation (ReLU(inplace=True)) on
+        # one piece would spoil what the same operation saved for backward on another.
+        # (Not for compilers, whose functionalized graphs have no such conflict, and whose
+        # graph must be the plain model's.)
+        own = torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not _is_tracing()
+
+        def split(t: torch.Tensor) -> list[torch.Tensor]:
+            pieces = t.tensor_split(chunks)
+            return [p.clone() for p in pieces] if own and t.requires_grad else list(pieces)
+
         if spec is None:
-            return list(input.tensor_split(chunks))
-        columns = [t.tensor_split(chunks) if isinstance(t, torch.Tensor) else (t,) * chunks for t in leaves]
+            return split(input)
+        columns = [split(t) if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
 
     def _concat(self, outputs: list[Any]) -> Any:
@@ -404,10 +439,19 @@ class ParallelSequential(nn.Sequential):
                 return torch.cat(outputs, 0)
             flat = [pytree.tree_flatten(o) for o in outputs]
             spec = flat[0][1]
-            if any(s != spec for _, s in flat) or not all(isinstance(t, torch.Tensor) for t in flat[0][0]):
-                raise TypeError("the micro-batches returned different structures or non-tensor leaves")
-            columns = zip(*(leaves for leaves, _ in flat))
-            return pytree.tree_unflatten([torch.cat(list(c), 0) for c in columns], spec)
+            if any(s != spec for _, s in flat):
+                raise TypeError("the micro-batches returned different structures")
+            joined = []
+            for column in zip(*(leaves for leaves, _ in flat)):
+                first = column[0]
+                if all(isinstance(t, torch.Tensor) for t in column):
+                    joined.append(torch.cat(list(column), 0))
+                elif not any(isinstance(t, torch.Tensor) for t in column) and all(
+                        v is first or (type(v) is type(first) and v == first) for v in column[1:]):
+                    joined.append(first)  # None, or a value every micro-batch returned alike
+                else:
+                    raise TypeError("the micro-batches returned non-tensor leaves that differ")
+            return pytree.tree_unflatten(joined, spec)
         except (RuntimeError, TypeError, IndexError, ValueError) as e:
             names = list(self._modules)
             listing = "\n".join(f"  micro-batch {m}: {_describe(o)}" for m, o in enumerate(outputs))
@@ -496,10 +540,20 @@ class ParallelSequential(nn.Sequential):
             # device with the _UNKNOWN/_MIXED sentinels, and fullgraph=True fails.)
             if home is None or (isinstance(home, torch.device) and isinstance(input, torch.Tensor)
                                 and input.device == home):
-                for module in self._stages():
-                    input = module(input)
-                return input
+                return self._in_order(self._stages(), input)
         return self._forward(input)
+
+    def _in_order(self, calls: Any, input: Any) -> Any:
+        r"""The stages one after another on the whole ``input``: ``nn.Sequential.forward``, naming the failing stage."""
+        s = 0
+        try:
+            for module in calls:
+                input = module(input)
+                s += 1
+        except Exception as e:
+            raise _with_context(e, f"(raised in stage {list(self._modules)[s]!r} (index {s}) of "
+                                   f"{type(self).__name__})")
+        return input
 
     def _forward(self, input: Any) -> Any:
         plan = self._get_plan()
@@ -530,9 +584,7 @@ class ParallelSequential(nn.Sequential):
                 # is copied synchronously, as ``.to(device)`` does.
                 # (Not while a compiler traces: is_pinned() breaks the traced graph.)
                 input = _to_device(input, copy_to, non_blocking=not _is_tracing() and _pinned(input))
-            for module in calls:
-                input = module(input)
-            return input
+            return self._in_order(calls, input)
 
         pieces = self._split(input)
         stages = list(zip(plan.names, calls))

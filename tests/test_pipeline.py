@@ -352,6 +352,88 @@ def test_appended_batchnorm_is_seen() -> None:
     model(torch.randn(4, 4))
 
 
+@pytest.mark.parametrize("module", ["lstm", "gru", "attention", "encoder layer"])
+def test_batch_second_modules_refused_with_chunks(module: str) -> None:
+    # batch_first=False reads dimension 0 as the sequence: split along it, the micro-batches
+    # would cut every sequence, and the result differ silently from the whole batch's.
+    def make(batch_first: bool) -> nn.Module:
+        if module == "lstm":
+            return nn.LSTM(4, 4, batch_first=batch_first)
+        if module == "gru":
+            return nn.GRU(4, 4, batch_first=batch_first)
+        if module == "attention":
+            return nn.MultiheadAttention(4, 2, batch_first=batch_first)
+        return nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=batch_first)
+
+    class First(nn.Module):  # the first output of a module returning a tuple
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            out = self.inner(x, x, x) if isinstance(self.inner, nn.MultiheadAttention) else self.inner(x)
+            return out[0] if isinstance(out, tuple) else out
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, 4)
+    model = ParallelSequential(nn.Identity(), First(make(False)).eval(), chunks=2)
+    with pytest.raises(RuntimeError, match=r"stage '1' \(index 1\) contains '1\.inner(\.self_attn)?' .*batch_first=False"):
+        model(x)
+    for m in model[1].modules():  # "this stage moves the batch to dimension 1 itself": allowed
+        if hasattr(m, "batch_first"):
+            m.mixes_batch = False
+    model(x)
+    model = ParallelSequential(nn.Identity(), First(make(True)).eval(), chunks=2)
+    with torch.no_grad():
+        assert torch.allclose(model(x), nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
+
+
+def test_in_place_first_operation_under_autograd() -> None:
+    # Micro-batches of one input share its version counter as views: an in-place first
+    # operation on one would spoil what it saved for backward on another.
+    torch.manual_seed(0)
+    stages = [nn.ReLU(inplace=True), nn.Linear(4, 2)]
+    a = torch.randn(6, 4, requires_grad=True)
+    model = ParallelSequential(*stages, chunks=3)
+    model(a * 2).square().sum().backward()
+    grad, a.grad = a.grad, None
+    nn.Sequential(*stages)(a * 2).square().sum().backward()
+    assert torch.allclose(grad, a.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_errors_name_the_stage_with_one_chunk() -> None:
+    model = ParallelSequential(OrderedDict(enc=nn.Linear(4, 4), dec=nn.Linear(5, 2)))
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(6, 4))
+    assert "stage 'dec' (index 1) of ParallelSequential" in "\n".join(getattr(info.value, "__notes__", [])) + str(info.value)
+    model.dec = nn.Linear(4, 2)
+    assert model(torch.randn(6, 4)).shape == (6, 2)
+
+
+def test_empty_slices_and_empty_batches() -> None:
+    model = ParallelSequential(nn.Linear(4, 4), nn.Linear(4, 2), chunks=2)
+    empty = model[2:]  # as nn.Sequential's: an empty container, the identity
+    assert type(empty) is ParallelSequential and len(empty) == 0 and empty.chunks == 2
+    x = torch.randn(4, 4)
+    assert torch.equal(empty(x), x)
+    assert len(model.pop(slice(2, 2))) == 0 and len(model) == 2
+    # An empty batch has no micro-batches to make: it runs whole, as nn.Sequential runs it.
+    y = model(torch.randn(0, 4))
+    assert y.shape == (0, 2)
+
+
+def test_none_and_scalars_in_structures() -> None:
+    class Scaled(nn.Module):
+        def forward(self, inputs):
+            x, temperature = inputs
+            return x / temperature, None  # a last stage returning (output, None), as attention does
+
+    model = ParallelSequential(Scaled(), chunks=3)
+    x, t = torch.randn(6, 4), torch.tensor(2.0)
+    out, nothing = model((x, t))  # the 0-dim temperature goes to every micro-batch
+    assert nothing is None and torch.equal(out, x / t)
+
+
 # -------------------------------------------------------------------- tracing
 def test_compile_and_export_match_eager() -> None:
     model = ParallelSequential(*_stages(), chunks=3).eval()
