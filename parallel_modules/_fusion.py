@@ -84,6 +84,11 @@ _POOLING = (
 _MODE_FREE = frozenset((*_POINTWISE, *_POOLING, nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
                         nn.LayerNorm, nn.Flatten))
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# Hooks registered for every module (``register_module_forward_hook`` ...): torch mutates
+# these dicts in place, so holding them is enough to see one registered later.
+_GLOBAL_HOOKS = tuple(getattr(nn.modules.module, "_global" + h) for h in _HOOKS
+                      if hasattr(nn.modules.module, "_global" + h))
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 # Parameters or buffers registered anywhere since a group was stacked (a
 # parameter replaced with ``module.weight = nn.Parameter(...)``,
@@ -170,6 +175,8 @@ def _join(path: str, name: str) -> str:
 
 def _unfusable(branch: nn.Module) -> str | None:
     r"""Why ``branch`` cannot run batched with identical branches, or ``None``."""
+    if any(_GLOBAL_HOOKS):
+        return "module hooks are registered globally, which a batched call would not run once per branch"
     for path, m in branch.named_modules():
         where = f"submodule {path!r} ({type(m).__name__})" if path else f"the branch ({type(m).__name__})"
         if any(getattr(m, h, None) for h in _HOOKS):
@@ -284,6 +291,12 @@ class _Group:
         self.joint: dict[str, tuple[torch.Tensor, int]] = {}  # bias name -> (its class's tensor, its index)
         # Every member tensor and the address it had when bound (see _bound).
         self.expected: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
+        # The owners' dicts of parameters and buffers, and copies made when bound:
+        # a tensor swapped in without registration (``torch.func.functional_call``,
+        # ``m.bias = None``) shows as a difference (see ``swapped``).
+        owners = {id(o): o for e in self.entries.values() for o in e.owners}.values()
+        self.tensor_dicts = [d for o in owners for d in (o._parameters, o._buffers)]
+        self.snapshots: list[dict[str, Any]] = []
         self.registrations = -1
         self.program: list[_Step] | None = None
 
@@ -362,9 +375,24 @@ class _Group:
                 joint.update((q, (together, k)) for k, q in enumerate(quals))
         ptrs = [t.data_ptr() for t in tensors_bound]
         self.stacks, self.bound, self.joint = stacks, bound, joint
+        self.snapshots = [d.copy() for d in self.tensor_dicts]
         self.expected = (tensors_bound, ptrs, list(range(len(ptrs))))
         self.registrations = _registrations
         return moved
+
+    def swapped(self) -> bool:
+        r"""Whether a member's parameter or buffer is not the tensor bound, though nothing was registered.
+
+        As inside ``torch.func.functional_call``, which swaps the tensors in the
+        modules' dicts: a call then stacks the tensors it finds (differentiably)
+        and leaves the bound ones as they are. (Dicts compare their values by
+        identity first; tensors that are not the same object compare by value,
+        which raises for more than one element.)
+        """
+        try:
+            return self.tensor_dicts != self.snapshots
+        except RuntimeError:
+            return True
 
     def _stacked(self, qual: str, tracing: bool) -> torch.Tensor | None:
         entry = self.entries.get(qual)
@@ -372,7 +400,12 @@ class _Group:
             return None
         if tracing:
             tensors = self._tensors(entry)
-            return None if tensors[0] is None else torch.stack(tensors)
+            if any([t is None for t in tensors]):
+                if any([t is not None for t in tensors]):  # (one member's bias removed, say)
+                    raise RuntimeError(f"the branches are no longer identical: {qual} is None in some "
+                                       f"members, not in others")
+                return None
+            return torch.stack(tensors)
         stacked = self.stacks.get(qual)
         if stacked is None:
             return None
@@ -394,7 +427,8 @@ class _Group:
         layers = [m for _, m in _layers(template)] if type(template) is nn.Sequential else [template]
         return x.dim() == 2 and any(type(m) is nn.Linear and m.bias is not None for m in layers[1:])
 
-    def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False, side_bias: bool = True) -> Any:
+    def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False, side_bias: bool = True,
+            restack: bool = False) -> Any:
         r"""Every member's output on the shared input ``x``, batched (see :func:`_split`).
 
         Outside tracing, :meth:`bind` must have been called since the members last changed.
@@ -404,6 +438,8 @@ class _Group:
         is being captured, which an eager call, CPU-bound, need not ask again.
         ``side_bias``: a capture copies the products' biases in on a side stream
         (see :class:`_Prefill`); ``False``: in line.
+        ``restack``: stack the members' tensors as they are now, as under tracing
+        (see :meth:`swapped`).
         """
         tracing = False if eager else _is_tracing()
         fewer = cat_joined and not tracing and not eager and _kernels_cost_more(x)
@@ -412,7 +448,7 @@ class _Group:
         call.fewer_kernels, call.prefill = fewer, _Prefill(x, side_bias, self.joint) if fewer else None
         call.cat_joined = cat_joined and not tracing
         try:
-            return self._run(x, tracing)
+            return self._run(x, tracing or restack)
         finally:
             call.fewer_kernels, call.prefill, call.cat_joined = before
 
@@ -857,11 +893,21 @@ class _Fusion:
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.
         self.modes = [(m, m.training) for branch in branches for m in branch.modules() if type(m) not in _MODE_FREE]
+        # Hooks registered on a fused member after grouping would not run: the hook
+        # dicts of every module of every fused member (and the global ones), which
+        # must stay empty. (About 2 us a call for eight 4-layer MLPs.)
+        self.hooks = [getattr(m, h) for g in self.groups for member in g.members for m in member.modules()
+                      for h in _HOOKS if hasattr(m, h)] + list(_GLOBAL_HOOKS) if self.groups else []
+        # Branches left out for their hooks (or for global ones): grouped anew once they are gone.
+        self.hooked = [[getattr(m, h) for m in branches[i].modules() for h in _HOOKS if hasattr(m, h)] + list(_GLOBAL_HOOKS)
+                       for i, why in self.reasons.items() if "hooks" in why]
         self._rebuild()
 
     def current(self) -> bool:
-        r"""Whether the grouping still holds (no submodule's train/eval mode changed since)."""
-        return all(m.training == mode for m, mode in self.modes)
+        r"""Whether the grouping still holds: no submodule's train/eval mode changed, no hook registered on
+        a member nor removed from a branch left out for it."""
+        return (not any(self.hooks) and all(m.training == mode for m, mode in self.modes)
+                and all(map(any, self.hooked)))
 
     def _rebuild(self) -> None:
         grouped = {i: g for g in self.groups for i in g.indices}

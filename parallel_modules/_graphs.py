@@ -82,6 +82,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._compile import _WHOLE
+from ._fusion import _MODE_FREE, _functorch_active
 from ._inputs import _input_device, _signature
 from ._streams import _capture_underway, _current_stream, _graph_state, _is_tracing, _pools, _use_count
 
@@ -445,8 +446,10 @@ class _Graph:
                 _launch(self.fwd)
                 if static_outputs:
                     outs = self.outputs
-                elif lent:
+                elif lent and not _local.crossing:
                     outs = [o.detach() for o in self.outputs]
+                elif lent:  # read on another stream, unordered with the next replay: copies
+                    outs = [o.clone() for o in self.outputs]
                 else:
                     # A user keeping an output across two calls must never see
                     # it overwritten by the next replay: clone, or lend the
@@ -781,6 +784,7 @@ class _CudaGraphs:
         # max_graphs within the last 2 * max_graphs calls.
         self._recent: deque[bool] = deque(maxlen=2 * max_graphs)
         self._params: list[nn.Parameter] | None = None
+        self._moded: list[nn.Module] = []
         self._warned: set[str] = set()
         # (key, graph) of the last single-tensor call that found or captured a graph (see __call__).
         self._hot: tuple[Hashable, _Graph] | None = None
@@ -804,7 +808,7 @@ class _CudaGraphs:
 
     # ------------------------------------------------------------------ call
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if _is_tracing():
+        if _is_tracing() or _functorch_active():  # (torch.func transforms wrap tensors a graph cannot read)
             return forward(*args, **kwargs)
         # A call with one tensor and the signature of the last one replayed -- every
         # call of a model in a loop -- skips the cache: no hashing, no lock, no LRU
@@ -828,9 +832,13 @@ class _CudaGraphs:
         params = self._params
         if params is None:
             params = self._params = list(owner.parameters())
+            # Submodules whose behaviour may depend on their own train/eval mode, which a
+            # user may set apart from the owner's (a frozen BatchNorm in a training model).
+            self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
         grad = torch.is_grad_enabled()
         return (
             _signature(args, kwargs, owner.training),
+            tuple([m.training for m in self._moded]) if self._moded else (),
             extra,
             torch.is_inference_mode_enabled(),
             _autocast_state(),

@@ -248,6 +248,9 @@ class _DevicePool:
 # module (``active``); defined here so that the pool can see it.
 class _GraphState(threading.local):
     active = False
+    # A pipeline lane is running a stage whose outputs the next lane reads on its own
+    # stream, which the lane's next replay does not wait for: graphs must not lend them.
+    crossing = False
     variant: Any = None  # (module, variant) being warmed up or captured: see _graphs._graph_variant
 
 

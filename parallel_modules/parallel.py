@@ -13,12 +13,13 @@ from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
-from ._fusion import _difference, _Fusion, _Group, _Joined
+from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined
 from ._graphs import _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
 from ._placement import _UNPLACED, _place
 from ._streams import _capture_underway, _current_device, _current_stream, _is_tracing, _run_forked
+from . import _watch
 
 __all__ = ["Parallel"]
 
@@ -324,6 +325,7 @@ class Parallel(nn.Module):
                                        direct_grads=self.direct_grads)
         if self.fuse is not False:
             self._prepare_fusion(strict)
+        self._tree = _watch._Tree(self)  # (after stacking, which registers nothing)
 
     def _prepare_fusion(self, strict: bool) -> None:
         r"""Find the groups of identical branches and stack their parameters.
@@ -362,6 +364,7 @@ class Parallel(nn.Module):
         state.pop("_plans", None)
         state.pop("_graphs", None)
         state.pop("_fusion", None)
+        state.pop("_tree", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -597,11 +600,16 @@ class Parallel(nn.Module):
     def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict, eager: bool = False) -> list[Any]:
         r"""The group's batched value. ``eager``: the caller saw no tracer and no capture (see :meth:`_Group.run`)."""
         try:
-            if (eager or not _is_tracing()) and group.bind():  # a parameter was replaced: stacked anew
+            tracing = not eager and _is_tracing()
+            if not tracing and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
+            # Tensors swapped in without registration (torch.func.functional_call), or
+            # functorch transforms, which need the members' tensors as they are: stacked
+            # for this call.
+            restack = not tracing and (group.swapped() or _functorch_active())
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
             return group.run(args[0], self._cat_joined(fusion), eager,
-                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()))
+                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
         except Exception as e:
             if _is_tracing():
                 raise
@@ -700,13 +708,18 @@ class Parallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
+        tracing = _is_tracing()  # (first: a compiler must not read, and guard on, the count of changes)
+        if not tracing and self._tree.seen != _watch._changes and not self._tree.same(self):
+            # A submodule, parameter or buffer below was replaced or added since the
+            # groups, schedules and graphs were made (see _watch): make them anew.
+            self._reset()
         if self.cuda_graph:
             if self._param_moves != self._graph_moves:
                 # Fusion moved parameters to new memory: graphs read the old.
                 self._graphs.clear()
                 self._graph_moves = self._param_moves
             return self._graphs(self._forward, args, kwargs)
-        if self._placement is None and not _is_tracing():
+        if self._placement is None and not tracing:
             # The common cases, inline: a signature whose schedule is decided,
             # sequential (what "auto" keeps for branches too small to gain from
             # streams) or fused. On tiny branches each Python frame saved is a

@@ -31,9 +31,10 @@ from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
 from ._joins import _describe
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _CudaGraphs, _graph_variant
+from . import _watch
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
-from ._streams import (_capture_underway, _current_stream, _is_tracing, _join_backward, _pool, _record,
+from ._streams import (_capture_underway, _current_stream, _graph_state, _is_tracing, _join_backward, _pool, _record,
                        _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
@@ -250,6 +251,9 @@ class ParallelSequential(nn.Sequential):
                 f"{type(self).__name__}: chunks must be an int >= 1 (the number of micro-batches "
                 f"each call is split into), got {value!r}."
             )
+        graphs = self.__dict__.get("_graphs")
+        if graphs is not None and value != self.__dict__.get("_chunks"):
+            graphs.clear()  # captured for the old number of micro-batches
         self._chunks = value
 
     def _reset(self) -> None:
@@ -264,6 +268,7 @@ class ParallelSequential(nn.Sequential):
         else:  # constructed, unpickled or deep-copied: graphs never are copied
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
                                        direct_grads=self.direct_grads)
+        self._tree = _watch._Tree(self)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... may move parameters: look at them anew, compile again.
@@ -272,10 +277,16 @@ class ParallelSequential(nn.Sequential):
             self._compiler.clear()
         return super()._apply(fn, recurse)
 
-    def train(self, mode: bool = True) -> "ParallelSequential":
-        # Cheap, and the moment users restructure models: look at them anew.
+    # (``append`` and ``extend`` register the stage, which ``forward`` notices; these
+    # write ``_modules`` directly or delete, which registers nothing.)
+    def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
+        super().insert(index, module)
         self._reset()
-        return super().train(mode)
+        return self
+
+    def __delitem__(self, idx: int | slice) -> None:
+        super().__delitem__(idx)
+        self._reset()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -283,6 +294,7 @@ class ParallelSequential(nn.Sequential):
         state.pop("_home", None)
         state.pop("_graphs", None)
         state.pop("_per_stage", None)
+        state.pop("_tree", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -467,6 +479,11 @@ class ParallelSequential(nn.Sequential):
     # ---------------------------------------------------------------- forward
     def forward(self, input: Any) -> Any:
         r"""Run the stages on ``input``, micro-batch by micro-batch, and concatenate the outputs."""
+        # (Tracing first: a compiler must not read, and guard on, the count of changes.)
+        if not _is_tracing() and self._tree.seen != _watch._changes and not self._tree.same(self):
+            # A stage or a submodule below it replaced or added (see _watch): its plan
+            # (batch-mixing modules, devices) and its graphs are made anew.
+            self._reset()
         if self.cuda_graph and not self._host_input(input):
             return self._graphs(self._eager, (input,), {})
         return self._eager(input)
@@ -697,7 +714,16 @@ class ParallelSequential(nn.Sequential):
                 _wait(events[e0 + m * n_lanes + lane - 1], stream)
                 if streams[lane - 1] is not stream:
                     _mark(values[m], stream)
-            values[m] = lanes[lane](m, values[m])
+            if lane < last:
+                # Read by the next lane on its stream: a graphed module inside this stage
+                # must not lend it buffers that its next replay on this lane overwrites.
+                crossing, _graph_state.crossing = _graph_state.crossing, True
+                try:
+                    values[m] = lanes[lane](m, values[m])
+                finally:
+                    _graph_state.crossing = crossing
+            else:
+                values[m] = lanes[lane](m, values[m])
             if lane < last:
                 _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
                 return

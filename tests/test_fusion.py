@@ -405,10 +405,99 @@ def test_members_made_different_are_not_stacked_as_if_identical():
         p(x)
         branches[0][2].bias = None
         branches[2][0].weight = nn.Parameter(torch.randn(8, 16))
-        with pytest.warns(UserWarning, match="no longer identical"):
-            out = p(x)
-        assert_close(out, reference(p, x))
+        # The registration is seen (see _watch): the branches are grouped anew, without member 0.
         assert_close(p(x), reference(p, x))
+        assert fused_groups(p) == [["1", "2"]]
+        assert_close(p(x), reference(p, x))
+
+
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "full_backward", "global"])
+def test_hooks_registered_after_construction_run(hook):
+    # A batched call would skip a member's hooks: registered later, they take it out of the group.
+    p = Parallel(*[mlp() for _ in range(3)], fuse="auto")
+    x = torch.randn(5, 16, requires_grad=True)
+    p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    calls = []
+    target = p[1][2]
+    if hook == "forward":
+        handle = target.register_forward_hook(lambda m, i, o: calls.append("f") or o * 0)
+    elif hook == "forward_pre":
+        handle = target.register_forward_pre_hook(lambda m, i: calls.append("p"))
+    elif hook == "full_backward":
+        handle = target.register_full_backward_hook(lambda m, gi, go: calls.append("b"))
+    else:
+        handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append("g"))
+    try:
+        out = p(x)
+        out.sum().backward()
+        assert calls, "the hook did not run"
+        calls.clear()
+        assert_close(out, reference(p, x))
+        assert calls or hook == "full_backward"  # (the reference ran the hooks too)
+        assert fused_groups(p) == ([] if hook == "global" else [["0", "2"]])
+    finally:
+        handle.remove()
+    assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == [["0", "1", "2"]]  # grouped anew once the hook is gone
+
+
+def test_submodules_replaced_or_added_after_the_first_call():
+    # Adapters and quantizers replace layers in place; a branch may be added by add_module.
+    torch.manual_seed(0)
+    p = Parallel(*[mlp() for _ in range(3)], fuse="auto")
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        p(x)
+        p[1][2] = nn.Linear(16, 16)  # new weights, same shape: still identical, grouped anew
+        assert_close(p(x), reference(p, x))
+        p[2][1] = nn.Tanh()
+        assert_close(p(x), reference(p, x))
+        assert fused_groups(p) == [["0", "1"]]
+        p.add_module("3", mlp())
+        out = p(x)
+        assert out.shape == (5, 64)
+        assert_close(out, reference(p, x))
+
+
+def test_member_bias_removed_without_registration():
+    # ``m.bias = None`` registers nothing: the group must still see it (no stale stacked bias).
+    torch.manual_seed(0)
+    for removed in (0, 1):
+        p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse="auto").eval()
+        x = torch.randn(5, 16)
+        with torch.no_grad():
+            p(x)
+            p[removed].bias = None
+            with pytest.warns(UserWarning, match="no longer identical"):
+                out = p(x)
+            assert_close(out, reference(p, x))
+            assert_close(p(x), reference(p, x))
+
+
+def test_torch_func_functional_call_grad_and_vmap():
+    torch.manual_seed(0)
+    p = Parallel(*[mlp() for _ in range(3)], fuse=True)
+    x = torch.randn(5, 16)
+    params = {k: torch.randn_like(v) for k, v in p.named_parameters()}
+    # The parameters passed are the ones used (the module's own stay as they are).
+    out = torch.func.functional_call(p, params, (x,))
+    plain = Parallel(*[mlp() for _ in range(3)])
+    assert_close(out, torch.func.functional_call(plain, params, (x,)))
+    assert_close(p(x), reference(p, x))
+    # Gradients with respect to the parameters passed, by torch.func.grad and by autograd.
+    loss = lambda ps: torch.func.functional_call(p, ps, (x,)).square().sum()  # noqa: E731
+    expected = torch.func.grad(lambda ps: torch.func.functional_call(plain, ps, (x,)).square().sum())(params)
+    for k, g in torch.func.grad(loss)(params).items():
+        assert_close(g, expected[k])
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    grads = torch.autograd.grad(loss(leaves), list(leaves.values()))
+    for g, k in zip(grads, leaves):
+        assert_close(g, expected[k])
+    # vmap over a batch of inputs.
+    xs = torch.randn(4, 5, 16)
+    assert_close(torch.vmap(p)(xs), torch.stack([reference(p, xi) for xi in xs]))
+    assert fused_groups(p) == [["0", "1", "2"]]
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())

@@ -1042,3 +1042,108 @@ def test_capture_does_not_warn_of_its_own_side_stream_gradients():
     done = subprocess.run([sys.executable, "-c", _MISMATCH_SCRIPT], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+
+
+# ------------------------------------------------- changes after capture (found by a review)
+def _cat_of_branches(block: Parallel, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([b(x) for b in block], 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("change", ["append", "setitem", "delitem", "insert", "nested"])
+def test_pipeline_stages_changed_after_capture_are_run(change):
+    from parallel_modules import ParallelSequential
+
+    torch.manual_seed(0)
+    pipe = ParallelSequential(nn.Linear(64, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32)), cuda_graph=True).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        pipe(x)
+        pipe(x)  # captured, replayed
+        if change == "append":
+            pipe.append(nn.Linear(32, 10).cuda())
+        elif change == "setitem":
+            pipe[0] = nn.Linear(64, 64).cuda()
+        elif change == "delitem":
+            del pipe[2]
+        elif change == "insert":
+            pipe.insert(1, nn.Tanh())
+        else:
+            pipe[2][0] = nn.Linear(64, 32).cuda()  # below a stage, as adapters inject layers
+        expected = nn.Sequential(*pipe)(x)
+        out = pipe(x)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("child", ["dropout", "batchnorm"])
+def test_child_mode_changed_after_capture_is_seen(child):
+    # The owner stays in training mode; only a child is switched (the "freeze BatchNorm" idiom).
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.9)) if child == "dropout" else nn.BatchNorm1d(64)
+    block = Parallel(first, nn.Linear(64, 64), cuda_graph=True).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        block(x)
+        block(x)
+        for m in block.modules():
+            if isinstance(m, (nn.Dropout, nn.BatchNorm1d)):
+                m.eval()
+        stats = [b.clone() for b in block.buffers()]
+        expected = _cat_of_branches(block, x)
+        out = block(x)
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(block.buffers(), stats))  # eval BatchNorm keeps its statistics
+
+
+@pytest.mark.cuda
+def test_pipeline_mode_toggles_and_chunks_changes():
+    from parallel_modules import ParallelSequential
+
+    pipe = ParallelSequential(nn.Linear(64, 64), nn.BatchNorm1d(64), cuda_graph=True).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):  # one graph per mode, captured once
+            pipe.train()
+            pipe(x)
+            pipe.eval()
+            pipe(x)
+        assert pipe._graphs.captures == 2
+        pipe.train()
+        pipe.chunks = 2  # BatchNorm in training mode mixes the batch: refused, not replayed from chunks=1
+        with pytest.raises(RuntimeError, match="mixes samples"):
+            pipe(x)
+
+
+class _LateReader(nn.Module):
+    def forward(self, x):
+        torch.cuda._sleep(200_000)  # reads its input late on its lane's stream
+        return x * 1
+
+
+@pytest.mark.cuda
+def test_graphed_stage_outputs_read_by_the_next_lane_are_not_lent():
+    # A graphed Parallel inside a pipeline lane: its next replay (next micro-batch, same
+    # stream) must not overwrite the output the next lane has yet to read.
+    torch.manual_seed(0)
+    inner = Parallel(nn.Linear(64, 64), nn.Linear(64, 64), cuda_graph=True).cuda()
+    from parallel_modules import ParallelSequential
+
+    pipe = ParallelSequential(inner, _LateReader(), chunks=4).cuda()
+    with torch.no_grad():
+        for _ in range(6):  # lending would start after a few micro-batches
+            x = torch.randn(32, 64, device="cuda")
+            out = pipe(x)
+            expected = torch.cat([_cat_of_branches(inner, piece) for piece in x.chunk(4)])
+            assert torch.equal(out, expected)
+
+
+@pytest.mark.cuda
+def test_torch_func_transforms_run_eagerly():
+    torch.manual_seed(0)
+    block = Parallel(nn.Linear(64, 64), nn.Linear(64, 64), cuda_graph=True).cuda()
+    xs = torch.randn(3, 8, 64, device="cuda")
+    with torch.no_grad():
+        block(xs[0])
+        out = torch.vmap(block)(xs)
+    assert torch.allclose(out, torch.stack([_cat_of_branches(block, x) for x in xs]), rtol=1e-5, atol=1e-5)

@@ -350,6 +350,14 @@ def test_appended_batchnorm_is_seen() -> None:
         model(torch.randn(4, 4))
     model[1] = nn.LayerNorm(4)
     model(torch.randn(4, 4))
+    # Below a stage too: appended into it, then replaced as the error advises.
+    model = ParallelSequential(nn.Sequential(nn.Linear(4, 4)), chunks=2)
+    model(torch.randn(4, 4))
+    model[0].append(nn.BatchNorm1d(4))
+    with pytest.raises(RuntimeError, match=r"'0\.1' \(BatchNorm1d\)"):
+        model(torch.randn(4, 4))
+    model[0][1] = nn.LayerNorm(4)
+    model(torch.randn(4, 4))
 
 
 @pytest.mark.parametrize("module", ["lstm", "gru", "attention", "encoder layer"])

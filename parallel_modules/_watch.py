@@ -1,0 +1,73 @@
+r"""Whether a module's children changed since its caches were built.
+
+``Parallel`` and ``ParallelSequential`` learn things about their children at
+the first calls -- fused groups, schedules, batch-mixing stages, CUDA graphs --
+that a later change to a child invalidates: a submodule replaced anywhere below
+(``block[0][2] = nn.Linear(...)``, as adapter and quantization tools inject
+layers), a branch added with ``add_module``, a parameter or buffer registered
+anew (``load_state_dict(assign=True)``). Walking the whole tree on every call
+would cost more than a small call itself, so torch's global registration hooks
+count such changes anywhere in the process, and a module walks its tree only
+when the count moved since it last looked (:class:`_Tree`).
+
+Not seen: changes made without registering anything -- ``del`` of a submodule
+below the container, writes into ``_modules`` or ``_parameters`` directly --
+which the containers' own mutators (``__delitem__``, ``insert``) handle for
+their own children.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torch import nn
+
+__all__: list[str] = []
+
+# Module, parameter and buffer registrations anywhere in the process so far.
+_changes = 0
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _count(*_: Any) -> None:
+    global _changes
+    _changes += 1
+
+
+def _install() -> None:
+    global _installed
+    with _install_lock:
+        if not _installed:
+            hooks = nn.modules.module
+            hooks.register_module_module_registration_hook(_count)
+            hooks.register_module_parameter_registration_hook(_count)
+            hooks.register_module_buffer_registration_hook(_count)
+            _installed = True
+
+
+def _members(root: nn.Module) -> tuple[Any, ...]:
+    return (*root.modules(), *root.parameters(), *root.buffers())
+
+
+class _Tree:
+    r"""The submodules, parameters and buffers of ``root`` when it was last looked at."""
+
+    __slots__ = ("seen", "members")
+
+    def __init__(self, root: nn.Module) -> None:
+        _install()
+        self.seen = _changes
+        # Held (not only their ids), so that an id is not reused by a new object while compared.
+        self.members = _members(root)
+
+    def same(self, root: nn.Module) -> bool:
+        r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered)."""
+        if self.seen == _changes:
+            return True
+        now = _members(root)
+        if len(now) != len(self.members) or any(a is not b for a, b in zip(now, self.members)):
+            return False
+        self.seen = _changes
+        return True
