@@ -89,6 +89,9 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, "_global" + h) for h in _HOOKS
                       if hasattr(nn.modules.module, "_global" + h))
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+# Every hook handle torch makes (module hooks, global ones, tensor hooks) takes the next
+# id of this class: while it has not moved, no hook was registered anywhere.
+_Handle = torch.utils.hooks.RemovableHandle
 
 # Parameters or buffers registered anywhere since a group was stacked (a
 # parameter replaced with ``module.weight = nn.Parameter(...)``,
@@ -295,7 +298,8 @@ class _Group:
         # a tensor swapped in without registration (``torch.func.functional_call``,
         # ``m.bias = None``) shows as a difference (see ``swapped``).
         owners = {id(o): o for e in self.entries.values() for o in e.owners}.values()
-        self.tensor_dicts = [d for o in owners for d in (o._parameters, o._buffers)]
+        # (Buffers only where there are some: one registered later is seen by _watch.)
+        self.tensor_dicts = [d for o in owners for d in (o._parameters, o._buffers) if d]
         self.snapshots: list[dict[str, Any]] = []
         self.registrations = -1
         self.program: list[_Step] | None = None
@@ -898,6 +902,7 @@ class _Fusion:
         # must stay empty. (About 2 us a call for eight 4-layer MLPs.)
         self.hooks = [getattr(m, h) for g in self.groups for member in g.members for m in member.modules()
                       for h in _HOOKS if hasattr(m, h)] + list(_GLOBAL_HOOKS) if self.groups else []
+        self.handles = getattr(_Handle, "next_id", None)  # the hook dicts are looked at when it moves
         # Branches left out for their hooks (or for global ones): grouped anew once they are gone.
         self.hooked = [[getattr(m, h) for m in branches[i].modules() for h in _HOOKS if hasattr(m, h)] + list(_GLOBAL_HOOKS)
                        for i, why in self.reasons.items() if "hooks" in why]
@@ -906,8 +911,12 @@ class _Fusion:
     def current(self) -> bool:
         r"""Whether the grouping still holds: no submodule's train/eval mode changed, no hook registered on
         a member nor removed from a branch left out for it."""
-        return (not any(self.hooks) and all(m.training == mode for m, mode in self.modes)
-                and all(map(any, self.hooked)))
+        handles = getattr(_Handle, "next_id", 0)
+        if handles != self.handles:  # a hook registered somewhere: on a member?
+            if any(self.hooks):
+                return False
+            self.handles = handles
+        return all(m.training == mode for m, mode in self.modes) and all(map(any, self.hooked))
 
     def _rebuild(self) -> None:
         grouped = {i: g for g in self.groups for i in g.indices}
