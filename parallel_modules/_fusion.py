@@ -61,6 +61,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
 
+from . import _watch
 from ._streams import _capture_underway, _current_stream, _is_tracing, _pool
 
 __all__: list[str] = []
@@ -93,26 +94,6 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda
 # id of this class: while it has not moved, no hook was registered anywhere.
 _Handle = torch.utils.hooks.RemovableHandle
 
-# Parameters or buffers registered anywhere since a group was stacked (a
-# parameter replaced with ``module.weight = nn.Parameter(...)``,
-# ``load_state_dict(assign=True)``): groups check their members anew.
-_registrations = 0
-_hooks_installed = False
-_hooks_lock = threading.Lock()
-
-
-def _count_registration(*_: Any) -> None:
-    global _registrations
-    _registrations += 1
-
-
-def _install_registration_hooks() -> None:
-    global _hooks_installed
-    with _hooks_lock:
-        if not _hooks_installed:
-            nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-            nn.modules.module.register_module_buffer_registration_hook(_count_registration)
-            _hooks_installed = True
 
 
 # -------------------------------------------------------------- identical?
@@ -310,12 +291,14 @@ class _Group:
 
     def _bound(self) -> bool:
         r"""Whether every member's parameters and buffers still point into the stacks."""
-        if self.registrations != _registrations:
-            # Something was registered somewhere: compare the objects, not only their addresses.
+        if self.registrations != _watch._changes:
+            # Something was registered somewhere (a parameter replaced with ``module.weight =
+            # nn.Parameter(...)``, ``load_state_dict(assign=True)``; see _watch): compare the
+            # objects, not only their addresses.
             for qual, tensors in self.bound.items():
                 if any(t is not b for t, b in zip(self._tensors(self.entries[qual]), tensors)):
                     return False
-            self.registrations = _registrations
+            self.registrations = _watch._changes
         return _same_addresses(*self.expected)
 
     def bind(self) -> bool:
@@ -381,7 +364,7 @@ class _Group:
         self.stacks, self.bound, self.joint = stacks, bound, joint
         self.snapshots = [d.copy() for d in self.tensor_dicts]
         self.expected = (tensors_bound, ptrs, list(range(len(ptrs))))
-        self.registrations = _registrations
+        self.registrations = _watch._changes
         return moved
 
     def swapped(self) -> bool:
@@ -886,7 +869,7 @@ class _Fusion:
     """
 
     def __init__(self, owner: str, names: list[str], branches: list[nn.Module], required: bool) -> None:
-        _install_registration_hooks()
+        _watch._install()
         self.names = names
         groups, self.reasons = _groups(branches)
         # (One branch, or none, is identical to itself: it runs as it is.)

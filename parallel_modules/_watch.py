@@ -8,7 +8,8 @@ layers), a branch added with ``add_module``, a parameter or buffer registered
 anew (``load_state_dict(assign=True)``). Walking the whole tree on every call
 would cost more than a small call itself, so torch's global registration hooks
 count such changes anywhere in the process, and a module walks its tree only
-when the count moved since it last looked (:class:`_Tree`).
+when the count moved since it last looked (:class:`_Tree`); fused groups compare
+their members' tensors with the stacked ones then (``_fusion._Group._bound``).
 
 Not seen: changes made without registering anything -- ``del`` of a submodule
 below the container, writes into ``_modules`` or ``_parameters`` directly --

@@ -722,11 +722,9 @@ class ParallelSequential(nn.Sequential):
                     values[m] = lanes[lane](m, values[m])
                 finally:
                     _graph_state.crossing = crossing
-            else:
-                values[m] = lanes[lane](m, values[m])
-            if lane < last:
                 _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
                 return
+            values[m] = lanes[lane](m, values[m])
             if gather is not None and gather.add(m, values[m]):
                 # In its place in the result: let the piece go now. Its memory is
                 # reused sooner, and a graphed last stage (host input) sees its
