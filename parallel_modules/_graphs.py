@@ -63,6 +63,8 @@ after it are done.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -137,6 +139,27 @@ _clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
 def _clear_cublas_workspaces() -> None:
     if _clear_cublas is not None:
         _clear_cublas()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Any:
+    r"""Keep Python's garbage collector from running during warm-up and capture.
+
+    It runs whenever allocations pass its threshold; a CUDA graph it frees in the
+    middle of a capture (one of an earlier module, left in a reference cycle) is
+    reset there, and resetting a graph is not permitted on a capturing thread: the
+    driver invalidates the capture ("operation not permitted when stream is
+    capturing"), and the next kernel launched into it fails (cuBLAS reports
+    CUBLAS_STATUS_EXECUTION_FAILED). Garbage made meanwhile waits for the next
+    collection after the capture.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 # ``CUDAGraph.replay`` without its Python frame (the method of the C base class it calls).
@@ -944,7 +967,7 @@ class _CudaGraphs:
         # Each new graph is timed against the best so far and the slower freed
         # at once, so at most two graphs' memory is held. Training graphs take
         # the first, to capture (and hold the memory of) one backward only.
-        with torch.cuda.device(index), _capture_lock:
+        with torch.cuda.device(index), _capture_lock, _collector_paused():
             caller = torch.cuda.current_stream()
             stream = _capture_stream(index)
             buffers = list(owner.buffers())

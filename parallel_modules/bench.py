@@ -38,7 +38,7 @@ from torch import nn
 from . import Parallel, ParallelSequential
 from ._cases import CASES, PIPELINES, Case, PipelineCase, SequentialBranches
 from ._fusion import _groups
-from ._graphs import _clear_cublas_workspaces
+from ._graphs import _clear_cublas_workspaces, _collector_paused
 
 __all__ = ["main"]
 
@@ -72,7 +72,7 @@ def _capture(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable:
     # cuBLAS workspaces allocated inside the capture, from the graph's pool: the
     # reduce-overhead mode clears the process-wide ones (see _graphs._clear_cublas).
     _clear_cublas_workspaces()
-    with torch.no_grad(), torch.cuda.graph(g):
+    with torch.no_grad(), _collector_paused(), torch.cuda.graph(g):
         static_out = fn(static_x)
     _clear_cublas_workspaces()
 

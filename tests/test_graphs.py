@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -1147,3 +1148,50 @@ def test_torch_func_transforms_run_eagerly():
         block(xs[0])
         out = torch.vmap(block)(xs)
     assert torch.allclose(out, torch.stack([_cat_of_branches(block, x) for x in xs]), rtol=1e-5, atol=1e-5)
+
+
+def _leave_to_the_collector(obj) -> None:
+    cycle = [obj]
+    cycle.append(cycle)  # garbage once this returns, freed by the collector only
+
+
+class _DropsAGraphWhileCaptured(nn.Linear):
+    # Leaves another graph to the garbage collector in the middle of a capture: the collector
+    # runs whenever allocations pass its threshold, and a CUDA graph it frees then is reset,
+    # which the driver refuses on a capturing thread -- it invalidates that thread's capture.
+    def __init__(self, doomed: torch.cuda.CUDAGraph) -> None:
+        super().__init__(64, 64)
+        self.doomed = [doomed]
+
+    def forward(self, x):
+        if self.doomed and torch.cuda.is_current_stream_capturing():
+            _leave_to_the_collector(self.doomed.pop())
+            junk = [[] for _ in range(100)]  # past the threshold: a collection, were the collector on
+            del junk
+        return super().forward(x)
+
+
+@cuda
+def test_a_graph_collected_during_a_capture_does_not_break_it():
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, device="cuda")
+    doomed = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(doomed):
+        x.mul(2).relu_()  # (no matrix product: cuBLAS may not be set up on this thread yet)
+    freed_while_capturing = []
+    weakref.finalize(doomed, lambda: freed_while_capturing.append(torch.cuda.is_current_stream_capturing()))
+    block = _graphed([_DropsAGraphWhileCaptured(doomed), nn.Linear(64, 64)])
+    del doomed
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        with torch.no_grad():
+            out = block(x)
+            assert not block[0].doomed, "the capture did not run the branch"
+            assert torch.equal(out, _reference(block, x))
+            assert torch.equal(block(x), _reference(block, x))  # replayed
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert freed_while_capturing == [False]
+    assert block._graphs.captures == 1
