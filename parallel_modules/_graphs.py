@@ -171,6 +171,18 @@ _warns_of_mismatch = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch
 _warn_mismatch = getattr(torch._C, "_set_warn_on_accumulate_grad_stream_mismatch", lambda enabled: None)
 
 
+# The settings of a graphed block, which its graph cache is made with.
+_GRAPH_SETTINGS = frozenset({"cuda_graph", "max_graphs", "static_outputs", "graph_fallback", "direct_grads"})
+
+
+def _check_graph_setting(owner: str, name: str, value: Any) -> Any:
+    if name == "max_graphs":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got {value!r}.")
+        return value
+    return bool(value)
+
+
 def _capture_stream(index: int) -> torch.cuda.Stream:
     stream = _capture_streams.get(index)
     if stream is None:
@@ -790,10 +802,8 @@ class _CudaGraphs:
     def __init__(self, owner: nn.Module, max_graphs: int = 8, static_outputs: bool = False,
                  fallback: bool = False, lend: bool = True, direct_grads: bool = False) -> None:
         name = type(owner).__name__
-        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
-            raise ValueError(f"{name}: max_graphs must be an int >= 1, got {max_graphs!r}.")
         self.name = name
-        self.max_graphs = max_graphs
+        self.max_graphs = _check_graph_setting(name, "max_graphs", max_graphs)
         self.static_outputs = bool(static_outputs)
         self.fallback = bool(fallback)
         self.lend = lend

@@ -11,6 +11,10 @@ count such changes anywhere in the process, and a module walks its tree only
 when the count moved since it last looked (:class:`_Tree`); fused groups compare
 their members' tensors with the stacked ones then (``_fusion._Group._bound``).
 
+A block's own settings (``block.join = "sum"``, ``block.max_graphs = 2``) are
+checked and make it forget what it learnt as soon as they are set
+(:func:`_change_setting`).
+
 Not seen: changes made without registering anything -- ``del`` of a submodule
 below the container, writes into ``_modules`` or ``_parameters`` directly --
 which the containers' own mutators (``__delitem__``, ``insert``) handle for
@@ -20,7 +24,7 @@ their own children.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -72,3 +76,23 @@ class _Tree:
             return False
         self.seen = _changes
         return True
+
+
+def _change_setting(module: nn.Module, name: str, value: Any, reset: Callable[[], None]) -> None:
+    r"""Set a constructed block's setting ``name`` (checked already) and ``reset`` it.
+
+    The graph cache is made anew by ``reset``, with the new settings. Where
+    ``reset`` refuses the new value (``fuse=True`` on branches that differ),
+    the old one is put back before the error goes on: the block works as before.
+    """
+    state = module.__dict__
+    previous = state[name]
+    state[name] = value
+    state.pop("_graphs", None)
+    try:
+        reset()
+    except Exception:
+        state[name] = previous
+        state.pop("_graphs", None)
+        reset()
+        raise

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from ._autotune import _ScheduleTuner
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
 from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined
-from ._graphs import _CudaGraphs, _graph_variant
+from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
 from ._placement import _UNPLACED, _place
@@ -43,6 +43,23 @@ class _Reduced(NamedTuple):
 
 # Joins that read the outputs and return new tensors: a fork may run them itself.
 _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
+# Constructor arguments kept as attributes, which a user may change later (see __setattr__).
+_SETTINGS = frozenset({"join", "dim", "streams", "fuse"}) | _GRAPH_SETTINGS
+
+
+def _check_setting(owner: str, name: str, value: Any) -> Any:
+    if name == "join":
+        return _check_join(owner, value)
+    if name == "dim":
+        if not isinstance(value, int):
+            raise TypeError(f"{owner}: dim must be an int, got {type(value).__name__} ({value!r}).")
+        return value
+    if name in ("streams", "fuse"):
+        # Not ``value in (True, False, "auto")``: 1 == True and 0 == False would slip through.
+        if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
+            raise ValueError(f"{owner}: {name} must be True, False or 'auto', got {value!r}.")
+        return value
+    return _check_graph_setting(owner, name, value)
 # Blocks of this many structurally different branches are also captured with each side
 # branch in turn on a high-priority stream (see ``_graph_variants``).
 _MAX_PRIORITY_VARIANTS = 8
@@ -285,22 +302,16 @@ class Parallel(nn.Module):
                 f"{owner}: expected at least one branch, got none. "
                 f"Pass modules, e.g. {owner}(nn.Linear(8, 8), nn.Linear(8, 8))."
             )
-        # Not ``streams in (True, False, "auto")``: 1 == True and 0 == False would slip through.
-        if not (isinstance(streams, bool) or (isinstance(streams, str) and streams == "auto")):
-            raise ValueError(f"{owner}: streams must be True, False or 'auto', got {streams!r}.")
-        if not (isinstance(fuse, bool) or (isinstance(fuse, str) and fuse == "auto")):
-            raise ValueError(f"{owner}: fuse must be True, False or 'auto', got {fuse!r}.")
-        if not isinstance(dim, int):
-            raise TypeError(f"{owner}: dim must be an int, got {type(dim).__name__} ({dim!r}).")
-        self.join = _check_join(owner, join)
+        # (Each setting is checked by __setattr__.)
+        self.join = join
         self.dim = dim
         self.streams = streams
         self.fuse = fuse
-        self.cuda_graph = bool(cuda_graph)
+        self.cuda_graph = cuda_graph
         self.max_graphs = max_graphs
-        self.static_outputs = bool(static_outputs)
-        self.graph_fallback = bool(graph_fallback)
-        self.direct_grads = bool(direct_grads)  # the graph cache is made by _reset, below
+        self.static_outputs = static_outputs
+        self.graph_fallback = graph_fallback
+        self.direct_grads = direct_grads  # the graph cache is made by _reset, below
         self._compiler = _compiler(owner, "branch", compile, compile_options, compile_fallback)
         for name, branch in items:
             self.add_module(name, _as_module(owner, name, branch))
@@ -309,6 +320,17 @@ class Parallel(nn.Module):
         self._reset(strict=True)
 
     # ------------------------------------------------------------------ state
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A setting changed after construction (``block.join = "sum"``) is checked as the
+        # constructor checks it, and what was learnt under the old value goes: a graph
+        # captured with the old join would replay it.
+        if name in _SETTINGS:
+            value = _check_setting(type(self).__name__, name, value)
+            if "_tree" in self.__dict__:  # (constructed)
+                _watch._change_setting(self, name, value, lambda: self._reset(strict=name == "fuse"))
+                return
+        super().__setattr__(name, value)
+
     def _reset(self, strict: bool = False) -> None:
         r"""Forget everything learnt about calls: after the branches, their
         devices or dtypes change, devices are checked, schedules tuned and CUDA

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
 from ._joins import _describe
 from ._inputs import _input_device, _module_devices, _with_context
-from ._graphs import _CudaGraphs, _graph_variant
+from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
@@ -230,11 +230,12 @@ class ParallelSequential(nn.Sequential):
                 )
         super().__init__(OrderedDict(items))
         self.chunks = chunks
-        self.cuda_graph = bool(cuda_graph)
+        # (Each setting is checked by __setattr__.)
+        self.cuda_graph = cuda_graph
         self.max_graphs = max_graphs
-        self.static_outputs = bool(static_outputs)
-        self.graph_fallback = bool(graph_fallback)
-        self.direct_grads = bool(direct_grads)  # the graph cache is made by _reset, below
+        self.static_outputs = static_outputs
+        self.graph_fallback = graph_fallback
+        self.direct_grads = direct_grads  # the graph cache is made by _reset, below
         self._compiler = _compiler(owner, "stage", compile, compile_options, compile_fallback)
         self._reset()
 
@@ -255,6 +256,16 @@ class ParallelSequential(nn.Sequential):
         if graphs is not None and value != self.__dict__.get("_chunks"):
             graphs.clear()  # captured for the old number of micro-batches
         self._chunks = value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A graph setting changed after construction is checked as the constructor
+        # checks it, and the graphs captured under the old value go.
+        if name in _GRAPH_SETTINGS:
+            value = _check_graph_setting(type(self).__name__, name, value)
+            if "_tree" in self.__dict__:  # (constructed)
+                _watch._change_setting(self, name, value, self._reset)
+                return
+        super().__setattr__(name, value)
 
     def _reset(self) -> None:
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""

@@ -1195,3 +1195,24 @@ def test_a_graph_collected_during_a_capture_does_not_break_it():
     gc.collect()
     assert freed_while_capturing == [False]
     assert block._graphs.captures == 1
+
+
+@cuda
+def test_settings_changed_after_capture_are_used():
+    # A graph captured with the old join would replay it: the setting makes the block capture anew.
+    block = _graphed(_mlp(3))
+    x1, x2 = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        block(x1)
+        block(x1)
+        block.join = "sum"
+        torch.testing.assert_close(block(x1), sum(b(x1) for b in block))
+        block.join, block.dim = "stack", 0
+        assert torch.equal(block(x2), torch.stack([b(x2) for b in block]))
+        block.join, block.dim = "cat", 1
+        block.static_outputs = True  # now the graph's own buffers
+        y1 = block(x1)
+        y2 = block(x2)
+        assert y1.data_ptr() == y2.data_ptr() and torch.equal(y1, _reference(block, x2))
+    assert block._graphs.captures == 1  # (a cache of its own since static_outputs changed)
+

@@ -538,3 +538,43 @@ def test_auto_streams_never_fork_while_training():
         q.requires_grad_(False)
     assert {c.forked for c in p._candidates(None)} == {False, True}
     assert {c.forked for c in Parallel(*three_branches(), streams=True)._candidates(None)} == {True}
+
+
+# ------------------------------------------------------ settings changed after the first call
+@pytest.mark.parametrize("fuse", [False, True])
+def test_settings_changed_after_calls_are_used(fuse):
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Linear(8, 8) for _ in range(3)], fuse=fuse)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        p(x)
+        for join, dim in [("sum", 1), ("stack", 0), ("cat", 0), ("mean", 1), (None, 1), ("stack", -1), ("dict", 1)]:
+            p.join, p.dim = join, dim
+            torch.testing.assert_close(p(x), reference(p, x))
+        p.fuse = not fuse
+        torch.testing.assert_close(p(x), reference(p, x))
+
+
+def test_bad_settings_set_later_are_refused_and_change_nothing():
+    p = Parallel(nn.Linear(8, 8), nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+    expected = p(x)
+    with pytest.raises(ValueError, match=r"Parallel: unknown join 'avg'"):
+        p.join = "avg"
+    with pytest.raises(TypeError, match=r"Parallel: dim must be an int, got str"):
+        p.dim = "1"
+    with pytest.raises(ValueError, match=r"Parallel: streams must be True, False or 'auto', got 1"):
+        p.streams = 1
+    with pytest.raises(ValueError, match=r"Parallel: max_graphs must be an int >= 1 .*got 0"):
+        p.max_graphs = 0
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0'"):
+        p.fuse = True
+    assert (p.join, p.dim, p.streams, p.max_graphs, p.fuse) == ("cat", 1, "auto", 8, False)
+    assert_same(p(x), expected)
+    # Graph settings reach the graph cache.
+    p.max_graphs, p.static_outputs, p.graph_fallback = 2, 1, True
+    assert (p._graphs.max_graphs, p._graphs.static_outputs, p._graphs.fallback) == (2, True, True)
+    assert p.static_outputs is True
+    assert "max_graphs" not in repr(p)  # (shown with cuda_graph=True only)
+    p.cuda_graph = True
+    assert "max_graphs=2, static_outputs=True, graph_fallback=True" in repr(p)

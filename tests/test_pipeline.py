@@ -497,3 +497,14 @@ def test_gather_restores_pieces_taken_before_it_gave_up() -> None:
     assert not gather.add(2, values[2]) and not gather.complete()
     gather.restore(values)
     assert all(torch.equal(v, p) for v, p in zip(values, pieces))
+
+
+def test_graph_settings_set_later_are_checked_and_reach_the_cache():
+    pipe = ParallelSequential(nn.Linear(8, 8), nn.ReLU(), chunks=2)
+    with pytest.raises(ValueError, match=r"ParallelSequential: max_graphs must be an int >= 1 .*got -1"):
+        pipe.max_graphs = -1
+    assert pipe.max_graphs == 8 and pipe._graphs.max_graphs == 8
+    pipe.max_graphs, pipe.static_outputs, pipe.direct_grads = 3, 1, True
+    assert (pipe._graphs.max_graphs, pipe._graphs.static_outputs, pipe._graphs.direct_grads) == (3, True, True)
+    x = torch.randn(4, 8)
+    assert torch.equal(pipe(x), nn.Sequential(*pipe)(x))
