@@ -64,6 +64,7 @@ after it are done.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import statistics
@@ -680,6 +681,13 @@ class _CaptureError(RuntimeError):
     pass
 
 
+def _holds_tensors(value: Any) -> bool:
+    r"""Whether an output that pytree sees as a leaf keeps tensors in its attributes (a dataclass)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(isinstance(getattr(value, f.name, None), torch.Tensor) for f in dataclasses.fields(value))
+    return any(isinstance(v, torch.Tensor) for v in getattr(value, "__dict__", {}).values())
+
+
 def _chain(error: BaseException) -> list[BaseException]:
     r"""``error`` and the exceptions it was raised from or during, innermost first."""
     seen: list[BaseException] = []
@@ -1091,6 +1099,16 @@ class _CudaGraphs:
 
         out = captured(graph.fwd, call)
         flat, spec = pytree.tree_flatten(out)
+        hiding = [o for o in flat if not isinstance(o, torch.Tensor) and _holds_tensors(o)]
+        if hiding:
+            raise _CaptureError(
+                f"{self.name}: cannot replay the output of input signature ({_describe(tensors)}) with "
+                f"cuda_graph=True: it holds tensors inside a {type(hiding[0]).__name__} object, which every "
+                f"replay would hand back as the same object, its tensors overwritten by the next replay. "
+                f"Return tensors, or tuples, lists, dicts or namedtuples of them, or register the class "
+                f"with torch.utils._pytree (register_dataclass for a dataclass); or pass "
+                f"graph_fallback=True to run this signature eagerly with a warning."
+            )
         graph.out_idx = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)]
         outputs = [flat[i] for i in graph.out_idx]
         if isinstance(out, torch.Tensor):

@@ -9,6 +9,7 @@ memory.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
 import pickle
@@ -1216,3 +1217,40 @@ def test_settings_changed_after_capture_are_used():
         assert y1.data_ptr() == y2.data_ptr() and torch.equal(y1, _reference(block, x2))
     assert block._graphs.captures == 1  # (a cache of its own since static_outputs changed)
 
+
+@dataclasses.dataclass
+class _Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclasses.dataclass
+class _RegisteredPair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+torch.utils._pytree.register_dataclass(_RegisteredPair)
+
+
+@cuda
+def test_dataclass_outputs_are_refused_unless_registered():
+    # pytree sees an unregistered dataclass as one leaf: a replay would return the captured
+    # object itself, its tensors overwritten by the next replay.
+    torch.manual_seed(0)
+    x1, x2 = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+    block = Parallel(nn.Linear(64, 64), nn.Linear(64, 64), join=lambda outs: _Pair(*outs), cuda_graph=True).cuda()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=r"Parallel: cannot replay .* tensors inside a _Pair object"):
+            block(x1)
+        block.graph_fallback = True
+        with pytest.warns(UserWarning, match="_Pair"):
+            out = block(x1)
+        assert torch.equal(out.a, block[0](x1)) and torch.equal(out.b, block[1](x1))
+        block.join = lambda outs: _RegisteredPair(*outs)
+        y1 = block(x1)
+        y2 = block(x2)
+        assert block._graphs.captures == 1
+        for y, x in ((y1, x1), (y2, x2)):
+            assert isinstance(y, _RegisteredPair)
+            assert torch.equal(y.a, block[0](x)) and torch.equal(y.b, block[1](x))
