@@ -109,6 +109,19 @@ from torch import nn
 
 from ._inputs import _input_device, _signature
 from ._streams import _is_tracing, _record_on
+from . import _watch
+
+
+
+def _compiler_error(error: BaseException) -> bool:
+    r"""Whether torch.compile raised ``error`` itself (inductor's InductorError too).
+
+    It also wraps errors that tracing found in the child's code (a shape
+    mismatch: TorchRuntimeError), which an eager run tells apart.
+    """
+    import torch._dynamo.exc  # (imported by any compilation before this runs)
+
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
 
 __all__: list[str] = []
 
@@ -230,6 +243,10 @@ def _import_tensorrt() -> Any:
     return torch_tensorrt
 
 
+class _Refused(RuntimeError):
+    r"""A call the compiled form does not take (not a failure to compile: nothing falls back)."""
+
+
 class _TensorRT:
     r"""One child as Torch-TensorRT engines: built per input signature, called off the default stream."""
 
@@ -238,6 +255,24 @@ class _TensorRT:
         self.options = options
         self.engines: OrderedDict[Hashable, Callable[..., Any]] = OrderedDict()
         self.lock = threading.Lock()
+        # The parameters and buffers the engines were built with, and their versions.
+        self.tensors: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.seen = -1
+
+    def _drop_stale(self) -> None:
+        # Engines hold the weights they were built with: a parameter or buffer
+        # replaced below the child (seen by _watch), or written in place
+        # (load_state_dict, a weight update: its version moves), makes them stale.
+        if self.seen != _watch._changes:
+            tensors = [*self.module.parameters(), *self.module.buffers()]
+            if len(tensors) != len(self.tensors) or any(a is not b for a, b in zip(tensors, self.tensors)):
+                self.engines.clear()
+            self.tensors, self.seen = tensors, _watch._changes
+        versions = [t._version for t in self.tensors]
+        if versions != self.versions:
+            self.engines.clear()
+            self.versions = versions
 
     def _build(self, args: tuple, kwargs: dict) -> Callable[..., Any]:
         torch_tensorrt = _import_tensorrt()
@@ -255,7 +290,9 @@ class _TensorRT:
         # Engines built from example tensors have static shapes: one per
         # signature, unless the options describe the inputs themselves.
         key = None if any(k in self.options for k in ("inputs", "arg_inputs")) else _signature(args, kwargs, False)
-        engine = self.engines.get(key)
+        with self.lock:
+            self._drop_stale()
+            engine = self.engines.get(key)
         if engine is None:
             with self.lock:
                 engine = self.engines.get(key)
@@ -268,12 +305,12 @@ class _TensorRT:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _import_tensorrt()
         if self.module.training:
-            raise RuntimeError("TensorRT engines are built for inference and record no autograd history, but "
+            raise _Refused("TensorRT engines are built for inference and record no autograd history, but "
                                "the module is in training mode. Call .eval() on the model (and run it under "
                                "torch.no_grad() or torch.inference_mode()).")
         device = _input_device(args, kwargs)
         if device is None or device.type != "cuda":
-            raise RuntimeError(f"TensorRT engines run on CUDA devices; the input is "
+            raise _Refused(f"TensorRT engines run on CUDA devices; the input is "
                                f"{'on ' + str(device) if device is not None else 'not a tensor'}.")
         engine = self.engine(args, kwargs)
         caller = torch.cuda.current_stream(device)
@@ -308,6 +345,7 @@ class _Child:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager:
             return self.module(*args, **kwargs)
+        state = None
         try:
             fn = self.fn
             if fn is None:
@@ -315,13 +353,33 @@ class _Child:
                     fn = self.fn
                     if fn is None:
                         fn = self.fn = self.compiler._build(self)
+                        # The first call compiles, and may fail after part of the child ran
+                        # (code before a graph break): its buffers are put back before the
+                        # child runs eagerly (see _failed).
+                        state = [(b, b.detach().clone()) for b in self.module.buffers()]
             return fn(*args, **kwargs)
+        except _Refused as e:
+            raise RuntimeError(f"{self._label()} cannot run with compile='tensorrt': {e}") from None
         except Exception as e:
-            return self._failed(e, args, kwargs)
+            if self.compiler.backend != "tensorrt" and not _compiler_error(e):
+                # Raised by the child's own code as its compiled form ran: the child's
+                # error, as eager would raise it (and it must not run a second time).
+                raise
+            return self._failed(e, args, kwargs, state)
 
-    def _failed(self, error: Exception, args: tuple, kwargs: dict) -> Any:
+    def _label(self) -> str:
+        compiler = self.compiler
+        return f"{compiler.owner}: {compiler.kind} {self.name!r} (index {self.index}, {type(self.module).__name__})"
+
+    def _failed(self, error: Exception, args: tuple, kwargs: dict, state: list | None) -> Any:
         # Compilers report errors in the user's code (a shape mismatch) as
-        # their own: run the child eagerly to tell which one this is.
+        # their own: run the child eagerly to tell which one this is. (A later
+        # call's recompilation that fails after part of the child ran leaves that
+        # part's buffer updates in place: only the first call's are put back.)
+        if state is not None:
+            with torch.no_grad():
+                for b, saved in state:
+                    b.copy_(saved)
         try:
             out = self.module(*args, **kwargs)
         except Exception as eager_error:
@@ -329,8 +387,8 @@ class _Child:
             raise eager_error from None
         compiler = self.compiler
         message = (
-            f"{compiler.owner}: {compiler.kind} {self.name!r} (index {self.index}, {type(self.module).__name__}) "
-            f"failed to compile with compile={_backend_name(compiler.backend)!r}:\n  {_summary(error)}\n"
+            f"{self._label()} failed to compile with compile={_backend_name(compiler.backend)!r}:\n"
+            f"  {_summary(error)}\n"
         )
         if not compiler.fallback:
             raise RuntimeError(

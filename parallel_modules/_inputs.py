@@ -18,14 +18,26 @@ def _leaves(args: tuple, kwargs: dict) -> list[Any]:
     return pytree.tree_leaves((args, kwargs))
 
 
+# Non-tensor inputs keyed by value in a signature.
+_BY_VALUE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
 def _input_device(args: tuple, kwargs: dict) -> torch.device | None:
-    r"""The device of the first tensor among the inputs, or ``None``."""
-    if args and isinstance(args[0], torch.Tensor):
+    r"""The device of the first tensor among the inputs, or ``None``.
+
+    A 0-dim CPU tensor is passed over for a later tensor: PyTorch lets such
+    scalars join tensors of any device.
+    """
+    if args and isinstance(args[0], torch.Tensor) and (args[0].device.type != "cpu" or args[0].dim()):
         return args[0].device
+    first = None
     for leaf in _leaves(args, kwargs):
         if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return None
+            if leaf.device.type != "cpu" or leaf.dim():
+                return leaf.device
+            if first is None:
+                first = leaf.device
+    return first
 
 
 def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
@@ -33,8 +45,9 @@ def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
 
     Shapes, dtypes, devices, strides (contiguity decides kernels) and
     ``requires_grad`` of every tensor input, the structure of the inputs, the
-    types of non-tensor inputs, the module's train/eval mode and whether
-    autograd is recording.
+    values of numbers, strings, dtypes and devices among them (a compiled
+    engine bakes them in) and the types of other non-tensor inputs, the
+    module's train/eval mode and whether autograd is recording.
     """
     grad = torch.is_grad_enabled()
     if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
@@ -45,8 +58,8 @@ def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             parts.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
-        elif isinstance(leaf, (int, float, bool, str, type(None))):
-            parts.append(leaf)
+        elif isinstance(leaf, _BY_VALUE):
+            parts.append((type(leaf), leaf))  # (1, True and 1.0 are equal, and hash alike)
         else:
             parts.append(type(leaf))
     return tuple(parts)

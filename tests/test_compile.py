@@ -632,3 +632,52 @@ def test_training_graphs_capture_the_compiled_branches_only():
     x = torch.randn(8, 16, device="cuda", requires_grad=True)
     block(x).sum().backward()
     assert list(block._graphs.variants().values()) == [("compiled",)]
+
+
+class _NormedThenChecked(nn.Module):
+    def __init__(self, graph_break: bool = False) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        y = self.bn(x)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+            return torch.sigmoid(y)
+        if bool((x.abs() > 1e3).any()):  # data-dependent: a graph break, then the user's own error
+            raise ValueError("activation blew up")
+        return y
+
+
+def test_the_branchs_own_error_is_raised_without_running_it_again():
+    # A failed compiled call used to run the branch a second time, eagerly, to tell whose
+    # fault it was: its buffer updates happened twice.
+    torch.manual_seed(0)
+    ref, block = _NormedThenChecked().train(), Parallel(_NormedThenChecked(), compile="aot_eager").train()
+    bad = torch.randn(8, 4)
+    bad[0, 0] = 1e9
+    for m in (ref, block):
+        m(torch.randn(8, 4))
+        with pytest.raises(ValueError, match="activation blew up"):
+            m(bad)
+    assert int(block[0].bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 2
+
+
+def test_first_call_falling_back_after_a_partial_run_updates_buffers_once():
+    # The backend refuses the graph after the break, once the graph before it (BatchNorm) ran.
+    def picky(gm, example_inputs):
+        if any(n.target in (torch.sigmoid, torch.ops.aten.sigmoid.default) for n in gm.graph.nodes):
+            raise NotImplementedError("sigmoid is not supported by this backend")
+        return gm.forward
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 4) + 3.0
+    ref = _NormedThenChecked(graph_break=True).train()
+    block = Parallel(copy.deepcopy(ref), compile=picky, compile_fallback=True).train()
+    with pytest.warns(UserWarning, match="failed to compile"):
+        out = block(x)
+    assert_close(out, ref(x))
+    assert int(block[0].bn.num_batches_tracked) == 1
+    assert_close(block[0].bn.running_mean, ref.bn.running_mean)
+    assert_close(block[0].bn.running_var, ref.bn.running_var)

@@ -578,3 +578,19 @@ def test_bad_settings_set_later_are_refused_and_change_nothing():
     assert "max_graphs" not in repr(p)  # (shown with cuda_graph=True only)
     p.cuda_graph = True
     assert "max_graphs=2, static_outputs=True, graph_fallback=True" in repr(p)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, device="meta")
+
+    def forward(self, scale, x):
+        return self.lin(x) * scale
+
+
+def test_a_0_dim_cpu_tensor_first_does_not_set_the_device():
+    # PyTorch lets 0-dim CPU tensors join tensors of any device ("meta" stands in for CUDA).
+    scale, x = torch.tensor(0.5), torch.randn(2, 4, device="meta")
+    out = Parallel(_Scaled(), _Scaled())(scale, x)
+    assert out.shape == (2, 8) and out.device.type == "meta"

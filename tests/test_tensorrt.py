@@ -153,6 +153,46 @@ def test_cpu_inputs_and_training_mode_are_refused(fake):
         block(torch.randn(4, 16))
     assert "branch '0' (index 0, Sequential)" in str(info.value)
     assert fake.builds == []
+    # Refusals are not failures to compile: with a fallback the branch stays compiled.
+    block = Parallel(*branches(2), compile="tensorrt", compile_fallback=True).train()
+    with pytest.raises(RuntimeError, match=r"training mode"):
+        block(torch.randn(4, 16))
+    assert [c.eager for c in block._compiler.calls(block._modules)] == [False, False]
+
+
+@pytest.mark.parametrize("change", ["replaced", "load_state_dict", "assign", "in place"])
+def test_engines_are_built_anew_when_the_weights_change(fake, change):
+    # Engines hold the weights they were built with.
+    module = mlp().eval()
+    trt = _TensorRT(module, {})
+    x = torch.randn(4, 16)
+    trt.engine((x,), {})
+    trt.engine((x,), {})
+    assert len(fake.builds) == 1
+    with torch.no_grad():
+        if change == "replaced":
+            module[0] = nn.Linear(16, 16)
+        elif change == "load_state_dict":
+            module.load_state_dict(mlp().state_dict())
+        elif change == "assign":
+            module.load_state_dict(mlp().state_dict(), assign=True)
+        else:
+            module[2].bias.add_(1)
+    trt.engine((x,), {})
+    assert len(fake.builds) == 2
+    trt.engine((x,), {})
+    assert len(fake.builds) == 2
+
+
+def test_signatures_key_numbers_dtypes_and_devices_by_value():
+    # An engine bakes non-tensor arguments in: one built for float16 must not serve float32.
+    from parallel_modules._inputs import _signature
+
+    x = torch.randn(2)
+    values = (1, True, 1.0, "a", None, torch.float16, torch.float32, torch.device("cpu"))
+    assert len({_signature((x, v), {}, False) for v in values}) == len(values)
+    assert len({_signature((x,), {"k": v}, False) for v in values}) == len(values)
+    assert _signature((x, torch.float16), {}, False) == _signature((x, torch.float16), {}, False)
 
 
 def test_whole_model_tracing_never_builds_engines(fake):
