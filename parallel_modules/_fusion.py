@@ -97,8 +97,14 @@ _Handle = torch.utils.hooks.RemovableHandle
 
 
 # -------------------------------------------------------------- identical?
+# nn.Module's own bookkeeping (parameter, buffer and hook dicts), compared otherwise.
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+
 def _hyperparameters(m: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"}
+    # Every other instance attribute, private ones too: a custom module may keep a
+    # setting of its own as ``self._scale``, which a batched call would read off member 0.
+    return {k: v for k, v in vars(m).items() if k not in _MODULE_STATE}
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -266,6 +272,7 @@ class _Group:
                 self.entries[qual] = _Entry(owners, attr, kind)
         self.stacks: dict[str, torch.Tensor] = {}
         self.bound: dict[str, list[torch.Tensor]] = {}
+        self.buffers = [q for q, e in self.entries.items() if e.kind == "_buffers"]
         # The biases a capture writes into the products' output buffers (see
         # _Prefill), by width and dtype: each class with more than one is stacked
         # into one tensor ``[layers, N, width]`` by bind, and filled by one kernel.
@@ -300,6 +307,10 @@ class _Group:
                     return False
             self.registrations = _watch._changes
         return _same_addresses(*self.expected)
+
+    def buffer_stacks(self) -> list[torch.Tensor]:
+        r"""The stacks of the members' buffers (after :meth:`bind`)."""
+        return [t for t in (self.stacks.get(q) for q in self.buffers) if t is not None]
 
     def bind(self) -> bool:
         r"""Stack each parameter and buffer of the members; point the members at their slices.
@@ -603,6 +614,11 @@ def _to_stacked(v: _Value, n: int) -> torch.Tensor:
     return v.t.unflatten(1, (n, -1)).movedim(1, 0)
 
 
+def _member_dims(v: _Value) -> int:
+    r"""The number of dimensions of one member's value (the stacked layout adds one)."""
+    return v.t.dim() - 1 if v.layout == _STACKED else v.t.dim()
+
+
 def _to_channels(v: _Value, n: int) -> torch.Tensor:
     if v.layout == _CHANNELS:
         return v.t
@@ -780,7 +796,7 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
         stride, padding, dilation, groups = m.stride, m.padding, m.dilation, m.groups
 
         def convolution(v: _Value, get: _Get) -> Any:
-            if v.t.dim() != nd + 2:  # an unbatched input: no channel layout to batch in
+            if _member_dims(v) != nd + 2:  # an unbatched input: no channel layout to batch in
                 return fallback(v, get)
             w, b = get(w_name), get(b_name)
             if v.layout == _SHARED and groups == 1:
@@ -797,7 +813,7 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
         eps = m.eps
 
         def batch_norm(v: _Value, get: _Get) -> Any:
-            if v.t.dim() < 2:
+            if _member_dims(v) < 2:
                 return fallback(v, get)
             mean, var, w, b = (None if t is None else t.flatten() for t in map(get, names))
             return _Value(F.batch_norm(_to_channels(v, n), mean, var, w, b, False, 0.0, eps), _CHANNELS)
@@ -810,24 +826,40 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
 
         def layer_norm(v: _Value, get: _Get) -> _Value:
             x = v.t if v.layout == _SHARED else _to_stacked(v, n)
-            out = F.layer_norm(x, shape, None, None, eps)
             w, b = get(w_name), get(b_name)
             if w is None and b is None:
-                return _Value(out, _SHARED if v.layout == _SHARED else _STACKED)
+                return _Value(F.layer_norm(x, shape, None, None, eps), _SHARED if v.layout == _SHARED else _STACKED)
             # The affine part per member: weights [N, *shape] broadcast over the batch dimensions.
+            # In float32 and rounded once to layer_norm's output dtype, as layer_norm does it:
+            # half-precision members normalize in float32, and under autocast float32
+            # weights would otherwise promote the result.
+            half = x.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(x.device.type)
+            out = F.layer_norm(x.float() if half else x, shape, None, None, eps)
+            dtype = x.dtype if half else out.dtype
+            out = out.float()
             lead = (1,) * (out.dim() - len(shape) - (0 if v.layout == _SHARED else 1))
             if w is not None:
                 out = out * w.view(n, *lead, *shape)
             if b is not None:
                 out = out + b.view(n, *lead, *shape)
-            return _Value(out, _STACKED)
+            return _Value(out.to(dtype), _STACKED)
 
         return [layer_norm]
 
     if type(m) in _POOLING and not getattr(m, "return_indices", False):
         # Channel by channel: a shared value stays shared, a channels layout stays valid.
-        return [lambda v, get: _Value(m(v.t), _SHARED) if v.layout == _SHARED else
-                _Value(m(_to_channels(v, n)), _CHANNELS)]
+        nd = int(type(m).__name__[-2])  # MaxPool2d: 2
+
+        def pool(v: _Value, get: _Get) -> Any:
+            if v.layout == _SHARED:
+                return _Value(m(v.t), _SHARED)
+            if _member_dims(v) != nd + 2:
+                # An unbatched value (C, *spatial): in the channels layout the members'
+                # values would be one signal, and windows would cross from one to the next.
+                return fallback(v, get)
+            return _Value(m(_to_channels(v, n)), _CHANNELS)
+
+        return [pool]
 
     if type(m) is nn.Flatten:
         start, end = m.start_dim, m.end_dim

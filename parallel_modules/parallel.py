@@ -621,10 +621,15 @@ class Parallel(nn.Module):
 
     def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict, eager: bool = False) -> list[Any]:
         r"""The group's batched value. ``eager``: the caller saw no tracer and no capture (see :meth:`_Group.run`)."""
+        kept = None
         try:
             tracing = not eager and _is_tracing()
             if not tracing and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
+            if self.training and group.buffers and not tracing:
+                # Layers that ran batched before one failed may have updated buffers (an
+                # InstanceNorm's running statistics): put back before the members run unfused.
+                kept = [(b, b.clone()) for b in group.buffer_stacks()]
             # Tensors swapped in without registration (torch.func.functional_call), or
             # functorch transforms, which need the members' tensors as they are: stacked
             # for this call.
@@ -635,6 +640,10 @@ class Parallel(nn.Module):
         except Exception as e:
             if _is_tracing():
                 raise
+            if kept:
+                with torch.no_grad():
+                    for b, saved in kept:
+                        b.copy_(saved)
             # Run the members as ordinary branches: if they fail too, the input
             # is at fault, and their error names the branch.
             outputs = [self._call(i, args, kwargs) for i in group.indices]

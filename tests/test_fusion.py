@@ -884,3 +884,93 @@ def test_explain_names_the_mode_of_each_signature():
     assert not any("training" in k for k in p.explain()["schedules"]), p.explain()
     p.train()(x, y=y), p(x)
     assert sum("training" in k for k in p.explain()["schedules"]) == 2, p.explain()
+
+
+# --------------------------------------------------------------- found by a review (layers)
+@pytest.mark.parametrize("pool", [lambda: nn.AvgPool1d(3, 1, 1), lambda: nn.MaxPool1d(3, 1, 1),
+                                  lambda: nn.AdaptiveAvgPool1d(4)])
+@pytest.mark.parametrize("join", ["cat", "stack"])
+def test_pooling_an_unbatched_value_keeps_members_apart(pool, join):
+    # Each branch pools its [B, F] activation as one unbatched (C, L) signal: the members'
+    # values side by side are not one signal, windows must not cross from one to the next.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), pool()) for _ in range(2)], join=join, fuse=True)
+    x = torch.randn(4, 8)
+    out = p(x)
+    assert_close(out, reference(p, x))
+
+
+def test_unbatched_convolution_then_pooling_equals_unfused():
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Conv1d(3, 4, 3), nn.AvgPool1d(3, 1, 1)) for _ in range(3)], fuse=True)
+    x = torch.randn(3, 10, requires_grad=True)  # (C, L): unbatched
+    out = p(x)
+    assert_close(out, reference(p, x))
+    (g,) = torch.autograd.grad(out.square().sum(), x)
+    (expected,) = torch.autograd.grad(reference(p, x).square().sum(), x)
+    assert_close(g, expected)
+
+
+class _Scaled(nn.Linear):
+    def __init__(self, scale: float) -> None:
+        super().__init__(8, 8)
+        self._scale = scale  # a setting of its own, private
+
+    def forward(self, x):
+        return super().forward(x) * self._scale
+
+
+def test_branches_differing_in_a_private_attribute_are_not_fused():
+    p = Parallel(_Scaled(1.0), _Scaled(-3.0), fuse="auto")
+    x = torch.randn(4, 8)
+    assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == []
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch has _scale=-3.0, expected 1.0"):
+        Parallel(_Scaled(1.0), _Scaled(-3.0), fuse=True)
+    assert fused_groups(Parallel(_Scaled(2.0), _Scaled(2.0), fuse="auto")) == [["0", "1"]]
+
+
+class _Sign(nn.Module):
+    def forward(self, x):  # data-dependent control flow: vmap cannot batch it
+        return x if x.sum() > 0 else -x
+
+
+def test_a_group_failing_part_way_updates_buffers_once():
+    # The layers that ran batched before one failed updated running statistics in place:
+    # they are put back before the members run unfused.
+    torch.manual_seed(0)
+    build = lambda: nn.Sequential(nn.Conv1d(2, 2, 1), nn.InstanceNorm1d(2, track_running_stats=True), _Sign())  # noqa: E731
+    p = Parallel(build(), build(), fuse="auto")
+    ref = copy.deepcopy(p)
+    ref.fuse = False
+    x = torch.randn(3, 2, 5)
+    with pytest.warns(UserWarning, match="cannot run batched"):
+        out = p(x)
+    assert_close(out, ref(x))
+    for (name, a), (_, b) in zip(p.named_buffers(), ref.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+def test_layer_norm_keeps_its_dtype_and_rounds_once():
+    torch.manual_seed(0)
+    build = lambda: nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))  # noqa: E731
+    p = Parallel(build(), build(), fuse=True)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = p(x), reference(p, x)
+    assert out.dtype == expected.dtype
+    # Half-precision members: as close to float64 as the unfused module (one rounding).
+    with torch.no_grad():
+        for m in p.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 3)
+                m.bias.uniform_(-2, 2)
+    exact = copy.deepcopy(p).double()
+    exact.fuse = False
+    p.bfloat16()
+    x = torch.randn(256, 16)
+    truth = exact(x.double())
+    fused_error = (p(x.bfloat16()).double() - truth).abs().max()
+    p.fuse = False
+    unfused_error = (p(x.bfloat16()).double() - truth).abs().max()
+    assert fused_error <= unfused_error * 1.05, (fused_error, unfused_error)
