@@ -913,15 +913,32 @@ def _describe_costs(costs: dict[Hashable, Any] | None) -> str:
 
 
 def _describe_signature(key: Hashable) -> str:
-    r"""A readable form of an input signature (see ``_inputs._signature``)."""
+    r"""A readable form of an input signature (see ``_inputs._signature``).
+
+    Everything the key holds is shown, so that two signatures never read alike:
+    strides where a tensor is not contiguous, ``requires_grad``, the values of
+    numbers and dtypes, the types of other arguments, training and no-grad calls.
+    """
+    single = isinstance(key[0], torch.Size)  # (shape, stride, dtype, device, requires_grad, grad, training)
+    grad, training = (key[5], key[6]) if single else (key[1], key[2])  # or (spec, grad, training, *leaves)
     parts = []
-    for item in key if isinstance(key, tuple) else (key,):
-        if isinstance(item, tuple) and item and isinstance(item[0], torch.Size):
-            parts.append(f"Tensor{tuple(item[0])} {str(item[2]).replace('torch.', '')} on {item[3]}")
-        elif isinstance(item, torch.Size):
-            parts.append(f"Tensor{tuple(item)}")
-        elif isinstance(item, (torch.dtype, torch.device)):
-            parts.append(str(item).replace("torch.", ""))
-    # The train/eval flag: last of a single tensor's key, third of a structured call's.
-    training = key[-1] if isinstance(key[0], torch.Size) else key[2]
-    return ", ".join(parts) + (", training" if training is True else "")
+    for item in [key[:5]] if single else key[3:]:
+        if isinstance(item, tuple) and len(item) == 5 and isinstance(item[0], torch.Size):
+            shape, stride, dtype, device, requires_grad = item
+            text = f"Tensor{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
+            if stride != _contiguous_strides(shape):
+                text += f" strides {tuple(stride)}"
+            parts.append(text + (" requires_grad" if requires_grad else ""))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
+            parts.append(str(item[1]).replace("torch.", ""))  # a number, string, dtype or device
+        elif isinstance(item, type):
+            parts.append(item.__name__)
+    return ", ".join(parts) + (", training" if training is True else "") + ("" if grad else ", no grad")
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -594,3 +594,24 @@ def test_a_0_dim_cpu_tensor_first_does_not_set_the_device():
     scale, x = torch.tensor(0.5), torch.randn(2, 4, device="meta")
     out = Parallel(_Scaled(), _Scaled())(scale, x)
     assert out.shape == (2, 8) and out.device.type == "meta"
+
+
+def test_explain_keeps_signatures_apart_that_differ_only_in_strides_grad_or_values():
+    class Scale(nn.Module):
+        def forward(self, x, factor=1.0):
+            return x * factor
+
+    p = Parallel(Scale(), Scale())
+    x = torch.randn(4, 4)
+    p(x)
+    p(x.t())
+    p(x.clone().requires_grad_())
+    with torch.no_grad():
+        p(x)
+    p(x, 2.0)
+    p(x, 3.0)
+    keys = list(p.explain()["schedules"])
+    assert len(keys) == len(p._plans) == 6, keys
+    assert "Tensor(4, 4) float32 on cpu strides (1, 4), training" in keys
+    assert any("requires_grad" in k for k in keys) and any(k.endswith("no grad") for k in keys)
+    assert any("2.0" in k for k in keys) and any("3.0" in k for k in keys)
