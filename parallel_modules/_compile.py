@@ -35,7 +35,10 @@ the library, around the compiled code:
   class shares: a model with more than 8 compiled branches would exhaust the
   limit and run the rest eagerly. Each child is therefore compiled through a
   function with a code object of its own (``_entry``), which gives it its own
-  cache, its own limit, and a name in dynamo's logs;
+  cache, its own limit, and a name in dynamo's logs. Not past a graph break:
+  dynamo compiles the code after it as a function derived from the class's
+  ``forward``, shared again, so with more than 8 such branches of one class
+  the rest of them run that part eagerly (results are the same);
 * **shapes** -- ``dynamic=False`` by default: every new input signature
   compiles kernels specialised to it, as the module's CUDA graphs are per
   signature anyway and static kernels are the fastest. Micro-batches of
