@@ -50,13 +50,17 @@ def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
     module's train/eval mode and whether autograd is recording.
     """
     grad = torch.is_grad_enabled()
-    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor) and not args[0].is_nested:
         x = args[0]
         return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, grad, training)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     parts: list[Hashable] = [spec, grad, training]
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and leaf.is_nested:
+            # (A strided nested tensor has no one shape: the shapes of its components.)
+            parts.append(("nested", leaf.layout, tuple(t.shape for t in leaf.unbind()), leaf.dtype, leaf.device,
+                          leaf.requires_grad))
+        elif isinstance(leaf, torch.Tensor):
             parts.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
         elif isinstance(leaf, _BY_VALUE):
             parts.append((type(leaf), leaf))  # (1, True and 1.0 are equal, and hash alike)

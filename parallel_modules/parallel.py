@@ -929,6 +929,8 @@ def _describe_signature(key: Hashable) -> str:
             if stride != _contiguous_strides(shape):
                 text += f" strides {tuple(stride)}"
             parts.append(text + (" requires_grad" if requires_grad else ""))
+        elif isinstance(item, tuple) and item and isinstance(item[0], str) and item[0] == "nested":
+            parts.append(f"nested Tensor{list(map(tuple, item[2]))} {str(item[3]).replace('torch.', '')} on {item[4]}")
         elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
             parts.append(str(item[1]).replace("torch.", ""))  # a number, string, dtype or device
         elif isinstance(item, type):

@@ -615,3 +615,17 @@ def test_explain_keeps_signatures_apart_that_differ_only_in_strides_grad_or_valu
     assert "Tensor(4, 4) float32 on cpu strides (1, 4), training" in keys
     assert any("requires_grad" in k for k in keys) and any(k.endswith("no grad") for k in keys)
     assert any("2.0" in k for k in keys) and any("3.0" in k for k in keys)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensor_inputs(layout):
+    # A strided nested tensor has no single shape: its signature is its components' shapes.
+    torch.manual_seed(0)
+    p = Parallel(nn.Linear(4, 2), nn.Linear(4, 3), join=None)
+    nt = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=layout)
+    for out, branch in zip(p(nt), p):
+        expected = branch(nt)
+        assert out.is_nested
+        for a, b in zip(out.unbind(), expected.unbind()):
+            assert torch.equal(a, b)
+    assert "nested Tensor[(2, 4), (3, 4)]" in next(iter(p.explain()["schedules"]))
