@@ -64,7 +64,6 @@ after it are done.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import os
 import statistics
@@ -87,7 +86,8 @@ from torch.utils import _pytree as pytree
 from ._compile import _WHOLE
 from ._fusion import _MODE_FREE, _functorch_active
 from ._inputs import _input_device, _signature
-from ._streams import _capture_underway, _current_stream, _graph_state, _is_tracing, _pools, _use_count
+from ._streams import (_capture_underway, _current_stream, _graph_state, _hidden_tensors, _is_tracing, _pools,
+                       _use_count)
 
 __all__: list[str] = []
 
@@ -681,11 +681,6 @@ class _CaptureError(RuntimeError):
     pass
 
 
-def _holds_tensors(value: Any) -> bool:
-    r"""Whether an output that pytree sees as a leaf keeps tensors in its attributes (a dataclass)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(isinstance(getattr(value, f.name, None), torch.Tensor) for f in dataclasses.fields(value))
-    return any(isinstance(v, torch.Tensor) for v in getattr(value, "__dict__", {}).values())
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -1066,6 +1061,8 @@ class _CudaGraphs:
                     for b, s in zip(buffers, saved):
                         b.copy_(s)
             self.captures += 1
+            # The next replay from another stream waits for the restore above (see _Graph._order).
+            graph.last = caller
         return graph
 
     def variants(self) -> dict[Hashable, Any]:
@@ -1099,7 +1096,7 @@ class _CudaGraphs:
 
         out = captured(graph.fwd, call)
         flat, spec = pytree.tree_flatten(out)
-        hiding = [o for o in flat if not isinstance(o, torch.Tensor) and _holds_tensors(o)]
+        hiding = [o for o in flat if not isinstance(o, torch.Tensor) and _hidden_tensors(o)]
         if hiding:
             raise _CaptureError(
                 f"{self.name}: cannot replay the output of input signature ({_describe(tensors)}) with "

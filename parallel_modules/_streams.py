@@ -26,9 +26,11 @@ Stream order, in one place:
 * **memory** -- a tensor allocated on a side stream and handed to the caller
   is marked with :meth:`torch.Tensor.record_stream`, so the caching allocator
   does not give its block to another side-stream allocation while the
-  caller's stream may still read it. Inputs need nothing: they were allocated
-  on the caller's stream, which waits for every side stream before it can
-  free them. When the caller's stream only reads the outputs in a join that
+  caller's stream may still read it. Inputs were allocated on the caller's
+  stream, which waits for every side stream before it can free them; while
+  autograd records, a side branch may save an input and read it again in
+  backward, so inputs are marked with ``record_stream`` for the side streams
+  then (:func:`_join_backward`). When the caller's stream only reads the outputs in a join that
   consumes them (``cat``, ``sum``...), a cheaper scheme does the same: after
   the join is enqueued, every side stream waits for the caller's stream, and
   only then are the outputs freed -- so any later allocation on a side stream,
@@ -46,6 +48,7 @@ and the compiler is free to schedule them.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
@@ -310,14 +313,34 @@ def _references(values: list, i: int) -> int:
 _OWN_REFERENCES = _references([torch.empty(0)], 0)
 
 
+def _hidden_tensors(value: Any) -> list[torch.Tensor]:
+    r"""The tensors an object that pytree sees as a leaf keeps in its attributes (a dataclass)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        found = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        found = list(getattr(value, "__dict__", {}).values())
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    r"""The tensors in ``value``: pytree's leaves, and those kept in the attributes of other leaves."""
+    tensors = []
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+        elif leaf is not None and not isinstance(leaf, (int, float, str)):
+            tensors.extend(_hidden_tensors(leaf))
+    return tensors
+
+
 def _record_on(outputs: Any, stream: torch.cuda.Stream) -> None:
     # The caller's stream is about to use tensors whose memory belongs to a
     # side stream's pool: tell the allocator to wait for ``stream`` too.
     if isinstance(outputs, torch.Tensor):
         outputs.record_stream(stream)
         return
-    for leaf in pytree.tree_leaves(outputs):
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+    for leaf in _tensor_leaves(outputs):
+        if leaf.is_cuda:
             leaf.record_stream(stream)
 
 
@@ -368,7 +391,15 @@ def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> No
     for value in inputs:
         # (Tensors first: flattening costs microseconds, a fork/join's budget.)
         for leaf in (value,) if isinstance(value, torch.Tensor) else pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None and leaf.is_cuda:
+            if not isinstance(leaf, torch.Tensor) or not leaf.is_cuda:
+                continue
+            # A side branch may save the input for its backward, which reads it on the
+            # side stream and then lets it go: freed, its memory returns to the caller's
+            # stream's pool while that read may still be queued. (In the forward pass
+            # the join covers it.) The allocator waits for the side streams' reads.
+            for stream in streams:
+                leaf.record_stream(stream)
+            if leaf.grad_fn is not None:
                 hook = getattr(leaf, _JOIN_ATTR, None)
                 if hook is None:
                     hook = _BackwardJoin(leaf.device)
@@ -379,6 +410,18 @@ def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> No
                         pass
                 for stream in streams:
                     hook.streams[stream] = None
+
+
+def _check_versions(inputs: list[torch.Tensor], versions: list[int]) -> None:
+    for i, (t, v) in enumerate(zip(inputs, versions)):
+        if t._version != v:
+            raise RuntimeError(
+                f"this branch changed input {i} in place (an in-place first operation, such as "
+                f"nn.ReLU(inplace=True)), while the other branches read it on their own CUDA streams "
+                f"at the same time: what they read depends on timing. Make the branch's first "
+                f"operation out of place (inplace=False, x = x + 1), or pass streams=False to run "
+                f"the branches one after another."
+            )
 
 
 def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None,
@@ -418,6 +461,18 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
         streams[high - 1] = pool.high_stream(base + high - 1)
     if kwargs is None:
         kwargs = {}
+    # The items read the inputs at the same time on their streams: one that changes an
+    # input in place (``nn.ReLU(inplace=True)`` first) races with the others. Seen by
+    # the inputs' versions, which every in-place operation advances.
+    # (Inference tensors keep no version: in-place changes to them cannot be seen.)
+    watched = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
+    versions = [a._version for a in watched]
+    # Autocast caches a parameter's cast copy for the thread, whatever the stream: made
+    # by one item on its stream, the copy would be read by another on its own without
+    # waiting for the cast. Each item casts for itself during the fork.
+    cached_casts = torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled()
+    if cached_casts:
+        torch.set_autocast_cache_enabled(False)
     _record(fork, caller)
 
     # Slot s (0: the caller's stream) runs item ``launch[s]``; outputs stay in item order.
@@ -430,6 +485,8 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     item = launch[0]
     try:
         outputs[item] = run(item, calls[item]) if run is not None else calls[item](*args, **kwargs)
+        if watched:
+            _check_versions(watched, versions)
         for slot in range(1, n):
             side = streams[slot - 1]
             _set_current(side.stream_id, side.device_index, side.device_type)
@@ -442,12 +499,16 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
                 # Recorded even if the branch raised: the caller must not run
                 # ahead of work already enqueued on ``side``.
                 _record(joins[slot - 1], side)
+            if watched:
+                _check_versions(watched, versions)
     except Exception as e:
         if run is None and error is not None:
             raise error(e, item)
         raise
     finally:
         local.offset = base
+        if cached_casts:
+            torch.set_autocast_cache_enabled(True)
         _set_current(caller.stream_id, caller.device_index, caller.device_type)
         # Join: every launched side stream, whatever happened.
         for slot in range(launched):

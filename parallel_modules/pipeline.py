@@ -35,7 +35,7 @@ from . import _watch
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
 from ._streams import (_capture_underway, _current_stream, _graph_state, _is_tracing, _join_backward, _pool, _record,
-                       _set_stream, _wait)
+                       _set_stream, _tensor_leaves, _wait)
 
 __all__ = ["ParallelSequential"]
 
@@ -91,8 +91,8 @@ def _mark(value: Any, stream: torch.cuda.Stream) -> None:
         if value.is_cuda:
             value.record_stream(stream)
         return
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+    for leaf in _tensor_leaves(value):
+        if leaf.is_cuda:
             leaf.record_stream(stream)
 
 
@@ -697,6 +697,7 @@ class ParallelSequential(nn.Sequential):
         caller = _current_stream(device)
         base = pool.offset
         streams = pool.side_streams(base, n_lanes, caller)
+        recording = torch.is_grad_enabled() and not capturing and streams[0] is not caller
         # Events: one per (piece, lane), then the fork, then one join per lane.
         events, e0 = _take_events(device, count * n_lanes + 1 + n_lanes)
         fork = events[e0 + count * n_lanes]
@@ -721,6 +722,11 @@ class ParallelSequential(nn.Sequential):
                     # the fork orders the whole call after the caller's earlier
                     # work (including optimizer updates of the parameters).
                     _wait(fork, stream)
+                if recording:
+                    # Saved for backward, a piece is read again on this lane's stream,
+                    # and freed to the caller's pool as soon as that read is enqueued
+                    # (see _streams._join_backward): the allocator must wait for it.
+                    _mark(values[m], stream)
             else:
                 _wait(events[e0 + m * n_lanes + lane - 1], stream)
                 if streams[lane - 1] is not stream:

@@ -9,6 +9,7 @@ read data before it is written or after its memory was handed to someone else.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import threading
 import traceback
@@ -546,3 +547,133 @@ def test_module_on_second_gpu():
             assert out.device == torch.device("cuda:1")
             assert_same(out, reference(p, x))
     assert torch.cuda.current_device() == 0
+
+
+# ------------------------------------------- stream orderings found by a review (delays widen them)
+_LONG = 50_000_000  # cycles of torch.cuda._sleep: ~25 ms on an H100, long enough to lag a stream
+
+
+class _Sleep(nn.Module):
+    def forward(self, x):
+        torch.cuda._sleep(_LONG)
+        return x
+
+
+@pytest.mark.cuda
+def test_a_layer_shared_by_branches_under_autocast():
+    # Autocast caches a weight's cast copy per thread, not per stream: branch 1 on its side
+    # stream must not read the copy branch 0 has yet to write on the caller's stream.
+    torch.manual_seed(0)
+    d = 2048
+    shared = nn.Linear(d, d).cuda()
+    x = torch.randn(64, d, device="cuda")
+    forked = Parallel(nn.Sequential(_Sleep(), shared), shared, streams=True)
+    plain = Parallel(nn.Sequential(_Sleep(), shared), shared, streams=False)
+    for _ in range(3):
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            expected = plain(x)
+        torch.cuda.synchronize()
+        junk = torch.full((d, d), 1000.0, device="cuda", dtype=torch.float16)
+        del junk  # leaves a freed block of 1000s for the cast to be given
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            out = forked(x)
+        assert torch.equal(out, expected)
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(_LONG)
+        return g
+
+
+class _SlowBackward(nn.Module):
+    def forward(self, y):
+        return _SleepInBackward.apply(y)  # its backward delays the side stream's weight gradient
+
+
+class _AddBias(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return x + self.b  # saves nothing for backward
+
+
+@pytest.mark.cuda
+def test_an_input_saved_by_a_side_branch_is_not_reused_before_its_backward_reads_it():
+    # x needs no grad and is held only by what autograd saved: freed once branch 1's backward
+    # (on its side stream, delayed) is enqueued, its memory must not go to branch 0's gradient.
+    torch.manual_seed(0)
+
+    def block(streams):
+        torch.manual_seed(0)
+        return Parallel(nn.Sequential(_AddBias(512), nn.Linear(512, 256)),
+                        nn.Sequential(nn.Linear(512, 256), _SlowBackward()), streams=streams).cuda()
+
+    def grads(p, inp, w):
+        p.zero_grad(set_to_none=True)
+        (p(inp * 2.0) * w).sum().backward()
+        torch.cuda.synchronize()
+        return [q.grad.clone() for q in p.parameters()]
+
+    inp, w = torch.randn(4096, 512, device="cuda"), torch.randn(4096, 512, device="cuda")
+    forked, plain = block(True), block(False)
+    for _ in range(2):
+        for a, b in zip(grads(forked, inp, w), grads(plain, inp, w)):
+            torch.testing.assert_close(a, b)
+
+
+@dataclasses.dataclass
+class _Held:
+    t: torch.Tensor
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return _Held(x * self.k)
+
+
+@pytest.mark.cuda
+def test_tensors_in_dataclass_outputs_made_on_side_streams_are_recorded():
+    # Read late on one caller stream, then dropped: a call from another caller stream must not
+    # get that memory on the side stream before the read.
+    block = Parallel(_Wrapped(1.0), _Wrapped(2.0), join=None, streams=True)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    x, y = torch.ones(1 << 22, device="cuda"), torch.full((1 << 22,), 5.0, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(3):
+        with torch.cuda.stream(s1):
+            outs = block(x)
+            torch.cuda._sleep(_LONG)
+            kept = outs[1].t.clone()
+        del outs
+        with torch.cuda.stream(s2):
+            other = block(y)
+        torch.cuda.synchronize()
+        assert kept[0].item() == 2.0
+        del other, kept
+
+
+@pytest.mark.cuda
+def test_a_branch_changing_the_shared_input_in_place_is_refused_on_streams():
+    x = torch.randn(8, 16, device="cuda")
+    forked = Parallel(nn.Identity(), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(16, 16)), streams=True).cuda()
+    with pytest.raises(RuntimeError, match=r"changed input 0 in place") as info:
+        forked(x.clone())
+    assert "branch '1'" in str(info.value) or any("branch '1'" in n for n in getattr(info.value, "__notes__", []))
+    forked[1][0].inplace = False
+    assert torch.equal(forked(x), torch.cat([x, forked[1](x)], 1))
+    # One after another, the branches see what the sequential loop sees.
+    plain = Parallel(nn.Sequential(nn.ReLU(inplace=True)), nn.Identity(), streams=False).cuda()
+    y = x.clone()
+    assert torch.equal(plain(y), torch.cat([x.relu(), x.relu()], 1))
