@@ -412,16 +412,17 @@ def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> No
                     hook.streams[stream] = None
 
 
-def _check_versions(inputs: list[torch.Tensor], versions: list[int]) -> None:
-    for i, (t, v) in enumerate(zip(inputs, versions)):
-        if t._version != v:
-            raise RuntimeError(
-                f"this branch changed input {i} in place (an in-place first operation, such as "
-                f"nn.ReLU(inplace=True)), while the other branches read it on their own CUDA streams "
-                f"at the same time: what they read depends on timing. Make the branch's first "
-                f"operation out of place (inplace=False, x = x + 1), or pass streams=False to run "
-                f"the branches one after another."
-            )
+def _changed(inputs: list[torch.Tensor], versions: list[int]) -> bool:
+    return any(t._version != v for t, v in zip(inputs, versions))
+
+
+def _changed_in_place() -> RuntimeError:
+    return RuntimeError(
+        "a branch changed its input in place (an in-place first operation, such as nn.ReLU(inplace=True)), "
+        "while the other branches read it on their own CUDA streams at the same time: what they "
+        "read depends on timing. Make the branch's first operation out of place (inplace=False, "
+        "x = x + 1), or pass streams=False to run the branches one after another."
+    )
 
 
 def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None,
@@ -463,14 +464,16 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
         kwargs = {}
     # The items read the inputs at the same time on their streams: one that changes an
     # input in place (``nn.ReLU(inplace=True)`` first) races with the others. Seen by
-    # the inputs' versions, which every in-place operation advances.
+    # the inputs' versions, which every in-place operation advances, after each item.
     # (Inference tensors keep no version: in-place changes to them cannot be seen.)
     watched = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
-    versions = [a._version for a in watched]
+    first = watched[0] if len(watched) == 1 else None  # the common case: one int compared per item
+    version = first._version if first is not None else 0
+    versions = [a._version for a in watched] if len(watched) > 1 else None
     # Autocast caches a parameter's cast copy for the thread, whatever the stream: made
     # by one item on its stream, the copy would be read by another on its own without
     # waiting for the cast. Each item casts for itself during the fork.
-    cached_casts = torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled()
+    cached_casts = torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled()
     if cached_casts:
         torch.set_autocast_cache_enabled(False)
     _record(fork, caller)
@@ -485,8 +488,8 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     item = launch[0]
     try:
         outputs[item] = run(item, calls[item]) if run is not None else calls[item](*args, **kwargs)
-        if watched:
-            _check_versions(watched, versions)
+        if first is not None and first._version != version or versions and _changed(watched, versions):
+            raise _changed_in_place()
         for slot in range(1, n):
             side = streams[slot - 1]
             _set_current(side.stream_id, side.device_index, side.device_type)
@@ -499,8 +502,8 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
                 # Recorded even if the branch raised: the caller must not run
                 # ahead of work already enqueued on ``side``.
                 _record(joins[slot - 1], side)
-            if watched:
-                _check_versions(watched, versions)
+            if first is not None and first._version != version or versions and _changed(watched, versions):
+                raise _changed_in_place()
     except Exception as e:
         if run is None and error is not None:
             raise error(e, item)
