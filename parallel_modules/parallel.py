@@ -254,7 +254,9 @@ class Parallel(nn.Module):
 
     .. note::
         A branch must not depend on another branch's side effects: they may run
-        in any order on the GPU. Outputs produced on side streams are safe to
+        in any order on the GPU. A branch that changes the shared input in place
+        (``nn.ReLU(inplace=True)`` first) is refused when the branches fork, naming
+        it. Outputs produced on side streams are safe to
         keep, free or use on the caller's stream (they are marked with
         :meth:`torch.Tensor.record_stream`).
 
