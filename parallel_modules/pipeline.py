@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, overload
+from typing import Any, Callable, NamedTuple, Sequence, overload
 
 import torch
 from torch import nn
@@ -50,7 +50,11 @@ class _Plan(NamedTuple):
     names: tuple[str, ...]
     home: Any  # the one device of every parameter/buffer, None (none at all) or _MIXED
     placement: dict[torch.device, int]  # each device -> first stage index living there
-    mixers: tuple[tuple[int, str, nn.Module], ...]  # (stage index, qualified name, module)
+    # Modules that mix samples by their type (BatchNorm, batch-second layers) or a
+    # class attribute ``mixes_batch``: (stage index, qualified name, module).
+    mixers: tuple[tuple[int, str, nn.Module], ...]
+    # Every other module, whose instance may declare ``mixes_batch`` at any time.
+    others: tuple[tuple[int, str, nn.Module], ...]
 
 
 # This thread's CUDA events, per device (an event may only be recorded on
@@ -94,6 +98,13 @@ def _mark(value: Any, stream: torch.cuda.Stream) -> None:
     for leaf in _tensor_leaves(value):
         if leaf.is_cuda:
             leaf.record_stream(stream)
+
+
+def _batch_size(piece: Any) -> int | None:
+    r"""The number of samples in a micro-batch: dimension 0 of its first batched tensor."""
+    if isinstance(piece, torch.Tensor):
+        return piece.shape[0]
+    return next((t.shape[0] for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
 def _batch_second(m: nn.Module) -> bool:
@@ -318,15 +329,17 @@ class ParallelSequential(nn.Sequential):
         stages = tuple(self._modules.values())
         names = tuple(self._modules)
         placement: dict[torch.device, int] = {}
-        mixers = []
+        mixers, others = [], []
         for i, (name, stage) in enumerate(zip(names, stages)):
             for d in _module_devices(stage):
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
-                if isinstance(m, _BatchNorm) or hasattr(m, "mixes_batch") or _batch_second(m):
+                if isinstance(m, _BatchNorm) or hasattr(type(m), "mixes_batch") or _batch_second(m):
                     mixers.append((i, qual, m))
+                else:
+                    others.append((i, qual, m))
         home = next(iter(placement)) if len(placement) == 1 else (_MIXED if placement else None)
-        return _Plan(stages, names, home, placement, tuple(mixers))
+        return _Plan(stages, names, home, placement, tuple(mixers), tuple(others))
 
     def _get_plan(self) -> _Plan:
         plan = self._plan
@@ -362,10 +375,14 @@ class ParallelSequential(nn.Sequential):
 
     # ---------------------------------------------------------------- checks
     def _refuse_mixing(self, plan: _Plan) -> None:
-        for i, qual, m in plan.mixers:
+        # (An instance attribute set after the plan was made registers nothing: read on every call.)
+        declaring = [(i, qual, m) for i, qual, m in plan.others if m.__dict__.get("mixes_batch") is not None]
+        for i, qual, m in (*plan.mixers, *declaring):
             declared = getattr(m, "mixes_batch", None)
             if declared is not None:
                 mixes, why = bool(declared), "declares mixes_batch = True"
+            elif not isinstance(m, _BatchNorm) and not _batch_second(m):
+                continue  # (mixes_batch = None: not declared)
             elif _batch_second(m):
                 raise RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
@@ -442,24 +459,39 @@ class ParallelSequential(nn.Sequential):
         # one piece would spoil what the same operation saved for backward on another.
         # (Not for compilers, whose functionalized graphs have no such conflict, and whose
         # graph must be the plain model's.)
-        own = torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not _is_tracing()
+        # That holds whether or not the input requires grad: a Linear after the in-place
+        # operation saves the piece for its weight's gradient.
+        own = torch.is_grad_enabled() and not _is_tracing()
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)
-            return [p.clone() for p in pieces] if own and t.requires_grad else list(pieces)
+            return [p.clone() for p in pieces] if own else list(pieces)
 
         if spec is None:
             return split(input)
         columns = [split(t) if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
 
-    def _concat(self, outputs: list[Any]) -> Any:
-        r"""Join the micro-batch outputs of the last stage along dimension 0."""
+    def _concat(self, outputs: list[Any], pieces: list[Any]) -> Any:
+        r"""Join the micro-batch outputs of the last stage along dimension 0.
+
+        A tensor every micro-batch returned alike (a parameter, a 0-dim input
+        passed on) is returned as it is; other tensors must be batched like the
+        micro-batches themselves: a value reduced over the batch (``x.mean(0)``)
+        cannot be joined into the whole batch's.
+        """
         if len(outputs) == 1:
             return outputs[0]
+        sizes = [_batch_size(p) for p in pieces]
+
+        def batched(column: Sequence[torch.Tensor]) -> torch.Tensor:
+            if any(t.dim() == 0 or t.shape[0] != n for t, n in zip(column, sizes)):
+                raise TypeError(f"tensors not batched like the micro-batches (of {sizes} samples)")
+            return torch.cat(list(column), 0)
+
         try:
             if all(isinstance(o, torch.Tensor) for o in outputs):
-                return torch.cat(outputs, 0)
+                return batched(outputs)
             flat = [pytree.tree_flatten(o) for o in outputs]
             spec = flat[0][1]
             if any(s != spec for _, s in flat):
@@ -467,8 +499,10 @@ class ParallelSequential(nn.Sequential):
             joined = []
             for column in zip(*(leaves for leaves, _ in flat)):
                 first = column[0]
-                if all(isinstance(t, torch.Tensor) for t in column):
-                    joined.append(torch.cat(list(column), 0))
+                if all(t is first for t in column[1:]) and isinstance(first, torch.Tensor):
+                    joined.append(first)  # the same tensor from every micro-batch
+                elif all(isinstance(t, torch.Tensor) for t in column):
+                    joined.append(batched(column))
                 elif not any(isinstance(t, torch.Tensor) for t in column) and all(
                         v is first or (type(v) is type(first) and v == first) for v in column[1:]):
                     joined.append(first)  # None, or a value every micro-batch returned alike
@@ -626,7 +660,7 @@ class ParallelSequential(nn.Sequential):
                 for s, (name, stage) in enumerate(stages):
                     value = self._call(s, name, stage, m, len(pieces), value)
                 outputs.append(value)
-            return self._concat(outputs)
+            return self._concat(outputs, pieces)
 
         target = copy_to if copy_to is not None else device
         assert target is not None
@@ -638,7 +672,7 @@ class ParallelSequential(nn.Sequential):
             outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead)
         if isinstance(outputs, _Gather):
             return outputs.out
-        return self._concat(outputs)
+        return self._concat(outputs, pieces)
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
         try:

@@ -508,3 +508,70 @@ def test_graph_settings_set_later_are_checked_and_reach_the_cache():
     assert (pipe._graphs.max_graphs, pipe._graphs.static_outputs, pipe._graphs.direct_grads) == (3, True, True)
     x = torch.randn(4, 8)
     assert torch.equal(pipe(x), nn.Sequential(*pipe)(x))
+
+
+# ------------------------------------------------------------------ found by a review
+def test_in_place_first_operation_trains_with_an_input_that_needs_no_grad():
+    # Views of one input share its version counter: the in-place ReLU of piece 1 would spoil
+    # what the Linear saved for piece 0's weight gradient.
+    torch.manual_seed(0)
+    pipe = ParallelSequential(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8)), chunks=2)
+    ref = nn.Sequential(*copy.deepcopy(list(pipe)))
+    x = torch.randn(6, 8)
+    pipe(x.clone()).square().sum().backward()
+    ref(x.clone()).square().sum().backward()
+    for a, b in zip(pipe.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+class _WithTemperature(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.t, self.t
+
+
+class _PassOn(nn.Module):
+    def forward(self, value):
+        return value
+
+
+class _MeanOverBatch(nn.Module):
+    def forward(self, x):
+        return x.mean(0)
+
+
+def test_outputs_not_batched_are_returned_or_refused():
+    x = torch.randn(6, 3)
+    stage = _WithTemperature()
+    y, t = ParallelSequential(stage, chunks=3)(x)
+    assert t is stage.t and torch.equal(y, x)
+    scale = torch.tensor(0.5)
+    out, s = ParallelSequential(_PassOn(), chunks=2)((x, scale))
+    assert torch.equal(out, x) and s is scale
+    with pytest.raises(ValueError, match=r"cannot concatenate the outputs of the last stage '0'(.|\n)*not batched"):
+        ParallelSequential(_MeanOverBatch(), chunks=2)(torch.randn(6, 4))
+
+
+class _Declares(nn.Module):
+    mixes_batch = None  # a base class's default: not declared
+
+    def forward(self, x):
+        return x - x.mean(0)
+
+
+def test_mixes_batch_declared_after_the_first_call_and_none():
+    x = torch.randn(6, 4)
+    pipe = ParallelSequential(nn.Linear(4, 4), nn.Identity(), chunks=2)
+    pipe(x)
+    pipe[1].mixes_batch = True  # an instance attribute, set later
+    with pytest.raises(RuntimeError, match=r"stage '1' .* declares mixes_batch = True"):
+        pipe(x)
+    pipe[1].mixes_batch = False
+    pipe(x)
+    for mode in ("train", "eval"):
+        mixing = ParallelSequential(_Declares(), chunks=2)
+        getattr(mixing, mode)()
+        assert mixing(x).shape == (6, 4)  # None: nothing declared, not taken for a BatchNorm
