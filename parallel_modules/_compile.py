@@ -114,18 +114,6 @@ from ._inputs import _input_device, _signature
 from ._streams import _is_tracing, _record_on
 from . import _watch
 
-
-
-def _compiler_error(error: BaseException) -> bool:
-    r"""Whether torch.compile raised ``error`` itself (inductor's InductorError too).
-
-    It also wraps errors that tracing found in the child's code (a shape
-    mismatch: TorchRuntimeError), which an eager run tells apart.
-    """
-    import torch._dynamo.exc  # (imported by any compilation before this runs)
-
-    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
-
 __all__: list[str] = []
 
 Backend = Union[str, Callable[..., Any]]
@@ -220,6 +208,17 @@ def _entry(module: Callable[..., Any], label: str) -> Callable[..., Any]:
     return types.FunctionType(code, branch.__globals__, label, branch.__defaults__, branch.__closure__)
 
 
+def _compiler_error(error: BaseException) -> bool:
+    r"""Whether torch.compile raised ``error`` itself (inductor's InductorError too).
+
+    It also wraps errors that tracing found in the child's code (a shape
+    mismatch: TorchRuntimeError), which an eager run tells apart.
+    """
+    import torch._dynamo.exc  # (imported by any compilation before this runs)
+
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
+
+
 # ------------------------------------------------------------------ TensorRT
 _substitutes: dict[int, torch.cuda.Stream] = {}
 _substitutes_lock = threading.Lock()
@@ -293,28 +292,25 @@ class _TensorRT:
         # Engines built from example tensors have static shapes: one per
         # signature, unless the options describe the inputs themselves.
         key = None if any(k in self.options for k in ("inputs", "arg_inputs")) else _signature(args, kwargs, False)
-        with self.lock:
+        with self.lock:  # (two threads' first calls build one engine)
             self._drop_stale()
             engine = self.engines.get(key)
-        if engine is None:
-            with self.lock:
-                engine = self.engines.get(key)
-                if engine is None:
-                    engine = self.engines[key] = self._build(args, kwargs)
-                    while len(self.engines) > _MAX_ENGINES:
-                        self.engines.popitem(last=False)
+            if engine is None:
+                engine = self.engines[key] = self._build(args, kwargs)
+                while len(self.engines) > _MAX_ENGINES:
+                    self.engines.popitem(last=False)
         return engine
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _import_tensorrt()
         if self.module.training:
             raise _Refused("TensorRT engines are built for inference and record no autograd history, but "
-                               "the module is in training mode. Call .eval() on the model (and run it under "
-                               "torch.no_grad() or torch.inference_mode()).")
+                           "the module is in training mode. Call .eval() on the model (and run it under "
+                           "torch.no_grad() or torch.inference_mode()).")
         device = _input_device(args, kwargs)
         if device is None or device.type != "cuda":
             raise _Refused(f"TensorRT engines run on CUDA devices; the input is "
-                               f"{'on ' + str(device) if device is not None else 'not a tensor'}.")
+                           f"{'on ' + str(device) if device is not None else 'not a tensor'}.")
         engine = self.engine(args, kwargs)
         caller = torch.cuda.current_stream(device)
         if caller != torch.cuda.default_stream(device):

@@ -95,6 +95,10 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda
 _Handle = torch.utils.hooks.RemovableHandle
 
 
+def _hook_dicts(module: nn.Module) -> list[dict]:
+    r"""The hook dicts of ``module`` and every module below it."""
+    return [getattr(m, h) for m in module.modules() for h in _HOOKS if hasattr(m, h)]
+
 
 # -------------------------------------------------------------- identical?
 # nn.Module's own bookkeeping (parameter, buffer and hook dicts), compared otherwise.
@@ -915,12 +919,12 @@ class _Fusion:
         # Hooks registered on a fused member after grouping would not run: the hook
         # dicts of every module of every fused member (and the global ones), which
         # must stay empty. (About 2 us a call for eight 4-layer MLPs.)
-        self.hooks = [getattr(m, h) for g in self.groups for member in g.members for m in member.modules()
-                      for h in _HOOKS if hasattr(m, h)] + list(_GLOBAL_HOOKS) if self.groups else []
+        self.hooks = [d for g in self.groups for member in g.members for d in _hook_dicts(member)] + list(
+            _GLOBAL_HOOKS) if self.groups else []
         self.handles = getattr(_Handle, "next_id", None)  # the hook dicts are looked at when it moves
         # Branches left out for their hooks (or for global ones): grouped anew once they are gone.
-        self.hooked = [[getattr(m, h) for m in branches[i].modules() for h in _HOOKS if hasattr(m, h)] + list(_GLOBAL_HOOKS)
-                       for i, why in self.reasons.items() if "hooks" in why]
+        self.hooked = [_hook_dicts(branches[i]) + list(_GLOBAL_HOOKS) for i, why in self.reasons.items()
+                       if "hooks" in why]
         self._rebuild()
 
     def current(self) -> bool:

@@ -681,8 +681,6 @@ class _CaptureError(RuntimeError):
     pass
 
 
-
-
 def _chain(error: BaseException) -> list[BaseException]:
     r"""``error`` and the exceptions it was raised from or during, innermost first."""
     seen: list[BaseException] = []

@@ -60,6 +60,8 @@ def _check_setting(owner: str, name: str, value: Any) -> Any:
             raise ValueError(f"{owner}: {name} must be True, False or 'auto', got {value!r}.")
         return value
     return _check_graph_setting(owner, name, value)
+
+
 # Blocks of this many structurally different branches are also captured with each side
 # branch in turn on a high-priority stream (see ``_graph_variants``).
 _MAX_PRIORITY_VARIANTS = 8
@@ -928,7 +930,7 @@ def _describe_signature(key: Hashable) -> str:
         if isinstance(item, tuple) and len(item) == 5 and isinstance(item[0], torch.Size):
             shape, stride, dtype, device, requires_grad = item
             text = f"Tensor{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
-            if stride != _contiguous_strides(shape):
+            if stride != torch.empty(shape, device="meta").stride():  # (contiguous strides, no memory)
                 text += f" strides {tuple(stride)}"
             parts.append(text + (" requires_grad" if requires_grad else ""))
         elif isinstance(item, tuple) and item and isinstance(item[0], str) and item[0] == "nested":
@@ -938,11 +940,3 @@ def _describe_signature(key: Hashable) -> str:
         elif isinstance(item, type):
             parts.append(item.__name__)
     return ", ".join(parts) + (", training" if training is True else "") + ("" if grad else ", no grad")
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))

@@ -381,8 +381,6 @@ class ParallelSequential(nn.Sequential):
             declared = getattr(m, "mixes_batch", None)
             if declared is not None:
                 mixes, why = bool(declared), "declares mixes_batch = True"
-            elif not isinstance(m, _BatchNorm) and not _batch_second(m):
-                continue  # (mixes_batch = None: not declared)
             elif _batch_second(m):
                 raise RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
@@ -393,7 +391,9 @@ class ParallelSequential(nn.Sequential):
                     "chunks=1; if the stage itself moves the batch to dimension 1 before it, say so "
                     f"with `model.get_submodule({qual!r}).mixes_batch = False`."
                 )
-            else:  # _BatchNorm: batch statistics in training mode, or always without running stats
+            elif not isinstance(m, _BatchNorm):
+                continue  # (a class attribute mixes_batch = None: not declared)
+            else:  # batch statistics in training mode, or always without running stats
                 mixes = m.training or (m.running_mean is None and m.running_var is None)
                 why = "normalizes with batch statistics" + (" in training mode" if m.training else "")
             if mixes:
@@ -455,12 +455,11 @@ class ParallelSequential(nn.Sequential):
                 "batch, or drop_last=True in the DataLoader for a short last batch."
             )
         # Recording autograd, each piece gets memory of its own: views of one input share
-        # its version counter, so an in-place first operation (ReLU(inplace=True)) on
-        # one piece would spoil what the same operation saved for backward on another.
-        # (Not for compilers, whose functionalized graphs have no such conflict, and whose
-        # graph must be the plain model's.)
-        # That holds whether or not the input requires grad: a Linear after the in-place
-        # operation saves the piece for its weight's gradient.
+        # its version counter, so an in-place first operation (ReLU(inplace=True)) on one
+        # piece would spoil what was saved for backward on another (by that operation, or
+        # by a Linear after it for its weight's gradient, whether or not the input
+        # requires grad). (Not for compilers, whose functionalized graphs have no such
+        # conflict, and whose graph must be the plain model's.)
         own = torch.is_grad_enabled() and not _is_tracing()
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
