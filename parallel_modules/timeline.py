@@ -44,6 +44,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import torch
+from torch.utils import _pytree as pytree
 
 __all__ = ["KernelEvent", "Timeline", "record_timeline", "load_timelines", "save_timelines"]
 
@@ -51,6 +52,9 @@ _PathLike = Union[str, "os.PathLike[str]"]
 
 # Written into the compact files so that load_timelines can tell them from Kineto's traces.
 _FORMAT = "parallel_modules.timeline/1"
+# Calls ``record_timeline`` adds after its warm-up while a block still tries schedules
+# (two candidates take 28 calls, four 56: enough for four more).
+_MAX_EXTRA_WARMUP = 60
 
 
 class KernelEvent(NamedTuple):
@@ -256,7 +260,7 @@ def _pyplot() -> Any:
 def _read_json(path: _PathLike) -> Any:
     path = os.fspath(path)
     opener = gzip.open if path.endswith(".gz") else open  # torch's tensorboard handler writes .json.gz
-    with opener(path, "rt") as f:
+    with opener(path, "rt", encoding="utf-8") as f:  # what Kineto writes, whatever the locale
         return json.load(f)
 
 
@@ -283,12 +287,13 @@ def _kernel(event: Mapping[str, Any]) -> KernelEvent:
     return KernelEvent(str(event.get("name", "?")), stream, start, start + float(event.get("dur", 0.0)), device)
 
 
-def _trace_metadata(trace: Mapping[str, Any]) -> dict[str, Any]:
+def _trace_metadata(trace: Mapping[str, Any], device: int | None = None) -> dict[str, Any]:
     r"""What a full Kineto trace says about where it was recorded."""
     meta: dict[str, Any] = {}
-    props = trace.get("deviceProperties") or []
-    if props and isinstance(props[0], Mapping) and "name" in props[0]:
-        meta["gpu"] = props[0]["name"]
+    props = [p for p in trace.get("deviceProperties") or [] if isinstance(p, Mapping) and "name" in p]
+    match = [p for p in props if device is None or p.get("id", device) == device]
+    if match:
+        meta["gpu"] = match[0]["name"]
     for key in ("cuda_runtime_version", "cuda_driver_version", "with_cuda_graphs"):
         if key in trace:
             meta[key] = trace[key]
@@ -316,11 +321,11 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
                                          {**meta, **{k: v for k, v in run.items() if k not in ("label", "pid")}})
         return out
     kernels = [_kernel(e) for e in trace["traceEvents"] if _is_kernel(e)]
-    meta = _trace_metadata(trace)
     devices = sorted({k.device for k in kernels})
     if len(devices) <= 1:
-        return {label: Timeline(kernels, label, meta)}
-    return {f"{label} cuda:{d}": Timeline([k for k in kernels if k.device == d], f"{label} cuda:{d}", meta)
+        return {label: Timeline(kernels, label, _trace_metadata(trace, devices[0] if devices else None))}
+    return {f"{label} cuda:{d}": Timeline([k for k in kernels if k.device == d], f"{label} cuda:{d}",
+                                          _trace_metadata(trace, d))
             for d in devices}
 
 
@@ -367,6 +372,9 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
         *timelines: the timelines, with distinct labels.
         metadata: extra facts about the whole file (e.g. what was recorded).
     """
+    reserved = {"format", "runs"} & set(metadata or {}) | {"label", "pid"} & {k for t in timelines for k in t.metadata}
+    if reserved:
+        raise ValueError(f"save_timelines: metadata keys {sorted(reserved)} are reserved by the file format")
     labels = [t.label for t in timelines]
     if len(set(labels)) != len(labels):
         raise ValueError(f"save_timelines: timeline labels must be distinct to be told apart, got {labels}")
@@ -379,13 +387,15 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": s, "args": {"name": f"stream {s}"}})
         for k in tl.kernels:
             events.append({"ph": "X", "cat": "kernel", "name": k.name, "pid": pid, "tid": k.stream,
-                           "ts": round(k.start_us, 3), "dur": round(k.duration_us, 3),
+                           "ts": round(k.start_us, 3), "dur": round(round(k.end_us, 3) - round(k.start_us, 3), 3),
                            "args": {"stream": k.stream, "device": k.device}})
     doc = {"otherData": {"format": _FORMAT, **dict(metadata or {}), "runs": runs},
            "displayTimeUnit": "ms", "traceEvents": events}
-    with open(os.fspath(path), "w") as f:
-        json.dump(doc, f, indent=0, separators=(",", ":"))
-        f.write("\n")
+    text = json.dumps(doc, indent=0, separators=(",", ":")) + "\n"  # fails before the file is touched
+    path = os.fspath(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        f.write(text)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,13 +409,21 @@ def _environment(device: torch.device) -> dict[str, Any]:
 
 
 def _cuda_device(args: Sequence[Any], kwargs: Mapping[str, Any], module: Any) -> torch.device | None:
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    # The first CUDA tensor of the inputs (nested in lists and dicts too), else of the module.
+    tensors = [a for a in pytree.tree_leaves((list(args), dict(kwargs))) if isinstance(a, torch.Tensor)]
     if isinstance(module, torch.nn.Module):
-        tensors += list(module.parameters())[:1]
+        tensors += [*module.parameters(), *module.buffers()]
     for t in tensors:
         if t.is_cuda:
             return t.device
     return None
+
+
+def _tuning(module: Any) -> bool:
+    r"""Whether a block in ``module`` is still trying schedules (``streams``/``fuse="auto"``)."""
+    if not isinstance(module, torch.nn.Module):
+        return False
+    return any(getattr(m, "_tuner", None) is not None and m._tuner.trials for m in module.modules())
 
 
 def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, calls: int = 3,
@@ -414,8 +432,12 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
 
     The ``warmup`` calls run first, outside the profiler, so that lazy
     initialisation, cuDNN's choices, the stream tuning of
-    ``Parallel(streams="auto")`` (its first 26 calls per input signature) and
-    CUDA graph capture are not in the timeline. The recorded calls are then
+    ``Parallel(streams="auto")`` and ``fuse="auto"`` (14 calls per input
+    signature and candidate schedule) and CUDA graph capture are not in the
+    timeline; while a block is still trying schedules after them, up to
+    ``_MAX_EXTRA_WARMUP`` more calls run, so that the profiled calls all run
+    the schedule it kept. The warm-up calls are real calls: in training mode
+    they update BatchNorm statistics and draw dropout masks like any other. The recorded calls are then
     run back to back under :class:`torch.profiler.profile` with CUDA activity,
     followed by a synchronisation, and the trace is read like
     :func:`load_timelines` reads a file. Grad mode is the caller's: wrap the
@@ -458,6 +480,10 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
         raise RuntimeError(f"record_timeline({name}): this torch build's profiler cannot record CUDA activity")
     for _ in range(warmup):
         module(*args, **kwargs)
+    for _ in range(_MAX_EXTRA_WARMUP):
+        if not _tuning(module):
+            break
+        module(*args, **kwargs)
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
@@ -468,8 +494,9 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
         prof.export_chrome_trace(path)
         trace = _read_json(path)
     kernels = [_kernel(e) for e in trace["traceEvents"] if _is_kernel(e)]
-    kernels = [k for k in kernels if k.device == device.index] or kernels
-    meta = {**_environment(device), "calls": calls, "warmup": warmup, **_trace_metadata(trace)}
+    # The input's GPU only: stream ids of two GPUs are not comparable (load_timelines splits by device).
+    kernels = [k for k in kernels if k.device == device.index]
+    meta = {**_environment(device), "calls": calls, "warmup": warmup, **_trace_metadata(trace, device.index)}
     if not kernels:
         raise RuntimeError(f"record_timeline({name}): the profiler recorded no GPU kernels in {calls} call(s) "
                            "on " + str(device) + ". Does the module run on CUDA?")

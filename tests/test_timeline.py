@@ -162,6 +162,52 @@ def test_save_refuses_duplicate_labels(tmp_path) -> None:
         save_timelines(tmp_path / "x.json", Timeline([], "a"), Timeline([], "a"))
 
 
+def two_streams(label: str = "t", metadata: dict | None = None) -> Timeline:
+    return Timeline([KernelEvent("a", 7, 0, 10), KernelEvent("b", 13, 5, 15)], label, metadata)
+
+
+def test_save_to_a_gz_path_writes_gzip(tmp_path) -> None:
+    path = tmp_path / "t.json.gz"
+    save_timelines(path, two_streams())
+    with gzip.open(path, "rt") as f:
+        json.load(f)
+    assert load_timelines(path)["t"].overlap_us == 5
+
+
+def test_a_save_that_fails_leaves_the_old_file(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    save_timelines(path, two_streams())
+    with pytest.raises(TypeError):
+        save_timelines(path, two_streams(), metadata={"dtype": torch.float32})  # not JSON
+    assert load_timelines(path)["t"].overlap_us == 5
+
+
+@pytest.mark.parametrize("file_meta, meta", [({"format": "NCHW"}, None), ({"runs": 3}, None),
+                                             (None, {"pid": 4242}), (None, {"label": "x"})])
+def test_save_refuses_metadata_keys_the_format_uses(tmp_path, file_meta, meta) -> None:
+    # Such keys would have replaced the file's format marker, a timeline's row or its label.
+    with pytest.raises(ValueError, match="reserved"):
+        save_timelines(tmp_path / "t.json", two_streams("a", meta), two_streams("b"), metadata=file_meta)
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_each_device_gets_its_own_gpu_name() -> None:
+    trace = {"deviceProperties": [{"id": 0, "name": "A100"}, {"id": 1, "name": "H100"}],
+             "traceEvents": [kernel("a", 7, 0, 5, device=0), kernel("b", 7, 0, 5, device=1)]}
+    loaded = load_timelines(trace)
+    assert loaded["trace cuda:0"].metadata["gpu"] == "A100"
+    assert loaded["trace cuda:1"].metadata["gpu"] == "H100"
+
+
+def test_rounding_on_save_invents_no_overlap(tmp_path) -> None:
+    # Start and end are rounded, not start and duration: an end cannot move past the next start.
+    tl = Timeline([KernelEvent("a", 1, 0.0, 0.0), KernelEvent("b", 1, 0.0006, 0.0012),
+                   KernelEvent("c", 2, 0.0012, 0.002)])
+    assert tl.overlap_us == 0
+    save_timelines(tmp_path / "t.json", tl)
+    assert load_timelines(tmp_path / "t.json")["trace"].overlap_us == 0
+
+
 def test_real_cpu_profiler_trace_loads_without_kernels(tmp_path) -> None:
     # Kineto's own file, as written on this machine: CPU operators only, no GPU kernels.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -260,6 +306,21 @@ def test_record_cuda_graph_replay_shows_kernels_on_several_streams(tmp_path) -> 
     # Saved times are rounded to the nanosecond, so the fraction agrees to about 1e-5 on a ~400 us span.
     assert back.overlap_fraction == pytest.approx(tl.overlap_fraction, abs=1e-4)
     assert back.metadata["gpu"] == torch.cuda.get_device_name()
+
+
+@pytest.mark.cuda
+def test_record_waits_for_schedule_tuning_to_end() -> None:
+    # streams="auto" and fuse="auto" try four schedules, 56 calls: more than the default warm-up.
+    block = Parallel(*[torch.nn.Conv2d(16, 16, 3, padding=1) for _ in range(3)], fuse="auto").cuda().eval()
+    with torch.no_grad():
+        record_timeline(block, torch.randn(2, 16, 16, 16, device="cuda"))
+    assert not block._tuner.trials
+
+
+@pytest.mark.cuda
+def test_record_finds_the_device_of_nested_inputs() -> None:
+    x = torch.randn(8, 8, device="cuda")
+    assert record_timeline(lambda xs: xs["x"] * 2, {"x": x}, warmup=1).kernels
 
 
 @pytest.mark.cuda
