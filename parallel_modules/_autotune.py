@@ -29,6 +29,7 @@ CPU is kept only when it saves clearly more than it spends.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
@@ -62,13 +63,15 @@ class _Timing(NamedTuple):
 
 
 class _Trial:
-    __slots__ = ("count", "candidates", "samples")
+    __slots__ = ("count", "candidates", "samples", "failed")
 
     def __init__(self, candidates: Sequence[Hashable]) -> None:
         self.count = 0
         self.candidates = tuple(candidates)
         # schedule -> list of (cpu seconds, start event, end event)
         self.samples: dict[Hashable, list] = {c: [] for c in self.candidates}
+        # Schedules that raised: never kept (they may fail where the baseline does not).
+        self.failed: set = set()
 
     def timing(self, schedule: Hashable) -> _Timing:
         cpus, gpus = [], []
@@ -89,6 +92,7 @@ class _ScheduleTuner:
         # The median cost measured for each candidate, per decided signature:
         # ``explain()`` shows it, so a user can see why a schedule was kept.
         self.costs: dict[Hashable, dict[Hashable, _Timing]] = {}
+        self._lock = threading.Lock()  # calls from several threads share the trials
 
     def clear(self) -> None:
         self.trials.clear()
@@ -101,35 +105,49 @@ class _ScheduleTuner:
         Returns the call's outputs and, once enough calls were timed, the
         chosen schedule (``None`` before that).
         """
-        trial = self.trials.get(key)
-        if trial is None or trial.candidates != tuple(candidates):
-            if len(self.trials) >= _MAX_TRIALS:
-                self.trials.pop(next(iter(self.trials)))
-            trial = self.trials[key] = _Trial(candidates)
-        k = len(trial.candidates)
-        schedule = trial.candidates[trial.count % k]
-        keep = trial.count >= k * _WARMUP
-        trial.count += 1
-        if not keep:
-            return run(schedule), None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        t0 = time.perf_counter()
-        out = run(schedule)
+        with self._lock:
+            trial = self.trials.get(key)
+            if trial is None or trial.candidates != tuple(candidates):
+                if len(self.trials) >= _MAX_TRIALS:
+                    self.trials.pop(next(iter(self.trials)))
+                trial = self.trials[key] = _Trial(candidates)
+            k = len(trial.candidates)
+            schedule = trial.candidates[trial.count % k]
+            keep = trial.count >= k * _WARMUP
+            trial.count += 1
+        try:
+            if not keep:
+                return run(schedule), None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            t0 = time.perf_counter()
+            out = run(schedule)
+        except BaseException:
+            trial.failed.add(schedule)
+            raise
         cpu = time.perf_counter() - t0
         end.record(stream)
-        trial.samples[schedule].append((cpu, start, end))
-        if trial.count < k * (_WARMUP + _SAMPLES):
-            return out, None
-        del self.trials[key]
-        costs = {c: trial.timing(c) for c in trial.candidates}
-        if len(self.costs) >= _MAX_TRIALS:
-            self.costs.pop(next(iter(self.costs)))
-        self.costs[key] = costs
-        return out, _choose(costs, trial.candidates[0])
+        with self._lock:
+            trial.samples[schedule].append((cpu, start, end))
+            if trial.count < k * (_WARMUP + _SAMPLES) or self.trials.get(key) is not trial:
+                return out, None  # more to time, or another thread's call decided
+            del self.trials[key]
+        baseline = trial.candidates[0]
+        # A schedule that raised is never kept: it may fail where the others do
+        # not (a fork refuses a branch that changes its input in place).
+        costs = {c: trial.timing(c) for c in trial.candidates if trial.samples[c] and c not in trial.failed}
+        if not costs:
+            return out, baseline
+        with self._lock:
+            if len(self.costs) >= _MAX_TRIALS:
+                self.costs.pop(next(iter(self.costs)))
+            self.costs[key] = costs
+        return out, _choose(costs, baseline)
 
 
 def _choose(costs: dict[Hashable, _Timing], baseline: Hashable) -> Hashable:
     # The cheapest schedule, if it beats ``baseline`` (the plain sequential one) by ``_MARGIN``.
     best = min(costs, key=lambda c: costs[c].cost)
+    if baseline not in costs:  # (it raised)
+        return best
     return best if costs[best].cost < _MARGIN * costs[baseline].cost else baseline

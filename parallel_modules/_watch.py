@@ -59,13 +59,15 @@ def _members(root: nn.Module) -> tuple[Any, ...]:
 class _Tree:
     r"""The submodules, parameters and buffers of ``root`` when it was last looked at."""
 
-    __slots__ = ("seen", "members")
+    __slots__ = ("seen", "members", "parameters")
 
     def __init__(self, root: nn.Module) -> None:
         _install()
         self.seen = _changes
         # Held (not only their ids), so that an id is not reused by a new object while compared.
         self.members = _members(root)
+        # Without walking the tree again (whether any is trained, on a hot path).
+        self.parameters = tuple(root.parameters())
 
     def same(self, root: nn.Module) -> bool:
         r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered)."""

@@ -186,6 +186,17 @@ class Parallel(nn.Module):
             ``zero_grad()``, the gradients' memory stays with the graph, which
             refills it at the next backward unless something still holds the
             old gradients. Default: ``False``.
+        fuse: ``True`` to run structurally identical branches (same module
+            types, hyper-parameters, parameter shapes, dtypes and device, no
+            hooks) as one batched computation per layer, their parameters
+            stacked; an error names the branch that differs. ``"auto"``
+            fuses each identical group and times fused against unfused
+            (eagerly, or by capturing both with ``cuda_graph=True``), keeping
+            the faster -- except with :func:`torch.use_deterministic_algorithms`
+            on, where it keeps the branches unfused, since fused results may
+            differ from them in the last bits and timing may choose differently
+            between runs. ``False`` never fuses. ``explain()`` says what was
+            fused and why the rest was not. Default: ``False``.
         compile: compile each branch on its own, at its first call, and run
             the compiled code under this module's streams and CUDA graph:
             ``"inductor"`` (or another :func:`torch.compile` backend name or
@@ -537,16 +548,21 @@ class Parallel(nn.Module):
         """
         fusion = self._fusion_for(args, kwargs) if self.fuse is not False else None
         fuses = ["fused", "unfused"] if self.fuse == "auto" and fusion is not None else [""]
+        reproducible = torch.are_deterministic_algorithms_enabled()
+        if reproducible and fuses != [""]:
+            fuses = ["unfused"]  # see _candidates
         # Fused groups run batched, never compiled: with every branch in one, both ways are the same.
         all_fused = fusion is not None and all(isinstance(u, _Group) for u in fusion.units)
         variants = []
         for f in fuses:
             fused = f == "fused" or (not f and self.fuse is True and fusion is not None)
             compiles = [_COMPILED, _EAGER] if self._compiler is not None and not (fused and all_fused) else [""]
+            if reproducible and len(compiles) == 2:
+                compiles = [_COMPILED]
             variants += [tuple(v for v in (f, c) if v) or None for c in compiles]
             if fused and compiles == [""] and not first_only and self._copies_biases(fusion, args, kwargs):
                 variants.append(tuple(v for v in (f, _INLINE_BIAS) if v))
-        if self._compiler is not None and self._compiler.compiles_whole:
+        if self._compiler is not None and self._compiler.compiles_whole and not reproducible:
             variants.append((_WHOLE,))
         n = len(self._modules)
         if (variants == [None] and self.streams is not False and not first_only
@@ -764,6 +780,8 @@ class Parallel(nn.Module):
             key = _signature(args, kwargs, self.training)
             plan = self._plans.get(key)
             if plan is not None and self._compiler is None and not (plan.cuda and _capture_underway()):
+                if plan.forked and self._trains_since(key, plan):
+                    return self._joined(self._outputs(args, kwargs, (key, None)))
                 if plan.forked:
                     # Decided to fork: ``_outputs``' own decided case, without its frame.
                     return self._joined(self._run(args, kwargs, _input_device(args, kwargs),
@@ -830,6 +848,8 @@ class Parallel(nn.Module):
             plan = self._plans.get(key)
         else:
             key, plan = looked_up
+        if plan is not None and plan.forked and self._trains_since(key, plan):
+            plan = None
         if plan is not None and not (plan.cuda and _capture_underway()):
             # A decided schedule (those that do not fork usually run inline in ``forward``).
             return self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
@@ -850,17 +870,32 @@ class Parallel(nn.Module):
             return self._run(args, kwargs, device if self.streams is not False else None, fusion, True)
         if plan is not None:
             return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None, False)
-        out, decided = self._tuner.run(
-            key, _current_stream(device), self._candidates(fusion),
+        tuner, candidates = self._tuner, self._candidates(fusion)
+        watched = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
+        versions = [a._version for a in watched]
+        out, decided = tuner.run(
+            key, _current_stream(device), candidates,
             lambda s: self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None, False),
         )
-        if decided is not None:
+        if any(a._version != v for a, v in zip(watched, versions)):
+            # A branch changed the input in place: forked, the others would race
+            # with it (a fork refuses it, so "auto" would fail every other call
+            # while tuning); one after another it is well defined.
+            decided = next((c for c in candidates if not c.forked), decided)
+            tuner.trials.pop(key, None)
+        if decided is not None and self._tuner is tuner:  # (not if a setting changed meanwhile: reset)
             self._remember(key, decided)
         return out
 
     def _candidates(self, fusion: _Fusion | None) -> list[_Schedule]:
         r"""The schedules worth trying for a CUDA call; the plain sequential one first."""
         fuses = [False, True] if self.fuse == "auto" and fusion is not None else [self.fuse is True and fusion is not None]
+        if len(fuses) == 2 and torch.are_deterministic_algorithms_enabled():
+            # Fused and unfused results may differ in the last bits, and which one
+            # timing keeps may differ between runs: with deterministic algorithms
+            # asked for, "auto" keeps the branches as they are. (Forking changes
+            # no result: streams stay tuned.)
+            fuses = [False]
         forks = [False, True] if self.streams == "auto" else [bool(self.streams)]
         if len(forks) == 2 and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             # Training: the backward of forked branches runs on their streams too,
@@ -877,6 +912,20 @@ class Parallel(nn.Module):
                 if s not in candidates:
                     candidates.append(s)
         return candidates
+
+    def _trains_since(self, key: Hashable, plan: _Schedule) -> bool:
+        r"""Whether ``streams="auto"`` chose to fork ``plan`` while no parameter was
+        trained, and one is now: the plan is dropped, to be chosen again.
+
+        ``requires_grad_()`` registers nothing and the signature holds no
+        parameter, so a fork chosen for a frozen backbone would outlive the
+        unfreezing; and "auto" does not fork in training (see ``_candidates``).
+        """
+        if self.streams != "auto" or not torch.is_grad_enabled() or not any(
+                p.requires_grad for p in self._tree.parameters):
+            return False
+        self._plans.pop(key, None)
+        return True
 
     def _remember(self, key: Hashable, plan: _Schedule) -> None:
         if len(self._plans) >= 1024:  # dynamic shapes: keep the cache bounded

@@ -70,3 +70,179 @@ def test_cpu_bound_calls_keep_the_cheaper_cpu_schedule():
 def test_a_win_inside_the_margin_keeps_the_sequential_schedule():
     assert _decide(_trial(sequential=(100.0, 500.0), streams=(100.0, 490.0))) == SEQ  # 2% < 3%
     assert _decide(_trial(sequential=(100.0, 500.0), streams=(100.0, 480.0))) == FORK  # 4%
+
+
+# ----------------------------------------------------------------------------------------------
+# The tuner inside Parallel, on the CPU: CUDA-only pieces replaced by stand-ins.
+
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from parallel_modules import Parallel  # noqa: E402
+from parallel_modules import parallel as _parallel  # noqa: E402
+from parallel_modules._autotune import _SAMPLES, _WARMUP, _ScheduleTuner  # noqa: E402
+
+_TRIAL = 2 * (_WARMUP + _SAMPLES)  # calls of a trial of two schedules
+
+
+class _HostEvent:
+    r"""``torch.cuda.Event`` on the host clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t = 0.0
+
+    def record(self, stream=None) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+@pytest.fixture
+def host_events(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+
+
+@pytest.fixture
+def forks(monkeypatch, host_events):
+    r"""Inputs taken for CUDA inputs; a fork runs the branches in turn, is counted, and raises as
+    the real one does for a branch that changes the input in place; timing always prefers forking."""
+    seen: list[int] = []
+    monkeypatch.setattr(_parallel, "_input_device", lambda a, k: torch.device("cuda", 0))
+    monkeypatch.setattr(_parallel, "_check_devices", lambda *a: None)
+    monkeypatch.setattr(_parallel, "_current_stream", lambda d: None)
+    monkeypatch.setattr(_parallel, "_current_device", lambda: 0)
+    monkeypatch.setattr(_parallel, "_capture_underway", lambda: False)
+
+    def run_forked(calls, device, run, capturing, inputs, join, high, order, args, kwargs, error):
+        seen.append(1)
+        versions = [a._version for a in args if isinstance(a, torch.Tensor)]
+        outs = [run(i, c) if run is not None else c(*args, **kwargs) for i, c in enumerate(calls)]
+        if versions != [a._version for a in args if isinstance(a, torch.Tensor)]:
+            raise RuntimeError("a branch changed its input in place")
+        return outs if join is None else join(outs)
+
+    monkeypatch.setattr(_parallel, "_run_forked", run_forked)
+    monkeypatch.setattr(_autotune, "_choose", lambda costs, baseline: next((c for c in costs if c.forked), baseline))
+    return seen
+
+
+def test_a_schedule_that_raises_is_never_kept(host_events):
+    # Before: the deciding call, after its work ran, raised StatisticsError on the failed schedule's empty samples.
+    tuner, calls = _ScheduleTuner(), []
+
+    def run(s: str) -> str:
+        calls.append(s)
+        if s == "fork":
+            raise RuntimeError("fork refused")
+        return "out"
+
+    for _ in range(_TRIAL):
+        try:
+            tuner.run("k", None, ["seq", "fork"], run)
+        except RuntimeError:
+            pass
+    out, decided = tuner.run("k", None, ["seq", "fork"], run)
+    assert (out, decided, calls[-1]) == ("out", "seq", "seq")
+
+
+def test_two_threads_finishing_one_trial_both_return(host_events):
+    # Before: the second call to reach the count deleted the trial again (KeyError).
+    tuner = _ScheduleTuner()
+    for _ in range(_TRIAL - 2):
+        tuner.run("k", None, ["seq", "fork"], lambda s: s)
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def slow(s: str) -> str:
+        inside.set()
+        release.wait(5)
+        return s
+
+    def worker() -> None:
+        try:
+            tuner.run("k", None, ["seq", "fork"], slow)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    inside.wait(5)
+    assert tuner.run("k", None, ["seq", "fork"], lambda s: s)[1] is not None
+    release.set()
+    t.join(5)
+    assert not errors, errors
+
+
+def test_auto_keeps_branches_sequential_when_one_changes_the_input_in_place(forks):
+    # Before: every forked call of the trial raised (the fork refuses it), then the decision did.
+    p = Parallel(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)), nn.Linear(4, 4), streams="auto")
+    with torch.no_grad():
+        for _ in range(_TRIAL + 4):
+            x = torch.randn(2, 4)
+            expected = torch.cat([p[0](x.clone()), p[1](x.clone().relu())], 1)
+            torch.testing.assert_close(p(x), expected, rtol=0, atol=0)
+    assert not forks
+    assert p._plans and not any(plan.forked for plan in p._plans.values())
+
+
+def test_a_fork_chosen_while_frozen_is_dropped_when_training_starts(forks):
+    p = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), streams="auto")
+    p.requires_grad_(False)  # a frozen backbone: forking may be chosen
+    x = torch.randn(2, 4)
+    for _ in range(_TRIAL):
+        p(x)
+    assert any(plan.forked for plan in p._plans.values())
+    p.requires_grad_(True)  # same signature; "auto" does not fork in training
+    forks.clear()
+    p(x).sum().backward()
+    assert not forks
+    assert p[0].weight.grad is not None
+
+
+def test_a_decision_made_across_a_setting_change_is_dropped(forks):
+    gate_in, gate_out, count = threading.Event(), threading.Event(), [0]
+
+    class Gate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            count[0] += 1
+            if count[0] == 2 * _TRIAL - 1:  # the trial's last call, in its second branch
+                gate_in.set()
+                gate_out.wait(5)
+            return x
+
+    p = Parallel(Gate(), Gate(), streams="auto")
+    x = torch.randn(2, 4)
+
+    def call() -> None:
+        with torch.no_grad():
+            p(x)
+
+    for _ in range(_TRIAL - 1):
+        call()
+    t = threading.Thread(target=call)
+    t.start()
+    gate_in.wait(5)
+    p.streams = False  # set by another thread while the deciding call runs
+    gate_out.set()
+    t.join(5)
+    forks.clear()
+    call()
+    assert not forks
+
+
+def test_fuse_auto_does_not_tune_fusion_under_deterministic_algorithms(forks):
+    p = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), fuse="auto", streams=False)
+    fusion = p._fusion_for((torch.randn(2, 4),), {})
+    assert [c.fused for c in p._candidates(fusion)] == [False, True]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert [c.fused for c in p._candidates(fusion)] == [False]
+        assert p._graph_variants((torch.randn(2, 4),), {}) == [("unfused",)]
+    finally:
+        torch.use_deterministic_algorithms(False)
