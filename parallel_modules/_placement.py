@@ -81,14 +81,16 @@ plain ``.to()`` copies, which trace to an ordinary graph.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _module_devices
-from ._streams import (_capture_underway, _current_stream, _is_tracing, _join_backward, _pool, _record_on, _run_forked,
-                       _set_stream)
+from ._streams import (_capture_underway, _changed_in_place, _current_stream, _is_tracing, _join_backward, _pool,
+                       _record_on, _run_forked, _set_stream)
 
 if TYPE_CHECKING:
     from .parallel import Parallel
@@ -118,16 +120,10 @@ def _place(module: "Parallel") -> "_Placement | None":
     them; nothing is remembered then, so a fixed module works on its next call.
     """
     names = list(module._modules)
-    homes: list[torch.device | None] = []
-    seen: dict[torch.device, str] = {}
-    for name, child in module._modules.items():
-        devices = _module_devices(child)
-        for d in devices:
-            seen.setdefault(d, name)
-        homes.append(next(iter(devices)) if len(devices) == 1 else None)
+    homes, seen = _homes(module)
     placement = None
     if len(seen) > 1:
-        where = ", ".join(f"branch {n!r} on {d}" for d, n in seen.items())
+        where = _where(seen)
         if any(d.type != "cuda" for d in seen):
             owner = type(module).__name__
             raise RuntimeError(
@@ -139,6 +135,42 @@ def _place(module: "Parallel") -> "_Placement | None":
     if not _is_tracing():
         module._placement = placement
     return placement
+
+
+def _homes(module: "Parallel") -> tuple[list[torch.device | None], dict[torch.device, str]]:
+    r"""Each branch's one device (``None``: none, or several), and the first branch seen on each device."""
+    homes: list[torch.device | None] = []
+    seen: dict[torch.device, str] = {}
+    for name, child in module._modules.items():
+        devices = _module_devices(child)
+        for d in devices:
+            seen.setdefault(d, name)
+        homes.append(next(iter(devices)) if len(devices) == 1 else None)
+    return homes, seen
+
+
+def _where(seen: dict[torch.device, str]) -> str:
+    return ", ".join(f"branch {n!r} on {d}" for d, n in seen.items())
+
+
+def _moved(module: "Parallel") -> str | None:
+    r"""Where the branches are now, in words, if one moved since ``module`` placed them.
+
+    A branch moved on its own (``block[1].to("cuda:1")``, ``.half()``) runs its
+    own ``_apply``, not the block's, and registers nothing, so no call sees it
+    (checking every branch's device on every call would cost tiny blocks a
+    measurable part of their call). It shows as the branch's error -- a device
+    mismatch -- which asks this: then the placement is forgotten, and the next
+    call places the branches again.
+    """
+    placement = module._placement
+    if placement is _UNPLACED or _is_tracing():
+        return None
+    homes, seen = _homes(module)
+    if (placement.homes == homes) if placement is not None else len(seen) <= 1:
+        return None
+    module._placement = _UNPLACED
+    return _where(seen)
 
 
 def _kinds(devices: Any) -> str:
@@ -156,8 +188,15 @@ def _to(value: Any, device: torch.device) -> Any:
     """
 
     def move(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.is_cuda and t.device != device:
-            return t.to(device, non_blocking=True)
+        if isinstance(t, torch.Tensor):
+            return t.to(device, non_blocking=True) if t.is_cuda and t.device != device else t
+        if dataclasses.is_dataclass(t) and not isinstance(t, type):
+            # An unregistered dataclass is a pytree leaf: its tensors are moved here (a copy of
+            # it holds them; the branch's own object is left as it was).
+            moved = copy.copy(t)
+            for f in dataclasses.fields(t):
+                object.__setattr__(moved, f.name, pytree.tree_map(move, getattr(t, f.name)))
+            return moved
         return t
 
     if isinstance(value, torch.Tensor):
@@ -202,11 +241,13 @@ class _Placement:
                 f"{owner}(Parallel(..., cuda_graph=True).to('cuda:0'), Parallel(..., cuda_graph=True)"
                 f".to('cuda:1'))."
             )
-        if module.streams is False:
-            return self._one_by_one(module, device, args, kwargs)
-        # Making a stream current also makes its device current (torch._C._cuda_setStream):
-        # the device context puts the caller's current device back at the end.
+        # The branches of the input's device run with it current, forked or not (code in a
+        # branch that allocates on "cuda" addresses the input's device). Making a stream
+        # current also makes its device current (torch._C._cuda_setStream): the device
+        # context puts the caller's current device back at the end.
         with torch.cuda.device(device):
+            if module.streams is False:
+                return self._one_by_one(module, device, args, kwargs)
             return self._forked(module, device, args, kwargs)
 
     # ------------------------------------------------------------ one by one
@@ -219,7 +260,7 @@ class _Placement:
         """
         tracing = _is_tracing()
         outputs: list[Any] = []
-        for i, (home, branch) in enumerate(zip(self.homes, module._modules.values())):
+        for i, (home, branch) in enumerate(zip(self.homes, module._branches())):
             target = device if home is None else home
             try:
                 if target == device:
@@ -238,7 +279,7 @@ class _Placement:
 
     # ---------------------------------------------------------------- forked
     def _forked(self, module: "Parallel", device: torch.device, args: tuple, kwargs: dict) -> list[Any]:
-        branches = list(module._modules.values())
+        branches = module._branches()
         remote = [i for i, h in enumerate(self.homes) if h is not None and h != device]
         local = [i for i, h in enumerate(self.homes) if h is None or h == device]
         outputs: list[Any] = [None] * len(branches)
@@ -280,6 +321,16 @@ class _Placement:
         pool_c.offset = base_c + len(remote)
         for pool_d, base_d in pools:
             pool_d.offset = base_d + len(members[pool_d.device])
+        # The remote copies read the input on the lanes while the local branches run on
+        # the caller's stream: one that changes the input in place would race with them.
+        watched = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
+        versions = [a._version for a in watched]
+        # Autocast caches a parameter's cast copy per thread, not per stream: two
+        # branches sharing a weight on one device would read the copy on one side
+        # stream while another writes it (see _streams._run_forked).
+        cached_casts = torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled()
+        if cached_casts:
+            torch.set_autocast_cache_enabled(False)
         launched: list[int] = []
         try:
             for i in remote:
@@ -306,7 +357,11 @@ class _Placement:
             # Local branches last: the remote ones are already queued on their
             # devices and overlap whatever runs here.
             self._run_local(module, device, branches, local, args, kwargs, outputs)
+            if local and any(a._version != v for a, v in zip(watched, versions)):
+                raise module._branch_error(_changed_in_place(), local[-1])
         finally:
+            if cached_casts:
+                torch.set_autocast_cache_enabled(True)
             pool_c.offset = base_c
             for pool_d, base_d in pools:
                 pool_d.offset = base_d
@@ -328,17 +383,15 @@ class _Placement:
         if not local:
             return
 
-        def run(k: int, branch: Any) -> Any:
-            try:
-                return branch(*args, **kwargs)
-            except Exception as e:
-                raise module._branch_error(e, local[k])
-
         calls = [branches[i] for i in local]
         torch.cuda.set_device(device)  # restored by run()
         if len(calls) == 1:
-            results = [run(0, calls[0])]
+            try:
+                results = [calls[0](*args, **kwargs)]
+            except Exception as e:
+                raise module._branch_error(e, local[0])
         else:
-            results = _run_forked(calls, device, run, None, (*args, *kwargs.values()))
+            results = _run_forked(calls, device, None, None, (*args, *kwargs.values()), args=args, kwargs=kwargs,
+                                  error=lambda e, k: module._branch_error(e, local[k]))
         for i, out in zip(local, results):
             outputs[i] = out

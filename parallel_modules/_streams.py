@@ -337,7 +337,8 @@ def _record_on(outputs: Any, stream: torch.cuda.Stream) -> None:
     # The caller's stream is about to use tensors whose memory belongs to a
     # side stream's pool: tell the allocator to wait for ``stream`` too.
     if isinstance(outputs, torch.Tensor):
-        outputs.record_stream(stream)
+        if outputs.is_cuda:  # (a branch may return a CPU tensor)
+            outputs.record_stream(stream)
         return
     for leaf in _tensor_leaves(outputs):
         if leaf.is_cuda:

@@ -17,7 +17,7 @@ from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
-from ._placement import _UNPLACED, _place
+from ._placement import _UNPLACED, _moved, _place
 from ._streams import _capture_underway, _current_device, _current_stream, _is_tracing, _run_forked
 from . import _watch
 
@@ -248,9 +248,11 @@ class Parallel(nn.Module):
           module makes to its inputs in place are not seen by the caller);
           parameters and buffers are read in place, so optimizer steps between
           calls work. ``module.to()``, ``.cuda()``, ``.half()`` and changing
-          the branches drop the graphs, which are captured again; assigning a
-          new tensor to a parameter attribute by hand does not -- call
-          ``module.to(device)`` (or build a new module) after doing so.
+          the branches drop the graphs, which are captured again. A branch
+          moved on its own (``block[0].half()``) or a parameter given new
+          memory (``p.data = ...``) is not seen: the graphs keep the memory
+          they were captured with alive and replay it -- call
+          ``block.to(device)`` afterwards to capture anew.
         * outputs are never overwritten while you hold them. They are clones
           of the graph's buffers, except where the module sees every output
           released before the next call (as when it sits inside a larger
@@ -683,7 +685,13 @@ class Parallel(nn.Module):
     # ---------------------------------------------------------------- forward
     def _branch_error(self, error: Exception, index: int) -> Exception:
         name = list(self._modules)[index]
-        return _with_context(error, f"(raised in branch {name!r} (index {index}) of {type(self).__name__})")
+        context = f"(raised in branch {name!r} (index {index}) of {type(self).__name__})"
+        moved = _moved(self)
+        if moved is not None:
+            context += (f"; a branch was moved since the block's last call, by a .to() of its own (now: {moved}): "
+                        f"the next call runs each branch on its device. (Moving the whole block with "
+                        f"{type(self).__name__}.to(...) is seen at once.)")
+        return _with_context(error, context)
 
     def _branches(self) -> list[Any]:
         r"""The callable to run for each branch: the branch, or its compiled form (``compile=``)."""

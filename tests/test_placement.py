@@ -53,3 +53,159 @@ def test_unplaced_marker_survives_pickle_and_deepcopy():
         assert q._placement is _UNPLACED
         x = torch.randn(3, 4)
         assert_same(q(x), torch.cat([q[0](x), q[1](x)], 1))
+
+
+def test_a_branch_moved_on_its_own_is_placed_again_after_its_error():
+    # ``block.other.to(...)`` runs the branch's _apply, not the block's, and registers nothing.
+    p = Parallel(OrderedDict(host=nn.Linear(4, 4), other=nn.Linear(4, 4)))
+    x = torch.randn(2, 4)
+    p(x)
+    p.other.to("meta")
+    with pytest.raises(RuntimeError) as ei:  # the branch's own device mismatch, and why
+        p(x)
+    notes = "\n".join(getattr(ei.value, "__notes__", [])) or str(ei.value)
+    assert "'other'" in notes and "moved" in notes and "meta" in notes, notes
+    with pytest.raises(RuntimeError, match="different devices.*'host' on cpu.*'other' on meta"):
+        p(x)  # placed again: the block's own error, naming both
+    p.other.to_empty(device="cpu")
+    assert_same(p(x), torch.cat([p.host(x), p.other(x)], 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Branches on two CUDA devices, run on the CPU: the streams, events and devices of
+# ``_Placement._forked`` replaced by stand-ins, cuda:0 the caller's device, cuda:1 the other.
+
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+
+from torch.utils import _pytree as pytree  # noqa: E402
+
+from parallel_modules import _placement, _streams  # noqa: E402
+from parallel_modules._placement import _Placement  # noqa: E402
+
+C, D = torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+class _Event:
+    def record(self, stream) -> None:
+        pass
+
+
+class _Stream:
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _Pool:
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.offset = device, 0
+        self.streams = [_Stream() for _ in range(8)]
+        self.forks, self.joins = [_Event() for _ in range(8)], [_Event() for _ in range(8)]
+
+    def side_streams(self, offset: int, count: int, caller=None) -> list:
+        return self.streams[offset:offset + count]
+
+    def events(self, end: int) -> tuple:
+        return self.forks, self.joins
+
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    pools = {C: _Pool(C), D: _Pool(D)}
+    monkeypatch.setattr(_placement, "_pool", lambda d: pools[d])
+    monkeypatch.setattr(_placement, "_current_stream", lambda d: _Stream())
+    monkeypatch.setattr(_placement, "_set_stream", lambda s: None)
+    monkeypatch.setattr(_placement, "_to", lambda v, d: pytree.tree_map_only(torch.Tensor, torch.clone, v))
+    monkeypatch.setattr(_placement, "_record_on", lambda o, s: None)
+    monkeypatch.setattr(_placement, "_join_backward", lambda i, s: None)
+    monkeypatch.setattr(_placement, "_input_device", lambda a, k: C)
+    monkeypatch.setattr(_placement, "_capture_underway", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+
+
+def placed(branches: OrderedDict, homes: list, **kwargs) -> Parallel:
+    p = Parallel(branches, streams=True, **kwargs)
+    p._placement = _Placement(list(branches), homes, "stand-in devices")
+    return p
+
+
+def test_the_one_local_branch_changing_the_input_in_place_is_refused(two_devices):
+    # The copy to cuda:1 reads the input on a side stream while the local branch runs.
+    p = placed(OrderedDict(local=nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)), remote=nn.Linear(4, 4)),
+               [C, D], join=None)
+    with pytest.raises(RuntimeError, match="in place") as ei:
+        p(torch.randn(8, 4))
+    assert "'local'" in "\n".join(getattr(ei.value, "__notes__", [])) + str(ei.value)
+    p.local[0].inplace = False
+    assert len(p(torch.randn(8, 4))) == 2  # works after the error
+
+
+def test_placed_branches_are_compiled_as_asked(two_devices):
+    torch._dynamo.reset()
+    compiled = []
+
+    def backend(gm, inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    p = placed(OrderedDict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)), [C, D], compile=backend)
+    try:
+        p(torch.randn(2, 4))
+    finally:
+        torch._dynamo.reset()
+    assert len(compiled) == 2
+
+
+class _AutocastCacheProbe(nn.Module):
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.linear, self.seen = nn.Linear(4, 4), seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.is_autocast_cache_enabled())
+        return self.linear(x)
+
+
+def test_autocast_cache_is_off_while_remote_branches_run(two_devices):
+    # Two branches on cuda:1 on two side streams: a weight cast by one would be read by the other unwaited.
+    seen: list = []
+    p = placed(OrderedDict(a=nn.Linear(4, 4), b=_AutocastCacheProbe(seen), c=_AutocastCacheProbe(seen)), [C, D, D],
+               join=None)
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        p(torch.randn(2, 4))
+        assert torch.is_autocast_cache_enabled()  # put back
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+    assert seen == [False, False]
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+    n: int = 1
+
+
+class _OnCuda(torch.Tensor):
+    r"""A CPU tensor that says it is on CUDA, and logs where ``to`` sends it."""
+
+    moved: list = []
+    is_cuda = property(lambda self: True)  # type: ignore[assignment]
+
+    def to(self, device, **kwargs):  # type: ignore[override]
+        _OnCuda.moved.append(device)
+        return torch.Tensor.clone(self)
+
+
+def test_tensors_inside_dataclasses_are_moved():
+    _OnCuda.moved.clear()
+    out = _Out(torch.randn(2).as_subclass(_OnCuda), 3)
+    moved = _placement._to({"a": out}, C)
+    assert _OnCuda.moved == [C]
+    assert isinstance(moved["a"], _Out) and moved["a"].n == 3 and moved["a"].y is not out.y
+    assert out.y.__class__ is _OnCuda  # the branch's own object is left as it was
+
+
+def test_recording_a_single_cpu_output_is_a_no_op():
+    _streams._record_on(torch.randn(2), None)  # a remote branch returned a CPU tensor
