@@ -251,6 +251,32 @@ def test_replay_equals_eager_inception():
 
 
 @cuda
+@pytest.mark.parametrize("move", ["branch .to()", ".data ="])
+def test_a_branch_moved_on_its_own_replays_the_memory_captured(move):
+    # The branch's own _apply gives its parameters new memory and frees the old, which
+    # the graph reads by address: the graph keeps it alive (never reads reused memory).
+    block = _graphed(_mlp(3))
+    captured = copy.deepcopy(block)
+    with torch.no_grad():
+        for _ in range(3):
+            block(torch.randn(8, 64, device="cuda"))
+        if move == ".data =":
+            block[1][0].weight.data = block[1][0].weight.data * 2
+        else:
+            block[1].double().float()
+            block[1][0].weight.mul_(2)
+        for _ in range(3):
+            junk = [torch.full((64 * 64,), float("nan"), device="cuda") for _ in range(64)]  # takes freed blocks
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(captured, x))
+            del junk
+        block.cuda()  # what the documentation says to do: captured anew
+        x = torch.randn(8, 64, device="cuda")
+        assert torch.equal(block(x), _reference(block, x))
+    assert block._graphs.captures == 2
+
+
+@cuda
 def test_kept_outputs_are_not_overwritten():
     block = _graphed(_mlp(4))
     with torch.no_grad():
