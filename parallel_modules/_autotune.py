@@ -63,15 +63,13 @@ class _Timing(NamedTuple):
 
 
 class _Trial:
-    __slots__ = ("count", "candidates", "samples", "failed")
+    __slots__ = ("count", "candidates", "samples")
 
     def __init__(self, candidates: Sequence[Hashable]) -> None:
         self.count = 0
         self.candidates = tuple(candidates)
         # schedule -> list of (cpu seconds, start event, end event)
         self.samples: dict[Hashable, list] = {c: [] for c in self.candidates}
-        # Schedules that raised: never kept (they may fail where the baseline does not).
-        self.failed: set = set()
 
     def timing(self, schedule: Hashable) -> _Timing:
         cpus, gpus = [], []
@@ -115,16 +113,12 @@ class _ScheduleTuner:
             schedule = trial.candidates[trial.count % k]
             keep = trial.count >= k * _WARMUP
             trial.count += 1
-        try:
-            if not keep:
-                return run(schedule), None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            t0 = time.perf_counter()
-            out = run(schedule)
-        except BaseException:
-            trial.failed.add(schedule)
-            raise
+        if not keep:
+            return run(schedule), None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        t0 = time.perf_counter()
+        out = run(schedule)  # (a call that raises leaves no sample)
         cpu = time.perf_counter() - t0
         end.record(stream)
         with self._lock:
@@ -133,9 +127,9 @@ class _ScheduleTuner:
                 return out, None  # more to time, or another thread's call decided
             del self.trials[key]
         baseline = trial.candidates[0]
-        # A schedule that raised is never kept: it may fail where the others do
-        # not (a fork refuses a branch that changes its input in place).
-        costs = {c: trial.timing(c) for c in trial.candidates if trial.samples[c] and c not in trial.failed}
+        # Only schedules that ran: one that raised on every call (a fork refuses a branch
+        # that changes its input in place) is never kept; one bad call costs one sample.
+        costs = {c: trial.timing(c) for c in trial.candidates if trial.samples[c]}
         if not costs:
             return out, baseline
         with self._lock:

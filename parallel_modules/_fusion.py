@@ -654,9 +654,11 @@ class _Joined:
             # [B, N*C, ...] is already the outputs concatenated along dimension 1.
             return t if how == "cat" and dim in (1, 1 - t.dim()) else None
         if layout == _SHARED:  # every member's output is t itself
-            if how == "cat":
+            if how == "cat" and t.dim() > 0 and -t.dim() <= dim < t.dim():
                 return torch.cat([t] * n, dim)
-            return torch.stack([t] * n, dim) if how == "stack" else None
+            if how == "stack" and -t.dim() - 1 <= dim <= t.dim():
+                return torch.stack([t] * n, dim)
+            return None  # (and a bad dim: the general join names it)
         if layout != _STACKED:
             return None
         if how == "cat":

@@ -85,7 +85,7 @@ from torch.utils import _pytree as pytree
 
 from ._compile import _WHOLE
 from ._fusion import _MODE_FREE, _functorch_active
-from ._inputs import _input_device, _signature
+from ._inputs import _input_device, _signature, _value_key
 from ._streams import (_capture_underway, _current_stream, _graph_state, _hidden_tensors, _is_tracing, _pools,
                        _use_count)
 
@@ -181,7 +181,9 @@ def _check_graph_setting(owner: str, name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got {value!r}.")
         return value
-    return bool(value)
+    if not isinstance(value, bool):  # (not bool(value): "False" would be True)
+        raise ValueError(f"{owner}: {name} must be True or False, got {value!r}.")
+    return value
 
 
 def _capture_stream(index: int) -> torch.cuda.Stream:
@@ -913,7 +915,7 @@ class _CudaGraphs:
             leaves = pytree.tree_leaves((args, kwargs))
             tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
             # Non-tensor arguments are baked into the graph: only the same values replay it.
-            extra = tuple((type(v), v) for v in leaves if not isinstance(v, torch.Tensor))
+            extra = tuple(_value_key(v) for v in leaves if not isinstance(v, torch.Tensor))
             if not _all_on(tensors, device):
                 self._warn_once("devices", f"{self.name}: cuda_graph=True needs every tensor input on "
                                            f"{device}; got {sorted({str(t.device) for t in tensors})}. "

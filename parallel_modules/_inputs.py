@@ -2,6 +2,7 @@ r"""What a call receives: its device, its signature, and errors that name a bran
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, Hashable, Iterable
 
@@ -19,7 +20,7 @@ def _leaves(args: tuple, kwargs: dict) -> list[Any]:
 
 
 # Non-tensor inputs keyed by value in a signature.
-_BY_VALUE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_BY_VALUE = (int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, numbers.Number)
 
 
 def _input_device(args: tuple, kwargs: dict) -> torch.device | None:
@@ -52,7 +53,10 @@ def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
     grad = torch.is_grad_enabled()
     if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor) and not args[0].is_nested:
         x = args[0]
-        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, grad, training)
+        try:
+            return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, grad, training)
+        except RuntimeError:  # no strides (sparse CSR/CSC/BSR): the general path keys its layout
+            pass
     leaves, spec = pytree.tree_flatten((args, kwargs))
     parts: list[Hashable] = [spec, grad, training]
     for leaf in leaves:
@@ -61,12 +65,25 @@ def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
             parts.append(("nested", leaf.layout, tuple(t.shape for t in leaf.unbind()), leaf.dtype, leaf.device,
                           leaf.requires_grad))
         elif isinstance(leaf, torch.Tensor):
-            parts.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            layout = leaf.stride() if leaf.layout == torch.strided else (leaf.layout, leaf._nnz())
+            parts.append((leaf.shape, layout, leaf.dtype, leaf.device, leaf.requires_grad))
         elif isinstance(leaf, _BY_VALUE):
-            parts.append((type(leaf), leaf))  # (1, True and 1.0 are equal, and hash alike)
+            parts.append(_value_key(leaf))
         else:
             parts.append(type(leaf))
     return tuple(parts)
+
+
+def _value_key(value: Any) -> Hashable:
+    r"""A non-tensor argument as a key: by type and value.
+
+    The type too, since ``1``, ``True`` and ``1.0`` are equal and hash alike;
+    floats by their exact bits, since ``0.0 == -0.0`` (``1 / x`` differs) and
+    ``nan != nan`` (a fresh NaN would never find its key again).
+    """
+    if isinstance(value, float):
+        return (type(value), float.hex(value))
+    return (type(value), value)
 
 
 def _module_devices(module: nn.Module) -> set[torch.device]:

@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterable, Sequence, Union
 import torch
 from torch.utils import _pytree as pytree
 
+from ._inputs import _with_context
+
 __all__: list[str] = []
 
 JoinSpec = Union[str, None, Callable[[list], Any]]
@@ -26,6 +28,13 @@ def _check_join(owner: str, join: JoinSpec) -> str | Callable[[list], Any]:
     r"""Validate ``join`` at construction; ``None`` means ``"tuple"``."""
     if join is None:
         return "tuple"
+    if isinstance(join, torch.nn.Module) and (any(True for _ in join.parameters()) or any(True for _ in join.buffers())):
+        raise ValueError(
+            f"{owner}: join={type(join).__name__}(...) has parameters or buffers, but a join is called, not "
+            f"registered: the block's state_dict holds only its branches (the keys of an nn.ModuleList of "
+            f"them). Put a learned join after the block: nn.Sequential({owner}(..., join=None), "
+            f"{type(join).__name__}(...))."
+        )
     if callable(join):
         return join
     if isinstance(join, str) and join in _NAMED_JOINS:
@@ -38,6 +47,12 @@ def _check_join(owner: str, join: JoinSpec) -> str | Callable[[list], Any]:
 
 
 def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        try:
+            shape = f"{tuple(value.shape)}"
+        except RuntimeError:  # (a strided nested tensor has no one shape)
+            shape = "[" + ", ".join(str(tuple(t.shape)) for t in value.unbind()) + "]"
+        return f"NestedTensor{shape} {str(value.dtype).replace('torch.', '')} on {value.device}"
     if isinstance(value, torch.Tensor):
         return f"Tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')} on {value.device}"
     if isinstance(value, (tuple, list)):
@@ -85,7 +100,11 @@ def _join_outputs(
     elif how == "dict":
         return dict(zip(names, outputs))
     elif callable(how):
-        return how(outputs)
+        try:
+            return how(outputs)
+        except Exception as e:
+            raise _with_context(e, f"(raised in the join {getattr(how, '__qualname__', how)!r} of {owner}, "
+                                   f"called with the outputs of branches {list(names)})")
     try:
         if all(isinstance(o, torch.Tensor) for o in outputs):
             return _leaf_join(how, dim, outputs)
@@ -94,7 +113,18 @@ def _join_outputs(
         raise _join_error(owner, how, dim, names, outputs, e) from e
 
 
+def _in_order_of(value: Any, template: Any) -> Any:
+    r"""``value`` with the keys of its dicts in ``template``'s order, where they are the same keys
+    (``{"x": .., "y": ..}`` and ``{"y": .., "x": ..}`` are equal dicts, but flatten differently)."""
+    if type(value) is dict and isinstance(template, dict) and value.keys() == template.keys():
+        return {k: _in_order_of(value[k], template[k]) for k in template}
+    if type(value) in (tuple, list) and type(value) is type(template) and len(value) == len(template):
+        return type(value)(_in_order_of(v, t) for v, t in zip(value, template))
+    return value
+
+
 def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: list[Any]) -> Any:
+    outputs = [outputs[0]] + [_in_order_of(o, outputs[0]) for o in outputs[1:]]
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     for name, (_, other) in zip(names, flat):
@@ -105,11 +135,35 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
                 "Return the same (nested) tuple/list/dict of tensors from every branch, "
                 "or pass join=None to receive the outputs as a tuple."
             )
-    columns = zip(*(leaves for leaves, _ in flat))
-    return pytree.tree_unflatten([_leaf_join(how, dim, list(c)) for c in columns], spec)
+    joined = []
+    for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
+        if all(isinstance(v, torch.Tensor) for v in column):
+            joined.append(_leaf_join(how, dim, list(column)))
+        elif not any(isinstance(v, torch.Tensor) for v in column) and all(
+                v is column[0] or (type(v) is type(column[0]) and v == column[0]) for v in column):
+            joined.append(column[0])  # the same non-tensor from every branch (``None``): passed on
+        else:
+            raise ValueError(
+                f"{owner}: join={how!r} joins the outputs leaf by leaf, but leaf {i} of the outputs is not a "
+                f"tensor in every branch, nor the same value in all: "
+                f"{', '.join(f'branch {n!r}: {_describe(v)}' for n, v in zip(names, column))}.\n"
+                f"{_listing(names, outputs)}\nReturn a tensor there from every branch (or the same non-tensor "
+                "value), or pass join=None to receive the outputs as a tuple."
+            )
+    return pytree.tree_unflatten(joined, spec)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    r"""Whether ``e`` is an allocation failure, which is not a mismatch of the outputs and keeps its
+    type (a caller may catch :class:`torch.OutOfMemoryError` to retry with a smaller batch)."""
+    text = str(e)
+    return (isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
+            or "can't allocate memory" in text)
 
 
 def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: list[Any], e: Exception) -> ValueError:
+    if _out_of_memory(e):
+        raise _with_context(e, f"(raised joining the branch outputs of {owner} with join={how!r})")
     expected = _EXPECTED[how].format(dim=dim)
     return ValueError(
         f"{owner}: join={how!r} (dim={dim}) cannot combine the branch outputs; it expects "

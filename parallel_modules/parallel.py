@@ -51,7 +51,7 @@ def _check_setting(owner: str, name: str, value: Any) -> Any:
     if name == "join":
         return _check_join(owner, value)
     if name == "dim":
-        if not isinstance(value, int):
+        if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{owner}: dim must be an int, got {type(value).__name__} ({value!r}).")
         return value
     if name in ("streams", "fuse"):
@@ -346,6 +346,10 @@ class Parallel(nn.Module):
             if "_tree" in self.__dict__:  # (constructed)
                 _watch._change_setting(self, name, value, lambda: self._reset(strict=name == "fuse"))
                 return
+            # Kept as a plain attribute: a join that is a module is called, never
+            # registered (it would become a branch, and enter the state dict).
+            self.__dict__[name] = value
+            return
         super().__setattr__(name, value)
 
     def _reset(self, strict: bool = False) -> None:
@@ -992,6 +996,8 @@ def _describe_signature(key: Hashable) -> str:
             parts.append(text + (" requires_grad" if requires_grad else ""))
         elif isinstance(item, tuple) and item and isinstance(item[0], str) and item[0] == "nested":
             parts.append(f"nested Tensor{list(map(tuple, item[2]))} {str(item[3]).replace('torch.', '')} on {item[4]}")
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type) and issubclass(item[0], float):
+            parts.append(str(float.fromhex(item[1])))  # (keyed by its exact bits: see _value_key)
         elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
             parts.append(str(item[1]).replace("torch.", ""))  # a number, string, dtype or device
         elif isinstance(item, type):

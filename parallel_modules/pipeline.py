@@ -28,7 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
-from ._joins import _describe
+from ._joins import _describe, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
@@ -41,6 +41,14 @@ __all__ = ["ParallelSequential"]
 
 _UNKNOWN: Any = object()  # the placement has not been looked at yet
 _MIXED: Any = object()  # stages have parameters on more than one device
+
+
+def _check_stage(owner: str, name: str, stage: Any) -> None:
+    if not isinstance(stage, nn.Module):
+        raise TypeError(
+            f"{owner}: stage {name!r} must be an nn.Module, got {type(stage).__name__} "
+            f"({stage!r}). Wrap functions in a module."
+        )
 
 
 class _Plan(NamedTuple):
@@ -234,11 +242,7 @@ class ParallelSequential(nn.Sequential):
                 f"Pass modules, e.g. {owner}(encoder, decoder, chunks=4)."
             )
         for name, stage in items:
-            if not isinstance(stage, nn.Module):
-                raise TypeError(
-                    f"{owner}: stage {name!r} must be an nn.Module, got {type(stage).__name__} "
-                    f"({stage!r}). Wrap functions in a module."
-                )
+            _check_stage(owner, name, stage)
         super().__init__(OrderedDict(items))
         self.chunks = chunks
         # (Each setting is checked by __setattr__.)
@@ -299,9 +303,19 @@ class ParallelSequential(nn.Sequential):
             self._compiler.clear()
         return super()._apply(fn, recurse)
 
-    # (``append`` and ``extend`` register the stage, which ``forward`` notices; these
-    # write ``_modules`` directly or delete, which registers nothing.)
+    # Stages are checked as the constructor checks them. (``append``, ``extend`` and
+    # ``__setitem__`` register the stage, which ``forward`` notices; ``insert`` writes
+    # ``_modules`` directly and ``__delitem__`` deletes, which registers nothing.)
+    def __setitem__(self, idx: int, module: nn.Module) -> None:
+        _check_stage(type(self).__name__, str(idx), module)
+        super().__setitem__(idx, module)
+
+    def append(self, module: nn.Module) -> "ParallelSequential":
+        _check_stage(type(self).__name__, str(len(self)), module)
+        return super().append(module)
+
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
+        _check_stage(type(self).__name__, str(index), module)
         super().insert(index, module)
         self._reset()
         return self
@@ -435,6 +449,13 @@ class ParallelSequential(nn.Sequential):
                 f"{owner}: with chunks={chunks} the input must be a tensor, or a tuple/list/dict of "
                 f"tensors, batched along dimension 0; got {_describe(input)}."
             )
+        nested = [t for t in tensors if t.is_nested]
+        if nested:
+            raise ValueError(
+                f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
+                f"but it holds a nested tensor ({_describe(nested[0])}), which cannot be sliced along its "
+                f"batch of components. Use chunks=1 for nested inputs, or pad them into one tensor."
+            )
         batch = tensors[0].shape[0]
         if any(t.shape[0] != batch for t in tensors[1:]):
             paths = pytree.tree_flatten_with_path(input)[0]
@@ -509,6 +530,8 @@ class ParallelSequential(nn.Sequential):
                     raise TypeError("the micro-batches returned non-tensor leaves that differ")
             return pytree.tree_unflatten(joined, spec)
         except (RuntimeError, TypeError, IndexError, ValueError) as e:
+            if _out_of_memory(e):
+                raise
             names = list(self._modules)
             listing = "\n".join(f"  micro-batch {m}: {_describe(o)}" for m, o in enumerate(outputs))
             raise ValueError(

@@ -246,3 +246,37 @@ def test_fuse_auto_does_not_tune_fusion_under_deterministic_algorithms(forks):
         assert p._graph_variants((torch.randn(2, 4),), {}) == [("unfused",)]
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_one_failed_call_of_the_baseline_does_not_bias_the_choice(monkeypatch):
+    # A bad batch raised once on the sequential schedule's turn; forking is twice as slow.
+    times, current = {"seq": 1.0, "fork": 2.0}, {}
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self, stream=None) -> None:
+            self.schedule = current["s"]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return times[end.schedule]
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    tuner = _ScheduleTuner()
+
+    def run(s: str, fail: bool = False) -> str:
+        current["s"] = s
+        if fail:
+            raise ValueError("one bad batch")
+        return s
+
+    with pytest.raises(ValueError):
+        tuner.run("k", None, ["seq", "fork"], lambda s: run(s, fail=True))
+    decided = None
+    while decided is None:
+        _, decided = tuner.run("k", None, ["seq", "fork"], run)
+    assert decided == "seq"

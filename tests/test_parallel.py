@@ -572,7 +572,9 @@ def test_bad_settings_set_later_are_refused_and_change_nothing():
     assert (p.join, p.dim, p.streams, p.max_graphs, p.fuse) == ("cat", 1, "auto", 8, False)
     assert_same(p(x), expected)
     # Graph settings reach the graph cache.
-    p.max_graphs, p.static_outputs, p.graph_fallback = 2, 1, True
+    with pytest.raises(ValueError, match=r"Parallel: static_outputs must be True or False, got 'False'"):
+        p.static_outputs = "False"  # (bool("False") is True)
+    p.max_graphs, p.static_outputs, p.graph_fallback = 2, True, True
     assert (p._graphs.max_graphs, p._graphs.static_outputs, p._graphs.fallback) == (2, True, True)
     assert p.static_outputs is True
     assert "max_graphs" not in repr(p)  # (shown with cuda_graph=True only)

@@ -293,3 +293,125 @@ def test_cuda_and_cpu_branches_mixed():
     p.cuda()
     x = torch.randn(2, 4, device="cuda")
     assert_same(p(x), torch.cat([p.gpu(x), p.host(x)], 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Joins: edge cases, and errors that are not mismatches.
+
+class _SumJoin(nn.Module):
+    r"""A join written as a module without state: called with the list of outputs."""
+
+    def forward(self, outputs: list) -> torch.Tensor:
+        return sum(outputs)
+
+
+def test_a_module_join_is_called_not_registered_as_a_branch():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    p = Parallel(a, b, join=_SumJoin())
+    assert len(p) == 2 and list(p.state_dict()) == list(nn.ModuleList([a, b]).state_dict())
+    x = torch.randn(2, 4)
+    assert_same(p(x), a(x) + b(x))
+    p.join = _SumJoin()  # set later: the same
+    assert len(p) == 2 and list(p._modules) == ["0", "1"]
+
+
+def test_a_module_join_with_parameters_is_refused():
+    with pytest.raises(ValueError, match=r"Parallel: join=Linear\(...\) has parameters.*nn.Sequential"):
+        Parallel(nn.Identity(), nn.Identity(), join=nn.Linear(4, 4))
+
+
+def test_none_leaves_of_structured_outputs_are_passed_on():
+    # nn.MultiheadAttention(need_weights=False) returns (out, None).
+    torch.manual_seed(0)
+    m1, m2 = (nn.MultiheadAttention(8, 2, batch_first=True) for _ in range(2))
+    q = torch.randn(2, 3, 8)
+    out = Parallel(m1, m2, join="sum")(q, q, q, need_weights=False)
+    assert_same(out[0], m1(q, q, q, need_weights=False)[0] + m2(q, q, q, need_weights=False)[0])
+    assert out[1] is None
+
+
+def test_a_leaf_that_is_a_tensor_in_one_branch_only_is_named():
+    p = Parallel(OrderedDict(a=lambda t: (t, None), b=lambda t: (t, t)), join="sum")
+    with pytest.raises(ValueError, match=r"leaf 1 .*branch 'a': NoneType, branch 'b': Tensor"):
+        p(torch.randn(2, 2))
+
+
+def test_dicts_with_the_same_keys_in_another_order_are_joined():
+    p = Parallel(lambda t: {"x": t, "y": 2 * t}, lambda t: {"y": 3 * t, "x": t}, join="sum")
+    x = torch.randn(2, 2)
+    out = p(x)
+    assert list(out) == ["x", "y"]
+    assert_same(out["x"], x + x)
+    assert_same(out["y"], 2 * x + 3 * x)
+
+
+def test_a_fused_shared_output_with_a_bad_dim_gets_the_named_error():
+    p = Parallel(nn.ReLU(), nn.ReLU(), fuse=True, dim=2)
+    with pytest.raises(ValueError, match=r"(?s)Parallel: join='cat' \(dim=2\).*branch '0'"):
+        p(torch.randn(2, 4))
+    p.dim = 1
+    x = torch.randn(2, 4)
+    assert_same(p(x), torch.cat([x.relu(), x.relu()], 1))
+
+
+def test_a_join_error_on_nested_outputs_describes_them():
+    nt = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
+    with pytest.raises(ValueError, match=r"NestedTensor\[\(2, 4\), \(3, 4\)\]"):
+        Parallel(nn.Identity(), nn.Identity(), join="stack", dim=7)(nt)
+
+
+def test_an_error_in_a_callable_join_names_the_block():
+    def join(outputs):
+        raise KeyError("bad join")
+
+    with pytest.raises(KeyError) as ei:
+        Parallel(nn.Identity(), nn.Identity(), join=join)(torch.randn(2, 2))
+    assert "the join 'test_an_error_in_a_callable_join_names_the_block.<locals>.join' of Parallel" in full_text(
+        ei.value)
+
+
+def test_out_of_memory_in_the_join_keeps_its_type(monkeypatch):
+    # Not reported as a shape mismatch: a caller may catch OutOfMemoryError and retry smaller.
+    def cat(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    p = Parallel(nn.Identity(), nn.Identity())
+    monkeypatch.setattr(torch, "cat", cat)
+    with pytest.raises(torch.OutOfMemoryError) as ei:
+        p(torch.randn(2, 2))
+    assert "Parallel" in full_text(ei.value)
+    monkeypatch.undo()
+    x = torch.randn(2, 2)
+    assert_same(p(x), torch.cat([x, x], 1))
+
+
+def test_a_cpu_allocation_failure_is_not_called_a_mismatch():
+    big = lambda t: torch.zeros(1).expand(2 ** 42)  # noqa: E731  (equal shapes; the cat cannot allocate)
+    with pytest.raises(RuntimeError, match="allocate") as ei:
+        Parallel(big, big, join="cat", dim=0)(torch.zeros(1))
+    assert not isinstance(ei.value, ValueError)
+
+
+def test_settings_that_are_not_bools_are_refused():
+    with pytest.raises(ValueError, match="Parallel: cuda_graph must be True or False, got 'no'"):
+        Parallel(nn.Identity(), cuda_graph="no")  # (bool("no") is True)
+    with pytest.raises(TypeError, match="Parallel: dim must be an int, got bool"):
+        Parallel(nn.Identity(), dim=True)
+
+
+def test_sparse_csr_inputs_are_keyed_by_layout():
+    x = torch.randn(2, 4)
+    p = Parallel(lambda t: t * 2, lambda t: t * 3, join="sum")
+    assert_same(p(x.to_sparse_csr()).to_dense(), x * 2 + x * 3)
+
+
+def test_signatures_tell_apart_values_that_compare_equal():
+    from parallel_modules._inputs import _signature
+
+    np = pytest.importorskip("numpy")
+    x = torch.randn(2)
+    key = lambda v: _signature((x, v), {}, False)  # noqa: E731
+    assert key(0.0) != key(-0.0)  # 1 / s differs
+    assert key(float("nan")) == key(float("nan"))  # a fresh NaN finds its key again
+    assert key(2j) != key(3j) and key(np.int64(2)) != key(np.int64(3))
+    assert key(1) != key(True) != key(1.0)

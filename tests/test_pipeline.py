@@ -504,7 +504,7 @@ def test_graph_settings_set_later_are_checked_and_reach_the_cache():
     with pytest.raises(ValueError, match=r"ParallelSequential: max_graphs must be an int >= 1 .*got -1"):
         pipe.max_graphs = -1
     assert pipe.max_graphs == 8 and pipe._graphs.max_graphs == 8
-    pipe.max_graphs, pipe.static_outputs, pipe.direct_grads = 3, 1, True
+    pipe.max_graphs, pipe.static_outputs, pipe.direct_grads = 3, True, True
     assert (pipe._graphs.max_graphs, pipe._graphs.static_outputs, pipe._graphs.direct_grads) == (3, True, True)
     x = torch.randn(4, 8)
     assert torch.equal(pipe(x), nn.Sequential(*pipe)(x))
@@ -575,3 +575,23 @@ def test_mixes_batch_declared_after_the_first_call_and_none():
         mixing = ParallelSequential(_Declares(), chunks=2)
         getattr(mixing, mode)()
         assert mixing(x).shape == (6, 4)  # None: nothing declared, not taken for a BatchNorm
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_input_with_chunks_is_refused_clearly(layout):
+    nt = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=layout)
+    model = ParallelSequential(nn.Identity(), chunks=2)
+    with pytest.raises(ValueError, match=r"ParallelSequential: with chunks=2 .* nested tensor .*chunks=1"):
+        model(nt)
+    model.chunks = 1
+    assert model(nt) is nt
+
+
+def test_stages_set_later_are_checked_as_the_constructor_checks_them():
+    s = ParallelSequential(nn.Identity(), nn.Identity())
+    for change in (lambda: s.__setitem__(0, None), lambda: s.append(lambda t: t), lambda: s.insert(0, 3)):
+        with pytest.raises(TypeError, match=r"ParallelSequential: stage '\d' must be an nn.Module"):
+            change()
+    assert len(s) == 2
+    x = torch.randn(2, 3)
+    assert s(x) is x
