@@ -292,6 +292,7 @@ class _Group:
         owners = {id(o): o for e in self.entries.values() for o in e.owners}.values()
         # (Buffers only where there are some: one registered later is seen by _watch.)
         self.tensor_dicts = [d for o in owners for d in (o._parameters, o._buffers) if d]
+        self.owners = list(owners)
         self.snapshots: list[dict[str, Any]] = []
         self.registrations = -1
         self.program: list[_Step] | None = None
@@ -324,8 +325,8 @@ class _Group:
         already laid out as consecutive slices of one storage (by an earlier
         bind) are adopted as they are, so finding the groups anew moves nothing.
         """
-        if self.stacks and self._bound():
-            return False
+        if self.stacks and (self._bound() or _watch._swapped_in(self.owners)):
+            return False  # (swapped in: stacked for the call only, see _Group.run)
         moved = False
         stacks: dict[str, torch.Tensor] = {}
         bound: dict[str, list[torch.Tensor]] = {}
@@ -411,7 +412,8 @@ class _Group:
         stacked = self.stacks.get(qual)
         if stacked is None:
             return None
-        if torch.is_grad_enabled() and entry.kind == "_parameters" and stacked.dtype.is_floating_point:
+        if torch.is_grad_enabled() and entry.kind == "_parameters" and (stacked.dtype.is_floating_point
+                                                                         or stacked.dtype.is_complex):
             tensors = self._tensors(entry)
             if any([t.requires_grad for t in tensors]):  # (members may be frozen one by one)
                 return _Unstack.apply(stacked, *tensors)

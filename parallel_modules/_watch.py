@@ -80,6 +80,20 @@ class _Tree:
         return True
 
 
+def _swapped_in(modules: Any) -> bool:
+    r"""Whether a parameter slot of ``modules`` holds a tensor that is not an ``nn.Parameter``.
+
+    Registering a parameter requires one; ``torch.func.functional_call`` writes
+    the tensors it is given (plain tensors, functorch wrappers, dual tensors)
+    into the modules' dicts for the call, registering nothing. While they are
+    there, a change seen in the tree (another registration anywhere in the
+    process moved the count) is theirs: nothing learnt is reset for it, and
+    they are not stacked into fused groups, which would re-point the caller's
+    tensors and drop their autograd and forward-mode state.
+    """
+    return any(t is not None and not isinstance(t, nn.Parameter) for m in modules for t in m._parameters.values())
+
+
 def _change_setting(module: nn.Module, name: str, value: Any, reset: Callable[[], None]) -> None:
     r"""Set a constructed block's setting ``name`` (checked already) and ``reset`` it.
 

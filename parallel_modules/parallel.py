@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Callable, Hashable, Iterator, Literal, NamedTuple, Union, overload
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -40,6 +41,10 @@ class _Reduced(NamedTuple):
 
     value: Any
 
+
+# What non-reentrant checkpointing raises to end a recomputation early (private to torch;
+# none where it is missing): control flow through the branches, never their failure.
+_StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 # Joins that read the outputs and return new tensors: a fork may run them itself.
 _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
@@ -664,7 +669,8 @@ class Parallel(nn.Module):
             return group.run(args[0], self._cat_joined(fusion), eager,
                              eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
         except Exception as e:
-            if _is_tracing():
+            if _is_tracing() or isinstance(e, _StopRecomputation):
+                # (Checkpoint's early stop of a recomputation is control flow, not a failure.)
                 raise
             if kept:
                 with torch.no_grad():
@@ -772,9 +778,11 @@ class Parallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
         tracing = _is_tracing()  # (first: a compiler must not read, and guard on, the count of changes)
-        if not tracing and self._tree.seen != _watch._changes and not self._tree.same(self):
+        if (not tracing and self._tree.seen != _watch._changes and not self._tree.same(self)
+                and not _watch._swapped_in(self.modules())):
             # A submodule, parameter or buffer below was replaced or added since the
             # groups, schedules and graphs were made (see _watch): make them anew.
+            # (Not for tensors swapped in by functional_call: see _swapped_in.)
             self._reset()
         if self.cuda_graph:
             if self._param_moves != self._graph_moves:
@@ -951,7 +959,9 @@ class Parallel(nn.Module):
             _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
         if device is None or device.type != "cuda":
             # No streams on the CPU; fusion ("auto" too) always pays there: fewer, larger operations.
-            plan: _Schedule | None = _CPU_FUSED if fusion is not None else _CPU
+            # (Not "auto" with deterministic algorithms asked for: see _candidates.)
+            plan: _Schedule | None = _CPU_FUSED if fusion is not None and not (
+                self.fuse == "auto" and torch.are_deterministic_algorithms_enabled()) else _CPU
         else:
             candidates = self._candidates(fusion)
             plan = candidates[0] if len(candidates) == 1 else None

@@ -974,3 +974,96 @@ def test_layer_norm_keeps_its_dtype_and_rounds_once():
     p.fuse = False
     unfused_error = (p(x.bfloat16()).double() - truth).abs().max()
     assert fused_error <= unfused_error * 1.05, (fused_error, unfused_error)
+
+
+# ----------------------------------------------------------------------------------------------
+# Found by fuzzing on the CPU.
+
+def _small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def test_functional_call_after_a_registration_elsewhere_leaves_the_swapped_tensors_alone():
+    # A module made anywhere moves the registration count; the swapped-in tensors (functorch
+    # wrappers, views of the caller's flat vector) were then stacked into the group.
+    torch.manual_seed(0)
+    p = Parallel(_small_mlp(), _small_mlp(), fuse=True)
+    x = torch.randn(5, 8)
+    p(x)
+    nn.Linear(2, 2)
+    params = {k: v.detach().clone() for k, v in p.named_parameters()}
+    grads = torch.func.grad(lambda ps: torch.func.functional_call(p, ps, (x,)).sum())(params)
+    unfused = Parallel(*copy.deepcopy(list(p)))
+    expected = torch.func.grad(lambda ps: torch.func.functional_call(unfused, ps, (x,)).sum())(params)
+    for k in expected:
+        torch.testing.assert_close(grads[k], expected[k])
+    flat = torch.randn(sum(v.numel() for v in p.parameters()))
+    views, offset = {}, 0
+    for k, v in p.named_parameters():
+        views[k] = flat[offset:offset + v.numel()].view_as(v)
+        offset += v.numel()
+    nn.Linear(2, 2)
+    torch.func.functional_call(p, views, (x,))
+    assert all(v._base is flat for v in views.values())  # not re-pointed at a stack
+    assert not p._fusion.units[0].swapped()  # and the group's own tensors are bound as before
+
+
+def test_forward_mode_tangents_through_a_fused_functional_call():
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    p = Parallel(_small_mlp(), _small_mlp(), fuse=True)
+    x = torch.randn(5, 8)
+    p(x)
+    nn.Linear(2, 2)
+    with fwAD.dual_level():
+        duals = {k: fwAD.make_dual(v.detach(), torch.ones_like(v)) for k, v in p.named_parameters()}
+        assert fwAD.unpack_dual(torch.func.functional_call(p, duals, (x,))).tangent is not None
+
+
+def test_fused_complex_parameters_get_gradients():
+    torch.manual_seed(0)
+    branches = [nn.Linear(4, 4, dtype=torch.cfloat) for _ in range(2)]
+    p = Parallel(*copy.deepcopy(branches), fuse=True)
+    x = torch.randn(2, 4, dtype=torch.cfloat)
+    p(x).abs().sum().backward()
+    torch.cat([b(x) for b in branches], 1).abs().sum().backward()
+    for fused, plain in zip(p.parameters(), (q for b in branches for q in b.parameters())):
+        torch.testing.assert_close(fused.grad, plain.grad)
+
+
+def test_checkpointing_a_fused_block():
+    # Non-reentrant checkpoint ends its recomputation early by raising through the group.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    p = Parallel(_small_mlp(), _small_mlp(), fuse="auto")
+    plain = Parallel(*copy.deepcopy(list(p)))
+    x = torch.randn(5, 8, requires_grad=True)
+    checkpoint(p, x, use_reentrant=False).sum().backward()
+    plain(x.detach().requires_grad_()).sum().backward()
+    for a, b in zip(p.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert len(p._fusion.groups) == 1 and not p._fusion.reasons  # still fused
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def test_fuse_auto_on_the_cpu_keeps_branches_unfused_under_deterministic_algorithms():
+    # (Fused, these sum in another order: 9e-8 apart.)
+    torch.manual_seed(0)
+    branches = [_SelfAttention().eval() for _ in range(4)]
+    x = torch.randn(2, 9, 32)
+    torch.use_deterministic_algorithms(True)
+    try:
+        p = Parallel(*copy.deepcopy(branches), fuse="auto").eval()
+        assert torch.equal(p(x), torch.cat([b(x) for b in branches], 1))
+    finally:
+        torch.use_deterministic_algorithms(False)
