@@ -89,8 +89,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ._inputs import _input_device, _module_devices
-from ._streams import (_capture_underway, _changed_in_place, _current_stream, _is_tracing, _join_backward, _pool,
-                       _record_on, _run_forked, _set_stream)
+from ._streams import (_capture_underway, _changed, _changed_in_place, _current_stream, _is_tracing, _join_backward,
+                       _pool, _record_on, _run_forked, _set_stream, _watched)
 
 if TYPE_CHECKING:
     from .parallel import Parallel
@@ -323,7 +323,7 @@ class _Placement:
             pool_d.offset = base_d + len(members[pool_d.device])
         # The remote copies read the input on the lanes while the local branches run on
         # the caller's stream: one that changes the input in place would race with them.
-        watched = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
+        watched = _watched(args, kwargs)
         versions = [a._version for a in watched]
         # Autocast caches a parameter's cast copy per thread, not per stream: two
         # branches sharing a weight on one device would read the copy on one side
@@ -357,7 +357,7 @@ class _Placement:
             # Local branches last: the remote ones are already queued on their
             # devices and overlap whatever runs here.
             self._run_local(module, device, branches, local, args, kwargs, outputs)
-            if local and any(a._version != v for a, v in zip(watched, versions)):
+            if local and _changed(watched, versions):
                 raise module._branch_error(_changed_in_place(), local[-1])
         finally:
             if cached_casts:

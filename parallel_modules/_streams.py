@@ -413,6 +413,12 @@ def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> No
                     hook.streams[stream] = None
 
 
+def _watched(args: Sequence[Any], kwargs: dict) -> list[torch.Tensor]:
+    r"""The tensor inputs whose in-place changes can be seen by their versions, which every
+    in-place operation advances (inference tensors keep none)."""
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
+
+
 def _changed(inputs: list[torch.Tensor], versions: list[int]) -> bool:
     return any(t._version != v for t, v in zip(inputs, versions))
 
@@ -465,8 +471,8 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
         kwargs = {}
     # The items read the inputs at the same time on their streams: one that changes an
     # input in place (``nn.ReLU(inplace=True)`` first) races with the others. Seen by
-    # the inputs' versions, which every in-place operation advances, after each item.
-    # (Inference tensors keep no version: in-place changes to them cannot be seen.)
+    # the inputs' versions after each item. (``_watched``, written out: a frame less on
+    # every fork, whose cost on tiny branches is its Python.)
     watched = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
     first = watched[0] if len(watched) == 1 else None  # the common case: one int compared per item
     version = first._version if first is not None else 0

@@ -19,7 +19,8 @@ from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
 from ._placement import _UNPLACED, _moved, _place
-from ._streams import _capture_underway, _current_device, _current_stream, _is_tracing, _run_forked
+from ._streams import (_capture_underway, _changed, _current_device, _current_stream, _is_tracing, _run_forked,
+                       _watched)
 from . import _watch
 
 __all__ = ["Parallel"]
@@ -891,13 +892,13 @@ class Parallel(nn.Module):
         if plan is not None:
             return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None, False)
         tuner, candidates = self._tuner, self._candidates(fusion)
-        watched = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
+        watched = _watched(args, kwargs)
         versions = [a._version for a in watched]
         out, decided = tuner.run(
             key, _current_stream(device), candidates,
             lambda s: self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None, False),
         )
-        if any(a._version != v for a, v in zip(watched, versions)):
+        if _changed(watched, versions):
             # A branch changed the input in place: forked, the others would race
             # with it (a fork refuses it, so "auto" would fail every other call
             # while tuning); one after another it is well defined.

@@ -983,14 +983,20 @@ def _small_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
 
 
-def test_functional_call_after_a_registration_elsewhere_leaves_the_swapped_tensors_alone():
-    # A module made anywhere moves the registration count; the swapped-in tensors (functorch
-    # wrappers, views of the caller's flat vector) were then stacked into the group.
+def _fused_then_a_registration() -> tuple[Parallel, torch.Tensor]:
+    r"""A fused block called once, then a module made elsewhere: the registration count moves."""
     torch.manual_seed(0)
     p = Parallel(_small_mlp(), _small_mlp(), fuse=True)
     x = torch.randn(5, 8)
     p(x)
     nn.Linear(2, 2)
+    return p, x
+
+
+def test_functional_call_after_a_registration_elsewhere_leaves_the_swapped_tensors_alone():
+    # The swapped-in tensors (functorch wrappers, views of the caller's flat vector) were
+    # then stacked into the group.
+    p, x = _fused_then_a_registration()
     params = {k: v.detach().clone() for k, v in p.named_parameters()}
     grads = torch.func.grad(lambda ps: torch.func.functional_call(p, ps, (x,)).sum())(params)
     unfused = Parallel(*copy.deepcopy(list(p)))
@@ -1011,11 +1017,7 @@ def test_functional_call_after_a_registration_elsewhere_leaves_the_swapped_tenso
 def test_forward_mode_tangents_through_a_fused_functional_call():
     import torch.autograd.forward_ad as fwAD
 
-    torch.manual_seed(0)
-    p = Parallel(_small_mlp(), _small_mlp(), fuse=True)
-    x = torch.randn(5, 8)
-    p(x)
-    nn.Linear(2, 2)
+    p, x = _fused_then_a_registration()
     with fwAD.dual_level():
         duals = {k: fwAD.make_dual(v.detach(), torch.ones_like(v)) for k, v in p.named_parameters()}
         assert fwAD.unpack_dual(torch.func.functional_call(p, duals, (x,))).tangent is not None
