@@ -467,6 +467,28 @@ def test_auto_streams_decides_and_stays_correct():
             assert_same(p(x), reference(p, x))
 
 
+def test_tuner_times_each_schedule_with_its_join():
+    # The join is part of what a schedule costs (an unfused cat is an operation more,
+    # a fused group's join a view): every candidate's measured CPU time holds it.
+    import time
+
+    from parallel_modules._autotune import _SAMPLES, _WARMUP
+
+    def slow_cat(outputs):
+        time.sleep(0.002)
+        return torch.cat(outputs, 1)
+
+    p = Parallel(*[nn.Linear(16, 16) for _ in range(2)], join=slow_cat, fuse="auto").to(DEV).eval()
+    x = torch.randn(8, 16, device=DEV)
+    with torch.no_grad():
+        for _ in range(3 * (_WARMUP + _SAMPLES)):
+            # (fused, a batched product may sum in another order)
+            torch.testing.assert_close(p(x), reference(p, x), rtol=1e-5, atol=1e-5)
+    (costs,) = p._tuner.costs.values()
+    assert len(costs) == 3, costs  # sequential, forked, fused
+    assert all(t.cpu >= 0.002 for t in costs.values()), costs
+
+
 @pytest.mark.parametrize("join", ["cat", None])
 def test_identity_branches(join):
     # Branches returning their input unchanged, on the caller's stream and on side streams.
