@@ -16,7 +16,9 @@ The median and the interquartile range of ``--reps`` samples are reported.
 Cases whose calls take milliseconds use smaller groups and more samples, so
 that a sample lasts about 20 ms and every mode still sees 100 calls or more.
 The floor of a case is its longest single branch captured alone in a CUDA
-graph: no schedule of the branches can beat it.
+graph: no schedule of the branches can beat it. The host probe is the CPU's
+time for a tiny ``nn.Linear`` call, taken once per round of samples: the
+speed of the host the case's CPU-bound figures were measured at.
 """
 
 from __future__ import annotations
@@ -224,6 +226,30 @@ def _sample(fn: Callable, x: torch.Tensor, group: int, cuda: bool, host: list[fl
     return (time.perf_counter() - t0) / group
 
 
+_PROBE: list[Any] = []  # the host probe's module and input, made at its first use
+
+
+def _host_probe(calls: int = 20) -> float:
+    r"""Seconds per call of a tiny ``nn.Linear`` on the CPU: how fast the host runs right now.
+
+    Figures of CPU-bound modes (eager calls of small branches, graph replays
+    of launch-bound ones) move with the host's speed, GPU-bound ones do not,
+    so ratios between the two kinds move too. On the H100 machine each of
+    the 16 vCPUs ran this call in about 10 us or about 16 us, switching
+    between the two from one tenth of a second to the next (a shared host):
+    the median of a case's probes, one per round of samples, says which
+    speed its figures were measured at.
+    """
+    if not _PROBE:
+        _PROBE[:] = [nn.Linear(16, 16), torch.randn(8, 16)]
+    lin, x = _PROBE
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            lin(x)
+        return (time.perf_counter() - t0) / calls
+
+
 def _floor(case: Case, device, dtype, x) -> float:
     r"""The longest single branch (behind the trunk, if any), captured alone in a graph (replay only)."""
     worst = 0.0
@@ -315,13 +341,16 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
             reps = max(reps, -(-_MIN_RUNS // group))
         samples: dict[str, list[float]] = {name: [] for name in modes}
         host: dict[str, list[float]] = {name: [] for name in modes}
+        probes = []
         for _ in range(reps):  # interleaved: every mode sees the same conditions
+            probes.append(_host_probe())
             for name, fn in modes.items():
                 samples[name].append(_sample(fn, x, group, cuda, host[name]))
         floor = _floor(case, device, dtype, x) if cuda and not pipeline and not train else None
         parts = _parts(case, device, dtype, x, group) if cuda and pipeline else {}
     result: dict[str, Any] = {"case": case.name, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
-                              "shape": list(x.shape), "floor_us": floor and floor * 1e6, **parts, "modes": {}}
+                              "shape": list(x.shape), "floor_us": floor and floor * 1e6, **parts,
+                              "host_probe_us": statistics.median(probes) * 1e6, "modes": {}}
     base = statistics.median(samples["eager seq"])
     for name, s in samples.items():
         q = statistics.quantiles(s, n=4)
@@ -354,6 +383,8 @@ def _table(results: list[dict[str, Any]]) -> str:
                          f"{m['iqr_us']:>9.1f}{m['speedup_vs_eager_seq']:>13.2f}x{xf:>9}  {m['check']}")
         if r["floor_us"]:
             lines.append(f"{'':<24}{'floor (longest branch, graphed)':<26}{r['floor_us']:>11.1f}")
+        if r.get("host_probe_us"):  # (results saved before the probe existed have none)
+            lines.append(f"{'':<24}{'host probe (CPU Linear)':<26}{r['host_probe_us']:>11.1f}")
         if "copy_us" in r:
             lines.append(f"{'':<24}{'alone: host-to-device copy':<26}{r['copy_us']:>11.1f}")
             lines.append(f"{'':<24}{'alone: compute':<26}{r['compute_us']:>11.1f}")

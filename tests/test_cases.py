@@ -59,6 +59,9 @@ def test_the_bench_command_checks_and_tables_a_case_on_the_cpu(capsys, monkeypat
     rows = [line for line in out.splitlines() if line.startswith("heads")]
     assert [r.split()[3:5] for r in rows][:2] == [["eager", "seq"], ["eager", "Parallel"]]
     assert rows[0].endswith("reference") and rows[1].endswith("equal") and "close(" in rows[2]
+    # How fast the host ran while the case was timed (CPU-bound figures move with it).
+    (probe,) = [line for line in out.splitlines() if "host probe" in line]
+    assert 0 < float(probe.split()[-1]) < 1e5
 
 
 def test_the_table_bounds_a_pipeline_by_its_stages_alone():
