@@ -619,6 +619,42 @@ def test_explain_keeps_signatures_apart_that_differ_only_in_strides_grad_or_valu
     assert any("2.0" in k for k in keys) and any("3.0" in k for k in keys)
 
 
+def test_explain_while_another_thread_adds_signatures():
+    # explain() reads the schedules while calls in other threads add to them.
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        p = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def calls():
+            try:
+                with torch.no_grad():
+                    for rows in range(1, 1000):  # (fewer than the 1024 schedules kept)
+                        p(torch.randn(rows, 4))
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=calls)
+        thread.start()
+        try:
+            while not done.is_set():
+                p.explain()
+        except BaseException as e:
+            errors.append(e)
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert len(p.explain()["schedules"]) == len(p._plans) == 999
+
+
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
 def test_nested_tensor_inputs(layout):
     # A strided nested tensor has no single shape: its signature is its components' shapes.
