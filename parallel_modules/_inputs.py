@@ -44,14 +44,14 @@ def _input_device(args: tuple, kwargs: dict) -> torch.device | None:
 def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
     r"""A hashable key for everything about a call that may change how it runs.
 
-    Shapes, dtypes, devices, strides (contiguity decides kernels) and
-    ``requires_grad`` of every tensor input, the structure of the inputs, the
+    Shapes, dtypes, devices, strides (contiguity decides kernels),
+    ``requires_grad`` and the subclass, if any, of every tensor input, the structure of the inputs, the
     values of numbers, strings, dtypes and devices among them (a compiled
     engine bakes them in) and the types of other non-tensor inputs, the
     module's train/eval mode and whether autograd is recording.
     """
     grad = torch.is_grad_enabled()
-    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor) and not args[0].is_nested:
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and not args[0].is_nested:
         x = args[0]
         try:
             return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, grad, training)
@@ -66,7 +66,10 @@ def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
                           leaf.requires_grad))
         elif isinstance(leaf, torch.Tensor):
             layout = leaf.stride() if leaf.layout == torch.strided else (leaf.layout, leaf._nnz())
-            parts.append((leaf.shape, layout, leaf.dtype, leaf.device, leaf.requires_grad))
+            key = (leaf.shape, layout, leaf.dtype, leaf.device, leaf.requires_grad)
+            # A subclass (a parameter, a __torch_function__ wrapper) may run other code
+            # and return its own type: a graph captured for plain tensors must not replay for it.
+            parts.append(key if type(leaf) is torch.Tensor else (*key, type(leaf)))
         elif isinstance(leaf, _BY_VALUE):
             parts.append(_value_key(leaf))
         else:

@@ -1006,9 +1006,10 @@ def _describe_signature(key: Hashable) -> str:
     grad, training = (key[5], key[6]) if single else (key[1], key[2])  # or (spec, grad, training, *leaves)
     parts = []
     for item in [key[:5]] if single else key[3:]:
-        if isinstance(item, tuple) and len(item) == 5 and isinstance(item[0], torch.Size):
-            shape, stride, dtype, device, requires_grad = item
-            text = f"Tensor{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
+        if isinstance(item, tuple) and len(item) in (5, 6) and isinstance(item[0], torch.Size):
+            shape, stride, dtype, device, requires_grad = item[:5]
+            kind = item[5].__name__ if len(item) == 6 else "Tensor"  # (a subclass: see _signature)
+            text = f"{kind}{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
             if stride != torch.empty(shape, device="meta").stride():  # (contiguous strides, no memory)
                 text += f" strides {tuple(stride)}"
             parts.append(text + (" requires_grad" if requires_grad else ""))

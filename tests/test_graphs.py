@@ -1280,3 +1280,23 @@ def test_dataclass_outputs_are_refused_unless_registered():
         for y, x in ((y1, x1), (y2, x2)):
             assert isinstance(y, _RegisteredPair)
             assert torch.equal(y.a, block[0](x)) and torch.equal(y.b, block[1](x))
+
+
+class _Tagged(torch.Tensor):
+    r"""A tensor subclass that operations propagate (``torch.Tensor.__torch_function__``)."""
+
+
+@cuda
+def test_a_tensor_subclass_input_gets_a_graph_of_its_own():
+    # A graph captured for plain tensors replays plain kernels into plain buffers: a
+    # subclass input (code may run differently for it, and it returns its own type)
+    # is captured on its own.
+    block = Parallel(*_mlp(3, width=16), cuda_graph=True).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        plain = block(x)
+        tagged = block(x.as_subclass(_Tagged))
+        again = block(torch.randn(4, 16, device="cuda").as_subclass(_Tagged))
+    assert type(plain) is torch.Tensor and type(tagged) is _Tagged and type(again) is _Tagged
+    assert torch.equal(tagged.as_subclass(torch.Tensor), plain)
+    assert block._graphs.captures == 2

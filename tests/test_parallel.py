@@ -619,6 +619,23 @@ def test_explain_keeps_signatures_apart_that_differ_only_in_strides_grad_or_valu
     assert any("2.0" in k for k in keys) and any("3.0" in k for k in keys)
 
 
+class _Tagged(torch.Tensor):
+    r"""A tensor subclass that operations propagate (``torch.Tensor.__torch_function__``)."""
+
+
+def test_a_tensor_subclass_input_has_a_signature_of_its_own():
+    # Code may run differently for a subclass and returns its type: a schedule (or a
+    # CUDA graph, see test_graphs) made for plain tensors is not reused for it.
+    p = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    assert type(p(x)) is torch.Tensor
+    out = p(x.as_subclass(_Tagged))
+    assert type(out) is _Tagged
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), p(x), rtol=0, atol=0)
+    keys = list(p.explain()["schedules"])
+    assert len(keys) == 2 and any(k.startswith("_Tagged(2, 4)") for k in keys), keys
+
+
 def test_explain_while_another_thread_adds_signatures():
     # explain() reads the schedules while calls in other threads add to them.
     import sys
