@@ -88,6 +88,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ._graphs import _CaptureError
 from ._inputs import _input_device, _module_devices
 from ._streams import (_capture_underway, _changed, _changed_in_place, _current_stream, _is_tracing, _join_backward,
                        _pool, _record_on, _run_forked, _set_stream, _watched)
@@ -232,14 +233,17 @@ class _Placement:
             )
         if _is_tracing():
             return self._one_by_one(module, device, args, kwargs)
-        if module.cuda_graph or _capture_underway():
+        if _capture_underway():
+            # (With cuda_graph=True, this is the block's own warm-up: a capture error, so that
+            # graph_fallback=True runs the signature eagerly -- below, with no capture underway.)
             why = "cuda_graph=True" if module.cuda_graph else "a CUDA graph capture encloses it"
-            raise RuntimeError(
+            raise (_CaptureError if module.cuda_graph else RuntimeError)(
                 f"{owner}: {why}, but its branches live on several CUDA devices ({self.where}); a CUDA "
                 f"graph is captured on one device, so multi-device placement cannot be graphed. Use "
                 f"cuda_graph=False for this block, or graph each device's part on its own, e.g. "
                 f"{owner}(Parallel(..., cuda_graph=True).to('cuda:0'), Parallel(..., cuda_graph=True)"
-                f".to('cuda:1'))."
+                f".to('cuda:1'))" + (", or pass graph_fallback=True to run it eagerly with a warning."
+                                     if module.cuda_graph else ".")
             )
         # The branches of the input's device run with it current, forked or not (code in a
         # branch that allocates on "cuda" addresses the input's device). Making a stream

@@ -336,6 +336,18 @@ def test_cuda_graph_refused_naming_module_and_devices():
         assert_same(p(x), placed_reference(p, x))
 
 
+def test_cuda_graph_with_fallback_runs_placed_branches_eagerly():
+    # graph_fallback=True: a signature that cannot be captured runs eagerly with one
+    # warning -- branches on two devices too, as they run with cuda_graph=False.
+    p = _two_device_block()
+    p.cuda_graph, p.graph_fallback = True, True
+    with torch.no_grad(), pytest.warns(UserWarning, match="several CUDA devices") as record:
+        for _ in range(3):
+            x = torch.randn(8, 32, device=D0)
+            assert_same(p(x), placed_reference(p, x))
+    assert len([w for w in record if "graph_fallback=True" in str(w.message)]) == 1
+
+
 def test_graphed_block_per_device_inside_a_placed_block():
     torch.manual_seed(0)
     p = Parallel(
