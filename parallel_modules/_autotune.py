@@ -48,8 +48,13 @@ _SAMPLES = 12
 # much to be kept: a schedule that only ties costs CPU time the next layer
 # could use, and measurements are noisy.
 _MARGIN = 0.97
-# Signatures being tuned at once per module; beyond this the oldest trial is dropped.
+# Signatures being tuned at once per module. Beyond this, a trial not called during
+# the last _IDLE_CALLS calls of the module's tuner is dropped (a signature seen a few
+# times, then no more); if none is, the new signature keeps the plain sequential
+# schedule at once. (Dropping the oldest trial instead, shapes cycling through more
+# signatures than this would never end a trial, every call paying for tuning.)
 _MAX_TRIALS = 256
+_IDLE_CALLS = 16 * _MAX_TRIALS
 # How much more a microsecond of the host's CPU counts than one of the GPU (see above).
 _CPU_WEIGHT = 1.2
 
@@ -63,10 +68,11 @@ class _Timing(NamedTuple):
 
 
 class _Trial:
-    __slots__ = ("count", "candidates", "samples")
+    __slots__ = ("count", "candidates", "samples", "last")
 
     def __init__(self, candidates: Sequence[Hashable]) -> None:
         self.count = 0
+        self.last = 0  # the tuner's call count at this trial's latest call
         self.candidates = tuple(candidates)
         # schedule -> list of (cpu seconds, start event, end event)
         self.samples: dict[Hashable, list] = {c: [] for c in self.candidates}
@@ -91,6 +97,7 @@ class _ScheduleTuner:
         # ``explain()`` shows it, so a user can see why a schedule was kept.
         self.costs: dict[Hashable, dict[Hashable, _Timing]] = {}
         self._lock = threading.Lock()  # calls from several threads share the trials
+        self.calls = 0
 
     def clear(self) -> None:
         self.trials.clear()
@@ -104,15 +111,27 @@ class _ScheduleTuner:
         chosen schedule (``None`` before that).
         """
         with self._lock:
+            self.calls += 1
             trial = self.trials.get(key)
-            if trial is None or trial.candidates != tuple(candidates):
-                if len(self.trials) >= _MAX_TRIALS:
-                    self.trials.pop(next(iter(self.trials)))
-                trial = self.trials[key] = _Trial(candidates)
-            k = len(trial.candidates)
-            schedule = trial.candidates[trial.count % k]
-            keep = trial.count >= k * _WARMUP
-            trial.count += 1
+            if trial is None and len(self.trials) >= _MAX_TRIALS:
+                idle = min(self.trials, key=lambda k: self.trials[k].last)
+                if self.calls - self.trials[idle].last <= _IDLE_CALLS:
+                    full = True
+                else:
+                    del self.trials[idle]
+                    full = False
+            else:
+                full = False
+            if not full:
+                if trial is None or trial.candidates != tuple(candidates):
+                    trial = self.trials[key] = _Trial(candidates)
+                trial.last = self.calls
+                k = len(trial.candidates)
+                schedule = trial.candidates[trial.count % k]
+                keep = trial.count >= k * _WARMUP
+                trial.count += 1
+        if full:  # (every trial still in use: see _MAX_TRIALS)
+            return run(candidates[0]), candidates[0]
         if not keep:
             return run(schedule), None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

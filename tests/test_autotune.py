@@ -152,6 +152,38 @@ def test_a_schedule_that_raises_is_never_kept(host_events):
     assert (out, decided, calls[-1]) == ("out", "seq", "seq")
 
 
+def test_signatures_cycling_past_the_trial_table_still_decide(host_events, monkeypatch):
+    # Shapes cycling through more signatures than the table holds: before, each new one
+    # dropped the oldest trial, so no trial ever ended and every call paid for tuning.
+    # Now the overflow keeps the sequential schedule at once, and the others decide.
+    monkeypatch.setattr(_autotune, "_MAX_TRIALS", 3)
+    monkeypatch.setattr(_autotune, "_IDLE_CALLS", 100)
+    tuner, decided = _ScheduleTuner(), {}
+    for _ in range(_TRIAL):
+        for key in "abcde":
+            if key not in decided:
+                out, choice = tuner.run(key, None, ["seq", "fork"], lambda s: s)
+                if choice is not None:
+                    decided[key] = choice
+    assert decided["d"] == decided["e"] == "seq" and set(decided) == set("abcde")
+    assert not tuner.trials and set(tuner.costs) == set("abc")  # a, b and c were timed to the end
+
+
+def test_a_trial_left_idle_makes_room(host_events, monkeypatch):
+    # A signature seen a few times and then no more does not hold its place forever.
+    monkeypatch.setattr(_autotune, "_MAX_TRIALS", 1)
+    monkeypatch.setattr(_autotune, "_IDLE_CALLS", 5)
+    tuner = _ScheduleTuner()
+    tuner.run("once", None, ["seq", "fork"], lambda s: s)
+    assert tuner.run("new", None, ["seq", "fork"], lambda s: s)[1] == "seq"  # "once" is still recent
+    for _ in range(5):
+        tuner.run("once", None, ["seq", "fork"], lambda s: s)
+    for _ in range(5):  # the table is full, "once" recent: each decided at once
+        assert tuner.run("other", None, ["seq", "fork"], lambda s: s)[1] == "seq"
+    assert tuner.run("new", None, ["seq", "fork"], lambda s: s)[1] is None  # "once" idle: "new" is tried
+    assert set(tuner.trials) == {"new"}
+
+
 def test_two_threads_finishing_one_trial_both_return(host_events):
     # Before: the second call to reach the count deleted the trial again (KeyError).
     tuner = _ScheduleTuner()
