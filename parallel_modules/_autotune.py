@@ -103,6 +103,16 @@ class _ScheduleTuner:
         self.trials.clear()
         self.costs.clear()
 
+    def _room(self) -> bool:
+        r"""Whether a new trial may start, dropping an idle one if the table is full (lock held)."""
+        if len(self.trials) < _MAX_TRIALS:
+            return True
+        idle = min(self.trials, key=lambda k: self.trials[k].last)
+        if self.calls - self.trials[idle].last <= _IDLE_CALLS:
+            return False
+        del self.trials[idle]
+        return True
+
     def run(self, key: Hashable, stream: torch.cuda.Stream, candidates: Sequence[Hashable],
             run: Callable[[Hashable], Any]) -> tuple[Any, Hashable | None]:
         r"""Run one call of signature ``key`` with the schedule whose turn it is, and time it.
@@ -113,15 +123,7 @@ class _ScheduleTuner:
         with self._lock:
             self.calls += 1
             trial = self.trials.get(key)
-            if trial is None and len(self.trials) >= _MAX_TRIALS:
-                idle = min(self.trials, key=lambda k: self.trials[k].last)
-                if self.calls - self.trials[idle].last <= _IDLE_CALLS:
-                    full = True
-                else:
-                    del self.trials[idle]
-                    full = False
-            else:
-                full = False
+            full = trial is None and not self._room()
             if not full:
                 if trial is None or trial.candidates != tuple(candidates):
                     trial = self.trials[key] = _Trial(candidates)
