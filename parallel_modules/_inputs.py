@@ -29,8 +29,10 @@ def _input_device(args: tuple, kwargs: dict) -> torch.device | None:
     A 0-dim CPU tensor is passed over for a later tensor: PyTorch lets such
     scalars join tensors of any device.
     """
-    if args and isinstance(args[0], torch.Tensor) and (args[0].device.type != "cpu" or args[0].dim()):
-        return args[0].device
+    if args and isinstance(args[0], torch.Tensor):
+        device = args[0].device  # (a new object at each read)
+        if device.type != "cpu" or args[0].dim():
+            return device
     first = None
     for leaf in _leaves(args, kwargs):
         if isinstance(leaf, torch.Tensor):

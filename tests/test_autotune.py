@@ -129,6 +129,8 @@ def forks(monkeypatch, host_events):
         return outs if join is None else join(outs)
 
     monkeypatch.setattr(_parallel, "_run_forked", run_forked)
+    monkeypatch.setattr(_parallel, "_fork_join", lambda calls, device, args, kwargs, join, error: run_forked(
+        calls, device, None, False, (), join, 0, None, args, kwargs, error))
     monkeypatch.setattr(_autotune, "_choose", lambda costs, baseline: next((c for c in costs if c.forked), baseline))
     return seen
 

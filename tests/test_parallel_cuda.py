@@ -509,7 +509,10 @@ def test_identity_branches(join):
         assert_same(consumed, torch.cat(expected, 1) if join is None else expected)
 
 
-def test_exception_in_side_branch_restores_stream_and_joins():
+@pytest.mark.parametrize("decided_calls", [0, 2])
+def test_exception_in_side_branch_restores_stream_and_joins(decided_calls):
+    # decided_calls: calls that succeed first, so that the failing one takes the
+    # fork of a decided schedule (its streams and events already looked up).
     written = torch.zeros(1024, device=DEV)
     written_by_failing = torch.zeros(1024, device=DEV)
     torch.cuda.synchronize()
@@ -537,6 +540,14 @@ def test_exception_in_side_branch_restores_stream_and_joins():
                  join="cat", streams=True).to(DEV)
     s = torch.cuda.Stream()
     x = torch.randn(16, 64, device=DEV)
+    failing.fail = False
+    with torch.no_grad(), torch.cuda.stream(s):
+        for _ in range(decided_calls):
+            p(x)
+    failing.fail = True
+    torch.cuda.synchronize()
+    written.zero_()
+    written_by_failing.zero_()
     torch.cuda.synchronize()
     with torch.no_grad(), torch.cuda.stream(s):
         with pytest.raises(KeyError) as ei:

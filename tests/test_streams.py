@@ -104,6 +104,43 @@ def test_run_forked_names_the_item_that_raised_and_joins_the_others():
 
 
 @cuda
+def test_fork_join_forks_joins_and_names_the_item_that_raised_without_the_general_path(monkeypatch):
+    dev = torch.device("cuda")  # (no index: the current device's)
+    x = torch.randn(64, device=dev)
+    caller = torch.cuda.current_stream()
+    seen = []
+
+    def slow(t):
+        seen.append(torch.cuda.current_stream())
+        torch.cuda._sleep(1_000_000)
+        return t * 2
+
+    def bad(t):
+        raise ValueError("boom")
+
+    def in_place(t):
+        return t.mul_(1)
+
+    def fork_join(calls, t):
+        return _streams._fork_join(calls, dev, (t,), {}, torch.stack, lambda e, i: RuntimeError(f"item {i}: {e}"))
+
+    fork_join([torch.neg, slow, slow], x)  # looks this thread's streams and events up (the general path)
+    general = []
+    monkeypatch.setattr(_streams, "_run_forked", lambda *a, **k: general.append(1))
+    seen.clear()
+    out = fork_join([torch.neg, slow, slow], x)
+    assert torch.equal(out, torch.stack([-x, x * 2, x * 2]))  # joined: the stack reads the slow items' outputs
+    assert len({caller, *seen}) == 3
+    with pytest.raises(RuntimeError, match="item 2: boom"):
+        fork_join([torch.neg, slow, bad], x)
+    assert torch.cuda.current_stream() == caller and _streams._pool(dev).offset == 0
+    with pytest.raises(RuntimeError, match="item 1: a branch changed its input in place"):
+        fork_join([torch.neg, in_place, slow], x.clone())
+    assert torch.cuda.current_stream() == caller and not general
+    assert torch.equal(fork_join([torch.neg, slow, slow], x), out)
+
+
+@cuda
 def test_a_caller_on_one_of_the_pools_streams_still_forks_beside_itself():
     # torch.cuda.Stream() cycles through the same 32 streams the pool takes: a
     # user's stream can be a side stream. Branches must then go elsewhere.
