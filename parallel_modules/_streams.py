@@ -445,7 +445,9 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
     through the general function (60-70 us calls), whose options each cost
     well under a microsecond alone. The general function runs a fork whose
     streams and events this thread has not looked up yet (its first), and one
-    on a device other than the current one.
+    on a device other than the current one (with that device made current for
+    the call, as ``Parallel._run`` does, since setting a stream of another
+    device makes that device current).
     """
     current = _current_device()
     index = device.index if device.index is not None else current

@@ -124,7 +124,9 @@ def test_fork_join_forks_joins_and_names_the_item_that_raised_without_the_genera
     def fork_join(calls, t):
         return _streams._fork_join(calls, dev, (t,), {}, torch.stack, lambda e, i: RuntimeError(f"item {i}: {e}"))
 
-    fork_join([torch.neg, slow, slow], x)  # looks this thread's streams and events up (the general path)
+    # The first fork of these slots in this thread takes the general path, which looks
+    # their streams and events up (unless an earlier test's fork did).
+    fork_join([torch.neg, slow, slow], x)
     general = []
     monkeypatch.setattr(_streams, "_run_forked", lambda *a, **k: general.append(1))
     seen.clear()
