@@ -432,6 +432,37 @@ def _changed_in_place() -> RuntimeError:
     )
 
 
+def _join_and_release(outputs: list[Any], join: Callable[[list[Any]], Any], caller: torch.cuda.Stream,
+                      fork: torch.cuda.Event, streams: Sequence[torch.cuda.Stream]) -> Any:
+    r"""Join ``outputs`` (item 0 made on ``caller``, the others on ``streams``) on ``caller``'s
+    stream, then release the side outputs as the module docstring says (memory).
+
+    Called once every side stream is joined into ``caller`` and no longer waits on ``fork``.
+    """
+    try:
+        result = join(outputs)
+    except BaseException:
+        for out in outputs[1:]:
+            _record_on(out, caller)
+        raise
+    released = False
+    for i in range(1, len(outputs)):
+        # Held elsewhere (a Python reference, a view, a tensor saved for
+        # backward sharing its memory): the caller's stream may read it after
+        # the join, so the allocator must know.
+        if (not isinstance(outputs[i], torch.Tensor) or _references(outputs, i) > _OWN_REFERENCES
+                or _use_count(outputs[i].untyped_storage()._cdata) > 2):  # the tensor's, and this call's
+            _record_on(outputs[i], caller)
+        else:
+            released = True
+    if released:
+        # The fork event's waits are all enqueued: it can be recorded again.
+        _record(fork, caller)
+        for side in streams:
+            _wait(fork, side)
+    return result
+
+
 def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict,
                join: Callable[[list[Any]], Any], error: Callable[[Exception, int], Exception]) -> Any:
     r"""``_run_forked(calls, device, None, False, inputs, join, args=args, kwargs=kwargs, error=error)``
@@ -503,25 +534,7 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
             _wait(joins[i], caller)
     if torch.is_grad_enabled():
         _join_backward((*args, *kwargs.values()), streams)
-    try:
-        result = join(outputs)
-    except BaseException:
-        for out in outputs[1:]:
-            _record_on(out, caller)
-        raise
-    # Memory: as _run_forked releases the outputs.
-    released = False
-    for i in range(1, len(outputs)):
-        if (not isinstance(outputs[i], torch.Tensor) or _references(outputs, i) > _OWN_REFERENCES
-                or _use_count(outputs[i].untyped_storage()._cdata) > 2):
-            _record_on(outputs[i], caller)
-        else:
-            released = True
-    if released:
-        _record(fork, caller)
-        for side in streams:
-            _wait(fork, side)
-    return result
+    return _join_and_release(outputs, join, caller, fork, streams)
 
 
 def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: bool | None = None,
@@ -624,25 +637,4 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
         for i in launch[1:]:
             _record_on(outputs[i], caller)
         return outputs if join is None else join(outputs)
-    try:
-        result = join(outputs)
-    except BaseException:
-        for out in outputs[1:]:
-            _record_on(out, caller)
-        raise
-    released = False
-    for i in range(1, n):
-        # Held elsewhere (a Python reference, a view, a tensor saved for
-        # backward sharing its memory): the caller's stream may read it after
-        # the join, so the allocator must know.
-        if (not isinstance(outputs[i], torch.Tensor) or _references(outputs, i) > _OWN_REFERENCES
-                or _use_count(outputs[i].untyped_storage()._cdata) > 2):  # the tensor's, and this call's
-            _record_on(outputs[i], caller)
-        else:
-            released = True
-    if released:
-        # The fork event's waits are all enqueued: it can be recorded again.
-        _record(fork, caller)
-        for side in streams:
-            _wait(fork, side)
-    return result
+    return _join_and_release(outputs, join, caller, fork, streams)
