@@ -15,6 +15,7 @@ import sys
 from unittest import mock
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -154,6 +155,28 @@ def test_host_to_device(pinned: bool, chunks: int, grad: bool) -> None:
             x.fill_(float("nan"))
         assert torch.equal(out, expected)
     _assert_clean(torch.cuda.default_stream())
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_pinned_input_is_asked_once(chunks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each is_pinned() asks the CUDA driver: a pinned input is checked once per call, its
+    # pieces not again (a pageable one's pieces are, each staged as it is copied).
+    model = _model(chunks, sleep_in=0)
+    x, y = _host_batch(True), _host_batch(False)
+    expected, expected_y = model(x.cuda()), model(y.cuda())
+    asked = []
+    is_pinned = torch.Tensor.is_pinned
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        asked.append(tuple(self.shape))
+        return is_pinned(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", counting)
+    assert torch.equal(model(x), expected)
+    assert asked == [tuple(x.shape)]
+    asked.clear()
+    assert torch.equal(model(y), expected_y)
+    assert len(asked) == 1 + (chunks if chunks > 1 else 0)
 
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
