@@ -184,6 +184,13 @@ def _unfusable(branch: nn.Module) -> str | None:
         if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None):
             return (f"{where} normalizes with batch statistics and updates its running statistics in place "
                     f"(BatchNorm in training mode); call .eval() on it to allow fusion")
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            return (f"{where} has sparse gradients (sparse=True), which the members' stacked weight cannot "
+                    f"hand back to each branch")
+        if isinstance(m, nn.RNNBase):
+            return f"{where} is a recurrent layer, which is not batched across branches"
+        if _is_block(m):
+            return f"{where} is a block of its own; set fuse= on it to fuse its branches"
         if isinstance(m, (_DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.training and m.p > 0:
             return (f"{where} draws random masks in training mode; fused, its masks could not match the "
                     f"unfused module's")
@@ -195,6 +202,13 @@ def _unfusable(branch: nn.Module) -> str | None:
     if len({id(t) for _, t in named}) != len(named):
         return "it uses one parameter or buffer in several places (tied weights)"
     return None
+
+
+def _is_block(m: nn.Module) -> bool:
+    from .parallel import Parallel  # (imported here: parallel imports this module)
+    from .pipeline import ParallelSequential
+
+    return isinstance(m, (Parallel, ParallelSequential))
 
 
 def _tensor_ids(branch: nn.Module) -> set[int]:
@@ -225,10 +239,28 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
                 break
         else:
             groups.append([i])
+    # A tensor stacked by two groups would be moved into one stack, then the other, on
+    # every call (each sees the other's move as a replaced parameter): the later group
+    # leaves such members out.
+    holder: dict[int, int] = {}  # tensor id -> the branch of a kept group holding it
+    kept = []
     for group in groups:
+        if len(group) > 1:
+            members = []
+            for i in group:
+                shared = next((holder[t] for t in _tensor_ids(branches[i]) if t in holder), None)
+                if shared is None:
+                    members.append(i)
+                else:
+                    reasons[i] = f"it shares parameters or buffers with branch index {shared}, fused with others"
+            group = members
+            for i in group:
+                holder.update(dict.fromkeys(_tensor_ids(branches[i]), i))
         if len(group) == 1:
             reasons[group[0]] = "no other branch is identical to it"
-    return [g for g in groups if len(g) > 1], reasons
+        elif group:
+            kept.append(group)
+    return kept, reasons
 
 
 # ------------------------------------------------------------ the stacks
@@ -695,8 +727,15 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
         return [t, *(t.clone() for _ in range(n - 1))]
     if v.layout == _STACKED:
         return [t.select(0, i) for i in range(n)]
+    # The channels layout, [B, N * C, ...]: a member's channels are a strided slice of
+    # every sample, where unfused it gets a dense tensor of its own (``.view()`` works on
+    # it). One copy gives every member a dense block; an input in another memory format
+    # (channels-last) gets that format, member by member, as unfused.
     t = t.unflatten(1, (n, -1))
-    return [t.select(1, i) for i in range(n)]
+    if t.is_contiguous():
+        t = t.movedim(1, 0).contiguous()
+        return [t.select(0, i) for i in range(n)]
+    return [t.select(1, i).clone(memory_format=torch.preserve_format) for i in range(n)]
 
 
 _Get = Callable[[str], "torch.Tensor | None"]
@@ -844,7 +883,8 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
             half = x.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(x.device.type)
             out = F.layer_norm(x.float() if half else x, shape, None, None, eps)
             dtype = x.dtype if half else out.dtype
-            out = out.float()
+            if out.dtype in (torch.float16, torch.bfloat16):  # (not float64, which float32 would round)
+                out = out.float()
             lead = (1,) * (out.dim() - len(shape) - (0 if v.layout == _SHARED else 1))
             if w is not None:
                 out = out * w.view(n, *lead, *shape)
@@ -884,20 +924,43 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     local = [(q[len(prefix) + 1:] if prefix else q, q) for q in quals]
 
     def call(state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
-        return torch.func.functional_call(m, state, (x,), tie_weights=False, strict=False)
+        given = dict(state)
+        out = torch.func.functional_call(m, state, (x,), tie_weights=False, strict=False)
+        # A tensor assigned in forward (``self.avg = ...``, not ``self.avg.mul_(...)``) is
+        # written back into ``state`` and the stacked one put back in the module: the
+        # members would silently keep their old tensors. Refused: the group runs unfused.
+        changed = [k for k, t in given.items() if state.get(k) is not t]
+        if changed:
+            raise RuntimeError(
+                f"{type(m).__name__} assigns a new tensor to {changed[0]!r} in forward, which a batched "
+                f"call cannot hand back to each branch")
+        return out
 
     shared = torch.vmap(call, in_dims=(0, None))
     stacked = torch.vmap(call, in_dims=(0, 0))
 
     def step(v: _Value, get: _Get) -> Any:
         state = {k: t for k, t in ((k, get(q)) for k, q in local) if t is not None}
-        out = shared(state, v.t) if v.layout == _SHARED else stacked(state, _to_stacked(v, group.n))
+        if v.layout == _SHARED and state:
+            out = shared(state, v.t)
+        else:
+            # (Without parameters or buffers nothing else is batched, and vmap needs a batched
+            # input: the members' common input is read as N stacked copies, without copying.)
+            out = stacked(state, _to_stacked(v, group.n))
         return _Value(out, _STACKED) if isinstance(out, torch.Tensor) else out
 
     return step
 
 
 # ------------------------------------------------------- a module's fusion
+class _Unfused(list):
+    r"""The outputs of a group's members run one by one, after running them batched failed.
+
+    Told apart from a batched value that is itself a list (the stacked outputs of
+    members that return lists).
+    """
+
+
 class _Fusion:
     r"""The fused groups of one ``Parallel`` and why its other branches are not fused.
 
@@ -969,7 +1032,7 @@ class _Fusion:
         result: list[Any] = [None] * len(self.names)
         for unit, out in zip(units, outputs):
             if isinstance(unit, _Group):
-                if not isinstance(out, list):  # batched, not the unfused fallback's list
+                if type(out) is not _Unfused:  # batched, not the members' own outputs
                     out = _split(out, unit.n)
                 for i, o in zip(unit.indices, out):
                     result[i] = o

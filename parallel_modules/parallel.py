@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
-from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined
+from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _Unfused
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
@@ -202,7 +202,17 @@ class Parallel(nn.Module):
             on, where it keeps the branches unfused, since fused results may
             differ from them in the last bits and timing may choose differently
             between runs. ``False`` never fuses. ``explain()`` says what was
-            fused and why the rest was not. Default: ``False``.
+            fused and why the rest was not. Groups are found at the first
+            call, and again once a submodule, parameter or buffer below is
+            replaced or registered, a hook added or a train/eval mode
+            changed. A group runs its first member's layers for every member:
+            a hyper-parameter changed in place later (``conv.padding = 0``,
+            ``norm.eps = 1e-3``) is seen once ``fuse`` is set again
+            (``block.fuse = block.fuse``), and Python side effects of a
+            member's ``forward`` (a call counter) happen once per call. Fused
+            parameters are views of one stacked tensor per layer: saving one
+            branch's ``state_dict`` saves every member's values (clone them
+            first to save one). Default: ``False``.
         compile: compile each branch on its own, at its first call, and run
             the compiled code under this module's streams and CUDA graph:
             ``"inductor"`` (or another :func:`torch.compile` backend name or
@@ -680,7 +690,7 @@ class Parallel(nn.Module):
                         b.copy_(saved)
             # Run the members as ordinary branches: if they fail too, the input
             # is at fault, and their error names the branch.
-            outputs = [self._call(i, args, kwargs) for i in group.indices]
+            outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
             names = [list(self._modules)[i] for i in group.indices]
             if self.fuse is True:
                 raise RuntimeError(

@@ -97,6 +97,9 @@ CASES = {
     "head": (lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 5)), lambda d: torch.randn(7, 16, device=d)),
     # Biases of one width after the first layer, stacked together (filled by one copy in a capture).
     "deep": (lambda: nn.Sequential(*mlp(depth=4), nn.Linear(16, 5)), lambda d: torch.randn(6, 16, device=d)),
+    # A module with neither a batched rule nor parameters on the members' common input.
+    "softmax-first": (lambda: nn.Sequential(nn.Softmax(dim=-1), nn.Linear(16, 4)),
+                      lambda d: torch.randn(5, 16, device=d)),
     # A stacked value (after LayerNorm's per-member affine) into a product.
     "layernorm-between": (lambda: nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8), nn.Linear(8, 8)),
                           lambda d: torch.randn(5, 16, device=d)),
@@ -163,6 +166,126 @@ def test_fused_outputs_have_the_unfused_strides(device, join, layouts):
     for o, e in zip(outs if join is None else [outs], expected if join is None else [expected]):
         assert o.stride() == e.stride()
         assert_close(o, e)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("join", [None, "dict"])
+def test_fused_convolutions_hand_each_branch_a_dense_output(device, channels_last, join):
+    # Convolutions run in the channels layout, [B, N * C, H, W]: a member's slice of it is
+    # strided, where unfused each branch returns a dense tensor (in its input's memory format).
+    p = Parallel(*[nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()) for _ in range(3)],
+                 join=join, fuse=True).to(device)
+    x = torch.randn(2, 3, 6, 6, device=device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    outs, expected = p(x), reference(p, x)
+    if join == "dict":
+        outs, expected = list(outs.values()), list(expected.values())
+    for o, e in zip(outs, expected):
+        assert o.stride() == e.stride()
+        assert_close(o, e)
+    if not channels_last:
+        outs[0].view(-1)  # (refused for a strided slice)
+    sum(o.sum() for o in outs).backward()
+    assert all(q.grad is not None for q in p.parameters())
+
+
+def test_layer_norm_keeps_float64():
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(3)], fuse=True).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    out, expected = p(x), reference(p, x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)  # (float32 rounding: about 1e-7)
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x * self.weight, x + self.weight]
+
+
+@pytest.mark.parametrize("join", [None, "cat"])
+def test_branches_returning_lists(join):
+    # Run through vmap, the members' lists come back as one list of stacked tensors: not to be
+    # taken for the members' own outputs (what running them unfused returns).
+    p = Parallel(*[TwoOutputs() for _ in range(3)], join=join, fuse=True)
+    x = torch.randn(4, 8)
+    out = p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    assert_close(out, reference(p, x))
+
+
+class RunningMean(nn.Module):
+    r"""Assigns its buffer anew in forward (``self.avg = ...``), as some custom modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.avg = (0.9 * self.avg + 0.1 * x.mean(0)).detach()
+        return x - self.avg
+
+
+def test_buffer_assigned_in_forward_runs_unfused():
+    branches = [nn.Sequential(nn.Linear(8, 8), RunningMean()) for _ in range(3)]
+    p = Parallel(*copy.deepcopy(branches), fuse="auto")
+    ref = Parallel(*copy.deepcopy(branches))
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="assigns a new tensor to 'avg' in forward"):
+        out = p(x)
+    for _ in range(3):
+        assert_close(out, ref(x))
+        for mine, theirs in zip(p.buffers(), ref.buffers()):
+            assert_close(mine, theirs)
+        out = p(x)
+    assert "assigns a new tensor" in p.explain()["unfused"]["0"]
+    with pytest.raises(RuntimeError, match="assigns a new tensor to 'avg'"):
+        Parallel(*copy.deepcopy(branches), fuse=True)(x)
+
+
+def test_sparse_embeddings_are_not_fused():
+    branches = [nn.Embedding(10, 4, sparse=True) for _ in range(3)]
+    p = Parallel(*branches, fuse="auto")
+    idx = torch.randint(0, 10, (3, 5))
+    p(idx).sum().backward()
+    assert all(b.weight.grad.is_sparse for b in branches)
+    assert "sparse gradients" in p.explain()["unfused"]["0"]
+    with pytest.raises(ValueError, match="sparse gradients"):
+        Parallel(*branches, fuse=True)
+
+
+def test_parameter_shared_by_two_groups_is_stacked_by_one():
+    # Stacked by both groups, a tensor would move from one stack to the other on every call.
+    shared = nn.Linear(8, 8)
+    p = Parallel(shared, nn.Linear(8, 8), nn.Sequential(shared, nn.ReLU()),
+                 nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), fuse="auto")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert_close(p(x), reference(p, x))
+        moves, where = p._param_moves, shared.weight.data_ptr()
+        for _ in range(3):
+            assert_close(p(x), reference(p, x))
+    assert (p._param_moves, shared.weight.data_ptr()) == (moves, where)
+    assert fused_groups(p) == [["0", "1"], ["3", "4"]]
+    assert "shares parameters or buffers with branch index 0" in p.explain()["unfused"]["2"]
+
+
+@pytest.mark.parametrize("build, why", [
+    (lambda: nn.LSTM(8, 8), "recurrent layer"),
+    (lambda: Parallel(nn.Linear(8, 8), nn.Linear(8, 8)), "block of its own"),
+])
+def test_reasons_for_modules_never_fused(build, why):
+    p = Parallel(build(), build(), join="tuple", fuse="auto")
+    p(torch.randn(4, 8))
+    assert all(why in reason for reason in p.explain()["unfused"].values())
+    with pytest.raises(ValueError, match=why):
+        Parallel(build(), build(), fuse=True)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
