@@ -16,9 +16,13 @@ checked and make it forget what it learnt as soon as they are set
 (:func:`_change_setting`).
 
 Not seen: changes made without registering anything -- ``del`` of a submodule
-below the container, writes into ``_modules`` or ``_parameters`` directly --
-which the containers' own mutators (``__delitem__``, ``insert``) handle for
-their own children.
+below the container, ``nn.Sequential.insert`` there of a module built before
+(building one registers its parameters), writes into ``_modules`` or
+``_parameters`` directly -- which the containers' own mutators
+(``__delitem__``, ``insert``) handle for their own children. Comparing every
+container's children on every call would cost the hot path 1.4 us for mlp8's
+nine containers on the development machine's CPU, where its graphed call
+costs the H100 machine's CPU 20-30 us.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from typing import Any, Callable, NamedTuple, Sequence, overload
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.fx import _symbolic_trace
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
@@ -348,7 +349,7 @@ class ParallelSequential(nn.Sequential):
             for d in _module_devices(stage):
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
-                if isinstance(m, _BatchNorm) or hasattr(type(m), "mixes_batch") or _batch_second(m):
+                if isinstance(m, _NormBase) or hasattr(type(m), "mixes_batch") or _batch_second(m):
                     mixers.append((i, qual, m))
                 else:
                     others.append((i, qual, m))
@@ -372,15 +373,29 @@ class ParallelSequential(nn.Sequential):
                 "direct_grads": self.direct_grads,
                 **(self._compiler.settings() if self._compiler else {})}
 
+    def _like(self, items: list[tuple[str, nn.Module]]) -> "ParallelSequential":
+        r"""A new container of ``items`` with this one's settings (``chunks``, ``cuda_graph``, ...)."""
+        if not items:  # as nn.Sequential's: an empty container, the identity
+            empty = self.__class__(nn.Identity(), **self._settings())
+            del empty[0]
+            return empty
+        return self.__class__(OrderedDict(items), **self._settings())
+
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
         if isinstance(idx, slice):
-            items = list(self._modules.items())[idx]
-            if not items:  # as nn.Sequential's: an empty container, the identity
-                empty = self.__class__(nn.Identity(), **self._settings())
-                del empty[0]
-                return empty
-            return self.__class__(OrderedDict(items), **self._settings())
+            return self._like(list(self._modules.items())[idx])
         return super().__getitem__(idx)
+
+    # ``+`` and ``*`` as nn.Sequential's (which would return a plain nn.Sequential), with the
+    # left operand's settings.
+    def __add__(self, other: nn.Sequential) -> "ParallelSequential":  # type: ignore[override]
+        return self._like(list(super().__add__(other)._modules.items()))
+
+    def __mul__(self, other: int) -> "ParallelSequential":  # type: ignore[override]
+        return self._like(list(super().__mul__(other)._modules.items()))
+
+    def __rmul__(self, other: int) -> "ParallelSequential":  # type: ignore[override]
+        return self.__mul__(other)
 
     def extra_repr(self) -> str:
         settings = self._settings() if self.cuda_graph else {"chunks": self._chunks}
@@ -388,13 +403,20 @@ class ParallelSequential(nn.Sequential):
         return text + (", " + self._compiler.extra_repr() if self._compiler is not None else "")
 
     # ---------------------------------------------------------------- checks
-    def _refuse_mixing(self, plan: _Plan) -> None:
+    def _refuse_mixing(self, plan: _Plan, looked_again: bool = False) -> None:
         # (An instance attribute set after the plan was made registers nothing: read on every call.)
         declaring = [(i, qual, m) for i, qual, m in plan.others if m.__dict__.get("mixes_batch") is not None]
+        if not looked_again and any(self._mixes(m) for _, _, m in (*plan.mixers, *declaring)):
+            # Before refusing, the stages looked at anew: a module deleted or inserted below
+            # a stage (``del stage[1]``, ``nn.Sequential.insert``) registers nothing, and the
+            # call that follows the advice below must not be refused for what is gone.
+            self._plan = None
+            plan = self._get_plan()
+            return self._refuse_mixing(plan, looked_again=True)
         for i, qual, m in (*plan.mixers, *declaring):
             declared = getattr(m, "mixes_batch", None)
             if declared is not None:
-                mixes, why = bool(declared), "declares mixes_batch = True"
+                mixes, why = bool(declared), "declares mixes_batch = True: it mixes samples across the batch"
             elif _batch_second(m):
                 raise RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
@@ -405,20 +427,43 @@ class ParallelSequential(nn.Sequential):
                     "chunks=1; if the stage itself moves the batch to dimension 1 before it, say so "
                     f"with `model.get_submodule({qual!r}).mixes_batch = False`."
                 )
-            elif not isinstance(m, _BatchNorm):
+            elif not isinstance(m, _NormBase):
                 continue  # (a class attribute mixes_batch = None: not declared)
+            elif not isinstance(m, _BatchNorm):  # instance norms: per sample, but running statistics
+                mixes = m.training and m.track_running_stats
+                why = "averages its running statistics over the batch in training mode"
             else:  # batch statistics in training mode, or always without running stats
                 mixes = m.training or (m.running_mean is None and m.running_var is None)
-                why = "normalizes with batch statistics" + (" in training mode" if m.training else "")
+                why = ("normalizes with batch statistics" + (" in training mode" if m.training else "")
+                       + ": it mixes samples across the batch")
             if mixes:
+                if declared is not None:
+                    fix = ("use chunks=1, or, if it does not mix samples after all, say so with "
+                           f"`model.get_submodule({qual!r}).mixes_batch = False`.")
+                elif not isinstance(m, _BatchNorm):
+                    fix = ("call .eval() on it if you are not training it, use chunks=1, or construct it "
+                           "with track_running_stats=False.")
+                elif m.running_mean is None and m.running_var is None:
+                    fix = ("use chunks=1, or replace it with a per-sample normalization such as nn.GroupNorm "
+                           "or nn.LayerNorm (without running statistics it uses batch statistics in eval "
+                           "mode too).")
+                else:
+                    fix = ("call .eval() on it if you are not training it, use chunks=1, or replace it with "
+                           "a per-sample normalization such as nn.GroupNorm or nn.LayerNorm.")
                 raise RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
-                    f"({type(m).__name__}), which {why}: it mixes samples across the batch, so with "
+                    f"({type(m).__name__}), which {why}, so with "
                     f"chunks={self._chunks} each micro-batch would be treated on its own and the "
-                    "result (and any running statistics) would differ from running the whole batch. "
-                    "Call .eval() on it if you are not training it, use chunks=1, or replace it with "
-                    "a per-sample normalization such as nn.GroupNorm or nn.LayerNorm."
+                    f"result (and any running statistics) would differ from running the whole batch. "
+                    f"To fix it, {fix}"
                 )
+
+    @staticmethod
+    def _mixes(m: nn.Module) -> bool:
+        r"""Whether ``m`` may be refused by :meth:`_refuse_mixing` (which says why, and decides)."""
+        return (getattr(m, "mixes_batch", None) is not None or _batch_second(m)
+                or (isinstance(m, _BatchNorm) and (m.training or m.running_mean is None))
+                or (isinstance(m, _NormBase) and m.training and m.track_running_stats))
 
     def _placement_error(self, plan: _Plan, device: torch.device | None) -> RuntimeError:
         owner = type(self).__name__
@@ -660,7 +705,10 @@ class ParallelSequential(nn.Sequential):
         graphs = self._stage_graphs(plan) if copy_to is not None and self.cuda_graph and not _is_tracing() else None
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
-        if self._chunks == 1:
+        if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)):
+            # (torch.fx.symbolic_trace traces proxies, which cannot be cut into micro-batches:
+            # its graph runs the stages on the whole batch, as the CPU path would up to rounding.
+            # torch.export sets the same flag, but traces tensors.)
             if copy_to is not None:
                 # As ``x.to(device, non_blocking=pinned)``: a page-locked input is copied
                 # on the caller's stream, which orders the stages after it, while the CPU
@@ -913,6 +961,11 @@ def _also_channels_last(t: torch.Tensor) -> bool:
     if t.dim() == 4:
         return t.is_contiguous(memory_format=torch.channels_last)
     return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def _proxies(value: Any) -> bool:
+    r"""Whether ``value`` holds a :class:`torch.fx.Proxy` (symbolic tracing)."""
+    return any(isinstance(leaf, torch.fx.Proxy) for leaf in pytree.tree_leaves(value))
 
 
 def _pinned(value: Any) -> bool:

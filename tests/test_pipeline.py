@@ -98,6 +98,23 @@ def test_container_behaviour() -> None:
     assert model.append(extra) is model and model[3] is extra and len(model) == 4
 
 
+@pytest.mark.parametrize("combine", ["a + b", "a * 2", "2 * a"])
+def test_add_and_mul_keep_the_settings(combine: str) -> None:
+    # nn.Sequential's + and * build a plain nn.Sequential: the pipeline's settings would go.
+    a = ParallelSequential(nn.Linear(4, 4), nn.ReLU(), chunks=3, max_graphs=2)
+    b = nn.Sequential(nn.Linear(4, 4))
+    out = eval(combine)
+    ref = eval(combine.replace("a", "nn.Sequential(*a)"))
+    assert type(out) is ParallelSequential and (out.chunks, out.max_graphs) == (3, 2)
+    assert list(out._modules) == list(ref._modules) and list(out) == list(ref)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(out(x), ref(x), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError):
+        a + 1
+    with pytest.raises(ValueError):
+        a * 0
+
+
 def test_state_dict_matches_sequential() -> None:
     stages = _stages()
     model = ParallelSequential(*stages, chunks=2)
@@ -340,6 +357,55 @@ def test_sync_batchnorm_and_declared_mixers_refused() -> None:
     assert torch.equal(model(x), x - x.mean(0))
     per_sample = ParallelSequential(nn.GroupNorm(2, 4), nn.LayerNorm(3), nn.InstanceNorm1d(4), chunks=2)
     per_sample(torch.randn(4, 4, 3))
+
+
+@pytest.mark.parametrize("case", ["declared", "no running stats"])
+def test_refusal_advice_that_works(case: str) -> None:
+    # .eval() changes nothing for these: the message must not advise it.
+    class Mixer(nn.Module):
+        mixes_batch = True
+
+        def forward(self, x):
+            return x - x.mean(0)
+
+    stage = Mixer() if case == "declared" else nn.BatchNorm1d(4, track_running_stats=False)
+    model = ParallelSequential(stage, chunks=2)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="chunks=1") as e:
+            model(torch.randn(4, 4))
+        assert ".eval()" not in str(e.value)
+        model.eval()
+
+
+def test_instance_norm_with_running_stats_refused_in_training() -> None:
+    # Per sample, but its running statistics are averaged over each micro-batch in turn.
+    norm = nn.InstanceNorm1d(4, track_running_stats=True)
+    model = ParallelSequential(nn.Identity(), norm, chunks=2)
+    x = torch.randn(4, 4, 3)
+    with pytest.raises(RuntimeError, match=r"(?s)InstanceNorm1d.*running statistics.*track_running_stats=False"):
+        model(x)
+    assert torch.equal(norm.running_mean, torch.zeros(4))  # refused before running anything
+    model.eval()
+    assert torch.equal(model(x), _pieces_reference(model, x, 2))
+    ParallelSequential(nn.InstanceNorm1d(4), chunks=2)(x)  # without running statistics: per sample
+
+
+def test_batchnorm_deleted_below_a_stage_as_advised_is_not_refused_again() -> None:
+    # ``del`` below a stage registers nothing: the refusal looks at the stages again before it is made.
+    model = ParallelSequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2), chunks=2)
+    x = torch.randn(6, 4)
+    with pytest.raises(RuntimeError, match="BatchNorm1d"):
+        model(x)
+    del model[0][1]
+    torch.testing.assert_close(model(x), nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
+
+
+def test_fx_symbolic_trace_with_chunks() -> None:
+    # FX traces proxies, which cannot be cut into micro-batches: the graph runs the stages on the whole batch.
+    model = nn.Sequential(nn.Identity(), ParallelSequential(*_stages(), chunks=3))
+    traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(7, 16)
+    torch.testing.assert_close(traced(x), model(x), rtol=RTOL, atol=ATOL)
 
 
 def test_appended_batchnorm_is_seen() -> None:
