@@ -245,21 +245,22 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
     holder: dict[int, int] = {}  # tensor id -> the branch of a kept group holding it
     kept = []
     for group in groups:
-        if len(group) > 1:
-            members = []
-            for i in group:
-                shared = next((holder[t] for t in _tensor_ids(branches[i]) if t in holder), None)
-                if shared is None:
-                    members.append(i)
-                else:
-                    reasons[i] = f"it shares parameters or buffers with branch index {shared}, fused with others"
-            group = members
-            for i in group:
-                holder.update(dict.fromkeys(_tensor_ids(branches[i]), i))
         if len(group) == 1:
             reasons[group[0]] = "no other branch is identical to it"
-        elif group:
-            kept.append(group)
+            continue
+        members = []
+        for i in group:
+            shared = next((holder[t] for t in _tensor_ids(branches[i]) if t in holder), None)
+            if shared is None:
+                members.append(i)
+            else:
+                reasons[i] = f"it shares parameters or buffers with branch index {shared}, fused with others"
+        if len(members) == 1:
+            reasons[members[0]] = "the branches identical to it share parameters or buffers with other fused branches"
+        elif members:
+            kept.append(members)
+            for i in members:
+                holder.update(dict.fromkeys(_tensor_ids(branches[i]), i))
     return kept, reasons
 
 
@@ -711,31 +712,41 @@ class _Joined:
 def _split(v: _Value | Any, n: int) -> list[Any]:
     r"""The members' outputs, one tensor each, as the unfused branches would return them.
 
-    Single views (``select``), not ``unbind``'s: autograd refuses in-place
-    operations on outputs of a function returning several views, and a
-    branch's output may be modified in place by its caller. Outputs computed
-    once for all members (the shared layout) are copied for all but the first:
-    unfused, each branch returns a tensor of its own.
+    Unfused, each branch returns a tensor of its own, which its caller may
+    change in place. Views of one batched tensor share its version counter:
+    while autograd records, a member's output changed in place would spoil
+    another's saved for backward, so each member then gets a copy. Otherwise
+    single views (``select``; autograd refuses in-place operations on the
+    outputs of ``unbind``, which returns several views). Outputs computed once
+    for all members (the shared layout) are copied for all but the first.
     """
+    recording = torch.is_grad_enabled()
     if not isinstance(v, _Value):  # structured output of a vmapped module: stacked leaves
         leaves, spec = pytree.tree_flatten(v)
-        columns = [[leaf.select(0, i) for i in range(n)] if isinstance(leaf, torch.Tensor) else (leaf,) * n
-                   for leaf in leaves]
+        columns = [_members(leaf, 0, n, recording and leaf.requires_grad) if isinstance(leaf, torch.Tensor)
+                   else (leaf,) * n for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
     t = v.t
     if v.layout == _SHARED:
         return [t, *(t.clone() for _ in range(n - 1))]
     if v.layout == _STACKED:
-        return [t.select(0, i) for i in range(n)]
+        return _members(t, 0, n, recording and t.requires_grad)
     # The channels layout, [B, N * C, ...]: a member's channels are a strided slice of
-    # every sample, where unfused it gets a dense tensor of its own (``.view()`` works on
-    # it). One copy gives every member a dense block; an input in another memory format
+    # every sample, where unfused it gets a dense tensor (``.view()`` works on it). One
+    # copy gives every member a dense block; an input in another memory format
     # (channels-last) gets that format, member by member, as unfused.
     t = t.unflatten(1, (n, -1))
-    if t.is_contiguous():
-        t = t.movedim(1, 0).contiguous()
-        return [t.select(0, i) for i in range(n)]
-    return [t.select(1, i).clone(memory_format=torch.preserve_format) for i in range(n)]
+    if recording and t.requires_grad or not t.is_contiguous():
+        return _members(t, 1, n, True)
+    t = t.movedim(1, 0).contiguous()
+    return [t.select(0, i) for i in range(n)]
+
+
+def _members(t: torch.Tensor, dim: int, n: int, copy: bool) -> list[torch.Tensor]:
+    r"""``t``'s ``n`` slices along ``dim``: views, or dense copies of their own (in ``t``'s memory format)."""
+    if copy:
+        return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
+    return [t.select(dim, i) for i in range(n)]
 
 
 _Get = Callable[[str], "torch.Tensor | None"]

@@ -403,22 +403,27 @@ class ParallelSequential(nn.Sequential):
         return text + (", " + self._compiler.extra_repr() if self._compiler is not None else "")
 
     # ---------------------------------------------------------------- checks
-    def _refuse_mixing(self, plan: _Plan, looked_again: bool = False) -> None:
+    def _refuse_mixing(self, plan: _Plan) -> None:
+        error = self._mixing_error(plan)
+        if error is not None:
+            # Looked at again before refusing: a module deleted or inserted below a stage
+            # (``del stage[1]``, ``nn.Sequential.insert``) registers nothing, and the call
+            # that follows the advice must not be refused for what is gone.
+            self._plan = None
+            error = self._mixing_error(self._get_plan())
+            if error is not None:
+                raise error
+
+    def _mixing_error(self, plan: _Plan) -> RuntimeError | None:
+        r"""The error refusing a stage that mixes samples across the batch, or ``None``."""
         # (An instance attribute set after the plan was made registers nothing: read on every call.)
         declaring = [(i, qual, m) for i, qual, m in plan.others if m.__dict__.get("mixes_batch") is not None]
-        if not looked_again and any(self._mixes(m) for _, _, m in (*plan.mixers, *declaring)):
-            # Before refusing, the stages looked at anew: a module deleted or inserted below
-            # a stage (``del stage[1]``, ``nn.Sequential.insert``) registers nothing, and the
-            # call that follows the advice below must not be refused for what is gone.
-            self._plan = None
-            plan = self._get_plan()
-            return self._refuse_mixing(plan, looked_again=True)
         for i, qual, m in (*plan.mixers, *declaring):
             declared = getattr(m, "mixes_batch", None)
             if declared is not None:
                 mixes, why = bool(declared), "declares mixes_batch = True: it mixes samples across the batch"
             elif _batch_second(m):
-                raise RuntimeError(
+                return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
                     f"({type(m).__name__}) with batch_first=False, which reads its input as (sequence, "
                     f"batch, ...); with chunks={self._chunks} the input is split along dimension 0, "
@@ -450,20 +455,14 @@ class ParallelSequential(nn.Sequential):
                 else:
                     fix = ("call .eval() on it if you are not training it, use chunks=1, or replace it with "
                            "a per-sample normalization such as nn.GroupNorm or nn.LayerNorm.")
-                raise RuntimeError(
+                return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
                     f"({type(m).__name__}), which {why}, so with "
                     f"chunks={self._chunks} each micro-batch would be treated on its own and the "
                     f"result (and any running statistics) would differ from running the whole batch. "
                     f"To fix it, {fix}"
                 )
-
-    @staticmethod
-    def _mixes(m: nn.Module) -> bool:
-        r"""Whether ``m`` may be refused by :meth:`_refuse_mixing` (which says why, and decides)."""
-        return (getattr(m, "mixes_batch", None) is not None or _batch_second(m)
-                or (isinstance(m, _BatchNorm) and (m.training or m.running_mean is None))
-                or (isinstance(m, _NormBase) and m.training and m.track_running_stats))
+        return None
 
     def _placement_error(self, plan: _Plan, device: torch.device | None) -> RuntimeError:
         owner = type(self).__name__
@@ -480,8 +479,11 @@ class ParallelSequential(nn.Sequential):
             f"module with .to({str(device)!r})."
         )
 
-    def _split(self, input: Any) -> list[Any]:
-        r"""``input`` as ``chunks`` micro-batches along dimension 0 (``torch.tensor_split``)."""
+    def _split(self, input: Any, copied: bool = False) -> list[Any]:
+        r"""``input`` as ``chunks`` micro-batches along dimension 0 (``torch.tensor_split``).
+
+        ``copied``: the pieces are copied to the GPU before any stage reads them.
+        """
         owner, chunks = type(self).__name__, self._chunks
         if isinstance(input, torch.Tensor):
             leaves, spec = [input], None
@@ -525,8 +527,10 @@ class ParallelSequential(nn.Sequential):
         # piece would spoil what was saved for backward on another (by that operation, or
         # by a Linear after it for its weight's gradient, whether or not the input
         # requires grad). (Not for compilers, whose functionalized graphs have no such
-        # conflict, and whose graph must be the plain model's.)
-        own = torch.is_grad_enabled() and not _is_tracing()
+        # conflict, and whose graph must be the plain model's; nor for pieces copied to the
+        # GPU, whose copies are theirs: a clone of a pinned input is pageable, which would
+        # make each copy synchronous.)
+        own = torch.is_grad_enabled() and not copied and not _is_tracing()
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)
@@ -720,7 +724,7 @@ class ParallelSequential(nn.Sequential):
                 input = _to_device(input, copy_to, non_blocking=pinned, pinned=pinned)
             return self._in_order(calls, input)
 
-        pieces = self._split(input)
+        pieces = self._split(input, copied=copy_to is not None)
         stages = list(zip(plan.names, calls))
         if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")):
             # Compilers see the micro-batches one after the other (no stream

@@ -276,6 +276,33 @@ def test_parameter_shared_by_two_groups_is_stacked_by_one():
     assert "shares parameters or buffers with branch index 0" in p.explain()["unfused"]["2"]
 
 
+def test_group_cut_to_one_member_holds_nothing_back():
+    # Branch 2 shares a layer with the first group: the second group keeps only branch 3, which then
+    # runs unfused -- and must not keep branch 4 (which shares a layer with it) out of the third.
+    first, third = nn.Linear(4, 4), nn.Linear(4, 4)
+    branches = [nn.Sequential(first), nn.Sequential(nn.Linear(4, 4)),
+                nn.Sequential(first, nn.Linear(4, 4)), nn.Sequential(third, nn.Linear(4, 4)),
+                nn.Sequential(third, nn.Linear(4, 4), nn.Linear(4, 4)),
+                nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))]
+    p = Parallel(*branches, join=None, fuse="auto")
+    x = torch.randn(2, 4)
+    assert_close(p(x), reference(p, x))
+    info = p.explain()
+    assert info["fused"] == [["0", "1"], ["4", "5"]]
+    assert "share parameters or buffers with other fused branches" in info["unfused"]["3"]
+
+
+@pytest.mark.parametrize("build, shape", [(lambda: nn.Linear(4, 4), (2, 4)), (lambda: nn.Conv2d(3, 4, 3), (2, 3, 5, 5))])
+def test_output_changed_in_place_leaves_the_others_saved_for_backward(build, shape):
+    # Unfused, each branch's output has its own version counter; views of one batched tensor share one.
+    p = Parallel(build(), build(), join=None, fuse=True)
+    a, b = p(torch.randn(shape))
+    loss = (b * b).sum()  # saves b for backward
+    a.add_(1)
+    (loss + a.sum()).backward()
+    assert all(q.grad is not None for q in p.parameters())
+
+
 @pytest.mark.parametrize("build, why", [
     (lambda: nn.LSTM(8, 8), "recurrent layer"),
     (lambda: Parallel(nn.Linear(8, 8), nn.Linear(8, 8)), "block of its own"),

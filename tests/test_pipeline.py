@@ -400,6 +400,40 @@ def test_batchnorm_deleted_below_a_stage_as_advised_is_not_refused_again() -> No
     torch.testing.assert_close(model(x), nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
 
 
+def test_declared_mixers_do_not_replan_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only a refusal looks at the stages again (see the test above): ordinary calls reuse the plan.
+    gru = nn.GRU(8, 8)
+    gru.mixes_batch = False  # the advice for a batch-second module that its stage feeds batch-second
+
+    class BatchSecond(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = gru
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gru(x.transpose(0, 1))[0].transpose(0, 1)
+
+    model = ParallelSequential(nn.Linear(8, 8), BatchSecond(), chunks=2)
+    x = torch.randn(4, 5, 8)
+    model(x)
+    plans = []
+    make_plan = ParallelSequential._make_plan
+    monkeypatch.setattr(ParallelSequential, "_make_plan", lambda self: plans.append(1) or make_plan(self))
+    for _ in range(3):
+        model(x)
+    assert plans == []
+
+
+def test_pieces_copied_to_the_gpu_are_views() -> None:
+    # Recording autograd, pieces get memory of their own -- except those the copy lane copies anyway:
+    # a clone of a pinned input would be pageable, and its copy synchronous.
+    model = ParallelSequential(nn.Linear(4, 4), chunks=2)
+    x = torch.randn(4, 4)
+    views = [x.data_ptr(), x[2:].data_ptr()]
+    assert not {p.data_ptr() for p in model._split(x)} & set(views)
+    assert [p.data_ptr() for p in model._split(x, copied=True)] == views
+
+
 def test_fx_symbolic_trace_with_chunks() -> None:
     # FX traces proxies, which cannot be cut into micro-batches: the graph runs the stages on the whole batch.
     model = nn.Sequential(nn.Identity(), ParallelSequential(*_stages(), chunks=3))

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel_modules import Parallel, ParallelSequential
+from parallel_modules import Parallel, ParallelSequential, pipeline
 from parallel_modules._streams import _pool, _stream_count
 
 pytestmark = pytest.mark.cuda
@@ -174,6 +174,16 @@ def test_pinned_input_is_asked_once(chunks: int, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(torch.Tensor, "is_pinned", counting)
     assert torch.equal(model(x), expected)
     assert asked == [tuple(x.shape)]
+    if chunks > 1:  # and the pieces the copy lane took for pinned are (recording autograd too)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", is_pinned)
+        copied = []
+        to_device = pipeline._to_device
+        monkeypatch.setattr(pipeline, "_to_device", lambda v, *a, **k: copied.append(v.is_pinned()) or to_device(v, *a, **k))
+        with torch.enable_grad():
+            assert torch.equal(model(x), expected)
+        assert copied == [True] * chunks
+        monkeypatch.setattr(pipeline, "_to_device", to_device)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", counting)
     asked.clear()
     assert torch.equal(model(y), expected_y)
     assert len(asked) == 1 + (chunks if chunks > 1 else 0)
