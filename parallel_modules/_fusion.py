@@ -528,6 +528,12 @@ class _CallState(threading.local):
     prefill: _Prefill | None = None
     cat_joined = False  # the caller concatenates the outputs along dim 1, and no compiler traces
 
+    def __init__(self) -> None:
+        # Set on each thread's instance, not read off the class: torch.compile guards on the
+        # instance's attributes, which a first call writing them would change (a guard failing
+        # on the frame that made it, at the second call).
+        self.fewer_kernels, self.prefill, self.cat_joined = False, None, False
+
 
 class _Prefill:
     r"""Output buffers of a captured fused call's biased products, the bias written in beforehand.
@@ -1008,6 +1014,11 @@ class _Fusion:
     def current(self) -> bool:
         r"""Whether the grouping still holds: no submodule's train/eval mode changed, no hook registered on
         a member nor removed from a branch left out for it."""
+        if _is_tracing():
+            # The hook dicts themselves: a compiler would guard on the process-wide counter's
+            # value, and recompile whenever a hook anywhere is registered.
+            return (not any(self.hooks) and all(m.training == mode for m, mode in self.modes)
+                    and all(map(any, self.hooked)))
         handles = getattr(_Handle, "next_id", 0)
         if handles != self.handles:  # a hook registered somewhere: on a member?
             if any(self.hooks):

@@ -88,23 +88,24 @@ def _join_outputs(
     owner: str, how: str | Callable[[list], Any], dim: int, names: Iterable[str], outputs: list[Any]
 ) -> Any:
     r"""Combine ``outputs`` (one per branch, in branch order) as ``how`` says."""
-    if how == "cat":  # the common case first, with nothing in its way
+    # (Callables first, and the type of outputs looked at rather than an exception caught:
+    # torch.compile cannot compare a builtin such as ``sum`` with a string, nor trace an
+    # exception raised by torch.cat.)
+    if callable(how):
+        try:
+            return how(outputs)
+        except Exception as e:
+            raise _with_context(e, f"(raised in the join {getattr(how, '__qualname__', how)!r} of {owner}, "
+                                   f"called with the outputs of branches {list(names)})")
+    if how == "cat" and all(isinstance(o, torch.Tensor) for o in outputs):  # the common case first
         try:
             return torch.cat(outputs, dim)
-        except TypeError:  # not all tensors: structured outputs, joined leaf by leaf
-            pass
         except (RuntimeError, IndexError) as e:  # IndexError: dim out of range
             raise _join_error(owner, how, dim, names, outputs, e) from e
     elif how == "tuple":
         return tuple(outputs)
     elif how == "dict":
         return dict(zip(names, outputs))
-    elif callable(how):
-        try:
-            return how(outputs)
-        except Exception as e:
-            raise _with_context(e, f"(raised in the join {getattr(how, '__qualname__', how)!r} of {owner}, "
-                                   f"called with the outputs of branches {list(names)})")
     try:
         if all(isinstance(o, torch.Tensor) for o in outputs):
             return _leaf_join(how, dim, outputs)

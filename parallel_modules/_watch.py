@@ -47,6 +47,8 @@ def _count(*_: Any) -> None:
 
 def _install() -> None:
     global _installed
+    if _installed:  # (no lock: a compiler tracing a call that groups branches anew cannot trace one)
+        return
     with _install_lock:
         if not _installed:
             hooks = nn.modules.module

@@ -607,7 +607,7 @@ class Parallel(nn.Module):
 
     def _cat_joined(self, fusion: _Fusion) -> bool:
         r"""Whether one group runs every branch and a cat along dimension 1 joins them (see ``_Group.run``)."""
-        return len(fusion.units) == 1 and self.join == "cat" and self.dim in (1, -1)
+        return len(fusion.units) == 1 and type(self.join) is str and self.join == "cat" and self.dim in (1, -1)
 
     def _copies_biases(self, fusion: _Fusion, args: tuple, kwargs: dict) -> bool:
         r"""Whether a capture of this fused call copies biases into batched products (see ``_fusion._Prefill``)."""
@@ -782,7 +782,10 @@ class Parallel(nn.Module):
         return outputs if fusion is None else fusion.scatter(calls, outputs)
 
     def _combine(self, outputs: list[Any]) -> Any:
-        if self.join == "cat":  # the common case, without _join_outputs' frame
+        # (The common case, without _join_outputs' frame. Types first: a compiler can neither
+        # compare a builtin join such as ``sum`` with a string nor trace torch.cat raising for
+        # structured outputs.)
+        if type(self.join) is str and self.join == "cat" and outputs and isinstance(outputs[0], torch.Tensor):
             try:
                 return torch.cat(outputs, self.dim)
             except Exception:

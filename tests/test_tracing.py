@@ -157,3 +157,83 @@ def test_compile_fullgraph_of_a_pipeline_on_a_pinned_host_input(chunks):
             out = compiled(x)
             assert out.device.type == "cuda"
             assert_close(out, model(x), RTOL, ATOL)
+
+
+# --------------------------------------------- what a compiler cannot trace, kept out of its way
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        return y, y.relu()
+
+
+def _small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("join", ["cat structured", "builtin sum"])
+def test_joins_a_compiler_cannot_compare_or_catch(join):
+    # join="cat" of tuple outputs (leaf by leaf: torch.cat raising for them cannot be traced) and
+    # join=sum (a builtin, which a compiler cannot compare with the string "cat").
+    if join == "cat structured":
+        model = Parallel(Pair(), Pair(), join="cat")
+    else:
+        model = Parallel(nn.Linear(8, 8), nn.Linear(8, 8), join=sum)
+    x = torch.randn(3, 8)
+    expected = model(x)
+    assert_close(torch.compile(model, fullgraph=True, backend="eager")(x), expected)
+    assert_close(torch.export.export(model, (x,), strict=True).module()(x), expected)
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_fused_block_compiled_before_any_eager_call(fuse):
+    # The fused call's thread-local settings are written at the first call: read off the class
+    # until then, a guard on them failed at the second compiled call.
+    model = Parallel(_small_mlp(), _small_mlp(), _small_mlp(), join="cat", fuse=fuse).eval()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(6, 8)
+            assert_close(compiled(x), reference(model, x))
+
+
+def test_fused_groups_found_again_while_traced():
+    # A train/eval switch makes the groups be found anew (BatchNorm in training is not fused), here
+    # in a compiled call: without taking the registration hooks' lock again, which cannot be traced.
+    branches = [nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)) for _ in range(2)]
+    model = Parallel(*branches, join="cat", fuse="auto").eval()
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        model(x)
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        compiled(x)
+        model.train()
+        assert_close(compiled(x), reference(model, x))  # (batch statistics: the same in both)
+    assert model.explain()["fused"] == []
+    hooked = Parallel(_small_mlp(), _small_mlp(), join="cat", fuse="auto").eval()
+    hooked(x)
+    hooked[1].register_forward_hook(lambda m, i, o: o * 2)
+    with torch.no_grad():
+        expected = torch.cat([hooked[0](x), hooked[1](x)], 1)  # (the hook on the Sequential itself)
+    assert_close(torch.export.export(hooked, (x,), strict=True).module()(x), expected)
+
+
+def test_compiled_fused_block_ignores_hooks_elsewhere():
+    # Fused groups watch their members' hook dicts; a compiler must not guard on torch's
+    # process-wide hook counter, which any hook anywhere moves (a recompile each time).
+    from torch._dynamo.testing import CompileCounter
+
+    model = Parallel(_small_mlp(), _small_mlp(), join="cat", fuse=True).eval()
+    x = torch.randn(5, 8)
+    unrelated = torch.zeros(1, requires_grad=True)
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        model(x)  # (grouped eagerly first: a program built during the first trace costs one more)
+        for _ in range(4):
+            assert_close(compiled(x), reference(model, x))
+            unrelated.register_hook(lambda g: g).remove()
+    assert counter.frame_count == 1
