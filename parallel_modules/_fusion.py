@@ -223,15 +223,16 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
     """
     reasons: dict[int, str] = {}
     groups: list[list[int]] = []
+    ids: dict[int, set[int]] = {}  # each fusable branch's parameters and buffers
     for i, branch in enumerate(branches):
         why = _unfusable(branch)
         if why is not None:
             reasons[i] = why
             continue
-        ids = _tensor_ids(branch)
+        ids[i] = _tensor_ids(branch)
         for group in groups:
             if _difference(branches[group[0]], branch) is None:
-                shared = next((j for j in group if ids & _tensor_ids(branches[j])), None)
+                shared = next((j for j in group if ids[i] & ids[j]), None)
                 if shared is not None:
                     reasons[i] = f"it shares parameters or buffers with branch index {shared}"
                     break
@@ -250,7 +251,7 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
             continue
         members = []
         for i in group:
-            shared = next((holder[t] for t in _tensor_ids(branches[i]) if t in holder), None)
+            shared = next((holder[t] for t in ids[i] if t in holder), None)
             if shared is None:
                 members.append(i)
             else:
@@ -260,7 +261,7 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
         elif members:
             kept.append(members)
             for i in members:
-                holder.update(dict.fromkeys(_tensor_ids(branches[i]), i))
+                holder.update(dict.fromkeys(ids[i], i))
     return kept, reasons
 
 
@@ -744,8 +745,7 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
     t = t.unflatten(1, (n, -1))
     if recording and t.requires_grad or not t.is_contiguous():
         return _members(t, 1, n, True)
-    t = t.movedim(1, 0).contiguous()
-    return [t.select(0, i) for i in range(n)]
+    return _members(t.movedim(1, 0).contiguous(), 0, n, False)
 
 
 def _members(t: torch.Tensor, dim: int, n: int, copy: bool) -> list[torch.Tensor]:
@@ -1017,13 +1017,14 @@ class _Fusion:
         if _is_tracing():
             # The hook dicts themselves: a compiler would guard on the process-wide counter's
             # value, and recompile whenever a hook anywhere is registered.
-            return (not any(self.hooks) and all(m.training == mode for m, mode in self.modes)
-                    and all(map(any, self.hooked)))
-        handles = getattr(_Handle, "next_id", 0)
-        if handles != self.handles:  # a hook registered somewhere: on a member?
             if any(self.hooks):
                 return False
-            self.handles = handles
+        else:
+            handles = getattr(_Handle, "next_id", 0)
+            if handles != self.handles:  # a hook registered somewhere: on a member?
+                if any(self.hooks):
+                    return False
+                self.handles = handles
         return all(m.training == mode for m, mode in self.modes) and all(map(any, self.hooked))
 
     def _rebuild(self) -> None:

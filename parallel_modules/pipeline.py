@@ -422,6 +422,8 @@ class ParallelSequential(nn.Sequential):
             declared = getattr(m, "mixes_batch", None)
             if declared is not None:
                 mixes, why = bool(declared), "declares mixes_batch = True: it mixes samples across the batch"
+                fix = ("use chunks=1, or, if it does not mix samples after all, say so with "
+                       f"`model.get_submodule({qual!r}).mixes_batch = False`.")
             elif _batch_second(m):
                 return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
@@ -437,24 +439,19 @@ class ParallelSequential(nn.Sequential):
             elif not isinstance(m, _BatchNorm):  # instance norms: per sample, but running statistics
                 mixes = m.training and m.track_running_stats
                 why = "averages its running statistics over the batch in training mode"
+                fix = ("call .eval() on it if you are not training it, use chunks=1, or construct it "
+                       "with track_running_stats=False.")
             else:  # batch statistics in training mode, or always without running stats
-                mixes = m.training or (m.running_mean is None and m.running_var is None)
+                stats = m.running_mean is not None or m.running_var is not None
+                mixes = m.training or not stats
                 why = ("normalizes with batch statistics" + (" in training mode" if m.training else "")
                        + ": it mixes samples across the batch")
+                fix = ("call .eval() on it if you are not training it, use chunks=1, or replace it with "
+                       "a per-sample normalization such as nn.GroupNorm or nn.LayerNorm." if stats else
+                       "use chunks=1, or replace it with a per-sample normalization such as nn.GroupNorm "
+                       "or nn.LayerNorm (without running statistics it uses batch statistics in eval "
+                       "mode too).")
             if mixes:
-                if declared is not None:
-                    fix = ("use chunks=1, or, if it does not mix samples after all, say so with "
-                           f"`model.get_submodule({qual!r}).mixes_batch = False`.")
-                elif not isinstance(m, _BatchNorm):
-                    fix = ("call .eval() on it if you are not training it, use chunks=1, or construct it "
-                           "with track_running_stats=False.")
-                elif m.running_mean is None and m.running_var is None:
-                    fix = ("use chunks=1, or replace it with a per-sample normalization such as nn.GroupNorm "
-                           "or nn.LayerNorm (without running statistics it uses batch statistics in eval "
-                           "mode too).")
-                else:
-                    fix = ("call .eval() on it if you are not training it, use chunks=1, or replace it with "
-                           "a per-sample normalization such as nn.GroupNorm or nn.LayerNorm.")
                 return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
                     f"({type(m).__name__}), which {why}, so with "
