@@ -31,6 +31,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import weakref
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
@@ -88,6 +89,16 @@ class _Trial:
         return _Timing(cost, statistics.median(cpus), statistics.median(gpus))
 
 
+# Every tuner alive: a profiler's warm-up (``timeline.record_timeline``) sees whether a call of
+# any callable still tried schedules, without finding the blocks inside it.
+_tuners: weakref.WeakSet[_ScheduleTuner] = weakref.WeakSet()
+
+
+def _tuned_calls() -> int:
+    r"""Calls that every tuner alive has run: a call that moves it tried schedules (see ``timeline``)."""
+    return sum([t.calls for t in list(_tuners)])
+
+
 class _ScheduleTuner:
     r"""Per-signature trials of candidate schedules; the caller keeps the decisions."""
 
@@ -97,7 +108,8 @@ class _ScheduleTuner:
         # ``explain()`` shows it, so a user can see why a schedule was kept.
         self.costs: dict[Hashable, dict[Hashable, _Timing]] = {}
         self._lock = threading.Lock()  # calls from several threads share the trials
-        self.calls = 0
+        self.calls = 0  # calls run through ``run``: those that tried a schedule, or were decided by it
+        _tuners.add(self)
 
     def clear(self) -> None:
         self.trials.clear()

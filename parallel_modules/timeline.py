@@ -35,6 +35,7 @@ are memory copies and sets, which are not kernels.
 from __future__ import annotations
 
 import datetime
+import decimal
 import gzip
 import json
 import os
@@ -45,6 +46,8 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 from torch.utils import _pytree as pytree
+
+from . import _autotune
 
 __all__ = ["KernelEvent", "Timeline", "record_timeline", "load_timelines", "save_timelines"]
 
@@ -248,6 +251,9 @@ def _pyplot() -> Any:
     try:
         import matplotlib.pyplot as plt
     except ImportError as e:
+        if (e.name or "").partition(".")[0] != "matplotlib":  # installed, but something it imports failed
+            raise ImportError(f"parallel_modules.timeline: plotting needs matplotlib, and importing "
+                              f"matplotlib.pyplot failed: {e}") from e
         raise ImportError("parallel_modules.timeline: plotting needs matplotlib, which is not installed: "
                           "pip install matplotlib (or pip install 'parallel_modules[plot]')") from e
     return plt
@@ -257,17 +263,36 @@ def _pyplot() -> Any:
 # Reading traces
 
 
+class _Exact(float):
+    r"""A float read from JSON that keeps its text, so that sums of times are exact (see :func:`_kernels`)."""
+
+    __slots__ = ("text",)
+
+
+def _exact_float(text: str) -> _Exact:
+    value = _Exact(text)
+    value.text = text
+    return value
+
+
 def _read_json(path: _PathLike) -> Any:
     path = os.fspath(path)
-    opener = gzip.open if path.endswith(".gz") else open  # torch's tensorboard handler writes .json.gz
-    with opener(path, "rt", encoding="utf-8") as f:  # what Kineto writes, whatever the locale
-        return json.load(f)
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"  # torch's tensorboard handler writes .json.gz; any name is read
+    opener = gzip.open if gzipped else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:  # what Kineto writes, whatever the locale
+            return json.load(f, parse_float=_exact_float)
+    except (ValueError, OSError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise ValueError(f"parallel_modules.timeline: cannot read {path!r} as a JSON trace "
+                         f"({'gzip' if gzipped else 'plain text'}): {e}") from e
 
 
-def _is_kernel(event: Mapping[str, Any]) -> bool:
+def _is_kernel(event: Any) -> bool:
     # Kineto writes GPU kernels as complete ("X") events of category "kernel" ("Kernel" in old
     # versions); memcpy/memset are "gpu_memcpy"/"gpu_memset", CPU ops "cpu_op", launches "cuda_runtime".
-    return event.get("ph") == "X" and str(event.get("cat", "")).lower() == "kernel"
+    # (Entries that are not objects are not events: skipped, as trace viewers do.)
+    return isinstance(event, Mapping) and event.get("ph") == "X" and str(event.get("cat", "")).lower() == "kernel"
 
 
 def _int(value: Any, default: int) -> int:
@@ -277,14 +302,48 @@ def _int(value: Any, default: int) -> int:
         return default
 
 
-def _kernel(event: Mapping[str, Any]) -> KernelEvent:
-    args = event.get("args") or {}
-    # Kineto puts the stream in args["stream"] and also uses it as the row ("tid"); the device
-    # is args["device"] and the row group ("pid").
-    stream = _int(args.get("stream", event.get("tid")), 0)
-    device = _int(args.get("device", event.get("pid")), 0)
-    start = float(event["ts"])
-    return KernelEvent(str(event.get("name", "?")), stream, start, start + float(event.get("dur", 0.0)), device)
+def _decimal(event: Mapping[str, Any], key: str, index: int, default: Any = None) -> decimal.Decimal:
+    value = event.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"parallel_modules.timeline: kernel event #{index} ({event.get('name', '?')!r}) has "
+                         f"{'no' if value is None else 'a non-numeric'} {key!r}: expected microseconds, got "
+                         f"{value!r}")
+    try:
+        return decimal.Decimal(getattr(value, "text", None) or (repr(value) if isinstance(value, float) else value))
+    except decimal.InvalidOperation:
+        raise ValueError(f"parallel_modules.timeline: kernel event #{index} has {key}={value!r}, not a "
+                         f"number of microseconds") from None
+
+
+def _kernels(events: Sequence[Any]) -> list[KernelEvent]:
+    r"""The kernel events of a trace, timed in microseconds from the first one's start.
+
+    Kineto writes times as microseconds since an epoch with three decimals
+    (4.7e12 us): a float that large is 1 ns coarse, so the end of a kernel
+    computed in floats (``ts + dur``) lands a step away from the start of one
+    that began as it ended, inventing (or hiding) overlap. Times are taken as
+    the decimals written, and made relative to the first kernel exactly.
+    """
+    raw = []
+    for i, e in enumerate(events):
+        if not _is_kernel(e):
+            continue
+        args = e.get("args")
+        args = args if isinstance(args, Mapping) else {}
+        # Kineto puts the stream in args["stream"] and also uses it as the row ("tid"); the device
+        # is args["device"] and the row group ("pid").
+        stream = _int(args.get("stream", e.get("tid")), 0)
+        device = _int(args.get("device", e.get("pid")), 0)
+        start = _decimal(e, "ts", i)
+        raw.append((str(e.get("name", "?")), stream, start, start + _decimal(e, "dur", i, 0), device))
+    t0 = min((r[2] for r in raw), default=decimal.Decimal(0))
+    return [KernelEvent(name, stream, float(start - t0), float(end - t0), device)
+            for name, stream, start, end, device in raw]
+
+
+def _plain(meta: dict[str, Any]) -> dict[str, Any]:
+    r"""``meta`` with the floats :func:`_read_json` read as plain floats."""
+    return pytree.tree_map(lambda v: float(v) if type(v) is _Exact else v, meta)
 
 
 def _trace_metadata(trace: Mapping[str, Any], device: int | None = None) -> dict[str, Any]:
@@ -297,7 +356,7 @@ def _trace_metadata(trace: Mapping[str, Any], device: int | None = None) -> dict
     for key in ("cuda_runtime_version", "cuda_driver_version", "with_cuda_graphs"):
         if key in trace:
             meta[key] = trace[key]
-    return meta
+    return _plain(meta)
 
 
 def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
@@ -306,21 +365,28 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
     if not isinstance(trace, Mapping) or not isinstance(trace.get("traceEvents"), list):
         raise ValueError("parallel_modules.timeline: not a Chrome trace: expected a JSON object with a "
                          f"'traceEvents' list (or a list of events), got {type(trace).__name__}")
-    other = trace.get("otherData") or {}
-    if other.get("format") == _FORMAT:  # our compact file: one process ("pid") per recording
-        meta = {k: v for k, v in other.items() if k not in ("format", "runs")}
+    other = trace.get("otherData")
+    other = other if isinstance(other, Mapping) else {}
+    written = other.get("format")
+    if isinstance(written, str) and written.startswith(_FORMAT.rpartition("/")[0] + "/") and written != _FORMAT:
+        raise ValueError(f"parallel_modules.timeline: this file is in format {written!r}, written by another "
+                         f"version of parallel_modules; this one reads {_FORMAT!r}. Load it with the version that "
+                         f"wrote it, or record the timeline again.")
+    if written == _FORMAT:  # our compact file: one process ("pid") per recording
+        meta = _plain({k: v for k, v in other.items() if k not in ("format", "runs")})
         runs = {int(r["pid"]): r for r in other.get("runs", [])}
-        by_pid: dict[int, list[KernelEvent]] = defaultdict(list)
+        events: dict[int, list[Any]] = defaultdict(list)
         for e in trace["traceEvents"]:
             if _is_kernel(e):
-                by_pid[_int(e.get("pid"), 0)].append(_kernel(e))
+                events[_int(e.get("pid"), 0)].append(e)
+        by_pid = {pid: _kernels(es) for pid, es in events.items()}
         out = {}
         for pid in sorted(set(runs) | set(by_pid)):
             run = runs.get(pid, {"label": f"run {pid}"})
             out[run["label"]] = Timeline(by_pid.get(pid, []), run["label"],
-                                         {**meta, **{k: v for k, v in run.items() if k not in ("label", "pid")}})
+                                         {**meta, **_plain({k: v for k, v in run.items() if k not in ("label", "pid")})})
         return out
-    kernels = [_kernel(e) for e in trace["traceEvents"] if _is_kernel(e)]
+    kernels = _kernels(trace["traceEvents"])
     devices = sorted({k.device for k in kernels})
     if len(devices) <= 1:
         return {label: Timeline(kernels, label, _trace_metadata(trace, devices[0] if devices else None))}
@@ -419,11 +485,24 @@ def _cuda_device(args: Sequence[Any], kwargs: Mapping[str, Any], module: Any) ->
     return None
 
 
-def _tuning(module: Any) -> bool:
-    r"""Whether a block in ``module`` is still trying schedules (``streams``/``fuse="auto"``)."""
-    if not isinstance(module, torch.nn.Module):
-        return False
-    return any(getattr(m, "_tuner", None) is not None and m._tuner.trials for m in module.modules())
+def _warm_up(module: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], warmup: int) -> int:
+    r"""Calls ``module`` ``warmup`` times, then while its last call still tried schedules; returns the calls made.
+
+    A call tried schedules when it advanced a schedule tuner (``streams`` or
+    ``fuse="auto"``): any tuner, since ``module`` may be any callable around
+    blocks (a lambda, a bound method). A trial left unfinished for another
+    input signature does not advance, so it does not prolong the warm-up.
+    """
+    before = _autotune._tuned_calls()
+    for _ in range(warmup):
+        before = _autotune._tuned_calls()
+        module(*args, **kwargs)
+    calls = warmup
+    while warmup and calls < warmup + _MAX_EXTRA_WARMUP and _autotune._tuned_calls() != before:
+        before = _autotune._tuned_calls()
+        module(*args, **kwargs)
+        calls += 1
+    return calls
 
 
 def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, calls: int = 3,
@@ -434,9 +513,9 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
     initialisation, cuDNN's choices, the stream tuning of
     ``Parallel(streams="auto")`` and ``fuse="auto"`` (14 calls per input
     signature and candidate schedule) and CUDA graph capture are not in the
-    timeline; while a block is still trying schedules after them, up to
-    ``_MAX_EXTRA_WARMUP`` more calls run, so that the profiled calls all run
-    the schedule it kept. The warm-up calls are real calls: in training mode
+    timeline; while the last of them still tried schedules (in any block the
+    callable runs), up to ``_MAX_EXTRA_WARMUP`` more calls run, so that the
+    profiled calls all run the schedules kept. The warm-up calls are real calls: in training mode
     they update BatchNorm statistics and draw dropout masks like any other. The recorded calls are then
     run back to back under :class:`torch.profiler.profile` with CUDA activity,
     followed by a synchronisation, and the trace is read like
@@ -478,12 +557,7 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
 
     if ProfilerActivity.CUDA not in torch.profiler.supported_activities():
         raise RuntimeError(f"record_timeline({name}): this torch build's profiler cannot record CUDA activity")
-    for _ in range(warmup):
-        module(*args, **kwargs)
-    for _ in range(_MAX_EXTRA_WARMUP):
-        if not _tuning(module):
-            break
-        module(*args, **kwargs)
+    _warm_up(module, args, kwargs, warmup)
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
@@ -493,7 +567,7 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         trace = _read_json(path)
-    kernels = [_kernel(e) for e in trace["traceEvents"] if _is_kernel(e)]
+    kernels = _kernels(trace["traceEvents"])
     # The input's GPU only: stream ids of two GPUs are not comparable (load_timelines splits by device).
     kernels = [k for k in kernels if k.device == device.index]
     meta = {**_environment(device), "calls": calls, "warmup": warmup, **_trace_metadata(trace, device.index)}

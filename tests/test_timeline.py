@@ -208,6 +208,98 @@ def test_rounding_on_save_invents_no_overlap(tmp_path) -> None:
     assert load_timelines(tmp_path / "t.json")["trace"].overlap_us == 0
 
 
+def test_touching_kernels_at_kineto_timestamps_do_not_overlap(tmp_path) -> None:
+    # Kineto counts microseconds since an epoch (4.7e12) with three decimals, where a float is
+    # 1 ns coarse: added as floats, ts + dur of a kernel landed a step past the start of the
+    # kernel that began as it ended, on another stream, in about a quarter of such pairs.
+    rng = random.Random(0)
+    events, t = [], 4_712_345_678_901_123  # nanoseconds
+    for i in range(200):
+        dur = rng.randrange(1_000, 50_000)
+        for stream, start in ((7, t), (13, t + dur)):  # the second starts as the first ends
+            events.append({"ph": "X", "cat": "kernel", "name": f"k{i}", "pid": 0, "tid": stream,
+                           "ts": f"{start // 1000}.{start % 1000:03d}", "dur": f"{dur // 1000}.{dur % 1000:03d}",
+                           "args": {"device": 0, "stream": stream}})
+        t += 2 * dur + 10_000
+    # Written as JSON numbers, exactly as Kineto writes them.
+    text = json.dumps({"traceEvents": events}).replace('"ts": "', '"ts": ').replace('"dur": "', '"dur": ')
+    text = text.replace('", "args"', ', "args"').replace('", "dur"', ', "dur"')
+    path = tmp_path / "touching.json"
+    path.write_text(text)
+    (tl,) = load_timelines(path).values()
+    assert len(tl.kernels) == 400
+    assert tl.overlap_us == 0.0
+    # The durations survive the move to times from the first kernel.
+    assert tl.kernels[1].duration_us == pytest.approx(float(events[1]["dur"]), abs=1e-6)
+
+
+def test_malformed_traces_get_a_clear_error_or_are_skipped(tmp_path) -> None:
+    # Entries that are not objects are no events (skipped, as trace viewers do).
+    (tl,) = load_timelines({"traceEvents": ["junk", 3, kernel("a", 7, 0, 1)], "otherData": []}).values()
+    assert [k.name for k in tl.kernels] == ["a"]
+    bad = kernel("no_start", 7, 0, 1)
+    del bad["ts"]
+    with pytest.raises(ValueError, match=r"kernel event #1 \('no_start'\) has no 'ts'"):
+        load_timelines({"traceEvents": [kernel("a", 7, 0, 1), bad]})
+    # A gzip file is read whatever its name; a file that is no JSON says which file it is.
+    zipped = tmp_path / "trace.json"
+    with gzip.open(zipped, "wt") as f:
+        json.dump(hand_trace(), f)
+    assert load_timelines(zipped)["trace"].overlap_fraction == pytest.approx(0.36)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read .*broken.json.* as a JSON trace"):
+        load_timelines(broken)
+
+
+def test_a_compact_file_of_another_format_version_is_refused(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    save_timelines(path, Timeline([KernelEvent("a", 1, 0.0, 1.0)], "one"), Timeline([], "two"))
+    doc = json.loads(path.read_text())
+    doc["otherData"]["format"] = "parallel_modules.timeline/2"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="format 'parallel_modules.timeline/2'.*reads 'parallel_modules.timeline/1'"):
+        load_timelines(path)
+
+
+def test_loaded_metadata_holds_plain_floats(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    save_timelines(path, Timeline([KernelEvent("a", 1, 0.0, 1.0)], "one", {"ms": 1.5}), metadata={"x": [0.25]})
+    meta = load_timelines(path)["one"].metadata
+    assert meta == {"ms": 1.5, "x": [0.25]}
+    assert type(meta["ms"]) is float and type(meta["x"][0]) is float
+
+
+def test_warm_up_continues_while_the_last_call_tried_schedules() -> None:
+    # record_timeline's warm-up, on the CPU: a call "tries schedules" when it moves a tuner's
+    # count of calls, as Parallel(streams="auto" / fuse="auto") does until it decides.
+    from parallel_modules._autotune import _ScheduleTuner, _Trial
+    from parallel_modules.timeline import _MAX_EXTRA_WARMUP, _warm_up
+
+    tuner = _ScheduleTuner()
+    made = []
+
+    def tuning_until(n):
+        def call(x):
+            made.append(x)
+            if len(made) <= n:  # a trial's call; the n-th decides
+                tuner.calls += 1
+        return call
+
+    # Reached through any callable: here a plain function, not a module.
+    assert _warm_up(tuning_until(40), (0,), {}, 30) == 41 == len(made)  # the 41st call ran decided
+    made.clear()
+    assert _warm_up(tuning_until(10), (0,), {}, 30) == 30  # decided within the warm-up
+    made.clear()
+    assert _warm_up(tuning_until(10**6), (0,), {}, 5) == 5 + _MAX_EXTRA_WARMUP  # bounded
+    # A trial left unfinished for another input signature does not move: no extra calls.
+    stale = _ScheduleTuner()
+    stale.trials[("another signature",)] = _Trial(("sequential", "forked"))
+    made.clear()
+    assert _warm_up(tuning_until(0), (0,), {}, 30) == 30
+    assert _warm_up(tuning_until(0), (0,), {}, 0) == 0
+
+
 def test_real_cpu_profiler_trace_loads_without_kernels(tmp_path) -> None:
     # Kineto's own file, as written on this machine: CPU operators only, no GPU kernels.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -256,6 +348,23 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(ImportError, match="plotting needs matplotlib.*pip install"):
         Timeline([KernelEvent("a", 1, 0, 1)]).plot()
+
+
+def test_plot_says_what_failed_when_matplotlib_is_installed_but_breaks(monkeypatch) -> None:
+    import builtins
+
+    real = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ModuleNotFoundError("No module named 'numpy.core'", name="numpy.core")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "matplotlib.pyplot", raising=False)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with pytest.raises(ImportError, match="importing matplotlib.pyplot failed: No module named 'numpy.core'") as e:
+        Timeline([KernelEvent("a", 1, 0, 1)]).plot()
+    assert "not installed" not in str(e.value)
 
 
 def test_tool_without_cuda_exits_with_the_message(tmp_path) -> None:
@@ -315,6 +424,29 @@ def test_record_waits_for_schedule_tuning_to_end() -> None:
     with torch.no_grad():
         record_timeline(block, torch.randn(2, 16, 16, 16, device="cuda"))
     assert not block._tuner.trials
+
+
+@pytest.mark.cuda
+def test_record_waits_for_tuning_inside_any_callable_and_only_for_its_own_input() -> None:
+    block = Parallel(*[torch.nn.Conv2d(16, 16, 3, padding=1) for _ in range(3)], fuse="auto").cuda().eval()
+    calls = []
+
+    def model(x):  # a callable around the block, as a user profiles a model's forward
+        calls.append(x.shape)
+        return block(x)
+
+    x = torch.randn(2, 16, 16, 16, device="cuda")
+    with torch.no_grad():
+        record_timeline(model, x)
+        assert not block._tuner.trials  # the profiled calls ran the schedule kept
+        # Two calls at another shape leave that shape's trial unfinished: it must not prolong
+        # the warm-up of a shape already decided.
+        block(torch.randn(3, 16, 16, 16, device="cuda"))
+        block(torch.randn(3, 16, 16, 16, device="cuda"))
+        assert block._tuner.trials
+        calls.clear()
+        record_timeline(model, x, warmup=10, calls=2)
+    assert len(calls) == 12
 
 
 @pytest.mark.cuda
