@@ -84,7 +84,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ._compile import _WHOLE
-from ._fusion import _MODE_FREE, _functorch_active
+from . import _watch
+from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
 from ._inputs import _input_device, _signature, _value_key
 from ._streams import (_capture_underway, _current_stream, _graph_state, _hidden_tensors, _is_tracing, _pools,
                        _use_count)
@@ -197,6 +198,45 @@ def _autocast_state() -> Hashable:
     if torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
     return None
+
+
+# Where a graph must be neither captured nor replayed (see _autograd_busy).
+_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+_forward_ad = torch.autograd.forward_ad
+
+
+def _autograd_busy() -> bool:
+    r"""Whether autograd needs this call run eagerly: saved-tensor hooks, a backward pass, forward AD.
+
+    Under saved-tensor hooks (``torch.utils.checkpoint(use_reentrant=False)``,
+    ``save_on_cpu``) the hooks must see the call's own saved tensors, and a
+    graph holds its activations in its pool whatever they do. Inside a
+    backward pass (a checkpoint's recomputation, a custom ``backward``) the
+    call runs on autograd's thread, possibly while this process captures --
+    waiting there for the capture, which waits for that backward, would hang.
+    Under forward-mode AD a replay would drop the tangents.
+    """
+    return ((_saved_tensor_hooks is not None and _saved_tensor_hooks(False) is not None)
+            or (_graph_task is not None and _graph_task() != -1) or _forward_ad._current_level >= 0)
+
+
+_cublas_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: None)
+_cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: None)
+
+
+def _swapped(slots: list[dict], snapshot: list[dict]) -> bool:
+    r"""Whether a parameter or buffer dict of the owner holds another tensor than when captured.
+
+    ``torch.func.functional_call`` writes the tensors it is given into the
+    dicts for one call, registering nothing; a replay would read the captured
+    ones. (Dicts compare values by identity first; other tensors compare by
+    value, which raises for more than one element.)
+    """
+    try:
+        return slots != snapshot
+    except RuntimeError:
+        return True
 
 
 def _all_on(tensors: list[torch.Tensor], device: torch.device) -> bool:
@@ -833,6 +873,14 @@ class _CudaGraphs:
         self._warned: set[str] = set()
         # (key, graph) of the last single-tensor call that found or captured a graph (see __call__).
         self._hot: tuple[Hashable, _Graph] | None = None
+        # What graphs read without a key for it (see _look): the owner's parameter and buffer
+        # dicts, and its modules' hook dicts, with copies of them as captured.
+        self._slots: list[dict] = []
+        self._slot_values: list[dict] = []
+        self._hooks: list[dict] = []
+        self._hook_values: list[dict] = []
+        self._hooked = False
+        self._handles = getattr(_Handle, "next_id", None)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -853,7 +901,8 @@ class _CudaGraphs:
 
     # ------------------------------------------------------------------ call
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if _is_tracing() or _functorch_active():  # (torch.func transforms wrap tensors a graph cannot read)
+        # (torch.func transforms wrap tensors a graph cannot read; see _autograd_busy.)
+        if _is_tracing() or _functorch_active() or _autograd_busy():
             return forward(*args, **kwargs)
         # A call with one tensor and the signature of the last one replayed -- every
         # call of a model in a loop -- skips the cache: no hashing, no lock, no LRU
@@ -866,7 +915,8 @@ class _CudaGraphs:
         if (hot is not None and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
                 and not self._lock.locked()):
             owner = self._owner()
-            if owner is not None and not _capture_underway() and self._key(owner, args, kwargs, ()) == hot[0]:
+            if (owner is not None and not _capture_underway() and self._key(owner, args, kwargs, ()) == hot[0]
+                    and self._unchanged()):
                 self._recent.append(False)
                 out = hot[1].replay(args, self.static_outputs)  # (``_replay``, without its frame)
                 return forward(*args, **kwargs) if out is _HELD else out
@@ -876,10 +926,7 @@ class _CudaGraphs:
         r"""Everything a graph is captured for: inputs, modes, and which parameters require grad."""
         params = self._params
         if params is None:
-            params = self._params = list(owner.parameters())
-            # Submodules whose behaviour may depend on their own train/eval mode, which a
-            # user may set apart from the owner's (a frozen BatchNorm in a training model).
-            self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
+            params = self._look(owner)
         grad = torch.is_grad_enabled()
         return (
             _signature(args, kwargs, owner.training),
@@ -888,7 +935,44 @@ class _CudaGraphs:
             torch.is_inference_mode_enabled(),
             _autocast_state(),
             tuple(p.requires_grad for p in params) if grad else None,
+            # TF32 (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32): kernels
+            # are chosen when captured.
+            _cublas_tf32(),
+            _cudnn_tf32(),
         )
+
+    def _look(self, owner: nn.Module) -> list[nn.Parameter]:
+        r"""Note what the graphs of ``owner`` will read by address or have baked in; returns its parameters."""
+        params = list(owner.parameters())
+        # Submodules whose behaviour may depend on their own train/eval mode, which a
+        # user may set apart from the owner's (a frozen BatchNorm in a training model).
+        self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
+        self._slots = [d for m in owner.modules() for d in (m._parameters, m._buffers) if d]
+        self._slot_values = [d.copy() for d in self._slots]
+        # Hooks of the owner's modules run while captured, and are baked into the graphs.
+        self._hooks = _hook_dicts(owner) + list(_GLOBAL_HOOKS)
+        self._hook_values = [d.copy() for d in self._hooks]
+        self._hooked = any(self._hooks)
+        self._handles = getattr(_Handle, "next_id", None)
+        self._params = params
+        return params
+
+    def _unchanged(self) -> bool:
+        r"""Whether the graphs may replay: no tensor swapped into the owner, and its hooks as captured.
+
+        A hook registered or removed below the owner frees every graph (they
+        ran the old hooks); the next call captures anew. Tensors swapped in
+        for one call (``torch.func.functional_call``) run that call eagerly.
+        Hook dicts are compared only when a hook was registered somewhere
+        since (the handles' counter moved) or while the owner has hooks
+        (removing one moves nothing).
+        """
+        if self._hooked or getattr(_Handle, "next_id", None) != self._handles:
+            if self._hooks != self._hook_values:
+                self.clear()
+                return False
+            self._handles = getattr(_Handle, "next_id", None)
+        return not _swapped(self._slots, self._slot_values)
 
     def _replay(self, graph: _Graph, forward: Callable[..., Any], args: tuple, kwargs: dict,
                 tensors: list[torch.Tensor]) -> Any:
@@ -910,12 +994,13 @@ class _CudaGraphs:
             return forward(*args, **kwargs)
 
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            tensors, extra = [args[0]], ()
+            tensors, extra, others = [args[0]], (), []
         else:
             leaves = pytree.tree_leaves((args, kwargs))
             tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
             # Non-tensor arguments are baked into the graph: only the same values replay it.
-            extra = tuple(_value_key(v) for v in leaves if not isinstance(v, torch.Tensor))
+            others = [v for v in leaves if not isinstance(v, torch.Tensor)]
+            extra = tuple(_value_key(v) for v in others)
             if not _all_on(tensors, device):
                 self._warn_once("devices", f"{self.name}: cuda_graph=True needs every tensor input on "
                                            f"{device}; got {sorted({str(t.device) for t in tensors})}. "
@@ -924,9 +1009,14 @@ class _CudaGraphs:
         owner = self._owner()
         if owner is None:
             return forward(*args, **kwargs)
+        if self._params is None and _watch._swapped_in(owner.modules()):
+            # Called first inside ``torch.func.functional_call``: the tensors it swapped in are
+            # not the owner's own, which the graphs must read.
+            return forward(*args, **kwargs)
         key = self._key(owner, args, kwargs, extra)
         params = self._params
-        assert params is not None
+        if params is None or not self._unchanged():  # (cleared by another thread, or here)
+            return forward(*args, **kwargs)
         grad = torch.is_grad_enabled()
         with self._lock:
             try:
@@ -945,6 +1035,16 @@ class _CudaGraphs:
             else:
                 needs_grad = grad and (any(t.requires_grad for t in tensors) or any(p.requires_grad for p in params))
                 try:
+                    hiding = [v for v in others if _hidden_tensors(v)]
+                    if hiding:
+                        raise _CaptureError(
+                            f"{self.name}: cannot capture input signature ({_describe(tensors)}) with "
+                            f"cuda_graph=True: an argument holds tensors inside a {type(hiding[0]).__name__} "
+                            f"object. A graph reads its inputs from buffers it copies them into; tensors "
+                            f"inside other objects would be read from where they were when captured, "
+                            f"whatever the object holds later. Pass the tensors as arguments (or in "
+                            f"tuples, lists or dicts, or register the class with torch.utils._pytree); or "
+                            f"pass graph_fallback=True to run this signature eagerly with a warning.")
                     graph = self._capture(owner, forward, args, kwargs, tensors, device, needs_grad, params)
                 except _CaptureError as e:
                     if not self.fallback:
@@ -964,6 +1064,9 @@ class _CudaGraphs:
         return self._replay(graph, forward, args, kwargs, tensors)
 
     def _insert(self, key: Hashable, graph: _Graph) -> None:
+        hot = self._hot
+        if hot is not None and hot[0] in self._graphs:  # (its replays skip the cache: used last all the same)
+            self._graphs.move_to_end(hot[0])
         self._graphs[key] = graph
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)  # frees the graph and, with it, its pool
@@ -1035,8 +1138,10 @@ class _CudaGraphs:
                             if needs_grad:
                                 call, leaves = _with_aliases(owner, call)
                             surface = tuple(s for s in graph.inputs if s.requires_grad) + leaves
-                            for _ in range(_WARMUP_ITERS):
+                            for i in range(_WARMUP_ITERS):
                                 out = call()
+                                if i == 0:
+                                    self._check_leaves(out, surface)
                                 if needs_grad:
                                     _grad(out, surface)
                                 del out
@@ -1075,6 +1180,42 @@ class _CudaGraphs:
             graph.last = caller
         return graph
 
+    def _check_leaves(self, out: Any, surface: tuple) -> None:
+        r"""Refuse outputs that autograd differentiates with respect to tensors the graphs do not.
+
+        The backward graph computes the gradients of the inputs and of the
+        owner's parameters (``surface``); a tensor requiring grad that a branch
+        reads from elsewhere -- a closure, a global, a module not registered
+        below the owner -- would silently get none.
+        """
+        if not torch.is_grad_enabled():
+            return
+        known = {id(t) for t in surface}
+        seen: dict[int, Any] = {}  # (the nodes held: Python wrappers of nodes are made on access, ids reused)
+        todo = [o.grad_fn for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        todo += [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad
+                 and o.grad_fn is None and id(o) not in known]  # (an output that is itself such a leaf)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, torch.Tensor):
+                leaf = node
+            else:
+                if node is None or id(node) in seen:
+                    continue
+                seen[id(node)] = node
+                leaf = getattr(node, "variable", None)  # (an AccumulateGrad node)
+                if leaf is None:
+                    todo.extend(n for n, _ in node.next_functions)
+                    continue
+            if id(leaf) not in known:
+                raise _CaptureError(
+                    f"{self.name}: cannot capture a CUDA graph whose output depends on a tensor requiring grad "
+                    f"that is neither an input nor a parameter of the module (Tensor{tuple(leaf.shape)} "
+                    f"{str(leaf.dtype).replace('torch.', '')}, read from a closure, a global or a module "
+                    f"not registered below it): the graphed backward would leave its gradient unset. "
+                    f"Register it (an nn.Parameter attribute of a submodule) or pass it as an input; or "
+                    f"pass graph_fallback=True to run this signature eagerly with a warning.")
+
     def variants(self) -> dict[Hashable, Any]:
         r"""The variant each cached graph runs (see ``_graph_variants``), by cache key."""
         with self._lock:
@@ -1083,7 +1224,7 @@ class _CudaGraphs:
     def _record(self, graph: _Graph, call: Callable[[], Any], surface: tuple, leaves: tuple, needs_grad: bool,
                 stream: torch.cuda.Stream, caller: torch.cuda.Stream, index: int,
                 tensors: list[torch.Tensor]) -> None:
-        def captured(g: torch.cuda.CUDAGraph, fn: Callable[[], Any]) -> Any:
+        def captured(g: torch.cuda.CUDAGraph, fn: Callable[[], Any], what: str = "") -> Any:
             try:
                 with torch.cuda.graph(g, pool=graph.pool, stream=stream, capture_error_mode="thread_local"):
                     return fn()
@@ -1093,8 +1234,8 @@ class _CudaGraphs:
                     raise
                 left = _streams_left_capturing(index)
                 raise _CaptureError(
-                    f"{self.name}: CUDA graph capture failed for input signature ({_describe(tensors)}) "
-                    f"with cuda_graph=True:\n  {_explain(e)}\n"
+                    f"{self.name}: CUDA graph capture{what} failed for input signature "
+                    f"({_describe(tensors)}) with cuda_graph=True:\n  {_explain(e)}\n"
                     f"Code captured in a CUDA graph must not synchronise with the host (.item(), .cpu(), "
                     f".tolist(), .nonzero(), printing a CUDA tensor, torch.cuda.synchronize()) nor take "
                     f"Python branches on tensor values, and shapes must not depend on data. Fix the "
@@ -1131,7 +1272,7 @@ class _CudaGraphs:
             diff = [o for o in outputs if o.requires_grad]
             grads = captured(graph.bwd, lambda: _in_layout(torch.autograd.grad(
                 diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
-                allow_unused=True), surface))
+                allow_unused=True), surface), " of the backward pass")
             by_id = {id(t): g for t, g in zip(surface, grads)}
             graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *leaves]]
             graph.plan_grads()
@@ -1232,7 +1373,9 @@ def _with_aliases(owner: nn.Module, call: Callable[[], Any]) -> tuple[Callable[[
     aliases = {name: p.detach().requires_grad_() for name, p in named}
 
     def aliased() -> Any:
-        with _reparametrize_module(owner, aliases):
+        # (tie_weights: a parameter shared by two branches is named once above; every module
+        # holding it must read its alias, or the gradient through the others is lost.)
+        with _reparametrize_module(owner, aliases, tie_weights=True):
             return call()
 
     return aliased, tuple(aliases.values())

@@ -1300,3 +1300,270 @@ def test_a_tensor_subclass_input_gets_a_graph_of_its_own():
     assert type(plain) is torch.Tensor and type(tagged) is _Tagged and type(again) is _Tagged
     assert torch.equal(tagged.as_subclass(torch.Tensor), plain)
     assert block._graphs.captures == 2
+
+
+# ------------------------------------------- where autograd and torch.func reach into a call
+def test_autograd_busy_under_saved_tensor_hooks_backward_and_forward_ad():
+    from torch.autograd import forward_ad
+
+    from parallel_modules._graphs import _autograd_busy
+
+    assert not _autograd_busy()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert _autograd_busy()
+    with torch.autograd.graph.save_on_cpu():
+        assert _autograd_busy()
+    with forward_ad.dual_level():
+        assert _autograd_busy()
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(_autograd_busy())  # inside a backward pass (autograd's thread on CUDA)
+            return g
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [True] and not _autograd_busy()
+
+
+def test_swapped_tells_tensors_swapped_into_parameter_slots():
+    from parallel_modules._graphs import _swapped
+
+    lin = nn.Linear(3, 3)
+    slots = [lin._parameters]
+    snapshot = [d.copy() for d in slots]
+    assert not _swapped(slots, snapshot)
+    with torch.nn.utils.stateless._reparametrize_module(lin, {"weight": torch.zeros(3, 3)}):
+        assert _swapped(slots, snapshot)  # (compared by value, multi-element: raises, caught)
+    with torch.nn.utils.stateless._reparametrize_module(lin, {"weight": nn.Parameter(lin.weight.detach().clone())}):
+        assert _swapped(slots, snapshot)
+    assert not _swapped(slots, snapshot)
+
+
+def test_check_leaves_refuses_a_closure_parameter():
+    from parallel_modules._graphs import _CaptureError, _CudaGraphs
+
+    w = nn.Parameter(torch.randn(8, 16))
+    block = Parallel(nn.Linear(16, 8), lambda x: x @ w.t())
+    graphs = _CudaGraphs(block)
+    # Many nodes between the output and the closure's leaf: their Python wrappers come and go.
+    out = block(torch.ones(4, 16))
+    for _ in range(50):
+        out = out * 1.0 + 0.0
+    with pytest.raises(_CaptureError, match=r"neither an input nor a parameter.*Tensor\(8, 16\) float32"):
+        graphs._check_leaves(out, tuple(block.parameters()))
+    graphs._check_leaves(block[0](torch.ones(4, 16)), tuple(block.parameters()))  # registered: fine
+    with torch.no_grad():
+        graphs._check_leaves(block(torch.ones(4, 16)), ())  # nothing recorded: nothing to check
+
+
+def _train_steps(block, inputs):
+    grads = []
+    for x in inputs:
+        block.zero_grad(set_to_none=True)
+        block(x).square().sum().backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in block.parameters()])
+    return grads
+
+
+@cuda
+def test_tied_weights_get_every_branchs_gradient():
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def make(graph):
+        torch.manual_seed(0)
+        a, b = nn.Linear(16, 8), nn.Linear(16, 8)
+        b.weight = a.weight  # tied across two branches
+        return Parallel(a, nn.Sequential(b, nn.Tanh()), cuda_graph=graph).cuda()
+
+    inputs = [torch.randn(4, 16, device="cuda") for _ in range(4)]
+    for got, want in zip(_train_steps(make(True), inputs), _train_steps(make(False), inputs)):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+@cuda
+def test_functional_call_reads_the_tensors_given():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    block = Parallel(*_mlp(3, width=16), cuda_graph=True).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    other = {k: torch.randn_like(v) for k, v in block.state_dict().items()}
+    with torch.no_grad():
+        for _ in range(3):
+            own = block(x)  # captured, replayed
+        swapped = torch.func.functional_call(block, other, (x,))
+        expected = torch.func.functional_call(Parallel(*_mlp(3, width=16)).cuda(), other, (x,))
+        assert torch.equal(swapped, expected) and not torch.equal(swapped, own)
+        assert torch.equal(block(x), own) and block._graphs.captures == 1  # the graph again afterwards
+    # Training: gradients reach the tensors swapped in.
+    leaves = {k: v.clone().requires_grad_() for k, v in other.items()}
+    torch.func.functional_call(block, leaves, (x,)).sum().backward()
+    assert all(v.grad is not None for v in leaves.values())
+
+
+@cuda
+def test_first_call_inside_functional_call_captures_nothing():
+    block = Parallel(*_mlp(2, width=16), cuda_graph=True).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    other = {k: torch.zeros_like(v) for k, v in block.state_dict().items()}
+    with torch.no_grad():
+        assert torch.count_nonzero(torch.func.functional_call(block, other, (x,))) == 0
+        assert block._graphs.captures == 0
+        assert torch.equal(block(x), _reference(block, x)) and block._graphs.captures == 1
+
+
+@cuda
+def test_hooks_registered_or_removed_after_capture_are_honoured():
+    torch.manual_seed(0)
+    block = Parallel(*_mlp(2, width=16), cuda_graph=True).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        plain = block(x).clone()
+        block(x)
+        handle = block[0][0].register_forward_hook(lambda m, i, o: o * 0)
+        hooked = block(x).clone()
+        assert torch.equal(hooked, _reference(block, x))
+        assert not torch.equal(hooked, plain)
+        block(x)
+        handle.remove()
+        assert torch.equal(block(x), plain)
+        # A hook anywhere else (a tensor's) frees nothing.
+        captures = block._graphs.captures
+        torch.ones(1, requires_grad=True).register_hook(lambda g: g)
+        assert torch.equal(block(x), plain) and block._graphs.captures == captures
+
+
+@cuda
+def test_checkpoint_and_save_on_cpu_run_the_block_eagerly():
+    # Non-reentrant checkpoint recomputes the block on autograd's thread while the first
+    # call captures: that hung. Run in a subprocess, so that a hang fails the test.
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from torch.utils.checkpoint import checkpoint
+        from parallel_modules import Parallel
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+        def make(graph):
+            torch.manual_seed(0)
+            return Parallel(nn.Linear(16, 8), nn.Sequential(nn.Linear(16, 8), nn.Tanh()), cuda_graph=graph).cuda()
+
+        ref, block = make(False), make(True)
+        for wrap in ("checkpoint", "reentrant", "save_on_cpu"):
+            for _ in range(3):
+                x = torch.randn(4, 16, device="cuda", requires_grad=True)
+                grads = []
+                for m in (ref, block):
+                    m.zero_grad(set_to_none=True)
+                    if wrap == "save_on_cpu":
+                        with torch.autograd.graph.save_on_cpu():
+                            y = m(x)
+                    else:
+                        y = checkpoint(m, x, use_reentrant=wrap == "reentrant")
+                    x.grad = None
+                    y.square().sum().backward()  # (a reentrant checkpoint refuses autograd.grad)
+                    grads.append([x.grad, *(p.grad for p in m.parameters())])
+                assert all(torch.equal(a, b) for a, b in zip(*grads)), wrap
+        print("ok", block._graphs.captures)
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+@cuda
+def test_closure_parameter_is_refused_with_fallback_to_eager():
+    w = nn.Parameter(torch.randn(8, 16, device="cuda"))
+    x = torch.ones(4, 16, device="cuda")
+    for branches in ([nn.Linear(16, 8).cuda(), lambda t: t @ w.t()], [lambda t: t @ w.t()]):
+        with pytest.raises(RuntimeError, match="neither an input nor a parameter"):
+            Parallel(*branches, cuda_graph=True)(x)
+        block = Parallel(*branches, cuda_graph=True, graph_fallback=True)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                w.grad = None
+                block(x).sum().backward()
+                assert torch.equal(w.grad, torch.full_like(w, 4.0))
+        assert len(_graph_warnings(record)) == 1
+
+
+@cuda
+def test_tensor_inside_an_argument_object_is_refused():
+    class Ctx:
+        def __init__(self, scale):
+            self.scale = scale
+
+    class Scaled(nn.Module):
+        def forward(self, x, ctx):
+            return x * ctx.scale
+
+    ctx = Ctx(torch.tensor(2.0, device="cuda"))
+    x = torch.ones(4, 4, device="cuda")
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="holds tensors inside a Ctx object.*Pass the tensors as arguments"):
+            Parallel(Scaled(), Scaled(), cuda_graph=True)(x, ctx)
+        block = Parallel(Scaled(), Scaled(), cuda_graph=True, graph_fallback=True)
+        with pytest.warns(UserWarning, match="Ctx"):
+            block(x, ctx)
+        ctx.scale = torch.tensor(3.0, device="cuda")
+        assert torch.equal(block(x, ctx), torch.full((4, 8), 3.0, device="cuda"))
+
+
+@cuda
+def test_tf32_setting_is_part_of_the_signature():
+    torch.manual_seed(0)
+    block = Parallel(nn.Linear(256, 256), nn.Linear(256, 256), cuda_graph=True).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        with torch.no_grad():
+            torch.backends.cuda.matmul.allow_tf32 = False
+            exact = block(x).clone()
+            assert torch.equal(block(x), exact) and torch.equal(exact, _reference(block, x))
+            torch.backends.cuda.matmul.allow_tf32 = True
+            fast = block(x).clone()
+            assert not torch.equal(fast, exact)  # TF32 kernels captured anew
+            assert torch.allclose(fast, _reference(block, x), atol=1e-2)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            assert torch.equal(block(x), exact)
+        assert block._graphs.captures == 2
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@cuda
+def test_forward_ad_tangents_pass_through_a_graphed_block():
+    from torch.autograd import forward_ad
+
+    block = Parallel(*_mlp(2, width=16), cuda_graph=True).cuda()
+    x, t = torch.randn(4, 16, device="cuda"), torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        block(x)
+        block(x)
+    with forward_ad.dual_level():
+        out = forward_ad.unpack_dual(block(forward_ad.make_dual(x, t))).tangent
+    expected = torch.func.jvp(lambda v: _reference(block, v), (x,), (t,))[1]
+    assert out is not None and torch.allclose(out, expected)
+
+
+@cuda
+def test_most_recently_replayed_graph_is_not_evicted():
+    block = Parallel(*_mlp(2, width=16), cuda_graph=True, max_graphs=2).cuda()
+    a, b, c = (torch.randn(n, 16, device="cuda") for n in (2, 3, 5))
+    with torch.no_grad():
+        block(a)  # the single-tensor shortcut's graph from here on
+        block(input=b)  # (a keyword: through the cache, which it makes the most recent)
+        for _ in range(3):
+            block(a)  # the shortcut: a is the most recent now
+        block(c)  # evicts b, the least recently used
+        assert block._graphs.captures == 3
+        block(a)
+    assert block._graphs.captures == 3
