@@ -96,7 +96,11 @@ _tuners: weakref.WeakSet[_ScheduleTuner] = weakref.WeakSet()
 
 def _tuned_calls() -> int:
     r"""Calls that every tuner alive has run: a call that moves it tried schedules (see ``timeline``)."""
-    return sum([t.calls for t in list(_tuners)])
+    while True:
+        try:
+            return sum([t.calls for t in list(_tuners)])
+        except RuntimeError:  # ("set changed size during iteration": another thread made a block)
+            continue
 
 
 class _ScheduleTuner:

@@ -85,7 +85,7 @@ from torch.utils import _pytree as pytree
 
 from ._compile import _WHOLE
 from . import _watch
-from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
+from ._fusion import _GLOBAL_HOOKS, _HOOKS, _MODE_FREE, _Handle, _functorch_active
 from ._inputs import _input_device, _signature, _value_key
 from ._streams import (_capture_underway, _current_stream, _graph_state, _hidden_tensors, _is_tracing, _pools,
                        _use_count)
@@ -97,6 +97,9 @@ __all__: list[str] = []
 _WARMUP_ITERS = 3
 # Signatures remembered as "cannot be captured" (graph_fallback=True).
 _MAX_FAILED = 1024
+# Calls in a row that find the same tensors swapped into a graphed module's parameter or
+# buffer slots, after which they are taken as its own (see _CudaGraphs._unchanged).
+_SWAPS_KEPT = 3
 
 # ``active``: this thread is warming up or capturing a graphed module. A graphed
 # module called from inside (a nested block) runs eagerly and is recorded by the
@@ -206,33 +209,56 @@ _graph_task = getattr(torch._C, "_current_graph_task_id", None)
 _forward_ad = torch.autograd.forward_ad
 
 
-def _autograd_busy() -> bool:
-    r"""Whether autograd needs this call run eagerly: saved-tensor hooks, a backward pass, forward AD.
+_SAVED_HOOKS, _BACKWARD, _FORWARD_AD = "saved-tensor hooks", "a backward pass", "forward-mode AD"
+
+
+def _autograd_busy() -> str:
+    r"""Why autograd needs this call run eagerly (``""``: it does not).
 
     Under saved-tensor hooks (``torch.utils.checkpoint(use_reentrant=False)``,
-    ``save_on_cpu``) the hooks must see the call's own saved tensors, and a
-    graph holds its activations in its pool whatever they do. Inside a
-    backward pass (a checkpoint's recomputation, a custom ``backward``) the
-    call runs on autograd's thread, possibly while this process captures --
-    waiting there for the capture, which waits for that backward, would hang.
-    Under forward-mode AD a replay would drop the tangents.
+    ``save_on_cpu``) while autograd records, the hooks must see the call's own
+    saved tensors, and a graph holds its activations in its pool whatever
+    they do. Inside a backward pass (a checkpoint's recomputation, a custom
+    ``backward``) the call runs on autograd's thread, possibly while this
+    process captures -- waiting there for the capture, which waits for that
+    backward, would hang. Under forward-mode AD a replay would drop the tangents.
     """
-    return ((_saved_tensor_hooks is not None and _saved_tensor_hooks(False) is not None)
-            or (_graph_task is not None and _graph_task() != -1) or _forward_ad._current_level >= 0)
+    if _saved_tensor_hooks is not None and _saved_tensor_hooks(False) is not None and torch.is_grad_enabled():
+        return _SAVED_HOOKS
+    if _graph_task is not None and _graph_task() != -1:
+        return _BACKWARD
+    return _FORWARD_AD if _forward_ad._current_level >= 0 else ""
 
 
-_cublas_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", lambda: None)
-_cudnn_tf32 = getattr(torch._C, "_get_cudnn_allow_tf32", lambda: None)
+_precision = getattr(torch._C, "_get_fp32_precision_getter", None)
 
 
-def _swapped(slots: list[dict], snapshot: list[dict]) -> bool:
+def _tf32() -> Hashable:
+    r"""The float32 precision settings of CUDA's matrix products and convolutions (TF32 or not).
+
+    Read through the precision API where torch has it (``torch.backends.fp32_precision``
+    and its per-backend settings, which the legacy ``allow_tf32`` flags also set): once
+    it is used, the legacy getters raise. A setting of ``"none"`` inherits the next one's.
+    """
+    if _precision is not None:
+        return (_precision("cuda", "matmul"), _precision("cuda", "conv"), _precision("cuda", "all"),
+                _precision("generic", "all"))
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def _swapped(slots: list[dict], snapshot: list[dict], scalars: bool) -> bool:
     r"""Whether a parameter or buffer dict of the owner holds another tensor than when captured.
 
     ``torch.func.functional_call`` writes the tensors it is given into the
     dicts for one call, registering nothing; a replay would read the captured
-    ones. (Dicts compare values by identity first; other tensors compare by
-    value, which raises for more than one element.)
+    ones. Dicts compare their values by identity first, and tensors that are
+    not the same object by value, which raises for more than one element; a
+    tensor of one element (``scalars``: the snapshot holds one) could compare
+    equal to another, so those dicts are compared by identity, in Python.
     """
+    if scalars:
+        return any(len(d) != len(s) or any([a is not b for a, b in zip(d.values(), s.values())])
+                   for d, s in zip(slots, snapshot))
     try:
         return slots != snapshot
     except RuntimeError:
@@ -849,10 +875,14 @@ class _CudaGraphs:
         direct_grads: training replays leave the parameters out of autograd's
             graph and write their gradients into ``.grad`` themselves (see
             :func:`_hand_out`), where nothing listens on them.
+        calls_owner: ``forward`` calls the owner itself (``owner.__call__``),
+            whose own hooks then run inside the graphs; otherwise they run
+            around them, and the owner's hooks do not matter to the graphs.
     """
 
     def __init__(self, owner: nn.Module, max_graphs: int = 8, static_outputs: bool = False,
-                 fallback: bool = False, lend: bool = True, direct_grads: bool = False) -> None:
+                 fallback: bool = False, lend: bool = True, direct_grads: bool = False,
+                 calls_owner: bool = False) -> None:
         name = type(owner).__name__
         self.name = name
         self.max_graphs = _check_graph_setting(name, "max_graphs", max_graphs)
@@ -860,6 +890,7 @@ class _CudaGraphs:
         self.fallback = bool(fallback)
         self.lend = lend
         self.direct_grads = bool(direct_grads)
+        self.calls_owner = calls_owner
         self.captures = 0  # graphs captured so far (diagnostics and tests)
         self._owner = weakref.ref(owner)
         self._lock = threading.Lock()
@@ -881,6 +912,10 @@ class _CudaGraphs:
         self._hook_values: list[dict] = []
         self._hooked = False
         self._handles = getattr(_Handle, "next_id", None)
+        self._scalars = False
+        # Calls in a row that found the same tensors swapped in (see _unchanged).
+        self._swaps = 0
+        self._swap: list[dict] = []
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -888,11 +923,15 @@ class _CudaGraphs:
     def clear(self) -> None:
         r"""Free every graph (parameters moved, branches changed): the next calls capture anew."""
         with self._lock:
-            self._graphs.clear()
-            self._failed.clear()
-            self._recent.clear()
-            self._params = None
-            self._hot = None
+            self._forget()
+
+    def _forget(self) -> None:
+        r""":meth:`clear`, the lock held."""
+        self._graphs.clear()
+        self._failed.clear()
+        self._recent.clear()
+        self._params = None
+        self._hot = None
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
@@ -901,8 +940,16 @@ class _CudaGraphs:
 
     # ------------------------------------------------------------------ call
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        # (torch.func transforms wrap tensors a graph cannot read; see _autograd_busy.)
-        if _is_tracing() or _functorch_active() or _autograd_busy():
+        if _is_tracing() or _functorch_active():  # (torch.func transforms wrap tensors a graph cannot read)
+            return forward(*args, **kwargs)
+        busy = _autograd_busy()
+        if busy:
+            if busy is _SAVED_HOOKS:
+                self._warn_once("saved-hooks", f"{self.name}: cuda_graph=True, but called under saved-tensor "
+                                               f"hooks (torch.utils.checkpoint(use_reentrant=False), "
+                                               f"torch.autograd.graph.save_on_cpu): such calls run eagerly, "
+                                               f"so that the hooks see their activations, which a graph keeps "
+                                               f"in its own memory.")
             return forward(*args, **kwargs)
         # A call with one tensor and the signature of the last one replayed -- every
         # call of a model in a loop -- skips the cache: no hashing, no lock, no LRU
@@ -916,7 +963,9 @@ class _CudaGraphs:
                 and not self._lock.locked()):
             owner = self._owner()
             if (owner is not None and not _capture_underway() and self._key(owner, args, kwargs, ()) == hot[0]
-                    and self._unchanged()):
+                    and not self._hooked and getattr(_Handle, "next_id", None) == self._handles
+                    and not _swapped(self._slots, self._slot_values, self._scalars)):
+                # (Nothing swapped in, no hook registered since: else the cache's path sees to it.)
                 self._recent.append(False)
                 out = hot[1].replay(args, self.static_outputs)  # (``_replay``, without its frame)
                 return forward(*args, **kwargs) if out is _HELD else out
@@ -935,10 +984,7 @@ class _CudaGraphs:
             torch.is_inference_mode_enabled(),
             _autocast_state(),
             tuple(p.requires_grad for p in params) if grad else None,
-            # TF32 (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32): kernels
-            # are chosen when captured.
-            _cublas_tf32(),
-            _cudnn_tf32(),
+            _tf32(),  # (kernels are chosen when captured)
         )
 
     def _look(self, owner: nn.Module) -> list[nn.Parameter]:
@@ -949,30 +995,46 @@ class _CudaGraphs:
         self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
         self._slots = [d for m in owner.modules() for d in (m._parameters, m._buffers) if d]
         self._slot_values = [d.copy() for d in self._slots]
-        # Hooks of the owner's modules run while captured, and are baked into the graphs.
-        self._hooks = _hook_dicts(owner) + list(_GLOBAL_HOOKS)
+        self._scalars = any(t is not None and t.numel() <= 1 for d in self._slots for t in d.values())
+        self._swaps = 0
+        # Hooks of the owner's modules run while captured, and are baked into the graphs (the
+        # owner's own run around them, unless ``forward`` is the owner's ``__call__``).
+        self._hooks = [getattr(m, h) for m in owner.modules() if m is not owner or self.calls_owner
+                       for h in _HOOKS if hasattr(m, h)] + list(_GLOBAL_HOOKS)
         self._hook_values = [d.copy() for d in self._hooks]
         self._hooked = any(self._hooks)
         self._handles = getattr(_Handle, "next_id", None)
         self._params = params
         return params
 
-    def _unchanged(self) -> bool:
+    def _unchanged(self, locked: bool = False) -> bool:
         r"""Whether the graphs may replay: no tensor swapped into the owner, and its hooks as captured.
 
         A hook registered or removed below the owner frees every graph (they
-        ran the old hooks); the next call captures anew. Tensors swapped in
-        for one call (``torch.func.functional_call``) run that call eagerly.
-        Hook dicts are compared only when a hook was registered somewhere
-        since (the handles' counter moved) or while the owner has hooks
-        (removing one moves nothing).
+        ran the old hooks); the next call captures anew. Hook dicts are
+        compared only when a hook was registered somewhere since (the
+        handles' counter moved) or while the owner has hooks (removing one
+        moves nothing). Tensors swapped in for one call
+        (``torch.func.functional_call``) run that call eagerly; the same ones
+        found for ``_SWAPS_KEPT`` calls in a row are the owner's own now (a
+        child's buffers replaced by ``block[0].half()``, which only the
+        owner's own ``_apply`` tells it of): the graphs are freed, and the
+        next call captures with them. ``locked``: the cache's lock is held.
         """
         if self._hooked or getattr(_Handle, "next_id", None) != self._handles:
             if self._hooks != self._hook_values:
-                self.clear()
+                self._forget() if locked else self.clear()
                 return False
             self._handles = getattr(_Handle, "next_id", None)
-        return not _swapped(self._slots, self._slot_values)
+        if not _swapped(self._slots, self._slot_values, self._scalars):
+            self._swaps = 0
+            return True
+        now = [d.copy() for d in self._slots]
+        self._swaps = self._swaps + 1 if self._swaps and not _swapped(now, self._swap, True) else 1
+        self._swap = now
+        if self._swaps >= _SWAPS_KEPT:
+            self._forget() if locked else self.clear()
+        return False
 
     def _replay(self, graph: _Graph, forward: Callable[..., Any], args: tuple, kwargs: dict,
                 tensors: list[torch.Tensor]) -> Any:
@@ -1009,18 +1071,28 @@ class _CudaGraphs:
         owner = self._owner()
         if owner is None:
             return forward(*args, **kwargs)
-        if self._params is None and _watch._swapped_in(owner.modules()):
-            # Called first inside ``torch.func.functional_call``: the tensors it swapped in are
-            # not the owner's own, which the graphs must read.
-            return forward(*args, **kwargs)
-        key = self._key(owner, args, kwargs, extra)
-        params = self._params
-        if params is None or not self._unchanged():  # (cleared by another thread, or here)
-            return forward(*args, **kwargs)
         grad = torch.is_grad_enabled()
+        # (Under the lock: another thread's capture swaps aliases into the owner's parameter
+        # slots, see _with_aliases; this call then waits for it to end.)
         with self._lock:
+            if self._params is None and _watch._swapped_in(owner.modules()):
+                # Called first inside ``torch.func.functional_call``: the tensors it swapped
+                # in are not the owner's own, which the graphs must read.
+                key = graph = None
+            else:
+                key = self._key(owner, args, kwargs, extra)
+                if not self._unchanged(locked=True):
+                    if self._params is None:  # graphs freed (hooks changed, new buffers kept): capture anew
+                        key = self._key(owner, args, kwargs, extra)
+                    else:  # tensors swapped in for this call
+                        key = graph = None
+                params = self._params
+            hot = self._hot
+            if hot is not None and hot[0] in self._graphs:
+                # Replays by the shortcut skip the cache: its graph was used last all the same.
+                self._graphs.move_to_end(hot[0])
             try:
-                graph = self._graphs.get(key)
+                graph = None if key is None else self._graphs.get(key)
             except TypeError:  # an unhashable non-tensor argument
                 graph = None
                 self._warn_once("unhashable", f"{self.name}: cuda_graph=True cannot key a graph on "
@@ -1064,9 +1136,6 @@ class _CudaGraphs:
         return self._replay(graph, forward, args, kwargs, tensors)
 
     def _insert(self, key: Hashable, graph: _Graph) -> None:
-        hot = self._hot
-        if hot is not None and hot[0] in self._graphs:  # (its replays skip the cache: used last all the same)
-            self._graphs.move_to_end(hot[0])
         self._graphs[key] = graph
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)  # frees the graph and, with it, its pool
@@ -1138,10 +1207,11 @@ class _CudaGraphs:
                             if needs_grad:
                                 call, leaves = _with_aliases(owner, call)
                             surface = tuple(s for s in graph.inputs if s.requires_grad) + leaves
+                            strays: list[torch.Tensor] = []
                             for i in range(_WARMUP_ITERS):
                                 out = call()
-                                if i == 0:
-                                    self._check_leaves(out, surface)
+                                if i < 2:
+                                    strays = self._check_leaves(out, surface, strays if i else None)
                                 if needs_grad:
                                     _grad(out, surface)
                                 del out
@@ -1180,21 +1250,27 @@ class _CudaGraphs:
             graph.last = caller
         return graph
 
-    def _check_leaves(self, out: Any, surface: tuple) -> None:
+    def _check_leaves(self, out: Any, surface: tuple, before: list[torch.Tensor] | None) -> list[torch.Tensor]:
         r"""Refuse outputs that autograd differentiates with respect to tensors the graphs do not.
 
         The backward graph computes the gradients of the inputs and of the
         owner's parameters (``surface``); a tensor requiring grad that a branch
         reads from elsewhere -- a closure, a global, a module not registered
-        below the owner -- would silently get none.
+        below the owner -- would silently get none. Returns the leaves of
+        ``out``'s autograd graph outside ``surface``; ``before``: those of the
+        previous warm-up call, and leaves found in both are refused (one made
+        anew by each call, ``x.detach().requires_grad_()`` to differentiate
+        inside ``forward``, is the call's own business).
         """
         if not torch.is_grad_enabled():
-            return
+            return []
         known = {id(t) for t in surface}
         seen: dict[int, Any] = {}  # (the nodes held: Python wrappers of nodes are made on access, ids reused)
-        todo = [o.grad_fn for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-        todo += [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad
-                 and o.grad_fn is None and id(o) not in known]  # (an output that is itself such a leaf)
+        strays: list[torch.Tensor] = []
+        todo: list[Any] = []
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.requires_grad:  # (an output may be such a leaf itself)
+                todo.append(o.grad_fn if o.grad_fn is not None else o)
         while todo:
             node = todo.pop()
             if isinstance(node, torch.Tensor):
@@ -1207,14 +1283,18 @@ class _CudaGraphs:
                 if leaf is None:
                     todo.extend(n for n, _ in node.next_functions)
                     continue
-            if id(leaf) not in known:
-                raise _CaptureError(
-                    f"{self.name}: cannot capture a CUDA graph whose output depends on a tensor requiring grad "
-                    f"that is neither an input nor a parameter of the module (Tensor{tuple(leaf.shape)} "
-                    f"{str(leaf.dtype).replace('torch.', '')}, read from a closure, a global or a module "
-                    f"not registered below it): the graphed backward would leave its gradient unset. "
-                    f"Register it (an nn.Parameter attribute of a submodule) or pass it as an input; or "
-                    f"pass graph_fallback=True to run this signature eagerly with a warning.")
+            if id(leaf) not in known and all(leaf is not t for t in strays):
+                strays.append(leaf)
+        stray = next((t for t in strays if before is not None and any(t is b for b in before)), None)
+        if stray is not None:
+            raise _CaptureError(
+                f"{self.name}: cannot capture a CUDA graph whose output depends on a tensor requiring grad "
+                f"that is neither an input nor a parameter of the module (Tensor{tuple(stray.shape)} "
+                f"{str(stray.dtype).replace('torch.', '')}: read from a closure or a global, a module not "
+                f"registered below it, or a buffer that requires grad): the graphed backward would leave "
+                f"its gradient unset. Register it as an nn.Parameter of a submodule, or pass it as an "
+                f"input; or pass graph_fallback=True to run this signature eagerly with a warning.")
+        return strays
 
     def variants(self) -> dict[Hashable, Any]:
         r"""The variant each cached graph runs (see ``_graph_variants``), by cache key."""

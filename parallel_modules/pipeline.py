@@ -638,7 +638,8 @@ class ParallelSequential(nn.Sequential):
                 # Outputs are lent by the last stage only: the others' are read by
                 # the next lane, on another stream, while their own lane may
                 # already replay the next micro-batch into the same buffers.
-                cache = _CudaGraphs(stage, self.max_graphs, False, self.graph_fallback, lend=s == last)
+                cache = _CudaGraphs(stage, self.max_graphs, False, self.graph_fallback, lend=s == last,
+                                    calls_owner=True)
                 cache.name = f"{type(self).__name__} stage {name!r}"
                 self._per_stage[name] = cache
             graphs.append(cache)

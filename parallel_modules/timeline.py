@@ -309,10 +309,13 @@ def _decimal(event: Mapping[str, Any], key: str, index: int, default: Any = None
                          f"{'no' if value is None else 'a non-numeric'} {key!r}: expected microseconds, got "
                          f"{value!r}")
     try:
-        return decimal.Decimal(getattr(value, "text", None) or (repr(value) if isinstance(value, float) else value))
+        number = decimal.Decimal(getattr(value, "text", None) or (repr(value) if isinstance(value, float) else value))
     except decimal.InvalidOperation:
+        number = decimal.Decimal("nan")
+    if not number.is_finite():
         raise ValueError(f"parallel_modules.timeline: kernel event #{index} has {key}={value!r}, not a "
-                         f"number of microseconds") from None
+                         f"number of microseconds")
+    return number
 
 
 def _kernels(events: Sequence[Any]) -> list[KernelEvent]:

@@ -1308,13 +1308,15 @@ def test_autograd_busy_under_saved_tensor_hooks_backward_and_forward_ad():
 
     from parallel_modules._graphs import _autograd_busy
 
-    assert not _autograd_busy()
+    assert _autograd_busy() == ""
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        assert _autograd_busy()
+        assert _autograd_busy() == "saved-tensor hooks"
+        with torch.no_grad():
+            assert _autograd_busy() == ""  # nothing is saved
     with torch.autograd.graph.save_on_cpu():
-        assert _autograd_busy()
+        assert _autograd_busy() == "saved-tensor hooks"
     with forward_ad.dual_level():
-        assert _autograd_busy()
+        assert _autograd_busy() == "forward-mode AD"
     seen = []
 
     class Probe(torch.autograd.Function):
@@ -1328,7 +1330,7 @@ def test_autograd_busy_under_saved_tensor_hooks_backward_and_forward_ad():
             return g
 
     Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
-    assert seen == [True] and not _autograd_busy()
+    assert seen == ["a backward pass"] and not _autograd_busy()
 
 
 def test_swapped_tells_tensors_swapped_into_parameter_slots():
@@ -1337,12 +1339,20 @@ def test_swapped_tells_tensors_swapped_into_parameter_slots():
     lin = nn.Linear(3, 3)
     slots = [lin._parameters]
     snapshot = [d.copy() for d in slots]
-    assert not _swapped(slots, snapshot)
-    with torch.nn.utils.stateless._reparametrize_module(lin, {"weight": torch.zeros(3, 3)}):
-        assert _swapped(slots, snapshot)  # (compared by value, multi-element: raises, caught)
-    with torch.nn.utils.stateless._reparametrize_module(lin, {"weight": nn.Parameter(lin.weight.detach().clone())}):
-        assert _swapped(slots, snapshot)
-    assert not _swapped(slots, snapshot)
+    for scalars in (False, True):
+        assert not _swapped(slots, snapshot, scalars)
+        with torch.nn.utils.stateless._reparametrize_module(lin, {"weight": torch.zeros(3, 3)}):
+            assert _swapped(slots, snapshot, scalars)  # (by value, many elements: raises, caught)
+        with torch.nn.utils.stateless._reparametrize_module(lin, {"weight": nn.Parameter(lin.weight.detach().clone())}):
+            assert _swapped(slots, snapshot, scalars)
+        assert not _swapped(slots, snapshot, scalars)
+    # One element: a tensor of the same value is not the same tensor.
+    scale = nn.Module()
+    scale.t = nn.Parameter(torch.tensor(2.0))
+    slots = [scale._parameters]
+    snapshot = [d.copy() for d in slots]
+    with torch.nn.utils.stateless._reparametrize_module(scale, {"t": torch.tensor(2.0, requires_grad=True)}):
+        assert _swapped(slots, snapshot, True)
 
 
 def test_check_leaves_refuses_a_closure_parameter():
@@ -1351,15 +1361,112 @@ def test_check_leaves_refuses_a_closure_parameter():
     w = nn.Parameter(torch.randn(8, 16))
     block = Parallel(nn.Linear(16, 8), lambda x: x @ w.t())
     graphs = _CudaGraphs(block)
-    # Many nodes between the output and the closure's leaf: their Python wrappers come and go.
-    out = block(torch.ones(4, 16))
-    for _ in range(50):
-        out = out * 1.0 + 0.0
+    surface = tuple(block.parameters())
+
+    def call():
+        # Many nodes between the output and the closure's leaf: their Python wrappers come and go.
+        out = block(torch.ones(4, 16))
+        for _ in range(50):
+            out = out * 1.0 + 0.0
+        return out
+
+    strays = graphs._check_leaves(call(), surface, None)  # the first warm-up call: noted
+    assert len(strays) == 1 and strays[0] is w
     with pytest.raises(_CaptureError, match=r"neither an input nor a parameter.*Tensor\(8, 16\) float32"):
-        graphs._check_leaves(out, tuple(block.parameters()))
-    graphs._check_leaves(block[0](torch.ones(4, 16)), tuple(block.parameters()))  # registered: fine
+        graphs._check_leaves(call(), surface, strays)  # found again: refused
+    assert graphs._check_leaves(block[0](torch.ones(4, 16)), surface, []) == []  # registered: fine
     with torch.no_grad():
-        graphs._check_leaves(block(torch.ones(4, 16)), ())  # nothing recorded: nothing to check
+        assert graphs._check_leaves(block(torch.ones(4, 16)), (), None) == []  # nothing recorded
+
+
+def test_check_leaves_allows_a_leaf_made_by_each_call():
+    from parallel_modules._graphs import _CudaGraphs
+
+    class Energy(nn.Module):  # forces as the gradient of an energy, differentiated inside forward
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, pos):
+            pos = pos.detach().requires_grad_()
+            energy = self.lin(pos).square().sum()
+            return -torch.autograd.grad(energy, pos, create_graph=True)[0] + pos
+
+    block = Parallel(Energy(), Energy(), join="sum")
+    graphs = _CudaGraphs(block)
+    surface = tuple(block.parameters())
+    first = graphs._check_leaves(block(torch.randn(5, 3)), surface, None)
+    assert first  # each call's own position leaf
+    graphs._check_leaves(block(torch.randn(5, 3)), surface, first)  # a new one: not refused
+
+
+def test_tf32_key_reads_the_precision_api_too():
+    # Once torch.backends.fp32_precision (torch >= 2.9) is set, the legacy getters raise:
+    # the key must not, and must tell the settings apart.
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from parallel_modules import Parallel
+        from parallel_modules._graphs import _CudaGraphs
+        block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
+        graphs = _CudaGraphs(block)
+        x = torch.randn(2, 4)
+        before = graphs._key(block, (x,), {}, ())
+        if hasattr(torch.backends, "fp32_precision"):
+            torch.backends.fp32_precision = "tf32"
+            assert graphs._key(block, (x,), {}, ()) != before
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+            torch.backends.cudnn.conv.fp32_precision = "ieee"
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = not torch.backends.cuda.matmul.allow_tf32
+        assert graphs._key(block, (x,), {}, ()) != before
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_tensors_swapped_in_for_calls_in_a_row_are_taken_as_the_owners():
+    from parallel_modules._graphs import _SWAPS_KEPT, _CudaGraphs
+
+    block = Parallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 4)).eval()
+    graphs = _CudaGraphs(block)
+    graphs._look(block)
+    assert graphs._unchanged()
+    # functional_call, call after call with new tensors, alternating with plain calls: never kept.
+    for _ in range(2 * _SWAPS_KEPT):
+        new = {k: v.clone() for k, v in block.state_dict().items()}
+        with torch.nn.utils.stateless._reparametrize_module(block, new):
+            assert not graphs._unchanged()
+        assert graphs._unchanged()
+    assert graphs._params is not None
+    # A child's buffers replaced by its own _apply (block[0].half() and the like), which
+    # registers nothing: the same new tensors, call after call.
+    bn = block[0][1]
+    bn._buffers["running_mean"] = bn.running_mean.clone()
+    for _ in range(_SWAPS_KEPT):
+        assert not graphs._unchanged()
+    assert graphs._params is None  # freed: the next call looks again and captures with them
+    graphs._look(block)
+    assert graphs._unchanged()
+
+
+def test_hooks_on_the_owner_itself_matter_only_where_the_graphs_call_it():
+    from parallel_modules._graphs import _CudaGraphs
+
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
+    around, inside = _CudaGraphs(block), _CudaGraphs(block, calls_owner=True)
+    around._look(block)
+    inside._look(block)
+    handle = block.register_forward_hook(lambda m, i, o: o)
+    assert around._unchanged() and around._params is not None  # Parallel: its hooks run around the graphs
+    assert not inside._unchanged() and inside._params is None  # a pipeline stage's graphs call it
+    handle.remove()
+    below = block[1].register_forward_pre_hook(lambda m, i: None)
+    assert not around._unchanged() and around._params is None
+    below.remove()
 
 
 def _train_steps(block, inputs):
@@ -1427,16 +1534,15 @@ def test_hooks_registered_or_removed_after_capture_are_honoured():
         plain = block(x).clone()
         block(x)
         handle = block[0][0].register_forward_hook(lambda m, i, o: o * 0)
-        hooked = block(x).clone()
-        assert torch.equal(hooked, _reference(block, x))
-        assert not torch.equal(hooked, plain)
-        block(x)
+        hooked = block(x).clone()  # captured anew, with the hook
+        assert block._graphs.captures == 2
+        assert torch.equal(hooked, _reference(block, x)) and not torch.equal(hooked, plain)
+        assert torch.equal(block(x), hooked)
         handle.remove()
-        assert torch.equal(block(x), plain)
+        assert torch.equal(block(x), plain) and block._graphs.captures == 3
         # A hook anywhere else (a tensor's) frees nothing.
-        captures = block._graphs.captures
         torch.ones(1, requires_grad=True).register_hook(lambda g: g)
-        assert torch.equal(block(x), plain) and block._graphs.captures == captures
+        assert torch.equal(block(x), plain) and block._graphs.captures == 3
 
 
 @cuda

@@ -241,6 +241,9 @@ def test_malformed_traces_get_a_clear_error_or_are_skipped(tmp_path) -> None:
     del bad["ts"]
     with pytest.raises(ValueError, match=r"kernel event #1 \('no_start'\) has no 'ts'"):
         load_timelines({"traceEvents": [kernel("a", 7, 0, 1), bad]})
+    bad["ts"] = float("nan")
+    with pytest.raises(ValueError, match=r"kernel event #1 has ts=nan, not a number of microseconds"):
+        load_timelines({"traceEvents": [kernel("a", 7, 0, 1), bad]})
     # A gzip file is read whatever its name; a file that is no JSON says which file it is.
     zipped = tmp_path / "trace.json"
     with gzip.open(zipped, "wt") as f:
