@@ -95,9 +95,9 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda
 _Handle = torch.utils.hooks.RemovableHandle
 
 
-def _hook_dicts(module: nn.Module) -> list[dict]:
-    r"""The hook dicts of ``module`` and every module below it."""
-    return [getattr(m, h) for m in module.modules() for h in _HOOKS if hasattr(m, h)]
+def _hook_dicts(module: nn.Module, own: bool = True) -> list[dict]:
+    r"""The hook dicts of every module below ``module``, and of ``module`` itself if ``own``."""
+    return [getattr(m, h) for m in module.modules() if own or m is not module for h in _HOOKS if hasattr(m, h)]
 
 
 # -------------------------------------------------------------- identical?
@@ -328,6 +328,7 @@ class _Group:
         self.tensor_dicts = [d for o in owners for d in (o._parameters, o._buffers) if d]
         self.owners = list(owners)
         self.snapshots: list[dict[str, Any]] = []
+        self.scalars = False  # a member tensor of one element (see _watch._swapped)
         self.registrations = -1
         self.program: list[_Step] | None = None
 
@@ -413,6 +414,7 @@ class _Group:
         ptrs = [t.data_ptr() for t in tensors_bound]
         self.stacks, self.bound, self.joint = stacks, bound, joint
         self.snapshots = [d.copy() for d in self.tensor_dicts]
+        self.scalars = _watch._has_scalars(self.tensor_dicts)
         self.expected = (tensors_bound, ptrs, list(range(len(ptrs))))
         self.registrations = _watch._changes
         return moved
@@ -422,14 +424,9 @@ class _Group:
 
         As inside ``torch.func.functional_call``, which swaps the tensors in the
         modules' dicts: a call then stacks the tensors it finds (differentiably)
-        and leaves the bound ones as they are. (Dicts compare their values by
-        identity first; tensors that are not the same object compare by value,
-        which raises for more than one element.)
+        and leaves the bound ones as they are.
         """
-        try:
-            return self.tensor_dicts != self.snapshots
-        except RuntimeError:
-            return True
+        return _watch._swapped(self.tensor_dicts, self.snapshots, self.scalars)
 
     def _stacked(self, qual: str, tracing: bool) -> torch.Tensor | None:
         entry = self.entries.get(qual)

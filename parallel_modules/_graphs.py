@@ -85,7 +85,8 @@ from torch.utils import _pytree as pytree
 
 from ._compile import _WHOLE
 from . import _watch
-from ._fusion import _GLOBAL_HOOKS, _HOOKS, _MODE_FREE, _Handle, _functorch_active
+from ._watch import _has_scalars, _swapped
+from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
 from ._inputs import _input_device, _signature, _value_key
 from ._streams import (_capture_underway, _current_stream, _graph_state, _hidden_tensors, _is_tracing, _pools,
                        _use_count)
@@ -244,25 +245,6 @@ def _tf32() -> Hashable:
         return (_precision("cuda", "matmul"), _precision("cuda", "conv"), _precision("cuda", "all"),
                 _precision("generic", "all"))
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-
-
-def _swapped(slots: list[dict], snapshot: list[dict], scalars: bool) -> bool:
-    r"""Whether a parameter or buffer dict of the owner holds another tensor than when captured.
-
-    ``torch.func.functional_call`` writes the tensors it is given into the
-    dicts for one call, registering nothing; a replay would read the captured
-    ones. Dicts compare their values by identity first, and tensors that are
-    not the same object by value, which raises for more than one element; a
-    tensor of one element (``scalars``: the snapshot holds one) could compare
-    equal to another, so those dicts are compared by identity, in Python.
-    """
-    if scalars:
-        return any(len(d) != len(s) or any([a is not b for a, b in zip(d.values(), s.values())])
-                   for d, s in zip(slots, snapshot))
-    try:
-        return slots != snapshot
-    except RuntimeError:
-        return True
 
 
 def _all_on(tensors: list[torch.Tensor], device: torch.device) -> bool:
@@ -995,12 +977,11 @@ class _CudaGraphs:
         self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
         self._slots = [d for m in owner.modules() for d in (m._parameters, m._buffers) if d]
         self._slot_values = [d.copy() for d in self._slots]
-        self._scalars = any(t is not None and t.numel() <= 1 for d in self._slots for t in d.values())
+        self._scalars = _has_scalars(self._slots)
         self._swaps = 0
         # Hooks of the owner's modules run while captured, and are baked into the graphs (the
         # owner's own run around them, unless ``forward`` is the owner's ``__call__``).
-        self._hooks = [getattr(m, h) for m in owner.modules() if m is not owner or self.calls_owner
-                       for h in _HOOKS if hasattr(m, h)] + list(_GLOBAL_HOOKS)
+        self._hooks = _hook_dicts(owner, own=self.calls_owner) + list(_GLOBAL_HOOKS)
         self._hook_values = [d.copy() for d in self._hooks]
         self._hooked = any(self._hooks)
         self._handles = getattr(_Handle, "next_id", None)

@@ -100,6 +100,30 @@ def _swapped_in(modules: Any) -> bool:
     return any(t is not None and not isinstance(t, nn.Parameter) for m in modules for t in m._parameters.values())
 
 
+def _swapped(dicts: list[dict], snapshot: list[dict], scalars: bool) -> bool:
+    r"""Whether parameter or buffer ``dicts`` hold other tensors than their copies ``snapshot``.
+
+    ``torch.func.functional_call`` writes the tensors it is given into the
+    dicts for one call, registering nothing. Dicts compare their values by
+    identity first, and tensors that are not the same object by value, which
+    raises for more than one element; a tensor of one element (``scalars``:
+    the snapshot holds one, see :func:`_has_scalars`) could compare equal to
+    another, so those dicts are compared by identity, in Python.
+    """
+    if scalars:
+        return any(len(d) != len(s) or any([a is not b for a, b in zip(d.values(), s.values())])
+                   for d, s in zip(dicts, snapshot))
+    try:
+        return dicts != snapshot
+    except RuntimeError:
+        return True
+
+
+def _has_scalars(dicts: list[dict]) -> bool:
+    r"""Whether ``dicts`` hold a tensor of at most one element (see :func:`_swapped`)."""
+    return any(t is not None and t.numel() <= 1 for d in dicts for t in d.values())
+
+
 def _change_setting(module: nn.Module, name: str, value: Any, reset: Callable[[], None]) -> None:
     r"""Set a constructed block's setting ``name`` (checked already) and ``reset`` it.
 

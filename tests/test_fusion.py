@@ -1164,6 +1164,22 @@ def test_functional_call_after_a_registration_elsewhere_leaves_the_swapped_tenso
     assert not p._fusion.units[0].swapped()  # and the group's own tensors are bound as before
 
 
+def test_functional_call_of_an_equal_one_element_parameter_reaches_it():
+    # A tensor of one element, swapped in with the bound one's value, compared equal to it:
+    # the group ran on its stacks, and the tensor passed in got no gradient.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 4), nn.PReLU()) for _ in range(3)], fuse=True)
+    x = torch.randn(5, 4)
+    p(x)
+    group = p._fusion.units[0]
+    assert not group.swapped()
+    slope = p[0][1].weight.detach().clone().requires_grad_()
+    with torch.nn.utils.stateless._reparametrize_module(p, {"0.1.weight": slope}):
+        assert group.swapped()
+    torch.func.functional_call(p, {"0.1.weight": slope}, (x,)).sum().backward()
+    assert slope.grad is not None
+
+
 def test_forward_mode_tangents_through_a_fused_functional_call():
     import torch.autograd.forward_ad as fwAD
 

@@ -1334,7 +1334,7 @@ def test_autograd_busy_under_saved_tensor_hooks_backward_and_forward_ad():
 
 
 def test_swapped_tells_tensors_swapped_into_parameter_slots():
-    from parallel_modules._graphs import _swapped
+    from parallel_modules._watch import _swapped
 
     lin = nn.Linear(3, 3)
     slots = [lin._parameters]
