@@ -472,6 +472,18 @@ class Parallel(nn.Module):
             self._modules = OrderedDict((str(i), m) for i, m in enumerate(self._modules.values()))
         self._reset()
 
+    def __delattr__(self, name: str) -> None:
+        # ``del block.name`` of a branch registers nothing (see _watch): forget what
+        # was learnt about the branches, as ``__delitem__`` does (a fused group or a
+        # graph would go on running the deleted branch).
+        if name in self._modules:
+            if len(self._modules) == 1:
+                raise ValueError(f"{type(self).__name__}: cannot delete every branch; at least one must remain.")
+            super().__delattr__(name)
+            self._reset()
+            return
+        super().__delattr__(name)
+
     def append(self, module: nn.Module | Callable[..., Any]) -> "Parallel":
         r"""Append a branch at the end; returns ``self``."""
         key = str(len(self._modules))
@@ -549,14 +561,33 @@ class Parallel(nn.Module):
             info["not compiled as one"] = self._compiler.whole_failure
         return info
 
-    def _fusion_for(self, args: tuple, kwargs: dict) -> _Fusion | None:
-        r"""The fused groups that apply to this call, or ``None`` (fusion off, nothing to fuse, not one tensor)."""
+    def _fusion_for(self, args: tuple, kwargs: dict, thorough: bool = False) -> _Fusion | None:
+        r"""The fused groups that apply to this call, or ``None`` (fusion off, nothing to fuse, not one tensor).
+
+        ``thorough``: a schedule is being chosen or a graph captured, which
+        may also look at what costs too much to look at on every call.
+        """
         if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             return None
         fusion = self._fusion
-        if fusion is None or not fusion.current():
+        if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
             fusion = self._fusion = self._new_fusion()
         return fusion if fusion.groups else None
+
+    def _regrouped(self) -> bool:
+        r"""Whether branches that no group held when schedules were chosen may now be grouped.
+
+        A signature whose branches all ran unfused (hooks on them, BatchNorm in
+        training) keeps that schedule, and its calls never ask for the groups
+        again; once the hooks are gone or the branches switched to ``eval()``,
+        the groups are found anew and every schedule is chosen again.
+        """
+        fusion = self._fusion
+        if fusion is None or fusion.groups or fusion.current():
+            return False
+        self._fusion = self._new_fusion()
+        self._tuner, self._plans = _ScheduleTuner(), {}
+        return True
 
     def _graph_variants(self, args: tuple, kwargs: dict, first_only: bool = False) -> list[tuple[Any, ...] | None]:
         r"""For ``cuda_graph=True``: the ways to capture this call; the graph code keeps the fastest.
@@ -819,6 +850,9 @@ class Parallel(nn.Module):
             if plan is not None and self._compiler is None and not (plan.cuda and _capture_underway()):
                 if plan.forked and self.streams == "auto" and self._trains_since(key, plan):
                     return self._joined(self._outputs(args, kwargs, (key, None)))
+                fusion = self._fusion
+                if not plan.fused and fusion is not None and not fusion.groups and self._regrouped():
+                    return self._joined(self._outputs(args, kwargs, (key, None)))
                 if plan.forked and not plan.fused and self.join in _REDUCING_JOINS:
                     # Unfused branches forked and joined by a reduction: the fork
                     # joins them, without ``_run``'s options (6 us of a 70 us call
@@ -891,13 +925,13 @@ class Parallel(nn.Module):
             plan = self._plans.get(key)
         else:
             key, plan = looked_up
-        if plan is not None and plan.forked and self._trains_since(key, plan):
+        if plan is not None and (plan.forked and self._trains_since(key, plan) or not plan.fused and self._regrouped()):
             plan = None
         if plan is not None and not (plan.cuda and _capture_underway()):
             # A decided schedule (those that do not fork usually run inline in ``forward``).
             return self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
                              self._fusion_for(args, kwargs) if plan.fused else None, False)
-        fusion = None if self.fuse is False else self._fusion_for(args, kwargs)
+        fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
         if plan is None:
             plan = self._plan(key, args, kwargs, fusion)
         if plan is not None and not plan.cuda:

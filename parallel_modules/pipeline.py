@@ -325,6 +325,13 @@ class ParallelSequential(nn.Sequential):
         super().__delitem__(idx)
         self._reset()
 
+    def __delattr__(self, name: str) -> None:
+        # ``del pipe.name`` of a stage registers nothing (see _watch): as ``__delitem__``.
+        stage = name in self._modules
+        super().__delattr__(name)
+        if stage:
+            self._reset()
+
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state.pop("_plan", None)

@@ -1235,3 +1235,79 @@ def test_fuse_auto_on_the_cpu_keeps_branches_unfused_under_deterministic_algorit
         assert torch.equal(p(x), torch.cat([b(x) for b in branches], 1))
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("fuse", [False, True, "auto"])
+def test_branch_deleted_by_attribute_is_seen(fuse):
+    # ``del block.name`` registers nothing; a fused group kept the deleted branch in it.
+    p = Parallel(collections.OrderedDict((k, nn.Linear(8, 4)) for k in "abc"), fuse=fuse)
+    x = torch.randn(3, 8)
+    p(x)
+    del p.c
+    assert list(p._modules) == ["a", "b"]
+    assert_close(p(x), torch.cat([p.a(x), p.b(x)], 1))
+    del p.a
+    assert_close(p(x), p.b(x))
+    with pytest.raises(ValueError, match="cannot delete every branch"):
+        del p.b
+    assert_close(p(x), p.b(x))
+
+
+@pytest.mark.parametrize("join, dim, batch", [("stack", 0, 4), ("cat", 0, 4), ("cat", 1, 1), ("cat", 1, 4)])
+@pytest.mark.parametrize("last", [nn.ReLU, nn.Sigmoid])
+def test_in_place_operation_after_a_fused_join(join, dim, batch, last):
+    # The fused join may be the group's last activation itself, which ReLU and Sigmoid save
+    # for backward: an in-place operation on the block's output must not spoil it.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), last()) for _ in range(3)], join=join, dim=dim, fuse=True)
+    plain = copy.deepcopy(p)
+    plain.fuse = False
+    x = torch.randn(batch, 8)
+    for block in (p, plain):
+        nn.Hardtanh(0.2, 0.6, inplace=True)(block(x)).pow(2).sum().backward()
+    assert fused_groups(p) == [["0", "1", "2"]]
+    for a, b in zip(p.parameters(), plain.parameters()):
+        assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("cause", ["hooks", "train mode"])
+def test_branches_left_unfused_are_grouped_once_the_cause_goes(cause):
+    # Every branch left out: the signature's schedule was unfused, and its calls never asked
+    # for the groups again.
+    if cause == "hooks":
+        p = Parallel(*[mlp() for _ in range(3)], fuse="auto")
+        handles = [b.register_forward_hook(lambda m, i, o: None) for b in p]
+    else:
+        p = Parallel(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)) for _ in range(3)], fuse="auto")
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        p(x)
+        assert fused_groups(p) == []
+        if cause == "hooks":
+            for h in handles:
+                h.remove()
+        else:
+            for b in p:
+                b.eval()  # the branches, not the block
+        out = p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    assert p.explain()["unfused"] == {}
+    assert_close(out, reference(p, x))
+
+
+def test_forward_replaced_before_the_first_call_runs_the_member_unfused():
+    # Groups are found at construction; a ``forward`` replaced on a member's instance
+    # afterwards (accelerate's add_hook_to_module does) is seen when the call is planned.
+    p = Parallel(*[mlp() for _ in range(3)], fuse="auto")
+    strict = Parallel(*[mlp() for _ in range(3)], fuse=True)
+    for block in (p, strict):
+        layer = block[1][2]
+        layer.forward = lambda t, original=layer.forward: original(t) * 0 + 7.0
+    x = torch.randn(5, 16)
+    out = p(x)
+    assert torch.equal(out[:, 16:32], torch.full((5, 16), 7.0))
+    assert_close(out, reference(p, x))
+    assert "forward replaced" in p.explain()["unfused"]["1"]
+    assert fused_groups(p) == [["0", "2"]]
+    with pytest.raises(ValueError, match=r"(?s)branch '1'.*forward replaced"):
+        strict(x)

@@ -695,3 +695,4 @@ def test_stages_set_later_are_checked_as_the_constructor_checks_them():
     assert len(s) == 2
     x = torch.randn(2, 3)
     assert s(x) is x
+

@@ -398,3 +398,15 @@ def test_sanitizer_catches_a_missing_wait() -> None:
     # Proves the harness: with stream waits disabled the sanitizer must fail the run.
     result = _run_sanitizer("--broken")
     assert result.returncode != 0 and "CSAN" in result.stderr, result.stderr[-4000:]
+
+
+def test_stage_deleted_by_attribute_is_not_replayed() -> None:
+    # ``del pipe.name`` registers nothing: the graphs captured with the stage must go.
+    model = ParallelSequential(OrderedDict(a=nn.Linear(32, 32), b=nn.Linear(32, 32), c=nn.ReLU()),
+                               chunks=2, cuda_graph=True).cuda()
+    x = torch.randn(8, 32, device="cuda")
+    with torch.no_grad():
+        model(x)
+        model(x)
+        del model.b
+        assert torch.equal(model(x), model.c(model.a(x)))
