@@ -13,7 +13,8 @@ and the fastest is kept.
 
 The measurements are taken on the user's real calls -- nothing runs twice, so
 modules with side effects (BatchNorm statistics, dropout RNG) behave exactly
-as without tuning. Each call's cost is estimated without synchronizing as
+as without tuning. Each call's cost is estimated without synchronizing (a
+schedule is chosen once the GPU has run the timed calls) as
 ``max(CPU time to launch it, GPU time between its first and last kernel)``,
 the time a call takes in a steady stream of calls -- with the CPU time
 weighted by ``_CPU_WEIGHT``: a schedule is kept for the rest of the run, while
@@ -78,9 +79,20 @@ class _Trial:
         # schedule -> list of (cpu seconds, start event, end event)
         self.samples: dict[Hashable, list] = {c: [] for c in self.candidates}
 
+    def ready(self) -> bool:
+        r"""Whether the GPU has run the first ``_SAMPLES`` timed calls of every schedule that has samples.
+
+        Deciding before that would wait for the GPU to drain its queue (an
+        event's ``synchronize``): the deciding call would block the host for
+        up to a whole queue of work, a stall no other call has. Until then
+        the trial goes on, each call one more sample.
+        """
+        return all(not samples or samples[min(len(samples), _SAMPLES) - 1][2].query()
+                   for samples in self.samples.values())
+
     def timing(self, schedule: Hashable) -> _Timing:
         cpus, gpus = [], []
-        for cpu, start, end in self.samples[schedule]:
+        for cpu, start, end in self.samples[schedule][:_SAMPLES]:
             end.synchronize()
             cpus.append(cpu)
             gpus.append(start.elapsed_time(end) / 1e3)
@@ -160,8 +172,9 @@ class _ScheduleTuner:
         end.record(stream)
         with self._lock:
             trial.samples[schedule].append((cpu, start, end))
-            if trial.count < k * (_WARMUP + _SAMPLES) or self.trials.get(key) is not trial:
-                return out, None  # more to time, or another thread's call decided
+            if (trial.count < k * (_WARMUP + _SAMPLES) or self.trials.get(key) is not trial
+                    or not trial.ready()):
+                return out, None  # more to time, another thread's call decided, or the GPU is behind
             del self.trials[key]
         baseline = trial.candidates[0]
         # Only schedules that ran: one that raised on every call (a fork refuses a branch
@@ -182,3 +195,29 @@ def _choose(costs: dict[Hashable, _Timing], baseline: Hashable) -> Hashable:
     if baseline not in costs:  # (it raised)
         return best
     return best if costs[best].cost < _MARGIN * costs[baseline].cost else baseline
+
+
+# Calls ``_warm_up`` adds while a block still tries schedules (two candidates take 28
+# calls, four 56, and a trial waits for the GPU to run its timed calls: enough for four more).
+_MAX_EXTRA_WARMUP = 60
+
+
+def _warm_up(call: Callable[[], Any], warmup: int) -> int:
+    r"""Calls ``call`` ``warmup`` times, then while its last call still tried schedules; returns the calls made.
+
+    A call tried schedules when it advanced a schedule tuner (``streams`` or
+    ``fuse="auto"``): any tuner, since ``call`` may run any blocks. A trial
+    left unfinished for another input signature does not advance, so it does
+    not prolong the warm-up. (The profiler's and the benchmark's warm-up:
+    what they time must be the schedules kept.)
+    """
+    before = _tuned_calls()
+    for _ in range(warmup):
+        before = _tuned_calls()
+        call()
+    calls = warmup
+    while warmup and calls < warmup + _MAX_EXTRA_WARMUP and _tuned_calls() != before:
+        before = _tuned_calls()
+        call()
+        calls += 1
+    return calls

@@ -40,6 +40,7 @@ from torch import nn
 
 from . import Parallel, ParallelSequential
 from ._cases import CASES, PIPELINES, Case, PipelineCase, SequentialBranches
+from ._autotune import _warm_up
 from ._fusion import _groups
 from ._graphs import _clear_cublas_workspaces, _collector_paused
 
@@ -320,8 +321,7 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
             checks = {name: "reference" if name == "eager seq" else
                       _check_training(name, m, trained["eager seq"], dtype) for name, m in trained.items()}
             for fn in modes.values():
-                for _ in range(40 if cuda else 2):  # warm-up, as below
-                    fn(x)
+                _warm_up(lambda: fn(x), 40 if cuda else 2)  # warm-up, as below
         else:
             modes = _pipeline_modes(case, device, dtype) if pipeline else _modes(case, device, dtype, x, quick)
             if only:  # the reference always runs: every speed-up and check is relative to it
@@ -333,8 +333,8 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
                 # as the timing does: each output dropped before the next call,
                 # as inside a model, so a graphed module lends its buffers
                 # instead of copying them out, as it does while timed.
-                for _ in range(40 if cuda else 2):
-                    fn(x)
+                # Then while a block still tries schedules.
+                _warm_up(lambda: fn(x), 40 if cuda else 2)
                 out = fn(x)
                 # Pipelines: micro-batches may pick other kernels than the whole
                 # batch, and transposed convolutions are not deterministic.

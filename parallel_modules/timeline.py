@@ -55,10 +55,6 @@ _PathLike = Union[str, "os.PathLike[str]"]
 
 # Written into the compact files so that load_timelines can tell them from Kineto's traces.
 _FORMAT = "parallel_modules.timeline/1"
-# Calls ``record_timeline`` adds after its warm-up while a block still tries schedules
-# (two candidates take 28 calls, four 56: enough for four more).
-_MAX_EXTRA_WARMUP = 60
-
 
 class KernelEvent(NamedTuple):
     r"""One GPU kernel: its name, the CUDA stream and device it ran on, and when (microseconds)."""
@@ -488,26 +484,6 @@ def _cuda_device(args: Sequence[Any], kwargs: Mapping[str, Any], module: Any) ->
     return None
 
 
-def _warm_up(module: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], warmup: int) -> int:
-    r"""Calls ``module`` ``warmup`` times, then while its last call still tried schedules; returns the calls made.
-
-    A call tried schedules when it advanced a schedule tuner (``streams`` or
-    ``fuse="auto"``): any tuner, since ``module`` may be any callable around
-    blocks (a lambda, a bound method). A trial left unfinished for another
-    input signature does not advance, so it does not prolong the warm-up.
-    """
-    before = _autotune._tuned_calls()
-    for _ in range(warmup):
-        before = _autotune._tuned_calls()
-        module(*args, **kwargs)
-    calls = warmup
-    while warmup and calls < warmup + _MAX_EXTRA_WARMUP and _autotune._tuned_calls() != before:
-        before = _autotune._tuned_calls()
-        module(*args, **kwargs)
-        calls += 1
-    return calls
-
-
 def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, calls: int = 3,
                     label: str | None = None, **kwargs: Any) -> Timeline:
     r"""Profiles ``calls`` calls of ``module(*args, **kwargs)`` and returns their GPU kernels.
@@ -560,7 +536,7 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
 
     if ProfilerActivity.CUDA not in torch.profiler.supported_activities():
         raise RuntimeError(f"record_timeline({name}): this torch build's profiler cannot record CUDA activity")
-    _warm_up(module, args, kwargs, warmup)
+    _autotune._warm_up(lambda: module(*args, **kwargs), warmup)
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):

@@ -19,6 +19,9 @@ class _Stamp:
     def __init__(self, us: float) -> None:
         self.us = us
 
+    def query(self) -> bool:
+        return True
+
     def synchronize(self) -> None:
         pass
 
@@ -96,6 +99,9 @@ class _HostEvent:
 
     def record(self, stream=None) -> None:
         self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
 
     def synchronize(self) -> None:
         pass
@@ -293,6 +299,9 @@ def test_one_failed_call_of_the_baseline_does_not_bias_the_choice(monkeypatch):
         def record(self, stream=None) -> None:
             self.schedule = current["s"]
 
+        def query(self) -> bool:
+            return True
+
         def synchronize(self) -> None:
             pass
 
@@ -314,3 +323,24 @@ def test_one_failed_call_of_the_baseline_does_not_bias_the_choice(monkeypatch):
     while decided is None:
         _, decided = tuner.run("k", None, ["seq", "fork"], run)
     assert decided == "seq"
+
+
+def test_decides_only_once_the_gpu_ran_the_timed_calls(monkeypatch):
+    # Deciding on a sample the GPU has not run would wait for its whole queue (the
+    # deciding call blocking the host): the trial goes on until the samples are done.
+    state = {"done": False}
+
+    class Event(_HostEvent):
+        def query(self) -> bool:
+            return state["done"]
+
+        def synchronize(self) -> None:
+            assert state["done"], "the tuner waited for the GPU"
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    tuner = _ScheduleTuner()
+    results = [tuner.run("k", None, ["seq", "fork"], lambda s: s)[1] for _ in range(_TRIAL + 5)]
+    assert results == [None] * (_TRIAL + 5) and "k" in tuner.trials
+    state["done"] = True
+    assert tuner.run("k", None, ["seq", "fork"], lambda s: s)[1] in ("seq", "fork")
+    assert "k" not in tuner.trials

@@ -276,8 +276,7 @@ def test_loaded_metadata_holds_plain_floats(tmp_path) -> None:
 def test_warm_up_continues_while_the_last_call_tried_schedules() -> None:
     # record_timeline's warm-up, on the CPU: a call "tries schedules" when it moves a tuner's
     # count of calls, as Parallel(streams="auto" / fuse="auto") does until it decides.
-    from parallel_modules._autotune import _ScheduleTuner, _Trial
-    from parallel_modules.timeline import _MAX_EXTRA_WARMUP, _warm_up
+    from parallel_modules._autotune import _MAX_EXTRA_WARMUP, _ScheduleTuner, _Trial, _warm_up
 
     tuner = _ScheduleTuner()
     made = []
@@ -290,17 +289,17 @@ def test_warm_up_continues_while_the_last_call_tried_schedules() -> None:
         return call
 
     # Reached through any callable: here a plain function, not a module.
-    assert _warm_up(tuning_until(40), (0,), {}, 30) == 41 == len(made)  # the 41st call ran decided
+    assert _warm_up(lambda f=tuning_until(40): f(0), 30) == 41 == len(made)  # the 41st call ran decided
     made.clear()
-    assert _warm_up(tuning_until(10), (0,), {}, 30) == 30  # decided within the warm-up
+    assert _warm_up(lambda f=tuning_until(10): f(0), 30) == 30  # decided within the warm-up
     made.clear()
-    assert _warm_up(tuning_until(10**6), (0,), {}, 5) == 5 + _MAX_EXTRA_WARMUP  # bounded
+    assert _warm_up(lambda f=tuning_until(10**6): f(0), 5) == 5 + _MAX_EXTRA_WARMUP  # bounded
     # A trial left unfinished for another input signature does not move: no extra calls.
     stale = _ScheduleTuner()
     stale.trials[("another signature",)] = _Trial(("sequential", "forked"))
     made.clear()
-    assert _warm_up(tuning_until(0), (0,), {}, 30) == 30
-    assert _warm_up(tuning_until(0), (0,), {}, 0) == 0
+    assert _warm_up(lambda f=tuning_until(0): f(0), 30) == 30
+    assert _warm_up(lambda f=tuning_until(0): f(0), 0) == 0
 
 
 def test_real_cpu_profiler_trace_loads_without_kernels(tmp_path) -> None:
