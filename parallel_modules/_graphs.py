@@ -88,8 +88,8 @@ from . import _watch
 from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
 from ._inputs import _input_device, _signature, _value_key
-from ._streams import (_capture_underway, _current_stream, _graph_state, _hidden_tensors, _is_tracing, _pools,
-                       _use_count)
+from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _graph_state, _hidden_tensors,
+                       _in_backward, _is_tracing, _pools, _saved_hooks_recording, _use_count)
 
 __all__: list[str] = []
 
@@ -194,7 +194,8 @@ def _check_graph_setting(owner: str, name: str, value: Any) -> Any:
 def _capture_stream(index: int) -> torch.cuda.Stream:
     stream = _capture_streams.get(index)
     if stream is None:
-        stream = _capture_streams[index] = torch.cuda.Stream(index)
+        # (Of the capture pool's priority: see _streams._pool.)
+        stream = _capture_streams[index] = torch.cuda.Stream(index, priority=_CAPTURE_PRIORITY)
     return stream
 
 
@@ -204,9 +205,6 @@ def _autocast_state() -> Hashable:
     return None
 
 
-# Where a graph must be neither captured nor replayed (see _autograd_busy).
-_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_graph_task = getattr(torch._C, "_current_graph_task_id", None)
 _forward_ad = torch.autograd.forward_ad
 
 
@@ -224,9 +222,9 @@ def _autograd_busy() -> str:
     process captures -- waiting there for the capture, which waits for that
     backward, would hang. Under forward-mode AD a replay would drop the tangents.
     """
-    if _saved_tensor_hooks is not None and _saved_tensor_hooks(False) is not None and torch.is_grad_enabled():
+    if _saved_hooks_recording():
         return _SAVED_HOOKS
-    if _graph_task is not None and _graph_task() != -1:
+    if _in_backward():
         return _BACKWARD
     return _FORWARD_AD if _forward_ad._current_level >= 0 else ""
 

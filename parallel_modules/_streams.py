@@ -124,6 +124,51 @@ def _is_tracing() -> bool:
     return torch.compiler.is_compiling() or _symbolic_trace._is_fx_tracing_flag or _jit_tracing()
 
 
+# Where autograd needs a call's items on the caller's stream (see _autograd_in_line).
+_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _saved_hooks_recording() -> bool:
+    r"""Whether saved-tensor hooks (``torch.utils.checkpoint(use_reentrant=False)``, ``save_on_cpu``) are
+    active while autograd records."""
+    return _saved_tensor_hooks is not None and torch.is_grad_enabled() and _saved_tensor_hooks(False) is not None
+
+
+def _in_backward() -> bool:
+    r"""Whether this call runs inside a backward pass (a checkpoint's recomputation, a custom ``backward``)."""
+    return _graph_task is not None and _graph_task() != -1
+
+
+def _autograd_in_line() -> bool:
+    r"""Whether a fork must run its items one after another on the caller's stream, for autograd.
+
+    ``torch.utils.checkpoint(use_reentrant=False)`` recomputes the forward
+    pass in the unpack hook of the first backward operation that needs a
+    saved tensor, on that operation's stream: forked from there, the items'
+    activations would be made on other streams than the ones their backward
+    operations run on (those of the first forward), which read them without
+    waiting. Run in line under saved-tensor hooks, and in a backward pass,
+    the forward and its recomputation put every operation on the caller's
+    stream, and the engine orders the rest.
+    """
+    return _saved_hooks_recording() or _in_backward()
+
+
+def _in_line(calls: list[Any], run: Any, join: Callable[[list[Any]], Any] | None, args: tuple, kwargs: dict,
+             error: Callable[[Exception, int], Exception] | None) -> Any:
+    r"""What :func:`_run_forked` returns, each item run in turn on the caller's stream."""
+    outputs: list[Any] = []
+    try:
+        for i, call in enumerate(calls):
+            outputs.append(run(i, call) if run is not None else call(*args, **kwargs))
+    except Exception as e:
+        if run is None and error is not None:
+            raise error(e, len(outputs))
+        raise
+    return outputs if join is None else join(outputs)
+
+
 class _ThreadSlots(threading.local):
     r"""Per-thread fork state of a :class:`_DevicePool`; class attributes are the defaults.
 
@@ -133,6 +178,7 @@ class _ThreadSlots(threading.local):
     """
 
     offset = 0
+    high = 0  # the first slot above every slot the running fork and its nested forks took (see offset)
     forks: list[torch.cuda.Event] | None = None
     joins: list[torch.cuda.Event] | None = None
     forked: dict[tuple[int, int, int], "_Slots"] | None = None  # see _DevicePool.slots
@@ -156,8 +202,9 @@ class _DevicePool:
     it never re-records an event its parent has yet to wait on.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, priority: int = 0) -> None:
         self.device = device
+        self.priority = priority
         self.streams: list[torch.cuda.Stream] = []
         self.high: list[torch.cuda.Stream] = []  # of the greatest priority, one per slot (see high_stream)
         self.ids: set[int] = set()
@@ -177,7 +224,7 @@ class _DevicePool:
         if len(self.streams) < min(end, _MAX_SIDE_STREAMS):
             with self._lock:
                 while len(self.streams) < min(end, _MAX_SIDE_STREAMS):
-                    self.streams.append(torch.cuda.Stream(self.device))
+                    self.streams.append(torch.cuda.Stream(self.device, priority=self.priority))
                     self.ids.add(self.streams[-1].stream_id)
         n = len(self.streams)
         streams = self.streams[offset:end] if end <= n else [self.streams[i % n] for i in range(offset, end)]
@@ -239,7 +286,11 @@ class _DevicePool:
     def offset(self) -> int:
         # The first slot this thread's next fork uses: a Parallel nested in a
         # branch forks from that branch's stream and must not reuse the
-        # streams (or events) its enclosing block is running on.
+        # streams (or events) its enclosing block is running on. Nor those of
+        # a block nested in an earlier branch of the same fork, which may still
+        # be running: each item starts at ``high``, above all of them (two
+        # Parallel stages of a pipeline sharing streams ran one after another).
+        # Blocks nested one after another in one item take the same slots.
         return self._local.offset
 
     @offset.setter
@@ -279,6 +330,11 @@ def _pool(device: torch.device, capturing: bool | None = None) -> _DevicePool:
     Work that another thread enqueues on a stream while it takes part in a
     capture would be absorbed into the graph (or invalidate it), so captures,
     which the graph module serialises, fork onto streams eager calls never use.
+    ``torch.cuda.Stream()`` hands out PyTorch's 32 streams of each priority
+    round-robin, so past 32 streams in the process (a block of more than 32
+    branches, or the user's own streams) eager and capture streams of one
+    priority would be the same streams: captures take theirs from another
+    priority's streams (:data:`_CAPTURE_PRIORITY`).
     """
     index = device.index if device.index is not None else _current_device()
     # Our warm-up runs on the streams its capture will use, as
@@ -288,8 +344,17 @@ def _pool(device: torch.device, capturing: bool | None = None) -> _DevicePool:
     pool = _pools.get(key)
     if pool is None:
         with _pools_lock:
-            pool = _pools.setdefault(key, _DevicePool(torch.device("cuda", index)))
+            pool = _pools.get(key)
+            if pool is None:
+                pool = _pools[key] = _DevicePool(torch.device("cuda", index), _CAPTURE_PRIORITY if key[1] else 0)
     return pool
+
+
+# The priority of the streams captures run on (the capture stream and its pool's side
+# streams): one step above the default, whose streams eager calls and users take. (The
+# greatest priority is for the branch a graph favours: see _DevicePool.high_stream.) In
+# a graph only the kernels' relative priorities matter.
+_CAPTURE_PRIORITY = -1
 
 
 def _stream_count() -> int:
@@ -313,23 +378,40 @@ def _references(values: list, i: int) -> int:
 _OWN_REFERENCES = _references([torch.empty(0)], 0)
 
 
-def _hidden_tensors(value: Any) -> list[torch.Tensor]:
-    r"""The tensors an object that pytree sees as a leaf keeps in its attributes (a dataclass)."""
+def _hidden_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    r"""The tensors an object that pytree sees as a leaf keeps in its attributes (a dataclass).
+
+    Its attributes' values are looked into as :func:`_tensor_leaves` looks
+    into ``value`` (a dataclass holding a list of tensors, or another
+    dataclass), a few levels deep; other objects only at the first level (a
+    module's ``__dict__``, say, holds its parameters in a dict of its own).
+    """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         found = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
-    else:
+    elif depth == 0:
         found = list(getattr(value, "__dict__", {}).values())
-    return [t for t in found if isinstance(t, torch.Tensor)]
+    else:
+        return []
+    tensors = []
+    for v in found:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+        elif depth < _HIDDEN_DEPTH and v is not None and not isinstance(v, (int, float, str)):
+            tensors.extend(_tensor_leaves(v, depth + 1))
+    return tensors
 
 
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+_HIDDEN_DEPTH = 4  # dataclasses within dataclasses looked into; deeper, a structure is the user's own
+
+
+def _tensor_leaves(value: Any, depth: int = 0) -> list[torch.Tensor]:
     r"""The tensors in ``value``: pytree's leaves, and those kept in the attributes of other leaves."""
     tensors = []
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
         elif leaf is not None and not isinstance(leaf, (int, float, str)):
-            tensors.extend(_hidden_tensors(leaf))
+            tensors.extend(_hidden_tensors(leaf, depth))
     return tensors
 
 
@@ -338,11 +420,45 @@ def _record_on(outputs: Any, stream: torch.cuda.Stream) -> None:
     # side stream's pool: tell the allocator to wait for ``stream`` too.
     if isinstance(outputs, torch.Tensor):
         if outputs.is_cuda:  # (a branch may return a CPU tensor)
-            outputs.record_stream(stream)
+            _record_tensor(outputs, stream)
         return
     for leaf in _tensor_leaves(outputs):
         if leaf.is_cuda:
-            leaf.record_stream(stream)
+            _record_tensor(leaf, stream)
+
+
+def _record_tensor(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    r"""``t.record_stream(stream)``, for sparse and nested tensors too: their dense parts.
+
+    ``record_stream`` has kernels for dense CUDA tensors only; a sparse or
+    nested tensor's memory is that of the dense tensors it is made of.
+    """
+    if t.layout is torch.strided and not t.is_nested:
+        t.record_stream(stream)
+        return
+    for part in _dense_parts(t):
+        part.record_stream(stream)
+
+
+def _dense_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    r"""The dense tensors whose memory a sparse or nested tensor ``t`` uses."""
+    layout = t.layout
+    if layout is torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices(), t.row_indices(), t.values()]
+    if t.is_nested:
+        if layout is torch.jagged:
+            return [p for p in (t.values(), t.offsets(), t.lengths()) if p is not None]
+        # A strided nested tensor's components are views of its one buffer.
+        return list(t.unbind())
+    return [t]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.layout is torch.strided and not t.is_nested
 
 
 class _BackwardJoin:
@@ -391,15 +507,15 @@ def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> No
         return
     for value in inputs:
         # (Tensors first: flattening costs microseconds, a fork/join's budget.)
-        for leaf in (value,) if isinstance(value, torch.Tensor) else pytree.tree_leaves(value):
-            if not isinstance(leaf, torch.Tensor) or not leaf.is_cuda:
+        for leaf in (value,) if isinstance(value, torch.Tensor) else _tensor_leaves(value):
+            if not leaf.is_cuda:
                 continue
             # A side branch may save the input for its backward, which reads it on the
             # side stream and then lets it go: freed, its memory returns to the caller's
             # stream's pool while that read may still be queued. (In the forward pass
             # the join covers it.) The allocator waits for the side streams' reads.
             for stream in streams:
-                leaf.record_stream(stream)
+                _record_tensor(leaf, stream)
             if leaf.grad_fn is not None:
                 hook = getattr(leaf, _JOIN_ATTR, None)
                 if hook is None:
@@ -450,7 +566,9 @@ def _join_and_release(outputs: list[Any], join: Callable[[list[Any]], Any], call
         # Held elsewhere (a Python reference, a view, a tensor saved for
         # backward sharing its memory): the caller's stream may read it after
         # the join, so the allocator must know.
+        # (Sparse and nested tensors have no storage of their own to count: recorded.)
         if (not isinstance(outputs[i], torch.Tensor) or _references(outputs, i) > _OWN_REFERENCES
+                or not _dense(outputs[i])
                 or _use_count(outputs[i].untyped_storage()._cdata) > 2):  # the tensor's, and this call's
             _record_on(outputs[i], caller)
         else:
@@ -480,6 +598,8 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
     the call, as ``Parallel._run`` does, since setting a stream of another
     device makes that device current).
     """
+    if _autograd_in_line():
+        return _in_line(calls, None, join, args, kwargs, error)
     current = _current_device()
     index = device.index if device.index is not None else current
     data = _get_current(index) if _get_current is not None and _use_count is not None and index == current else None
@@ -506,7 +626,8 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
     if cached_casts:  # (see _run_forked)
         torch.set_autocast_cache_enabled(False)
     _record(fork, caller)
-    local.offset = base + len(calls) - 1  # (see _run_forked)
+    high = local.high
+    local.offset = local.high = base + len(calls) - 1  # (see _run_forked)
     outputs: list[Any] = []
     launched = 0  # side streams launched, and the index of the item running
     try:
@@ -516,6 +637,7 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
         for side in streams:
             _set_current(side.stream_id, side.device_index, side.device_type)
             _wait(fork, side)
+            local.offset = local.high
             launched += 1
             try:
                 outputs.append(calls[launched](*args, **kwargs))
@@ -526,7 +648,7 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
     except Exception as e:
         raise error(e, launched)
     finally:
-        local.offset = base
+        local.offset, local.high = base, max(high, local.high)
         if cached_casts:
             torch.set_autocast_cache_enabled(True)
         _set_current(*data)
@@ -563,6 +685,8 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     """
     if capturing is None:
         capturing = _capture_underway()
+    if not capturing and _autograd_in_line():
+        return _in_line(calls, run, join, args, kwargs or {}, error)
     pool = _pool(device, capturing)
     caller = _current_stream(device)
     n = len(calls)
@@ -595,7 +719,9 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     outputs: list[Any] = [None] * n
     # A block nested in an item takes the slots after these, item 0's too: it
     # must not re-record the fork event before the side streams have waited on it.
-    local.offset = base + n - 1
+    # One nested in a later item takes slots above those of the earlier items'.
+    high = local.high
+    local.offset = local.high = base + n - 1
     launched = 0
     item = launch[0]
     try:
@@ -606,6 +732,7 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
             side = streams[slot - 1]
             _set_current(side.stream_id, side.device_index, side.device_type)
             _wait(fork, side)
+            local.offset = local.high
             launched = slot
             item = launch[slot]
             try:
@@ -621,7 +748,7 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
             raise error(e, item)
         raise
     finally:
-        local.offset = base
+        local.offset, local.high = base, max(high, local.high)
         if cached_casts:
             torch.set_autocast_cache_enabled(True)
         _set_current(caller.stream_id, caller.device_index, caller.device_type)

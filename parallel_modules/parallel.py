@@ -925,7 +925,8 @@ class Parallel(nn.Module):
             plan = self._plans.get(key)
         else:
             key, plan = looked_up
-        if plan is not None and (plan.forked and self._trains_since(key, plan) or not plan.fused and self._regrouped()):
+        if plan is not None and (plan.forked and self._trains_since(key, plan)
+                                 or not plan.fused and self._regrouped()):
             plan = None
         if plan is not None and not (plan.cuda and _capture_underway()):
             # A decided schedule (those that do not fork usually run inline in ``forward``).

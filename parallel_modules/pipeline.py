@@ -35,8 +35,8 @@ from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_
 from . import _watch
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
-from ._streams import (_capture_underway, _current_stream, _graph_state, _is_tracing, _join_backward, _pool, _record,
-                       _set_stream, _tensor_leaves, _wait)
+from ._streams import (_autograd_in_line, _capture_underway, _current_stream, _graph_state, _is_tracing,
+                       _join_backward, _pool, _record, _record_on, _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
 
@@ -91,22 +91,12 @@ def _take_events(device: torch.device, count: int) -> tuple[list[torch.cuda.Even
     return events, start
 
 
-def _mark(value: Any, stream: torch.cuda.Stream) -> None:
-    r"""Tell the caching allocator that ``stream`` reads ``value``'s CUDA tensors.
-
-    A tensor allocated on one lane's stream and read on another's would
-    otherwise return to its own stream's pool as soon as Python drops it, and
-    the next piece of that lane could overwrite it while the reader is still
-    queued. With ``record_stream`` the block is reused only after ``stream``
-    has passed this point.
-    """
-    if isinstance(value, torch.Tensor):
-        if value.is_cuda:
-            value.record_stream(stream)
-        return
-    for leaf in _tensor_leaves(value):
-        if leaf.is_cuda:
-            leaf.record_stream(stream)
+# Tell the caching allocator that ``stream`` reads ``value``'s CUDA tensors. A
+# tensor allocated on one lane's stream and read on another's would otherwise
+# return to its own stream's pool as soon as Python drops it, and the next
+# piece of that lane could overwrite it while the reader is still queued. With
+# ``record_stream`` the block is reused only after ``stream`` has passed this point.
+_mark = _record_on
 
 
 def _batch_size(piece: Any) -> int | None:
@@ -731,9 +721,11 @@ class ParallelSequential(nn.Sequential):
 
         pieces = self._split(input, copied=copy_to is not None)
         stages = list(zip(plan.names, calls))
-        if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")):
+        if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")) or _autograd_in_line():
             # Compilers see the micro-batches one after the other (no stream
-            # ops in the graph) and schedule them; the CPU runs them in order.
+            # ops in the graph) and schedule them; the CPU runs them in order;
+            # so does a call that autograd may recompute on another stream
+            # (see _streams._autograd_in_line).
             if copy_to is not None:
                 pieces = [_to_device(p, copy_to, non_blocking=False) for p in pieces]
             outputs = []
@@ -823,12 +815,20 @@ class ParallelSequential(nn.Sequential):
         last = n_lanes - 1
         gather = _Gather([p.shape[0] for p in pieces]) if isinstance(input, torch.Tensor) else None
         used = 0  # lanes 0 .. used-1 have work enqueued
+        local = pool._local
+        # The first slot of the blocks nested in each lane's stage (see _DevicePool.offset):
+        # above those of the lanes issued before, the same for every piece of the lane.
+        nested: list[int | None] = [None] * n_lanes
 
         def issue(lane: int, m: int) -> None:
             r"""Enqueue lane ``lane``'s work on piece ``m`` on the lane's stream."""
             nonlocal used
             stream = streams[lane]
             _set_stream(stream)
+            start = nested[lane]
+            if start is None:
+                start = nested[lane] = local.high
+            local.offset = start
             used = max(used, lane + 1)
             if lane == 0:
                 if m == 0:
@@ -868,7 +868,8 @@ class ParallelSequential(nn.Sequential):
 
         # Stages that fork (a nested Parallel or ParallelSequential) take the
         # pool's streams after ours.
-        pool.offset = base + n_lanes
+        high = local.high
+        local.offset = local.high = base + n_lanes
         try:
             _record(fork, caller)
             if ahead:
@@ -881,7 +882,7 @@ class ParallelSequential(nn.Sequential):
                     issue(lane, t - lane)
             done = True
         finally:
-            pool.offset = base
+            local.offset, local.high = base, max(high, local.high)
             _local.cursor = e0
             _set_stream(caller)
             if done:

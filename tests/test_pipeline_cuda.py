@@ -410,3 +410,53 @@ def test_stage_deleted_by_attribute_is_not_replayed() -> None:
         model(x)
         del model.b
         assert torch.equal(model(x), model.c(model.a(x)))
+
+
+class _Probe(nn.Module):
+    r"""Identity that notes the streams its forward runs on."""
+
+    def __init__(self, seen: set) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.add(torch.cuda.current_stream().stream_id)
+        return x * 1.0
+
+
+def test_parallel_stages_fork_onto_streams_of_their_own() -> None:
+    # The Parallel stages of two lanes took the same slots: their side branches shared a
+    # stream, and one lane's work waited for the other's joins, which stopped pipelining.
+    seen = [set(), set()]
+    model = ParallelSequential(Parallel(nn.Identity(), _Probe(seen[0]), streams=True),
+                               Parallel(nn.Identity(), _Probe(seen[1]), streams=True), chunks=4).cuda()
+    x = torch.randn(8, 4, device="cuda")
+    with torch.no_grad():
+        out = model(x)
+    assert torch.equal(out, torch.cat([x] * 4, 1))
+    assert len(seen[0]) == len(seen[1]) == 1, seen  # each lane's nested block: one stream, piece after piece
+    assert not seen[0] & seen[1], seen
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_pipeline_gets_the_gradients_of_sequential(reentrant) -> None:
+    # Non-reentrant checkpointing recomputes in the backward pass, on a lane's stream:
+    # the recomputation must not fork lanes from there (see _streams._autograd_in_line).
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    model = ParallelSequential(nn.Sequential(Sleep(50_000_000), nn.Linear(256, 1024), nn.GELU()),
+                               nn.Linear(1024, 64), chunks=4).cuda()
+    plain = nn.Sequential(*copy.deepcopy(list(model)))
+    x0, w = torch.randn(2048, 256, device="cuda"), torch.randn(2048, 64, device="cuda")
+
+    def grads(m):
+        m.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        (cp.checkpoint(m, x, use_reentrant=reentrant) * w).sum().backward()
+        torch.cuda.synchronize()
+        return [x.grad] + [p.grad for p in m.parameters()]
+
+    for _ in range(2):
+        for g, e in zip(grads(model), grads(plain)):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
