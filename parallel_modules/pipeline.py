@@ -35,7 +35,7 @@ from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_
 from . import _watch
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
-from ._streams import (_autograd_in_line, _capture_underway, _current_stream, _graph_state, _is_tracing,
+from ._streams import (_capture_underway, _current_stream, _graph_state, _is_tracing,
                        _join_backward, _pool, _record, _record_on, _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
@@ -721,11 +721,13 @@ class ParallelSequential(nn.Sequential):
 
         pieces = self._split(input, copied=copy_to is not None)
         stages = list(zip(plan.names, calls))
-        if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")) or _autograd_in_line():
+        if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")):
             # Compilers see the micro-batches one after the other (no stream
-            # ops in the graph) and schedule them; the CPU runs them in order;
-            # so does a call that autograd may recompute on another stream
-            # (see _streams._autograd_in_line).
+            # ops in the graph) and schedule them; the CPU runs them in order.
+            # (A pipeline recomputed by torch.utils.checkpoint(use_reentrant=False)
+            # is not run in line, as a Parallel is: the recomputation starts on
+            # the last lane's stream, where the pipeline joins, and the earlier
+            # lanes keep their streams; see _streams._autograd_in_line.)
             if copy_to is not None:
                 pieces = [_to_device(p, copy_to, non_blocking=False) for p in pieces]
             outputs = []

@@ -440,13 +440,17 @@ def test_parallel_stages_fork_onto_streams_of_their_own() -> None:
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointed_pipeline_gets_the_gradients_of_sequential(reentrant) -> None:
-    # Non-reentrant checkpointing recomputes in the backward pass, on a lane's stream:
-    # the recomputation must not fork lanes from there (see _streams._autograd_in_line).
+    # Non-reentrant checkpointing recomputes in the backward pass, from the last lane's
+    # stream: the lanes before it must get their own streams again (their backward reads
+    # what they recompute), the last one joins into it.
     import torch.utils.checkpoint as cp
 
     torch.manual_seed(0)
-    model = ParallelSequential(nn.Sequential(Sleep(50_000_000), nn.Linear(256, 1024), nn.GELU()),
-                               nn.Linear(1024, 64), chunks=4).cuda()
+    # (The recomputation starts on the last lane's stream; forked from there, the last stage
+    # ran on another lane's stream, late, while its backward read its activations.)
+    model = ParallelSequential(nn.Linear(256, 1024),
+                               nn.Sequential(Sleep(50_000_000), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 64)),
+                               chunks=4).cuda()
     plain = nn.Sequential(*copy.deepcopy(list(model)))
     x0, w = torch.randn(2048, 256, device="cuda"), torch.randn(2048, 64, device="cuda")
 
