@@ -122,8 +122,12 @@ def _with_context(error: BaseException, context: str) -> BaseException:
 
     The exception keeps its type, so ``except`` clauses in user code still
     work: Python 3.11+ shows the context as a note under the traceback; on 3.10
-    it is appended to a string message.
+    it is appended to a string message. (Not while ``torch.compile`` traces.)
     """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace ``add_note`` and would report that instead of the
+        # user's exception: the exception goes on as raised.
+        return error
     if sys.version_info >= (3, 11):
         error.add_note(context)
     elif error.args and isinstance(error.args[0], str):

@@ -84,6 +84,11 @@ _EXPECTED = {
 }
 
 
+# What is joined as a tensor: tensors, and the proxies torch.fx.symbolic_trace passes
+# through the branches in their place (a proxy compared as a value would end the trace).
+_LEAVES = (torch.Tensor, torch.fx.Proxy)
+
+
 def _join_outputs(
     owner: str, how: str | Callable[[list], Any], dim: int, names: Iterable[str], outputs: list[Any]
 ) -> Any:
@@ -97,7 +102,7 @@ def _join_outputs(
         except Exception as e:
             raise _with_context(e, f"(raised in the join {getattr(how, '__qualname__', how)!r} of {owner}, "
                                    f"called with the outputs of branches {list(names)})")
-    if how == "cat" and all(isinstance(o, torch.Tensor) for o in outputs):  # the common case first
+    if how == "cat" and all(isinstance(o, _LEAVES) for o in outputs):  # the common case first
         try:
             return torch.cat(outputs, dim)
         except (RuntimeError, IndexError) as e:  # IndexError: dim out of range
@@ -107,7 +112,7 @@ def _join_outputs(
     elif how == "dict":
         return dict(zip(names, outputs))
     try:
-        if all(isinstance(o, torch.Tensor) for o in outputs):
+        if all(isinstance(o, _LEAVES) for o in outputs):
             return _leaf_join(how, dim, outputs)
         return _structured_join(owner, how, dim, list(names), outputs)
     except (RuntimeError, TypeError, IndexError) as e:
@@ -138,9 +143,9 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
             )
     joined = []
     for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
-        if all(isinstance(v, torch.Tensor) for v in column):
+        if all(isinstance(v, _LEAVES) for v in column):
             joined.append(_leaf_join(how, dim, list(column)))
-        elif not any(isinstance(v, torch.Tensor) for v in column) and all(
+        elif not any(isinstance(v, _LEAVES) for v in column) and all(
                 v is column[0] or (type(v) is type(column[0]) and v == column[0]) for v in column):
             joined.append(column[0])  # the same non-tensor from every branch (``None``): passed on
         else:

@@ -99,6 +99,11 @@ def _take_events(device: torch.device, count: int) -> tuple[list[torch.cuda.Even
 _mark = _record_on
 
 
+# Stock layers that mix samples across the batch depending on their settings: a softmax
+# along dimension 0, an embedding scaling its gradient by frequencies in the batch.
+_ACROSS_DIM_0 = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Embedding, nn.EmbeddingBag)
+
+
 def _batch_size(piece: Any) -> int | None:
     r"""The number of samples in a micro-batch: dimension 0 of its first batched tensor."""
     if isinstance(piece, torch.Tensor):
@@ -346,7 +351,8 @@ class ParallelSequential(nn.Sequential):
             for d in _module_devices(stage):
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
-                if isinstance(m, _NormBase) or hasattr(type(m), "mixes_batch") or _batch_second(m):
+                if (isinstance(m, _NormBase) or hasattr(type(m), "mixes_batch") or _batch_second(m)
+                        or isinstance(m, _ACROSS_DIM_0)):
                     mixers.append((i, qual, m))
                 else:
                     others.append((i, qual, m))
@@ -431,6 +437,14 @@ class ParallelSequential(nn.Sequential):
                     "chunks=1; if the stage itself moves the batch to dimension 1 before it, say so "
                     f"with `model.get_submodule({qual!r}).mixes_batch = False`."
                 )
+            elif isinstance(m, (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
+                mixes, why = m.dim == 0, "normalizes along dimension 0, across the batch"
+                fix = "normalize along another dimension, or use chunks=1."
+            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+                mixes = m.scale_grad_by_freq and m.training and m.weight.requires_grad and torch.is_grad_enabled()
+                why = ("scales its gradient by each index's frequency in the batch (scale_grad_by_freq=True) "
+                       "in training mode")
+                fix = "use chunks=1 to train it, or construct it with scale_grad_by_freq=False."
             elif not isinstance(m, _NormBase):
                 continue  # (a class attribute mixes_batch = None: not declared)
             elif not isinstance(m, _BatchNorm):  # instance norms: per sample, but running statistics

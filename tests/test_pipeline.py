@@ -696,3 +696,21 @@ def test_stages_set_later_are_checked_as_the_constructor_checks_them():
     x = torch.randn(2, 3)
     assert s(x) is x
 
+
+
+def test_stock_layers_mixing_samples_by_their_settings_are_refused() -> None:
+    # A softmax along dimension 0 and an embedding scaling its gradient by the frequencies
+    # in the batch gave other results per micro-batch, silently.
+    x = torch.randn(6, 3)
+    with pytest.raises(RuntimeError, match=r"(?s)'0' \(Softmax\).*dimension 0"):
+        ParallelSequential(nn.Softmax(dim=0), chunks=3)(x)
+    torch.testing.assert_close(ParallelSequential(nn.Softmax(dim=1), chunks=3)(x), x.softmax(1))
+    tokens = torch.tensor([[1, 2], [1, 3], [1, 4], [1, 5]])
+    emb = nn.Embedding(10, 4, scale_grad_by_freq=True)
+    model = ParallelSequential(emb, nn.Flatten(1), chunks=2)
+    with pytest.raises(RuntimeError, match=r"(?s)Embedding.*scale_grad_by_freq=False"):
+        model(tokens)
+    with torch.no_grad():  # nothing to scale: allowed
+        torch.testing.assert_close(model(tokens), emb(tokens).flatten(1))
+    model.eval()
+    torch.testing.assert_close(model(tokens), emb(tokens).flatten(1))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel_modules import Parallel
+from parallel_modules import Parallel, ParallelSequential
 from parallel_modules._streams import _is_tracing
 from tests._helpers import cpu_and_cuda
 from tests._reference import assert_close, reference
@@ -237,3 +237,28 @@ def test_compiled_fused_block_ignores_hooks_elsewhere():
             assert_close(compiled(x), reference(model, x))
             unrelated.register_hook(lambda g: g).remove()
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("join", ["cat", "sum", "stack"])
+def test_fx_symbolic_trace_of_a_named_join(join):
+    # torch.fx passes proxies through the branches: they are joined as tensors (compared as
+    # values, they ended the trace).
+    model = nn.Sequential(Parallel(nn.Linear(4, 3), nn.Linear(4, 3), join=join), nn.ReLU())
+    traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(2, 4)
+    assert_close(traced(x), model(x))
+
+
+def test_compiled_branch_error_keeps_the_users_message():
+    # Dynamo cannot trace ``add_note``, with which eager calls name the failing branch: it
+    # reported that instead of the user's exception.
+    class Checked(nn.Module):
+        def forward(self, x):
+            if x.shape[-1] != 4:
+                raise ValueError(f"Checked expects 4 features, got {x.shape[-1]}")
+            return x
+
+    for model in (Parallel(Checked(), Checked()), ParallelSequential(Checked(), chunks=3)):
+        with pytest.raises(Exception, match="expects 4 features"):
+            torch.compile(model, fullgraph=True, backend="eager")(torch.randn(3, 5))
+        torch._dynamo.reset()
