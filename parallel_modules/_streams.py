@@ -433,7 +433,7 @@ def _record_tensor(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
     ``record_stream`` has kernels for dense CUDA tensors only; a sparse or
     nested tensor's memory is that of the dense tensors it is made of.
     """
-    if t.layout is torch.strided and not t.is_nested:
+    if _dense(t):
         t.record_stream(stream)
         return
     for part in _dense_parts(t):

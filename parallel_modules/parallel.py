@@ -476,13 +476,12 @@ class Parallel(nn.Module):
         # ``del block.name`` of a branch registers nothing (see _watch): forget what
         # was learnt about the branches, as ``__delitem__`` does (a fused group or a
         # graph would go on running the deleted branch).
-        if name in self._modules:
-            if len(self._modules) == 1:
-                raise ValueError(f"{type(self).__name__}: cannot delete every branch; at least one must remain.")
-            super().__delattr__(name)
-            self._reset()
-            return
+        branch = name in self._modules
+        if branch and len(self._modules) == 1:
+            raise ValueError(f"{type(self).__name__}: cannot delete every branch; at least one must remain.")
         super().__delattr__(name)
+        if branch:
+            self._reset()
 
     def append(self, module: nn.Module | Callable[..., Any]) -> "Parallel":
         r"""Append a branch at the end; returns ``self``."""
