@@ -951,6 +951,25 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
     return [fallback]
 
 
+# vmap returns tensors only. A structured output's other leaves (``(out, None)``, as
+# ``nn.MultiheadAttention(need_weights=False)`` returns) are the same for every member
+# -- the module's Python runs once for all -- so a vmapped step hands vmap the tensors
+# and keeps the structure here, per thread, with _TENSOR where the tensors go. (A
+# module-level ``threading.local``: dynamo traces its attributes, not its creation.)
+_structure = threading.local()
+_TENSOR = object()
+
+
+class _AutocastUnbatched(Exception):
+    r"""Raised by a vmapped step under autocast: the group's members run unfused for this call.
+
+    ``torch.vmap`` decomposes layers it has no batching rule for below autocast: a
+    ``Linear`` with a bias becomes a product that autocast casts and an addition of
+    the float32 bias that promotes it back, so the batched call returns float32 where
+    the members' own calls return the autocast dtype.
+    """
+
+
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     r"""Any other module: :func:`torch.vmap` of :func:`torch.func.functional_call` over the stacks."""
     quals = [q for q in group.entries if q.startswith(prefix + ".")] if prefix else list(group.entries)
@@ -967,20 +986,38 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             raise RuntimeError(
                 f"{type(m).__name__} assigns a new tensor to {changed[0]!r} in forward, which a batched "
                 f"call cannot hand back to each branch")
-        return out
+        if isinstance(out, torch.Tensor):
+            return out
+        leaves, spec = pytree.tree_flatten(out)
+        if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            return out
+        # (Without the tensors, which must not leave vmap unbatched.)
+        _structure.value = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
     shared = torch.vmap(call, in_dims=(0, None))
     stacked = torch.vmap(call, in_dims=(0, 0))
 
     def step(v: _Value, get: _Get) -> Any:
+        if torch.is_autocast_enabled(v.t.device.type):
+            raise _AutocastUnbatched
         state = {k: t for k, t in ((k, get(q)) for k, q in local) if t is not None}
+        _structure.value = None
         if v.layout == _SHARED and state:
             out = shared(state, v.t)
         else:
             # (Without parameters or buffers nothing else is batched, and vmap needs a batched
             # input: the members' common input is read as N stacked copies, without copying.)
             out = stacked(state, _to_stacked(v, group.n))
-        return _Value(out, _STACKED) if isinstance(out, torch.Tensor) else out
+        if isinstance(out, torch.Tensor):
+            return _Value(out, _STACKED)
+        kept = _structure.value
+        if kept is not None:  # put the batched tensors back among the other leaves
+            spec, leaves = kept
+            tensors = iter(out)
+            out = pytree.tree_unflatten(
+                [next(tensors) if leaf is _TENSOR else leaf for leaf in leaves], spec)
+        return out
 
     return step
 

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
 from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
-from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _Unfused
+from ._fusion import _AutocastUnbatched, _difference, _functorch_active, _Fusion, _Group, _Joined, _Unfused
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
@@ -711,7 +711,8 @@ class Parallel(nn.Module):
             return group.run(args[0], self._cat_joined(fusion), eager,
                              eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
         except Exception as e:
-            if _is_tracing() or isinstance(e, _StopRecomputation):
+            unbatched = isinstance(e, _AutocastUnbatched)  # (this call only: the group is not at fault)
+            if not unbatched and (_is_tracing() or isinstance(e, _StopRecomputation)):
                 # (Checkpoint's early stop of a recomputation is control flow, not a failure.)
                 raise
             if kept:
@@ -721,6 +722,8 @@ class Parallel(nn.Module):
             # Run the members as ordinary branches: if they fail too, the input
             # is at fault, and their error names the branch.
             outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
+            if unbatched:
+                return outputs
             names = [list(self._modules)[i] for i in group.indices]
             if self.fuse is True:
                 raise RuntimeError(

@@ -28,6 +28,8 @@ def _leafwise(fn: Callable[[list], torch.Tensor], outs: Sequence[Any]) -> Any:
         return [_leafwise(fn, [o[i] for o in outs]) for i in range(len(first))]
     if isinstance(first, dict):
         return {k: _leafwise(fn, [o[k] for o in outs]) for k in first}
+    if all(o == first for o in outs):  # a non-tensor leaf every branch returns alike is passed on
+        return first
     raise TypeError(f"unexpected output type {type(first).__name__}")
 
 

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel
 from tests._helpers import cpu_and_cuda
-from tests._reference import reference
+from tests._reference import assert_same, reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -153,6 +153,33 @@ def test_fused_products_under_autograd_and_autocast(device, grad, layouts):
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
+class LinearNorm(nn.Module):
+    r"""A custom module (no batched rule of ours: run through vmap) holding a ``Linear`` with a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(16, 16), nn.GroupNorm(2, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("training", [False, True])
+def test_vmapped_group_under_autocast_returns_the_autocast_dtype(device, training):
+    # vmap decomposes a Linear with a bias below autocast: batched, it returned float32.
+    p = Parallel(*[LinearNorm() for _ in range(3)], join=None, fuse=True).to(device).train(training)
+    x = torch.randn(6, 16, device=device)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        out, expected = p(x), reference(p, x)
+    assert [o.dtype for o in out] == [e.dtype for e in expected] == [torch.bfloat16] * 3
+    assert_same(out, expected)
+    assert fused_groups(p) == [["0", "1", "2"]]  # and fused again outside autocast
+    out = p(x)
+    assert out[0].dtype == torch.float32
+    assert_close(out, reference(p, x))
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("join", ["cat", None, "stack"])
 def test_fused_outputs_have_the_unfused_strides(device, join, layouts):
@@ -217,6 +244,34 @@ def test_branches_returning_lists(join):
     out = p(x)
     assert fused_groups(p) == [["0", "1", "2"]]
     assert_close(out, reference(p, x))
+
+
+class WithExtras(nn.Module):
+    r"""Returns non-tensor leaves beside its output, as ``nn.MultiheadAttention(need_weights=False)`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 8)  # (no batched rule of ours: run through vmap)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return self.norm(x), None, {"scale": 2, "out": x * 2}
+
+
+@pytest.mark.parametrize("join", [None, "cat"])
+def test_branches_returning_non_tensor_leaves_are_fused(join):
+    p = Parallel(*[WithExtras() for _ in range(3)], join=join, fuse=True)
+    for branch in p:
+        nn.init.normal_(branch.norm.weight)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    expected = reference(p, x)
+    assert_close(out, expected)
+    def total(value):
+        return sum(t.sum() for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+    grads = torch.autograd.grad(total(out), [x, p[2].norm.weight])
+    assert_close(grads, torch.autograd.grad(total(expected), [x, p[2].norm.weight]))
 
 
 class RunningMean(nn.Module):
