@@ -171,9 +171,10 @@ def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: l
     if _out_of_memory(e):
         raise _with_context(e, f"(raised joining the branch outputs of {owner} with join={how!r})")
     expected = _EXPECTED[how].format(dim=dim)
+    along = f" (dim={dim})" if how in ("cat", "stack") else ""  # (sum and mean take no dim)
     return ValueError(
-        f"{owner}: join={how!r} (dim={dim}) cannot combine the branch outputs; it expects "
+        f"{owner}: join={how!r}{along} cannot combine the branch outputs; it expects "
         f"{expected}, got:\n{_listing(list(names), outputs)}\n"
-        "Make the branches agree, choose another join or dim, "
+        f"Make the branches agree, choose another join{' or dim' if along else ''}, "
         f"or pass join=None to receive the outputs as a tuple. ({type(e).__name__}: {e})"
     )

@@ -137,8 +137,13 @@ def _change_setting(module: nn.Module, name: str, value: Any, reset: Callable[[]
     state.pop("_graphs", None)
     try:
         reset()
-    except Exception:
+    except Exception as error:
         state[name] = previous
         state.pop("_graphs", None)
-        reset()
-        raise
+        try:
+            reset()
+        except Exception:
+            # The old value is refused too (``block.fuse = block.fuse`` with fuse=True
+            # once a member was changed in place): its calls raise the same error.
+            pass
+        raise error

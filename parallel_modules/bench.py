@@ -453,8 +453,14 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+_GPU_ONLY = ("compute", "h2d", "conv4")  # cases the CPU suite skips
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="parallel-modules-bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="parallel-modules-bench", description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog="Without a CUDA GPU: the reduced CPU suite (eager modes, float32, at most 5 samples of 2 calls; "
+               f"{', '.join(_GPU_ONLY)} skipped), which checks every mode against the sequential module.")
     p.add_argument("--quick", action="store_true", help="fewer cases and runs, no torch.compile modes")
     p.add_argument("--case", action="append", choices=sorted({**CASES, **PIPELINES}), help="run only these cases")
     p.add_argument("--batch", type=int, action="append", help="override the cases' batch sizes")
@@ -466,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the speed-ups (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.reps is not None and args.reps < 2 or args.group < 1:
+        p.error("--reps must be at least 2 (medians and spreads need two samples) and --group at least 1")
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -480,7 +488,15 @@ def main(argv: list[str] | None = None) -> int:
     every = {**CASES, **PIPELINES}
     names = args.case or [n for n, c in every.items() if c.quick or not quick]
     if not cuda:
-        names = [n for n in names if n not in ("compute", "h2d", "conv4")]
+        skipped = [n for n in names if n in _GPU_ONLY]
+        names = [n for n in names if n not in _GPU_ONLY]
+        if skipped:
+            print(f"bench: skipping {', '.join(skipped)} without a CUDA GPU (too slow on a CPU, or host-to-device)")
+        if args.dtype and set(args.dtype) != {"fp32"}:
+            print("bench: the CPU suite runs float32 only")
+        if not names:
+            print("bench: nothing left to run", file=sys.stderr)
+            return 2
     work = []
     for n in names:
         case = every[n]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 import time
 import warnings
-from typing import Any, Callable, Hashable, Iterator, Literal, NamedTuple, Union, overload
+from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, NamedTuple, Union, overload
 
 import torch
 import torch.utils.checkpoint
@@ -202,8 +202,8 @@ class Parallel(nn.Module):
             on, where it keeps the branches unfused, since fused results may
             differ from them in the last bits and timing may choose differently
             between runs. ``False`` never fuses. ``explain()`` says what was
-            fused and why the rest was not. Groups are found at the first
-            call, and again once a submodule, parameter or buffer below is
+            fused and why the rest was not. Groups are found when the
+            branches are set (construction, ``append``, ``.to()``), and again once a submodule, parameter or buffer below is
             replaced or registered, a hook added or a train/eval mode
             changed. A group runs its first member's layers for every member:
             a hyper-parameter changed in place later (``conv.padding = 0``,
@@ -225,7 +225,7 @@ class Parallel(nn.Module):
             ``None``. With a :func:`torch.compile` backend, the block compiled as
             a whole (the branches one after another, on one stream, with the
             compiler's fusion across them) is captured too, and kept where it
-            replays fastest. See ``parallel_modules/_compile.py``.
+            replays fastest. See the README's "Compilers" section.
         compile_options: keyword arguments for :func:`torch.compile`
             (``dynamic`` defaults to ``False``: one compilation per input
             signature; modes with CUDA graphs are refused, ``cuda_graph=True``
@@ -451,12 +451,18 @@ class Parallel(nn.Module):
             raise IndexError(f"{type(self).__name__}: index {idx} is out of range for {n} branches.")
         return list(self._modules)[idx % n]
 
-    def __getitem__(self, idx: int | slice) -> nn.Module:
+    @overload
+    def __getitem__(self, idx: slice) -> "Parallel": ...
+
+    @overload
+    def __getitem__(self, idx: int) -> nn.Module: ...
+
+    def __getitem__(self, idx: int | slice) -> "nn.Module | Parallel":
         if isinstance(idx, slice):
             return self.__class__(OrderedDict(list(self._modules.items())[idx]), **self._settings())
         return self._modules[self._key(idx)]
 
-    def __setitem__(self, idx: int, module: nn.Module) -> None:
+    def __setitem__(self, idx: int, module: nn.Module | Callable[..., Any]) -> None:
         key = self._key(idx)
         self.add_module(key, _as_module(type(self).__name__, key, module))
         self._reset()
@@ -492,7 +498,7 @@ class Parallel(nn.Module):
         self._reset()
         return self
 
-    def extend(self, modules: Any) -> "Parallel":
+    def extend(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> "Parallel":
         r"""Append every module of an iterable; returns ``self``."""
         for m in modules:
             self.append(m)

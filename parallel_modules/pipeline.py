@@ -148,8 +148,10 @@ class ParallelSequential(nn.Sequential):
 
     With ``chunks=1`` the module is an ordinary :class:`torch.nn.Sequential`
     and costs the same. On the CPU, or while ``torch.compile``/
-    ``torch.export`` trace the model, micro-batches run one after the other
-    with the same results. Indexing, slicing (which keeps ``chunks``),
+    ``torch.export`` trace the model, micro-batches run one after the other,
+    with the results of the stages applied to each micro-batch (equal to the
+    whole batch's up to rounding: a smaller batch may pick another kernel, or
+    sum in another order). Indexing, slicing (which keeps ``chunks``),
     ``append`` and the state dict are those of :class:`torch.nn.Sequential`.
 
     Args:
@@ -185,7 +187,7 @@ class ParallelSequential(nn.Sequential):
 
         >>> encoder = nn.Sequential(nn.Conv2d(3, 64, 3, stride=2, padding=1), nn.ReLU())
         >>> decoder = nn.Sequential(nn.ConvTranspose2d(64, 10, 2, stride=2))
-        >>> model = ParallelSequential(encoder, decoder, chunks=4).cuda().eval()
+        >>> model = ParallelSequential(encoder, decoder, chunks=4).cuda().eval()  # needs a CUDA GPU
         >>> images = torch.randn(8, 3, 256, 256).pin_memory()
         >>> model(images).shape  # copied and computed in 4 overlapping micro-batches
         torch.Size([8, 10, 256, 256])
@@ -502,7 +504,8 @@ class ParallelSequential(nn.Sequential):
         if not tensors:
             raise ValueError(
                 f"{owner}: with chunks={chunks} the input must be a tensor, or a tuple/list/dict of "
-                f"tensors, batched along dimension 0; got {_describe(input)}."
+                f"tensors, batched along dimension 0; got {_describe(input)}. Pass such an input, or use "
+                f"chunks=1 to hand the input to the first stage as it is."
             )
         nested = [t for t in tensors if t.is_nested]
         if nested:

@@ -13,8 +13,10 @@ the GPU's busy time had kernels running on two or more streams at once (see
 
 Example::
 
+    >>> from parallel_modules import Parallel
     >>> from parallel_modules.timeline import record_timeline, save_timelines, load_timelines
-    >>> block = Parallel(a, b, c, cuda_graph=True).cuda().eval()
+    >>> block = Parallel(nn.Conv2d(192, 64, 1), nn.Conv2d(192, 32, 3, padding=1),
+    ...                  cuda_graph=True).cuda().eval()  # needs a CUDA GPU
     >>> with torch.no_grad():
     ...     tl = record_timeline(block, torch.randn(1, 192, 35, 35, device="cuda"))
     >>> print(tl.summary())
@@ -493,7 +495,7 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
     ``Parallel(streams="auto")`` and ``fuse="auto"`` (14 calls per input
     signature and candidate schedule) and CUDA graph capture are not in the
     timeline; while the last of them still tried schedules (in any block the
-    callable runs), up to ``_MAX_EXTRA_WARMUP`` more calls run, so that the
+    callable runs), up to 60 more calls run, so that the
     profiled calls all run the schedules kept. The warm-up calls are real calls: in training mode
     they update BatchNorm statistics and draw dropout masks like any other. The recorded calls are then
     run back to back under :class:`torch.profiler.profile` with CUDA activity,

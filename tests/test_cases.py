@@ -64,6 +64,17 @@ def test_the_bench_command_checks_and_tables_a_case_on_the_cpu(capsys, monkeypat
     assert 0 < float(probe.split()[-1]) < 1e5
 
 
+def test_the_bench_command_refuses_what_it_cannot_run(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:  # a median and a spread need two samples
+        main(["--case", "heads", "--reps", "1"])
+    assert exit_.value.code == 2 and "--reps must be at least 2" in capsys.readouterr().err
+    # Cases too slow for the CPU suite are named, not dropped in silence with an empty table.
+    assert main(["--case", "compute", "--dtype", "fp16"]) == 2
+    out, err = capsys.readouterr()
+    assert "skipping compute without a CUDA GPU" in out and "float32 only" in out and "nothing left" in err
+
+
 def test_the_table_bounds_a_pipeline_by_its_stages_alone():
     from parallel_modules.bench import _table
 

@@ -1366,3 +1366,16 @@ def test_forward_replaced_before_the_first_call_runs_the_member_unfused():
     assert fused_groups(p) == [["0", "2"]]
     with pytest.raises(ValueError, match=r"(?s)branch '1'.*forward replaced"):
         strict(x)
+
+
+def test_fuse_set_again_after_a_member_changed_in_place():
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.LeakyReLU(0.01)) for _ in range(2)], join=None, fuse=True)
+    x = torch.randn(3, 8)
+    p(x)
+    p[1][1].negative_slope = 0.9  # not seen until fuse is set again
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0'.*negative_slope=0.9") as info:
+        p.fuse = p.fuse
+    assert info.value.__context__ is None  # one error, not the same one twice, chained
+    p.fuse = "auto"
+    assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == []

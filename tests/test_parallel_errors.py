@@ -113,6 +113,7 @@ def test_join_failure_lists_branches_and_shapes(device, join, dim):
     assert "Parallel" in msg and f"join={join!r}" in msg
     assert "'full'" in msg and "'head'" in msg
     assert "(2, 4)" in msg and "(2, 3)" in msg
+    assert (f"(dim={dim})" in msg) == (join in ("cat", "stack"))  # sum and mean take no dim
 
     # The module is fine: with an input whose branch outputs do join, the right result.
     x = torch.randn(2, 3, 1, 1, 1, 1, device=device) if dim == 5 else torch.randn(2, 3, device=device)

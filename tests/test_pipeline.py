@@ -258,7 +258,7 @@ def test_unbatched_input() -> None:
     model = ParallelSequential(nn.Identity(), chunks=2)
     with pytest.raises(ValueError, match="batched along dimension 0; got Tensor"):
         model(torch.tensor(1.0))
-    with pytest.raises(ValueError, match="batched along dimension 0"):
+    with pytest.raises(ValueError, match="batched along dimension 0.*or use chunks=1"):
         model((1, 2))
 
 
