@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Sequence, overload
+from typing import Any, Callable, Hashable, NamedTuple, Sequence, overload
 
 import torch
 from torch import nn
 from torch.fx import _symbolic_trace
+from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
@@ -101,7 +102,54 @@ _mark = _record_on
 
 # Stock layers that mix samples across the batch depending on their settings: a softmax
 # along dimension 0, an embedding scaling its gradient by frequencies in the batch.
-_ACROSS_DIM_0 = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Embedding, nn.EmbeddingBag)
+_SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
+_ACROSS_DIM_0 = (*_SOFTMAXES, nn.Embedding, nn.EmbeddingBag)
+
+
+def _softmax_dim(m: nn.Module) -> int | None:
+    r"""The dim a stock softmax layer normalizes along as written: ``None`` or negative ones depend on its input."""
+    return -3 if isinstance(m, nn.Softmax2d) else m.dim
+
+
+class _SoftmaxDims(TorchFunctionMode):
+    r"""Refuses, in a call of a pipeline, a softmax layer whose dim resolves to 0 on its input.
+
+    ``Softmax(dim=-2)`` on rows of features, or ``Softmax()`` (dim chosen from the
+    input's number of dimensions) on a 3-D input, normalizes across the batch,
+    which micro-batches would cut. Which it is shows only once the layer sees its
+    input: the first call of each input signature runs under this mode, which
+    looks at every softmax of the functional API those layers call.
+    """
+
+    _FUNCTIONS = frozenset((torch.nn.functional.softmax, torch.nn.functional.log_softmax,
+                            torch.nn.functional.softmin))
+
+    def __init__(self, owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]]) -> None:
+        super().__init__()
+        self.owner, self.plan, self.layers = owner, plan, layers
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor):
+            written = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            ndim = args[0].dim()
+            dim = (0 if ndim in (0, 1, 3) else 1) if written is None else written % max(ndim, 1)
+            layers = [(i, q, m) for i, q, m in self.layers if _softmax_dim(m) == written]
+            if dim == 0 and layers:
+                i, qual, m = layers[0]
+                raise RuntimeError(
+                    f"{type(self.owner).__name__}: stage {self.plan.names[i]!r} (index {i}) contains {qual!r} "
+                    f"({m}), which on its {ndim}-D input normalizes along dimension 0, across the batch, so "
+                    f"with chunks={self.owner._chunks} the result would differ from running the whole batch. "
+                    "Give it the non-negative dim it should normalize along, or use chunks=1.")
+        return func(*args, **kwargs)
+
+
+def _signature_dims(input: Any) -> tuple[int, ...]:
+    r"""The numbers of dimensions of ``input``'s tensors: what decides which dim a softmax layer reads."""
+    if isinstance(input, torch.Tensor):
+        return (input.dim(),)
+    return tuple(t.dim() for t in pytree.tree_leaves(input) if isinstance(t, torch.Tensor))
 
 
 def _batch_size(piece: Any) -> int | None:
@@ -284,6 +332,7 @@ class ParallelSequential(nn.Sequential):
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""
         self._plan: _Plan | None = None
         self._home: Any = _UNKNOWN
+        self._softmax_checked: set[Hashable] = set()  # input dims seen by softmax layers (see _SoftmaxDims)
         # Each stage's graphs for host inputs (``_stage_graphs``), by stage name.
         self._per_stage: dict[str, _CudaGraphs] = {}
         graphs = self.__dict__.get("_graphs")
@@ -439,8 +488,8 @@ class ParallelSequential(nn.Sequential):
                     "chunks=1; if the stage itself moves the batch to dimension 1 before it, say so "
                     f"with `model.get_submodule({qual!r}).mixes_batch = False`."
                 )
-            elif isinstance(m, (nn.Softmax, nn.LogSoftmax, nn.Softmin)):
-                mixes, why = m.dim == 0, "normalizes along dimension 0, across the batch"
+            elif isinstance(m, _SOFTMAXES):  # (dims written None or negative: see _SoftmaxDims)
+                mixes, why = _softmax_dim(m) == 0, "normalizes along dimension 0, across the batch"
                 fix = "normalize along another dimension, or use chunks=1."
             elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                 mixes = m.scale_grad_by_freq and m.training and m.weight.requires_grad and torch.is_grad_enabled()
@@ -507,12 +556,14 @@ class ParallelSequential(nn.Sequential):
                 f"tensors, batched along dimension 0; got {_describe(input)}. Pass such an input, or use "
                 f"chunks=1 to hand the input to the first stage as it is."
             )
-        nested = [t for t in tensors if t.is_nested]
-        if nested:
+        unsliceable = [t for t in tensors if t.is_nested or t.layout != torch.strided]
+        if unsliceable:
+            t = unsliceable[0]
+            kind = "a nested tensor" if t.is_nested else f"a {str(t.layout).replace('torch.', '')} tensor"
             raise ValueError(
                 f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
-                f"but it holds a nested tensor ({_describe(nested[0])}), which cannot be sliced along its "
-                f"batch of components. Use chunks=1 for nested inputs, or pad them into one tensor."
+                f"but it holds {kind} ({_describe(t)}), which cannot be sliced into views along it. "
+                f"Use chunks=1 for such inputs, or make them dense (.to_dense(), or pad nested ones)."
             )
         batch = tensors[0].shape[0]
         if any(t.shape[0] != batch for t in tensors[1:]):
@@ -540,7 +591,8 @@ class ParallelSequential(nn.Sequential):
         # requires grad). (Not for compilers, whose functionalized graphs have no such
         # conflict, and whose graph must be the plain model's; nor for pieces copied to the
         # GPU, whose copies are theirs: a clone of a pinned input is pageable, which would
-        # make each copy synchronous.)
+        # make each copy synchronous.) A stage that changes its input in place then leaves
+        # the caller's tensor as it was (without autograd, it changes it, as in nn.Sequential).
         own = torch.is_grad_enabled() and not copied and not _is_tracing()
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
@@ -549,7 +601,11 @@ class ParallelSequential(nn.Sequential):
 
         if spec is None:
             return split(input)
-        columns = [split(t) if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
+        # A tensor passed twice, ``(x, x)``, is split once: its pieces stay one object
+        # (``nn.MultiheadAttention`` takes ``query is key`` for self-attention's packed path).
+        done: dict[int, list[torch.Tensor]] = {}
+        columns = [(done[id(t)] if id(t) in done else done.setdefault(id(t), split(t)))
+                   if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
 
     def _concat(self, outputs: list[Any], pieces: list[Any]) -> Any:
@@ -687,6 +743,17 @@ class ParallelSequential(nn.Sequential):
             if home is None or (isinstance(home, torch.device) and isinstance(input, torch.Tensor)
                                 and input.device == home):
                 return self._in_order(self._stages(), input)
+        if self._chunks > 1 and not _is_tracing():
+            plan = self._get_plan()
+            layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
+                      and (_softmax_dim(m) is None or _softmax_dim(m) < 0)]
+            if layers:
+                key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
+                if key not in self._softmax_checked:
+                    with _SoftmaxDims(self, plan, layers):
+                        output = self._forward(input)
+                    self._softmax_checked.add(key)
+                    return output
         return self._forward(input)
 
     def _in_order(self, calls: Any, input: Any) -> Any:
@@ -764,6 +831,12 @@ class ParallelSequential(nn.Sequential):
             outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead)
         if isinstance(outputs, _Gather):
             return outputs.out
+        if not all(isinstance(o, torch.Tensor) and o.is_cuda for o in outputs) and any(
+                isinstance(t, torch.Tensor) and not t.is_cuda for o in outputs for t in pytree.tree_leaves(o)):
+            # A last stage that copied its output to the host without blocking
+            # (``x.to("cpu", non_blocking=True)``): the host would concatenate pieces the
+            # lanes' copies have yet to write. The caller's stream has joined every lane.
+            torch.cuda.current_stream(target).synchronize()
         return self._concat(outputs, pieces)
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
@@ -832,7 +905,7 @@ class ParallelSequential(nn.Sequential):
         values = list(pieces)
         done = False
         last = n_lanes - 1
-        gather = _Gather([p.shape[0] for p in pieces]) if isinstance(input, torch.Tensor) else None
+        gather = _Gather([p.shape[0] for p in pieces], device) if isinstance(input, torch.Tensor) else None
         used = 0  # lanes 0 .. used-1 have work enqueued
         local = pool._local
         # The first slot of the blocks nested in each lane's stage (see _DevicePool.offset):
@@ -944,10 +1017,10 @@ class _Gather:
     views of the result (:meth:`restore`).
     """
 
-    __slots__ = ("sizes", "out", "offset", "ok")
+    __slots__ = ("sizes", "device", "out", "offset", "ok")
 
-    def __init__(self, sizes: list[int]) -> None:
-        self.sizes = sizes
+    def __init__(self, sizes: list[int], device: torch.device) -> None:
+        self.sizes, self.device = sizes, device  # (the lanes': a piece copied to the host is read by the host)
         self.out: torch.Tensor | None = None
         self.offset = 0
         self.ok = len(sizes) > 1
@@ -957,8 +1030,8 @@ class _Gather:
         if not self.ok:
             return False
         out = self.out
-        if (not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.dim() == 0
-                or value.shape[0] != self.sizes[m] or (value.requires_grad and torch.is_grad_enabled())
+        if (not isinstance(value, torch.Tensor) or value.device != self.device or value.layout != torch.strided
+                or value.dim() == 0 or value.shape[0] != self.sizes[m] or (value.requires_grad and torch.is_grad_enabled())
                 or not value.is_contiguous() or _also_channels_last(value)
                 or (out is not None and (value.shape[1:] != out.shape[1:] or value.dtype != out.dtype
                                          or value.device != out.device))):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -558,7 +559,7 @@ def test_gather_concatenates_like_cat_or_declines():
     from parallel_modules.pipeline import _Gather
 
     pieces = [torch.randn(5, 3), torch.randn(4, 3), torch.randn(4, 3)]
-    gather = _Gather([5, 4, 4])
+    gather = _Gather([5, 4, 4], torch.device("cpu"))
     for m, p in enumerate(pieces):
         assert not gather.complete()
         gather.add(m, p)
@@ -574,13 +575,14 @@ def test_gather_concatenates_like_cat_or_declines():
         # Contiguous and channels-last at once: torch.cat may give channels-last strides.
         "ambiguous layout": [torch.randn(5, 3, 1, 1), torch.randn(4, 3, 1, 1), torch.randn(4, 3, 1, 1)],
         "sparse": [torch.randn(5, 3).to_sparse(), torch.randn(4, 3).to_sparse(), torch.randn(4, 3).to_sparse()],
+        "device": [torch.randn(5, 3), torch.randn(4, 3, device="meta"), torch.randn(4, 3)],
     }
     for what, outputs in wrong.items():
-        gather = _Gather([5, 4, 4])
+        gather = _Gather([5, 4, 4], torch.device("cpu"))
         for m, o in enumerate(outputs):
             gather.add(m, o)
         assert not gather.complete(), what
-    single = _Gather([5])
+    single = _Gather([5], torch.device("cpu"))
     single.add(0, torch.randn(5, 3))
     assert not single.complete()  # one piece: nothing to concatenate
 
@@ -589,7 +591,7 @@ def test_gather_restores_pieces_taken_before_it_gave_up() -> None:
     from parallel_modules.pipeline import _Gather
 
     pieces = list(torch.randn(13, 4).tensor_split(3))
-    gather = _Gather([p.shape[0] for p in pieces])
+    gather = _Gather([p.shape[0] for p in pieces], torch.device("cpu"))
     values: list = list(pieces)
     assert gather.add(0, values[0])
     values[0] = None
@@ -687,6 +689,34 @@ def test_a_nested_input_with_chunks_is_refused_clearly(layout):
     assert model(nt) is nt
 
 
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_sparse_input_with_chunks_is_refused_clearly(layout):
+    dense = torch.randn(4, 3).relu()
+    sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    model = ParallelSequential(nn.Identity(), chunks=2)
+    with pytest.raises(ValueError, match=rf"ParallelSequential: with chunks=2 .* sparse_{layout} tensor .*chunks=1"):
+        model(sparse)
+    torch.testing.assert_close(model(dense), dense)
+
+
+class SelfAttentionOnly(nn.Module):
+    r"""Records whether it was handed one tensor twice, as ``nn.MultiheadAttention`` asks ``query is key``."""
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        query, key = pair
+        self.same = getattr(self, "same", []) + [query is key]
+        return query + key
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_tensor_passed_twice_stays_one_object_in_every_micro_batch(grad):
+    stage = SelfAttentionOnly()
+    x = torch.randn(6, 3, requires_grad=grad)
+    out = ParallelSequential(stage, chunks=3)((x, x))
+    assert stage.same == [True] * 3
+    torch.testing.assert_close(out, 2 * x)
+
+
 def test_stages_set_later_are_checked_as_the_constructor_checks_them():
     s = ParallelSequential(nn.Identity(), nn.Identity())
     for change in (lambda: s.__setitem__(0, None), lambda: s.append(lambda t: t), lambda: s.insert(0, 3)):
@@ -696,6 +726,26 @@ def test_stages_set_later_are_checked_as_the_constructor_checks_them():
     x = torch.randn(2, 3)
     assert s(x) is x
 
+
+
+@pytest.mark.parametrize("layer,shape", [
+    (nn.Softmax(dim=-2), (6, 3)), (nn.LogSoftmax(dim=-2), (6, 3)), (nn.Softmin(dim=-3), (6, 3, 5)),
+    (nn.Softmax(), (6, 3, 5)), (nn.Softmax2d(), (6, 3, 5)),
+], ids=["softmax-2", "logsoftmax-2", "softmin-3", "implicit", "softmax2d"])
+def test_softmax_layers_whose_dim_resolves_to_0_are_refused(layer, shape) -> None:
+    # Which dim a negative or implicit one is shows on the input: these normalize across
+    # the batch, and were run on micro-batches silently.
+    model = ParallelSequential(nn.Identity(), nn.Sequential(layer), chunks=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (implicit softmax dims are deprecated)
+        with pytest.raises(RuntimeError, match=r"(?s)stage '1' \(index 1\) contains '1.0'.*dimension 0.*chunks=1"):
+            model(torch.randn(shape))
+        # On an input with one dimension more the same layer reads another dim: run, and
+        # checked once per input signature.
+        x = torch.randn(*shape, 4)
+        torch.testing.assert_close(model(x), layer(x))
+        with pytest.raises(RuntimeError, match="dimension 0"):  # and refused again
+            model(torch.randn(shape))
 
 
 def test_stock_layers_mixing_samples_by_their_settings_are_refused() -> None:

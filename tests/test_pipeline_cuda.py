@@ -274,6 +274,30 @@ def test_gather_gives_up_after_taking_a_piece(graphed: bool) -> None:
             assert torch.equal(model(x if graphed else x.cuda()), expected)
 
 
+class ToHost(nn.Module):
+    """Copies its input to the host without blocking, behind a delay on its stream."""
+
+    def forward(self, x):
+        torch.cuda._sleep(5 * SLEEP)
+        return x.to("cpu", non_blocking=True)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_last_stage_copying_to_the_host_without_blocking(grad: bool) -> None:
+    # nn.Sequential hands such a result back for the caller to synchronize on; micro-batches
+    # are concatenated on the host first, which must wait for the lanes' copies.
+    lin = nn.Linear(32, 32).cuda()
+    model = ParallelSequential(lin, ToHost(), chunks=4)
+    for _ in range(2):
+        x = torch.randn(16, 32, device="cuda")
+        with torch.no_grad():
+            expected = torch.cat([lin(p).cpu() for p in x.tensor_split(4)])
+        with torch.set_grad_enabled(grad):
+            out = model(x)
+        torch.cuda.synchronize()
+        assert out.device.type == "cpu" and torch.equal(out.detach(), expected)
+
+
 def test_host_to_device_structured_input() -> None:
     class Two(nn.Module):
         def __init__(self) -> None:
