@@ -132,6 +132,14 @@ _COMPILED, _EAGER = "compiled", "eager"
 # at batch 8 the branches on streams won (86 us against 134 us).
 _WHOLE = "whole"
 
+# TorchScript cannot compile a forward taking ``*args`` nor the modules' Python: say so
+# (``__prepare_scriptable__``, which ``torch.jit.script`` calls first) and what works.
+_NOT_SCRIPTABLE = (
+    "{name} cannot be compiled by torch.jit.script (its forward runs Python that TorchScript does not "
+    "support). Use torch.jit.trace(model, example_inputs), torch.export.export or torch.compile, which "
+    "trace it into the same result as its eager calls."
+)
+
 # Engines kept per child, one per input signature (Torch-TensorRT builds
 # static-shape engines from example inputs); as ``max_graphs``' default.
 _MAX_ENGINES = 8

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
-from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
+from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import _AutocastUnbatched, _difference, _functorch_active, _Fusion, _Group, _Joined, _Unfused
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
@@ -579,6 +579,40 @@ class Parallel(nn.Module):
             fusion = self._fusion = self._new_fusion()
         return fusion if fusion.groups else None
 
+    def _traced_fusion(self, args: tuple, kwargs: dict) -> _Fusion | None:
+        r"""The fused groups a compiler traces: those eager calls run, where they are current.
+
+        Groups out of date (a mode switched or a hook registered below the block
+        since they were found) are not found again inside a trace: a compiler
+        cannot trace the comparison of the members' layers, and under
+        ``torch.export``'s fake parameters nothing could be stacked. Their
+        branches are traced unfused, with the unfused results; ``train()`` and
+        ``eval()`` of the block itself find the groups at once. ``"auto"`` with
+        deterministic algorithms runs unfused eagerly (see ``_candidates``), and so is traced.
+        """
+        if self.fuse is False or (self.fuse == "auto" and torch.are_deterministic_algorithms_enabled()):
+            return None
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            return None
+        fusion = self._fusion
+        return fusion if fusion is not None and fusion.groups and fusion.current() else None
+
+    def __prepare_scriptable__(self) -> "Parallel":
+        raise TypeError(_NOT_SCRIPTABLE.format(name=type(self).__name__))
+
+    def train(self, mode: bool = True) -> "Parallel":
+        r"""Set the block and its branches to training or evaluation mode; returns ``self``.
+
+        As :meth:`torch.nn.Module.train`. Which branches are fused depends on
+        their modes (BatchNorm and dropout fuse only in evaluation), so the
+        groups are found here, before a compiler may trace the next call.
+        """
+        super().train(mode)
+        fusion = self.__dict__.get("_fusion")
+        if self.fuse is not False and fusion is not None and not _is_tracing() and not fusion.current():
+            self._fusion = self._new_fusion()  # (schedules are per mode: those of the new one come)
+        return self
+
     def _regrouped(self) -> bool:
         r"""Whether branches that no group held when schedules were chosen may now be grouped.
 
@@ -841,7 +875,7 @@ class Parallel(nn.Module):
             # (Not for tensors swapped in by functional_call: see _swapped_in.)
             self._reset()
         if self.cuda_graph:
-            if self._param_moves != self._graph_moves:
+            if self._param_moves != self._graph_moves and not tracing:
                 # Fusion moved parameters to new memory: graphs read the old.
                 self._graphs.clear()
                 self._graph_moves = self._param_moves
@@ -926,7 +960,7 @@ class Parallel(nn.Module):
                     return placement.run(self, args, kwargs)
             if _is_tracing():
                 # Compilers see the branches (or fused groups) one after the other and schedule them.
-                return self._run(args, kwargs, None, None if self.fuse is False else self._fusion_for(args, kwargs))
+                return self._run(args, kwargs, None, self._traced_fusion(args, kwargs))
             # One dict lookup per call decides everything: the schedule chosen for
             # this signature, or none yet (tuning).
             key = _signature(args, kwargs, self.training)

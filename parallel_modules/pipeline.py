@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._compile import _COMPILED, _EAGER, _WHOLE, Backend, _compiler
+from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
@@ -150,6 +150,11 @@ def _signature_dims(input: Any) -> tuple[int, ...]:
     if isinstance(input, torch.Tensor):
         return (input.dim(),)
     return tuple(t.dim() for t in pytree.tree_leaves(input) if isinstance(t, torch.Tensor))
+
+
+def _symbolic_batch(input: Any) -> bool:
+    r"""Whether a compiler traces ``input`` with a dynamic batch size (a ``SymInt`` dimension 0)."""
+    return isinstance(_batch_size(input), torch.SymInt)
 
 
 def _batch_size(piece: Any) -> int | None:
@@ -450,6 +455,9 @@ class ParallelSequential(nn.Sequential):
 
     def __rmul__(self, other: int) -> "ParallelSequential":  # type: ignore[override]
         return self.__mul__(other)
+
+    def __prepare_scriptable__(self) -> "ParallelSequential":
+        raise TypeError(_NOT_SCRIPTABLE.format(name=type(self).__name__))
 
     def extra_repr(self) -> str:
         settings = self._settings() if self.cuda_graph else {"chunks": self._chunks}
@@ -788,10 +796,13 @@ class ParallelSequential(nn.Sequential):
         graphs = self._stage_graphs(plan) if copy_to is not None and self.cuda_graph and not _is_tracing() else None
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
-        if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)):
+        if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (
+                _is_tracing() and _symbolic_batch(input)):
             # (torch.fx.symbolic_trace traces proxies, which cannot be cut into micro-batches:
             # its graph runs the stages on the whole batch, as the CPU path would up to rounding.
-            # torch.export sets the same flag, but traces tensors.)
+            # torch.export sets the same flag, but traces tensors. So does a trace with a
+            # dynamic batch size: cut into pieces, its program would hold only for batches of
+            # one remainder modulo ``chunks``, and the compiler schedules the stages anyway.)
             if copy_to is not None:
                 # As ``x.to(device, non_blocking=pinned)``: a page-locked input is copied
                 # on the caller's stream, which orders the stages after it, while the CPU

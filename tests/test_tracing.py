@@ -262,3 +262,88 @@ def test_compiled_branch_error_keeps_the_users_message():
         with pytest.raises(Exception, match="expects 4 features"):
             torch.compile(model, fullgraph=True, backend="eager")(torch.randn(3, 5))
         torch._dynamo.reset()
+
+
+class _Scaled(nn.Module):
+    r"""A custom layer (run through vmap when fused), the same in training and evaluation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x) * 1.5
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_block_switched_to_eval_exports_fused(fuse, strict):
+    # A mode switch made the groups out of date; they were found again inside the trace, where
+    # export's fake parameters cannot be stacked (fuse=True raised, "auto" exported unfused).
+    model = Parallel(*[nn.Sequential(nn.Linear(8, 16), _Scaled(), nn.Linear(16, 4)) for _ in range(2)],
+                     join="cat", fuse=fuse)
+    model.eval()
+    x = torch.randn(6, 8)
+    program = torch.export.export(model, (x,), strict=strict)
+    assert any("bmm" in str(node.target) for node in program.graph.nodes)
+    with torch.no_grad():
+        assert_close(program.module()(x), reference(model, x))
+    assert model.explain()["fused"] == [["0", "1"]]
+
+
+@pytest.mark.parametrize("how", ["compile", "export"])
+def test_conv_batchnorm_groups_after_a_mode_switch_trace(how):
+    # Found inside the trace, the groups compared the members' extra_repr(), which dynamo cannot trace.
+    model = Parallel(*[nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                       for _ in range(2)], join="cat", fuse="auto")
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        traced = (torch.compile(model, backend="eager", fullgraph=True) if how == "compile"
+                  else torch.export.export(model, (x,), strict=True).module())
+        assert_close(traced(x), reference(model, x))
+
+
+@pytest.mark.parametrize("how", ["compile", "export"])
+def test_fused_graphed_block_traced_before_its_first_eager_call(how):
+    # The check for parameters moved by fusion cleared the graph cache under its lock, in the trace.
+    model = Parallel(mlp(), mlp(), join="cat", fuse=True, cuda_graph=True).eval()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        traced = (torch.compile(model, backend="eager", fullgraph=True) if how == "compile"
+                  else torch.export.export(model, (x,), strict=True).module())
+        assert_close(traced(x), reference(model, x))
+
+
+def test_fuse_auto_under_deterministic_algorithms_is_traced_unfused():
+    model = Parallel(*[nn.Sequential(nn.Linear(17, 17), nn.Tanh(), nn.Linear(17, 8)) for _ in range(4)],
+                     join="cat", fuse="auto").eval()
+    x = torch.randn(1, 17)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.no_grad():
+            eager = model(x)
+            assert torch.equal(eager, torch.cat([b(x) for b in model], 1))  # unfused, as documented
+            assert torch.equal(torch.export.export(model, (x,)).module()(x), eager)
+            assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), eager)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def test_pipeline_exported_with_a_dynamic_batch():
+    # Cut into micro-batches, the program guarded on batch % chunks: a Dim batch was refused, and
+    # Dim.AUTO specialised to batches of one remainder.
+    model = ParallelSequential(mlp(16, 16), mlp(16, 8), chunks=3).eval()
+    for dim in (torch.export.Dim("batch", min=3, max=64), torch.export.Dim.AUTO):
+        program = torch.export.export(model, (torch.randn(9, 16),), dynamic_shapes=({0: dim},))
+        for n in (9, 7, 4):
+            x = torch.randn(n, 16)
+            with torch.no_grad():
+                torch.testing.assert_close(program.module()(x), model(x))
+
+
+@pytest.mark.parametrize("make", [lambda: Parallel(mlp(), mlp()), lambda: ParallelSequential(mlp(), chunks=2)],
+                         ids=["Parallel", "ParallelSequential"])
+def test_jit_script_is_refused_with_what_works_instead(make):
+    model = make()
+    with pytest.raises(TypeError, match=r"cannot be compiled by torch.jit.script.*torch.jit.trace"):
+        torch.jit.script(model)
+    x = torch.randn(4, 16)
+    assert torch.equal(torch.jit.trace(model, (x,))(x), model(x))
