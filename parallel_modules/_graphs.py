@@ -206,6 +206,7 @@ def _autocast_state() -> Hashable:
 
 
 _forward_ad = torch.autograd.forward_ad
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # Python dispatch modes active on this thread
 
 
 _SAVED_HOOKS, _BACKWARD, _FORWARD_AD = "saved-tensor hooks", "a backward pass", "forward-mode AD"
@@ -230,6 +231,22 @@ def _autograd_busy() -> str:
 
 
 _precision = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+# Other settings that choose the kernels a capture bakes in: reduced-precision reductions
+# and accumulation of cuBLAS, deterministic algorithms, and which scaled-dot-product
+# attention backends may run (``torch.nn.attention.sdpa_kernel``). (Getters torch lacks
+# are left out.)
+_KERNEL_GETTERS = tuple(getter for getter in (getattr(torch._C, name, None) for name in (
+    "_get_cublas_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_bf16_reduced_precision_reduction",
+    "_get_cublas_allow_fp16_accumulation", "_get_deterministic_algorithms", "_get_cudnn_deterministic",
+    "_get_flash_sdp_enabled", "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled", "_get_cudnn_sdp_enabled",
+)) if getter is not None)
+
+
+def _kernel_settings() -> Hashable:
+    r"""The process's settings that decide which kernels a capture records (see :func:`_tf32`)."""
+    return _tf32(), tuple([getter() for getter in _KERNEL_GETTERS])
 
 
 def _tf32() -> Hashable:
@@ -920,7 +937,9 @@ class _CudaGraphs:
 
     # ------------------------------------------------------------------ call
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if _is_tracing() or _functorch_active():  # (torch.func transforms wrap tensors a graph cannot read)
+        if _is_tracing() or _functorch_active() or _dispatch_modes():
+            # (torch.func transforms wrap tensors a graph cannot read; a dispatch mode --
+            # FlopCounterMode, a debug mode -- must see the call's operations, not one replay.)
             return forward(*args, **kwargs)
         busy = _autograd_busy()
         if busy:
@@ -964,7 +983,7 @@ class _CudaGraphs:
             torch.is_inference_mode_enabled(),
             _autocast_state(),
             tuple(p.requires_grad for p in params) if grad else None,
-            _tf32(),  # (kernels are chosen when captured)
+            _kernel_settings(),  # (kernels are chosen when captured)
         )
 
     def _look(self, owner: nn.Module) -> list[nn.Parameter]:
@@ -1283,6 +1302,13 @@ class _CudaGraphs:
     def _record(self, graph: _Graph, call: Callable[[], Any], surface: tuple, leaves: tuple, needs_grad: bool,
                 stream: torch.cuda.Stream, caller: torch.cuda.Stream, index: int,
                 tensors: list[torch.Tensor]) -> None:
+        if self._hooked:
+            self._warn_once("hooks", f"{self.name}: cuda_graph=True with hooks on modules it runs: the hooks' "
+                                     "tensor operations are captured and replayed, but the hooks themselves "
+                                     "run only while a graph is captured (a hook that stores activations or "
+                                     "counts calls sees the warm-up and capture calls only). Remove them, or "
+                                     "pass cuda_graph=False.")
+
         def captured(g: torch.cuda.CUDAGraph, fn: Callable[[], Any], what: str = "") -> Any:
             try:
                 with torch.cuda.graph(g, pool=graph.pool, stream=stream, capture_error_mode="thread_local"):
@@ -1329,9 +1355,10 @@ class _CudaGraphs:
                 graph.grad_outputs = [torch.empty_like(o) if g else None for o, g in zip(outputs, graph.out_grad)]
             graph.bwd = torch.cuda.CUDAGraph()
             diff = [o for o in outputs if o.requires_grad]
-            grads = captured(graph.bwd, lambda: _in_layout(torch.autograd.grad(
-                diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
-                allow_unused=True), surface), " of the backward pass")
+            with _backward_autocast():
+                grads = captured(graph.bwd, lambda: _in_layout(torch.autograd.grad(
+                    diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
+                    allow_unused=True), surface), " of the backward pass")
             by_id = {id(t): g for t, g in zip(surface, grads)}
             graph.grad_inputs = [by_id.get(id(t)) for t in [*graph.inputs, *leaves]]
             graph.plan_grads()
@@ -1358,6 +1385,11 @@ def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:
     """
     out = []
     for g, t in zip(grads, tensors):
+        if g is not None and g.layout != torch.strided:
+            raise TypeError(
+                f"a {str(g.layout).replace('torch.', '')} gradient (of a {tuple(t.shape)} tensor: "
+                "nn.Embedding/EmbeddingBag(sparse=True)) has a size that depends on the batch's indices and "
+                "cannot be captured; construct such layers with sparse=False to graph their training")
         if g is not None and g.stride() != t.stride():
             like = torch.empty_like(t)  # t's strides where t is dense
             if like.stride() == t.stride():
@@ -1452,7 +1484,20 @@ def _bind(forward: Callable[..., Any], args: tuple, kwargs: dict, static: list[t
     return lambda: forward(*sargs, **skwargs)
 
 
+def _backward_autocast() -> torch.autocast:
+    r"""Autocast off for a captured backward, which the forward's call captures under the caller's autocast.
+
+    Autograd runs a backward under the autocast state of the thread that
+    starts it, and AMP's backward is started outside autocast (``scaler.scale(
+    loss).backward()`` after the ``with torch.autocast(...)`` block): a backward
+    captured inside it would compute in half precision what a region with
+    autocast disabled kept in float32.
+    """
+    return torch.autocast("cuda", enabled=False)
+
+
 def _grad(out: Any, surface: tuple) -> None:
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
     if outs and surface:
-        torch.autograd.grad(outs, surface, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)
+        with _backward_autocast():
+            torch.autograd.grad(outs, surface, grad_outputs=[torch.zeros_like(o) for o in outs], allow_unused=True)

@@ -59,7 +59,9 @@ def _install() -> None:
 
 
 def _members(root: nn.Module) -> tuple[Any, ...]:
-    return (*root.modules(), *root.parameters(), *root.buffers())
+    modules = tuple(root.modules())
+    # (With each block's settings revision: see _change_setting.)
+    return (*modules, *root.parameters(), *root.buffers(), *[m.__dict__.get("_revision") for m in modules])
 
 
 class _Tree:
@@ -135,6 +137,10 @@ def _change_setting(module: nn.Module, name: str, value: Any, reset: Callable[[]
     previous = state[name]
     state[name] = value
     state.pop("_graphs", None)
+    # A block nested in another's graphed branch: the outer block's graphs ran the old
+    # setting (and read parameters a new ``fuse`` moves). A new revision, counted as a
+    # registration, makes every block above see a changed tree and make its own anew.
+    state["_revision"] = object()
     try:
         reset()
     except Exception as error:
@@ -147,3 +153,5 @@ def _change_setting(module: nn.Module, name: str, value: Any, reset: Callable[[]
             # once a member was changed in place): its calls raise the same error.
             pass
         raise error
+    finally:
+        _count()

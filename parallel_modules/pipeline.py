@@ -688,7 +688,7 @@ class ParallelSequential(nn.Sequential):
         home = self._get_plan().home
         return isinstance(home, torch.device) and home.type == "cuda"
 
-    def _stage_graphs(self, plan: _Plan) -> list[_CudaGraphs] | None:
+    def _stage_graphs(self, plan: _Plan, input: Any) -> list[_CudaGraphs] | None:
         r"""For ``cuda_graph=True`` and a host input: each stage's graphs, replayed micro-batch by micro-batch.
 
         The whole call cannot be one graph: its copies read the caller's host
@@ -701,7 +701,8 @@ class ParallelSequential(nn.Sequential):
         autograd run eagerly: every micro-batch's forward would overwrite the
         activations the previous one's backward needs.
         """
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+        if torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters()) or any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(input))):
             self._graphs._warn_once(
                 "host-training", f"{type(self).__name__}: cuda_graph=True with a CPU input graphs each "
                 f"stage per micro-batch, which training cannot use (each micro-batch's forward would "
@@ -793,7 +794,8 @@ class ParallelSequential(nn.Sequential):
                 if plan.home is not None and device != plan.home:
                     raise self._placement_error(plan, device)
         calls = self._stages()
-        graphs = self._stage_graphs(plan) if copy_to is not None and self.cuda_graph and not _is_tracing() else None
+        graphs = (self._stage_graphs(plan, input) if copy_to is not None and self.cuda_graph and not _is_tracing()
+                  else None)
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
         if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (

@@ -172,7 +172,8 @@ def test_vmapped_group_under_autocast_returns_the_autocast_dtype(device, trainin
     x = torch.randn(6, 16, device=device)
     with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
         out, expected = p(x), reference(p, x)
-    assert [o.dtype for o in out] == [e.dtype for e in expected] == [torch.bfloat16] * 3
+    # (bfloat16 on the CPU; CUDA's autocast runs group_norm in float32.)
+    assert [o.dtype for o in out] == [e.dtype for e in expected]
     assert_same(out, expected)
     assert fused_groups(p) == [["0", "1", "2"]]  # and fused again outside autocast
     out = p(x)

@@ -1673,3 +1673,89 @@ def test_most_recently_replayed_graph_is_not_evicted():
         assert block._graphs.captures == 3
         block(a)
     assert block._graphs.captures == 3
+
+
+# ----------------------------------------------- settings read at capture (review of session 36)
+@pytest.mark.cuda
+def test_kernel_settings_and_dispatch_modes_are_not_replayed_stale():
+    # Deterministic algorithms and cuBLAS's reduced-precision settings choose the kernels a
+    # capture bakes in: part of the signature, as TF32 is. Under a dispatch mode (FlopCounterMode)
+    # the call runs eagerly, so that the mode sees its operations.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    block = Parallel(*_mlp(4), join="cat", cuda_graph=True).cuda().eval()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        block(x)
+        captured = len(block._graphs._graphs)
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert torch.equal(block(x), _reference(list(block), x))
+        finally:
+            torch.use_deterministic_algorithms(previous)
+        assert len(block._graphs._graphs) == captured + 1  # a graph of its own
+        with FlopCounterMode(display=False) as counter:
+            block(x)
+        with FlopCounterMode(display=False) as expected:
+            _reference(list(block), x)
+        assert counter.get_total_flops() == expected.get_total_flops() > 0
+
+
+@pytest.mark.cuda
+def test_amp_backward_of_a_float32_region_is_captured_in_float32():
+    # AMP's backward runs outside autocast; captured inside the forward's autocast, the backward of
+    # a region with autocast disabled computed in half precision.
+    class Float32Region(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            with torch.autocast("cuda", enabled=False):
+                return self.lin(x.float())
+
+    torch.manual_seed(0)
+    eager = Parallel(Float32Region(), nn.Linear(64, 64), join="sum").cuda()
+    graphed = copy.deepcopy(eager)
+    graphed.cuda_graph = True
+    for _ in range(3):
+        x = torch.randn(8, 64, device="cuda")
+        for block in (eager, graphed):
+            block.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                out = block(x)
+            out.float().square().sum().backward()
+        for a, b in zip(eager.parameters(), graphed.parameters()):
+            assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.cuda
+def test_sparse_gradients_are_refused_at_capture_with_the_layer_to_change():
+    block = Parallel(nn.Embedding(16, 8, sparse=True), nn.Embedding(16, 8), join="sum", cuda_graph=True).cuda()
+    with pytest.raises(RuntimeError, match=r"(?s)sparse_coo gradient.*sparse=False"):
+        block(torch.randint(0, 16, (4, 3), device="cuda")).sum().backward()
+    with torch.no_grad():  # inference captures, and the module works after the refusal
+        idx = torch.randint(0, 16, (4, 3), device="cuda")
+        assert torch.equal(block(idx), block[0](idx) + block[1](idx))
+
+
+@pytest.mark.cuda
+def test_setting_of_a_nested_block_changed_after_the_outer_capture():
+    inner = Parallel(nn.Linear(16, 16), nn.Linear(16, 16), join="sum")
+    outer = Parallel(inner, nn.Linear(16, 16), join="sum", cuda_graph=True).cuda().eval()
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        outer(x)
+        inner.join = "mean"  # the outer graph ran the old join
+        assert torch.equal(outer(x), (inner[0](x) + inner[1](x)) / 2 + outer[1](x))
+
+
+@pytest.mark.cuda
+def test_hooks_below_a_graphed_block_warn_that_they_run_only_while_captured():
+    block = Parallel(*_mlp(2), join="cat", cuda_graph=True).cuda().eval()
+    seen = []
+    block[0].register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad(), pytest.warns(UserWarning, match="run only while a graph is captured"):
+        for _ in range(3):
+            block(torch.randn(8, 64, device="cuda"))

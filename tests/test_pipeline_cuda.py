@@ -12,6 +12,7 @@ import copy
 import os
 import subprocess
 import sys
+import warnings
 from unittest import mock
 from collections import OrderedDict
 from pathlib import Path
@@ -296,6 +297,25 @@ def test_last_stage_copying_to_the_host_without_blocking(grad: bool) -> None:
             out = model(x)
         torch.cuda.synchronize()
         assert out.device.type == "cpu" and torch.equal(out.detach(), expected)
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+def test_host_input_requiring_grad_through_frozen_graphed_stages(pinned: bool) -> None:
+    # Saliency maps: only the input requires grad. Stage graphs replayed micro-batch after
+    # micro-batch would overwrite what each one's backward needs: such calls run eagerly.
+    model = _model(2).requires_grad_(False)
+    graphed = copy.deepcopy(model)
+    graphed.cuda_graph = True
+    for _ in range(2):
+        x = torch.randn(8, 32)
+        grads = []
+        for m in (model, graphed):
+            leaf = (x.pin_memory() if pinned else x.clone()).requires_grad_()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m(leaf).square().sum().backward()
+            grads.append(leaf.grad)
+        assert torch.equal(grads[0], grads[1])
 
 
 def test_host_to_device_structured_input() -> None:
