@@ -566,16 +566,20 @@ class Parallel(nn.Module):
             info["not compiled as one"] = self._compiler.whole_failure
         return info
 
-    def _fusion_for(self, args: tuple, kwargs: dict, thorough: bool = False) -> _Fusion | None:
+    def _fusion_for(self, args: tuple, kwargs: dict, thorough: bool = False, regroup: bool = True
+                    ) -> _Fusion | None:
         r"""The fused groups that apply to this call, or ``None`` (fusion off, nothing to fuse, not one tensor).
 
         ``thorough``: a schedule is being chosen or a graph captured, which
         may also look at what costs too much to look at on every call.
+        ``regroup``: find groups out of date anew; else ``None`` for them.
         """
         if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             return None
         fusion = self._fusion
         if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
+            if not regroup:
+                return None
             fusion = self._fusion = self._new_fusion()
         return fusion if fusion.groups else None
 
@@ -587,15 +591,20 @@ class Parallel(nn.Module):
         cannot trace the comparison of the members' layers, and under
         ``torch.export``'s fake parameters nothing could be stacked. Their
         branches are traced unfused, with the unfused results; ``train()`` and
-        ``eval()`` of the block itself find the groups at once. ``"auto"`` with
-        deterministic algorithms runs unfused eagerly (see ``_candidates``), and so is traced.
+        ``eval()`` of the block itself find the groups at once.
         """
-        if self.fuse is False or (self.fuse == "auto" and torch.are_deterministic_algorithms_enabled()):
+        if self.fuse is False or self._auto_unfused():
             return None
-        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
-            return None
-        fusion = self._fusion
-        return fusion if fusion is not None and fusion.groups and fusion.current() else None
+        return self._fusion_for(args, kwargs, regroup=False)
+
+    def _auto_unfused(self) -> bool:
+        r"""Whether ``fuse="auto"`` keeps the branches unfused: with deterministic algorithms asked for.
+
+        Fused and unfused results may differ in the last bits, and which one
+        timing keeps may differ between runs. (Forking changes no result:
+        streams stay tuned.)
+        """
+        return self.fuse == "auto" and torch.are_deterministic_algorithms_enabled()
 
     def __prepare_scriptable__(self) -> "Parallel":
         raise TypeError(_NOT_SCRIPTABLE.format(name=type(self).__name__))
@@ -643,7 +652,7 @@ class Parallel(nn.Module):
         fuses = ["fused", "unfused"] if self.fuse == "auto" and fusion is not None else [""]
         reproducible = torch.are_deterministic_algorithms_enabled()
         if reproducible and fuses != [""]:
-            fuses = ["unfused"]  # see _candidates
+            fuses = ["unfused"]  # see _auto_unfused
         # Fused groups run batched, never compiled: with every branch in one, both ways are the same.
         all_fused = fusion is not None and all(isinstance(u, _Group) for u in fusion.units)
         variants = []
@@ -1016,11 +1025,7 @@ class Parallel(nn.Module):
     def _candidates(self, fusion: _Fusion | None) -> list[_Schedule]:
         r"""The schedules worth trying for a CUDA call; the plain sequential one first."""
         fuses = [False, True] if self.fuse == "auto" and fusion is not None else [self.fuse is True and fusion is not None]
-        if len(fuses) == 2 and torch.are_deterministic_algorithms_enabled():
-            # Fused and unfused results may differ in the last bits, and which one
-            # timing keeps may differ between runs: with deterministic algorithms
-            # asked for, "auto" keeps the branches as they are. (Forking changes
-            # no result: streams stay tuned.)
+        if len(fuses) == 2 and self._auto_unfused():
             fuses = [False]
         forks = [False, True] if self.streams == "auto" else [bool(self.streams)]
         if len(forks) == 2 and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
@@ -1065,9 +1070,7 @@ class Parallel(nn.Module):
             _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
         if device is None or device.type != "cuda":
             # No streams on the CPU; fusion ("auto" too) always pays there: fewer, larger operations.
-            # (Not "auto" with deterministic algorithms asked for: see _candidates.)
-            plan: _Schedule | None = _CPU_FUSED if fusion is not None and not (
-                self.fuse == "auto" and torch.are_deterministic_algorithms_enabled()) else _CPU
+            plan: _Schedule | None = _CPU_FUSED if fusion is not None and not self._auto_unfused() else _CPU
         else:
             candidates = self._candidates(fusion)
             plan = candidates[0] if len(candidates) == 1 else None
