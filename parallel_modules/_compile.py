@@ -152,10 +152,17 @@ _GRAPHING_BACKENDS = ("cudagraphs",)
 def _compiler(owner: str, kind: str, backend: Backend | None, options: Mapping[str, Any] | None,
               fallback: bool) -> "_Compiler | None":
     r"""Validate ``compile=``/``compile_options=``/``compile_fallback=`` at construction."""
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"{owner}: compile_options must be a dict of keyword arguments, got "
+                        f"{type(options).__name__} ({options!r}).")
+    if not isinstance(fallback, bool):  # (not bool(fallback): "no" would be True)
+        raise TypeError(f"{owner}: compile_fallback must be True or False, got {type(fallback).__name__} "
+                        f"({fallback!r}).")
     if backend is None:
-        if options:
-            raise ValueError(f"{owner}: compile_options={dict(options)!r} was given without compile=; pass "
-                             f"compile='inductor' (or another backend) too, or drop compile_options.")
+        given = "compile_options" if options else "compile_fallback=True" if fallback else None
+        if given:
+            raise ValueError(f"{owner}: {given} was given without compile=; pass compile='inductor' (or "
+                             f"another backend) too, or drop {given.split('=')[0]}.")
         return None
     return _Compiler(owner, kind, backend, options, fallback)
 
@@ -434,9 +441,6 @@ class _Compiler:
         if not (isinstance(backend, str) or callable(backend)):
             raise TypeError(f"{owner}: compile must be None, a backend name such as 'inductor' or 'tensorrt', "
                             f"or a torch.compile backend callable; got {type(backend).__name__} ({backend!r}).")
-        if options is not None and not isinstance(options, Mapping):
-            raise TypeError(f"{owner}: compile_options must be a dict of keyword arguments, got "
-                            f"{type(options).__name__} ({options!r}).")
         if isinstance(backend, str) and backend != "tensorrt":
             names = torch.compiler.list_backends(exclude_tags=())
             if backend not in names:
@@ -446,7 +450,7 @@ class _Compiler:
         self.kind = kind
         self.backend = backend
         self.options = dict(options or {})
-        self.fallback = bool(fallback)
+        self.fallback = fallback
         self._kwargs = None if backend == "tensorrt" else _torch_compile_kwargs(owner, backend, self.options)
         self._init_cache()
 

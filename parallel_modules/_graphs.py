@@ -183,11 +183,14 @@ _GRAPH_SETTINGS = frozenset({"cuda_graph", "max_graphs", "static_outputs", "grap
 
 def _check_graph_setting(owner: str, name: str, value: Any) -> Any:
     if name == "max_graphs":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got "
+                            f"{type(value).__name__} ({value!r}).")
+        if value < 1:
             raise ValueError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got {value!r}.")
         return value
     if not isinstance(value, bool):  # (not bool(value): "False" would be True)
-        raise ValueError(f"{owner}: {name} must be True or False, got {value!r}.")
+        raise TypeError(f"{owner}: {name} must be True or False, got {type(value).__name__} ({value!r}).")
     return value
 
 

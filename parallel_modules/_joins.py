@@ -39,7 +39,7 @@ def _check_join(owner: str, join: JoinSpec) -> str | Callable[[list], Any]:
         return join
     if isinstance(join, str) and join in _NAMED_JOINS:
         return join
-    raise ValueError(
+    raise (ValueError if isinstance(join, str) else TypeError)(
         f"{owner}: unknown join {join!r}. Expected one of "
         f"{', '.join(repr(j) for j in _NAMED_JOINS)}, None, or a callable taking "
         "the list of branch outputs."
@@ -111,10 +111,10 @@ def _join_outputs(
         return tuple(outputs)
     elif how == "dict":
         return dict(zip(names, outputs))
-    try:
-        if all(isinstance(o, _LEAVES) for o in outputs):
-            return _leaf_join(how, dim, outputs)
+    if not all(isinstance(o, _LEAVES) for o in outputs):
         return _structured_join(owner, how, dim, list(names), outputs)
+    try:
+        return _leaf_join(how, dim, outputs)
     except (RuntimeError, TypeError, IndexError) as e:
         raise _join_error(owner, how, dim, names, outputs, e) from e
 
@@ -141,10 +141,20 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
                 "Return the same (nested) tuple/list/dict of tensors from every branch, "
                 "or pass join=None to receive the outputs as a tuple."
             )
+    if not any(isinstance(v, _LEAVES) for v in flat[0][0]):
+        # (A forward that forgot its ``return``: joined, the Nones would pass on as the result.)
+        raise TypeError(
+            f"{owner}: join={how!r} joins tensors, but no branch returned one:\n{_listing(names, outputs)}\n"
+            "Return tensors (or tuples/lists/dicts of them) from the branches, or pass join=None to "
+            "receive the outputs as a tuple."
+        )
     joined = []
     for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
         if all(isinstance(v, _LEAVES) for v in column):
-            joined.append(_leaf_join(how, dim, list(column)))
+            try:
+                joined.append(_leaf_join(how, dim, list(column)))
+            except (RuntimeError, TypeError, IndexError) as e:
+                raise _join_error(owner, how, dim, names, outputs, e) from e
         elif not any(isinstance(v, _LEAVES) for v in column) and all(
                 v is column[0] or (type(v) is type(column[0]) and v == column[0]) for v in column):
             joined.append(column[0])  # the same non-tensor from every branch (``None``): passed on
@@ -167,14 +177,27 @@ def _out_of_memory(e: BaseException) -> bool:
             or "can't allocate memory" in text)
 
 
-def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: list[Any], e: Exception) -> ValueError:
+def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: list[Any],
+                e: Exception) -> Exception:
+    r"""The error for outputs ``how`` cannot join, of the type torch raised (``e``): ``IndexError`` for a
+    ``dim`` out of range, ``RuntimeError`` for shapes or devices that do not match."""
     if _out_of_memory(e):
         raise _with_context(e, f"(raised joining the branch outputs of {owner} with join={how!r})")
-    expected = _EXPECTED[how].format(dim=dim)
+    names = list(names)
     along = f" (dim={dim})" if how in ("cat", "stack") else ""  # (sum and mean take no dim)
-    return ValueError(
+    if isinstance(e, IndexError) and along:
+        ndims = sorted({t.dim() for o in outputs for t in pytree.tree_leaves(o) if isinstance(t, torch.Tensor)})
+        # (stack adds a dimension: its dim may be one more)
+        valid = ", ".join(f"{-n - (how == 'stack')} to {n - (how != 'stack')}" for n in ndims)
+        return IndexError(
+            f"{owner}: join={how!r}{along}: dim is out of range for branch outputs of "
+            f"{' or '.join(map(str, ndims))} dimensions (valid: {valid}); got:\n{_listing(names, outputs)}\n"
+            f"Pass a dim in that range, or join=None to receive the outputs as a tuple. ({e})"
+        )
+    expected = _EXPECTED[how].format(dim=dim)
+    return (TypeError if isinstance(e, TypeError) else RuntimeError)(
         f"{owner}: join={how!r}{along} cannot combine the branch outputs; it expects "
-        f"{expected}, got:\n{_listing(list(names), outputs)}\n"
+        f"{expected}, got:\n{_listing(names, outputs)}\n"
         f"Make the branches agree, choose another join{' or dim' if along else ''}, "
         f"or pass join=None to receive the outputs as a tuple. ({type(e).__name__}: {e})"
     )

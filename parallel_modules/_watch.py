@@ -155,3 +155,20 @@ def _change_setting(module: nn.Module, name: str, value: Any, reset: Callable[[]
         raise error
     finally:
         _count()
+
+
+# Constructor arguments fixed once a block is built (its compiled children are made with
+# them); ``compile`` is also ``nn.Module.compile``, which an attribute would hide.
+_FIXED = frozenset({"compile", "compile_options", "compile_fallback"})
+
+
+def _check_attribute(module: nn.Module, name: str, settings: frozenset[str], deleting: bool = False) -> None:
+    r"""Refuse to set a constructed block's fixed argument, or to delete one of its ``settings``."""
+    owner = type(module).__name__
+    if deleting and name in settings:
+        raise AttributeError(f"{owner}: cannot delete the setting {name!r}; set it to another value instead "
+                             f"(e.g. {owner.lower()}.{name} = ...).")
+    if not deleting and name in _FIXED and "_tree" in module.__dict__:
+        raise AttributeError(f"{owner}: {name}= is fixed when the block is built; build a new {owner} with "
+                             f"{name}=... instead (setting the attribute would change nothing"
+                             f"{', and would hide nn.Module.compile' if name == 'compile' else ''}).")

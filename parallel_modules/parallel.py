@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
+from ._children import _Function, _as_branch, _check_name  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import _AutocastUnbatched, _difference, _functorch_active, _Fusion, _Group, _Joined, _Unfused
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
@@ -49,6 +50,9 @@ _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 
 # Joins that read the outputs and return new tensors: a fork may run them itself.
 _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
+# Beyond any tensor's number of dimensions (torch allows 64 at most in places, fewer in
+# others); a ``dim`` outside it would reach torch as an index it cannot convert.
+_MAX_DIM = 1 << 16
 # Constructor arguments kept as attributes, which a user may change later (see __setattr__).
 _SETTINGS = frozenset({"join", "dim", "streams", "fuse"}) | _GRAPH_SETTINGS
 
@@ -59,11 +63,15 @@ def _check_setting(owner: str, name: str, value: Any) -> Any:
     if name == "dim":
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{owner}: dim must be an int, got {type(value).__name__} ({value!r}).")
+        if not -_MAX_DIM <= value < _MAX_DIM:  # (torch cannot even take it as an index: no message of ours)
+            raise ValueError(f"{owner}: dim={value} is out of range for any tensor; pass the dimension of the "
+                             f"branch outputs to join along, e.g. dim=1 or dim=-1.")
         return value
     if name in ("streams", "fuse"):
         # Not ``value in (True, False, "auto")``: 1 == True and 0 == False would slip through.
         if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):
-            raise ValueError(f"{owner}: {name} must be True, False or 'auto', got {value!r}.")
+            error = ValueError if isinstance(value, str) else TypeError
+            raise error(f"{owner}: {name} must be True, False or 'auto', got {value!r}.")
         return value
     return _check_graph_setting(owner, name, value)
 
@@ -93,31 +101,6 @@ _INLINE_BIAS = "bias in line"
 
 _CPU = _Schedule(False, False, False)
 _CPU_FUSED = _Schedule(True, False, False)
-
-
-class _Function(nn.Module):
-    r"""Holds a plain callable branch (``torch.relu``, a lambda) as a module."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def extra_repr(self) -> str:
-        return getattr(self.fn, "__qualname__", None) or repr(self.fn)
-
-
-def _as_module(owner: str, name: str, branch: Any) -> nn.Module:
-    if isinstance(branch, nn.Module):
-        return branch
-    if callable(branch):
-        return _Function(branch)
-    raise TypeError(
-        f"{owner}: branch {name!r} must be an nn.Module or a callable, got "
-        f"{type(branch).__name__} ({branch!r}). Wrap it in a module or pass a function."
-    )
 
 
 class Parallel(nn.Module):
@@ -335,6 +318,8 @@ class Parallel(nn.Module):
                 f"{owner}: expected at least one branch, got none. "
                 f"Pass modules, e.g. {owner}(nn.Linear(8, 8), nn.Linear(8, 8))."
             )
+        for name, _ in items:
+            _check_name(type(self), "branch", name, _SETTINGS)
         # (Each setting is checked by __setattr__.)
         self.join = join
         self.dim = dim
@@ -347,7 +332,7 @@ class Parallel(nn.Module):
         self.direct_grads = direct_grads  # the graph cache is made by _reset, below
         self._compiler = _compiler(owner, "branch", compile, compile_options, compile_fallback)
         for name, branch in items:
-            self.add_module(name, _as_module(owner, name, branch))
+            self.add_module(name, _as_branch(owner, name, branch))
         self._param_moves = self._graph_moves = 0
         # fuse=True: say now, not at the first call, which branch keeps them from fusing.
         self._reset(strict=True)
@@ -357,6 +342,7 @@ class Parallel(nn.Module):
         # A setting changed after construction (``block.join = "sum"``) is checked as the
         # constructor checks it, and what was learnt under the old value goes: a graph
         # captured with the old join would replay it.
+        _watch._check_attribute(self, name, _SETTINGS)
         if name in _SETTINGS:
             value = _check_setting(type(self).__name__, name, value)
             if "_tree" in self.__dict__:  # (constructed)
@@ -446,6 +432,11 @@ class Parallel(nn.Module):
         return iter(self._modules.values())
 
     def _key(self, idx: int) -> str:
+        if not hasattr(idx, "__index__"):
+            named = f" A named branch is an attribute: block.{idx}." if isinstance(idx, str) else ""
+            raise TypeError(f"{type(self).__name__}: branches are indexed by int or slice, got "
+                            f"{type(idx).__name__} ({idx!r}).{named}")
+        idx = idx.__index__()
         n = len(self._modules)
         if not -n <= idx < n:
             raise IndexError(f"{type(self).__name__}: index {idx} is out of range for {n} branches.")
@@ -464,7 +455,7 @@ class Parallel(nn.Module):
 
     def __setitem__(self, idx: int, module: nn.Module | Callable[..., Any]) -> None:
         key = self._key(idx)
-        self.add_module(key, _as_module(type(self).__name__, key, module))
+        self.add_module(key, _as_branch(type(self).__name__, key, module))
         self._reset()
 
     def __delitem__(self, idx: int | slice) -> None:
@@ -482,6 +473,7 @@ class Parallel(nn.Module):
         # ``del block.name`` of a branch registers nothing (see _watch): forget what
         # was learnt about the branches, as ``__delitem__`` does (a fused group or a
         # graph would go on running the deleted branch).
+        _watch._check_attribute(self, name, _SETTINGS, deleting=True)
         branch = name in self._modules
         if branch and len(self._modules) == 1:
             raise ValueError(f"{type(self).__name__}: cannot delete every branch; at least one must remain.")
@@ -494,13 +486,15 @@ class Parallel(nn.Module):
         key = str(len(self._modules))
         if key in self._modules:
             raise ValueError(f"{type(self).__name__}: a branch named {key!r} already exists; use an OrderedDict.")
-        self.add_module(key, _as_module(type(self).__name__, key, module))
+        self.add_module(key, _as_branch(type(self).__name__, key, module))
         self._reset()
         return self
 
     def extend(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> "Parallel":
         r"""Append every module of an iterable; returns ``self``."""
-        for m in modules:
+        owner, n = type(self).__name__, len(self._modules)
+        # All checked before any is appended: a bad one leaves the block as it was.
+        for m in [_as_branch(owner, str(n + i), m) for i, m in enumerate(modules)]:
             self.append(m)
         return self
 
@@ -760,31 +754,32 @@ class Parallel(nn.Module):
             return group.run(args[0], self._cat_joined(fusion), eager,
                              eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
         except Exception as e:
-            unbatched = isinstance(e, _AutocastUnbatched)  # (this call only: the group is not at fault)
-            if not unbatched and (_is_tracing() or isinstance(e, _StopRecomputation)):
+            if not isinstance(e, _AutocastUnbatched) and (_is_tracing() or isinstance(e, _StopRecomputation)):
                 # (Checkpoint's early stop of a recomputation is control flow, not a failure.)
                 raise
             if kept:
                 with torch.no_grad():
                     for b, saved in kept:
                         b.copy_(saved)
-            # Run the members as ordinary branches: if they fail too, the input
-            # is at fault, and their error names the branch.
-            outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
-            if unbatched:
-                return outputs
-            names = [list(self._modules)[i] for i in group.indices]
-            if self.fuse is True:
-                raise RuntimeError(
-                    f"{type(self).__name__}: fuse=True, but branches {names} failed to run batched, while "
-                    f"each runs on its own: {type(e).__name__}: {e}\nPass fuse='auto' to run such branches "
-                    "unfused, or fuse=False."
-                ) from e
-            fusion.disable(group, e)
-            warnings.warn(f"{type(self).__name__}: branches {names} are identical but cannot run batched "
-                          f"({type(e).__name__}: {e}); they run unfused from now on (see .explain()).",
-                          UserWarning, stacklevel=4)
+            failure = e
+        # Run the members as ordinary branches: if they fail too, the input is at
+        # fault, and their error names the branch. (Outside the handler: that error
+        # is the user's to read, not chained to the batched attempt's internals.)
+        outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
+        if isinstance(failure, _AutocastUnbatched):  # (this call only: the group is not at fault)
             return outputs
+        names = [list(self._modules)[i] for i in group.indices]
+        if self.fuse is True:
+            raise RuntimeError(
+                f"{type(self).__name__}: fuse=True, but branches {names} failed to run batched, while "
+                f"each runs on its own: {type(failure).__name__}: {failure}\nPass fuse='auto' to run such "
+                "branches unfused, or fuse=False."
+            ) from failure
+        fusion.disable(group, failure)
+        warnings.warn(f"{type(self).__name__}: branches {names} are identical but cannot run batched "
+                      f"({type(failure).__name__}: {failure}); they run unfused from now on (see .explain()).",
+                      UserWarning, stacklevel=4)
+        return outputs
 
     # ---------------------------------------------------------------- forward
     def _branch_error(self, error: Exception, index: int) -> Exception:

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
+from ._children import _check_name, _check_stage
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
@@ -45,12 +46,8 @@ _UNKNOWN: Any = object()  # the placement has not been looked at yet
 _MIXED: Any = object()  # stages have parameters on more than one device
 
 
-def _check_stage(owner: str, name: str, stage: Any) -> None:
-    if not isinstance(stage, nn.Module):
-        raise TypeError(
-            f"{owner}: stage {name!r} must be an nn.Module, got {type(stage).__name__} "
-            f"({stage!r}). Wrap functions in a module."
-        )
+# Constructor arguments kept as attributes, which a user may change later.
+_PIPELINE_SETTINGS = _GRAPH_SETTINGS | {"chunks"}
 
 
 class _Plan(NamedTuple):
@@ -293,6 +290,7 @@ class ParallelSequential(nn.Sequential):
                 f"Pass modules, e.g. {owner}(encoder, decoder, chunks=4)."
             )
         for name, stage in items:
+            _check_name(type(self), "stage", name, _PIPELINE_SETTINGS)
             _check_stage(owner, name, stage)
         super().__init__(OrderedDict(items))
         self.chunks = chunks
@@ -314,9 +312,10 @@ class ParallelSequential(nn.Sequential):
     @chunks.setter
     def chunks(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
+            error = TypeError if isinstance(value, bool) or not isinstance(value, int) else ValueError
+            raise error(
                 f"{type(self).__name__}: chunks must be an int >= 1 (the number of micro-batches "
-                f"each call is split into), got {value!r}."
+                f"each call is split into), got {type(value).__name__} ({value!r})."
             )
         graphs = self.__dict__.get("_graphs")
         if graphs is not None and value != self.__dict__.get("_chunks"):
@@ -326,6 +325,7 @@ class ParallelSequential(nn.Sequential):
     def __setattr__(self, name: str, value: Any) -> None:
         # A graph setting changed after construction is checked as the constructor
         # checks it, and the graphs captured under the old value go.
+        _watch._check_attribute(self, name, _PIPELINE_SETTINGS)
         if name in _GRAPH_SETTINGS:
             value = _check_graph_setting(type(self).__name__, name, value)
             if "_tree" in self.__dict__:  # (constructed)
@@ -378,6 +378,7 @@ class ParallelSequential(nn.Sequential):
 
     def __delattr__(self, name: str) -> None:
         # ``del pipe.name`` of a stage registers nothing (see _watch): as ``__delitem__``.
+        _watch._check_attribute(self, name, _PIPELINE_SETTINGS, deleting=True)
         stage = name in self._modules
         super().__delattr__(name)
         if stage:
@@ -526,7 +527,8 @@ class ParallelSequential(nn.Sequential):
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
                     f"({type(m).__name__}), which {why}, so with "
                     f"chunks={self._chunks} each micro-batch would be treated on its own and the "
-                    f"result (and any running statistics) would differ from running the whole batch. "
+                    f"result{' (and its running statistics)' if isinstance(m, _NormBase) else ''} would "
+                    f"differ from running the whole batch. "
                     f"To fix it, {fix}"
                 )
         return None
@@ -622,7 +624,12 @@ class ParallelSequential(nn.Sequential):
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
         passed on) is returned as it is; other tensors must be batched like the
         micro-batches themselves: a value reduced over the batch (``x.mean(0)``)
-        cannot be joined into the whole batch's.
+        cannot be joined into the whole batch's. (Where such a value happens to
+        have as many rows as every micro-batch has samples, it looks batched and
+        is concatenated: stages must be batch-independent, see the class.)
+        Non-tensor leaves pass on only where they are ``None`` or the input's
+        own, the same object from every micro-batch: anything else a stage
+        computed on a micro-batch (``x.shape[0]``) need not be the whole batch's.
         """
         if len(outputs) == 1:
             return outputs[0]
@@ -640,6 +647,7 @@ class ParallelSequential(nn.Sequential):
             spec = flat[0][1]
             if any(s != spec for _, s in flat):
                 raise TypeError("the micro-batches returned different structures")
+            given = {id(v) for v in pytree.tree_leaves(pieces[0]) if not isinstance(v, torch.Tensor)}
             joined = []
             for column in zip(*(leaves for leaves, _ in flat)):
                 first = column[0]
@@ -647,11 +655,18 @@ class ParallelSequential(nn.Sequential):
                     joined.append(first)  # the same tensor from every micro-batch
                 elif all(isinstance(t, torch.Tensor) for t in column):
                     joined.append(batched(column))
-                elif not any(isinstance(t, torch.Tensor) for t in column) and all(
-                        v is first or (type(v) is type(first) and v == first) for v in column[1:]):
-                    joined.append(first)  # None, or a value every micro-batch returned alike
+                elif (first is None or id(first) in given) and all(v is first for v in column[1:]):
+                    joined.append(first)  # None, or a value of the input's passed on
+                elif not any(isinstance(t, torch.Tensor) for t in column):
+                    # A value computed from a micro-batch (its size, a statistic) need not be the
+                    # whole batch's, even where every micro-batch computed the same.
+                    raise TypeError(f"the micro-batches returned non-tensor values "
+                                    f"({', '.join(repr(v) for v in column)}), which are not the input's "
+                                    f"own: what a stage computed on a micro-batch need not hold for the "
+                                    f"whole batch (return such values as tensors batched along dimension "
+                                    f"0, or pass them in with the input)")
                 else:
-                    raise TypeError("the micro-batches returned non-tensor leaves that differ")
+                    raise TypeError("the micro-batches returned tensors and non-tensors at one place")
             return pytree.tree_unflatten(joined, spec)
         except (RuntimeError, TypeError, IndexError, ValueError) as e:
             if _out_of_memory(e):

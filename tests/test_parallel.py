@@ -563,8 +563,10 @@ def test_bad_settings_set_later_are_refused_and_change_nothing():
         p.join = "avg"
     with pytest.raises(TypeError, match=r"Parallel: dim must be an int, got str"):
         p.dim = "1"
-    with pytest.raises(ValueError, match=r"Parallel: streams must be True, False or 'auto', got 1"):
+    with pytest.raises(TypeError, match=r"Parallel: streams must be True, False or 'auto', got 1"):
         p.streams = 1
+    with pytest.raises(ValueError, match=r"Parallel: streams must be True, False or 'auto', got 'yes'"):
+        p.streams = "yes"
     with pytest.raises(ValueError, match=r"Parallel: max_graphs must be an int >= 1 .*got 0"):
         p.max_graphs = 0
     with pytest.raises(ValueError, match=r"branch '1' differs from branch '0'"):
@@ -572,7 +574,7 @@ def test_bad_settings_set_later_are_refused_and_change_nothing():
     assert (p.join, p.dim, p.streams, p.max_graphs, p.fuse) == ("cat", 1, "auto", 8, False)
     assert_same(p(x), expected)
     # Graph settings reach the graph cache.
-    with pytest.raises(ValueError, match=r"Parallel: static_outputs must be True or False, got 'False'"):
+    with pytest.raises(TypeError, match=r"Parallel: static_outputs must be True or False, got str \('False'\)"):
         p.static_outputs = "False"  # (bool("False") is True)
     p.max_graphs, p.static_outputs, p.graph_fallback = 2, True, True
     assert (p._graphs.max_graphs, p._graphs.static_outputs, p._graphs.fallback) == (2, True, True)

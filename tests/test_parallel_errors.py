@@ -76,7 +76,7 @@ def test_branch_not_module_or_callable(bad):
 
 @pytest.mark.parametrize("join", ["concat", "add", "", 5], ids=["concat", "add", "empty", "int"])
 def test_unknown_join(join):
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(ValueError if isinstance(join, str) else TypeError) as ei:
         Parallel(nn.Linear(2, 2), join=join)
     msg = str(ei.value)
     assert "Parallel" in msg and repr(join) in msg
@@ -87,7 +87,7 @@ def test_unknown_join(join):
 
 @pytest.mark.parametrize("streams", ["yes", "True", 1, 0, None, "AUTO"])
 def test_bad_streams_value(streams):
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(ValueError if isinstance(streams, str) else TypeError) as ei:
         Parallel(nn.Linear(2, 2), streams=streams)
     msg = str(ei.value)
     assert "streams" in msg and repr(streams) in msg
@@ -107,13 +107,18 @@ def test_bad_dim():
 @pytest.mark.parametrize("join,dim", [("cat", 0), ("stack", 0), ("sum", 1), ("mean", 1), ("cat", 5)])
 def test_join_failure_lists_branches_and_shapes(device, join, dim):
     p = Parallel(OrderedDict(full=nn.Identity(), head=Take(3)), join=join, dim=dim, streams=True)
-    with pytest.raises(ValueError) as ei:
+    # Of the type torch raises for the same outputs: IndexError for a dim out of range,
+    # RuntimeError for shapes that do not match.
+    with pytest.raises(IndexError if dim == 5 else RuntimeError) as ei:
         p(torch.randn(2, 4, device=device))
     msg = str(ei.value)
     assert "Parallel" in msg and f"join={join!r}" in msg
     assert "'full'" in msg and "'head'" in msg
     assert "(2, 4)" in msg and "(2, 3)" in msg
     assert (f"(dim={dim})" in msg) == (join in ("cat", "stack"))  # sum and mean take no dim
+    if dim == 5:  # says what is wrong: not the shapes, the dim (outputs of 2 dimensions)
+        assert "dim is out of range for branch outputs of 2 dimensions (valid: -2 to 1)" in msg
+        assert "to match" not in msg
 
     # The module is fine: with an input whose branch outputs do join, the right result.
     x = torch.randn(2, 3, 1, 1, 1, 1, device=device) if dim == 5 else torch.randn(2, 3, device=device)
@@ -348,7 +353,7 @@ def test_dicts_with_the_same_keys_in_another_order_are_joined():
 
 def test_a_fused_shared_output_with_a_bad_dim_gets_the_named_error():
     p = Parallel(nn.ReLU(), nn.ReLU(), fuse=True, dim=2)
-    with pytest.raises(ValueError, match=r"(?s)Parallel: join='cat' \(dim=2\).*branch '0'"):
+    with pytest.raises(IndexError, match=r"(?s)Parallel: join='cat' \(dim=2\).*out of range.*branch '0'"):
         p(torch.randn(2, 4))
     p.dim = 1
     x = torch.randn(2, 4)
@@ -357,7 +362,7 @@ def test_a_fused_shared_output_with_a_bad_dim_gets_the_named_error():
 
 def test_a_join_error_on_nested_outputs_describes_them():
     nt = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
-    with pytest.raises(ValueError, match=r"NestedTensor\[\(2, 4\), \(3, 4\)\]"):
+    with pytest.raises((IndexError, RuntimeError), match=r"NestedTensor\[\(2, 4\), \(3, 4\)\]"):
         Parallel(nn.Identity(), nn.Identity(), join="stack", dim=7)(nt)
 
 
@@ -394,8 +399,14 @@ def test_a_cpu_allocation_failure_is_not_called_a_mismatch():
 
 
 def test_settings_that_are_not_bools_are_refused():
-    with pytest.raises(ValueError, match="Parallel: cuda_graph must be True or False, got 'no'"):
+    with pytest.raises(TypeError, match=r"Parallel: cuda_graph must be True or False, got str \('no'\)"):
         Parallel(nn.Identity(), cuda_graph="no")  # (bool("no") is True)
+    with pytest.raises(TypeError, match=r"Parallel: compile_fallback must be True or False, got str \('no'\)"):
+        Parallel(nn.Identity(), compile="eager", compile_fallback="no")
+    with pytest.raises(ValueError, match="Parallel: compile_fallback=True was given without compile="):
+        Parallel(nn.Identity(), compile_fallback=True)
+    with pytest.raises(TypeError, match=r"Parallel: compile_options must be a dict .*got str \('x'\)"):
+        Parallel(nn.Identity(), compile_options="x")
     with pytest.raises(TypeError, match="Parallel: dim must be an int, got bool"):
         Parallel(nn.Identity(), dim=True)
 
@@ -416,3 +427,88 @@ def test_signatures_tell_apart_values_that_compare_equal():
     assert key(float("nan")) == key(float("nan"))  # a fresh NaN finds its key again
     assert key(2j) != key(3j) and key(np.int64(2)) != key(np.int64(3))
     assert key(1) != key(True) != key(1.0)
+
+
+# --------------------------------------------------- found by a review of errors
+@pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
+def test_named_joins_of_no_tensor_at_all_are_refused(join):
+    # A forward that forgot its ``return``: the Nones were passed on as the result.
+    p = Parallel(OrderedDict(a=lambda x: None, b=lambda x: None), join=join)
+    with pytest.raises(TypeError, match=r"(?s)Parallel: join=.* joins tensors, but no branch returned one.*'a'"):
+        p(torch.randn(2, 2))
+    # Passed on beside tensors, as before.
+    p = Parallel(lambda x: (x, None), lambda x: (x * 2, None), join=join)
+    out, none = p(torch.randn(2, 2))
+    assert none is None and isinstance(out, torch.Tensor)
+
+
+def test_a_fused_group_failing_on_bad_input_gives_the_branch_error_alone():
+    mlp = lambda: nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))  # noqa: E731
+    p = Parallel(mlp(), mlp(), fuse=True)
+    with pytest.raises(RuntimeError) as ei:
+        p(torch.randn(5, 6))
+    # The members' own error, naming the branch; not chained to the batched attempt's.
+    assert ei.value.__context__ is None and ei.value.__cause__ is None
+    assert "branch '0'" in full_text(ei.value) and "baddbmm" not in full_text(ei.value)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(p(x), torch.cat([p[0](x), p[1](x)], 1))
+
+
+def test_a_dim_beyond_any_tensor_is_refused_when_set():
+    with pytest.raises(ValueError, match=r"Parallel: dim=9223372036854775808 is out of range for any tensor"):
+        Parallel(nn.Identity(), dim=2**63)
+    p = Parallel(nn.Identity(), nn.Identity())
+    with pytest.raises(ValueError, match="out of range"):
+        p.dim = -2**70
+    x = torch.randn(2, 2)
+    assert_same(p(x), torch.cat([x, x], 1))
+
+
+def test_classes_and_module_lists_are_refused_as_branches():
+    with pytest.raises(TypeError, match=r"Parallel: branch '0' is the class Linear, not a module; pass an instance"):
+        Parallel(nn.Linear, nn.ReLU)
+    with pytest.raises(TypeError, match=r"Parallel: branch '0' is a ModuleDict, which holds modules"):
+        Parallel(nn.ModuleDict({"a": nn.ReLU()}))
+    p = Parallel(nn.Identity())
+    with pytest.raises(TypeError, match="branch '1' is the class ReLU"):
+        p.append(nn.ReLU)
+    assert len(p) == 1
+
+
+@pytest.mark.parametrize("name", ["join", "fuse", "append", "training", "a.b", ""])
+def test_branch_names_that_cannot_be_attributes_are_refused(name):
+    with pytest.raises(ValueError, match=f"Parallel: cannot name a branch {name!r}"):
+        Parallel(OrderedDict([("a", nn.Identity()), (name, nn.Identity())]))
+    with pytest.raises(TypeError, match=r"Parallel: branch names must be strings, got int \(1\)"):
+        Parallel(OrderedDict([(1, nn.Identity())]))
+
+
+def test_indexing_by_name_says_how_to_reach_a_named_branch():
+    p = Parallel(OrderedDict(a=nn.Identity(), b=nn.ReLU()))
+    for index in ("a", None, 1.0):
+        with pytest.raises(TypeError, match=r"Parallel: branches are indexed by int or slice, got"):
+            p[index]
+    with pytest.raises(TypeError, match=r"A named branch is an attribute: block.a"):
+        del p["a"]
+    assert isinstance(p[1], nn.ReLU) and p.a is p[0] and len(p) == 2
+
+
+def test_extend_with_a_bad_module_appends_none():
+    p = Parallel(nn.Identity(), nn.Identity())
+    with pytest.raises(TypeError, match="branch '3' must be an nn.Module or a callable, got NoneType"):
+        p.extend([nn.ReLU(), None])
+    assert len(p) == 2
+    x = torch.randn(2, 2)
+    assert_same(p(x), torch.cat([x, x], 1))
+
+
+def test_settings_cannot_be_deleted_and_compile_is_fixed():
+    p = Parallel(nn.Identity(), nn.Identity())
+    with pytest.raises(AttributeError, match="Parallel: cannot delete the setting 'join'"):
+        del p.join
+    for name, value in (("compile", "inductor"), ("compile_options", {}), ("compile_fallback", True)):
+        with pytest.raises(AttributeError, match=f"Parallel: {name}= is fixed when the block is built"):
+            setattr(p, name, value)
+    x = torch.randn(2, 2)
+    assert_same(p(x), torch.cat([x, x], 1))
+    assert callable(p.compile)  # (nn.Module.compile, not hidden)

@@ -70,10 +70,11 @@ def test_no_stages() -> None:
 
 @pytest.mark.parametrize("chunks", [0, -1, 1.5, True, "2", None])
 def test_bad_chunks(chunks) -> None:
-    with pytest.raises(ValueError, match=r"ParallelSequential: chunks must be an int >= 1"):
+    error = ValueError if type(chunks) is int else TypeError  # (an int below 1, or not an int)
+    with pytest.raises(error, match=r"ParallelSequential: chunks must be an int >= 1"):
         ParallelSequential(nn.Linear(2, 2), chunks=chunks)
     model = ParallelSequential(nn.Linear(2, 2), chunks=2)
-    with pytest.raises(ValueError, match="chunks must be"):
+    with pytest.raises(error, match="chunks must be"):
         model.chunks = chunks
     assert model.chunks == 2
 
@@ -280,6 +281,63 @@ def test_outputs_that_cannot_be_concatenated(device: str) -> None:
         model.chunks = 1  # the whole batch at once: nothing to concatenate
         y = torch.randn(8, 8, device=device)
         assert torch.equal(model(y), nn.Sequential(*model)(y))
+
+
+def test_non_tensor_outputs_pass_on_only_where_they_are_the_inputs_own() -> None:
+    # What a stage computes on a micro-batch need not hold for the whole batch: the batch
+    # size (3 on each of 2 micro-batches of 6) was returned as if it were the whole's.
+    class Sized(nn.Module):
+        def forward(self, x):
+            return x, x.shape[0]
+
+    model = ParallelSequential(nn.Linear(4, 4), Sized(), chunks=2)
+    x = torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"(?s)last stage '1'.*non-tensor values \(3, 3\).*not the input's own"):
+        model(x)
+    model.chunks = 1
+    assert model(x)[1] == 6
+    # None, and the input's own values passed on through the stages, are the whole batch's.
+    class Tagged(nn.Module):
+        def forward(self, pair):
+            x, tag = pair
+            return x * 2, tag, None
+
+    tag = object()
+    y, got, none = ParallelSequential(Tagged(), chunks=3)((x, tag))
+    assert torch.equal(y, x * 2) and got is tag and none is None
+
+
+def test_softmax_refusal_speaks_of_running_statistics_only_for_norms() -> None:
+    with pytest.raises(RuntimeError) as info:
+        ParallelSequential(nn.Softmax(dim=0), chunks=3)(torch.randn(6, 4))
+    assert "running statistics" not in str(info.value)
+    with pytest.raises(RuntimeError, match="its running statistics"):
+        ParallelSequential(nn.BatchNorm1d(4), chunks=3).train()(torch.randn(6, 4))
+
+
+@pytest.mark.parametrize("name", ["chunks", "cuda_graph", "forward", "training", "a.b", ""])
+def test_stage_names_that_cannot_be_attributes_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=f"ParallelSequential: cannot name a stage {name!r}"):
+        ParallelSequential(OrderedDict([("enc", nn.Linear(2, 2)), (name, nn.Identity())]))
+    with pytest.raises(TypeError, match=r"ParallelSequential: stage names must be strings, got int"):
+        ParallelSequential(OrderedDict([(1, nn.Identity())]))
+
+
+def test_stages_that_are_classes_or_module_lists_are_refused() -> None:
+    with pytest.raises(TypeError, match=r"stage '1' is the class ReLU, not a module; pass an instance"):
+        ParallelSequential(nn.Linear(2, 2), nn.ReLU)
+    with pytest.raises(TypeError, match=r"stage '0' is a ModuleList, which holds modules but cannot be called"):
+        ParallelSequential(nn.ModuleList([nn.ReLU()]))
+
+
+def test_settings_cannot_be_deleted_and_compile_is_fixed() -> None:
+    model = ParallelSequential(nn.Linear(2, 2), chunks=2)
+    with pytest.raises(AttributeError, match="ParallelSequential: cannot delete the setting 'chunks'"):
+        del model.chunks
+    with pytest.raises(AttributeError, match="compile= is fixed when the block is built"):
+        model.compile = "inductor"
+    x = torch.randn(4, 2)
+    assert torch.equal(model(x), model[0](x)) and callable(model.compile)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())

@@ -1,0 +1,89 @@
+r"""What may be a child of ``Parallel`` (a branch) or ``ParallelSequential`` (a stage), and under which name.
+
+Both register their children with ``add_module``, as ``nn.Sequential`` does, so a
+child's name is an attribute name of the container too: it may not be one the
+container already has (a setting such as ``join`` or ``chunks``, a method), and
+torch's own rules apply (a non-empty string without ``"."``). Checked before
+anything is registered, so that a bad name fails with the container and the
+child named, and leaves the container as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+__all__: list[str] = []
+
+
+class _Function(nn.Module):
+    r"""Holds a plain callable branch (``torch.relu``, a lambda) as a module."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return getattr(self.fn, "__qualname__", None) or repr(self.fn)
+
+
+def _unfit(owner: str, kind: str, name: str, child: Any) -> str | None:
+    r"""Why ``child`` cannot be a ``kind`` of ``owner`` whatever it is called, or ``None``."""
+    if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+        plural = "branches" if kind == "branch" else "stages"
+        return (f"{owner}: {kind} {name!r} is a {type(child).__name__}, which holds modules but cannot be called. "
+                f"Pass its modules as the {plural} ({owner}(*modules), or {owner}(OrderedDict(module_dict))), "
+                f"or wrap them in an nn.Sequential to run them one after another as one {kind}.")
+    if isinstance(child, type) and issubclass(child, nn.Module):
+        return (f"{owner}: {kind} {name!r} is the class {child.__name__}, not a module; pass an instance, "
+                f"e.g. {child.__name__}(...).")
+    return None
+
+
+def _as_branch(owner: str, name: str, branch: Any) -> nn.Module:
+    r"""``branch`` as a module: itself, or a plain callable held by :class:`_Function`."""
+    why = _unfit(owner, "branch", name, branch)
+    if why:
+        raise TypeError(why)
+    if isinstance(branch, nn.Module):
+        return branch
+    if callable(branch):
+        return _Function(branch)
+    raise TypeError(
+        f"{owner}: branch {name!r} must be an nn.Module or a callable, got "
+        f"{type(branch).__name__} ({branch!r}). Wrap it in a module or pass a function."
+    )
+
+
+def _check_stage(owner: str, name: str, stage: Any) -> None:
+    why = _unfit(owner, "stage", name, stage)
+    if why:
+        raise TypeError(why)
+    if not isinstance(stage, nn.Module):
+        raise TypeError(
+            f"{owner}: stage {name!r} must be an nn.Module, got {type(stage).__name__} "
+            f"({stage!r}). Wrap functions in a module."
+        )
+
+
+# What every module instance holds (``training``, ``_parameters``, the hook dicts).
+_MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
+
+
+def _check_name(cls: type, kind: str, name: Any, taken: frozenset[str] = frozenset()) -> None:
+    r"""Refuse ``name`` for a child of a ``cls`` being built: torch's rules for module names, and no
+    attribute the class has (a method, ``chunks``) or its instances get (``taken``: the settings)."""
+    owner = cls.__name__
+    if not isinstance(name, str):
+        raise TypeError(f"{owner}: {kind} names must be strings, got {type(name).__name__} ({name!r}).")
+    problem = ("it is empty" if not name else "it contains '.'" if "." in name
+               else f"it is {owner}'s setting {name!r}" if name in taken
+               else f"{owner} has an attribute {name!r}" if hasattr(cls, name) or name in _MODULE_ATTRIBUTES
+               else None)
+    if problem:
+        raise ValueError(f"{owner}: cannot name a {kind} {name!r}: {problem} (a {kind}'s name becomes an "
+                         f"attribute of the {owner}). Choose another name.")
