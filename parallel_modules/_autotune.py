@@ -30,6 +30,7 @@ CPU is kept only when it saves clearly more than it spends.
 from __future__ import annotations
 
 import statistics
+from collections import OrderedDict
 import threading
 import time
 import weakref
@@ -119,7 +120,8 @@ class _ScheduleTuner:
     r"""Per-signature trials of candidate schedules; the caller keeps the decisions."""
 
     def __init__(self) -> None:
-        self.trials: dict[Hashable, _Trial] = {}
+        # In the order of their latest calls, the idlest first (see _room).
+        self.trials: OrderedDict[Hashable, _Trial] = OrderedDict()
         # The median cost measured for each candidate, per decided signature:
         # ``explain()`` shows it, so a user can see why a schedule was kept.
         self.costs: dict[Hashable, dict[Hashable, _Timing]] = {}
@@ -131,11 +133,16 @@ class _ScheduleTuner:
         self.trials.clear()
         self.costs.clear()
 
+    def forget(self, key: Hashable) -> None:
+        r"""Drop the trial of ``key``, if any (another thread's call may be timing it)."""
+        with self._lock:
+            self.trials.pop(key, None)
+
     def _room(self) -> bool:
         r"""Whether a new trial may start, dropping an idle one if the table is full (lock held)."""
         if len(self.trials) < _MAX_TRIALS:
             return True
-        idle = min(self.trials, key=lambda k: self.trials[k].last)
+        idle = next(iter(self.trials))
         if self.calls - self.trials[idle].last <= _IDLE_CALLS:
             return False
         del self.trials[idle]
@@ -155,6 +162,7 @@ class _ScheduleTuner:
             if not full:
                 if trial is None or trial.candidates != tuple(candidates):
                     trial = self.trials[key] = _Trial(candidates)
+                self.trials.move_to_end(key)
                 trial.last = self.calls
                 k = len(trial.candidates)
                 schedule = trial.candidates[trial.count % k]

@@ -62,7 +62,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
 
 from . import _watch
-from ._streams import _capture_underway, _current_stream, _is_tracing, _pool
+from ._streams import _capture_underway, _current_stream, _functorch_active, _is_tracing, _pool
 
 __all__: list[str] = []
 
@@ -89,7 +89,6 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 # these dicts in place, so holding them is enough to see one registered later.
 _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, "_global" + h) for h in _HOOKS
                       if hasattr(nn.modules.module, "_global" + h))
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 # Every hook handle torch makes (module hooks, global ones, tensor hooks) takes the next
 # id of this class: while it has not moved, no hook was registered anywhere.
 _Handle = torch.utils.hooks.RemovableHandle

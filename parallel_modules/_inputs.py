@@ -43,7 +43,7 @@ def _input_device(args: tuple, kwargs: dict) -> torch.device | None:
     return first
 
 
-def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
+def _signature(args: tuple, kwargs: dict, training: bool, floats: bool = True) -> Hashable:
     r"""A hashable key for everything about a call that may change how it runs.
 
     Shapes, dtypes, devices, strides (contiguity decides kernels),
@@ -51,6 +51,10 @@ def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
     values of numbers, strings, dtypes and devices among them (a compiled
     engine bakes them in) and the types of other non-tensor inputs, the
     module's train/eval mode and whether autograd is recording.
+    ``floats=False``: floats by type only, for a key of what schedules a call
+    (a scale or a diffusion timestep changing at every call would otherwise
+    make every call a new signature, never scheduled, and its trials fill the
+    tuner's table).
     """
     grad = torch.is_grad_enabled()
     if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and not args[0].is_nested:
@@ -72,7 +76,7 @@ def _signature(args: tuple, kwargs: dict, training: bool) -> Hashable:
             # A subclass (a parameter, a __torch_function__ wrapper) may run other code
             # and return its own type: a graph captured for plain tensors must not replay for it.
             parts.append(key if type(leaf) is torch.Tensor else (*key, type(leaf)))
-        elif isinstance(leaf, _BY_VALUE):
+        elif isinstance(leaf, _BY_VALUE) and (floats or not isinstance(leaf, float)):
             parts.append(_value_key(leaf))
         else:
             parts.append(type(leaf))

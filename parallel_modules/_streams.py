@@ -55,7 +55,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.fx import _symbolic_trace
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__: list[str] = []
 
@@ -127,6 +129,7 @@ def _is_tracing() -> bool:
 # Where autograd needs a call's items on the caller's stream (see _autograd_in_line).
 _saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _saved_hooks_recording() -> bool:
@@ -150,9 +153,11 @@ def _autograd_in_line() -> bool:
     operations run on (those of the first forward), which read them without
     waiting. Run in line under saved-tensor hooks, and in a backward pass,
     the forward and its recomputation put every operation on the caller's
-    stream, and the engine orders the rest.
+    stream, and the engine orders the rest. Under ``torch.func`` transforms
+    (``vmap``, ``grad``), whose wrapped tensors have no storage for the
+    allocator to be told about, the items run in turn as they do eagerly.
     """
-    return _saved_hooks_recording() or _in_backward()
+    return _saved_hooks_recording() or _in_backward() or _functorch_active()
 
 
 def _in_line(calls: list[Any], run: Any, join: Callable[[list[Any]], Any] | None, args: tuple, kwargs: dict,
@@ -491,7 +496,9 @@ class _BackwardJoin:
                 current.wait_stream(stream)
 
 
-_JOIN_ATTR = "_parallel_modules_backward_join"
+# Each input's hook, while the input lives: kept beside the tensor rather than on it, where
+# ``torch.save`` of the tensor would try to pickle the hook's streams.
+_joins_of: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
 def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> None:
@@ -517,22 +524,69 @@ def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> No
             for stream in streams:
                 _record_tensor(leaf, stream)
             if leaf.grad_fn is not None:
-                hook = getattr(leaf, _JOIN_ATTR, None)
+                hook = _joins_of.get(leaf)
                 if hook is None:
-                    hook = _BackwardJoin(leaf.device)
+                    hook = _joins_of[leaf] = _BackwardJoin(leaf.device)
                     leaf.register_hook(hook)
-                    try:
-                        setattr(leaf, _JOIN_ATTR, hook)
-                    except AttributeError:  # a tensor subclass with __slots__: one hook per call then
-                        pass
                 for stream in streams:
                     hook.streams[stream] = None
 
 
 def _watched(args: Sequence[Any], kwargs: dict) -> list[torch.Tensor]:
     r"""The tensor inputs whose in-place changes can be seen by their versions, which every
-    in-place operation advances (inference tensors keep none)."""
-    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
+    in-place operation advances: arguments, and tensors inside tuples, lists and dicts of them
+    (``block([x])``). Inference tensors keep no version: see :func:`_unversioned`."""
+    watched = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            if not value.is_inference():
+                watched.append(value)
+        elif isinstance(value, (tuple, list, dict)):
+            watched.extend(t for t in _tensor_leaves(value) if not t.is_inference())
+    return watched
+
+
+def _unversioned(args: Sequence[Any], kwargs: dict) -> list[torch.Tensor]:
+    r"""The inference tensors among the inputs (as :func:`_watched` finds them), whose in-place
+    changes no version shows: :class:`_Writes` sees them once per input signature instead."""
+    return [t for t in _tensor_leaves((args, kwargs)) if t.is_inference()]
+
+
+class _Writes(TorchDispatchMode):
+    r"""Sees whether any operation run under it writes to the memory of ``tensors``.
+
+    An operation writes where its schema says so (``relu_``'s self, an
+    ``out=`` argument), through any view of the memory: the check compares
+    storages. Used on a call's first run of a signature whose inputs are
+    inference tensors, run one branch after another, to decide whether its
+    branches may be forked (see ``Parallel._first_unversioned``): every
+    operation then passes through Python, once.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {p for p in map(_storage_address, tensors) if p}
+        self.wrote = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if not self.wrote:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = kwargs.get(arg.name) if arg.kwarg_only else args[i] if i < len(args) else None
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, torch.Tensor) and _storage_address(t) in self.storages:
+                        self.wrote = True
+        return func(*args, **kwargs)
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    r"""Where ``t``'s memory starts (0: none, or no storage to speak of: sparse, nested)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _changed(inputs: list[torch.Tensor], versions: list[int]) -> bool:
@@ -617,8 +671,7 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
     local = pool._local
     base = local.offset
     # In-place changes of an input by an item: see _run_forked.
-    watched = [a for a in (args if not kwargs else (*args, *kwargs.values()))
-               if isinstance(a, torch.Tensor) and not a.is_inference()]
+    watched = _watched(args, kwargs)
     first = watched[0] if len(watched) == 1 else None
     version = first._version if first is not None else 0
     versions = [a._version for a in watched] if len(watched) > 1 else None
@@ -700,9 +753,8 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
         kwargs = {}
     # The items read the inputs at the same time on their streams: one that changes an
     # input in place (``nn.ReLU(inplace=True)`` first) races with the others. Seen by
-    # the inputs' versions after each item. (``_watched``, written out: a frame less on
-    # every fork, whose cost on tiny branches is its Python.)
-    watched = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_inference()]
+    # the inputs' versions after each item.
+    watched = _watched(args, kwargs)
     first = watched[0] if len(watched) == 1 else None  # the common case: one int compared per item
     version = first._version if first is not None else 0
     versions = [a._version for a in watched] if len(watched) > 1 else None

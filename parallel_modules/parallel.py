@@ -20,8 +20,8 @@ from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
 from ._placement import _UNPLACED, _moved, _place
-from ._streams import (_capture_underway, _changed, _current_device, _current_stream, _fork_join, _is_tracing,
-                       _run_forked, _watched)
+from ._streams import (_capture_underway, _changed, _changed_in_place, _current_device, _current_stream,
+                       _fork_join, _is_tracing, _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
 from . import _watch
 
 __all__ = ["Parallel"]
@@ -50,6 +50,8 @@ _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 
 # Joins that read the outputs and return new tensors: a fork may run them itself.
 _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
+# Schedules kept per block (one per input signature), and signatures seen unwritten.
+_MAX_PLANS = 1024
 # Beyond any tensor's number of dimensions (torch allows 64 at most in places, fewer in
 # others); a ``dim`` outside it would reach torch as an index it cannot convert.
 _MAX_DIM = 1 << 16
@@ -360,6 +362,8 @@ class Parallel(nn.Module):
         graphs captured anew."""
         self._tuner = _ScheduleTuner()
         self._plans: dict[Hashable, _Schedule] = {}
+        # Signatures with inference-tensor inputs whose first call saw no branch write to them.
+        self._unwritten: dict[Hashable, None] = {}
         self._fusion: _Fusion | None = None
         self._placement: Any = _UNPLACED  # which device each branch runs on: _placement.py
         graphs = self.__dict__.get("_graphs")
@@ -891,11 +895,13 @@ class Parallel(nn.Module):
             # measurable part of the call, which must stay within a few percent
             # of calling the branches by hand. (``_run``'s sequential loop and
             # ``_combine``'s cat are its twins.)
-            key = _signature(args, kwargs, self.training)
+            key = _signature(args, kwargs, self.training, floats=False)
             plan = self._plans.get(key)
             if plan is not None and self._compiler is None and not (plan.cuda and _capture_underway()):
-                if plan.forked and self.streams == "auto" and self._trains_since(key, plan):
-                    return self._joined(self._outputs(args, kwargs, (key, None)))
+                if plan.forked and self.streams == "auto" and torch.is_grad_enabled() or plan.fused and (
+                        self._auto_unfused()):
+                    # (``_outputs`` sees whether the plan still holds.)
+                    return self._joined(self._outputs(args, kwargs, (key, plan)))
                 fusion = self._fusion
                 if not plan.fused and fusion is not None and not fusion.groups and self._regrouped():
                     return self._joined(self._outputs(args, kwargs, (key, None)))
@@ -967,19 +973,33 @@ class Parallel(nn.Module):
                 return self._run(args, kwargs, None, self._traced_fusion(args, kwargs))
             # One dict lookup per call decides everything: the schedule chosen for
             # this signature, or none yet (tuning).
-            key = _signature(args, kwargs, self.training)
+            key = _signature(args, kwargs, self.training, floats=False)
             plan = self._plans.get(key)
         else:
             key, plan = looked_up
-        if plan is not None and (plan.forked and self._trains_since(key, plan)
-                                 or not plan.fused and self._regrouped()):
+        if plan is not None and (not plan.fused and self._regrouped() or plan.fused and self._auto_unfused()):
+            # (Deterministic algorithms asked for since "auto" fused: see _auto_unfused.)
+            self._plans.pop(key, None)
             plan = None
         if plan is not None and not (plan.cuda and _capture_underway()):
             # A decided schedule (those that do not fork usually run inline in ``forward``).
-            return self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
-                             self._fusion_for(args, kwargs) if plan.fused else None, False)
+            outputs = self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
+                                self._fusion_for(args, kwargs) if plan.fused else None, False)
+            if plan.forked and self.streams == "auto" and torch.is_grad_enabled() and _records(outputs):
+                # "auto" forked this signature with nothing to train, and a parameter has been
+                # unfrozen since (``requires_grad_()`` registers nothing; inputs' requires_grad
+                # is in the signature): chosen again at the next call, which does not fork in
+                # training (see _candidates). Seen on the outputs: walking the parameters on
+                # every call cost 98 us of a call with 804 of them on the H100 machine.
+                self._plans.pop(key, None)
+            return outputs
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
         if plan is None:
+            if self.streams is not False and key not in self._unwritten and self._compiler is None:
+                unversioned = _unversioned(args, kwargs)
+                device = _input_device(args, kwargs) if unversioned else None
+                if device is not None and device.type == "cuda" and not _capture_underway():
+                    return self._first_unversioned(key, args, kwargs, fusion, unversioned)
             plan = self._plan(key, args, kwargs, fusion)
         if plan is not None and not plan.cuda:
             return self._run(args, kwargs, None, fusion if plan.fused else None)
@@ -994,7 +1014,7 @@ class Parallel(nn.Module):
             return self._run(args, kwargs, device if self.streams is not False else None, fusion, True)
         if plan is not None:
             return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None, False)
-        tuner, candidates = self._tuner, self._candidates(fusion)
+        tuner, candidates = self._tuner, self._candidates(fusion, args, kwargs)
         watched = _watched(args, kwargs)
         versions = [a._version for a in watched]
         # Each schedule is timed with its join: the user pays for it, and it is not
@@ -1012,22 +1032,55 @@ class Parallel(nn.Module):
             # with it (a fork refuses it, so "auto" would fail every other call
             # while tuning); one after another it is well defined.
             decided = next((c for c in candidates if not c.forked), decided)
-            tuner.trials.pop(key, None)
+            tuner.forget(key)
         if decided is not None and self._tuner is tuner:  # (not if a setting changed meanwhile: reset)
             self._remember(key, decided)
         return out
 
-    def _candidates(self, fusion: _Fusion | None) -> list[_Schedule]:
+    def _first_unversioned(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None,
+                           tensors: list[torch.Tensor]) -> Any:
+        r"""The first call of a signature whose inputs include inference tensors: the branches run one
+        after another, watched for writes to those tensors.
+
+        Inference tensors (made under ``torch.inference_mode()``) keep no
+        version, by which a fork sees a branch change its input in place
+        (``nn.ReLU(inplace=True)`` first) while the others read it on their
+        streams. A branch that writes to them here keeps the signature
+        sequential (``"auto"``) or is refused (``streams=True``), as such a
+        branch is where versions show it; otherwise the signature's calls
+        are scheduled as any other's. (Once per signature: a branch that
+        writes to its input on some calls only is not seen.)
+        """
+        fused = fusion if self.fuse is True else None
+        watch = _Writes(tensors)
+        with watch:
+            outputs = self._run(args, kwargs, None, fused, False)
+        if not watch.wrote:
+            if len(self._unwritten) >= _MAX_PLANS:
+                self._unwritten.pop(next(iter(self._unwritten)))
+            self._unwritten[key] = None
+        elif self.streams is True:
+            raise _with_context(_changed_in_place(), f"(seen by {type(self).__name__} on its first call with "
+                                                     f"this input signature, whose inference tensors keep no "
+                                                     f"version to check on each call)")
+        else:
+            self._remember(key, _Schedule(fused is not None, False, True))
+        return outputs
+
+    def _candidates(self, fusion: _Fusion | None, args: tuple, kwargs: dict) -> list[_Schedule]:
         r"""The schedules worth trying for a CUDA call; the plain sequential one first."""
         fuses = [False, True] if self.fuse == "auto" and fusion is not None else [self.fuse is True and fusion is not None]
         if len(fuses) == 2 and self._auto_unfused():
             fuses = [False]
         forks = [False, True] if self.streams == "auto" else [bool(self.streams)]
-        if len(forks) == 2 and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
-            # Training: the backward of forked branches runs on their streams too,
-            # and the tuner times only the forward, so it cannot see what forking
-            # costs there (under DDP on 2 H200s it chose to fork: 0.85x the plain
-            # step). Fork in training only when told to, with streams=True.
+        if len(forks) == 2 and torch.is_grad_enabled() and (
+                any(p.requires_grad for p in self.parameters())
+                or any(t.requires_grad for t in _tensor_leaves((args, kwargs)))):
+            # Training (this block's parameters, or what came before it): the backward of
+            # forked branches runs on their streams too, and the tuner times only the
+            # forward, so it cannot see what forking costs there (under DDP on 2 H200s it
+            # chose to fork: 0.85x the plain step). Fork in training only when told to,
+            # with streams=True.
             forks = [False]
         units = len(fusion.units) if fusion is not None else len(self._modules)
         candidates = []
@@ -1039,23 +1092,9 @@ class Parallel(nn.Module):
                     candidates.append(s)
         return candidates
 
-    def _trains_since(self, key: Hashable, plan: _Schedule) -> bool:
-        r"""Whether ``streams="auto"`` chose to fork ``plan`` while no parameter was
-        trained, and one is now: the plan is dropped, to be chosen again.
-
-        ``requires_grad_()`` registers nothing and the signature holds no
-        parameter, so a fork chosen for a frozen backbone would outlive the
-        unfreezing; and "auto" does not fork in training (see ``_candidates``).
-        """
-        if self.streams != "auto" or not torch.is_grad_enabled() or not any(
-                p.requires_grad for p in self._tree.parameters):
-            return False
-        self._plans.pop(key, None)
-        return True
-
     def _remember(self, key: Hashable, plan: _Schedule) -> None:
-        if len(self._plans) >= 1024:  # dynamic shapes: keep the cache bounded
-            self._plans.clear()
+        if len(self._plans) >= _MAX_PLANS:  # dynamic shapes: bounded, the oldest decision goes
+            self._plans.pop(next(iter(self._plans), None), None)
         self._plans[key] = plan
 
     def _plan(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None) -> _Schedule | None:
@@ -1067,11 +1106,22 @@ class Parallel(nn.Module):
             # No streams on the CPU; fusion ("auto" too) always pays there: fewer, larger operations.
             plan: _Schedule | None = _CPU_FUSED if fusion is not None and not self._auto_unfused() else _CPU
         else:
-            candidates = self._candidates(fusion)
+            candidates = self._candidates(fusion, args, kwargs)
             plan = candidates[0] if len(candidates) == 1 else None
         if plan is not None:
             self._remember(key, plan)
         return plan
+
+
+def _records(outputs: Any) -> bool:
+    r"""Whether autograd records on any tensor of a call's ``outputs``, as ``_run`` returns them."""
+    if type(outputs) is _Reduced:
+        outputs = outputs.value
+    elif isinstance(outputs, _Joined):
+        outputs = getattr(outputs.value, "t", outputs.value)
+    if isinstance(outputs, list):
+        outputs = list(outputs)  # (``_Unfused``, a list pytree does not flatten)
+    return any(t.requires_grad for t in _tensor_leaves(outputs))
 
 
 def _all_identical(branches: list[nn.Module]) -> bool:

@@ -128,9 +128,10 @@ def forks(monkeypatch, host_events):
 
     def run_forked(calls, device, run, capturing, inputs, join, high, order, args, kwargs, error):
         seen.append(1)
-        versions = [a._version for a in args if isinstance(a, torch.Tensor)]
+        watched = [a for a in args if isinstance(a, torch.Tensor) and not a.is_inference()]
+        versions = [a._version for a in watched]
         outs = [run(i, c) if run is not None else c(*args, **kwargs) for i, c in enumerate(calls)]
-        if versions != [a._version for a in args if isinstance(a, torch.Tensor)]:
+        if versions != [a._version for a in watched]:
             raise RuntimeError("a branch changed its input in place")
         return outs if join is None else join(outs)
 
@@ -240,8 +241,13 @@ def test_a_fork_chosen_while_frozen_is_dropped_when_training_starts(forks):
     assert any(plan.forked for plan in p._plans.values())
     p.requires_grad_(True)  # same signature; "auto" does not fork in training
     forks.clear()
+    # Seen on the first call's outputs (which require grad now): that call still forks
+    # (correct, as streams=True is), and the plan is dropped; the next calls do not fork.
     p(x).sum().backward()
-    assert not forks
+    assert len(forks) == 1 and not any(plan.forked for plan in p._plans.values())
+    for _ in range(_TRIAL):
+        p(x).sum().backward()
+    assert len(forks) == 1 and p._plans and not any(plan.forked for plan in p._plans.values())
     assert p[0].weight.grad is not None
 
 
@@ -279,10 +285,10 @@ def test_a_decision_made_across_a_setting_change_is_dropped(forks):
 def test_fuse_auto_does_not_tune_fusion_under_deterministic_algorithms(forks):
     p = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), fuse="auto", streams=False)
     fusion = p._fusion_for((torch.randn(2, 4),), {})
-    assert [c.fused for c in p._candidates(fusion)] == [False, True]
+    assert [c.fused for c in p._candidates(fusion, (), {})] == [False, True]
     torch.use_deterministic_algorithms(True)
     try:
-        assert [c.fused for c in p._candidates(fusion)] == [False]
+        assert [c.fused for c in p._candidates(fusion, (), {})] == [False]
         assert p._graph_variants((torch.randn(2, 4),), {}) == [("unfused",)]
     finally:
         torch.use_deterministic_algorithms(False)
@@ -344,3 +350,85 @@ def test_decides_only_once_the_gpu_ran_the_timed_calls(monkeypatch):
     state["done"] = True
     assert tuner.run("k", None, ["seq", "fork"], lambda s: s)[1] in ("seq", "fork")
     assert "k" not in tuner.trials
+
+
+# ------------------------------------------- found by a review of the schedule decisions
+class _FirstInPlace(nn.Module):
+    r"""Changes the first tensor of its input in place, then reads it."""
+
+    def forward(self, x):
+        t = x[0] if isinstance(x, list) else x
+        t.mul_(2)
+        return t + 1
+
+
+def test_auto_keeps_sequential_a_branch_changing_a_nested_input_in_place(forks):
+    # Before: only top-level tensor arguments were watched; block([x]) forked.
+    p = Parallel(_FirstInPlace(), lambda xs: xs[0] * 3, streams="auto")
+    with torch.no_grad():
+        for _ in range(_TRIAL + 4):
+            x = torch.randn(2, 4)
+            expected = torch.cat([x * 2 + 1, x * 2 * 3], 1)  # sequential: the second sees the change
+            torch.testing.assert_close(p([x]), expected, rtol=0, atol=0)
+    assert not forks and p._plans and not any(plan.forked for plan in p._plans.values())
+
+
+@pytest.mark.parametrize("streams", ["auto", True])
+def test_a_branch_writing_to_an_inference_input_is_not_forked(forks, streams):
+    # Inference tensors keep no version: before, nothing saw the write, and the fork raced.
+    p = Parallel(_FirstInPlace(), lambda x: x * 3, streams=streams)
+    with torch.inference_mode():
+        x = torch.randn(2, 4)
+        expected = torch.cat([x * 2 + 1, x * 2 * 3], 1)
+        if streams is True:  # refused, as where versions show it
+            with pytest.raises(RuntimeError, match=r"(?s)changed its input in place.*inference tensors"):
+                p(x.clone())
+            return
+        for _ in range(_TRIAL + 4):
+            torch.testing.assert_close(p(x.clone()), expected, rtol=0, atol=0)
+    assert not forks and not any(plan.forked for plan in p._plans.values())
+
+
+def test_inference_inputs_that_no_branch_writes_to_are_forked(forks):
+    p = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), streams=True)
+    with torch.inference_mode():
+        x = torch.randn(2, 4)
+        for _ in range(3):
+            torch.testing.assert_close(p(x), torch.cat([p[0](x), p[1](x)], 1), rtol=0, atol=0)
+    assert len(forks) == 2 and p._unwritten  # the first call ran watched, in turn
+
+
+def test_writes_sees_in_place_and_out_writes_through_views():
+    from parallel_modules._streams import _Writes
+
+    x, other = torch.randn(4, 4), torch.randn(4, 4)
+    for write, wrote in ((lambda: other.relu_(), False), (lambda: x[1:].relu_(), True),
+                         (lambda: torch.add(other, 1, out=x[:, 0]), True), (lambda: x + 1, False)):
+        watch = _Writes([x])
+        with watch:
+            write()
+        assert watch.wrote is wrote
+
+
+def test_a_fused_plan_is_dropped_when_deterministic_algorithms_are_asked_for():
+    # Before: "auto" fused at the first call, and kept fusing after the switch.
+    branches = [nn.Linear(257, 3) for _ in range(3)]
+    p = Parallel(*branches, fuse="auto")
+    x = torch.randn(3, 257)
+    p(x)
+    assert any(plan.fused for plan in p._plans.values())
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.equal(p(x), torch.cat([b(x) for b in branches], 1))
+        assert not any(plan.fused for plan in p._plans.values())
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_the_tuner_drops_the_idlest_trial_when_full(host_events, monkeypatch):
+    monkeypatch.setattr(_autotune, "_MAX_TRIALS", 3)
+    monkeypatch.setattr(_autotune, "_IDLE_CALLS", 1)
+    tuner = _ScheduleTuner()
+    for key in ("a", "b", "c", "a", "d"):  # "b" is the idlest when "d" comes
+        tuner.run(key, None, ["seq", "fork"], lambda s: s)
+    assert list(tuner.trials) == ["c", "a", "d"]

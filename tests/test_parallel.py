@@ -531,13 +531,21 @@ def test_auto_streams_never_fork_while_training():
     # The tuner times forward calls only; the backward of forked branches runs on
     # their streams too, so "auto" must not fork while autograd records.
     p = Parallel(*three_branches(), streams="auto")
-    assert {c.forked for c in p._candidates(None)} == {False}
+    x = torch.randn(2, 4)
+    assert {c.forked for c in p._candidates(None, (x,), {})} == {False}
     with torch.no_grad():
-        assert {c.forked for c in p._candidates(None)} == {False, True}
+        assert {c.forked for c in p._candidates(None, (x,), {})} == {False, True}
     for q in p.parameters():
         q.requires_grad_(False)
-    assert {c.forked for c in p._candidates(None)} == {False, True}
-    assert {c.forked for c in Parallel(*three_branches(), streams=True)._candidates(None)} == {True}
+    assert {c.forked for c in p._candidates(None, (x,), {})} == {False, True}
+    # Frozen, inside a model that trains what comes before it: its input records, and
+    # the backward would run forked too (what the README promises: no fork while autograd records).
+    h = x.clone().requires_grad_()
+    assert {c.forked for c in p._candidates(None, (h,), {})} == {False}
+    assert {c.forked for c in p._candidates(None, ([h],), {"y": None})} == {False}
+    with torch.no_grad():
+        assert {c.forked for c in p._candidates(None, (h,), {})} == {False, True}
+    assert {c.forked for c in Parallel(*three_branches(), streams=True)._candidates(None, (h,), {})} == {True}
 
 
 # ------------------------------------------------------ settings changed after the first call
@@ -614,11 +622,14 @@ def test_explain_keeps_signatures_apart_that_differ_only_in_strides_grad_or_valu
         p(x)
     p(x, 2.0)
     p(x, 3.0)
+    p(x, 2)
     keys = list(p.explain()["schedules"])
+    # Floats by type (a value changing at every call would make every call a new schedule,
+    # never tuned); other numbers by value and type.
     assert len(keys) == len(p._plans) == 6, keys
     assert "Tensor(4, 4) float32 on cpu strides (1, 4), training" in keys
     assert any("requires_grad" in k for k in keys) and any(k.endswith("no grad") for k in keys)
-    assert any("2.0" in k for k in keys) and any("3.0" in k for k in keys)
+    assert "Tensor(4, 4) float32 on cpu, float, training" in keys and "Tensor(4, 4) float32 on cpu, 2, training" in keys
 
 
 class _Tagged(torch.Tensor):

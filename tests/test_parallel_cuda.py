@@ -865,3 +865,67 @@ def test_capture_streams_are_never_the_eager_streams():
     captured = {s.stream_id for s in capture.streams} | {_capture_stream(device.index or 0).stream_id}
     assert not captured & {s.stream_id for s in eager.streams}
     assert not captured & {torch.cuda.Stream().stream_id for _ in range(40)}
+
+
+# ------------------------------------ found by reviews of the eager fork and its tuning
+class _Scaled(nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+@pytest.mark.parametrize("streams", ["auto", True])
+def test_a_branch_writing_to_an_inference_input_never_races(streams):
+    # Inference tensors keep no version, so the fork's in-place check did not see the
+    # ReLU: forked, branch 1 read the input while branch 0 changed it (44 of 60 calls wrong).
+    block = Parallel(nn.Sequential(Sleepy(nn.Identity(), 300_000), nn.ReLU(inplace=True)),
+                     nn.Sequential(_Scaled(), Sleepy(nn.Identity(), 300_000)), streams=streams).to(DEV)
+    with torch.inference_mode():
+        for _ in range(40):
+            x = torch.randn(64, 256, device=DEV)
+            expected = torch.cat([x.relu(), x.relu() * 2.0], 1)
+            if streams is True:
+                with pytest.raises(RuntimeError, match="changed its input in place"):
+                    block(x)
+                continue
+            assert_same(block(x), expected)
+    assert not any(plan.forked for plan in block._plans.values())
+
+
+def test_a_branch_writing_to_a_nested_input_never_races():
+    # Only top-level tensor arguments were watched: block([x]) forked and raced.
+    first_in_place = lambda xs: torch.relu_(Sleepy(nn.Identity(), 300_000)(xs[0]))  # noqa: E731
+    block = Parallel(first_in_place, lambda xs: Sleepy(nn.Identity(), 300_000)(xs[0] * 2.0)).to(DEV)
+    with torch.no_grad():
+        for _ in range(40):
+            x = torch.randn(64, 256, device=DEV)
+            expected = torch.cat([x.relu(), x.relu() * 2.0], 1)
+            assert_same(block([x]), expected)
+    assert block._plans and not any(plan.forked for plan in block._plans.values())
+
+
+def test_torch_func_transforms_run_forked_blocks_in_turn():
+    # Before: NotImplementedError, "Cannot access storage of BatchedTensorImpl" (the
+    # release of side outputs, record_stream on wrapped tensors).
+    block = Parallel(nn.Linear(8, 8), nn.Linear(8, 8), join="sum", streams=True).to(DEV)
+    xs = torch.randn(3, 4, 8, device=DEV)
+    assert_same(torch.vmap(block)(xs), torch.stack([block[0](x) + block[1](x) for x in xs]))
+    x = torch.randn(4, 8, device=DEV)
+    grad = torch.func.grad(lambda t: block(t).sum())(x)
+    expected = torch.func.grad(lambda t: (block[0](t) + block[1](t)).sum())(x)
+    torch.testing.assert_close(grad, expected)
+
+
+def test_an_activation_fed_to_a_forked_block_can_be_saved():
+    # The backward join's hook was an attribute of the tensor, which torch.save pickles
+    # ("cannot pickle 'Stream' object").
+    import io
+
+    pre = nn.Linear(8, 8).to(DEV)
+    block = Parallel(nn.Linear(8, 8), nn.Linear(8, 8), join="sum", streams=True).to(DEV)
+    h = pre(torch.randn(4, 8, device=DEV))
+    block(h).sum().backward()
+    buffer = io.BytesIO()
+    torch.save(h.detach(), buffer)
+    torch.save(h, buffer)
+    assert not h.__dict__
+    assert pre.weight.grad is not None
