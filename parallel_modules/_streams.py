@@ -501,6 +501,16 @@ class _BackwardJoin:
 _joins_of: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
+def _recording(outputs: list[Any]) -> bool:
+    r"""Whether autograd recorded any of the items' ``outputs``: else no backward pass reads what
+    they saved, and :func:`_join_backward` has nothing to order (frozen branches called with grad
+    enabled would pay a ``record_stream`` per input and side stream for nothing)."""
+    for o in outputs:
+        if o is not None and (not isinstance(o, torch.Tensor) or o.requires_grad):
+            return True  # (structured or batched values: taken to record, as they may)
+    return False
+
+
 def _join_backward(inputs: tuple | list, streams: list[torch.cuda.Stream]) -> None:
     r"""Order the backward of ``inputs``' producers after all work on ``streams`` (see module docstring).
 
@@ -707,7 +717,7 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
         _set_current(*data)
         for i in range(launched):
             _wait(joins[i], caller)
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and _recording(outputs):
         _join_backward((*args, *kwargs.values()), streams)
     return _join_and_release(outputs, join, caller, fork, streams)
 
@@ -807,7 +817,7 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
         # Join: every launched side stream, whatever happened.
         for slot in range(launched):
             _wait(joins[slot], caller)
-    if inputs and not capturing and torch.is_grad_enabled():
+    if inputs and not capturing and torch.is_grad_enabled() and _recording(outputs):
         _join_backward(inputs, streams)
     if join is None or capturing or _use_count is None or order is not None:
         # (Under capture the side streams must end joined into the caller's:

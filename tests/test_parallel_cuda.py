@@ -929,3 +929,18 @@ def test_an_activation_fed_to_a_forked_block_can_be_saved():
     torch.save(h, buffer)
     assert not h.__dict__
     assert pre.weight.grad is not None
+
+
+def test_frozen_branches_called_with_grad_enabled_hold_no_input_for_backward(monkeypatch):
+    # Nothing recorded, nothing for a backward pass to order: before, every call
+    # record_stream'ed each input on each side stream (and hooked it).
+    joined = []
+    monkeypatch.setattr(_streams, "_join_backward", lambda inputs, streams: joined.append(1))
+    block = Parallel(nn.Linear(8, 8), nn.Linear(8, 8), join="sum", streams=True).to(DEV).requires_grad_(False)
+    x = torch.randn(4, 8, device=DEV)
+    for _ in range(3):
+        assert_same(block(x), block[0](x) + block[1](x))
+    assert not joined
+    block.requires_grad_(True)
+    block(x).sum().backward()
+    assert joined and block[0].weight.grad is not None
