@@ -58,6 +58,20 @@ _MARGIN = 0.97
 # signatures than this would never end a trial, every call paying for tuning.)
 _MAX_TRIALS = 256
 _IDLE_CALLS = 16 * _MAX_TRIALS
+# A timed call inside which another tuner tried a schedule (a block nested in a
+# branch, called once per call of this one, trying its own schedules at the same
+# calls) is not a sample: the inner block's schedule would follow this one's turn
+# by turn, so that only two of the four combinations were ever timed. Such calls
+# are sampled anyway once this many rounds of samples were dropped (an inner block
+# that never decides); each dropped call makes the trial one call longer.
+_NESTED_ROUNDS = 2
+
+
+class _Trying(threading.local):
+    calls = 0  # calls of any tuner on this thread that tried a schedule: see _NESTED_ROUNDS
+
+
+_trying = _Trying()
 # How much more a microsecond of the host's CPU counts than one of the GPU (see above).
 _CPU_WEIGHT = 1.2
 
@@ -71,10 +85,11 @@ class _Timing(NamedTuple):
 
 
 class _Trial:
-    __slots__ = ("count", "candidates", "samples", "last")
+    __slots__ = ("count", "candidates", "samples", "last", "dropped")
 
     def __init__(self, candidates: Sequence[Hashable]) -> None:
         self.count = 0
+        self.dropped = 0  # timed calls not sampled: see _NESTED_ROUNDS
         self.last = 0  # the tuner's call count at this trial's latest call
         self.candidates = tuple(candidates)
         # schedule -> list of (cpu seconds, start event, end event)
@@ -170,8 +185,11 @@ class _ScheduleTuner:
                 trial.count += 1
         if full:  # (every trial still in use: see _MAX_TRIALS)
             return run(candidates[0]), candidates[0]
+        trying = _trying
+        trying.calls += 1
         if not keep:
             return run(schedule), None
+        mark = trying.calls
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         t0 = time.perf_counter()
@@ -179,8 +197,11 @@ class _ScheduleTuner:
         cpu = time.perf_counter() - t0
         end.record(stream)
         with self._lock:
-            trial.samples[schedule].append((cpu, start, end))
-            if (trial.count < k * (_WARMUP + _SAMPLES) or self.trials.get(key) is not trial
+            if trying.calls == mark or trial.dropped >= k * _NESTED_ROUNDS * _SAMPLES:
+                trial.samples[schedule].append((cpu, start, end))
+            else:
+                trial.dropped += 1
+            if (trial.count < k * (_WARMUP + _SAMPLES) + trial.dropped or self.trials.get(key) is not trial
                     or not trial.ready()):
                 return out, None  # more to time, another thread's call decided, or the GPU is behind
             del self.trials[key]

@@ -432,3 +432,39 @@ def test_the_tuner_drops_the_idlest_trial_when_full(host_events, monkeypatch):
     for key in ("a", "b", "c", "a", "d"):  # "b" is the idlest when "d" comes
         tuner.run(key, None, ["seq", "fork"], lambda s: s)
     assert list(tuner.trials) == ["c", "a", "d"]
+
+
+def test_a_nested_tuner_trying_schedules_leaves_no_sample_in_the_outer_one(host_events):
+    # A block nested in a branch, called once per call, tried its schedules in step with
+    # the outer block's: the outer timed (seq, seq) against (fork, fork) only, never
+    # (fork, seq). Its samples are now taken once the inner block has decided.
+    outer, inner, state = _ScheduleTuner(), _ScheduleTuner(), {"calls": 0, "inner decided at": None}
+
+    def outer_call(schedule: str) -> str:
+        out, decided = inner.run("inner", None, ["seq", "fork"], lambda s: s)
+        if decided is not None and state["inner decided at"] is None:
+            state["inner decided at"] = state["calls"]
+        return out
+
+    decided = None
+    while decided is None and state["calls"] < 500:
+        state["calls"] += 1
+        _, decided = outer.run("outer", None, ["seq", "fork"], outer_call)
+    assert decided is not None and state["inner decided at"] is not None
+    # Every sample of the outer trial came after the inner decision: a round per schedule.
+    assert state["calls"] - state["inner decided at"] >= 2 * _autotune._SAMPLES
+
+
+def test_a_nested_tuner_that_never_decides_does_not_hold_the_outer_one_forever(host_events):
+    outer, inner, calls = _ScheduleTuner(), _ScheduleTuner(), [0]
+
+    def outer_call(schedule: str) -> str:
+        calls[0] += 1
+        return inner.run(("inner", calls[0]), None, ["seq", "fork"], lambda s: s)[0]  # a new signature each call
+
+    decided = None
+    for _ in range(500):
+        _, decided = outer.run("outer", None, ["seq", "fork"], outer_call)
+        if decided is not None:
+            break
+    assert decided is not None and calls[0] <= 2 * (_autotune._WARMUP + (1 + _autotune._NESTED_ROUNDS) * _autotune._SAMPLES)
