@@ -99,6 +99,7 @@ and CUDA graphs play no part in that program.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 import threading
@@ -110,6 +111,7 @@ from typing import Any, Callable, Hashable, Mapping, Union
 import torch
 from torch import nn
 
+from ._fusion import _GLOBAL_HOOKS, _Handle, _hook_dicts
 from ._inputs import _input_device, _signature
 from ._streams import _is_tracing, _record_on
 from . import _watch
@@ -168,7 +170,11 @@ def _compiler(owner: str, kind: str, backend: Backend | None, options: Mapping[s
 
 
 def _backend_name(backend: Backend) -> str:
-    return backend if isinstance(backend, str) else getattr(backend, "__qualname__", None) or repr(backend)
+    r"""A backend's name for messages and ``repr``: a callable instance by its class (its ``repr``
+    would hold its address, different in every run)."""
+    if isinstance(backend, str):
+        return backend
+    return getattr(backend, "__qualname__", None) or type(backend).__qualname__
 
 
 def _torch_compile_kwargs(owner: str, backend: Backend, options: dict[str, Any]) -> dict[str, Any]:
@@ -193,7 +199,18 @@ def _torch_compile_kwargs(owner: str, backend: Backend, options: dict[str, Any])
             settings = dict(list_mode_options(mode or "default"))
         except RuntimeError as e:
             raise ValueError(f"{owner}: compile_options mode={mode!r}: {e}") from None
-        settings.update(kwargs.pop("options", None) or {})
+        given = kwargs.pop("options", None) or {}
+        try:
+            from torch._inductor import list_options
+        except ImportError:  # (another torch: inductor checks them at the first call)
+            known = set(given)
+        else:
+            known = set(list_options())
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"{owner}: compile_options options={unknown} are not inductor options "
+                             f"(torch._inductor.list_options() has them all).")
+        settings.update(given)
         if settings.get("triton.cudagraphs"):
             raise ValueError(
                 f"{owner}: compile='inductor' with {'mode=' + repr(mode) if mode else 'triton.cudagraphs=True'} "
@@ -274,7 +291,7 @@ class _TensorRT:
         self.lock = threading.Lock()
         # The parameters and buffers the engines were built with, and their versions.
         self.tensors: list[torch.Tensor] = []
-        self.versions: list[int] = []
+        self.versions: list[tuple[int, int]] = []
         self.seen = -1
 
     def _drop_stale(self) -> None:
@@ -286,7 +303,8 @@ class _TensorRT:
             if len(tensors) != len(self.tensors) or any(a is not b for a, b in zip(tensors, self.tensors)):
                 self.engines.clear()
             self.tensors, self.seen = tensors, _watch._changes
-        versions = [t._version for t in self.tensors]
+        # (Each tensor's address too: ``p.data = new`` keeps the parameter and its version.)
+        versions = [(t._version, t.data_ptr()) for t in self.tensors]
         if versions != self.versions:
             self.engines.clear()
             self.versions = versions
@@ -346,7 +364,7 @@ class _TensorRT:
 class _Child:
     r"""The callable run for one child: its compiled form, built at the first call."""
 
-    __slots__ = ("compiler", "module", "index", "name", "fn", "eager")
+    __slots__ = ("compiler", "module", "index", "name", "fn", "failed", "hooks")
 
     def __init__(self, compiler: "_Compiler", module: nn.Module, index: int, name: str) -> None:
         self.compiler = compiler
@@ -354,11 +372,22 @@ class _Child:
         self.index = index
         self.name = name
         self.fn: Callable[..., Any] | None = None
-        self.eager = False  # compilation failed, compile_fallback=True: run the child itself
+        # The input signatures the compiler failed on, and its message: run eagerly
+        # (compile_fallback=True) or refused at once, without compiling again.
+        self.failed: OrderedDict[Hashable, str] = OrderedDict()
+        self.hooks: _Hooks | None = None  # the hooks the compiled form was traced with
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.eager:
-            return self.module(*args, **kwargs)
+        if self.failed:
+            message = self.failed.get(_signature(args, kwargs, self.module.training))
+            if message is not None:
+                if self.compiler.fallback:
+                    return self.module(*args, **kwargs)
+                raise RuntimeError(message)
+        if self.fn is not None and self.hooks is not None and self.hooks.added():
+            # Dynamo does not guard on hooks registered after tracing (torch.compile's
+            # own behaviour): a hook registered below the child since would never run.
+            self.fn = None
         state = None
         try:
             fn = self.fn
@@ -366,6 +395,7 @@ class _Child:
                 with self.compiler._lock:  # two threads' first calls build one compiled form
                     fn = self.fn
                     if fn is None:
+                        self.hooks = _Hooks(self.module)
                         fn = self.fn = self.compiler._build(self)
                         # The first call compiles, and may fail after part of the child ran
                         # (code before a graph break): its buffers are put back before the
@@ -386,33 +416,77 @@ class _Child:
         return f"{compiler.owner}: {compiler.kind} {self.name!r} (index {self.index}, {type(self.module).__name__})"
 
     def _failed(self, error: Exception, args: tuple, kwargs: dict, state: list | None) -> Any:
-        # Compilers report errors in the user's code (a shape mismatch) as
-        # their own: run the child eagerly to tell which one this is. (A later
-        # call's recompilation that fails after part of the child ran leaves that
-        # part's buffer updates in place: only the first call's are put back.)
+        # A backend's own failure is the compiler's. Other errors compilers report as
+        # their own may be in the user's code (a shape mismatch found while tracing):
+        # the child run eagerly tells which. (Either may come after part of the child
+        # ran, before a graph break: the first call's buffer updates are put back; a
+        # later call's, and other side effects of that part, are not, and run again
+        # eagerly -- a limit of running a child partly compiled.)
         if state is not None:
             with torch.no_grad():
                 for b, saved in state:
                     b.copy_(saved)
-        try:
-            out = self.module(*args, **kwargs)
-        except Exception as eager_error:
-            # The child fails without the compiler too: that is the error to see.
-            raise eager_error from None
+        out = _NOT_RUN
+        if not _backend_failed(error):
+            try:
+                out = self.module(*args, **kwargs)
+            except Exception as eager_error:
+                # The child fails without the compiler too: that is the error to see.
+                raise eager_error from None
         compiler = self.compiler
         message = (
             f"{self._label()} failed to compile with compile={_backend_name(compiler.backend)!r}:\n"
             f"  {_summary(error)}\n"
         )
         if not compiler.fallback:
-            raise RuntimeError(
-                message + f"Run eagerly, the {compiler.kind} works on these inputs, so the compiler failed: pass "
-                f"compile_fallback=True to run it eagerly with a warning, or compile=None."
-            ) from error
-        self.eager, self.fn = True, None
-        warnings.warn(message + f"compile_fallback=True: this {compiler.kind} runs eagerly from now on.",
-                      UserWarning, stacklevel=2)
-        return out
+            message += ("Run eagerly, the " + compiler.kind + " works on these inputs, so the compiler failed"
+                        if out is not _NOT_RUN else "The backend failed") + (
+                ": pass compile_fallback=True to run such inputs eagerly with a warning, or compile=None.")
+        key = _signature(args, kwargs, self.module.training)
+        self.failed[key] = message
+        while len(self.failed) > _MAX_ENGINES:
+            self.failed.popitem(last=False)
+        if not compiler.fallback:
+            raise RuntimeError(message) from error
+        if len(self.failed) == 1:  # (once per child)
+            warnings.warn(message + f"compile_fallback=True: this {compiler.kind} runs eagerly on inputs like "
+                                    f"these from now on.", UserWarning, stacklevel=2)
+        return self.module(*args, **kwargs) if out is _NOT_RUN else out
+
+
+_NOT_RUN: Any = object()
+
+
+class _Hooks:
+    r"""The hooks of a child's modules (and the global ones) when its compiled form was traced.
+
+    :meth:`added` costs one comparison until a hook handle is made anywhere in
+    the process; then the hook dicts are compared with their copies.
+    """
+
+    __slots__ = ("handles", "dicts", "copies")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.handles = getattr(_Handle, "next_id", None)
+        self.dicts = _hook_dicts(module) + list(_GLOBAL_HOOKS)
+        self.copies = [d.copy() for d in self.dicts]
+
+    def added(self) -> bool:
+        handles = getattr(_Handle, "next_id", None)
+        if handles == self.handles:
+            return False
+        if any(d.keys() - c.keys() for d, c in zip(self.dicts, self.copies)):
+            return True
+        self.handles = handles  # (a hook registered elsewhere, or removed: dynamo sees removals)
+        return False
+
+
+def _backend_failed(error: BaseException) -> bool:
+    r"""Whether ``error`` is a compile backend's own failure (not the child's code, as tracing found it)."""
+    import torch._dynamo.exc
+
+    failed = getattr(torch._dynamo.exc, "BackendCompilerFailed", ())
+    return isinstance(error, failed) or isinstance(error, RuntimeError) and type(error).__name__ == "InductorError"
 
 
 def _summary(error: BaseException) -> str:
@@ -540,3 +614,13 @@ class _Compiler:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._init_cache()
+
+    def __deepcopy__(self, memo: dict) -> "_Compiler":
+        # The backend is shared, as slicing a block shares it: a callable backend may
+        # hold what cannot be copied (a lock) or should not be (a cache of engines).
+        clone = _Compiler.__new__(_Compiler)
+        memo[id(self)] = clone
+        state = self.__getstate__()
+        backend = state.pop("backend")
+        clone.__setstate__({**copy.deepcopy(state, memo), "backend": backend})
+        return clone

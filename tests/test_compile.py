@@ -282,7 +282,7 @@ def test_bad_input_is_not_reported_as_a_compile_error(fallback):
     x = torch.randn(4, 16)  # still usable, and still compiled
     with torch.no_grad():
         assert_same(block(x), cat_reference(block, x))
-    assert len(recorder.graphs) == 2 and not any(c.eager for c in block._compiler._calls)
+    assert len(recorder.graphs) == 2 and not any(c.failed for c in block._compiler._calls)
 
 
 @pytest.mark.parametrize(
@@ -681,3 +681,85 @@ def test_first_call_falling_back_after_a_partial_run_updates_buffers_once():
     assert int(block[0].bn.num_batches_tracked) == 1
     assert_close(block[0].bn.running_mean, ref.bn.running_mean)
     assert_close(block[0].bn.running_var, ref.bn.running_var)
+
+
+# --------------------------------------------------- found by a review of compile=
+class _ShapeRecorder(Recorder):
+    r"""Fails on graphs whose first input has ``rows`` rows."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if any(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == self.rows for t in example_inputs):
+            self.failures += 1
+            raise RuntimeError(f"boom from backend: {self.rows} rows")
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def test_a_backend_failure_changes_no_state_and_is_not_tried_again():
+    # Before: each call re-ran the branch eagerly to diagnose the failure (BatchNorm's
+    # counter moved 1, 2, 3 over three failing calls) and compiled again.
+    recorder = Recorder(fail_on="tanh")
+    bad = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+    block = Parallel(nn.Linear(8, 8), bad, compile=recorder).train()
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match=r"(?s)branch '1' .*failed to compile.*The backend failed"):
+            block(torch.randn(4, 8))
+    assert bad[1].num_batches_tracked.item() == 0 and recorder.failures == 1
+
+
+def test_compile_fallback_runs_eagerly_only_the_signatures_that_failed():
+    # Before: one failure sent the branch to eager mode for every input signature.
+    recorder = _ShapeRecorder(rows=3)
+    block = Parallel(nn.Linear(8, 8), nn.Linear(8, 8), compile=recorder, compile_fallback=True)
+    with warnings.catch_warnings(record=True) as record, torch.no_grad():
+        warnings.simplefilter("always")
+        for rows in (4, 3, 5, 4, 3):
+            x = torch.randn(rows, 8)
+            assert_same(block(x), cat_reference(block, x))
+    assert len([w for w in record if "failed to compile" in str(w.message)]) == 2  # once per branch
+    assert all(len(c.failed) == 1 for c in block._compiler._calls)
+    compiled = len(recorder.graphs)
+    with torch.no_grad():
+        block(torch.randn(4, 8))
+    assert len(recorder.graphs) == compiled  # batch 4 still runs compiled, not compiled again
+
+
+def test_a_hook_registered_after_the_first_call_runs():
+    # Dynamo does not guard on hooks added after tracing: the compiled branch ignored it.
+    lin = nn.Linear(4, 4)
+    block = Parallel(lin, nn.Identity(), compile="eager")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        block(x)
+        handle = lin.register_forward_hook(lambda m, i, o: o * 0)
+        assert_same(block(x), torch.cat([torch.zeros(2, 4), x], 1))
+        handle.remove()
+        assert_same(block(x), torch.cat([lin(x), x], 1))
+
+
+def test_deepcopy_shares_a_callable_backend_and_names_it_by_class():
+    import threading
+
+    class Locked(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.__qualname__
+            self.lock = threading.Lock()
+
+    backend = Locked()
+    block = Parallel(nn.Linear(4, 4), compile=backend)
+    clone = copy.deepcopy(block)
+    assert clone._compiler.backend is backend and clone[0] is not block[0]
+    assert "compile='test_deepcopy_shares_a_callable_backend_and_names_it_by_class.<locals>.Locked'" in repr(block)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert_same(clone(x), clone[0](x))
+
+
+def test_misspelt_inductor_options_are_refused_when_built():
+    with pytest.raises(ValueError, match=r"Parallel: compile_options options=\['max_autotun'\] are not inductor"):
+        Parallel(nn.Linear(4, 4), compile="inductor", compile_options={"options": {"max_autotun": True}})

@@ -157,7 +157,7 @@ def test_cpu_inputs_and_training_mode_are_refused(fake):
     block = Parallel(*branches(2), compile="tensorrt", compile_fallback=True).train()
     with pytest.raises(RuntimeError, match=r"training mode"):
         block(torch.randn(4, 16))
-    assert [c.eager for c in block._compiler.calls(block._modules)] == [False, False]
+    assert not any(c.failed for c in block._compiler.calls(block._modules))
 
 
 @pytest.mark.parametrize("change", ["replaced", "load_state_dict", "assign", "in place"])
