@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 __all__: list[str] = []
@@ -172,3 +173,14 @@ def _check_attribute(module: nn.Module, name: str, settings: frozenset[str], del
         raise AttributeError(f"{owner}: {name}= is fixed when the block is built; build a new {owner} with "
                              f"{name}=... instead (setting the attribute would change nothing"
                              f"{', and would hide nn.Module.compile' if name == 'compile' else ''}).")
+
+
+def _placement(module: nn.Module) -> list[tuple]:
+    r"""Each parameter and buffer below ``module``: the tensor, where its memory is, and its layout.
+
+    Compared across ``module._apply(fn)``: a ``.to()``, ``.float()`` or
+    ``.cuda()`` that moved or cast nothing leaves it equal, and what was
+    learnt about the module (graphs, compiled code, fused stacks) holds.
+    """
+    return [(id(t), t.dtype, t.device, *((t.data_ptr(), t.stride()) if t.layout == torch.strided else (t.layout,)))
+            for t in (*module.parameters(), *module.buffers())]

@@ -401,10 +401,13 @@ class Parallel(nn.Module):
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... move parameters: re-check devices, stack anew, compile again.
+        # (Not where nothing moved: ``model.to(device)`` in a loop would capture and compile anew.)
+        before = _watch._placement(self)
         module = super()._apply(fn, recurse)
-        self._reset()
-        if self._compiler is not None:
-            self._compiler.clear()
+        if _watch._placement(self) != before:
+            self._reset()
+            if self._compiler is not None:
+                self._compiler.clear()
         return module
 
     def __getstate__(self) -> dict:

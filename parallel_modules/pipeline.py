@@ -350,10 +350,14 @@ class ParallelSequential(nn.Sequential):
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... may move parameters: look at them anew, compile again.
-        self._reset()
-        if self._compiler is not None:
-            self._compiler.clear()
-        return super()._apply(fn, recurse)
+        # (Not where nothing moved: ``model.to(device)`` in a loop would capture and compile anew.)
+        before = _watch._placement(self)
+        module = super()._apply(fn, recurse)
+        if _watch._placement(self) != before:
+            self._reset()
+            if self._compiler is not None:
+                self._compiler.clear()
+        return module
 
     # Stages are checked as the constructor checks them. (``append``, ``extend`` and
     # ``__setitem__`` register the stage, which ``forward`` notices; ``insert`` writes

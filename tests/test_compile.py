@@ -763,3 +763,19 @@ def test_deepcopy_shares_a_callable_backend_and_names_it_by_class():
 def test_misspelt_inductor_options_are_refused_when_built():
     with pytest.raises(ValueError, match=r"Parallel: compile_options options=\['max_autotun'\] are not inductor"):
         Parallel(nn.Linear(4, 4), compile="inductor", compile_options={"options": {"max_autotun": True}})
+
+
+def test_a_to_that_moves_nothing_keeps_the_compiled_branches():
+    # Before: model.to(device) in a loop compiled every branch anew at each call.
+    recorder = Recorder()
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), compile=recorder)
+    pipe = ParallelSequential(nn.Linear(4, 4), compile=recorder)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            block.to("cpu").float()(x)
+            pipe.to("cpu").float()(x)
+        assert len(recorder.graphs) == 3
+        block.double()  # a cast that changes the parameters compiles anew
+        assert_same(block(x.double()), cat_reference(block, x.double()))
+    assert len(recorder.graphs) == 5
