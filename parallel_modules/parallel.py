@@ -375,6 +375,7 @@ class Parallel(nn.Module):
         if self.fuse is not False:
             self._prepare_fusion(strict)
         self._tree = _watch._Tree(self)  # (after stacking, which registers nothing)
+        self._placed = _watch._placement(self)  # (see _apply)
 
     def _prepare_fusion(self, strict: bool) -> None:
         r"""Find the groups of identical branches and stack their parameters.
@@ -401,10 +402,10 @@ class Parallel(nn.Module):
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... move parameters: re-check devices, stack anew, compile again.
-        # (Not where nothing moved: ``model.to(device)`` in a loop would capture and compile anew.)
-        before = _watch._placement(self)
+        # (Not where nothing moved since the last reset: ``model.to(device)`` in a loop would
+        # capture and compile anew. A branch moved on its own before is seen here.)
         module = super()._apply(fn, recurse)
-        if _watch._placement(self) != before:
+        if _watch._placement(self) != self.__dict__.get("_placed"):
             self._reset()
             if self._compiler is not None:
                 self._compiler.clear()
@@ -417,6 +418,7 @@ class Parallel(nn.Module):
         state.pop("_graphs", None)
         state.pop("_fusion", None)
         state.pop("_tree", None)
+        state.pop("_placed", None)
         return state
 
     def __setstate__(self, state: dict) -> None:

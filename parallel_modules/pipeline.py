@@ -347,13 +347,14 @@ class ParallelSequential(nn.Sequential):
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
                                        direct_grads=self.direct_grads)
         self._tree = _watch._Tree(self)
+        self._placed = _watch._placement(self)  # (see _apply)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... may move parameters: look at them anew, compile again.
-        # (Not where nothing moved: ``model.to(device)`` in a loop would capture and compile anew.)
-        before = _watch._placement(self)
+        # (Not where nothing moved since the last reset: ``model.to(device)`` in a loop would
+        # capture and compile anew. A branch moved on its own before is seen here.)
         module = super()._apply(fn, recurse)
-        if _watch._placement(self) != before:
+        if _watch._placement(self) != self.__dict__.get("_placed"):
             self._reset()
             if self._compiler is not None:
                 self._compiler.clear()
@@ -395,6 +396,7 @@ class ParallelSequential(nn.Sequential):
         state.pop("_graphs", None)
         state.pop("_per_stage", None)
         state.pop("_tree", None)
+        state.pop("_placed", None)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -779,3 +779,17 @@ def test_a_to_that_moves_nothing_keeps_the_compiled_branches():
         block.double()  # a cast that changes the parameters compiles anew
         assert_same(block(x.double()), cat_reference(block, x.double()))
     assert len(recorder.graphs) == 5
+
+
+def test_a_to_after_a_branch_moved_on_its_own_still_resets_the_block():
+    # The README's remedy for a branch moved by a .to() of its own: moving the whole block.
+    # Nothing moves at that call, but the block differs from what it learnt: it starts over.
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), compile=Recorder())
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        block(x)
+        tuner = block._tuner
+        block[0].double(), block[1].double()
+        block.double()
+        assert block._tuner is not tuner and not block._compiler._calls
+        assert_same(block(x.double()), cat_reference(block, x.double()))
