@@ -597,6 +597,11 @@ class _Replay(torch.autograd.Function):
             graph.gen += 1
             ctx.gen = graph.gen
             outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
+        if static_outputs:
+            # The backward graph reads these buffers as it left them: saved, so that
+            # autograd refuses a backward after they were changed in place, as it
+            # refuses one through an eager layer that saved its output.
+            ctx.save_for_backward(*outs)
         ctx.graph = graph
         frozen = [o for o, g in zip(outs, graph.out_grad) if not g]
         if frozen:
@@ -607,6 +612,7 @@ class _Replay(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
         graph: _Graph = ctx.graph
+        _ = ctx.saved_tensors  # (static outputs changed in place since: autograd's own error)
         with graph.lock:
             # The backward graph reads the activations the forward graph left in
             # the pool: only those of the latest forward replay exist, and the

@@ -308,7 +308,8 @@ class _DevicePool:
 class _GraphState(threading.local):
     active = False
     # A pipeline lane is running a stage whose outputs the next lane reads on its own
-    # stream, which the lane's next replay does not wait for: graphs must not lend them.
+    # stream, or a fork a side item whose outputs the caller's stream reads, which the
+    # next replay on that stream does not wait for: graphs must not lend them.
     crossing = False
     variant: Any = None  # (module, variant) being warmed up or captured: see _graphs._graph_variant
 
@@ -693,10 +694,12 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
     local.offset = local.high = base + len(calls) - 1  # (see _run_forked)
     outputs: list[Any] = []
     launched = 0  # side streams launched, and the index of the item running
+    crossing = _graph_state.crossing
     try:
         outputs.append(calls[0](*args, **kwargs))
         if first is not None and first._version != version or versions and _changed(watched, versions):
             raise _changed_in_place()
+        _graph_state.crossing = True  # (see _run_forked)
         for side in streams:
             _set_current(side.stream_id, side.device_index, side.device_type)
             _wait(fork, side)
@@ -711,6 +714,7 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
     except Exception as e:
         raise error(e, launched)
     finally:
+        _graph_state.crossing = crossing
         local.offset, local.high = base, max(high, local.high)
         if cached_casts:
             torch.set_autocast_cache_enabled(True)
@@ -786,10 +790,15 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     local.offset = local.high = base + n - 1
     launched = 0
     item = launch[0]
+    crossing = _graph_state.crossing
     try:
         outputs[item] = run(item, calls[item]) if run is not None else calls[item](*args, **kwargs)
         if first is not None and first._version != version or versions and _changed(watched, versions):
             raise _changed_in_place()
+        # The side items' outputs are read on the caller's stream, which a graphed block's next
+        # replay on the same side stream (another call's fork, from another caller) does not
+        # wait for: such blocks must not lend them their buffers.
+        _graph_state.crossing = True
         for slot in range(1, n):
             side = streams[slot - 1]
             _set_current(side.stream_id, side.device_index, side.device_type)
@@ -810,6 +819,7 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
             raise error(e, item)
         raise
     finally:
+        _graph_state.crossing = crossing
         local.offset, local.high = base, max(high, local.high)
         if cached_casts:
             torch.set_autocast_cache_enabled(True)

@@ -610,7 +610,9 @@ def test_a_block_that_cannot_be_compiled_as_one_keeps_its_other_graphs():
         x = torch.randn(4, 16, device="cuda")
         assert_close(block(x), cat_reference(block, x), *CUDA_TOL[torch.float32])
     assert recorder.failures == 1 and ("whole",) not in block._graph_variants((x,), {})
-    block.to("cuda")
+    block.to("cuda")  # (moves nothing: keeps what it learnt)
+    assert ("whole",) not in block._graph_variants((x,), {})
+    block.double()
     assert ("whole",) in block._graph_variants((x,), {}) and "not compiled as one" not in block.explain()
 
 

@@ -748,7 +748,9 @@ def test_new_signature_captures_and_cache_is_bounded():
         x = torch.randn(3, 64, device="cuda")
         assert torch.equal(block(x), _reference(block, x))
         assert block._graphs.captures == 11
-        block.float()  # _apply drops every graph
+        block.float()  # a cast that changes nothing keeps the graphs (a loop may call it)
+        assert len(block._graphs) == 2
+        block.double()  # one that changes the parameters drops every graph
         assert len(block._graphs) == 0
 
 
@@ -1760,3 +1762,48 @@ def test_hooks_below_a_graphed_block_warn_that_they_run_only_while_captured():
     with torch.no_grad(), pytest.warns(UserWarning, match="run only while a graph is captured"):
         for _ in range(3):
             block(torch.randn(8, 64, device="cuda"))
+
+
+# ---------------------------------------- found by a review of feature combinations
+@pytest.mark.cuda
+def test_a_graphed_side_branch_lends_nothing_a_later_fork_overwrites():
+    # G runs on a pool side stream for callers on two streams; its output, read late on
+    # the first caller's stream, was overwritten by G's next replay for the second caller
+    # (it had started lending its buffers: the outer fork dropped them in time).
+    g0, g1 = nn.Linear(64, 64), nn.Linear(64, 64)
+    inner = Parallel(g0, g1, cuda_graph=True)
+    outer = Parallel(nn.Linear(64, 64), inner, join=None, streams=True).cuda().eval()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.no_grad():
+        for _ in range(8):  # outputs dropped at once: the graph starts lending its buffers
+            outer(torch.randn(16, 64, device="cuda"))
+        for _ in range(3):
+            x1, x2 = torch.randn(16, 64, device="cuda"), torch.randn(16, 64, device="cuda")
+            torch.cuda.synchronize()
+            with torch.cuda.stream(s1):
+                out = outer(x1)
+                torch.cuda._sleep(20_000_000)
+                late = out[1] * 1.0  # read on s1, after the next call was enqueued on s2's fork
+            del out
+            with torch.cuda.stream(s2):
+                out = outer(x2)
+            del out
+            torch.cuda.synchronize()
+            torch.testing.assert_close(late, torch.cat([g0(x1), g1(x1)], 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_static_outputs_changed_in_place_before_backward_are_refused():
+    # Before: the backward graph read the changed buffer and gave wrong gradients silently.
+    block = Parallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 8), cuda_graph=True,
+                     static_outputs=True).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    for _ in range(3):  # captured, then replayed
+        block(x).sum().backward()
+    y = block(x)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    block.zero_grad()
+    block(x).sum().backward()  # the next call works
+    assert block[1].weight.grad is not None

@@ -213,12 +213,15 @@ def test_host_input_graphed_per_stage(pinned: bool, chunks: int) -> None:
     assert model._graphs.captures == 0
     for out, expected in kept:
         assert torch.equal(out, expected)
-    # A new stage object gets graphs of its own; .to() forgets them all.
+    # A new stage object gets graphs of its own; a .to() that moves them forgets them all
+    # (one that moves nothing keeps them).
     model[2] = copy.deepcopy(eager[2])
     with torch.no_grad():
         assert torch.equal(model(x), eager(x.cuda()))
     assert model._per_stage["2"]._owner() is model[2]
     model.to(torch.device("cuda"))
+    assert len(model._per_stage) == 3
+    model.to(torch.float64)
     assert model._per_stage == {}
 
 
