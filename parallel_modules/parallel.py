@@ -2,6 +2,7 @@ r"""``Parallel``: independent branches on one input, run concurrently."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 import time
 import warnings
@@ -464,7 +465,7 @@ class Parallel(nn.Module):
 
     def __setitem__(self, idx: int, module: nn.Module | Callable[..., Any]) -> None:
         key = self._key(idx)
-        self.add_module(key, _as_branch(type(self).__name__, key, module))
+        self.add_module(key, _own_mode(self, _as_branch(type(self).__name__, key, module), module))
         self._reset()
 
     def __delitem__(self, idx: int | slice) -> None:
@@ -495,7 +496,7 @@ class Parallel(nn.Module):
         key = str(len(self._modules))
         if key in self._modules:
             raise ValueError(f"{type(self).__name__}: a branch named {key!r} already exists; use an OrderedDict.")
-        self.add_module(key, _as_branch(type(self).__name__, key, module))
+        self.add_module(key, _own_mode(self, _as_branch(type(self).__name__, key, module), module))
         self._reset()
         return self
 
@@ -1006,6 +1007,19 @@ class Parallel(nn.Module):
                 if device is not None and device.type == "cuda" and not _capture_underway():
                     return self._first_unversioned(key, args, kwargs, fusion, unversioned)
             plan = self._plan(key, args, kwargs, fusion)
+            if plan is _CPU_FUSED and self.fuse == "auto" and fusion is not None and not all(
+                    isinstance(u, _Group) for u in fusion.units):
+                # A fused group runs its members together, before or after the other
+                # branches: one of those changing the shared input in place would be seen
+                # by some members and not others. The first call runs in turn and looks.
+                watched, unversioned = _watched(args, kwargs), _unversioned(args, kwargs)
+                versions = [t._version for t in watched]
+                watch = _Writes(unversioned)
+                with watch if unversioned else contextlib.nullcontext():
+                    outputs = self._run(args, kwargs, None, None)
+                if watch.wrote or _changed(watched, versions):
+                    self._remember(key, _CPU)
+                return outputs
         if plan is not None and not plan.cuda:
             return self._run(args, kwargs, None, fusion if plan.fused else None)
         device = _input_device(args, kwargs)
@@ -1116,6 +1130,11 @@ class Parallel(nn.Module):
         if plan is not None:
             self._remember(key, plan)
         return plan
+
+
+def _own_mode(block: nn.Module, branch: nn.Module, given: Any) -> nn.Module:
+    r"""``branch``, in ``block``'s train/eval mode where the block made it (a callable's holder)."""
+    return branch.train(block.training) if branch is not given else branch
 
 
 def _records(outputs: Any) -> bool:

@@ -6,6 +6,7 @@ good call.
 
 from __future__ import annotations
 
+import copy
 import traceback
 from collections import OrderedDict
 
@@ -512,3 +513,32 @@ def test_settings_cannot_be_deleted_and_compile_is_fixed():
     x = torch.randn(2, 2)
     assert_same(p(x), torch.cat([x, x], 1))
     assert callable(p.compile)  # (nn.Module.compile, not hidden)
+
+
+# ------------------------------------------------- found by a cross-feature fuzz
+def test_fuse_auto_on_the_cpu_keeps_a_branch_changing_the_input_in_place_in_order():
+    # Before: the identical branches 0 and 2 ran fused, both before branch 1's ReLU, where
+    # in turn branch 2 reads the changed input (max error 0.64).
+    branches = [nn.Linear(4, 4), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)), nn.Linear(4, 4)]
+    block = Parallel(*[copy.deepcopy(b) for b in branches], fuse="auto")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            got = block(x.clone())
+            xr = x.clone()
+            assert_same(got, torch.cat([b(xr) for b in branches], 1))
+        with torch.inference_mode():  # inference tensors keep no version: seen by their writes
+            block = Parallel(*[copy.deepcopy(b) for b in branches], fuse="auto")
+            x = torch.randn(2, 4)
+            xr = x.clone()
+            assert_same(block(x.clone()), torch.cat([b(xr) for b in branches], 1))
+
+
+def test_a_callable_appended_to_an_eval_block_takes_its_mode():
+    f = lambda x: x * 1.5  # noqa: E731
+    block = Parallel(f, f, join="sum", fuse=True).eval()
+    block.append(f)
+    block[0] = f
+    x = torch.randn(2, 4)
+    assert_same(block(x), x * 1.5 + x * 1.5 + x * 1.5)
+    assert not any(b.training for b in block)
