@@ -570,7 +570,7 @@ class _Writes(TorchDispatchMode):
     ``out=`` argument), through any view of the memory: the check compares
     storages. Used on a call's first run of a signature whose inputs are
     inference tensors, run one branch after another, to decide whether its
-    branches may be forked (see ``Parallel._first_unversioned``): every
+    branches may be forked or fused (see ``Parallel._run_watched``): every
     operation then passes through Python, once.
     """
 

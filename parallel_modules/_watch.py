@@ -184,3 +184,16 @@ def _placement(module: nn.Module) -> list[tuple]:
     """
     return [(id(t), t.dtype, t.device, *((t.data_ptr(), t.stride()) if t.layout == torch.strided else (t.layout,)))
             for t in (*module.parameters(), *module.buffers())]
+
+
+def _reset_if_moved(module: nn.Module) -> None:
+    r"""After ``module._apply(fn)``: forget what the block learnt (``_reset``) and its compiled
+    children, unless no parameter or buffer moved since its last reset (``_placed``).
+
+    ``model.to(device)`` in a loop would otherwise capture and compile anew at
+    every call; a branch moved by a ``.to()`` of its own before is seen here.
+    """
+    if _placement(module) != module.__dict__.get("_placed"):
+        module._reset()
+        if module._compiler is not None:
+            module._compiler.clear()

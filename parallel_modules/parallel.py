@@ -403,13 +403,8 @@ class Parallel(nn.Module):
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... move parameters: re-check devices, stack anew, compile again.
-        # (Not where nothing moved since the last reset: ``model.to(device)`` in a loop would
-        # capture and compile anew. A branch moved on its own before is seen here.)
         module = super()._apply(fn, recurse)
-        if _watch._placement(self) != self.__dict__.get("_placed"):
-            self._reset()
-            if self._compiler is not None:
-                self._compiler.clear()
+        _watch._reset_if_moved(self)
         return module
 
     def __getstate__(self) -> dict:
@@ -1002,22 +997,17 @@ class Parallel(nn.Module):
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
         if plan is None:
             if self.streams is not False and key not in self._unwritten and self._compiler is None:
-                unversioned = _unversioned(args, kwargs)
-                device = _input_device(args, kwargs) if unversioned else None
+                device = _input_device(args, kwargs) if _unversioned(args, kwargs) else None
                 if device is not None and device.type == "cuda" and not _capture_underway():
-                    return self._first_unversioned(key, args, kwargs, fusion, unversioned)
+                    return self._first_unversioned(key, args, kwargs, fusion)
             plan = self._plan(key, args, kwargs, fusion)
             if plan is _CPU_FUSED and self.fuse == "auto" and fusion is not None and not all(
                     isinstance(u, _Group) for u in fusion.units):
                 # A fused group runs its members together, before or after the other
                 # branches: one of those changing the shared input in place would be seen
                 # by some members and not others. The first call runs in turn and looks.
-                watched, unversioned = _watched(args, kwargs), _unversioned(args, kwargs)
-                versions = [t._version for t in watched]
-                watch = _Writes(unversioned)
-                with watch if unversioned else contextlib.nullcontext():
-                    outputs = self._run(args, kwargs, None, None)
-                if watch.wrote or _changed(watched, versions):
+                outputs, wrote = self._run_watched(args, kwargs, None)
+                if wrote:
                     self._remember(key, _CPU)
                 return outputs
         if plan is not None and not plan.cuda:
@@ -1056,8 +1046,18 @@ class Parallel(nn.Module):
             self._remember(key, decided)
         return out
 
-    def _first_unversioned(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None,
-                           tensors: list[torch.Tensor]) -> Any:
+    def _run_watched(self, args: tuple, kwargs: dict, fusion: _Fusion | None) -> tuple[Any, bool]:
+        r"""The branches run in turn (``fusion``'s groups batched), and whether any changed an input in
+        place: seen by the inputs' versions, and, for inference tensors, which keep none, by
+        :class:`_Writes`."""
+        watched, unversioned = _watched(args, kwargs), _unversioned(args, kwargs)
+        versions = [t._version for t in watched]
+        watch = _Writes(unversioned)
+        with watch if unversioned else contextlib.nullcontext():
+            outputs = self._run(args, kwargs, None, fusion, False)
+        return outputs, watch.wrote or _changed(watched, versions)
+
+    def _first_unversioned(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None) -> Any:
         r"""The first call of a signature whose inputs include inference tensors: the branches run one
         after another, watched for writes to those tensors.
 
@@ -1071,10 +1071,8 @@ class Parallel(nn.Module):
         writes to its input on some calls only is not seen.)
         """
         fused = fusion if self.fuse is True else None
-        watch = _Writes(tensors)
-        with watch:
-            outputs = self._run(args, kwargs, None, fused, False)
-        if not watch.wrote:
+        outputs, wrote = self._run_watched(args, kwargs, fused)
+        if not wrote:
             if len(self._unwritten) >= _MAX_PLANS:
                 self._unwritten.pop(next(iter(self._unwritten)))
             self._unwritten[key] = None

@@ -351,13 +351,8 @@ class ParallelSequential(nn.Sequential):
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... may move parameters: look at them anew, compile again.
-        # (Not where nothing moved since the last reset: ``model.to(device)`` in a loop would
-        # capture and compile anew. A branch moved on its own before is seen here.)
         module = super()._apply(fn, recurse)
-        if _watch._placement(self) != self.__dict__.get("_placed"):
-            self._reset()
-            if self._compiler is not None:
-                self._compiler.clear()
+        _watch._reset_if_moved(self)
         return module
 
     # Stages are checked as the constructor checks them. (``append``, ``extend`` and
