@@ -941,6 +941,25 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
 
         return [pool]
 
+    if type(m) is nn.Embedding and m.max_norm is None and not m.scale_grad_by_freq:
+        # Rows of the stacked weights [N, rows, dim] gathered along dim 1: one gather,
+        # and one that torch.export can trace, where exporting vmap's embedding fails.
+        # ``index_select`` refuses an index out of range as ``F.embedding`` does (on the
+        # flat [N * rows, dim] table, offset indices would read the next member's rows).
+        w_name, padding_idx = q("weight"), m.padding_idx
+
+        def embedding(v: _Value, get: _Get) -> Any:
+            if v.layout != _SHARED:  # each member's own indices: vmap's rule
+                return fallback(v, get)
+            idx, w = v.t, get(w_name)
+            out = w.index_select(1, idx.reshape(-1)).view(n, *idx.shape, w.shape[-1])
+            if padding_idx is not None and out.requires_grad:
+                # The padding row gets no gradient, as ``F.embedding(..., padding_idx)`` gives it none.
+                out = torch.where((idx == padding_idx).unsqueeze(-1), out.detach(), out)
+            return _Value(out, _STACKED)
+
+        return [embedding]
+
     if type(m) is nn.Flatten:
         start, end = m.start_dim, m.end_dim
         start, end = (start + 1 if start >= 0 else start), (end + 1 if end >= 0 else end)
@@ -959,14 +978,23 @@ _structure = threading.local()
 _TENSOR = object()
 
 
-class _AutocastUnbatched(Exception):
-    r"""Raised by a vmapped step under autocast: the group's members run unfused for this call.
+class _UnbatchedNow(Exception):
+    r"""Raised by a vmapped step that cannot batch this call: the group's members run unfused for it.
 
-    ``torch.vmap`` decomposes layers it has no batching rule for below autocast: a
-    ``Linear`` with a bias becomes a product that autocast casts and an addition of
-    the float32 bias that promotes it back, so the batched call returns float32 where
-    the members' own calls return the autocast dtype.
+    Under autocast, ``torch.vmap`` decomposes layers it has no batching rule for
+    below autocast: a ``Linear`` with a bias becomes a product that autocast
+    casts and an addition of the float32 bias that promotes it back, so the
+    batched call returns float32 where the members' own calls return the
+    autocast dtype. And layers with an inference-only fast path
+    (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer`` in ``eval()``)
+    decide on it by asking whether their weights require grad, which the
+    members' weights, stacked and batched by vmap, do not show: the batched call
+    would take a path autograd cannot differentiate.
     """
+
+
+# Layers that take an inference-only path when they see no tensor requiring grad (see _UnbatchedNow).
+_FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
@@ -994,13 +1022,17 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         _structure.value = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
+    fast_paths = [sub for sub in m.modules() if isinstance(sub, _FAST_PATHS)]
     shared = torch.vmap(call, in_dims=(0, None))
     stacked = torch.vmap(call, in_dims=(0, 0))
 
     def step(v: _Value, get: _Get) -> Any:
         if torch.is_autocast_enabled(v.t.device.type):
-            raise _AutocastUnbatched
+            raise _UnbatchedNow
         state = {k: t for k, t in ((k, get(q)) for k, q in local) if t is not None}
+        if (fast_paths and torch.is_grad_enabled() and not all(sub.training for sub in fast_paths)
+                and any(t.requires_grad for t in state.values())):
+            raise _UnbatchedNow
         _structure.value = None
         if v.layout == _SHARED and state:
             out = shared(state, v.t)

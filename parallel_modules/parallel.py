@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import _AutocastUnbatched, _difference, _functorch_active, _Fusion, _Group, _Joined, _Unfused
+from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _UnbatchedNow, _Unfused
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
@@ -759,7 +759,7 @@ class Parallel(nn.Module):
             return group.run(args[0], self._cat_joined(fusion), eager,
                              eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
         except Exception as e:
-            if not isinstance(e, _AutocastUnbatched) and (_is_tracing() or isinstance(e, _StopRecomputation)):
+            if not isinstance(e, _UnbatchedNow) and (_is_tracing() or isinstance(e, _StopRecomputation)):
                 # (Checkpoint's early stop of a recomputation is control flow, not a failure.)
                 raise
             if kept:
@@ -771,7 +771,7 @@ class Parallel(nn.Module):
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
         outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
-        if isinstance(failure, _AutocastUnbatched):  # (this call only: the group is not at fault)
+        if isinstance(failure, _UnbatchedNow):  # (this call only: the group is not at fault)
             return outputs
         names = [list(self._modules)[i] for i in group.indices]
         if self.fuse is True:

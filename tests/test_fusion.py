@@ -909,6 +909,49 @@ def test_export_of_fused_module_equals_eager():
         assert_close(ep.module()(x), reference(p, x))
 
 
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_export_of_fused_embeddings_equals_eager(padding_idx):
+    # Exporting torch.vmap(F.embedding) fails; the fused group gathers rows of the stacked weights.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Embedding(10, 4, padding_idx=padding_idx), nn.Linear(4, 4))
+                   for _ in range(3)], join="sum", fuse=True)
+    ep = torch.export.export(p, (torch.randint(0, 10, (2, 5)),))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+    for _ in range(2):
+        x = torch.randint(0, 10, (2, 5))
+        assert_close(ep.module()(x), reference(p, x))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_fused_embeddings_equal_unfused_and_leave_the_padding_row_without_gradient(device, padding_idx):
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Embedding(10, 4, padding_idx=padding_idx), nn.Linear(4, 4)).to(device)
+                for _ in range(3)]
+    p = Parallel(*copy.deepcopy(branches), join="sum", fuse=True)
+    x = torch.randint(0, 10, (4, 6), device=device)
+    x[0, :3] = 3  # the padding row, and a row read several times
+    p(x).square().sum().backward()
+    sum(b(x) for b in branches).square().sum().backward()
+    for a, b in zip(p.parameters(), (q for br in branches for q in br.parameters())):
+        assert_close(a.grad, b.grad)
+    if padding_idx is not None:
+        assert not p[0][0].weight.grad[padding_idx].any()
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
+def test_fused_embeddings_refuse_an_index_out_of_range_as_unfused_ones_do():
+    # The members' rows are gathered from one tensor: an index past a member's table
+    # must not read the next member's rows.
+    p = Parallel(*[nn.Embedding(10, 4) for _ in range(3)], fuse=True)
+    for bad in (10, -1):
+        with pytest.raises(IndexError, match="out of range"):
+            p(torch.tensor([[1, bad]]))
+    x = torch.randint(0, 10, (2, 5))
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (recent torch warns that torch.jit is deprecated)
 def test_jit_trace_of_fused_module_reads_the_parameters():
     # torch.jit.trace records the stacks an untraced call reads as constants:
@@ -1278,6 +1321,25 @@ class _SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attention(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_fused_attention_in_eval_mode_with_trainable_weights_has_a_backward(device):
+    # nn.MultiheadAttention takes its inference-only fast path when no tensor it is
+    # given requires grad, and the stacked weights vmap hands it show none: run
+    # batched, the backward failed ("derivative for aten::_native_multi_head_attention
+    # is not implemented"). Such calls run unfused; the group stays fused for the rest.
+    torch.manual_seed(0)
+    branches = [_SelfAttention().to(device).eval() for _ in range(3)]
+    p = Parallel(*copy.deepcopy(branches), join="sum", fuse=True).eval()
+    x = torch.randn(2, 5, 32, device=device)
+    p(x).square().sum().backward()
+    sum(b(x) for b in branches).square().sum().backward()
+    for a, b in zip(p.parameters(), (q for br in branches for q in br.parameters())):
+        assert_close(a.grad, b.grad)
+    with torch.no_grad():
+        assert_close(p(x), sum(b(x) for b in branches))
+    assert p.explain()["fused"] == [["0", "1", "2"]] and not p.explain()["unfused"]
 
 
 def test_fuse_auto_on_the_cpu_keeps_branches_unfused_under_deterministic_algorithms():
