@@ -1162,6 +1162,11 @@ class _CudaGraphs:
                  tensors: list[torch.Tensor], device: torch.device, needs_grad: bool,
                  params: list[nn.Parameter]) -> _Graph:
         index = device.index if device.index is not None else torch.cuda.current_device()
+        if needs_grad:
+            # Warm-up and capture run the blocks below with aliases for the parameters
+            # (_with_aliases), in which they cannot tell a change of their own: seen here,
+            # on the caller's stream, as their own calls would see it.
+            _watch._reset_changed_below(owner)
         # Ways the owner can run this call (``fuse="auto"``: fused or not;
         # ``compile=``: compiled children, eager ones, or the owner compiled as
         # a whole): each is captured and the

@@ -89,6 +89,21 @@ class _Tree:
         return True
 
 
+def _reset_changed_below(root: nn.Module) -> None:
+    r"""Make the blocks below ``root`` whose tree changed forget what they learnt, as their own calls would.
+
+    For a CUDA-graph capture of ``root`` in training, which runs the blocks
+    below with their parameters swapped for aliases (``_graphs._with_aliases``):
+    a block then takes any change in its tree for the aliases' (see
+    :func:`_swapped_in`) and keeps what it learnt -- fused groups stacked from
+    a replaced layer's old parameters. Done before the aliases go in.
+    """
+    for m in root.modules():
+        tree = m.__dict__.get("_tree")
+        if m is not root and isinstance(tree, _Tree) and tree.seen != _changes and not tree.same(m):
+            m._reset()
+
+
 def _swapped_in(modules: Any) -> bool:
     r"""Whether a parameter slot of ``modules`` holds a tensor that is not an ``nn.Parameter``.
 

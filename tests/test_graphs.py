@@ -1807,3 +1807,42 @@ def test_static_outputs_changed_in_place_before_backward_are_refused():
     block.zero_grad()
     block(x).sum().backward()  # the next call works
     assert block[1].weight.grad is not None
+
+
+@cuda
+@pytest.mark.parametrize("outer", ["parallel", "pipeline"])
+def test_training_capture_sees_a_layer_replaced_in_a_nested_fused_block(outer):
+    # A training capture runs the blocks below with aliases for the parameters, in
+    # which a fused block took the replaced layer's change for the aliases' and ran
+    # its old parameters (the capture was refused: a stray tensor requiring grad).
+    from parallel_modules import ParallelSequential
+
+    torch.manual_seed(0)
+    width = 32
+    stem, members, head = nn.Linear(16, width), _mlp(4, width=width), nn.Linear(4 * width, 8)
+    stem_r, members_r, head_r = copy.deepcopy((stem, members, head))
+    inner = Parallel(*members, fuse=True)
+    if outer == "pipeline":
+        model = ParallelSequential(stem, inner, head, chunks=2, cuda_graph=True).cuda()
+    else:
+        model = nn.Sequential(stem, Parallel(inner, cuda_graph=True), head).cuda()
+    chunks = 2 if outer == "pipeline" else 1
+    reference = nn.ModuleList([stem_r, *members_r, head_r]).cuda()
+
+    def expected(x):
+        return torch.cat([head_r(_reference(members_r, stem_r(c))) for c in x.tensor_split(chunks)])
+
+    for step in range(4):
+        if step == 2:
+            new = nn.Linear(width, width).cuda()
+            members_r[1][0] = copy.deepcopy(new)
+            inner[1][0] = new
+        x = torch.randn(8, 16, device="cuda")
+        y, y_r = model(x), expected(x)
+        torch.testing.assert_close(y, y_r, rtol=1e-4, atol=1e-5)
+        y.square().mean().backward()
+        y_r.square().mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            p.grad = q.grad = None
+    assert inner.explain()["fused"] == [["0", "1", "2", "3"]]
