@@ -33,7 +33,8 @@ class _Function(nn.Module):
 
 def _unfit(owner: str, kind: str, name: str, child: Any) -> str | None:
     r"""Why ``child`` cannot be a ``kind`` of ``owner`` whatever it is called, or ``None``."""
-    if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+    if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and type(child).forward is nn.Module.forward:
+        # (A subclass that defines ``forward`` is an ordinary module.)
         plural = "branches" if kind == "branch" else "stages"
         return (f"{owner}: {kind} {name!r} is a {type(child).__name__}, which holds modules but cannot be called. "
                 f"Pass its modules as the {plural} ({owner}(*modules), or {owner}(OrderedDict(module_dict))), "

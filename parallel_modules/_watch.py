@@ -197,8 +197,13 @@ def _placement(module: nn.Module) -> list[tuple]:
     ``.cuda()`` that moved or cast nothing leaves it equal, and what was
     learnt about the module (graphs, compiled code, fused stacks) holds.
     """
-    return [(id(t), t.dtype, t.device, *((t.data_ptr(), t.stride()) if t.layout == torch.strided else (t.layout,)))
-            for t in (*module.parameters(), *module.buffers())]
+    return [(id(t), t.dtype, t.device, *(
+        ("uninitialized",) if isinstance(t, _Uninitialized)  # (a lazy module's: no memory yet)
+        else (t.data_ptr(), t.stride()) if t.layout == torch.strided else (t.layout,)))
+        for t in (*module.parameters(), *module.buffers())]
+
+
+_Uninitialized = nn.parameter.UninitializedTensorMixin
 
 
 def _reset_if_moved(module: nn.Module) -> None:

@@ -697,3 +697,20 @@ def test_nested_tensor_inputs(layout):
         for a, b in zip(out.unbind(), expected.unbind()):
             assert torch.equal(a, b)
     assert "nested Tensor[(2, 4), (3, 4)]" in next(iter(p.explain()["schedules"]))
+
+
+def test_lazy_branches_and_stages_build_move_copy_and_run():
+    # Uninitialized parameters have no memory (``data_ptr`` raises) until the first call.
+    from parallel_modules import ParallelSequential
+
+    torch.manual_seed(0)
+    for make in (lambda: Parallel(nn.LazyLinear(4), nn.LazyLinear(4)),
+                 lambda: ParallelSequential(nn.LazyLinear(4), nn.ReLU())):
+        block = make()
+        twin, pickled = copy.deepcopy(block), pickle.loads(pickle.dumps(block))
+        block.double()
+        x = torch.randn(2, 3, dtype=torch.float64)
+        out = block(x)
+        assert out.dtype == torch.float64
+        assert_same(out, torch.cat([m(x) for m in block], 1) if isinstance(block, Parallel) else block[1](block[0](x)))
+        assert twin(x.float()).shape == pickled(x.float()).shape == out.shape
