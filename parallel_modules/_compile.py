@@ -461,7 +461,10 @@ class _Hooks:
     r"""The hooks of a child's modules (and the global ones) when its compiled form was traced.
 
     :meth:`added` costs one comparison until a hook handle is made anywhere in
-    the process; then the hook dicts are compared with their copies.
+    the process; then the hook dicts are compared with their copies, as lists
+    (in C: 4 us for the 368 dicts of a 92-module child on the development
+    machine, where a set difference per dict took 81 us -- and forked training
+    calls make a handle every call, for the backward join).
     """
 
     __slots__ = ("handles", "dicts", "copies")
@@ -475,9 +478,15 @@ class _Hooks:
         handles = getattr(_Handle, "next_id", None)
         if handles == self.handles:
             return False
-        if any(d.keys() - c.keys() for d, c in zip(self.dicts, self.copies)):
-            return True
-        self.handles = handles  # (a hook registered elsewhere, or removed: dynamo sees removals)
+        try:
+            same = self.dicts == self.copies
+        except Exception:  # (a hook object whose ``==`` raises)
+            same = False
+        if not same:
+            if any(d.keys() - c.keys() for d, c in zip(self.dicts, self.copies)):
+                return True
+            self.copies = [d.copy() for d in self.dicts]  # (removed: dynamo sees removals)
+        self.handles = handles  # (a hook registered elsewhere)
         return False
 
 

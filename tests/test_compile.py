@@ -741,6 +741,10 @@ def test_a_hook_registered_after_the_first_call_runs():
         assert_same(block(x), torch.cat([torch.zeros(2, 4), x], 1))
         handle.remove()
         assert_same(block(x), torch.cat([lin(x), x], 1))
+        handle = lin.register_forward_hook(lambda m, i, o: o * 2)  # after a removal, seen as well
+        assert_same(block(x), torch.cat([nn.functional.linear(x, lin.weight, lin.bias) * 2, x], 1))
+        handle.remove()
+        assert_same(block(x), torch.cat([lin(x), x], 1))
 
 
 def test_deepcopy_shares_a_callable_backend_and_names_it_by_class():
