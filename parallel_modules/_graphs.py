@@ -468,6 +468,9 @@ class _Graph:
         self.out_idx: list[int] = []
         self.out_spec: Any = None
         self.out_grad: list[bool] = []
+        # Which outputs the backward graph reads (an activation autograd saved): with
+        # ``static_outputs``, a change made to one in place before backward is refused.
+        self.out_saved: list[bool] = []
         self.grad_outputs: list[torch.Tensor | None] = []
         self.grad_inputs: list[torch.Tensor | None] = []
         # Copies of the inputs' gradients (to autograd) and of the parameters' (to
@@ -598,10 +601,11 @@ class _Replay(torch.autograd.Function):
             ctx.gen = graph.gen
             outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
         if static_outputs:
-            # The backward graph reads these buffers as it left them: saved, so that
-            # autograd refuses a backward after they were changed in place, as it
-            # refuses one through an eager layer that saved its output.
-            ctx.save_for_backward(*outs)
+            # The backward graph reads those of these buffers that autograd saved as they
+            # were left: saved here too, so that autograd refuses a backward after they
+            # were changed in place, as it refuses one through an eager layer that saved
+            # its output (and accepts changes to the others, as eager does).
+            ctx.save_for_backward(*[o for o, saved in zip(outs, graph.out_saved) if saved])
         ctx.graph = graph
         frozen = [o for o, g in zip(outs, graph.out_grad) if not g]
         if frozen:
@@ -1210,8 +1214,11 @@ class _CudaGraphs:
                     graph.variant = variant
                     try:
                         with torch.cuda.stream(stream):
-                            graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad)
-                                            for t in tensors]
+                            with torch.inference_mode(False):
+                                # (Not inference tensors, which keep no version: warm-up and capture
+                                # fork on these, and the fork sees a branch write to its input by it.)
+                                graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad)
+                                                for t in tensors]
                             graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
                             run = owner._compiler.whole(forward) if whole else forward
                             call = _bind(run, args, kwargs, graph.inputs)
@@ -1369,6 +1376,7 @@ class _CudaGraphs:
                 graph.grad_outputs = [torch.empty_like(o) if g else None for o, g in zip(outputs, graph.out_grad)]
             graph.bwd = torch.cuda.CUDAGraph()
             diff = [o for o in outputs if o.requires_grad]
+            graph.out_saved = _saved_outputs(outputs)
             with _backward_autocast():
                 grads = captured(graph.bwd, lambda: _in_layout(torch.autograd.grad(
                     diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
@@ -1386,6 +1394,38 @@ class _CudaGraphs:
             for s in graph.inputs:
                 s.requires_grad_(False)
         graph.outputs = [o.detach() for o in outputs]
+
+
+def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
+    r"""Which of ``outputs`` share memory with a tensor saved for backward in their autograd graph.
+
+    Looked up on the graph's nodes (``_saved_*`` attributes, and a custom
+    ``Function``'s ``saved_tensors``), once per capture. A value that cannot be
+    read counts as saving every output: refusing a change in place is the safe
+    side.
+    """
+    storages = [o.untyped_storage().data_ptr() for o in outputs]
+    hit: set[int] = set()
+    seen: set[Any] = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names = [n for n in dir(node) if n.startswith("_saved_")]
+        if hasattr(node, "saved_tensors"):
+            names.append("saved_tensors")
+        for name in names:
+            try:
+                value = getattr(node, name)
+            except Exception:
+                return [True] * len(outputs)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    hit.add(t.untyped_storage().data_ptr())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return [ptr in hit for ptr in storages]
 
 
 def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:

@@ -499,7 +499,7 @@ class Parallel(nn.Module):
         r"""Append every module of an iterable; returns ``self``."""
         owner, n = type(self).__name__, len(self._modules)
         # All checked before any is appended: a bad one leaves the block as it was.
-        for m in [_as_branch(owner, str(n + i), m) for i, m in enumerate(modules)]:
+        for m in [_own_mode(self, _as_branch(owner, str(n + i), m), m) for i, m in enumerate(modules)]:
             self.append(m)
         return self
 
@@ -992,20 +992,26 @@ class Parallel(nn.Module):
                 # is in the signature): chosen again at the next call, which does not fork in
                 # training (see _candidates). Seen on the outputs: walking the parameters on
                 # every call cost 98 us of a call with 804 of them on the H100 machine.
-                self._plans.pop(key, None)
+                # Kept as it is, without the fork: the outputs may also record through a
+                # tensor that is neither a parameter nor an input (a closure, a weight tied
+                # from outside), which _candidates cannot see, and tuning again would
+                # choose to fork again, call after call.
+                self._remember(key, plan._replace(forked=False))
             return outputs
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
         if plan is None:
-            if self.streams is not False and key not in self._unwritten and self._compiler is None:
+            # (Forks run branches side by side; "auto" may fuse a group ahead of a branch.)
+            reorders = self.streams is not False or self.fuse == "auto" and fusion is not None and len(fusion.units) > 1
+            if reorders and key not in self._unwritten and self._compiler is None:
                 device = _input_device(args, kwargs) if _unversioned(args, kwargs) else None
                 if device is not None and device.type == "cuda" and not _capture_underway():
                     return self._first_unversioned(key, args, kwargs, fusion)
             plan = self._plan(key, args, kwargs, fusion)
-            if plan is _CPU_FUSED and self.fuse == "auto" and fusion is not None and not all(
-                    isinstance(u, _Group) for u in fusion.units):
+            if plan is _CPU_FUSED and self.fuse == "auto" and fusion is not None and len(fusion.units) > 1:
                 # A fused group runs its members together, before or after the other
-                # branches: one of those changing the shared input in place would be seen
-                # by some members and not others. The first call runs in turn and looks.
+                # branches (or groups): one of those changing the shared input in place
+                # would be seen by some members and not others. The first call runs in
+                # turn and looks.
                 outputs, wrote = self._run_watched(args, kwargs, None)
                 if wrote:
                     self._remember(key, _CPU)
@@ -1064,7 +1070,8 @@ class Parallel(nn.Module):
         Inference tensors (made under ``torch.inference_mode()``) keep no
         version, by which a fork sees a branch change its input in place
         (``nn.ReLU(inplace=True)`` first) while the others read it on their
-        streams. A branch that writes to them here keeps the signature
+        streams, and ``fuse="auto"`` a branch change it before a fused group
+        that comes after it in the block runs. A branch that writes to them here keeps the signature
         sequential (``"auto"``) or is refused (``streams=True``), as such a
         branch is where versions show it; otherwise the signature's calls
         are scheduled as any other's. (Once per signature: a branch that

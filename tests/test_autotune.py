@@ -232,6 +232,18 @@ def test_auto_keeps_branches_sequential_when_one_changes_the_input_in_place(fork
     assert p._plans and not any(plan.forked for plan in p._plans.values())
 
 
+def test_outputs_recording_through_a_closure_tensor_are_tuned_once(forks):
+    # The weight is neither a parameter nor an input: "auto" offered forking, chose it,
+    # then saw the outputs record and started over, call after call.
+    w = torch.randn(4, 4, requires_grad=True)
+    p = Parallel(lambda x: x @ w, lambda x: x @ w.t(), streams="auto")
+    x = torch.randn(2, 4)
+    for _ in range(4 * _TRIAL):
+        torch.testing.assert_close(p(x), torch.cat([x @ w, x @ w.t()], 1), rtol=0, atol=0)
+    assert p._tuner.calls <= 2 * _TRIAL and p._plans
+    assert not any(plan.forked for plan in p._plans.values())
+
+
 def test_a_fork_chosen_while_frozen_is_dropped_when_training_starts(forks):
     p = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), streams="auto")
     p.requires_grad_(False)  # a frozen backbone: forking may be chosen

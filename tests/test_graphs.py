@@ -1809,6 +1809,27 @@ def test_static_outputs_changed_in_place_before_backward_are_refused():
     assert block[1].weight.grad is not None
 
 
+@pytest.mark.cuda
+def test_static_outputs_no_backward_reads_may_change_in_place():
+    # Linear's and cat's backward read no output: eager accepts y.mul_(2) before
+    # backward (an in-place ReLU after the block, ``y += skip``), and so must the replay.
+    torch.manual_seed(0)
+    branches = [nn.Linear(64, 64), nn.Linear(64, 64)]
+    block = Parallel(*copy.deepcopy(branches), cuda_graph=True, static_outputs=True).cuda()
+    reference = nn.ModuleList(branches).cuda()
+    for _ in range(4):  # captured, then replayed
+        x = torch.randn(16, 64, device="cuda")
+        y, y_r = block(x), _reference(reference, x)
+        y.mul_(2)
+        y_r.mul_(2)
+        (y * y).sum().backward()
+        (y_r * y_r).sum().backward()
+        for p, q in zip(block.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+            p.grad = q.grad = None
+    assert block._graphs.captures == 1
+
+
 @cuda
 @pytest.mark.parametrize("outer", ["parallel", "pipeline"])
 def test_training_capture_sees_a_layer_replaced_in_a_nested_fused_block(outer):

@@ -476,6 +476,25 @@ def test_classes_and_module_lists_are_refused_as_branches():
     assert len(p) == 1
 
 
+def test_module_list_and_dict_subclasses_with_a_forward_are_branches_and_stages():
+    from parallel_modules import ParallelSequential
+
+    class Chain(nn.ModuleList):
+        def forward(self, x):
+            for m in self:
+                x = m(x)
+            return x
+
+    class Heads(nn.ModuleDict):
+        def forward(self, x):
+            return sum(m(x) for m in self.values())
+
+    chain, heads = Chain([nn.Linear(4, 4), nn.ReLU()]), Heads({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    x = torch.randn(2, 4)
+    assert_same(Parallel(chain, heads)(x), torch.cat([chain(x), heads(x)], 1))
+    assert_same(ParallelSequential(chain, heads)(x), heads(chain(x)))
+
+
 @pytest.mark.parametrize("name", ["join", "fuse", "append", "training", "a.b", ""])
 def test_branch_names_that_cannot_be_attributes_are_refused(name):
     with pytest.raises(ValueError, match=f"Parallel: cannot name a branch {name!r}"):
@@ -516,10 +535,14 @@ def test_settings_cannot_be_deleted_and_compile_is_fixed():
 
 
 # ------------------------------------------------- found by a cross-feature fuzz
-def test_fuse_auto_on_the_cpu_keeps_a_branch_changing_the_input_in_place_in_order():
+@pytest.mark.parametrize("groups", [1, 2])
+def test_fuse_auto_on_the_cpu_keeps_a_branch_changing_the_input_in_place_in_order(groups):
     # Before: the identical branches 0 and 2 ran fused, both before branch 1's ReLU, where
-    # in turn branch 2 reads the changed input (max error 0.64).
-    branches = [nn.Linear(4, 4), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)), nn.Linear(4, 4)]
+    # in turn branch 2 reads the changed input (max error 0.64); with the writers fused
+    # as a second group, every branch in a group, the first call was not watched.
+    torch.manual_seed(0)
+    writer = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4))
+    branches = [nn.Linear(4, 4), writer, nn.Linear(4, 4)] + ([copy.deepcopy(writer)] if groups == 2 else [])
     block = Parallel(*[copy.deepcopy(b) for b in branches], fuse="auto")
     with torch.no_grad():
         for _ in range(3):
@@ -538,7 +561,8 @@ def test_a_callable_appended_to_an_eval_block_takes_its_mode():
     f = lambda x: x * 1.5  # noqa: E731
     block = Parallel(f, f, join="sum", fuse=True).eval()
     block.append(f)
+    block.extend([f])
     block[0] = f
     x = torch.randn(2, 4)
-    assert_same(block(x), x * 1.5 + x * 1.5 + x * 1.5)
+    assert_same(block(x), x * 1.5 * 4)
     assert not any(b.training for b in block)
