@@ -154,8 +154,10 @@ class Parallel(nn.Module):
             Default: ``8``.
         static_outputs: return the graph's own output buffers instead of
             fresh copies, saving one copy per output; they are overwritten by
-            the module's next call, so use or copy them before it. Default:
-            ``False``.
+            the module's next call, so use or copy them before it. In
+            training, changing one in place before backward is refused where
+            the backward reads it (an output of ``ReLU``), as eager autograd
+            refuses it. Default: ``False``.
         graph_fallback: when a signature cannot be captured, warn once and
             run it eagerly from then on instead of raising. Default: ``False``.
         direct_grads: with ``cuda_graph=True`` in training, take the

@@ -911,18 +911,22 @@ def test_fuse_auto_keeps_a_branch_writing_to_an_inference_input_in_order():
 def test_a_graphed_fork_sees_a_branch_writing_to_its_input(mode):
     # Captured under inference_mode, the static input was an inference tensor, which
     # keeps no version: the forked capture raced with the in-place ReLU (wrong from the
-    # first call, max error 1.42). Now the capture sees it as under no_grad.
+    # first call, max error 1.42). Now it is refused as under no_grad; without forks
+    # the block captures and replays it in order.
     torch.manual_seed(0)
     branches = [nn.Sequential(Sleepy(nn.Identity(), 5_000_000), nn.ReLU(inplace=True), nn.Linear(64, 64)),
                 nn.Linear(64, 64)]
-    block = Parallel(*copy.deepcopy(branches), cuda_graph=True, graph_fallback=True).to(DEV).eval()
+    forked = Parallel(*copy.deepcopy(branches), cuda_graph=True).to(DEV).eval()
+    in_turn = Parallel(*copy.deepcopy(branches), cuda_graph=True, streams=False).to(DEV).eval()
     branches = [b.to(DEV) for b in branches]
-    with getattr(torch, mode)(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (graph_fallback's warning, if it cannot capture)
+    with getattr(torch, mode)():
+        with pytest.raises(RuntimeError, match="changed its input in place"):
+            forked(torch.randn(32, 64, device=DEV))
         for _ in range(5):
             x = torch.randn(32, 64, device=DEV)
             xr = x.clone()
-            assert_same(block(x), torch.cat([b(xr) for b in branches], 1))
+            assert_same(in_turn(x), torch.cat([b(xr) for b in branches], 1))
+    assert len(in_turn._graphs) == 1
 
 
 def test_a_branch_writing_to_a_nested_input_never_races():
