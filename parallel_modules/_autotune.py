@@ -226,9 +226,10 @@ def _choose(costs: dict[Hashable, _Timing], baseline: Hashable) -> Hashable:
     return best if costs[best].cost < _MARGIN * costs[baseline].cost else baseline
 
 
-# Calls ``_warm_up`` adds while a block still tries schedules (two candidates take 28
-# calls, four 56, and a trial waits for the GPU to run its timed calls: enough for four more).
-_MAX_EXTRA_WARMUP = 60
+# Calls ``_warm_up`` adds while a block still tries schedules: a trial of four candidates
+# (the most ``Parallel`` has) takes 56 calls, up to twice its samples more while a nested
+# block tries its own (see _NESTED_ROUNDS), and waits for the GPU to run its timed calls.
+_MAX_EXTRA_WARMUP = 4 * (_WARMUP + (1 + _NESTED_ROUNDS) * _SAMPLES) + 8
 
 
 def _warm_up(call: Callable[[], Any], warmup: int) -> int:
