@@ -1376,7 +1376,8 @@ class _CudaGraphs:
                 graph.grad_outputs = [torch.empty_like(o) if g else None for o, g in zip(outputs, graph.out_grad)]
             graph.bwd = torch.cuda.CUDAGraph()
             diff = [o for o in outputs if o.requires_grad]
-            graph.out_saved = _saved_outputs(outputs)
+            if self.static_outputs:
+                graph.out_saved = _saved_outputs(outputs)
             with _backward_autocast():
                 grads = captured(graph.bwd, lambda: _in_layout(torch.autograd.grad(
                     diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],

@@ -209,6 +209,30 @@ def test_direct_grads_on_the_cpu_train_through_autograd():
             assert torch.equal(p.grad, p_ref.grad)
 
 
+def test_saved_outputs_are_those_the_backward_reads():
+    # static_outputs refuses a change in place before backward only to these, as eager does.
+    from parallel_modules._graphs import _saved_outputs
+
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            y = t * 2
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.randn(4, 8, requires_grad=True)
+    linear = nn.Linear(8, 8)
+    a = linear(x)  # addmm saves its inputs, not its output
+    relu = torch.relu(linear(x))  # relu saves its output
+    joined = torch.cat([a, relu], 1)
+    doubled = Doubled.apply(x)
+    assert _saved_outputs([a, relu, joined, doubled, doubled.view(-1)]) == [False, True, False, True, True]
+
+
 def test_moving_or_changing_branches_drops_graphs():
     block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), cuda_graph=True)
     for change in (lambda: block.double(), lambda: block.append(nn.Linear(4, 4)), lambda: block.__delitem__(-1)):
