@@ -949,7 +949,9 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
         w_name, padding_idx = q("weight"), m.padding_idx
 
         def embedding(v: _Value, get: _Get) -> Any:
-            if v.layout != _SHARED:  # each member's own indices: vmap's rule
+            if v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0:
+                # Each member's own indices, or forward-mode AD (whose padding row keeps its
+                # tangent, which the ``detach`` below would drop): vmap's rule.
                 return fallback(v, get)
             idx, w = v.t, get(w_name)
             out = w.index_select(1, idx.reshape(-1)).view(n, *idx.shape, w.shape[-1])
@@ -993,6 +995,8 @@ class _UnbatchedNow(Exception):
     """
 
 
+_forward_ad = torch.autograd.forward_ad
+
 # Layers that take an inference-only path when they see no tensor requiring grad (see _UnbatchedNow).
 _FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
@@ -1031,7 +1035,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             raise _UnbatchedNow
         state = {k: t for k, t in ((k, get(q)) for k, q in local) if t is not None}
         if (fast_paths and torch.is_grad_enabled() and not all(sub.training for sub in fast_paths)
-                and any(t.requires_grad for t in state.values())):
+                and (v.t.requires_grad or any(t.requires_grad for t in state.values()))):
             raise _UnbatchedNow
         _structure.value = None
         if v.layout == _SHARED and state:

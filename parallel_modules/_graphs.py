@@ -1414,6 +1414,8 @@ def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
         if node is None or node in seen:
             continue
         seen.add(node)
+        if type(node).__name__ in _HIDDEN_SAVES:
+            return [True] * len(outputs)
         names = [n for n in dir(node) if n.startswith("_saved_")]
         if hasattr(node, "saved_tensors"):
             names.append("saved_tensors")
@@ -1426,7 +1428,12 @@ def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                     hit.add(t.untyped_storage().data_ptr())
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return [ptr in hit for ptr in storages]
+    return [ptr in hit and o.numel() > 0 for ptr, o in zip(storages, outputs)]  # (all empty ones share 0)
+
+
+# Nodes whose saved tensors Python cannot read: an in-place change of part of a tensor
+# (``CopySlices``, which holds the node of the change), a TorchScript function's.
+_HIDDEN_SAVES = frozenset({"CopySlices", "CppFunction"})
 
 
 def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:

@@ -940,6 +940,21 @@ def test_fused_embeddings_equal_unfused_and_leave_the_padding_row_without_gradie
     assert p.explain()["fused"] == [["0", "1", "2"]]
 
 
+def test_fused_embeddings_keep_the_padding_rows_tangent_under_forward_ad():
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    branches = [nn.Embedding(10, 4, padding_idx=3) for _ in range(3)]
+    p = Parallel(*copy.deepcopy(branches), join="sum", fuse=True)
+    x = torch.tensor([[3, 1, 3, 5]])
+    tangents = {f"{i}.weight": torch.randn(10, 4) for i in range(3)}
+    with fwAD.dual_level():
+        dual = {k: fwAD.make_dual(p.get_parameter(k).detach(), t) for k, t in tangents.items()}
+        got = fwAD.unpack_dual(torch.func.functional_call(p, dual, (x,))).tangent
+    expected = sum(nn.functional.embedding(x, tangents[f"{i}.weight"]) for i in range(3))
+    assert_close(got, expected)
+
+
 def test_fused_embeddings_refuse_an_index_out_of_range_as_unfused_ones_do():
     # The members' rows are gathered from one tensor: an index past a member's table
     # must not read the next member's rows.
@@ -1340,6 +1355,17 @@ def test_fused_attention_in_eval_mode_with_trainable_weights_has_a_backward(devi
     with torch.no_grad():
         assert_close(p(x), sum(b(x) for b in branches))
     assert p.explain()["fused"] == [["0", "1", "2"]] and not p.explain()["unfused"]
+    # Frozen attention after a fused layer: vmap hides that the value it gets requires grad.
+    branches = [nn.Sequential(nn.Linear(32, 32), _SelfAttention()).to(device).eval() for _ in range(3)]
+    for b in branches:
+        b[1].requires_grad_(False)
+    p = Parallel(*copy.deepcopy(branches), join="sum", fuse=True).eval()
+    p(x).square().sum().backward()
+    sum(b(x) for b in branches).square().sum().backward()
+    for a, b in zip(p.parameters(), (q for br in branches for q in br.parameters())):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            assert_close(a.grad, b.grad)
 
 
 def test_fuse_auto_on_the_cpu_keeps_branches_unfused_under_deterministic_algorithms():

@@ -231,6 +231,11 @@ def test_saved_outputs_are_those_the_backward_reads():
     joined = torch.cat([a, relu], 1)
     doubled = Doubled.apply(x)
     assert _saved_outputs([a, relu, joined, doubled, doubled.view(-1)]) == [False, True, False, True, True]
+    part = linear(x) * 1
+    part[:, :4].sigmoid_()  # a CopySlices node, whose saved tensors Python cannot read: taken as saved
+    empty = linear(x[:0])  # every empty tensor's data_ptr is 0
+    assert _saved_outputs([part, a]) == [True, True]
+    assert _saved_outputs([empty, torch.relu(x[:0])]) == [False, False]  # (nothing to change in place)
 
 
 def test_moving_or_changing_branches_drops_graphs():
