@@ -545,7 +545,7 @@ class Parallel(nn.Module):
             fused, unfused = report["fused"], report["unfused"]
         # (A copy: calls in other threads add schedules as this describes them.)
         schedules = {_describe_signature(k): _describe_schedule(p) + _describe_costs(self._tuner.costs.get(k))
-                     for k, p in list(self._plans.items())}
+                     for k, p in self._plans.copy().items()}  # (one C call: other threads add plans)
         if self.cuda_graph:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
             for k, variant in self._graphs.variants().items():
