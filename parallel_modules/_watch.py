@@ -100,7 +100,7 @@ def _reset_changed_below(root: nn.Module) -> None:
     """
     for m in root.modules():
         tree = m.__dict__.get("_tree")
-        if m is not root and isinstance(tree, _Tree) and tree.seen != _changes and not tree.same(m):
+        if m is not root and isinstance(tree, _Tree) and not tree.same(m):
             m._reset()
 
 

@@ -1002,18 +1002,16 @@ class Parallel(nn.Module):
             return outputs
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
         if plan is None:
-            # (Forks run branches side by side; "auto" may fuse a group ahead of a branch.)
-            reorders = self.streams is not False or self.fuse == "auto" and fusion is not None and len(fusion.units) > 1
-            if reorders and key not in self._unwritten and self._compiler is None:
+            # A fused group runs its members together, before or after the other branches
+            # (or groups), as forks run branches side by side: one of those changing the
+            # shared input in place would be seen by some members and not others.
+            reordered = self.fuse == "auto" and fusion is not None and len(fusion.units) > 1
+            if (self.streams is not False or reordered) and key not in self._unwritten and self._compiler is None:
                 device = _input_device(args, kwargs) if _unversioned(args, kwargs) else None
                 if device is not None and device.type == "cuda" and not _capture_underway():
                     return self._first_unversioned(key, args, kwargs, fusion)
             plan = self._plan(key, args, kwargs, fusion)
-            if plan is _CPU_FUSED and self.fuse == "auto" and fusion is not None and len(fusion.units) > 1:
-                # A fused group runs its members together, before or after the other
-                # branches (or groups): one of those changing the shared input in place
-                # would be seen by some members and not others. The first call runs in
-                # turn and looks.
+            if plan is _CPU_FUSED and reordered:  # the first call runs in turn and looks
                 outputs, wrote = self._run_watched(args, kwargs, None)
                 if wrote:
                     self._remember(key, _CPU)
@@ -1073,8 +1071,8 @@ class Parallel(nn.Module):
         version, by which a fork sees a branch change its input in place
         (``nn.ReLU(inplace=True)`` first) while the others read it on their
         streams, and ``fuse="auto"`` a branch change it before a fused group
-        that comes after it in the block runs. A branch that writes to them here keeps the signature
-        sequential (``"auto"``) or is refused (``streams=True``), as such a
+        that comes after it in the block runs. A branch that writes to them
+        here keeps the signature sequential (``"auto"``) or is refused (``streams=True``), as such a
         branch is where versions show it; otherwise the signature's calls
         are scheduled as any other's. (Once per signature: a branch that
         writes to its input on some calls only is not seen.)
