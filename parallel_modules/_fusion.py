@@ -942,11 +942,15 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
         return [pool]
 
     if type(m) is nn.Embedding and m.max_norm is None and not m.scale_grad_by_freq:
-        # Rows of the stacked weights [N, rows, dim] gathered along dim 1: one gather,
-        # and one that torch.export can trace, where exporting vmap's embedding fails.
-        # ``index_select`` refuses an index out of range as ``F.embedding`` does (on the
-        # flat [N * rows, dim] table, offset indices would read the next member's rows).
-        w_name, padding_idx = q("weight"), m.padding_idx
+        # One ``F.embedding`` on the members' tables one after another ([N * rows, dim]),
+        # member i's indices offset by i * rows: traceable by torch.export, where
+        # exporting vmap's embedding fails, and with ``F.embedding``'s backward, which
+        # sums a row's gradients in float32 in a fixed order (``index_select``'s sums
+        # in the weights' dtype with atomics: bfloat16 gradients 50x further off on
+        # the H100, and not the same from one run to the next). The indices are the
+        # members' own: one out of range is out of range of the whole table for the
+        # last member (too large) or the first (negative), and raises as unfused.
+        w_name, padding_idx, rows = q("weight"), m.padding_idx, m.num_embeddings
 
         def embedding(v: _Value, get: _Get) -> Any:
             if v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0:
@@ -954,7 +958,8 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 # tangent, which the ``detach`` below would drop): vmap's rule.
                 return fallback(v, get)
             idx, w = v.t, get(w_name)
-            out = w.index_select(1, idx.reshape(-1)).view(n, *idx.shape, w.shape[-1])
+            offsets = torch.arange(0, n * rows, rows, device=idx.device).view(n, *(1,) * idx.dim())
+            out = F.embedding(idx + offsets, w.flatten(0, 1))
             if padding_idx is not None and out.requires_grad:
                 # The padding row gets no gradient, as ``F.embedding(..., padding_idx)`` gives it none.
                 out = torch.where((idx == padding_idx).unsqueeze(-1), out.detach(), out)
