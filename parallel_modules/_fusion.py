@@ -172,6 +172,8 @@ def _unfusable(branch: nn.Module) -> str | None:
         return "module hooks are registered globally, which a batched call would not run once per branch"
     for path, m in branch.named_modules():
         where = f"submodule {path!r} ({type(m).__name__})" if path else f"the branch ({type(m).__name__})"
+        if isinstance(m, torch.jit.ScriptModule):
+            return f"{where} is a TorchScript module, which torch.func cannot call batched"
         if any(getattr(m, h, None) for h in _HOOKS):
             return f"{where} has hooks, which a batched call would not run once per branch"
         if "forward" in vars(m):

@@ -1005,7 +1005,10 @@ class _CudaGraphs:
         # Submodules whose behaviour may depend on their own train/eval mode, which a
         # user may set apart from the owner's (a frozen BatchNorm in a training model).
         self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
-        self._slots = [d for m in owner.modules() for d in (m._parameters, m._buffers) if d]
+        # (TorchScript modules keep theirs in C++, behind a view that is not a dict;
+        # ``torch.func.functional_call`` refuses those modules, so nothing swaps them.)
+        self._slots = [d for m in owner.modules() for d in (m._parameters, m._buffers)
+                       if d and isinstance(d, dict)]
         self._slot_values = [d.copy() for d in self._slots]
         self._scalars = _has_scalars(self._slots)
         self._swaps = 0

@@ -362,7 +362,9 @@ def test_output_changed_in_place_leaves_the_others_saved_for_backward(build, sha
 @pytest.mark.parametrize("build, why", [
     (lambda: nn.LSTM(8, 8), "recurrent layer"),
     (lambda: Parallel(nn.Linear(8, 8), nn.Linear(8, 8)), "block of its own"),
+    (lambda: torch.jit.script(nn.Linear(8, 8)), "TorchScript module"),  # (was: "forward replaced")
 ])
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (recent torch warns that torch.jit is deprecated)
 def test_reasons_for_modules_never_fused(build, why):
     p = Parallel(build(), build(), join="tuple", fuse="auto")
     p(torch.randn(4, 8))

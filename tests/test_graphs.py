@@ -1842,6 +1842,32 @@ def test_static_outputs_changed_in_place_before_backward_are_refused():
 
 
 @pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (recent torch warns that torch.jit is deprecated)
+def test_torchscript_stage_is_graphed_in_training():
+    # Before: the capture's note of the modules' parameter dicts called ``.copy()`` on a
+    # TorchScript module's, which is a view of C++ state without one (AttributeError).
+    from parallel_modules import ParallelSequential
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid()).cuda()
+    reference = copy.deepcopy(eager)  # (a deepcopy of a scripted module gets no .grad)
+    scripted = torch.jit.script(eager)
+    block = ParallelSequential(nn.Identity(), scripted, cuda_graph=True, static_outputs=True).cuda()
+    for _ in range(4):  # captured, then replayed
+        x = torch.randn(4, 8, device="cuda")
+        block(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+        for p, q in zip(block.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            p.grad = q.grad = None
+    assert block._graphs.captures == 1
+    y = block(x)
+    y.mul_(2)  # the Sigmoid's output, which its backward reads: refused, as eager refuses it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.cuda
 def test_static_outputs_no_backward_reads_may_change_in_place():
     # Linear's and cat's backward read no output: eager accepts y.mul_(2) before
     # backward (an in-place ReLU after the block, ``y += skip``), and so must the replay.
