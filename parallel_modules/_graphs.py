@@ -27,7 +27,8 @@ A capture follows :func:`torch.cuda.make_graphed_callables`:
   backward replays the backward graph. Parameters are inputs of that function,
   so autograd routes their gradients as usual; on a plain ``backward()`` with
   nothing listening on them, the function writes them into ``.grad`` itself
-  (see :func:`_hand_out` and ``_Graph.token``). With ``direct_grads`` the
+  when the backward pass ends (see :class:`_HandOut` and ``_Graph.token``).
+  With ``direct_grads`` the
   parameters are left out of its inputs whenever nothing listens on them, so
   that the engine visits no accumulator of theirs either;
 * the first call's result is the graph's first **replay** on that call's
@@ -485,7 +486,7 @@ class _Graph:
         # ``torch.autograd.grad`` and ``backward(inputs=...)``, which never name the
         # token. On a plain ``backward()`` with nothing listening on the
         # parameters, ``_Replay`` writes their gradients into ``.grad`` itself (see
-        # ``_hand_out``) and hands their accumulators nothing, which they return on
+        # ``_HandOut``) and hands their accumulators nothing, which they return on
         # at once. On the H100 machine the engine spent 6.0 us of host time per
         # accumulator given a gradient to keep and 4.3 us per one given none; the
         # mlp8 training step went from 1668 to 1464 us (tools/exp_train_step.py).
@@ -496,11 +497,15 @@ class _Graph:
         self.token_node: Any = None
         # The token's gradient: defined, so that the engine orders the token's
         # accumulator -- whose stream the caller's waits on at the end of
-        # ``backward()`` -- after the stream this backward writes ``.grad`` on.
+        # ``backward()`` -- after the backward replay, whose buffers ``_HandOut``
+        # then reads on the caller's stream.
         self.token_grad: torch.Tensor | None = None
         # Training: forward replays so far, and the last one whose backward ran.
         self.gen = 0
         self.bwd_gen = -1
+        # The parameters' gradients of the latest backward replay, waiting in the
+        # buffers for the end of its backward pass (see ``_HandOut``).
+        self.pending: _HandOut | None = None
         # Aliases of the owner's parameters and buffers when captured: the graph
         # reads their memory by address, so it must live as long as the graph. A
         # branch moved on its own (``block[0].half()``, ``p.data = ...``) runs its
@@ -595,6 +600,8 @@ class _Replay(torch.autograd.Function):
         ctx.direct = direct
         with graph.lock:
             graph._order(_current_stream(graph.device))
+            if graph.pending is not None:  # (another thread's backward pass has not ended yet)
+                graph.pending.stage()
             graph._copy_in(inputs[: len(graph.inputs)])
             _launch(graph.fwd)
             graph.gen += 1
@@ -659,13 +666,14 @@ class _Replay(torch.autograd.Function):
                             f"Register hooks (and create process groups) before the forward call, or pass "
                             f"direct_grads=False."
                         )
-                    _hand_out(graph.params, graph.grad_inputs[n:], graph.param_copies)
+                    _HandOut.queue(graph, n)
                 return inputs + (graph.token_grad,)
             if plain and _direct_allowed(graph.params):
-                # Nothing listens on the parameters: their gradients go to ``.grad`` here,
-                # in one go, and their accumulators get none (each then returns at once),
-                # which saves the engine most of its per-parameter work (see ``_Graph.token``).
-                _hand_out(graph.params, graph.grad_inputs[n:], graph.param_copies)
+                # Nothing listens on the parameters: their gradients go to ``.grad`` at the
+                # end of the pass, in one go, and their accumulators get none (each then
+                # returns at once), which saves the engine most of its per-parameter work
+                # (see ``_Graph.token``).
+                _HandOut.queue(graph, n)
                 return inputs + (None,) * len(graph.params) + (graph.token_grad,)
             # ``torch.autograd.grad``, ``backward(inputs=...)``, hooks: through autograd.
             return inputs + _in_place(graph.grad_inputs[n:], graph.param_copies.fresh()) + (None,)
@@ -696,6 +704,68 @@ def _direct_allowed(params: tuple[torch.Tensor, ...]) -> bool:
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class _HandOut:
+    r"""The parameters' gradients of one backward replay, handed to ``.grad`` when its backward pass ends.
+
+    Handed out by the backward replay itself, on its own stream, they raced
+    with every other writer of the same ``.grad`` in that pass: the block's
+    backward for a call made on another stream (the same block called from
+    two streams), or a parameter's accumulator fed by a layer outside the
+    block that ran on another stream -- where the engine orders the
+    accumulator's writes among themselves, but knows nothing of the replay's.
+    So the replay leaves them in its buffers and queues this as one of the
+    engine's final callbacks, which run after every accumulator, on the
+    stream that called ``backward()``, once it has waited for the streams
+    of all accumulators (the graph's token among them, whose gradient the
+    replay made: so after the replay too). Then ``.grad`` is written last,
+    on the caller's stream, whatever wrote it before: as eager autograd
+    leaves it for the caller.
+
+    The buffers stay as the replay left them until then, unless a forward
+    replay of the same graph comes first (from another thread): that one
+    copies them out before it overwrites them (:meth:`stage`).
+    """
+
+    __slots__ = ("graph", "grads", "staged", "event")
+
+    def __init__(self, graph: _Graph, grads: list[torch.Tensor | None]) -> None:
+        self.graph = graph
+        self.grads = grads
+        self.staged: list[torch.Tensor] | None = None
+        self.event: torch.cuda.Event | None = None
+
+    @staticmethod
+    def queue(graph: _Graph, n: int) -> None:
+        r"""Hand out ``graph``'s parameter gradients (``grad_inputs[n:]``) when the running backward pass ends; ``graph.lock`` held."""
+        hand_out = _HandOut(graph, graph.grad_inputs[n:])
+        graph.pending = hand_out
+        torch.autograd.Variable._execution_engine.queue_callback(hand_out)
+
+    def stage(self) -> None:
+        r"""Copy the gradients out of the buffers, which a forward replay is about to overwrite; ``graph.lock`` held."""
+        self.staged = self.graph.param_copies.fresh()
+        self.event = torch.cuda.Event()
+        self.event.record()
+        self.graph.pending = None
+
+    def __call__(self) -> None:
+        graph = self.graph
+        with graph.lock:
+            stream = _current_stream(graph.device)  # the caller's of ``backward()``
+            if self.staged is None:
+                graph.pending = None
+                _hand_out(graph.params, self.grads, graph.param_copies)
+                # This stream waited for the replay (see above): the next replay, from
+                # any stream, now waits for these reads before it overwrites the buffers.
+                graph.last = stream
+                return
+        assert self.event is not None
+        stream.wait_event(self.event)
+        for t in self.staged:  # (made on the forward replay's stream, used on this one)
+            t.record_stream(stream)
+        _accumulate(tuple(p for p, g in zip(graph.params, self.grads) if g is not None), tuple(self.staged))
 
 
 def _hand_out(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None], copies: _GradCopies) -> None:

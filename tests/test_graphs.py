@@ -648,6 +648,113 @@ def test_training_gradients_of_a_parameter_also_used_outside_the_block(outside_f
                 m.zero_grad()
 
 
+class _SlowGrad(torch.autograd.Function):
+    # The identity, whose backward first keeps its stream busy for about 10 ms (when captured
+    # into a backward graph, on each replay), so that an unordered write after it shows.
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(20_000_000)
+        return g
+
+
+class _SlowGradFor(nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def forward(self, x):  # (decided while captured: one signature is slow, the other not)
+        return _SlowGrad.apply(x) if x.shape[0] == self.rows else x
+
+
+@cuda
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("case", ["block called from two streams", "parameter used outside on another stream"])
+def test_gradients_handed_to_grad_are_ordered_with_other_streams(case, direct):
+    # Before: the backward replay wrote .grad on its own stream, unordered with the block's
+    # backward for a call made on another stream, and with the accumulator of a parameter
+    # also used outside the block on another stream: one contribution was lost (max error
+    # 10-14 on the H100). Now .grad is written when the backward pass ends, on its caller's stream.
+    torch.manual_seed(0)
+    shared, other = nn.Linear(64, 64), nn.Linear(64, 64)
+    reference = nn.ModuleList([copy.deepcopy(shared), copy.deepcopy(other)]).cuda()
+    block = _graphed([nn.Sequential(shared, _SlowGradFor(8)), other], direct_grads=direct)
+    side, other_side = torch.cuda.Stream(), torch.cuda.Stream()
+    for step in range(4):
+        x, z = torch.randn(8, 64, device="cuda"), torch.randn(4, 64, device="cuda")
+        w, v = torch.randn(8, 128, device="cuda"), torch.randn(4, 128 if case.startswith("block") else 64,
+                                                                 device="cuda")
+        torch.cuda.synchronize()
+        if case.startswith("block"):  # one block, two signatures, two streams
+            with torch.cuda.stream(other_side):
+                b = block(z)
+            with torch.cuda.stream(side):
+                a = block(x)
+            expected = lambda r: (_reference(r, x) * w).sum() + (_reference(r, z) * v).sum()  # noqa: E731
+        else:  # shared's weight, used outside the block on the default stream first
+            b = block[0][0](z)
+            with torch.cuda.stream(side):
+                a = block(x)
+            expected = lambda r: (r[0](z) * v).sum() + (_reference(r, x) * w).sum()  # noqa: E731
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(other_side)
+        ((a * w).sum() + (b * v).sum()).backward()
+        expected(reference).backward()
+        for p, p_ref in zip(block.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-4)
+        if step % 2:  # every other step, accumulate over two backwards
+            block.zero_grad()
+            reference.zero_grad()
+
+
+@cuda
+def test_forward_replay_from_another_thread_before_a_backward_pass_ends(monkeypatch):
+    # The parameters' gradients wait in the graph's buffers until the backward pass ends; a
+    # forward replay of the same graph from another thread meanwhile (here: while a hook of
+    # the pass blocks) may overwrite those buffers, and so first copies them out.
+    from parallel_modules._graphs import _HandOut
+
+    staged = []
+    real_stage = _HandOut.stage
+    monkeypatch.setattr(_HandOut, "stage", lambda self: (staged.append(1), real_stage(self))[1])
+    torch.manual_seed(0)
+    branches = _mlp(2)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches)
+
+    def step(x, scale=3.0, hook=None):
+        if hook is not None:
+            x.register_hook(hook)
+        (block(x) * scale).sum().backward()
+        (_reference(reference, x.detach()) * scale).sum().backward()
+        for p, p_ref in zip(block.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, p_ref.grad)
+            p.grad = p_ref.grad = None
+
+    for _ in range(3):  # captured, then replayed
+        step(torch.randn(8, 64, device="cuda", requires_grad=True))
+    other_done = threading.Event()
+
+    def other_thread() -> None:  # a forward call of the same signature, never backward
+        block(torch.randn(8, 64, device="cuda", requires_grad=True) * 100)
+        other_done.set()
+
+    def hook(grad):  # x's gradient comes from the backward replay: the pass has not ended
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        assert other_done.wait(60)
+        thread.join()
+        return grad
+
+    step(torch.randn(8, 64, device="cuda", requires_grad=True), hook=hook)
+    assert staged == [1]
+    step(torch.randn(8, 64, device="cuda", requires_grad=True))  # and the next call as usual
+    assert block._graphs.captures == 1
+
+
 @cuda
 def test_direct_grads_leave_grad_alone_outside_backward(monkeypatch):
     # torch.autograd.grad and backward(inputs=...) name the tensors whose gradients they want:
