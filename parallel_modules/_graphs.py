@@ -1493,6 +1493,11 @@ def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
         if hasattr(node, "saved_tensors"):
             names.append("saved_tensors")
         for name in names:
+            if _unpacked_by_hook(getattr(node, "_raw" + name if name[0] == "_" else "_raw_" + name, None)):
+                # Saved through saved-tensor hooks (``torch.utils.checkpoint(use_reentrant=False)``,
+                # ``save_on_cpu``): reading it would run the unpack hook -- a checkpoint's
+                # recomputation of its whole forward, whose activations it then keeps.
+                return [True] * len(outputs)
             try:
                 value = getattr(node, name)
             except Exception:
@@ -1502,6 +1507,14 @@ def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
                     hit.add(t.untyped_storage().data_ptr())
         stack.extend(next_node for next_node, _ in node.next_functions)
     return [ptr in hit and o.numel() > 0 for ptr, o in zip(storages, outputs)]  # (all empty ones share 0)
+
+
+def _unpacked_by_hook(raw: Any) -> bool:
+    r"""Whether a node's raw saved value (``_raw_saved_*``: a ``SavedTensor`` or a sequence of them) has an unpack hook."""
+    for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
+        if getattr(saved, "unpack_hook", None) is not None:
+            return True
+    return False
 
 
 # Nodes whose saved tensors Python cannot read: an in-place change of part of a tensor

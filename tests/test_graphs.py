@@ -236,6 +236,16 @@ def test_saved_outputs_are_those_the_backward_reads():
     empty = linear(x[:0])  # every empty tensor's data_ptr is 0
     assert _saved_outputs([part, a]) == [True, True]
     assert _saved_outputs([empty, torch.relu(x[:0])]) == [False, False]  # (nothing to change in place)
+    # Saved through a checkpoint's hooks: taken as saved, without running the unpack hook,
+    # which recomputed the checkpointed forward (and kept its activations) on every read.
+    runs = []
+
+    def body(t):
+        runs.append(1)
+        return torch.relu(linear(t))
+
+    checkpointed = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
+    assert _saved_outputs([checkpointed, a]) == [True, True] and len(runs) == 1
 
 
 def test_moving_or_changing_branches_drops_graphs():
