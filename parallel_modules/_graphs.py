@@ -590,7 +590,8 @@ class _Replay(torch.autograd.Function):
     Inputs are the call's tensors followed by the parameters that require grad,
     so autograd routes gradients to both (as ``make_graphed_callables`` does),
     then the graph's token, if it has one: on a plain ``backward()`` the
-    parameters' gradients are then accumulated by :func:`_hand_out` instead.
+    parameters' gradients are then handed to ``.grad`` when the pass ends
+    (:class:`_HandOut`) instead.
     ``direct``: the token alone follows the call's tensors.
     """
 
@@ -601,7 +602,7 @@ class _Replay(torch.autograd.Function):
         with graph.lock:
             graph._order(_current_stream(graph.device))
             if graph.pending is not None:  # (another thread's backward pass has not ended yet)
-                graph.pending.stage()
+                graph.pending.stage(graph)
             graph._copy_in(inputs[: len(graph.inputs)])
             _launch(graph.fwd)
             graph.gen += 1
@@ -719,20 +720,25 @@ class _HandOut:
     engine's final callbacks, which run after every accumulator, on the
     stream that called ``backward()``, once it has waited for the streams
     of all accumulators (the graph's token among them, whose gradient the
-    replay made: so after the replay too). Then ``.grad`` is written last,
-    on the caller's stream, whatever wrote it before: as eager autograd
-    leaves it for the caller.
+    replay made: so after the replay too). Then ``.grad`` is written last
+    in the pass, on the caller's stream, as eager autograd leaves it for
+    the caller. Hand-outs of other passes (other threads) are ordered too:
+    each waits for the stream of the one before it on the device.
 
     The buffers stay as the replay left them until then, unless a forward
     replay of the same graph comes first (from another thread): that one
-    copies them out before it overwrites them (:meth:`stage`).
+    copies them out before it overwrites them (:meth:`stage`). A pass that
+    raises runs no final callback: the next forward replay drops this.
     """
 
-    __slots__ = ("graph", "grads", "staged", "event")
+    __slots__ = ("graph", "device", "params", "grads", "copies", "staged", "event")
 
     def __init__(self, graph: _Graph, grads: list[torch.Tensor | None]) -> None:
-        self.graph = graph
-        self.grads = grads
+        # Weakly: the graph holds this as ``pending`` until it runs, or for good after a
+        # pass that raised; a cycle would keep an evicted graph's pool until a collection.
+        self.graph = weakref.ref(graph)
+        self.device = graph.device
+        self.params, self.grads, self.copies = graph.params, grads, graph.param_copies
         self.staged: list[torch.Tensor] | None = None
         self.event: torch.cuda.Event | None = None
 
@@ -743,29 +749,42 @@ class _HandOut:
         graph.pending = hand_out
         torch.autograd.Variable._execution_engine.queue_callback(hand_out)
 
-    def stage(self) -> None:
-        r"""Copy the gradients out of the buffers, which a forward replay is about to overwrite; ``graph.lock`` held."""
-        self.staged = self.graph.param_copies.fresh()
+    def stage(self, graph: _Graph) -> None:
+        r"""Copy the gradients out of ``graph``'s buffers, which its forward replay is about to overwrite; ``graph.lock`` held."""
+        self.staged = self.copies.fresh()
         self.event = torch.cuda.Event()
-        self.event.record()
-        self.graph.pending = None
+        self.event.record(_current_stream(self.device))
+        graph.pending = None
 
     def __call__(self) -> None:
-        graph = self.graph
-        with graph.lock:
-            stream = _current_stream(graph.device)  # the caller's of ``backward()``
-            if self.staged is None:
-                graph.pending = None
-                _hand_out(graph.params, self.grads, graph.param_copies)
-                # This stream waited for the replay (see above): the next replay, from
-                # any stream, now waits for these reads before it overwrites the buffers.
-                graph.last = stream
-                return
-        assert self.event is not None
-        stream.wait_event(self.event)
-        for t in self.staged:  # (made on the forward replay's stream, used on this one)
-            t.record_stream(stream)
-        _accumulate(tuple(p for p, g in zip(graph.params, self.grads) if g is not None), tuple(self.staged))
+        stream = _current_stream(self.device)  # the caller's of ``backward()``
+        with _hand_outs_lock:
+            last = _hand_outs.get(self.device)
+            if last is not None and last is not stream and last != stream:
+                stream.wait_stream(last)
+            _hand_outs[self.device] = stream
+            graph = self.graph()
+            with graph.lock if graph is not None else contextlib.nullcontext():
+                if self.staged is None:
+                    if graph is not None:
+                        graph.pending = None
+                        # This stream waited for the replay (see above): the next replay, from
+                        # any stream, now waits for these reads before it overwrites the buffers.
+                        graph.last = stream
+                    _hand_out(self.params, self.grads, self.copies)
+                    return
+            assert self.event is not None
+            stream.wait_event(self.event)
+            for t in self.staged:  # (made on the forward replay's stream, used on this one)
+                t.record_stream(stream)
+            _accumulate(tuple(p for p, g in zip(self.params, self.grads) if g is not None), tuple(self.staged))
+
+
+# The stream of the latest hand-out on each device, and the lock ordering hand-outs
+# (see ``_HandOut``): the engine orders the accumulators of one backward pass, not
+# those of passes run by two threads at once, nor the hand-outs.
+_hand_outs: dict[torch.device, torch.cuda.Stream] = {}
+_hand_outs_lock = threading.Lock()
 
 
 def _hand_out(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None], copies: _GradCopies) -> None:
@@ -953,8 +972,8 @@ class _CudaGraphs:
             is done with them: a caller that hands outputs to work on other
             streams, as a pipeline stage does to the next, must not be lent any.
         direct_grads: training replays leave the parameters out of autograd's
-            graph and write their gradients into ``.grad`` themselves (see
-            :func:`_hand_out`), where nothing listens on them.
+            graph and hand their gradients to ``.grad`` themselves (see
+            :class:`_HandOut`), where nothing listens on them.
         calls_owner: ``forward`` calls the owner itself (``owner.__call__``),
             whose own hooks then run inside the graphs; otherwise they run
             around them, and the owner's hooks do not matter to the graphs.

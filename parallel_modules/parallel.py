@@ -164,8 +164,9 @@ class Parallel(nn.Module):
             parameters out of autograd's graph. Without it they are inputs
             of the replay's autograd node as in any graph, and a plain
             ``loss.backward()`` with nothing listening on them has the
-            backward replay write their gradients into ``.grad`` itself (set,
-            or summed into what is there) and hand their accumulators none;
+            backward replay hand their gradients to ``.grad`` itself (set,
+            or summed into what is there, when the backward pass ends, on
+            the stream that called it) and their accumulators none;
             the engine still visits one accumulator per parameter, whose host
             time is a large part of a CPU-bound graphed training step. With
             it, the engine visits none: ``loss.backward()`` fills their

@@ -222,8 +222,9 @@ class ParallelSequential(nn.Sequential):
             the next call) instead of fresh tensors. Default: ``False``.
         graph_fallback: when a signature cannot be captured, warn once and run
             it eagerly instead of raising. Default: ``False``.
-        direct_grads: with ``cuda_graph=True`` in training, the backward
-            replay writes the parameters' gradients into ``.grad`` itself; as
+        direct_grads: with ``cuda_graph=True`` in training, take the
+            parameters out of autograd's graph, the backward replay handing
+            their gradients to ``.grad`` itself; as
             :class:`~parallel_modules.Parallel`'s ``direct_grads``. Default:
             ``False``.
         compile: compile each stage on its own, at its first call (micro-batch

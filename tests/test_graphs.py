@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 import weakref
 
@@ -720,49 +721,128 @@ def test_gradients_handed_to_grad_are_ordered_with_other_streams(case, direct):
             reference.zero_grad()
 
 
+class _Gate(torch.autograd.Function):
+    # A CPU node whose backward waits for ``event``: it holds a backward pass open on the
+    # calling thread, while the device's autograd thread stays free for other passes.
+    @staticmethod
+    def forward(ctx, c, event):
+        ctx.event = event
+        return c * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        assert ctx.event.wait(120)
+        return g, None
+
+
 @cuda
-def test_forward_replay_from_another_thread_before_a_backward_pass_ends(monkeypatch):
-    # The parameters' gradients wait in the graph's buffers until the backward pass ends; a
-    # forward replay of the same graph from another thread meanwhile (here: while a hook of
-    # the pass blocks) may overwrite those buffers, and so first copies them out.
+def test_another_threads_training_step_while_a_backward_pass_is_open(monkeypatch):
+    # The parameters' gradients wait in the graph's buffers until the backward pass ends. Thread
+    # B's training step, meanwhile: its forward replay overwrites those buffers, and so first
+    # copies them out; its hand-out, on its own stream and held back there by a sleep, comes
+    # first, and A's must add to it after it, not before (before: B's copy into .grad then
+    # overwrote A's sum, leaving B's gradients alone).
     from parallel_modules._graphs import _HandOut
 
     staged = []
     real_stage = _HandOut.stage
-    monkeypatch.setattr(_HandOut, "stage", lambda self: (staged.append(1), real_stage(self))[1])
+    monkeypatch.setattr(_HandOut, "stage", lambda self, graph: (staged.append(1), real_stage(self, graph))[1])
     torch.manual_seed(0)
     branches = _mlp(2)
     reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
     block = _graphed(branches)
-
-    def step(x, scale=3.0, hook=None):
-        if hook is not None:
-            x.register_hook(hook)
-        (block(x) * scale).sum().backward()
-        (_reference(reference, x.detach()) * scale).sum().backward()
-        for p, p_ref in zip(block.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, p_ref.grad)
-            p.grad = p_ref.grad = None
-
     for _ in range(3):  # captured, then replayed
-        step(torch.randn(8, 64, device="cuda", requires_grad=True))
-    other_done = threading.Event()
+        block(torch.randn(8, 64, device="cuda")).sum().backward()
+    block.zero_grad(set_to_none=True)
+    graph = _only_graph(block)
+    xa, xb = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+    wa, wb = torch.randn(8, 128, device="cuda"), torch.randn(8, 128, device="cuda")
+    fa, ca, fb, cb = (torch.cuda.Stream() for _ in range(4))
+    b_done, errors = threading.Event(), []
 
-    def other_thread() -> None:  # a forward call of the same signature, never backward
-        block(torch.randn(8, 64, device="cuda", requires_grad=True) * 100)
-        other_done.set()
+    def thread_b() -> None:
+        try:
+            for _ in range(60_000):  # until A's backward replay has queued its hand-out
+                if graph.pending is not None:
+                    break
+                time.sleep(0.001)
+            with torch.cuda.stream(fb):
+                loss = (block(xb) * wb).sum()
+            with torch.cuda.stream(cb):
+                cb.wait_stream(fb)
+                torch.cuda._sleep(100_000_000)  # about 50 ms on the H100
+                loss.backward()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+        finally:
+            b_done.set()
 
-    def hook(grad):  # x's gradient comes from the backward replay: the pass has not ended
-        thread = threading.Thread(target=other_thread)
-        thread.start()
-        assert other_done.wait(60)
-        thread.join()
-        return grad
-
-    step(torch.randn(8, 64, device="cuda", requires_grad=True), hook=hook)
-    assert staged == [1]
-    step(torch.randn(8, 64, device="cuda", requires_grad=True))  # and the next call as usual
+    with torch.cuda.stream(fa):
+        loss = (block(xa) * wa).sum()
+    thread = threading.Thread(target=thread_b)
+    thread.start()
+    with torch.cuda.stream(ca):
+        ca.wait_stream(fa)
+        torch.autograd.backward([loss, _Gate.apply(torch.zeros(1, requires_grad=True), b_done).sum()])
+    thread.join()
+    torch.cuda.current_stream().wait_stream(ca)
+    assert not errors and staged == [1]
+    for x, w in ((xa, wa), (xb, wb)):
+        (_reference(reference, x) * w).sum().backward()
+    for p, p_ref in zip(block.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad)
+    block.zero_grad(set_to_none=True)
+    block(xa).sum().backward()  # and the next step as usual
     assert block._graphs.captures == 1
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+@cuda
+def test_backward_pass_that_raises_after_the_replay():
+    # A pass that raises runs no final callback: the gradients its replay left are dropped by
+    # the next forward replay, the next step is as usual, and nothing keeps the graph alive
+    # once evicted (before: a reference cycle kept it, its pool included, until a collection).
+    torch.manual_seed(0)
+    branches = _mlp(2)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches, max_graphs=1)
+    for _ in range(3):  # captured, then replayed
+        block(torch.randn(8, 64, device="cuda")).sum().backward()
+    block.zero_grad(set_to_none=True)
+    c = torch.zeros(1, device="cuda", requires_grad=True)
+
+    def failing_step() -> None:  # (_Boom's node is older than the replay's: its backward runs after it)
+        boom = _Boom.apply(c)
+        with pytest.raises(RuntimeError, match="boom"):
+            (block(torch.randn(8, 64, device="cuda")).sum() + boom.sum()).backward()
+
+    failing_step()
+    block.zero_grad(set_to_none=True)
+    x = torch.randn(8, 64, device="cuda")
+    block(x).sum().backward()
+    _reference(reference, x).sum().backward()
+    for p, p_ref in zip(block.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, p_ref.grad)
+    failing_step()
+    assert block._graphs.captures == 1
+    graph = weakref.ref(_only_graph(block))
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            block(torch.randn(4, 64, device="cuda")).sum().backward()  # another signature: evicts it
+        assert graph() is None
+    finally:
+        gc.enable()
 
 
 @cuda
