@@ -110,7 +110,8 @@ GOALS = [
 
 
 def main(paths: list[str]) -> None:
-    runs = [(Path(p).stem.replace("h100-", ""), json.load(open(p))) for p in paths]
+    # Columns named by GPU and run: "H100 full-21" (the files' dates are in the README's text).
+    runs = [(_column(Path(p).stem), json.load(open(p))) for p in paths]
     print("| issue | goal | " + " | ".join(name for name, _ in runs) + " |")
     print("|---|---|" + "---|" * len(runs))
     for issue, goal, get, unit, met in GOALS:
@@ -133,6 +134,11 @@ def main(paths: list[str]) -> None:
         m = _modes(run, "mlp8")
         hosts.append(f"{m['eager seq']:.0f} µs" if m else "–")
     print("| | *host speed: eager sequential mlp8* | " + " | ".join(hosts) + " |")
+
+
+def _column(stem: str) -> str:
+    gpu, _, rest = stem.partition("-")
+    return f"{gpu.upper()} {rest.split('-', 3)[-1] if rest[:4].isdigit() else rest}"
 
 
 if __name__ == "__main__":
