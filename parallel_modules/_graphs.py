@@ -1509,7 +1509,7 @@ def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
         if type(node).__name__ in _HIDDEN_SAVES:
             return [True] * len(outputs)
         names = [n for n in dir(node) if n.startswith("_saved_")]
-        if hasattr(node, "saved_tensors"):
+        if hasattr(type(node), "saved_tensors"):  # (on the node, the property would unpack)
             names.append("saved_tensors")
         for name in names:
             if _unpacked_by_hook(getattr(node, "_raw" + name if name[0] == "_" else "_raw_" + name, None)):

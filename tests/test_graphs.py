@@ -247,6 +247,10 @@ def test_saved_outputs_are_those_the_backward_reads():
 
     checkpointed = torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False)
     assert _saved_outputs([checkpointed, a]) == [True, True] and len(runs) == 1
+    # Nor through a custom Function's node, whose ``saved_tensors`` property is the unpack.
+    runs.clear()
+    checkpointed = torch.utils.checkpoint.checkpoint(lambda t: Doubled.apply(body(t)), x, use_reentrant=False)
+    assert _saved_outputs([checkpointed]) == [True] and len(runs) == 1
 
 
 def test_moving_or_changing_branches_drops_graphs():
