@@ -479,6 +479,7 @@ class _Graph:
         self.input_copies = _GradCopies([])
         self.param_copies = _GradCopies([])
         self.params: tuple[torch.Tensor, ...] = ()
+        self.param_ids: frozenset[int] = frozenset()  # (which hand-outs to order this one's after)
         # Training graphs with parameter gradients: a zero-size leaf among
         # ``_Replay``'s inputs (``None`` otherwise); ``token_node`` is its
         # accumulator. Whether the engine will run that accumulator tells a plain
@@ -722,8 +723,9 @@ class _HandOut:
     of all accumulators (the graph's token among them, whose gradient the
     replay made: so after the replay too). Then ``.grad`` is written last
     in the pass, on the caller's stream, as eager autograd leaves it for
-    the caller. Hand-outs of other passes (other threads) are ordered too:
-    each waits for the stream of the one before it on the device.
+    the caller. Hand-outs of other passes (other threads, other graphs) are
+    ordered too: each waits for the streams of the earlier ones that wrote
+    one of its parameters (:func:`_after_hand_outs`), and for no other.
 
     The buffers stay as the replay left them until then, unless a forward
     replay of the same graph comes first (from another thread): that one
@@ -731,14 +733,14 @@ class _HandOut:
     raises runs no final callback: the next forward replay drops this.
     """
 
-    __slots__ = ("graph", "device", "params", "grads", "copies", "staged", "event")
+    __slots__ = ("graph", "device", "params", "ids", "grads", "copies", "staged", "event")
 
     def __init__(self, graph: _Graph, grads: list[torch.Tensor | None]) -> None:
         # Weakly: the graph holds this as ``pending`` until it runs, or for good after a
         # pass that raised; a cycle would keep an evicted graph's pool until a collection.
         self.graph = weakref.ref(graph)
         self.device = graph.device
-        self.params, self.grads, self.copies = graph.params, grads, graph.param_copies
+        self.params, self.ids, self.grads, self.copies = graph.params, graph.param_ids, grads, graph.param_copies
         self.staged: list[torch.Tensor] | None = None
         self.event: torch.cuda.Event | None = None
 
@@ -759,10 +761,7 @@ class _HandOut:
     def __call__(self) -> None:
         stream = _current_stream(self.device)  # the caller's of ``backward()``
         with _hand_outs_lock:
-            last = _hand_outs.get(self.device)
-            if last is not None and last is not stream and last != stream:
-                stream.wait_stream(last)
-            _hand_outs[self.device] = stream
+            _after_hand_outs(_hand_outs.setdefault(self.device, {}), self.ids, stream)
             graph = self.graph()
             with graph.lock if graph is not None else contextlib.nullcontext():
                 if self.staged is None:
@@ -780,11 +779,42 @@ class _HandOut:
             _accumulate(tuple(p for p, g in zip(self.params, self.grads) if g is not None), tuple(self.staged))
 
 
-# The stream of the latest hand-out on each device, and the lock ordering hand-outs
-# (see ``_HandOut``): the engine orders the accumulators of one backward pass, not
-# those of passes run by two threads at once, nor the hand-outs.
-_hand_outs: dict[torch.device, torch.cuda.Stream] = {}
+# The streams of the latest hand-outs on each device, by the ids of the parameters
+# they wrote, and the lock ordering hand-outs (see ``_HandOut``): the engine orders
+# the accumulators of one backward pass, not those of passes run by two threads at
+# once, nor the hand-outs.
+_hand_outs: dict[torch.device, dict[frozenset[int], Any]] = {}
 _hand_outs_lock = threading.Lock()
+_MAX_HAND_OUTS = 32  # parameter sets remembered per device (one per graph, in training)
+
+
+def _after_hand_outs(last: dict[frozenset[int], Any], ids: frozenset[int], stream: Any) -> None:
+    r"""Order a hand-out to the parameters ``ids`` on ``stream`` after the earlier ones that wrote one of them.
+
+    ``last``: the stream of the latest hand-out of each set of parameters on
+    the device, oldest first; ``_hand_outs_lock`` held. Hand-outs to other
+    parameters are left unordered, as eager autograd leaves the accumulators
+    of two models: ordering every hand-out on the device after the one before
+    made a model trained on one stream wait for whatever another, unrelated
+    one had enqueued on its own stream by then. (An id reused by a new
+    parameter after its owner died orders a hand-out that need not be: a wait
+    too many, never one too few.)
+    """
+    for other_ids, other in last.items():
+        if other is not stream and other != stream and not other_ids.isdisjoint(ids):
+            stream.wait_stream(other)
+    last.pop(ids, None)
+    last[ids] = stream  # (the newest last)
+    if len(last) > _MAX_HAND_OUTS:
+        # Forget the oldest set, after making this stream wait for its hand-out and taking
+        # its parameters on: a later hand-out to one of them still waits for it, through
+        # this stream.
+        old_ids, old = next(iter(last.items()))
+        del last[old_ids]
+        if old is not stream and old != stream:
+            stream.wait_stream(old)
+        del last[ids]
+        last[ids | old_ids] = stream
 
 
 def _hand_out(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None], copies: _GradCopies) -> None:
@@ -1312,6 +1342,7 @@ class _CudaGraphs:
                                 graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad)
                                                 for t in tensors]
                             graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
+                            graph.param_ids = frozenset(map(id, graph.params))
                             run = owner._compiler.whole(forward) if whole else forward
                             call = _bind(run, args, kwargs, graph.inputs)
                             leaves = graph.params

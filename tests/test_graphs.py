@@ -210,6 +210,40 @@ def test_direct_grads_on_the_cpu_train_through_autograd():
             assert torch.equal(p.grad, p_ref.grad)
 
 
+def test_hand_outs_wait_for_earlier_ones_to_the_same_parameters_only(monkeypatch):
+    # Ordering every hand-out on a device after the one before made a model trained on one
+    # stream wait for whatever an unrelated model had enqueued on its own stream by then.
+    from parallel_modules import _graphs
+    from parallel_modules._graphs import _after_hand_outs
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other: "Stream") -> None:
+            self.waited.append(other.name)
+
+    a, b, c = Stream("a"), Stream("b"), Stream("c")
+    last: dict = {}
+    _after_hand_outs(last, frozenset({1, 2}), a)  # model 1 on stream a
+    _after_hand_outs(last, frozenset({3, 4}), b)  # model 2 on stream b: unrelated
+    assert a.waited == [] and b.waited == []
+    _after_hand_outs(last, frozenset({2, 5}), c)  # shares parameter 2 with model 1
+    assert c.waited == ["a"]
+    _after_hand_outs(last, frozenset({1, 2}), a)  # model 1 again: after c, which wrote parameter 2
+    assert a.waited == ["c"]
+    _after_hand_outs(last, frozenset({3, 4}), b)  # model 2 again, on its own stream: nothing to wait for
+    assert b.waited == []
+    # Past the bound, the oldest set is forgotten only after the newest hand-out's stream has
+    # waited for it and taken its parameters on: a later hand-out to them still waits.
+    monkeypatch.setattr(_graphs, "_MAX_HAND_OUTS", 3)
+    d, e = Stream("d"), Stream("e")
+    _after_hand_outs(last, frozenset({6}), d)  # forgets {2, 5} (c), the oldest
+    assert d.waited == ["c"] and len(last) == 3
+    _after_hand_outs(last, frozenset({5}), e)  # waits for d, which came after c (and forgets a)
+    assert e.waited == ["d", "a"] and set(last.values()) == {b, d, e}
+
+
 def test_saved_outputs_are_those_the_backward_reads():
     # static_outputs refuses a change in place before backward only to these, as eager does.
     from parallel_modules._graphs import _saved_outputs
