@@ -86,3 +86,36 @@ def test_the_table_bounds_a_pipeline_by_its_stages_alone():
     # Stages of 30 and 90 us overlapped perfectly leave the 90: at most 120 / 90 faster.
     (bound,) = [line for line in lines if "bound" in line]
     assert bound.split()[-1] == "1.33x"
+
+
+def test_calibration_keeps_the_width_whose_time_comes_closest_and_stops_past_the_target():
+    from parallel_modules.bench import _closest
+
+    timed = []
+
+    def time_of(w):
+        timed.append(w)
+        return 20.0 * w  # grows with the width, as a convolution's time does
+
+    # 700 us: width 32 takes 640, 36 takes 720 (20 from it, against 60): 36, and 40 is never built.
+    assert _closest((16, 24, 32, 36, 40, 44), time_of, 700.0) == (36, 720.0)
+    assert timed == [16, 24, 32, 36]
+    # Every width faster than the target: the largest; slower: the smallest.
+    assert _closest((8, 16), time_of, 1e6) == (16, 320.0)
+    assert _closest((8, 16), time_of, 1.0) == (8, 160.0)
+    with pytest.raises(ValueError, match="at least one width"):
+        _closest((), time_of, 1.0)
+
+
+def test_a_pipeline_case_is_built_at_the_width_it_was_calibrated_to():
+    import dataclasses
+
+    case = PIPELINES["h2d"]
+    assert case.host_input and case.widths == tuple(sorted(case.widths))
+    (default,) = case.stages("cpu", torch.float32)
+    (wide,) = dataclasses.replace(case, width=48).stages("cpu", torch.float32)
+    assert default[0].out_channels == 32 and wide[0].out_channels == 48 and wide[2].in_channels == 48
+    # Same input and output shapes: the modes and their checks do not depend on the width.
+    x = case.make_input(2, "cpu", torch.float32)
+    with torch.no_grad():
+        assert default(x).shape == wide(x).shape
