@@ -119,3 +119,34 @@ def test_a_pipeline_case_is_built_at_the_width_it_was_calibrated_to():
     x = case.make_input(2, "cpu", torch.float32)
     with torch.no_grad():
         assert default(x).shape == wide(x).shape
+
+
+def test_calibration_times_the_copy_and_each_width_on_the_whole_batch(monkeypatch):
+    import dataclasses
+
+    from parallel_modules import bench
+
+    case = dataclasses.replace(PIPELINES["h2d"], widths=(8, 16, 24, 32))
+    x = torch.randn(2, 3, 32, 32)
+    seen = []
+
+    def fake_sample(fn, inp, group, cuda):
+        # The copy returns its input's copy (a tensor of the input's shape); a model, its output,
+        # whose time here grows with the first conv's width: 1 us per channel, the copy 17 us.
+        out = fn(inp)
+        if out.shape == inp.shape:
+            return 17e-6
+        width = seen[-1]
+        return width * 1e-6
+
+    real_stages = bench.PipelineCase.stages
+
+    def stages(self, device, dtype):
+        seen.append(self.width)
+        return real_stages(self, device, dtype)
+
+    monkeypatch.setattr(bench, "_sample", fake_sample)
+    monkeypatch.setattr(bench.PipelineCase, "stages", stages)
+    chosen = bench._calibrated(case, torch.device("cpu"), torch.float32, x)
+    assert chosen.width == 16 and chosen.widths == case.widths  # 16 us against 24 for width 24
+    assert seen == [8, 16, 24]
