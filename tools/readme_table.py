@@ -16,6 +16,9 @@ for r in data["results"]:
     if r.get("floor_us"):
         print(f"| {r['case']} | {r['batch']} | {r['dtype']} | *floor: longest branch graphed alone* | "
               f"{r['floor_us']:.1f} | | |")
+    if "width" in r:  # the h2d model's width, calibrated so that its compute takes about as long as the copy
+        print(f"| {r['case']} | {r['batch']} | {r['dtype']} | *model width (calibrated: compute ≈ copy)* | "
+              f"{r['width']} | | |")
     stages = [k for k in r if k.startswith("stage") and k.endswith("_us")]
     for key, label in (("copy_us", "host-to-device copy alone"), ("compute_us", "compute alone"),
                        *((k, f"stage {k[5:-3]} alone") for k in stages)):

@@ -1,0 +1,112 @@
+"""Host-to-device case: why four micro-batches gain less than the copy and compute times promise (dev tool, not shipped).
+
+Usage: ``PYTHONPATH=. python3 tools/exp_h2d_pieces.py [WIDTH ...]`` on the GPU machine (default widths 32
+and 40; the benchmark calibrates the h2d model's width so that its compute takes about as long as the
+copy). For each width, GPU time per call (events around groups of calls, medians of rounds, variants
+interleaved): the copy and the compute alone on the whole batch; the compute of the four quarters one
+after another on one stream; the same quarters while the whole batch is being copied on another
+stream (does the copy slow the convolutions?); both with ``cudnn.benchmark`` on; a pipeline written by
+hand (each quarter copied on a copy stream, computed on a compute stream after its copy's event) and
+``ParallelSequential(chunks=4)`` eager and graphed; and copy-then-compute. The bound of four equal
+pieces is the copy plus the last quarter's compute, or the first quarter's copy plus every quarter's
+compute, whichever is longer.
+"""
+import statistics
+import sys
+
+import torch
+from torch import nn
+
+from parallel_modules import ParallelSequential
+from parallel_modules._cases import h2d_model
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+dev = torch.device("cuda")
+widths = [int(a) for a in sys.argv[1:]] or [32, 40]
+x = torch.randn(64, 3, 224, 224).pin_memory()
+xd = x.to(dev)
+quarters = list(xd.chunk(4))
+host_quarters = list(x.chunk(4))
+copy_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+
+
+def gpu_us(fn, group=5):
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(group):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / group
+
+
+for width in widths:
+    torch.manual_seed(0)
+    model = h2d_model(width).to(dev).eval()
+
+    def copy():
+        return x.to(dev, non_blocking=True)
+
+    def whole():
+        return model(xd)
+
+    def pieces():
+        return [model(q) for q in quarters]
+
+    def pieces_beside_copy():
+        # The whole batch copied on a side stream while the quarters are computed.
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x.to(dev, non_blocking=True)
+        out = [model(q) for q in quarters]
+        torch.cuda.current_stream().wait_stream(side)
+        y.record_stream(torch.cuda.current_stream())
+        return out
+
+    def by_hand():
+        cur = torch.cuda.current_stream()
+        copy_stream.wait_stream(cur)
+        events, ins = [], []
+        with torch.cuda.stream(copy_stream):
+            for h in host_quarters:
+                d = h.to(dev, non_blocking=True)
+                e = torch.cuda.Event()
+                e.record(copy_stream)
+                ins.append(d)
+                events.append(e)
+        outs = []
+        for d, e in zip(ins, events):
+            cur.wait_event(e)
+            d.record_stream(cur)
+            outs.append(model(d))
+        return torch.cat(outs)
+
+    def copy_then_compute():
+        return model(x.to(dev, non_blocking=True))
+
+    eager4 = ParallelSequential(model, chunks=4)
+    graph4 = ParallelSequential(model, chunks=4, cuda_graph=True)
+    variants = {"copy alone": copy, "compute alone (whole batch)": whole, "compute: 4 quarters": pieces,
+                "compute: 4 quarters beside a copy": pieces_beside_copy, "copy then compute": copy_then_compute,
+                "pipeline by hand, 4": by_hand, "ParallelSequential(chunks=4)": lambda: eager4(x),
+                "ParallelSequential(chunks=4, cuda_graph)": lambda: graph4(x)}
+    with torch.no_grad():
+        for bench in (False, True):
+            torch.backends.cudnn.benchmark = bench
+            for fn in variants.values():
+                for _ in range(5):
+                    fn()
+            times = {k: [] for k in variants}
+            for _ in range(15):
+                for k, fn in variants.items():
+                    times[k].append(gpu_us(fn))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            q = med["compute: 4 quarters"] / 4
+            bound = max(med["copy alone"] + q, med["copy alone"] / 4 + 4 * q)
+            print(f"width {width}, cudnn.benchmark={bench} (medians of 15 rounds of 5 calls, GPU us per call)")
+            for k, v in med.items():
+                print(f"  {k:<44}{v:9.1f}   {med['copy then compute'] / v:5.2f}x")
+            print(f"  {'bound of 4 pieces (their own compute)':<44}{bound:9.1f}   {med['copy then compute'] / bound:5.2f}x")
+    torch.backends.cudnn.benchmark = False
