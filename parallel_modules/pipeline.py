@@ -1047,45 +1047,55 @@ class _Gather:
     views of the result (:meth:`restore`).
     """
 
-    __slots__ = ("sizes", "device", "out", "offset", "ok")
+    __slots__ = ("sizes", "device", "out", "places", "taken", "ok")
 
     def __init__(self, sizes: list[int], device: torch.device) -> None:
         self.sizes, self.device = sizes, device  # (the lanes': a piece copied to the host is read by the host)
         self.out: torch.Tensor | None = None
-        self.offset = 0
+        self.places: tuple[torch.Tensor, ...] = ()  # each piece's place in ``out``
+        self.taken = 0
         self.ok = len(sizes) > 1
 
     def add(self, m: int, value: Any) -> bool:
         r"""Copy piece ``m`` into its place (on the current stream); whether it was taken."""
         if not self.ok:
             return False
-        out = self.out
-        if (not isinstance(value, torch.Tensor) or value.device != self.device or value.layout != torch.strided
-                or value.dim() == 0 or value.shape[0] != self.sizes[m] or (value.requires_grad and torch.is_grad_enabled())
-                or not value.is_contiguous() or _also_channels_last(value)
-                or (out is not None and (value.shape[1:] != out.shape[1:] or value.dtype != out.dtype
-                                         or value.device != out.device))):
-            self.ok = False
-            return False
-        if out is None:
+        if self.out is None:
+            if (not isinstance(value, torch.Tensor) or value.device != self.device or value.layout != torch.strided
+                    or value.dim() == 0 or value.shape[0] != self.sizes[m]
+                    or (value.requires_grad and torch.is_grad_enabled())
+                    or not value.is_contiguous() or _also_channels_last(value)):
+                self.ok = False
+                return False
             # Allocated on this lane's stream, which writes it; the caller's
             # stream reads it after the join (record_stream, as for outputs).
-            out = self.out = value.new_empty((sum(self.sizes), *value.shape[1:]))
-        out[self.offset:self.offset + value.shape[0]].copy_(value)
-        self.offset += value.shape[0]
+            # Every piece's place is cut at once: an eager pipeline fed from the
+            # host is bound by its CPU, and each view operation costs it about
+            # as much as a launch.
+            self.out = value.new_empty((sum(self.sizes), *value.shape[1:]))
+            self.places = self.out.split(self.sizes)
+        else:
+            place = self.places[m]
+            # The first piece's checks, against its place. Whether a contiguous
+            # tensor is also channels-last depends on its sizes past dim 0 (and
+            # the strides those give), which equal the first piece's here.
+            if (not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.shape != place.shape
+                    or value.dtype != place.dtype or value.device != place.device
+                    or (value.requires_grad and torch.is_grad_enabled()) or not value.is_contiguous()):
+                self.ok = False
+                return False
+        self.places[m].copy_(value)
+        self.taken += 1
         return True
 
     def restore(self, values: list[Any]) -> None:
         r"""Give back the pieces taken (``None`` in ``values``) as views of the result, where a later one was not."""
-        start = 0
-        for m, size in enumerate(self.sizes):
+        for m, place in enumerate(self.places):
             if values[m] is None:
-                assert self.out is not None
-                values[m] = self.out[start:start + size]
-            start += size
+                values[m] = place
 
     def complete(self) -> bool:
-        return self.ok and self.out is not None and self.offset == self.out.shape[0]
+        return self.ok and self.taken == len(self.sizes)
 
 
 def _also_channels_last(t: torch.Tensor) -> bool:
