@@ -11,7 +11,6 @@ hand (each quarter copied on a copy stream, computed on a compute stream after i
 pieces is the copy plus the last quarter's compute, or the first quarter's copy plus every quarter's
 compute, whichever is longer.
 """
-import statistics
 import sys
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 
 from parallel_modules import ParallelSequential
 from parallel_modules._cases import h2d_model
+from _timing import gpu_medians  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -29,17 +29,6 @@ xd = x.to(dev)
 quarters = list(xd.chunk(4))
 host_quarters = list(x.chunk(4))
 copy_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
-
-
-def gpu_us(fn, group=5):
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(group):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / group
 
 
 for width in widths:
@@ -98,11 +87,7 @@ for width in widths:
             for fn in variants.values():
                 for _ in range(5):
                     fn()
-            times = {k: [] for k in variants}
-            for _ in range(15):
-                for k, fn in variants.items():
-                    times[k].append(gpu_us(fn))
-            med = {k: statistics.median(v) for k, v in times.items()}
+            med = gpu_medians(variants, rounds=15, per_sample=5)
             q = med["compute: 4 quarters"] / 4
             bound = max(med["copy alone"] + q, med["copy alone"] / 4 + 4 * q)
             print(f"width {width}, cudnn.benchmark={bench} (medians of 15 rounds of 5 calls, GPU us per call)")
