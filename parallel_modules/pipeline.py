@@ -1078,8 +1078,10 @@ class _Gather:
             place = self.places[m]
             # The first piece's checks, against its place. Whether a contiguous
             # tensor is also channels-last depends on its sizes past dim 0 (and
-            # the strides those give), which equal the first piece's here.
-            if (not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.shape != place.shape
+            # the strides those give), which equal the first piece's here. A
+            # piece of another class than the first (a tensor subclass) is left
+            # to torch.cat, which dispatches to it; copied in, it would be lost.
+            if (type(value) is not type(place) or value.layout != torch.strided or value.shape != place.shape
                     or value.dtype != place.dtype or value.device != place.device
                     or (value.requires_grad and torch.is_grad_enabled()) or not value.is_contiguous()):
                 self.ok = False
@@ -1089,10 +1091,14 @@ class _Gather:
         return True
 
     def restore(self, values: list[Any]) -> None:
-        r"""Give back the pieces taken (``None`` in ``values``) as views of the result, where a later one was not."""
-        for m, place in enumerate(self.places):
-            if values[m] is None:
-                values[m] = place
+        r"""Give back the pieces taken as views of the result, where a later one was not.
+
+        The pieces taken are the first ``taken`` (the last lane adds them in
+        order and stops at the first it declines); a later ``None`` is a
+        stage's own output, left for the concatenation to refuse.
+        """
+        for m in range(self.taken):
+            values[m] = self.places[m]
 
     def complete(self) -> bool:
         return self.ok and self.taken == len(self.sizes)

@@ -659,6 +659,40 @@ def test_gather_restores_pieces_taken_before_it_gave_up() -> None:
     assert all(torch.equal(v, p) for v, p in zip(values, pieces))
 
 
+def test_gather_leaves_a_later_subclass_piece_and_a_none_output_to_the_concatenation() -> None:
+    from parallel_modules.pipeline import _Gather
+
+    class Tagged(torch.Tensor):
+        pass
+
+    # torch.cat of a plain piece and a subclass piece gives the subclass; copied into a
+    # plain result, the later piece's class would be lost.
+    pieces = [torch.randn(2, 3), torch.randn(2, 3).as_subclass(Tagged)]
+    gather = _Gather([2, 2], torch.device("cpu"))
+    values: list = list(pieces)
+    for m in range(2):
+        if gather.add(m, values[m]):
+            values[m] = None
+    assert not gather.complete()
+    gather.restore(values)
+    assert type(torch.cat(values)) is Tagged and torch.equal(torch.cat(values), torch.cat(pieces))
+    # All pieces of the subclass: gathered as torch.cat gathers them.
+    gather = _Gather([2, 2], torch.device("cpu"))
+    tagged = [torch.randn(2, 3).as_subclass(Tagged) for _ in range(2)]
+    assert all(gather.add(m, t) for m, t in enumerate(tagged)) and gather.complete()
+    assert type(gather.out) is Tagged and torch.equal(gather.out, torch.cat(tagged))
+    # A stage that returns None for a later micro-batch: restore gives back only the pieces
+    # taken, so the concatenation sees the None (and refuses it) rather than a slice of the
+    # result that was never written.
+    gather = _Gather([2, 2], torch.device("cpu"))
+    values = [torch.ones(2, 3), None]
+    assert gather.add(0, values[0])
+    values[0] = None
+    assert not gather.add(1, values[1]) and not gather.complete()
+    gather.restore(values)
+    assert torch.equal(values[0], torch.ones(2, 3)) and values[1] is None
+
+
 def test_graph_settings_set_later_are_checked_and_reach_the_cache():
     pipe = ParallelSequential(nn.Linear(8, 8), nn.ReLU(), chunks=2)
     with pytest.raises(ValueError, match=r"ParallelSequential: max_graphs must be an int >= 1 .*got -1"):
