@@ -1013,7 +1013,13 @@ class Parallel(nn.Module):
                     return self._first_unversioned(key, args, kwargs, fusion)
             plan = self._plan(key, args, kwargs, fusion)
             if plan is _CPU_FUSED and reordered:  # the first call runs in turn and looks
-                outputs, wrote = self._run_watched(args, kwargs, None)
+                try:
+                    outputs, wrote = self._run_watched(args, kwargs, None)
+                except BaseException:
+                    # Nothing was seen: the next call of the signature looks again
+                    # (kept, the fused plan would never watch for writes to the input).
+                    self._plans.pop(key, None)
+                    raise
                 if wrote:
                     self._remember(key, _CPU)
                 return outputs

@@ -557,6 +557,35 @@ def test_fuse_auto_on_the_cpu_keeps_a_branch_changing_the_input_in_place_in_orde
             assert_same(block(x.clone()), torch.cat([b(xr) for b in branches], 1))
 
 
+class _RefusesNaN(nn.Module):
+    r"""Changes its input in place, after raising on one that holds a NaN."""
+
+    def forward(self, x):
+        if torch.isnan(x).any():
+            raise ValueError("NaN in the input")
+        return x.mul_(2)
+
+
+def test_fuse_auto_watches_again_after_a_first_call_that_raised():
+    # Before: the signature's first call, which runs in turn to watch for writes to the
+    # input, raised in a branch after the fused plan was remembered; every later call ran
+    # fused, the writer's change seen by one member and not the other (max error 1.44).
+    torch.manual_seed(0)
+    branches = [nn.Linear(8, 4), nn.Sequential(_RefusesNaN(), nn.Linear(8, 4)), nn.Linear(8, 4)]
+    block = Parallel(*[copy.deepcopy(b) for b in branches], fuse="auto")
+    bad = torch.randn(3, 8)
+    bad[0, 0] = float("nan")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="NaN in the input"):
+            block(bad)
+        for _ in range(2):
+            x = torch.randn(3, 8)
+            got = block(x.clone())
+            xr = x.clone()
+            assert_same(got, torch.cat([b(xr) for b in branches], 1))
+    assert list(block.explain()["schedules"].values()) == ["unfused, sequential"]
+
+
 def test_a_callable_appended_to_an_eval_block_takes_its_mode():
     f = lambda x: x * 1.5  # noqa: E731
     block = Parallel(f, f, join="sum", fuse=True).eval()
