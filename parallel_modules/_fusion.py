@@ -726,10 +726,10 @@ class _Joined:
         if how == "stack":
             d = dim + t.dim() if dim < 0 else dim  # in the stacked result, which has t's dims
             return (t if d == 0 else t.movedim(0, d).contiguous()) if 0 <= d < t.dim() else None
-        if how == "sum":
-            return t.sum(0)
-        if how == "mean":
-            return t.mean(0)
+        if how in ("sum", "mean") and (t.is_floating_point() or t.is_complex()):
+            # (Integer and bool outputs: ``sum(0)`` promotes to int64 and ``mean(0)``
+            # refuses, where the join's additions keep the outputs' dtype.)
+            return t.sum(0) if how == "sum" else t.mean(0)
         return None
 
 
@@ -1051,6 +1051,8 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             # (Without parameters or buffers nothing else is batched, and vmap needs a batched
             # input: the members' common input is read as N stacked copies, without copying.)
             out = stacked(state, _to_stacked(v, group.n))
+        if state:
+            out = _own_memory(out, state)
         if isinstance(out, torch.Tensor):
             return _Value(out, _STACKED)
         kept = _structure.value
@@ -1062,6 +1064,26 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         return out
 
     return step
+
+
+def _own_memory(out: Any, state: dict[str, torch.Tensor]) -> Any:
+    r"""``out``'s tensors, each copied where it shares memory with a stacked tensor of ``state``.
+
+    A member returning its parameter or buffer (learned queries), or a view of
+    it, gives the stack itself, which holds every member's tensor: joined by
+    ``cat`` or ``stack`` along the stacked dimension, the block's output would be
+    that memory, changed by an in-place operation on it (and, while autograd
+    records, a view it refuses to change), where unfused the join makes a new
+    tensor. (The vmapped path only: the batched rules compute new tensors.)
+    """
+    stacks = {t.untyped_storage().data_ptr() for t in state.values()} - {0}
+
+    def own(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in stacks:
+            return t.clone()
+        return t
+
+    return own(out) if isinstance(out, torch.Tensor) else pytree.tree_map(own, out)
 
 
 # ------------------------------------------------------- a module's fusion

@@ -1470,3 +1470,66 @@ def test_fuse_set_again_after_a_member_changed_in_place():
     p.fuse = "auto"
     assert_close(p(x), reference(p, x))
     assert fused_groups(p) == []
+
+
+class _Mask(nn.Module):
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y > 0 if self.dtype is None else y.to(self.dtype)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.int32])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_fused_sum_and_mean_of_integer_outputs_keep_the_joins_dtype(dtype, fuse):
+    # Before: the batched value's sum(0) promoted bool and int32 outputs to int64, and
+    # mean(0) refused them, where the join adds the outputs in their own dtype.
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    for join in ("sum", "mean"):
+        block = Parallel(*[_Mask(dtype) for _ in range(3)], join=join, fuse=fuse)
+        plain = copy.deepcopy(block)
+        plain.fuse = False
+        got, want = block(x), plain(x)
+        assert fused_groups(block) == [["0", "1", "2"]]
+        assert got.dtype == want.dtype
+        assert_same(got, want)
+
+
+class _Queries(nn.Module):
+    r"""Learned queries: returns its parameter, whatever the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q
+
+
+@pytest.mark.parametrize("join", ["stack", "cat"])
+def test_a_fused_join_of_returned_parameters_is_a_tensor_of_its_own(join):
+    # Before: joined along dim 0, the block's output was the members' stacked parameter
+    # itself: an in-place operation on it changed every branch's parameter (no grad), or
+    # raised on a view of _Unstack (grad); unfused, the join makes a new tensor.
+    torch.manual_seed(0)
+    block = Parallel(*[_Queries() for _ in range(3)], join=join, dim=0, fuse=True)
+    before = [b.q.detach().clone() for b in block]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        out = block(x)
+        assert fused_groups(block) == [["0", "1", "2"]]
+        want = torch.stack(before) if join == "stack" else torch.cat(before)
+        assert_same(out, want)
+        out.relu_()
+    for b, q in zip(block, before):
+        assert_same(b.q.detach(), q)
+    y = block(x)
+    y.mul_(2)
+    y.sum().backward()
+    for b in block:
+        assert_same(b.q.grad, torch.full((3, 4), 2.0))
