@@ -77,13 +77,15 @@ _MODULE_ATTRIBUTES = frozenset(vars(nn.Module()))
 
 def _check_name(cls: type, kind: str, name: Any, taken: frozenset[str] = frozenset()) -> None:
     r"""Refuse ``name`` for a child of a ``cls`` being built: torch's rules for module names, and no
-    attribute the class has (a method, ``chunks``) or its instances get (``taken``: the settings)."""
+    attribute the class has (a method, ``chunks``) or its instances get (``taken``: the settings;
+    ``cls._internal``: the private state, which a child of the same name would replace or refuse)."""
     owner = cls.__name__
     if not isinstance(name, str):
         raise TypeError(f"{owner}: {kind} names must be strings, got {type(name).__name__} ({name!r}).")
     problem = ("it is empty" if not name else "it contains '.'" if "." in name
                else f"it is {owner}'s setting {name!r}" if name in taken
-               else f"{owner} has an attribute {name!r}" if hasattr(cls, name) or name in _MODULE_ATTRIBUTES
+               else f"{owner} has an attribute {name!r}" if (hasattr(cls, name) or name in _MODULE_ATTRIBUTES
+                                                              or name in getattr(cls, "_internal", ()))
                else None)
     if problem:
         raise ValueError(f"{owner}: cannot name a {kind} {name!r}: {problem} (a {kind}'s name becomes an "

@@ -264,6 +264,10 @@ class ParallelSequential(nn.Sequential):
         :meth:`torch.Tensor.record_stream`).
     """
 
+    # The private state of an instance: no stage may take these names (see _check_name).
+    _internal = frozenset({"_chunks", "_compiler", "_graphs", "_home", "_per_stage", "_placed", "_plan",
+                           "_softmax_checked", "_tree"})
+
     @overload
     def __init__(self, *stages: nn.Module, chunks: int = 1, cuda_graph: bool = False, max_graphs: int = 8,
                  static_outputs: bool = False, graph_fallback: bool = False, direct_grads: bool = False,

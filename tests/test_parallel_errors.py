@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -595,3 +596,45 @@ def test_a_callable_appended_to_an_eval_block_takes_its_mode():
     x = torch.randn(2, 4)
     assert_same(block(x), x * 1.5 * 4)
     assert not any(b.training for b in block)
+
+
+def _private_state(block: nn.Module, x: torch.Tensor) -> set[str]:
+    r"""The private attributes ``block`` has after calls in each mode and a dtype change."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (cuda_graph=True on the CPU: runs eagerly, and says so)
+        for _ in range(2):
+            block(x)
+        block.eval()(x)
+        block.to(torch.float64)(x.double())
+    if isinstance(block, Parallel):
+        block.explain()
+    return {name for name in vars(block) if name.startswith("_")} - set(vars(nn.Module()))
+
+
+@pytest.mark.parametrize("settings", [{}, {"fuse": True}, {"fuse": "auto"}, {"cuda_graph": True},
+                                      {"compile": "eager"}, {"join": "sum", "streams": True}])
+def test_branch_names_of_the_private_state_are_refused(settings):
+    # Before: a branch named "_plans" or "_tuner" failed with torch's own error naming neither
+    # the module nor the branch, and one named "_fusion" was replaced by None at construction.
+    x = torch.randn(4, 8)
+    names = _private_state(Parallel(nn.Linear(8, 4), nn.Linear(8, 4), **settings), x)
+    assert names <= Parallel._internal, names - Parallel._internal  # (a new one: add it to _internal)
+    assert "_plans" in names
+    for name in sorted(names):
+        with pytest.raises(ValueError, match=f"Parallel: cannot name a branch {name!r}: Parallel has an attribute"):
+            Parallel(OrderedDict([("a", nn.Linear(8, 4)), (name, nn.Linear(8, 4))]))
+
+
+@pytest.mark.parametrize("settings", [{}, {"chunks": 2}, {"cuda_graph": True, "chunks": 2},
+                                      {"compile": "eager", "chunks": 2}])
+def test_stage_names_of_the_private_state_are_refused(settings):
+    # Before: a stage named "_plan" or "_compiler" was replaced by None at construction.
+    from parallel_modules import ParallelSequential
+
+    x = torch.randn(4, 8)
+    names = _private_state(ParallelSequential(nn.Linear(8, 8), nn.Softmax(-1), **settings), x)
+    assert names <= ParallelSequential._internal, names - ParallelSequential._internal
+    assert "_plan" in names
+    for name in sorted(names):
+        with pytest.raises(ValueError, match=f"ParallelSequential: cannot name a stage {name!r}"):
+            ParallelSequential(OrderedDict([("enc", nn.Linear(8, 8)), (name, nn.Linear(8, 2))]), chunks=2)
