@@ -442,10 +442,17 @@ class Parallel(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._modules.values())
 
-    def _key(self, idx: int) -> str:
+    def _key(self, idx: int, slices: bool = True) -> str:
         if not hasattr(idx, "__index__"):
-            named = f" A named branch is an attribute: block.{idx}." if isinstance(idx, str) else ""
-            raise TypeError(f"{type(self).__name__}: branches are indexed by int or slice, got "
+            owner = type(self).__name__
+            if isinstance(idx, slice) and not slices:
+                raise TypeError(f"{owner}: cannot assign to a slice of branches ({idx!r}), as nn.Sequential "
+                                f"cannot; assign them one at a time: block[i] = module.")
+            named = ""
+            if isinstance(idx, str):
+                named = (f" A named branch is an attribute: block.{idx}." if idx.isidentifier()
+                         else f" A named branch is an attribute: getattr(block, {idx!r}).")
+            raise TypeError(f"{owner}: branches are indexed by int or slice, got "
                             f"{type(idx).__name__} ({idx!r}).{named}")
         idx = idx.__index__()
         n = len(self._modules)
@@ -465,7 +472,7 @@ class Parallel(nn.Module):
         return self._modules[self._key(idx)]
 
     def __setitem__(self, idx: int, module: nn.Module | Callable[..., Any]) -> None:
-        key = self._key(idx)
+        key = self._key(idx, slices=False)
         self.add_module(key, _own_mode(self, _as_branch(type(self).__name__, key, module), module))
         self._reset()
 
@@ -505,7 +512,12 @@ class Parallel(nn.Module):
         r"""Append every module of an iterable; returns ``self``."""
         owner, n = type(self).__name__, len(self._modules)
         # All checked before any is appended: a bad one leaves the block as it was.
-        for m in [_own_mode(self, _as_branch(owner, str(n + i), m), m) for i, m in enumerate(modules)]:
+        branches = [_own_mode(self, _as_branch(owner, str(n + i), m), m) for i, m in enumerate(modules)]
+        taken = [str(n + i) for i in range(len(branches)) if str(n + i) in self._modules]
+        if taken:  # (named branches kept after a slice or a deletion: "1", "3")
+            raise ValueError(f"{owner}: a branch named {taken[0]!r} already exists; extend appends branches "
+                             f"named by their index. Use an OrderedDict to name them.")
+        for m in branches:
             self.append(m)
         return self
 
@@ -1185,25 +1197,46 @@ def _describe_signature(key: Hashable) -> str:
 
     Everything the key holds is shown, so that two signatures never read alike:
     strides where a tensor is not contiguous, ``requires_grad``, the values of
-    numbers and dtypes, the types of other arguments, training and no-grad calls.
+    numbers and dtypes, the types of other arguments, where each was passed
+    (``f(x, y)`` or ``f(x, y=y)``), training and no-grad calls.
     """
     single = isinstance(key[0], torch.Size)  # (shape, stride, dtype, device, requires_grad, grad, training)
     grad, training = (key[5], key[6]) if single else (key[1], key[2])  # or (spec, grad, training, *leaves)
-    parts = []
-    for item in [key[:5]] if single else key[3:]:
-        if isinstance(item, tuple) and len(item) in (5, 6) and isinstance(item[0], torch.Size):
-            shape, stride, dtype, device, requires_grad = item[:5]
-            kind = item[5].__name__ if len(item) == 6 else "Tensor"  # (a subclass: see _signature)
-            text = f"{kind}{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
-            if stride != torch.empty(shape, device="meta").stride():  # (contiguous strides, no memory)
-                text += f" strides {tuple(stride)}"
-            parts.append(text + (" requires_grad" if requires_grad else ""))
-        elif isinstance(item, tuple) and item and isinstance(item[0], str) and item[0] == "nested":
-            parts.append(f"nested Tensor{list(map(tuple, item[2]))} {str(item[3]).replace('torch.', '')} on {item[4]}")
-        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type) and issubclass(item[0], float):
-            parts.append(str(float.fromhex(item[1])))  # (keyed by its exact bits: see _value_key)
-        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
-            parts.append(str(item[1]).replace("torch.", ""))  # a number, string, dtype or device
-        elif isinstance(item, type):
-            parts.append(item.__name__)
+    if single:
+        parts = [_describe_leaf(key[:5])]
+    else:
+        args, kwargs = pytree.tree_unflatten([_describe_leaf(item) for item in key[3:]], key[0])
+        parts = [_describe_arg(a) for a in args] + [f"{k}={_describe_arg(v)}" for k, v in kwargs.items()]
     return ", ".join(parts) + (", training" if training is True else "") + ("" if grad else ", no grad")
+
+
+def _describe_arg(value: Any) -> str:
+    r"""One argument of a signature: its leaves' descriptions in its containers."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe_arg(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_describe_arg(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    return repr(value)
+
+
+def _describe_leaf(item: Any) -> str:
+    r"""One input leaf's part of a signature (see ``_inputs._signature``), readable."""
+    if isinstance(item, tuple) and len(item) in (5, 6) and isinstance(item[0], torch.Size):
+        shape, stride, dtype, device, requires_grad = item[:5]
+        kind = item[5].__name__ if len(item) == 6 else "Tensor"  # (a subclass: see _signature)
+        text = f"{kind}{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
+        if stride != torch.empty(shape, device="meta").stride():  # (contiguous strides, no memory)
+            text += f" strides {tuple(stride)}"
+        return text + (" requires_grad" if requires_grad else "")
+    if isinstance(item, tuple) and item and isinstance(item[0], str) and item[0] == "nested":
+        return f"nested Tensor{list(map(tuple, item[2]))} {str(item[3]).replace('torch.', '')} on {item[4]}"
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type) and issubclass(item[0], float):
+        return str(float.fromhex(item[1]))  # (keyed by its exact bits: see _value_key)
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
+        return str(item[1]).replace("torch.", "")  # a number, string, dtype or device
+    if isinstance(item, type):
+        return item.__name__
+    return repr(item)

@@ -632,6 +632,24 @@ def test_explain_keeps_signatures_apart_that_differ_only_in_strides_grad_or_valu
     assert "Tensor(4, 4) float32 on cpu, float, training" in keys and "Tensor(4, 4) float32 on cpu, 2, training" in keys
 
 
+def test_explain_keeps_positional_and_keyword_signatures_apart():
+    # Before: f(x, y) and f(x, y=y) are two plans, but read alike in explain(), one hiding the other.
+    class Add(nn.Module):
+        def forward(self, x, y=None, *, z=None):
+            return x + (0 if y is None else y) + (0 if z is None else z)
+
+    p = Parallel(Add(), Add())
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    p(x, y)
+    p(x, y=y)
+    p(x, z=y)
+    p(x, [y][0])
+    keys = list(p.explain()["schedules"])
+    assert len(keys) == len(p._plans) == 3, keys
+    t = "Tensor(2, 4) float32 on cpu"
+    assert keys == [f"{t}, {t}, training", f"{t}, y={t}, training", f"{t}, z={t}, training"]
+
+
 class _Tagged(torch.Tensor):
     r"""A tensor subclass that operations propagate (``torch.Tensor.__torch_function__``)."""
 

@@ -512,6 +512,28 @@ def test_indexing_by_name_says_how_to_reach_a_named_branch():
     with pytest.raises(TypeError, match=r"A named branch is an attribute: block.a"):
         del p["a"]
     assert isinstance(p[1], nn.ReLU) and p.a is p[0] and len(p) == 2
+    numbered = Parallel(nn.Identity(), nn.ReLU())
+    with pytest.raises(TypeError, match=r"A named branch is an attribute: getattr\(block, '0'\)"):
+        numbered["0"]
+
+
+def test_assigning_to_a_slice_of_branches_says_how():
+    # Before: "branches are indexed by int or slice, got slice".
+    p = Parallel(nn.Identity(), nn.ReLU())
+    with pytest.raises(TypeError, match=r"Parallel: cannot assign to a slice of branches \(slice\(0, 1, None\)\), "
+                                        r"as nn.Sequential cannot; assign them one at a time: block\[i\] = module"):
+        p[0:1] = [nn.Tanh()]
+    assert isinstance(p[0], nn.Identity) and len(p) == 2
+
+
+def test_extend_onto_a_name_already_taken_leaves_the_block_as_it_was():
+    # Before: the first new branch ("2") was appended, then "3" raised, a partly extended block.
+    p = Parallel(*[nn.Linear(4, 4) for _ in range(4)])[1::2]  # branches "1" and "3"
+    with pytest.raises(ValueError, match=r"Parallel: a branch named '3' already exists; extend appends branches"):
+        p.extend([nn.Linear(4, 4), nn.Linear(4, 4)])
+    assert list(p._modules) == ["1", "3"]
+    x = torch.randn(2, 4)
+    assert_same(p(x), torch.cat([p[0](x), p[1](x)], 1))
 
 
 def test_extend_with_a_bad_module_appends_none():
