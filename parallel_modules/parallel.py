@@ -635,8 +635,13 @@ class Parallel(nn.Module):
         """
         super().train(mode)
         fusion = self.__dict__.get("_fusion")
-        if self.fuse is not False and fusion is not None and not _is_tracing() and not fusion.current():
-            self._fusion = self._new_fusion()  # (schedules are per mode: those of the new one come)
+        if self.fuse is not False and not _is_tracing() and (fusion is None or not fusion.current()):
+            # (Schedules are per mode: those of the new one come.) With fuse=True and
+            # branches that no longer fuse in this mode (dropout in training), the next
+            # call says so, as after a branch is replaced: ``train()`` itself must not
+            # raise, leaving the modules after this one in the old mode.
+            self._fusion = None
+            self._prepare_fusion(strict=False)
         return self
 
     def _regrouped(self) -> bool:

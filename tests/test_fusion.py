@@ -1533,3 +1533,21 @@ def test_a_fused_join_of_returned_parameters_is_a_tensor_of_its_own(join):
     y.sum().backward()
     for b in block:
         assert_same(b.q.grad, torch.full((3, 4), 2.0))
+
+
+def test_train_of_a_model_with_a_block_that_cannot_fuse_in_training_completes():
+    # Before: model.train() raised from the block's own train(), leaving the block in
+    # training mode and the modules after it in eval; the error belongs to the next call.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(8, 4), nn.Dropout(0.5)).eval() for _ in range(2)], fuse=True)
+    model = nn.Sequential(block, nn.Dropout(0.5)).eval()
+    x = torch.randn(16, 8)
+    model(x)
+    model.train()
+    assert all(m.training for m in model.modules())
+    with pytest.raises(ValueError, match=r"(?s)fuse=True needs every branch .* branch '0' cannot be fused: "
+                                         r"submodule '1' \(Dropout\) draws random masks in training mode"):
+        model(x)
+    model.eval()
+    assert fused_groups(block) == [["0", "1"]]
+    assert_close(model(x), torch.cat([b(x) for b in block], 1))
