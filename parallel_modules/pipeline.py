@@ -19,6 +19,7 @@ which, through that chain of events, follows every piece of every lane.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, NamedTuple, Sequence, overload
 
@@ -648,6 +649,9 @@ class ParallelSequential(nn.Sequential):
 
         try:
             if all(isinstance(o, torch.Tensor) for o in outputs):
+                first = outputs[0]
+                if all(o is first for o in outputs[1:]):
+                    return first  # the same tensor from every micro-batch, as in a structure below
                 return batched(outputs)
             flat = [pytree.tree_flatten(o) for o in outputs]
             spec = flat[0][1]
@@ -1051,11 +1055,14 @@ class _Gather:
     views of the result (:meth:`restore`).
     """
 
-    __slots__ = ("sizes", "device", "out", "places", "taken", "ok")
+    __slots__ = ("sizes", "device", "out", "places", "taken", "ok", "first")
 
     def __init__(self, sizes: list[int], device: torch.device) -> None:
         self.sizes, self.device = sizes, device  # (the lanes': a piece copied to the host is read by the host)
         self.out: torch.Tensor | None = None
+        # The first piece, weakly: held, a graphed last stage would see its output kept
+        # and copy the next instead of lending it (see _pipeline).
+        self.first: Callable[[], Any] = lambda: None
         self.places: tuple[torch.Tensor, ...] = ()  # each piece's place in ``out``
         self.taken = 0
         self.ok = len(sizes) > 1
@@ -1078,6 +1085,7 @@ class _Gather:
             # as much as a launch.
             self.out = value.new_empty((sum(self.sizes), *value.shape[1:]))
             self.places = self.out.split(self.sizes)
+            self.first = weakref.ref(value)
         else:
             place = self.places[m]
             # The first piece's checks, against its place. Whether a contiguous
@@ -1085,7 +1093,10 @@ class _Gather:
             # the strides those give), which equal the first piece's here. A
             # piece of another class than the first (a tensor subclass) is left
             # to torch.cat, which dispatches to it; copied in, it would be lost.
-            if (type(value) is not type(place) or value.layout != torch.strided or value.shape != place.shape
+            # The first piece itself again (a parameter every micro-batch returns) is not
+            # batched: the concatenation returns it as it is.
+            if (value is self.first() or type(value) is not type(place) or value.layout != torch.strided
+                    or value.shape != place.shape
                     or value.dtype != place.dtype or value.device != place.device
                     or (value.requires_grad and torch.is_grad_enabled()) or not value.is_contiguous()):
                 self.ok = False
@@ -1099,10 +1110,15 @@ class _Gather:
 
         The pieces taken are the first ``taken`` (the last lane adds them in
         order and stops at the first it declines); a later ``None`` is a
-        stage's own output, left for the concatenation to refuse.
+        stage's own output, left for the concatenation to refuse. The first
+        is given back as itself where it lives on: a later piece may be the
+        same tensor.
         """
         for m in range(self.taken):
             values[m] = self.places[m]
+        first = self.first()
+        if self.taken and first is not None:
+            values[0] = first  # (itself, which a later piece may be: see add)
 
     def complete(self) -> bool:
         return self.ok and self.taken == len(self.sizes)

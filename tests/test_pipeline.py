@@ -693,6 +693,51 @@ def test_gather_leaves_a_later_subclass_piece_and_a_none_output_to_the_concatena
     assert torch.equal(values[0], torch.ones(2, 3)) and values[1] is None
 
 
+def test_gather_declines_the_first_piece_again_and_gives_it_back_as_itself() -> None:
+    from parallel_modules.pipeline import _Gather
+
+    # A last stage returning its parameter gives the same tensor for every micro-batch,
+    # which the concatenation returns as it is: not gathered as if batched.
+    q = torch.randn(2, 3)
+    gather = _Gather([2, 2], torch.device("cpu"))
+    values: list = [q, q]
+    assert gather.add(0, values[0])
+    values[0] = None
+    assert not gather.add(1, values[1]) and not gather.complete()
+    gather.restore(values)
+    assert values[0] is q and values[1] is q
+
+
+class _Constant(nn.Module):
+    r"""Returns its parameter, whatever the input (learned queries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_the_same_tensor_from_every_micro_batch_is_returned_as_it_is(wrap: bool) -> None:
+    # Before: bare, it was concatenated ((6, 5) where nn.Sequential gives (3, 5)), while
+    # the same tensor inside a tuple was returned as it is.
+    stage = _Constant()
+    pipe = ParallelSequential(nn.Sequential(stage, _Wrap()) if wrap else stage, chunks=2)
+    x = torch.randn(6, 4)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            out = pipe(x)
+        got = out[0] if wrap else out
+        assert got is stage.q
+
+
+class _Wrap(nn.Module):
+    def forward(self, t: torch.Tensor) -> tuple[torch.Tensor]:
+        return (t,)
+
+
 def test_graph_settings_set_later_are_checked_and_reach_the_cache():
     pipe = ParallelSequential(nn.Linear(8, 8), nn.ReLU(), chunks=2)
     with pytest.raises(ValueError, match=r"ParallelSequential: max_graphs must be an int >= 1 .*got -1"):

@@ -279,6 +279,29 @@ def test_gather_gives_up_after_taking_a_piece(graphed: bool) -> None:
             assert torch.equal(model(x if graphed else x.cuda()), expected)
 
 
+class _Queries(nn.Module):
+    r"""Returns its buffer, whatever the input: the same tensor from every micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("q", torch.randn(4, 5))
+
+    def forward(self, x):
+        return self.q
+
+
+@pytest.mark.parametrize("host_input", [False, True])
+def test_the_same_tensor_from_every_micro_batch_is_not_gathered(host_input: bool) -> None:
+    # Before: the last lane copied it into a result of 8 rows as if batched, where
+    # nn.Sequential returns it (4 rows).
+    stage = _Queries().cuda()
+    model = ParallelSequential(nn.Linear(8, 8), stage, chunks=2).cuda()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(8, 8)
+            assert model(x if host_input else x.cuda()) is stage.q
+
+
 class ToHost(nn.Module):
     """Copies its input to the host without blocking, behind a delay on its stream."""
 
