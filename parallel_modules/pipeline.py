@@ -116,19 +116,24 @@ class _SoftmaxDims(TorchFunctionMode):
     input's number of dimensions) on a 3-D input, normalizes across the batch,
     which micro-batches would cut. Which it is shows only once the layer sees its
     input: the first call of each input signature runs under this mode, which
-    looks at every softmax of the functional API those layers call.
+    looks at every softmax of the functional API those layers call. Only on
+    tensors that may hold the batch along dimension 0: not a parameter (a
+    softmax over learned mixing weights), nor one with fewer rows than a
+    micro-batch has samples (``smallest``).
     """
 
     _FUNCTIONS = frozenset((torch.nn.functional.softmax, torch.nn.functional.log_softmax,
                             torch.nn.functional.softmin))
 
-    def __init__(self, owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]]) -> None:
+    def __init__(self, owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]],
+                 smallest: int) -> None:
         super().__init__()
-        self.owner, self.plan, self.layers = owner, plan, layers
+        self.owner, self.plan, self.layers, self.smallest = owner, plan, layers, smallest
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor):
+        if (func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor)
+                and not isinstance(args[0], nn.Parameter) and args[0].dim() and args[0].shape[0] >= self.smallest):
             written = kwargs.get("dim", args[1] if len(args) > 1 else None)
             ndim = args[0].dim()
             dim = (0 if ndim in (0, 1, 3) else 1) if written is None else written % max(ndim, 1)
@@ -784,7 +789,8 @@ class ParallelSequential(nn.Sequential):
             if layers:
                 key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
                 if key not in self._softmax_checked:
-                    with _SoftmaxDims(self, plan, layers):
+                    batch = _batch_size(input) or 0
+                    with _SoftmaxDims(self, plan, layers, max(batch // self._chunks, 1)):
                         output = self._forward(input)
                     self._softmax_checked.add(key)
                     return output

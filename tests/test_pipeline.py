@@ -885,6 +885,30 @@ def test_softmax_layers_whose_dim_resolves_to_0_are_refused(layer, shape) -> Non
             model(torch.randn(shape))
 
 
+class _ScalarMix(nn.Module):
+    r"""A learned softmax-weighted mix of two feature sets: a softmax over a parameter, not the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.3, -0.2]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.nn.functional.softmax(self.w, dim=-1)
+        return a * x + b * x.tanh()
+
+
+def test_a_softmax_over_a_parameter_is_not_taken_for_a_layer_across_the_batch() -> None:
+    # Before: refused, blaming stage 0's Softmax(dim=-1), whose dim matched that of the
+    # functional softmax stage 1 calls on its 1-D parameter.
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=-1)), _ScalarMix()]
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(ParallelSequential(*stages, chunks=2)(x), nn.Sequential(*stages)(x))
+    # The same softmax on a batched tensor along dimension 0 is still refused.
+    with pytest.raises(RuntimeError, match=r"(?s)stage '1' \(index 1\) contains '1.0'.*dimension 0"):
+        ParallelSequential(nn.Identity(), nn.Sequential(nn.Softmax(dim=-1)), chunks=2)(torch.randn(6))
+
+
 def test_stock_layers_mixing_samples_by_their_settings_are_refused() -> None:
     # A softmax along dimension 0 and an embedding scaling its gradient by the frequencies
     # in the batch gave other results per micro-batch, silently.
