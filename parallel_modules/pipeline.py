@@ -116,7 +116,9 @@ class _SoftmaxDims(TorchFunctionMode):
     input's number of dimensions) on a 3-D input, normalizes across the batch,
     which micro-batches would cut. Which it is shows only once the layer sees its
     input: the first call of each input signature runs under this mode, which
-    looks at every softmax of the functional API those layers call. Only on
+    looks at every softmax of the functional API those layers call, and so
+    does every trace of a compiler (dynamo and ``torch.export`` run the mode's
+    check on the traced shapes; nothing of it enters the graph). Only on
     tensors that may hold the batch along dimension 0: not a parameter (a
     softmax over learned mixing weights), nor one with fewer rows than a
     micro-batch has samples (``smallest``).
@@ -142,7 +144,8 @@ class _SoftmaxDims(TorchFunctionMode):
                 i, qual, m = layers[0]
                 raise RuntimeError(
                     f"{type(self.owner).__name__}: stage {self.plan.names[i]!r} (index {i}) contains {qual!r} "
-                    f"({m}), which on its {ndim}-D input normalizes along dimension 0, across the batch, so "
+                    f"({type(m).__name__}({'' if isinstance(m, nn.Softmax2d) else f'dim={m.dim}'})), which on its "
+                    f"{ndim}-D input normalizes along dimension 0, across the batch, so "
                     f"with chunks={self.owner._chunks} the result would differ from running the whole batch. "
                     "Give it the non-negative dim it should normalize along, or use chunks=1.")
         return func(*args, **kwargs)
@@ -782,13 +785,13 @@ class ParallelSequential(nn.Sequential):
             if home is None or (isinstance(home, torch.device) and isinstance(input, torch.Tensor)
                                 and input.device == home):
                 return self._in_order(self._stages(), input)
-        if self._chunks > 1 and not _is_tracing():
+        if self._chunks > 1:
             plan = self._get_plan()
             layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
                       and (_softmax_dim(m) is None or _softmax_dim(m) < 0)]
             if layers:
                 key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
-                if key not in self._softmax_checked:
+                if _is_tracing() or key not in self._softmax_checked:
                     batch = _batch_size(input) or 0
                     with _SoftmaxDims(self, plan, layers, max(batch // self._chunks, 1)):
                         output = self._forward(input)

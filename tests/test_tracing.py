@@ -347,3 +347,22 @@ def test_jit_script_is_refused_with_what_works_instead(make):
         torch.jit.script(model)
     x = torch.randn(4, 16)
     assert torch.equal(torch.jit.trace(model, (x,))(x), model(x))
+
+
+def test_a_softmax_across_the_batch_is_refused_under_compile_and_export_too():
+    # Before: refused eagerly, but compiled and exported the pipeline ran it on micro-batches
+    # (max error 0.8 against nn.Sequential): the check was skipped while a compiler traced.
+    x = torch.randn(6, 3)
+    across = r"(?s)stage '1' \(index 1\) contains '1' \(Softmax\(dim=-2\)\).*normalizes along dimension 0"
+    with pytest.raises(RuntimeError, match=across):
+        torch.compile(ParallelSequential(nn.Identity(), nn.Softmax(dim=-2), chunks=3), backend="eager")(x)
+    with pytest.raises(RuntimeError, match=across):
+        torch.export.export(ParallelSequential(nn.Identity(), nn.Softmax(dim=-2), chunks=3), (x,))
+    # fullgraph=True: dynamo reports the exception it traced, as its own error.
+    with pytest.raises(Exception, match="normalizes along dimension 0"):
+        torch.compile(ParallelSequential(nn.Identity(), nn.Softmax(dim=-2), chunks=3), backend="eager",
+                      fullgraph=True)(x)
+    # Along the features: traced in one graph, and equal to eager.
+    pipe = ParallelSequential(nn.Linear(3, 3), nn.Softmax(dim=-1), chunks=3)
+    assert_close(torch.compile(pipe, backend="eager", fullgraph=True)(x), pipe(x))
+    assert_close(torch.export.export(pipe, (x,)).module()(x), pipe(x))
