@@ -18,6 +18,7 @@ which, through that chain of events, follows every piece of every lane.
 
 from __future__ import annotations
 
+import importlib
 import threading
 import weakref
 from collections import OrderedDict
@@ -102,6 +103,28 @@ _mark = _record_on
 # along dimension 0, an embedding scaling its gradient by frequencies in the batch.
 _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
 _ACROSS_DIM_0 = (*_SOFTMAXES, nn.Embedding, nn.EmbeddingBag)
+
+
+_SpectralNorm = getattr(torch.nn.utils.parametrizations, "_SpectralNorm", ())
+_SpectralNormHook = getattr(importlib.import_module("torch.nn.utils.spectral_norm"), "SpectralNorm", ())
+
+
+def _spectral_norm(m: nn.Module) -> bool:
+    r"""Whether ``m`` runs a power iteration of a spectral norm at each call in training mode.
+
+    ``parametrizations.spectral_norm`` (the parametrization is a submodule) and
+    the older ``utils.spectral_norm`` (a forward pre-hook): each micro-batch
+    would take one more step of the estimate, and read another weight.
+    """
+    return isinstance(m, _SpectralNorm) or (
+        bool(m._forward_pre_hooks) and any(isinstance(h, _SpectralNormHook) for h in m._forward_pre_hooks.values()))
+
+
+def _read_elsewhere(m: nn.Module, plan: _Plan) -> bool:
+    r"""Whether embedding ``m``'s weight is read by another module of the stages (tied, or ``m`` held twice)."""
+    holders = [x for _, _, x in (*plan.mixers, *plan.others) if x is m or any(
+        p is m.weight for p in x._parameters.values())]
+    return len(holders) > 1
 
 
 def _softmax_dim(m: nn.Module) -> int | None:
@@ -424,7 +447,7 @@ class ParallelSequential(nn.Sequential):
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
                 if (isinstance(m, _NormBase) or hasattr(type(m), "mixes_batch") or _batch_second(m)
-                        or isinstance(m, _ACROSS_DIM_0)):
+                        or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m)):
                     mixers.append((i, qual, m))
                 else:
                     others.append((i, qual, m))
@@ -515,6 +538,19 @@ class ParallelSequential(nn.Sequential):
             elif isinstance(m, _SOFTMAXES):  # (dims written None or negative: see _SoftmaxDims)
                 mixes, why = _softmax_dim(m) == 0, "normalizes along dimension 0, across the batch"
                 fix = "normalize along another dimension, or use chunks=1."
+            elif _spectral_norm(m):
+                mixes = m.training
+                why = "updates its spectral norm's power-iteration estimate at every call in training mode"
+                fix = "call .eval() on it if you are not training it, or use chunks=1."
+            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None and _read_elsewhere(
+                    m, plan):
+                # Renormalized rows are the same whichever micro-batch looks them up
+                # first, unless another layer reads the weight itself (a tied output
+                # head) between two micro-batches' lookups.
+                mixes = True
+                why = ("renormalizes the rows each call looks up (max_norm) in its weight, which another "
+                       "layer also reads: that layer would read it renormalized for some micro-batches only")
+                fix = "use chunks=1, or renormalize the weight yourself before the call (max_norm=None)."
             elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                 mixes = m.scale_grad_by_freq and m.training and m.weight.requires_grad and torch.is_grad_enabled()
                 why = ("scales its gradient by each index's frequency in the batch (scale_grad_by_freq=True) "

@@ -909,6 +909,54 @@ def test_a_softmax_over_a_parameter_is_not_taken_for_a_layer_across_the_batch() 
         ParallelSequential(nn.Identity(), nn.Sequential(nn.Softmax(dim=-1)), chunks=2)(torch.randn(6))
 
 
+@pytest.mark.parametrize("style", ["parametrization", "hook"])
+def test_a_spectral_norm_in_training_is_refused(style: str) -> None:
+    # Before: each micro-batch took one more power-iteration step, reading another weight
+    # (output off by 0.07 of 0.37, and the estimate's buffer different from nn.Sequential's).
+    torch.manual_seed(0)
+    wrap = (torch.nn.utils.parametrizations.spectral_norm if style == "parametrization"
+            else torch.nn.utils.spectral_norm)
+    stages = [wrap(nn.Linear(16, 16)), nn.LeakyReLU(0.2), nn.Linear(16, 1)]
+    reference = copy.deepcopy(nn.Sequential(*stages))
+    model = ParallelSequential(*stages, chunks=3)
+    x = torch.randn(6, 16)
+    with pytest.raises(RuntimeError, match=r"stage '0' \(index 0\) contains '0.*' \((Linear|_SpectralNorm)\), "
+                                           r"which updates its spectral norm's power-iteration estimate"):
+        model(x)
+    model.eval()
+    reference.eval()
+    torch.testing.assert_close(model(x), reference(x))
+
+
+class _TiedHead(nn.Module):
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.embedding.weight.t()
+
+
+def test_an_embedding_renormalizing_a_weight_another_layer_reads_is_refused() -> None:
+    # Before: the tied head of micro-batch 0 read rows that micro-batch 1's lookup then
+    # renormalized (off by up to 8.7 against nn.Sequential; with grad, backward raised).
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        embedding.weight.mul_(5)
+    tokens = torch.arange(1, 7)
+    with pytest.raises(RuntimeError, match=r"contains '0' \(Embedding\), which renormalizes the rows"):
+        ParallelSequential(embedding, _TiedHead(embedding), chunks=2)(tokens)
+    # Not tied: each row is renormalized alike whichever micro-batch looks it up first.
+    untied = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        untied.weight.mul_(5)
+    head = nn.Linear(4, 3)
+    reference = nn.Sequential(copy.deepcopy(untied), copy.deepcopy(head))
+    torch.testing.assert_close(ParallelSequential(untied, head, chunks=2)(tokens), reference(tokens))
+    torch.testing.assert_close(untied.weight, reference[0].weight)
+
+
 def test_stock_layers_mixing_samples_by_their_settings_are_refused() -> None:
     # A softmax along dimension 0 and an embedding scaling its gradient by the frequencies
     # in the batch gave other results per micro-batch, silently.
