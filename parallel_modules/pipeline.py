@@ -282,8 +282,12 @@ class ParallelSequential(nn.Sequential):
         refuses to run such stages and says which module is at fault: call
         ``.eval()`` on it, use ``chunks=1``, or use a per-sample normalization
         such as :class:`torch.nn.GroupNorm` or :class:`torch.nn.LayerNorm`.
-        Custom modules declare that they mix samples with a class or instance
-        attribute ``mixes_batch = True``.
+        So it refuses modules that change their weights at each call (a
+        spectral norm in training mode, an embedding with ``max_norm`` whose
+        weight another layer also reads), a softmax along the batch, and
+        layers that take the batch along dimension 1. Custom modules declare
+        that they mix samples with a class or instance attribute
+        ``mixes_batch = True``.
 
     .. note::
         A pinned CPU input is read by non-blocking copies ordered after the
