@@ -39,6 +39,27 @@ def host_us(fn: Callable[[], object], n: int = 300) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def events_us(fn: Callable[[], object], calls: int, spin_cycles: int = 0) -> tuple[float, float]:
+    r"""Microseconds per call of ``calls`` calls: by CUDA events around them, and the host's to issue them.
+
+    From a synchronize; with ``spin_cycles``, queued behind a spin kernel of that many cycles, so that
+    the events time the GPU's work alone (where the host issues the calls within the spin) and the
+    host's time excludes any wait for the GPU.
+    """
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    if spin_cycles:
+        torch.cuda._sleep(spin_cycles)
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = (time.perf_counter() - t0) / calls * 1e6
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / calls, issued
+
+
 def graph_by_hand(module: Callable[[torch.Tensor], object], x: torch.Tensor) -> torch.cuda.CUDAGraph:
     r"""``module`` on a copy of ``x`` captured in a CUDA graph by hand, after a warm-up on a side stream.
 

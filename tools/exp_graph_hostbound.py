@@ -15,24 +15,11 @@ import torch
 
 from parallel_modules import Parallel, parallel as _parallel
 from parallel_modules._cases import CASES
-from _timing import graph_by_hand, host_us  # tools/ is the script's directory
+from _timing import events_us, graph_by_hand, host_us  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = torch.device("cuda")
 CALLS = 20
-
-
-def events_us(fn, spin_cycles=0):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    if spin_cycles:
-        torch.cuda._sleep(spin_cycles)
-    a.record()
-    for _ in range(CALLS):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / CALLS
 
 
 VARIANTS = "--variants" in sys.argv
@@ -79,8 +66,8 @@ for name in [a for a in sys.argv[1:] if not a.startswith("--")] or ["mlp8", "mlp
             for k, fn in calls.items():
                 h, e, g = rows[k]
                 h.append(host_us(fn, 200))
-                e.append(events_us(fn))
-                g.append(events_us(fn, spin))
+                e.append(events_us(fn, CALLS)[0])
+                g.append(events_us(fn, CALLS, spin)[0])
         if VARIANTS:
             print(f"{name}: the module chose", list(variants["fused, chosen"]._graphs.variants().values()))
         floor = statistics.median(rows["floor (one branch, by hand)"][2])

@@ -15,42 +15,23 @@ Usage: ``PYTHONPATH=. python3 tools/exp_graph_lanes.py [case ...]`` (default mlp
 """
 import statistics
 import sys
-import time
 
 import torch
 
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES
-from parallel_modules._graphs import _clear_cublas_workspaces
-from _timing import host_us  # tools/ is the script's directory
+from _timing import events_us, graph_by_hand, host_us  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = torch.device("cuda")
 CALLS = 20
 
 
-def events_us(fn, spin_cycles=0):
-    r"""GPU microseconds per call by events, and the host's microseconds per call to issue them."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    if spin_cycles:
-        torch.cuda._sleep(spin_cycles)
-    a.record()
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    issued = (time.perf_counter() - t0) / CALLS * 1e6
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / CALLS, issued
-
-
 def lanes_graph(branches, x, k):
     r"""``branches`` on ``x`` captured on ``k`` lanes (forked and joined with events), joined by cat."""
-    static = x.clone()
     sides = [torch.cuda.Stream() for _ in range(k - 1)]
 
-    def body():
+    def body(static):
         caller = torch.cuda.current_stream()
         fork = torch.cuda.Event()
         fork.record(caller)
@@ -69,20 +50,11 @@ def lanes_graph(branches, x, k):
                     joins.append(e)
         for e in joins:
             caller.wait_event(e)
-        return torch.cat(outs, 1)
+        made.append(torch.cat(outs, 1))
 
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        for _ in range(3):
-            body()
-    torch.cuda.current_stream().wait_stream(warm)
-    g = torch.cuda.CUDAGraph()
-    _clear_cublas_workspaces()
-    with torch.cuda.graph(g):
-        out = body()
-    _clear_cublas_workspaces()
-    g.static, g.out = static, out
+    made = []
+    g = graph_by_hand(body, x)
+    g.out = made[-1]  # (the capture's: the graph's output buffer)
     return g
 
 
@@ -116,8 +88,8 @@ for name in sys.argv[1:] or ["mlp8", "mlp16", "tiny8"]:
             for c, fn in calls.items():
                 h, e, gpu, issue = rows[c]
                 h.append(host_us(fn, CALLS))
-                e.append(events_us(fn)[0])
-                g, i = events_us(fn, spin)
+                e.append(events_us(fn, CALLS)[0])
+                g, i = events_us(fn, CALLS, spin)
                 gpu.append(g)
                 issue.append(i)
         print(f"==== {name} batch 8 fp32, {n} branches ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
