@@ -7,8 +7,9 @@ matrix products one ``baddbmm``. This module finds such groups among a
 
 **Grouping.** Two branches are *identical* when their module trees match:
 same types, same hyper-parameters (``extra_repr`` and public attributes), same
-train/eval modes, same parameter and buffer names, shapes, dtypes, devices and
-``requires_grad``. A branch is *fusable* when nothing in it depends on running
+train/eval modes, same parameter and buffer names, shapes, dtypes and devices
+(members may differ in ``requires_grad``: frozen ones take no gradient from the
+stacks). A branch is *fusable* when nothing in it depends on running
 on its own: no hooks, no instance-level ``forward``, no parametrizations, no
 in-place buffer updates (BatchNorm in training), no random draws (dropout in
 training, whose masks could not match the unfused module's). Branches that are
@@ -144,9 +145,12 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
             return f"{where} has {kind}s {list(tb)}, expected {list(ta)}"
         for name in ta:
             x, y = ta[name], tb[name]
+            # (Not ``requires_grad``: members frozen one by one run batched alike, the
+            # stacks carrying gradients back to those that take them (see _Group._stacked);
+            # compared, freezing a member made every later regrouping -- ``eval()``,
+            # ``.to()``, a deep copy -- refuse the block.)
             same = (x is None) == (y is None) and (
-                x is None or (x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
-                              and x.requires_grad == y.requires_grad))
+                x is None or (x.shape == y.shape and x.dtype == y.dtype and x.device == y.device))
             if not same:
                 return f"{kind} {_join(path, name)!r} is {_describe_tensor(y)}, expected {_describe_tensor(x)}"
     if list(a._modules) != list(b._modules):
@@ -429,7 +433,9 @@ class _Group:
         """
         return _watch._swapped(self.tensor_dicts, self.snapshots, self.scalars)
 
-    def _stacked(self, qual: str, tracing: bool) -> torch.Tensor | None:
+    def _stacked(self, qual: str, tracing: bool, watched: list | None = None) -> torch.Tensor | None:
+        r"""The stack of ``qual`` for this call (see :class:`_Unstack`); ``watched`` collects those that
+        carry gradients back, with their members' versions now (see :func:`_refuse_changed_members`)."""
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
             return None
@@ -448,6 +454,8 @@ class _Group:
                                                                          or stacked.dtype.is_complex):
             tensors = self._tensors(entry)
             if any([t.requires_grad for t in tensors]):  # (members may be frozen one by one)
+                if watched is not None and entry.attr != "bias":  # (see _refuse_changed_members)
+                    watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
                 return _Unstack.apply(stacked, *tensors)
         return stacked
 
@@ -489,10 +497,12 @@ class _Group:
             call.fewer_kernels, call.prefill, call.cat_joined = before
 
     def _run(self, x: torch.Tensor, tracing: bool) -> Any:
+        watched: list | None = None
         if not tracing and not torch.is_grad_enabled():
             get: _Get = self.stacks.get  # nothing to differentiate: the stacks as they are
         else:
-            get = lambda qual: self._stacked(qual, tracing)  # noqa: E731
+            watched = None if tracing else []
+            get = lambda qual: self._stacked(qual, tracing, watched)  # noqa: E731
         program = self.program
         if program is None:
             program = self.program = _program(self, self.template, "")
@@ -502,7 +512,44 @@ class _Group:
                 raise TypeError(f"a layer of {type(self.template).__name__} returned a structured value "
                                 f"where the next layer expects a tensor")
             value = step(value, get)
+        if watched:
+            _refuse_changed_members(value, watched)
         return value
+
+
+def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]]) -> None:
+    r"""Make a backward through ``value`` refuse members' weights changed in place since this call.
+
+    Autograd saves views of the stacks, whose version counter is the stack's:
+    a member's parameter is a slice of its stack's memory (``.data =``, see
+    :meth:`_Group.bind`) but keeps a counter of its own, which an optimizer's
+    in-place step moves. Unfused, autograd refuses a backward through weights
+    changed since the forward ("modified by an inplace operation": an
+    ``optimizer.step()`` between a ``backward(retain_graph=True)`` and another
+    backward); fused it would silently use the new values. So, when the
+    gradient reaches ``value`` -- before any layer of the group runs its
+    backward -- the members' versions are compared with this call's. Biases
+    are left out: no batched layer saves one for backward, and unfused such a
+    change passes too.
+    """
+    def check(grad: torch.Tensor) -> None:
+        for qual, indices, tensors, versions in watched:
+            for i, (t, v) in enumerate(zip(tensors, versions)):
+                if t._version != v:
+                    raise RuntimeError(
+                        f"one of the variables needed for gradient computation has been modified by an "
+                        f"inplace operation: parameter {qual!r} of the branch at index {indices[i]} (fused with "
+                        f"the branches at {[k for k in indices if k != indices[i]]}) is at version {t._version}; "
+                        f"expected version {v} instead (changed after the forward pass, as by an optimizer.step() "
+                        f"between a "
+                        f"backward(retain_graph=True) and another backward). Unfused, autograd refuses this "
+                        f"backward too: run every backward pass before changing the parameters, or compute "
+                        f"the loss anew.")
+
+    leaves = [value.t] if isinstance(value, _Value) else pytree.tree_leaves(value)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(check)
 
 
 def _kernels_cost_more(x: torch.Tensor) -> bool:

@@ -1551,3 +1551,64 @@ def test_train_of_a_model_with_a_block_that_cannot_fuse_in_training_completes():
     model.eval()
     assert fused_groups(block) == [["0", "1"]]
     assert_close(model(x), torch.cat([b(x) for b in block], 1))
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_backward_after_the_weights_changed_in_place_is_refused_as_unfused(fuse):
+    # Before: fused, an optimizer step between backward(retain_graph=True) and a second backward
+    # went unseen (the members' parameters keep version counters of their own, the saved stacks
+    # another) and the second backward silently used the new weights; unfused autograd refuses.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in range(2)], fuse=fuse)
+    opt = torch.optim.SGD(p.parameters(), lr=0.5)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = p(x).square().sum()
+    assert fused_groups(p) == [["0", "1"]]
+    loss.backward(retain_graph=True)
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: parameter '0.weight' of the branch "
+                                           r"at index 0 \(fused with the branches at \[1\]\) is at version \d+; "
+                                           r"expected version \d+ instead"):
+        loss.backward()
+    # A bias changed in place passes, as unfused (no layer saves it for backward); the next
+    # call sees the new weights.
+    loss = p(x).square().sum()
+    with torch.no_grad():
+        p[1][2].bias.add_(1.0)
+    x.grad = None
+    loss.backward()
+    expected = x.grad.clone()
+    plain = copy.deepcopy(p)
+    plain.fuse = False
+    with torch.no_grad():
+        plain[1][2].bias.sub_(1.0)
+    x.grad = None
+    plain(x).square().sum().backward()
+    assert_close(x.grad, expected)
+
+
+@pytest.mark.parametrize("regroup", ["eval", "double", "deepcopy", "averaged"])
+def test_a_member_frozen_after_construction_survives_a_regrouping(regroup):
+    # Before: freezing one member's layer worked until the branches were grouped anew (eval()
+    # with a mode-dependent layer, .to(), a deep copy, AveragedModel), which then refused the
+    # block: requires_grad was part of "identical".
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0), nn.Linear(8, 4)) for _ in range(3)], fuse=True)
+    p[0][0].requires_grad_(False)
+    x = torch.randn(5, 8)
+    p(x).sum().backward()
+    if regroup == "eval":
+        p = p.eval()
+    elif regroup == "double":
+        p, x = p.double(), x.double()
+    elif regroup == "deepcopy":
+        p = copy.deepcopy(p)
+    else:
+        p = torch.optim.swa_utils.AveragedModel(p).module
+    out = p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    assert_close(out, torch.cat([b(x) for b in p], 1))
+    if regroup != "eval":
+        p.zero_grad()
+        p(x).square().sum().backward()
+        assert p[0][0].weight.grad is None and p[1][0].weight.grad is not None
