@@ -1176,6 +1176,10 @@ class _Fusion:
         # The instance dicts of the fused members' modules, where a ``forward`` replaced
         # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows.
         self.instances = [vars(m) for g in self.groups for member in g.members for m in member.modules()]
+        # The fused members' module trees: a layer replaced since (``block[0][1] = nn.ReLU()``,
+        # as adapter and quantization tools do) is seen eagerly by ``_watch``'s count of
+        # registrations, which a compiler must not read (see :meth:`current`).
+        self.trees = [(member, tuple(member.modules())) for g in self.groups for member in g.members]
         self._rebuild()
 
     def forward_replaced(self) -> bool:
@@ -1192,8 +1196,11 @@ class _Fusion:
         a member nor removed from a branch left out for it."""
         if _is_tracing():
             # The hook dicts themselves: a compiler would guard on the process-wide counter's
-            # value, and recompile whenever a hook anywhere is registered.
-            if any(self.hooks):
+            # value, and recompile whenever a hook anywhere is registered. And the members'
+            # layers themselves, for the same reason: a group traced with a layer replaced
+            # since it was found would run the old layer for every member. (A compiler
+            # guards on the modules it reads: replaced later, the block is traced anew.)
+            if any(self.hooks) or not self._same_trees():
                 return False
         else:
             handles = getattr(_Handle, "next_id", 0)
@@ -1202,6 +1209,14 @@ class _Fusion:
                     return False
                 self.handles = handles
         return all(m.training == mode for m, mode in self.modes) and all(map(any, self.hooked))
+
+    def _same_trees(self) -> bool:
+        r"""Whether every fused member holds the modules it held when grouped."""
+        for member, modules in self.trees:
+            now = tuple(member.modules())
+            if len(now) != len(modules) or any([a is not b for a, b in zip(now, modules)]):
+                return False
+        return True
 
     def _rebuild(self) -> None:
         grouped = {i: g for g in self.groups for i in g.indices}
