@@ -64,6 +64,8 @@ class _Plan(NamedTuple):
     mixers: tuple[tuple[int, str, nn.Module], ...]
     # Every other module, whose instance may declare ``mixes_batch`` at any time.
     others: tuple[tuple[int, str, nn.Module], ...]
+    # The ids of the embeddings whose weight another module of the stages reads (tied).
+    tied: frozenset[int]
 
 
 # This thread's CUDA events, per device (an event may only be recorded on
@@ -120,10 +122,9 @@ def _spectral_norm(m: nn.Module) -> bool:
         bool(m._forward_pre_hooks) and any(isinstance(h, _SpectralNormHook) for h in m._forward_pre_hooks.values()))
 
 
-def _read_elsewhere(m: nn.Module, plan: _Plan) -> bool:
-    r"""Whether embedding ``m``'s weight is read by another module of the stages (tied, or ``m`` held twice)."""
-    holders = [x for _, _, x in (*plan.mixers, *plan.others) if x is m or any(
-        p is m.weight for p in x._parameters.values())]
+def _read_elsewhere(m: nn.Module, modules: Sequence[nn.Module]) -> bool:
+    r"""Whether embedding ``m``'s weight is read by another of ``modules`` (tied, or ``m`` held twice)."""
+    holders = [x for x in modules if x is m or any(p is m.weight for p in x._parameters.values())]
     return len(holders) > 1
 
 
@@ -456,7 +457,12 @@ class ParallelSequential(nn.Sequential):
                 else:
                     others.append((i, qual, m))
         home = next(iter(placement)) if len(placement) == 1 else (_MIXED if placement else None)
-        return _Plan(stages, names, home, placement, tuple(mixers), tuple(others))
+        # (Here, not at each call: a weight tied or untied later changes the tree, which makes
+        # the plan anew.)
+        modules = [m for _, _, m in (*mixers, *others)]
+        tied = frozenset(id(m) for _, _, m in mixers
+                         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and _read_elsewhere(m, modules))
+        return _Plan(stages, names, home, placement, tuple(mixers), tuple(others), tied)
 
     def _get_plan(self) -> _Plan:
         plan = self._plan
@@ -546,8 +552,7 @@ class ParallelSequential(nn.Sequential):
                 mixes = m.training
                 why = "updates its spectral norm's power-iteration estimate at every call in training mode"
                 fix = "call .eval() on it if you are not training it, or use chunks=1."
-            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None and _read_elsewhere(
-                    m, plan):
+            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None and id(m) in plan.tied:
                 # Renormalized rows are the same whichever micro-batch looks them up
                 # first, unless another layer reads the weight itself (a tied output
                 # head) between two micro-batches' lookups.
@@ -831,11 +836,13 @@ class ParallelSequential(nn.Sequential):
                       and (_softmax_dim(m) is None or _softmax_dim(m) < 0)]
             if layers:
                 key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
-                if _is_tracing() or key not in self._softmax_checked:
+                tracing = _is_tracing()
+                if tracing or key not in self._softmax_checked:
                     batch = _batch_size(input) or 0
                     with _SoftmaxDims(self, plan, layers, max(batch // self._chunks, 1)):
                         output = self._forward(input)
-                    self._softmax_checked.add(key)
+                    if not tracing:  # (each trace checks: a tracer would record the add as a side effect)
+                        self._softmax_checked.add(key)
                     return output
         return self._forward(input)
 
