@@ -541,9 +541,8 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
                         f"inplace operation: parameter {qual!r} of the branch at index {indices[i]} (fused with "
                         f"the branches at {[k for k in indices if k != indices[i]]}) is at version {t._version}; "
                         f"expected version {v} instead (changed after the forward pass, as by an optimizer.step() "
-                        f"between a "
-                        f"backward(retain_graph=True) and another backward). Unfused, autograd refuses this "
-                        f"backward too: run every backward pass before changing the parameters, or compute "
+                        f"between a backward(retain_graph=True) and another backward). Unfused, autograd refuses "
+                        f"this backward too: run every backward pass before changing the parameters, or compute "
                         f"the loss anew.")
 
     leaves = [value.t] if isinstance(value, _Value) else pytree.tree_leaves(value)
@@ -1173,13 +1172,13 @@ class _Fusion:
         # Branches left out for their hooks (or for global ones): grouped anew once they are gone.
         self.hooked = [_hook_dicts(branches[i]) + list(_GLOBAL_HOOKS) for i, why in self.reasons.items()
                        if "hooks" in why]
-        # The instance dicts of the fused members' modules, where a ``forward`` replaced
-        # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows.
-        self.instances = [vars(m) for g in self.groups for member in g.members for m in member.modules()]
         # The fused members' module trees: a layer replaced since (``block[0][1] = nn.ReLU()``,
         # as adapter and quantization tools do) is seen eagerly by ``_watch``'s count of
         # registrations, which a compiler must not read (see :meth:`current`).
         self.trees = [(member, tuple(member.modules())) for g in self.groups for member in g.members]
+        # The instance dicts of the fused members' modules, where a ``forward`` replaced
+        # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows.
+        self.instances = [vars(m) for _, modules in self.trees for m in modules]
         self._rebuild()
 
     def forward_replaced(self) -> bool:
