@@ -31,6 +31,17 @@ def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
     return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
 
 
+class Queries(nn.Module):
+    r"""Learned queries: returns its parameter of ``shape``, whatever the input."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     r"""Each test compiles from scratch (import it into a test module to apply it there)."""

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel
-from tests._helpers import cpu_and_cuda
+from tests._helpers import Queries, cpu_and_cuda
 from tests._reference import assert_same, reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -1500,24 +1500,13 @@ def test_fused_sum_and_mean_of_integer_outputs_keep_the_joins_dtype(dtype, fuse)
         assert_same(got, want)
 
 
-class _Queries(nn.Module):
-    r"""Learned queries: returns its parameter, whatever the input."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Parameter(torch.randn(3, 4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.q
-
-
 @pytest.mark.parametrize("join", ["stack", "cat"])
 def test_a_fused_join_of_returned_parameters_is_a_tensor_of_its_own(join):
     # Before: joined along dim 0, the block's output was the members' stacked parameter
     # itself: an in-place operation on it changed every branch's parameter (no grad), or
     # raised on a view of _Unstack (grad); unfused, the join makes a new tensor.
     torch.manual_seed(0)
-    block = Parallel(*[_Queries() for _ in range(3)], join=join, dim=0, fuse=True)
+    block = Parallel(*[Queries(3, 4) for _ in range(3)], join=join, dim=0, fuse=True)
     before = [b.q.detach().clone() for b in block]
     x = torch.randn(2, 8)
     with torch.no_grad():

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import cpu_and_cuda
+from tests._helpers import Queries, cpu_and_cuda
 
 # Gradients and whole-batch outputs may come from different kernels (another
 # batch size, another summation order), so they are compared within fp32
@@ -708,22 +708,11 @@ def test_gather_declines_the_first_piece_again_and_gives_it_back_as_itself() -> 
     assert values[0] is q and values[1] is q
 
 
-class _Constant(nn.Module):
-    r"""Returns its parameter, whatever the input (learned queries)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Parameter(torch.randn(3, 5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.q
-
-
 @pytest.mark.parametrize("wrap", [False, True])
 def test_the_same_tensor_from_every_micro_batch_is_returned_as_it_is(wrap: bool) -> None:
     # Before: bare, it was concatenated ((6, 5) where nn.Sequential gives (3, 5)), while
     # the same tensor inside a tuple was returned as it is.
-    stage = _Constant()
+    stage = Queries(3, 5)  # (3 rows: as many as a micro-batch of 6 in 2)
     pipe = ParallelSequential(nn.Sequential(stage, _Wrap()) if wrap else stage, chunks=2)
     x = torch.randn(6, 4)
     for grad in (True, False):
