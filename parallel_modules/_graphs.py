@@ -9,7 +9,10 @@ later calls.
 A capture follows :func:`torch.cuda.make_graphed_callables`:
 
 * **static inputs** -- clones of the first call's tensor inputs; later calls
-  copy their inputs into them, so a graph only ever reads addresses it owns;
+  copy their inputs into them, so a graph only ever reads addresses it owns.
+  An inference signature also gets a graph that reads the first call's inputs
+  where they lie, replayed for inputs found there (``_CudaGraphs._reader``):
+  it saves the copy's launch;
 * **warm-up** -- the module runs ``_WARMUP_ITERS`` times on a side stream
   (the capture stream, which waited on the caller's stream) so that lazy
   initialisation, cuDNN/cuBLAS heuristics and side-stream creation stay out of
@@ -120,6 +123,13 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 # concluding that the caller keeps outputs.
 _LEND_AFTER = 2
 _WATCH = 16
+# How many bytes the outputs of a graph reading its inputs in place, which it copies into
+# the first graph's output buffers, may exceed the inputs by (a copy of a few MiB costs the
+# GPU what launching the input's copy cost it, about 5 us on the H200 machine); and the
+# alignment its inputs must have, that of the static buffers, which the caching allocator
+# aligns to 512 bytes (cuBLAS and cuDNN pick kernels by alignment).
+_IN_PLACE_SPARE_BYTES = 4 << 20
+_IN_PLACE_ALIGNMENT = 512
 # Returned by a replay that would overwrite an output the caller still holds.
 _HELD: Any = object()
 
@@ -264,6 +274,19 @@ def _tf32() -> Hashable:
         return (_precision("cuda", "matmul"), _precision("cuda", "conv"), _precision("cuda", "all"),
                 _precision("generic", "all"))
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def _addresses(tensors: Sequence[torch.Tensor]) -> Any:
+    r"""Where ``tensors`` lie: the data pointer of one, a tuple of several's (see ``_Graph.reader``)."""
+    return tensors[0].data_ptr() if len(tensors) == 1 else tuple([t.data_ptr() for t in tensors])
+
+
+def _flipped(tensors: Sequence[torch.Tensor]) -> bool:
+    r"""Whether a tensor is a conjugate or negative view: its memory holds other values than it reads as."""
+    for t in tensors:
+        if t.is_conj() or t.is_neg():
+            return True
+    return False
 
 
 def _all_on(tensors: list[torch.Tensor], device: torch.device) -> bool:
@@ -516,6 +539,13 @@ class _Graph:
         # is not reused for something else, so such a graph replays the weights it
         # was captured with, as ``torch.cuda.make_graphed_callables`` does.
         self.kept_alive: list[torch.Tensor] = []
+        # An inference graph that reads the first call's inputs where they lie, and the
+        # addresses it reads (``_addresses``): a replay whose inputs lie there launches it and
+        # copies nothing in (see ``_CudaGraphs._reader``). ``readable``: the signature may have one.
+        self.reader: torch.cuda.CUDAGraph | None = None
+        self.reader_at: Any = None
+        self.readable = False
+        self.input_versions: list[int] = []  # the static inputs' versions before warm-up
 
     def plan_grads(self) -> None:
         r"""Decide how the backward graph's gradients (``grad_inputs``) are copied out of it."""
@@ -562,10 +592,16 @@ class _Graph:
                 stream = _current_stream(self.device)
                 if self.last is not stream:
                     self._order(stream)
-                for static, t in zip(self.inputs, tensors):
-                    if static.data_ptr() != t.data_ptr():
-                        static.copy_(t)
-                _launch(self.fwd)
+                reader = self.reader
+                if reader is not None and (tensors[0].data_ptr() if len(tensors) == 1 else tuple(
+                        [t.data_ptr() for t in tensors])) == self.reader_at and not _flipped(tensors):
+                    # (``_addresses``, without its frame.)
+                    _launch(reader)
+                else:
+                    for static, t in zip(self.inputs, tensors):
+                        if static.data_ptr() != t.data_ptr():
+                            static.copy_(t)
+                    _launch(self.fwd)
                 if static_outputs:
                     outs = self.outputs
                 elif lent and not _local.crossing:
@@ -1178,6 +1214,70 @@ class _CudaGraphs:
             return forward(*args, **kwargs)
         return out
 
+    def _reader(self, graph: _Graph, owner: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict,
+                tensors: list[torch.Tensor], caller: torch.cuda.Stream) -> None:
+        r"""Capture ``graph``'s call anew, reading ``tensors`` where they lie; replays at their addresses use it.
+
+        Copying a call's input into a graph's static buffer is a kernel launch
+        of its own, and on a launch-bound block a large part of a replay: on
+        the H200 machine, 12 us of the 47 us of host time of graphed mlp8, and
+        5 us of its GPU time (the graph waits for the copy). A caller in a
+        loop often passes its input at one address -- a graphed block before
+        hands its output buffers, an activation of a model's forward lies
+        where the allocator put it the iteration before -- which a graph can
+        read directly. Such a graph reads that address and no other, so it
+        replays only for tensors found there, of the signature it was captured
+        for; anything else is copied into the static buffers. It shares its
+        signature's memory pool (the two never run at once: replays of a
+        signature are ordered, see ``_Graph._order``), so it adds only its own
+        outputs, which it copies into the first graph's output buffers: a
+        call's outputs are the same buffers whichever graph ran, and what
+        ``_Lending`` and ``static_outputs`` promise of them holds unchanged.
+
+        Captured with the first graph, inside its locks and on the same Python
+        state: one captured later, at an address met later, would bake in
+        whatever module attributes were then (a graph replays what it was
+        captured with, and both must replay the same), and would stop other
+        threads' random draws (a capture puts PyTorch's CUDA generator in
+        capture mode process-wide; callers of this module wait for its first
+        capture, other code does not). A capture that fails leaves the
+        signature copying its inputs in, as before.
+        """
+        index = graph.device.index
+        stream = _capture_stream(index)
+        reader = torch.cuda.CUDAGraph()
+        _local.variant = (owner, graph.variant)
+        begun = False
+
+        def call() -> list[torch.Tensor]:
+            nonlocal begun
+            begun = True
+            whole = graph.variant is not None and _WHOLE in graph.variant
+            out = _bind(owner._compiler.whole(forward) if whole else forward, args, kwargs, tensors)()
+            outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+            if len(outputs) == len(graph.outputs) and all(
+                    o.shape == s.shape and o.dtype == s.dtype for o, s in zip(outputs, graph.outputs)):
+                # (One kernel for all of them where it can: the copies are GPU time of every replay.)
+                torch._foreach_copy_(graph.outputs, outputs)
+                return outputs
+            return []  # (another output than the first capture's: not kept)
+
+        try:
+            _clear_cublas_workspaces()  # (see _capture)
+            with torch.cuda.graph(reader, pool=graph.pool, stream=stream, capture_error_mode="thread_local"):
+                outputs = call()
+        except Exception:
+            if begun:  # (the pool is the first graph's too: only a capture that began holds it)
+                _abandon(reader, graph.pool, stream, caller, index)
+            return
+        finally:
+            _clear_cublas_workspaces()
+            torch.cuda.set_stream(caller)
+        if outputs:
+            # Its own output buffers stay its: freed, the pool would hand them to a later capture.
+            reader.outputs = outputs
+            graph.reader, graph.reader_at = reader, _addresses(tensors)
+
     def _lookup(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         device = _input_device(args, kwargs)
         if device is None or device.type != "cuda":
@@ -1341,6 +1441,7 @@ class _CudaGraphs:
                                 # fork on these, and the fork sees a branch write to its input by it.)
                                 graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad)
                                                 for t in tensors]
+                                graph.input_versions = [s._version for s in graph.inputs]
                             graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
                             graph.param_ids = frozenset(map(id, graph.params))
                             run = owner._compiler.whole(forward) if whole else forward
@@ -1374,6 +1475,8 @@ class _CudaGraphs:
                     best = graph if best is None else _fastest([best, graph], stream)
                     del graph, call  # the slower one's pool goes with its last reference
                 graph = best
+                if graph.readable:
+                    self._reader(graph, owner, forward, args, kwargs, tensors, caller)
             finally:
                 _clear_cublas_workspaces()
                 _local.active = False
@@ -1518,6 +1621,29 @@ class _CudaGraphs:
             for s in graph.inputs:
                 s.requires_grad_(False)
         graph.outputs = [o.detach() for o in outputs]
+        graph.readable = not needs_grad and _readable(graph, tensors, outputs)
+
+
+def _readable(graph: _Graph, tensors: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
+    r"""Whether inference ``graph`` may also be captured reading its inputs in place (see ``_CudaGraphs._reader``).
+
+    Where the caller's tensors are laid out and aligned as the static buffers
+    (an overlapping or gapped tensor is cloned dense), carry no conjugate or
+    negative bit (which the copy resolves), and were not written in place by
+    warm-up or capture (the static buffers keep such writes from the caller's
+    tensors); where no output is an input (the reader would return, and hold,
+    the caller's tensor); and where the outputs are small enough that copying
+    them in the graph costs less than copying the inputs in before it.
+    """
+    try:
+        inputs = {s.untyped_storage().data_ptr() for s in graph.inputs}
+        return (all(t.layout == torch.strided and s.stride() == t.stride() and t.data_ptr() % _IN_PLACE_ALIGNMENT == 0
+                    for s, t in zip(graph.inputs, tensors))
+                and not _flipped(tensors) and [s._version for s in graph.inputs] == graph.input_versions
+                and all(o.untyped_storage().data_ptr() not in inputs for o in outputs)
+                and sum(o.nbytes for o in outputs) <= sum(s.nbytes for s in graph.inputs) + _IN_PLACE_SPARE_BYTES)
+    except RuntimeError:  # (a layout without storage or strides: sparse, nested)
+        return False
 
 
 def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:

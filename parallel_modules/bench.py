@@ -17,7 +17,9 @@ Cases whose calls take milliseconds use smaller groups and more samples, so
 that a sample lasts about 20 ms and every mode still sees 100 calls or more.
 The floor of a case is its longest single branch captured alone in a CUDA
 graph: no schedule of the branches can beat it; its replay is sampled with
-the modes, round by round. The host probe is the CPU's
+the modes, round by round. Graphs captured by hand (the floor, *graph seq*)
+read the case's input in place, as ``cuda_graph=True`` does at an input
+address it has seen: neither is charged a copy the other is spared. The host probe is the CPU's
 time for a tiny ``nn.Linear`` call, taken once per round of samples: the
 speed of the host the case's CPU-bound figures were measured at.
 """
@@ -58,15 +60,17 @@ def _graph_supported() -> bool:
     return "cuda_graph" in inspect.signature(Parallel.__init__).parameters
 
 
-def _capture(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable:
+def _capture(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, in_place: bool = False) -> Callable:
     r"""Capture ``fn`` in a CUDA graph by hand (the baseline a user would write).
 
     Its replay copies the input in and returns the graph's own output, which the
     next replay overwrites, as ``torch.compile(mode="reduce-overhead")`` does and
     as ``cuda_graph=True`` modules do for a caller that drops each output before
-    the next call.
+    the next call. ``in_place``: the graph reads ``x`` itself, and replays only
+    for it, copying nothing in, as ``cuda_graph=True`` modules do at an input
+    address they have seen; the cases time every mode on one input tensor.
     """
-    static_x = x.clone()
+    static_x = x if in_place else x.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.no_grad():
@@ -82,7 +86,11 @@ def _capture(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Callable:
     _clear_cublas_workspaces()
 
     def replay(inp: torch.Tensor):
-        static_x.copy_(inp)
+        if in_place:
+            if inp is not static_x:
+                raise ValueError("bench: a graph captured reading its input in place was called on another tensor")
+        else:
+            static_x.copy_(inp)
         g.replay()
         return static_out
 
@@ -102,7 +110,7 @@ def _modes(case: Case, device: torch.device, dtype: torch.dtype, x: torch.Tensor
         # user captures the whole model, and the Parallel forks inside the capture.
         if case.trunk is None and _graph_supported():
             return parallel(cuda_graph=True, **kw)
-        return _capture(parallel(**{"streams": True, **kw}), x)
+        return _capture(parallel(**{"streams": True, **kw}), x, in_place=True)
 
     seq = case.model(SequentialBranches(branches, case.join, case.dim), device, dtype)
     modes: dict[str, Callable] = {"eager seq": seq, "eager Parallel": parallel()}
@@ -112,7 +120,7 @@ def _modes(case: Case, device: torch.device, dtype: torch.dtype, x: torch.Tensor
     if device.type != "cuda":
         return modes
     modes["eager Parallel streams"] = parallel(streams=True)
-    modes["graph seq"] = _capture(seq, x)
+    modes["graph seq"] = _capture(seq, x, in_place=True)
     modes["graph Parallel"] = graphed()
     if fusable:
         modes["eager Parallel fuse=auto"] = parallel(fuse="auto")
@@ -168,7 +176,8 @@ def _check_training(name: str, model: nn.Module, ref: nn.Module, dtype: torch.dt
     raise AssertionError(f"bench: training mode {name!r} differs from the sequential module (max abs error {err:.3g})")
 
 
-def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
+def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype,
+                    x: torch.Tensor) -> dict[str, Callable]:
     stages = case.stages(device, dtype)
     seq = nn.Sequential(*stages)
     if case.host_input and device.type == "cuda":
@@ -178,13 +187,12 @@ def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype
     for c in case.chunks:
         modes[f"ParallelSequential chunks={c}"] = ParallelSequential(*stages, chunks=c)
     if device.type == "cuda":
-        x = case.make_input(case.batches[0], device, dtype)
         if case.host_input:
             # Copy then replay; the modules replay each stage per micro-batch, the copies eager.
             replay = _capture(seq, x.to(device))
             modes["graph seq"] = lambda x: replay(x.to(device, non_blocking=True))
         else:
-            modes["graph seq"] = _capture(seq, x)
+            modes["graph seq"] = _capture(seq, x, in_place=True)
         for c in case.chunks:
             modes[f"graph ParallelSequential chunks={c}"] = ParallelSequential(*stages, chunks=c, cuda_graph=True)
     return modes
@@ -264,7 +272,7 @@ def _floor(case: Case, device, dtype, x) -> Callable:
     """
     replays = []
     for b in case.branches(device, dtype):
-        replay = _capture(case.model(b, device, dtype), x)
+        replay = _capture(case.model(b, device, dtype), x, in_place=True)
         for _ in range(10):
             replay(x)
         replays.append((statistics.median(_sample(replay, x, 10, True) for _ in range(10)), replay))
@@ -370,7 +378,7 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
             for fn in modes.values():
                 _warm_up(lambda: fn(x), 40 if cuda else 2)  # warm-up, as below
         else:
-            modes = _pipeline_modes(case, device, dtype) if pipeline else _modes(case, device, dtype, x, quick)
+            modes = _pipeline_modes(case, device, dtype, x) if pipeline else _modes(case, device, dtype, x, quick)
             if only:  # the reference always runs: every speed-up and check is relative to it
                 modes = {k: v for k, v in modes.items() if k == "eager seq" or any(o in k for o in only)}
             ref = modes["eager seq"](x)

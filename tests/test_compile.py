@@ -424,9 +424,12 @@ def test_compiled_branches_are_captured_on_the_graph_streams():
     # streams; replays run no Python.
     expected = [_capture_stream(torch.cuda.current_device()).stream_id, *_side_streams(2, capturing=True)]
     runs = list(recorder.streams.values())
-    assert runs[:3] == [[sid] * 4 for sid in expected]
+    assert [r[:4] for r in runs[:3]] == [[sid] * 4 for sid in expected]
+    assert [set(r) for r in runs[:3]] == [{sid} for sid in expected]
     # Then the block compiled as one program, captured to be weighed against them: one stream.
-    assert runs[3:] == [[expected[0]] * 4]
+    assert [r[:4] for r in runs[3:]] == [[expected[0]] * 4] and set(runs[3]) == {expected[0]}
+    # And the variant kept, once more: the graph reading the first call's input in place.
+    assert [len(r) - 4 for r in runs] in ([1, 1, 1, 0], [0, 0, 0, 1])
     assert torch.cuda.default_stream().stream_id not in expected
 
 

@@ -1226,6 +1226,153 @@ def test_memory_flat_over_replays_and_recaptures():
         assert max(reserved[3:]) <= reserved[2] + 8 * 2**20, reserved
 
 
+# ------------------------------------------------- inputs read where they lie
+@cuda
+@pytest.mark.parametrize("static_outputs", [False, True])
+def test_an_input_kept_at_the_first_calls_address_is_read_in_place_and_replays_equal(static_outputs):
+    block = _graphed(_mlp(8), static_outputs=static_outputs)
+    x = torch.empty(8, 64, device="cuda")
+    buffers = set()
+    with torch.no_grad():
+        for i in range(12):
+            x.copy_(torch.randn(8, 64, device="cuda"))  # new values, same address
+            y = block(x)
+            assert torch.equal(y, _reference(block, x)), i
+            if static_outputs:
+                buffers.add(y.data_ptr())
+            del y
+    graph = _only_graph(block)
+    assert graph.reader is not None and graph.reader_at == x.data_ptr()
+    assert block._graphs.captures == 1  # (the signature's graph; the reader is not a new signature)
+    if static_outputs:  # the same buffers whichever graph ran
+        assert len(buffers) == 1
+    # Nothing was copied in since the first call: the static buffer holds its input.
+    assert not torch.equal(graph.inputs[0], x)
+
+
+@cuda
+def test_inputs_elsewhere_are_copied_in_and_replay_equal():
+    block = _graphed(_mlp(4))
+    a, b = torch.empty(8, 64, device="cuda"), torch.empty(8, 64, device="cuda")
+    view = torch.randn(16, 64, device="cuda")[8:]  # an offset into a larger block (2 KiB: aligned)
+    with torch.no_grad():
+        for i in range(6):
+            for x in (a, b, view, torch.randn(8, 64, device="cuda")):
+                x.normal_()
+                assert torch.equal(block(x), _reference(block, x)), i
+    assert _only_graph(block).reader_at == a.data_ptr()
+
+
+@cuda
+def test_inference_tensors_are_read_in_place():
+    block = _graphed(_mlp(4))
+    with torch.inference_mode():
+        x = torch.empty(8, 64, device="cuda")
+        for _ in range(6):
+            x.normal_()
+            assert torch.equal(block(x), _reference(block, x))
+    assert _only_graph(block).reader_at == x.data_ptr()
+
+
+class _Twice(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@cuda
+def test_a_conjugate_view_at_the_readers_address_is_copied_in():
+    # The signature does not tell a conjugate view from its base: the copy resolves the bit,
+    # which a graph reading the memory would not.
+    block = Parallel(_Twice(), _Twice(), cuda_graph=True)
+    z = torch.randn(4, 8, dtype=torch.complex64, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(block(z), torch.cat([z * 2, z * 2], 1))
+        for _ in range(3):
+            for v in (z.conj(), z):
+                assert torch.equal(block(v), torch.cat([v * 2, v * 2], 1))
+    assert _only_graph(block).reader_at == z.data_ptr()
+
+
+@cuda
+def test_outputs_kept_across_calls_are_never_overwritten_by_the_reader():
+    block = _graphed(_mlp(4))
+    x = torch.empty(8, 64, device="cuda")
+    kept = []
+    with torch.no_grad():
+        for _ in range(8):
+            x.normal_()
+            kept.append((block(x), _reference(block, x)))
+    assert _only_graph(block).reader is not None
+    for y, expected in kept:
+        assert torch.equal(y, expected)
+
+
+@cuda
+def test_a_stage_writing_its_input_in_place_keeps_copying_it():
+    from parallel_modules import ParallelSequential
+
+    class Doubles(nn.Module):
+        def forward(self, x):
+            return x.mul_(2)
+
+    pipe = ParallelSequential(Doubles(), nn.Linear(64, 64), cuda_graph=True).cuda()
+    x = torch.empty(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(6):
+            x.normal_()
+            before = x.clone()
+            assert torch.equal(pipe(x), pipe[1](before * 2))
+            # The graph doubles its static copy: the caller's tensor is left as it was.
+            assert torch.equal(x, before)
+    graph = next(iter(pipe._graphs._graphs.values()))
+    assert not graph.readable and graph.reader is None
+
+
+@cuda
+def test_no_reader_for_outgrown_or_aliased_outputs_or_unaligned_inputs():
+    from parallel_modules import _graphs
+
+    # Outputs of 8 rows of floats: 4 KiB more than the spare bytes; the input 2 KiB.
+    wide = Parallel(nn.Linear(64, _graphs._IN_PLACE_SPARE_BYTES // 32 + 128), cuda_graph=True).cuda()
+    # An identity branch returns the input: a reader would return (and hold) the caller's tensor.
+    tupled = Parallel(nn.Identity(), nn.Linear(64, 64), join=None, cuda_graph=True).cuda()
+    plain = _graphed(_mlp(2))
+    x = torch.randn(8, 64, device="cuda")
+    unaligned = torch.randn(8 * 64 + 1, device="cuda")[1:].view(8, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(wide(x), wide[0](x))
+            same, out = tupled(x)
+            assert torch.equal(same, x) and same.data_ptr() != x.data_ptr() and torch.equal(out, tupled[1](x))
+            assert torch.equal(plain(unaligned), _reference(plain, unaligned))
+    for block in (wide, tupled, plain):
+        graph = _only_graph(block)
+        assert not graph.readable and graph.reader is None
+
+
+@cuda
+def test_a_reader_that_fails_to_capture_leaves_the_graph_working(monkeypatch):
+    def refuse(*args):
+        raise RuntimeError("refused")
+
+    block = _graphed(_mlp(4))
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad(), monkeypatch.context() as patch:
+        patch.setattr(torch, "_foreach_copy_", refuse)  # (what the reader's capture calls last)
+        first = block(x)
+    assert torch.equal(first, _reference(block, x))
+    graph = _only_graph(block)
+    assert graph.readable and graph.reader is None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # (the pool is the first graph's: it must not have been released)
+    junk = [torch.full((1 << 16,), float("nan"), device="cuda") for _ in range(64)]
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(block, x))
+    del junk
+
+
 _FAILURE_SCRIPT = textwrap.dedent(
     """
     import sys, warnings

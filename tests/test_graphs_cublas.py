@@ -40,12 +40,19 @@ def test_the_cache_is_cleared_right_before_and_after_each_capture(monkeypatch):
         events.append("capture")
         return record(self, *args, **kwargs)
 
+    reader = _graphs._CudaGraphs._reader
+
+    def reading(self, *args, **kwargs):
+        events.append("reader")  # (the graph reading the first call's input in place, captured after it)
+        return reader(self, *args, **kwargs)
+
     monkeypatch.setattr(_graphs._CudaGraphs, "_record", recording)
+    monkeypatch.setattr(_graphs._CudaGraphs, "_reader", reading)
     block = Parallel(nn.Linear(64, 64), nn.Linear(64, 64), cuda_graph=True).cuda()
     with torch.no_grad():
         for batch in (8, 8, 16):  # two signatures, two captures
             block(torch.randn(batch, 64, device="cuda"))
-    assert events == ["clear", "capture", "clear"] * 2
+    assert events == ["clear", "capture", "reader", "clear", "clear", "clear"] * 2
     assert hasattr(torch._C, "_cuda_clearCublasWorkspaces")  # the torch API the fix relies on
 
 

@@ -6,7 +6,8 @@ time (CUDA events around 20 calls after a synchronize), and the GPU's time alone
 queued behind a spin kernel, so that the events time only the GPU's work). Where the benchmark's time
 exceeds the GPU's, the host sets it. ``--variants``: the fused graph with its biases copied in on a side
 stream, in line, and as the module chooses between them (which it names), each forced by a patched
-``Parallel._graph_variants``.
+``Parallel._graph_variants``. ``--static``: each graphed variant also called on its graph's own input
+buffer, which a replay then reads without copying the input in: what the copy costs.
 """
 import statistics
 import sys
@@ -23,6 +24,7 @@ CALLS = 20
 
 
 VARIANTS = "--variants" in sys.argv
+STATIC = "--static" in sys.argv
 _choose = Parallel._graph_variants
 
 
@@ -59,6 +61,11 @@ for name in [a for a in sys.argv[1:] if not a.startswith("--")] or ["mlp8", "mlp
         for fn in calls.values():
             for _ in range(30):
                 fn()
+        if STATIC:  # (after the captures above: the static buffers exist now)
+            for k, v in variants.items():
+                static = next(iter(v._graphs._graphs.values())).inputs[0]
+                static.copy_(x)
+                calls[k + ", no copy"] = lambda v=v, static=static: v(static)
         # Enough spin to cover the host's enqueueing of CALLS calls (cycles at ~1.7 GHz).
         spin = int(200e-6 * CALLS * 1.7e9)
         rows = {k: ([], [], []) for k in calls}
