@@ -130,6 +130,8 @@ _WATCH = 16
 # aligns to 512 bytes (cuBLAS and cuDNN pick kernels by alignment).
 _IN_PLACE_SPARE_BYTES = 4 << 20
 _IN_PLACE_ALIGNMENT = 512
+# Time spent deciding whether such a graph is faster than copying in (see _quickest).
+_READER_BUDGET_MS = 30.0
 # Returned by a replay that would overwrite an output the caller still holds.
 _HELD: Any = object()
 
@@ -1273,10 +1275,20 @@ class _CudaGraphs:
         finally:
             _clear_cublas_workspaces()
             torch.cuda.set_stream(caller)
-        if outputs:
-            # Its own output buffers stay its: freed, the pool would hand them to a later capture.
-            reader.outputs = outputs
-            graph.reader, graph.reader_at = reader, _addresses(tensors)
+        if not outputs:
+            return
+        # Its own output buffers stay its: freed, the pool would hand them to a later capture.
+        reader.outputs = outputs
+        graph.reader, graph.reader_at = reader, _addresses(tensors)
+        # Kept only where calls read in place take less time than calls copying in: the
+        # outputs' copy is on the GPU's path, the input's is not always (Inception at batch 1,
+        # 0.9 MB in and 3.7 MB out, took 97 us a call reading in place against 85 copying).
+        with torch.cuda.stream(stream), torch.no_grad():
+            elsewhere = [t.detach().clone() for t in graph.inputs]
+        if _quickest([lambda: graph.replay(tensors, True), lambda: graph.replay(elsewhere, True)], stream,
+                     _READER_BUDGET_MS) != 0:
+            graph.reader = graph.reader_at = None
+        graph.last = None  # (every sample was waited for, see _fastest)
 
     def _lookup(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         device = _input_device(args, kwargs)
@@ -1722,47 +1734,57 @@ def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:
     return out
 
 
-def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, budget_ms: float = 100.0, sample_ms: float = 1.0,
-             least: int = 8, most: int = 40) -> _Graph:
-    r"""The graph whose calls take the least GPU time (median of interleaved samples).
+def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, budget_ms: float = 100.0) -> _Graph:
+    r"""The graph whose calls take the least GPU time (see :func:`_quickest`), each replayed on a copy of its inputs.
 
     Timed as a module call runs it, the host's part included (the input
-    copied in, then the replay), each sample from an idle GPU and about
-    ``sample_ms`` long (1 to 10 calls). Timed otherwise -- replays alone, or
+    copied in, then the replay). Timed otherwise -- replays alone, or
     queued far ahead of the GPU -- variants of the Inception block at batch 1
     on the H100 machine took 80 us a call alike, or ranked the other way
     round, while called as modules, 94 us in branch order and 88 captured
-    longest first. As many samples of each as fit in ``budget_ms``, from
-    ``least`` to ``most``: variants can differ by a few microseconds, within
-    the spread of a few samples.
+    longest first.
     """
-    times: list[list[float]] = [[] for _ in graphs]
     with torch.cuda.stream(stream), torch.no_grad():
         sources = [t.detach().clone() for t in graphs[0].inputs]  # (every variant has this signature's inputs)
-
-        def sample(g: _Graph, calls: int) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                g.replay(sources, True)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-
-        for g in graphs:  # first replays: lazy work in the driver
-            g.replay(sources, True)
-        call_ms = max(sum(sample(g, 1) for g in graphs) / len(graphs), 1e-3)
-        group = max(1, min(10, int(sample_ms / call_ms)))
-        reps = max(least, min(most, int(budget_ms / (call_ms * group * len(graphs)))))
-        for _ in range(reps):
-            for i, g in enumerate(graphs):
-                times[i].append(sample(g, group))
+    best = _quickest([lambda g=g: g.replay(sources, True) for g in graphs], stream, budget_ms)
     for g in graphs:
         # Every sample was waited for: no replay needs ordering after the capture
         # stream, which another thread may be capturing on by the next replay.
         g.last = None
+    return graphs[best]
+
+
+def _quickest(calls: list[Callable[[], Any]], stream: torch.cuda.Stream, budget_ms: float = 100.0,
+              sample_ms: float = 1.0, least: int = 8, most: int = 40) -> int:
+    r"""The index of the call that takes the least GPU time on ``stream`` (median of interleaved samples).
+
+    Each sample from an idle GPU and about ``sample_ms`` long (1 to 10
+    calls). As many samples of each as fit in ``budget_ms``, from ``least``
+    to ``most``: variants can differ by a few microseconds, within the
+    spread of a few samples.
+    """
+    times: list[list[float]] = [[] for _ in calls]
+    with torch.cuda.stream(stream), torch.no_grad():
+
+        def sample(call: Callable[[], Any], n: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                call()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        for call in calls:  # first calls: lazy work in the driver
+            call()
+        call_ms = max(sum(sample(c, 1) for c in calls) / len(calls), 1e-3)
+        group = max(1, min(10, int(sample_ms / call_ms)))
+        reps = max(least, min(most, int(budget_ms / (call_ms * group * len(calls)))))
+        for _ in range(reps):
+            for i, call in enumerate(calls):
+                times[i].append(sample(call, group))
     medians = [statistics.median(t) for t in times]
-    return graphs[medians.index(min(medians))]
+    return medians.index(min(medians))
 
 
 def _graph_variant(owner: nn.Module) -> Any:

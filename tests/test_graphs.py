@@ -1227,9 +1227,18 @@ def test_memory_flat_over_replays_and_recaptures():
 
 
 # ------------------------------------------------- inputs read where they lie
+@pytest.fixture
+def kept_readers(monkeypatch):
+    # A reader is kept where it times faster than copying in, which these small blocks are
+    # on any host (they are bound by the host's launches); the timing is made to agree.
+    from parallel_modules import _graphs
+
+    monkeypatch.setattr(_graphs, "_quickest", lambda calls, *args, **kwargs: 0)
+
+
 @cuda
 @pytest.mark.parametrize("static_outputs", [False, True])
-def test_an_input_kept_at_the_first_calls_address_is_read_in_place_and_replays_equal(static_outputs):
+def test_an_input_kept_at_the_first_calls_address_is_read_in_place_and_replays_equal(static_outputs, kept_readers):
     block = _graphed(_mlp(8), static_outputs=static_outputs)
     x = torch.empty(8, 64, device="cuda")
     buffers = set()
@@ -1251,7 +1260,7 @@ def test_an_input_kept_at_the_first_calls_address_is_read_in_place_and_replays_e
 
 
 @cuda
-def test_inputs_elsewhere_are_copied_in_and_replay_equal():
+def test_inputs_elsewhere_are_copied_in_and_replay_equal(kept_readers):
     block = _graphed(_mlp(4))
     a, b = torch.empty(8, 64, device="cuda"), torch.empty(8, 64, device="cuda")
     view = torch.randn(16, 64, device="cuda")[8:]  # an offset into a larger block (2 KiB: aligned)
@@ -1264,7 +1273,7 @@ def test_inputs_elsewhere_are_copied_in_and_replay_equal():
 
 
 @cuda
-def test_inference_tensors_are_read_in_place():
+def test_inference_tensors_are_read_in_place(kept_readers):
     block = _graphed(_mlp(4))
     with torch.inference_mode():
         x = torch.empty(8, 64, device="cuda")
@@ -1280,7 +1289,7 @@ class _Twice(nn.Module):
 
 
 @cuda
-def test_a_conjugate_view_at_the_readers_address_is_copied_in():
+def test_a_conjugate_view_at_the_readers_address_is_copied_in(kept_readers):
     # The signature does not tell a conjugate view from its base: the copy resolves the bit,
     # which a graph reading the memory would not.
     block = Parallel(_Twice(), _Twice(), cuda_graph=True)
@@ -1294,7 +1303,7 @@ def test_a_conjugate_view_at_the_readers_address_is_copied_in():
 
 
 @cuda
-def test_outputs_kept_across_calls_are_never_overwritten_by_the_reader():
+def test_outputs_kept_across_calls_are_never_overwritten_by_the_reader(kept_readers):
     block = _graphed(_mlp(4))
     x = torch.empty(8, 64, device="cuda")
     kept = []
@@ -1348,6 +1357,27 @@ def test_no_reader_for_outgrown_or_aliased_outputs_or_unaligned_inputs():
     for block in (wide, tupled, plain):
         graph = _only_graph(block)
         assert not graph.readable and graph.reader is None
+
+
+@cuda
+def test_a_reader_slower_than_copying_in_is_dropped(monkeypatch):
+    from parallel_modules import _graphs
+
+    timed = []
+
+    def copying_is_faster(calls, *args, **kwargs):
+        timed.append(len(calls))
+        return len(calls) - 1  # (the reader's calls come first: the last is the copying one)
+
+    monkeypatch.setattr(_graphs, "_quickest", copying_is_faster)
+    block = _graphed(_mlp(4))
+    x = torch.empty(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(4):
+            x.normal_()
+            assert torch.equal(block(x), _reference(block, x))
+    graph = _only_graph(block)
+    assert timed and timed[-1] == 2 and graph.readable and graph.reader is None
 
 
 @cuda
