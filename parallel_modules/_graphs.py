@@ -1283,10 +1283,18 @@ class _CudaGraphs:
         # Kept only where calls read in place take less time than calls copying in: the
         # outputs' copy is on the GPU's path, the input's is not always (Inception at batch 1,
         # 0.9 MB in and 3.7 MB out, took 97 us a call reading in place against 85 copying).
-        with torch.cuda.stream(stream), torch.no_grad():
-            elsewhere = [t.detach().clone() for t in graph.inputs]
-        if _quickest([lambda: graph.replay(tensors, True), lambda: graph.replay(elsewhere, True)], stream,
-                     _READER_BUDGET_MS) != 0:
+        # Calls too long to time within the budget, which either copy barely changes, keep it
+        # where its outputs are no larger than its inputs. (A reader dropped leaves the pool
+        # grown by its capture, as long as the signature's graph lives.)
+        smaller = sum(o.nbytes for o in outputs) <= sum(t.nbytes for t in graph.inputs)
+        try:
+            with torch.cuda.stream(stream), torch.no_grad():
+                elsewhere = [t.detach().clone() for t in graph.inputs]
+            faster = _quickest([lambda: graph.replay(tensors, True), lambda: graph.replay(elsewhere, True)], stream,
+                               _READER_BUDGET_MS, least=4, too_long=0 if smaller else 1) == 0
+        except Exception:  # (out of memory for the copy's source, say: the first graph stands)
+            faster = False
+        if not faster:
             graph.reader = graph.reader_at = None
         graph.last = None  # (every sample was waited for, see _fastest)
 
@@ -1487,7 +1495,11 @@ class _CudaGraphs:
                     best = graph if best is None else _fastest([best, graph], stream)
                     del graph, call  # the slower one's pool goes with its last reference
                 graph = best
-                if graph.readable:
+                if graph.readable and getattr(owner, "_compiler", None) is None:
+                    # (Not with compile=: compiled code guards on its inputs, which warm-up
+                    # gave as the static clones -- never inference tensors, never requiring
+                    # grad -- and the caller's tensors would make it compile anew inside the
+                    # capture, and may run other kernels there.)
                     self._reader(graph, owner, forward, args, kwargs, tensors, caller)
             finally:
                 _clear_cublas_workspaces()
@@ -1755,13 +1767,14 @@ def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, budget_ms: float =
 
 
 def _quickest(calls: list[Callable[[], Any]], stream: torch.cuda.Stream, budget_ms: float = 100.0,
-              sample_ms: float = 1.0, least: int = 8, most: int = 40) -> int:
+              sample_ms: float = 1.0, least: int = 8, most: int = 40, too_long: int | None = None) -> int:
     r"""The index of the call that takes the least GPU time on ``stream`` (median of interleaved samples).
 
     Each sample from an idle GPU and about ``sample_ms`` long (1 to 10
     calls). As many samples of each as fit in ``budget_ms``, from ``least``
     to ``most``: variants can differ by a few microseconds, within the
-    spread of a few samples.
+    spread of a few samples. ``too_long``: returned without sampling where
+    a call of each takes longer than the budget.
     """
     times: list[list[float]] = [[] for _ in calls]
     with torch.cuda.stream(stream), torch.no_grad():
@@ -1778,6 +1791,8 @@ def _quickest(calls: list[Callable[[], Any]], stream: torch.cuda.Stream, budget_
         for call in calls:  # first calls: lazy work in the driver
             call()
         call_ms = max(sum(sample(c, 1) for c in calls) / len(calls), 1e-3)
+        if too_long is not None and call_ms * len(calls) > budget_ms:
+            return too_long
         group = max(1, min(10, int(sample_ms / call_ms)))
         reps = max(least, min(most, int(budget_ms / (call_ms * group * len(calls)))))
         for _ in range(reps):

@@ -1280,7 +1280,32 @@ def test_inference_tensors_are_read_in_place(kept_readers):
         for _ in range(6):
             x.normal_()
             assert torch.equal(block(x), _reference(block, x))
-    assert _only_graph(block).reader_at == x.data_ptr()
+    graph = _only_graph(block)
+    assert graph.reader_at == x.data_ptr()
+    assert not torch.equal(graph.inputs[0], x)  # (nothing copied in since the first call)
+
+
+class _Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x, y, *, scale):
+        return self.lin(x) * scale + y
+
+
+@cuda
+def test_several_inputs_are_read_in_place_only_where_all_lie_as_at_the_first_call(kept_readers):
+    block = Parallel(_Mix(), _Mix(), cuda_graph=True).cuda()
+    a, b, c = (torch.empty(8, 64, device="cuda") for _ in range(3))
+    with torch.no_grad():
+        for i in range(4):
+            for x, y in ((a, b), (a, c), (b, a), (a, a)):
+                x.normal_(), y.normal_()
+                expected = torch.cat([m(x, y, scale=2.0) for m in block], 1)
+                assert torch.equal(block(x, y=y, scale=2.0), expected), (i, x is a, y is b)
+    graph = _only_graph(block)
+    assert graph.reader_at == (a.data_ptr(), b.data_ptr())
 
 
 class _Twice(nn.Module):
