@@ -1254,8 +1254,7 @@ class _CudaGraphs:
         def call() -> list[torch.Tensor]:
             nonlocal begun
             begun = True
-            whole = graph.variant is not None and _WHOLE in graph.variant
-            out = _bind(owner._compiler.whole(forward) if whole else forward, args, kwargs, tensors)()
+            out = _bind(forward, args, kwargs, tensors)()  # (never compiled: see _capture)
             outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
             if len(outputs) == len(graph.outputs) and all(
                     o.shape == s.shape and o.dtype == s.dtype for o, s in zip(outputs, graph.outputs)):
