@@ -54,6 +54,7 @@ import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -883,15 +884,28 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 if views[0] is w:
                     views[4:] = flat
                 return _Value(F.linear(t, *flat), _CHANNELS)
-            if (fewer and t.dim() == (3 if layout == _STACKED else 2)
+            if ((fewer or (last and call.cat_joined)) and t.dim() == (3 if layout == _STACKED else 2)
                     and not (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
-                    and not torch.is_autocast_enabled(t.device.type)):
+                    and not torch.is_autocast_enabled(t.device.type) and _forward_ad._current_level < 0):
                 # Inference on one row vector per sample and member: the batched product
                 # reads the [N, B, in] view of any layout as it is and writes the channels
                 # layout directly, [B, N * out], where a contiguous [N, B, out] result
                 # would cost a transposing copy before a cat join. (``out=`` allows no
-                # autograd, and autocast leaves it in the input's dtype.)
+                # autograd, forward-mode tangents included, and autocast leaves it in the
+                # input's dtype.)
                 x = _to_stacked(v, n)
+                if not fewer:
+                    # Eager, the last layer of a cat join: the product writes the
+                    # concatenation itself, one allocation and one view where the
+                    # join's copy (a launch and an allocation) and a view stood.
+                    rows, width = x.shape[1], wt.shape[-1]
+                    joined = t.new_empty((rows, n * width))
+                    out = joined.as_strided((n, rows, width), (width, n * width, 1))
+                    if bias is None:
+                        torch.bmm(x, wt, out=out)
+                    else:
+                        torch.baddbmm(bias, x, wt, out=out)
+                    return _Value(joined, _CHANNELS)
                 if bias is None:
                     out = t.new_empty((x.shape[1], n, wt.shape[-1])).transpose(0, 1)
                     torch.bmm(x, wt, out=out)

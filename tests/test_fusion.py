@@ -497,6 +497,36 @@ def test_eager_linears_joined_by_cat_are_one_product(device, grad):
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("bias", [True, False])
+def test_eager_inference_writes_the_cat_join_from_the_last_product(device, bias):
+    # Without autograd, the last batched product of MLPs joined by cat along dim 1 writes
+    # the concatenation itself (``out=`` a strided view of the joined tensor): no
+    # transposing copy after it. With autograd it cannot (``out=``), and the join copies.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 6, bias=bias)) for _ in range(3)]
+    p = Parallel(*branches, fuse=True).to(device)
+    for step in range(2):
+        x = torch.randn(5, 16, device=device)
+        with torch.no_grad(), CountOps() as counted:
+            out = p(x)
+        assert counted.ops["baddbmm"] + counted.ops["bmm"] == 2, counted.ops  # one per layer
+        assert not {"copy_", "clone", "cat", "_unsafe_view", "_reshape_copy"} & set(counted.ops), counted.ops
+        expected = reference(p, x)
+        assert out.shape == expected.shape and out.is_contiguous()
+        assert_close(out, expected)
+        with torch.no_grad():
+            branches[step][2].weight.add_(1.0)  # as an optimizer would: seen by the next call
+    xg = torch.randn(5, 16, device=device)
+    out = p(xg)
+    assert out.requires_grad
+    assert_close(out, reference(p, xg))
+    params = list(p.parameters())
+    for g, e in zip(torch.autograd.grad(out.square().sum(), params),
+                    torch.autograd.grad(reference(p, xg).square().sum(), params)):
+        assert_close(g, e)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("join", ["cat", "sum"])
 def test_bias_free_products_under_autograd(device, join):
     # Recording autograd, each parameter is fetched by name; a Linear without a bias has none.
