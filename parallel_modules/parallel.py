@@ -870,8 +870,8 @@ class Parallel(nn.Module):
             # Joined by the fork when it can: side outputs are then freed without record_stream.
             join = self._combine if fusion is None and self.join in _REDUCING_JOINS else None
             variant = _graph_variant(self) if capturing else None
-            high = variant[0].index if variant and isinstance(variant[0], _Priority) else 0
-            order = variant[0].order if variant and isinstance(variant[0], _Order) else None
+            high = next((v.index for v in variant or () if isinstance(v, _Priority)), 0)
+            order = next((v.order for v in variant or () if isinstance(v, _Order)), None)
             inputs = (*args, *kwargs.values()) if torch.is_grad_enabled() else ()
             if device.index is not None and device.index != _current_device():
                 with torch.cuda.device(device):
