@@ -884,23 +884,27 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 if views[0] is w:
                     views[4:] = flat
                 return _Value(F.linear(t, *flat), _CHANNELS)
-            if ((fewer or (last and call.cat_joined)) and t.dim() == (3 if layout == _STACKED else 2)
+            # Outside a capture, on CUDA, the last layer of a cat join over more than one
+            # row: the product writes the concatenation itself (below). Not under functorch
+            # transforms (vmap has no batching rule for ``out=``) or forward-mode AD (``out=``
+            # refuses tangents); on the CPU the strided product costs more than the copy it saves.
+            cat_here = (not fewer and last and call.cat_joined and t.is_cuda and t.shape[-2] > 1
+                        and not _functorch_active() and _forward_ad._current_level < 0)
+            if ((fewer or cat_here) and t.dim() == (3 if layout == _STACKED else 2)
                     and not (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
-                    and not torch.is_autocast_enabled(t.device.type) and _forward_ad._current_level < 0):
+                    and not torch.is_autocast_enabled(t.device.type)):
                 # Inference on one row vector per sample and member: the batched product
                 # reads the [N, B, in] view of any layout as it is and writes the channels
                 # layout directly, [B, N * out], where a contiguous [N, B, out] result
                 # would cost a transposing copy before a cat join. (``out=`` allows no
-                # autograd, forward-mode tangents included, and autocast leaves it in the
-                # input's dtype.)
+                # autograd, and autocast leaves it in the input's dtype.)
                 x = _to_stacked(v, n)
-                if not fewer:
-                    # Eager, the last layer of a cat join: the product writes the
-                    # concatenation itself, one allocation and one view where the
-                    # join's copy (a launch and an allocation) and a view stood.
+                if cat_here:
+                    # An eager call, CPU-bound: one allocation and two views where the
+                    # join's copy (an allocation and a launch) and a view stood.
                     rows, width = x.shape[1], wt.shape[-1]
                     joined = t.new_empty((rows, n * width))
-                    out = joined.as_strided((n, rows, width), (width, n * width, 1))
+                    out = joined.view(rows, n, width).transpose(0, 1)
                     if bias is None:
                         torch.bmm(x, wt, out=out)
                     else:

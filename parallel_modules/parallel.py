@@ -88,7 +88,8 @@ _SPIN_CYCLES = 1_000_000
 
 
 class _Priority(NamedTuple):
-    r"""A graph variant: branch ``index`` captured on a high-priority stream (see ``_streams``)."""
+    r"""A graph variant: the side stream of slot ``index`` (1..) given the greatest priority (see
+    ``_streams``); slot ``i`` runs branch ``i``, or ``order[i]`` beside an ``_Order``."""
 
     index: int
 
@@ -572,11 +573,13 @@ class Parallel(nn.Module):
                     "fused" if fused_graphs else "unfused"]
                 how += [f"{v} branches" for v in variant or () if v in (_COMPILED, _EAGER)]
                 how += ["biases copied in line" for v in variant or () if v == _INLINE_BIAS]
+                names = list(self._modules)
+                order = next((v.order for v in variant or () if isinstance(v, _Order)), range(len(names)))
                 schedules[_describe_signature(k[0])] = f"CUDA graph, {', '.join(how)}, " + (
                     "streams" if self.streams is not False else "sequential") + "".join(
-                    f", branch {list(self._modules)[v.index]!r} on a high-priority stream"
+                    f", branch {names[order[v.index]]!r} on a high-priority stream"
                     for v in variant or () if isinstance(v, _Priority)) + "".join(
-                    f", launched in the order {[list(self._modules)[i] for i in v.order]}"
+                    f", launched in the order {[names[i] for i in v.order]}"
                     for v in variant or () if isinstance(v, _Order))
         info = {"fused": fused, "unfused": unfused, "schedules": schedules}
         if self._compiler is not None and self._compiler.whole_failure is not None:

@@ -499,18 +499,22 @@ def test_eager_linears_joined_by_cat_are_one_product(device, grad):
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("bias", [True, False])
 def test_eager_inference_writes_the_cat_join_from_the_last_product(device, bias):
-    # Without autograd, the last batched product of MLPs joined by cat along dim 1 writes
-    # the concatenation itself (``out=`` a strided view of the joined tensor): no
-    # transposing copy after it. With autograd it cannot (``out=``), and the join copies.
+    # Eagerly on CUDA without autograd, the last batched product of MLPs joined by cat along
+    # dim 1 writes the concatenation itself (``out=`` a strided view of the joined tensor): no
+    # transposing copy after it. With autograd (``out=`` refuses it), on the CPU (where the
+    # strided product costs more than the copy) and for a single row (the join is a view
+    # then), the product is contiguous and the join copies where it must.
     torch.manual_seed(0)
     branches = [nn.Sequential(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 6, bias=bias)) for _ in range(3)]
     p = Parallel(*branches, fuse=True).to(device)
-    for step in range(2):
-        x = torch.randn(5, 16, device=device)
+    for step, rows in enumerate((5, 5, 1)):
+        x = torch.randn(rows, 16, device=device)
         with torch.no_grad(), CountOps() as counted:
             out = p(x)
         assert counted.ops["baddbmm"] + counted.ops["bmm"] == 2, counted.ops  # one per layer
-        assert not {"copy_", "clone", "cat", "_unsafe_view", "_reshape_copy"} & set(counted.ops), counted.ops
+        written = not {"copy_", "clone", "cat", "_unsafe_view", "_reshape_copy"} & set(counted.ops)
+        assert written == (device == "cuda" or rows == 1), counted.ops
+        assert (counted.ops["new_empty"] == 1) == (device == "cuda" and rows > 1), counted.ops
         expected = reference(p, x)
         assert out.shape == expected.shape and out.is_contiguous()
         assert_close(out, expected)
@@ -524,6 +528,35 @@ def test_eager_inference_writes_the_cat_join_from_the_last_product(device, bias)
     for g, e in zip(torch.autograd.grad(out.square().sum(), params),
                     torch.autograd.grad(reference(p, xg).square().sum(), params)):
         assert_close(g, e)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("how", ["no_grad", "frozen"])
+def test_vmap_over_a_fused_block_without_autograd(device, how):
+    # vmap has no batching rule for out= products: a call under it runs the products out of
+    # place, still fused, whether autograd is off or every member is frozen.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 6)) for _ in range(3)],
+                 fuse="auto").to(device)
+    if how == "frozen":
+        p.requires_grad_(False)
+    xs = torch.randn(4, 5, 16, device=device)
+    with torch.set_grad_enabled(how == "frozen"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p(xs[0])
+        out = torch.func.vmap(p)(xs)
+    assert_close(out, torch.stack([reference(p, x) for x in xs]))
+    assert len(p._fusion.groups) == 1 and not p._fusion.reasons, p._fusion.reasons  # still fused
+
+
+def test_a_fused_block_on_the_meta_device():
+    # Shapes only (as a model is sized before it is materialised): the eager fused path must not ask
+    # autocast about a device it has no notion of.
+    p = Parallel(*[nn.Sequential(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 6)) for _ in range(3)],
+                 fuse=True).to("meta")
+    with torch.no_grad():
+        out = p(torch.empty(5, 16, device="meta"))
+    assert out.shape == (5, 18) and out.device.type == "meta"
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())

@@ -1072,6 +1072,26 @@ def test_a_branch_captured_on_a_high_priority_stream_replays_equal(monkeypatch):
     assert block._graphs.captures == 1  # one signature, however many variants it tried
 
 
+@cuda
+def test_a_launch_order_and_a_high_priority_slot_together():
+    # A variant may give both (as tools/exp_inception_variants.py does): the slot's branch is
+    # the one the order launches there, and explain() names that one.
+    from parallel_modules.parallel import _Order, _Priority
+
+    torch.manual_seed(0)
+    branches = [nn.Linear(64, 32), nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16)),
+                nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 64), nn.ReLU())])]
+    block = _graphed(branches).eval()
+    block._graph_variants = lambda args, kwargs, first_only=False: [(_Order((1, 2, 0)), _Priority(2))]
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(block, x))
+    (described,) = block.explain()["schedules"].values()
+    assert described.endswith("streams, branch '0' on a high-priority stream, launched in the order "
+                              "['1', '2', '0']"), described
+
+
 class _Sleepy(nn.Module):
     r"""A linear layer behind a GPU spin of ``cycles``: branches whose lengths are known.
 
