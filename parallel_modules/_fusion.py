@@ -888,9 +888,9 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
             # row: the product writes the concatenation itself (below). Not under functorch
             # transforms (vmap has no batching rule for ``out=``) or forward-mode AD (``out=``
             # refuses tangents); on the CPU the strided product costs more than the copy it saves.
-            cat_here = (not fewer and last and call.cat_joined and t.is_cuda and t.shape[-2] > 1
-                        and not _functorch_active() and _forward_ad._current_level < 0)
-            if ((fewer or cat_here) and t.dim() == (3 if layout == _STACKED else 2)
+            if (t.dim() == (3 if layout == _STACKED else 2)
+                    and (fewer or (last and call.cat_joined and t.is_cuda and t.shape[-2] > 1
+                                   and not _functorch_active() and _forward_ad._current_level < 0))
                     and not (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
                     and not torch.is_autocast_enabled(t.device.type)):
                 # Inference on one row vector per sample and member: the batched product
@@ -899,7 +899,7 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 # would cost a transposing copy before a cat join. (``out=`` allows no
                 # autograd, and autocast leaves it in the input's dtype.)
                 x = _to_stacked(v, n)
-                if cat_here:
+                if not fewer:  # (the cat join's last layer, above)
                     # An eager call, CPU-bound: one allocation and two views where the
                     # join's copy (an allocation and a launch) and a view stood.
                     rows, width = x.shape[1], wt.shape[-1]

@@ -531,6 +531,21 @@ def test_eager_inference_writes_the_cat_join_from_the_last_product(device, bias)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
+def test_eager_inference_on_one_unbatched_sample_joined_along_its_last_dim(device):
+    # A 1-d input (no batch dimension) through fused Linear branches joined by cat along
+    # dim -1: the last layer's value has no row dimension to write the join by, and runs as
+    # before, fused.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Linear(16, 6) for _ in range(3)], dim=-1, fuse=True).to(device)
+    x = torch.randn(16, device=device)
+    with torch.no_grad():
+        out = p(x)
+    assert out.shape == (18,)
+    assert_close(out, reference(p, x))
+    assert len(p._fusion.groups) == 1 and not p._fusion.reasons, p._fusion.reasons
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("how", ["no_grad", "frozen"])
 def test_vmap_over_a_fused_block_without_autograd(device, how):
     # vmap has no batching rule for out= products: a call under it runs the products out of

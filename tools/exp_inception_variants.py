@@ -6,7 +6,6 @@ each as the module is called (GPU time per call over groups of calls, interleave
 the sequential graph captured by hand beside them.
 Usage: ``PYTHONPATH=. python3 tools/exp_inception_variants.py [batch] [fp32|fp16]``
 """
-import itertools
 import sys
 
 import torch
