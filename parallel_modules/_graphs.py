@@ -130,8 +130,10 @@ _WATCH = 16
 # aligns to 512 bytes (cuBLAS and cuDNN pick kernels by alignment).
 _IN_PLACE_SPARE_BYTES = 4 << 20
 _IN_PLACE_ALIGNMENT = 512
-# Time spent deciding whether such a graph is faster than copying in (see _quickest).
+# Time spent deciding whether such a graph is faster than copying in (see _quickest), and
+# by how much copying in must be faster for the reader to be dropped (see _CudaGraphs._reader).
 _READER_BUDGET_MS = 30.0
+_READER_SLACK = 0.03
 # Returned by a replay that would overwrite an output the caller still holds.
 _HELD: Any = object()
 
@@ -1258,8 +1260,7 @@ class _CudaGraphs:
             outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
             if len(outputs) == len(graph.outputs) and all(
                     o.shape == s.shape and o.dtype == s.dtype for o, s in zip(outputs, graph.outputs)):
-                # (One kernel for all of them where it can: the copies are GPU time of every replay.)
-                torch._foreach_copy_(graph.outputs, outputs)
+                _copy_out(graph.outputs, outputs)
                 return outputs
             return []  # (another output than the first capture's: not kept)
 
@@ -1279,9 +1280,11 @@ class _CudaGraphs:
         # Its own output buffers stay its: freed, the pool would hand them to a later capture.
         reader.outputs = outputs
         graph.reader, graph.reader_at = reader, _addresses(tensors)
-        # Kept only where calls read in place take less time than calls copying in: the
+        # Kept unless calls copying in take clearly less time than calls read in place: the
         # outputs' copy is on the GPU's path, the input's is not always (Inception at batch 1,
         # 0.9 MB in and 3.7 MB out, took 97 us a call reading in place against 85 copying).
+        # Within ``_READER_SLACK`` the reader stays: it also spares each call the copy's
+        # launch, host time that these samples, GPU-bound calls back to back, do not see.
         # Calls too long to time within the budget, which either copy barely changes, keep it
         # where its outputs are no larger than its inputs. (A reader dropped leaves the pool
         # grown by its capture, as long as the signature's graph lives.)
@@ -1290,7 +1293,7 @@ class _CudaGraphs:
             with torch.cuda.stream(stream), torch.no_grad():
                 elsewhere = [t.detach().clone() for t in graph.inputs]
             faster = _quickest([lambda: graph.replay(tensors, True), lambda: graph.replay(elsewhere, True)], stream,
-                               _READER_BUDGET_MS, least=4, too_long=0 if smaller else 1) == 0
+                               _READER_BUDGET_MS, least=4, too_long=0 if smaller else 1, slack=_READER_SLACK) == 0
         except Exception:  # (out of memory for the copy's source, say: the first graph stands)
             faster = False
         if not faster:
@@ -1647,6 +1650,20 @@ class _CudaGraphs:
         graph.readable = not needs_grad and _readable(graph, tensors, outputs)
 
 
+def _copy_out(into: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    r"""Copy a reader's ``outputs`` into its signature's output buffers ``into``, inside its capture.
+
+    The copy is GPU time of every replay: one multi-tensor kernel for
+    several outputs, a plain copy for one, which the multi-tensor kernel
+    took 3.2 us of a replay to copy where an elementwise copy takes about
+    1.3 (mlp8 fused, 64 kB, on the H200 machine: tools/exp_fused_kernels.py).
+    """
+    if len(into) == 1:
+        into[0].copy_(outputs[0])
+    else:
+        torch._foreach_copy_(into, outputs)
+
+
 def _readable(graph: _Graph, tensors: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
     r"""Whether inference ``graph`` may also be captured reading its inputs in place (see ``_CudaGraphs._reader``).
 
@@ -1766,14 +1783,16 @@ def _fastest(graphs: list[_Graph], stream: torch.cuda.Stream, budget_ms: float =
 
 
 def _quickest(calls: list[Callable[[], Any]], stream: torch.cuda.Stream, budget_ms: float = 100.0,
-              sample_ms: float = 1.0, least: int = 8, most: int = 40, too_long: int | None = None) -> int:
+              sample_ms: float = 1.0, least: int = 8, most: int = 40, too_long: int | None = None,
+              slack: float = 0.0) -> int:
     r"""The index of the call that takes the least GPU time on ``stream`` (median of interleaved samples).
 
     Each sample from an idle GPU and about ``sample_ms`` long (1 to 10
     calls). As many samples of each as fit in ``budget_ms``, from ``least``
     to ``most``: variants can differ by a few microseconds, within the
     spread of a few samples. ``too_long``: returned without sampling where
-    a call of each takes longer than the budget.
+    a call of each takes longer than the budget. ``slack``: the first call
+    is kept unless another is faster by more than this fraction of its time.
     """
     times: list[list[float]] = [[] for _ in calls]
     with torch.cuda.stream(stream), torch.no_grad():
@@ -1798,7 +1817,8 @@ def _quickest(calls: list[Callable[[], Any]], stream: torch.cuda.Stream, budget_
             for i, call in enumerate(calls):
                 times[i].append(sample(call, group))
     medians = [statistics.median(t) for t in times]
-    return medians.index(min(medians))
+    best = medians.index(min(medians))
+    return 0 if medians[best] * (1 + slack) >= medians[0] else best
 
 
 def _graph_variant(owner: nn.Module) -> Any:

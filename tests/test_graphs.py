@@ -1426,14 +1426,51 @@ def test_a_reader_slower_than_copying_in_is_dropped(monkeypatch):
 
 
 @cuda
+def test_a_reader_of_several_outputs_replays_them_all(kept_readers):
+    # (Several outputs are copied out of the reader by one multi-tensor copy, one by a plain copy.)
+    torch.manual_seed(0)
+    block = Parallel(nn.Linear(64, 32), nn.Linear(64, 16), nn.Tanh(), join="tuple", cuda_graph=True).cuda()
+    x = torch.empty(8, 64, device="cuda")
+    with torch.no_grad():
+        for i in range(6):
+            x.normal_()
+            out = block(x)
+            assert len(out) == 3
+            for o, b in zip(out, block):
+                assert torch.equal(o, b(x)), i
+            del out
+    graph = _only_graph(block)
+    assert graph.reader is not None and len(graph.outputs) == 3
+
+
+@cuda
+def test_the_quickest_call_keeps_the_first_within_its_slack():
+    from parallel_modules._graphs import _quickest
+
+    stream = torch.cuda.Stream()
+
+    def sleeper(cycles):
+        return lambda: torch.cuda._sleep(cycles)
+
+    # About 8% apart: the faster second is picked without slack, the first kept with 20%.
+    close = [sleeper(100_000), sleeper(92_000)]
+    assert _quickest(close, stream, budget_ms=30, least=4) == 1
+    assert _quickest(close, stream, budget_ms=30, least=4, slack=0.2) == 0
+    # Twice as fast is faster than any slack below 100%.
+    assert _quickest([sleeper(100_000), sleeper(50_000)], stream, budget_ms=30, least=4, slack=0.2) == 1
+
+
+@cuda
 def test_a_reader_that_fails_to_capture_leaves_the_graph_working(monkeypatch):
+    from parallel_modules import _graphs
+
     def refuse(*args):
         raise RuntimeError("refused")
 
     block = _graphed(_mlp(4))
     x = torch.randn(8, 64, device="cuda")
     with torch.no_grad(), monkeypatch.context() as patch:
-        patch.setattr(torch, "_foreach_copy_", refuse)  # (what the reader's capture calls last)
+        patch.setattr(_graphs, "_copy_out", refuse)  # (what the reader's capture calls last)
         first = block(x)
     assert torch.equal(first, _reference(block, x))
     graph = _only_graph(block)
