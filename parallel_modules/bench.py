@@ -422,12 +422,20 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
     for name, s in samples.items():
         q = statistics.quantiles(s, n=4)
         med = statistics.median(s)
+        schedules = _schedules(modes[name])
         result["modes"][name] = {
             "median_us": med * 1e6, "iqr_us": (q[2] - q[0]) * 1e6, "runs": len(s) * group,
             "speedup_vs_eager_seq": base / med, "x_floor": med / floor if floor else None, "check": checks[name],
             "host_median_us": statistics.median(host[name]) * 1e6 if host[name] else None,
+            **({"schedules": schedules} if schedules else {}),
         }
     return result
+
+
+def _schedules(mode: Callable) -> list[str]:
+    r"""How the ``Parallel`` of a mode ran, as ``explain()`` says (which capture variant a graph kept, say)."""
+    blocks = [m for m in mode.modules() if isinstance(m, Parallel)] if isinstance(mode, nn.Module) else []
+    return list(blocks[0].explain()["schedules"].values()) if blocks else []
 
 
 def _environment(device: torch.device) -> dict[str, Any]:

@@ -64,6 +64,19 @@ def test_the_bench_command_checks_and_tables_a_case_on_the_cpu(capsys, monkeypat
     assert 0 < float(probe.split()[-1]) < 1e5
 
 
+def test_the_bench_json_says_how_each_parallel_mode_ran(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "bench.json"
+    assert main(["--case", "heads", "--reps", "2", "--group", "1", "--json", str(path)]) == 0
+    (result,) = json.loads(path.read_text())["results"]
+    modes = result["modes"]
+    assert "schedules" not in modes["eager seq"]  # (no Parallel in it)
+    assert modes["eager Parallel"]["schedules"] == ["unfused, sequential"]
+    assert modes["eager Parallel fused"]["schedules"] == ["fused, sequential"]
+
+
 def test_the_bench_command_refuses_what_it_cannot_run(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:  # a median and a spread need two samples
