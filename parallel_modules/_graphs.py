@@ -1247,6 +1247,8 @@ class _CudaGraphs:
         capture, other code does not). A capture that fails leaves the
         signature copying its inputs in, as before.
         """
+        if not graph.outputs:  # (nothing to copy out, and ``_copy_out`` would refuse an empty list)
+            return
         index = graph.device.index
         stream = _capture_stream(index)
         reader = torch.cuda.CUDAGraph()
@@ -1572,6 +1574,11 @@ class _CudaGraphs:
         with self._lock:
             return {k: g.variant for k, g in self._graphs.items()}
 
+    def readers(self) -> set[Hashable]:
+        r"""The cache keys whose graphs read inputs at the first call's address in place (see ``_reader``)."""
+        with self._lock:
+            return {k for k, g in self._graphs.items() if g.reader is not None}
+
     def _record(self, graph: _Graph, call: Callable[[], Any], surface: tuple, leaves: tuple, needs_grad: bool,
                 stream: torch.cuda.Stream, caller: torch.cuda.Stream, index: int,
                 tensors: list[torch.Tensor]) -> None:
@@ -1654,9 +1661,11 @@ def _copy_out(into: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
     r"""Copy a reader's ``outputs`` into its signature's output buffers ``into``, inside its capture.
 
     The copy is GPU time of every replay: one multi-tensor kernel for
-    several outputs, a plain copy for one, which the multi-tensor kernel
-    took 3.2 us of a replay to copy where an elementwise copy takes about
-    1.3 (mlp8 fused, 64 kB, on the H200 machine: tools/exp_fused_kernels.py).
+    several outputs, a plain copy for one (the multi-tensor kernel took
+    3.2 us of mlp8's fused replay, 64 kB, where a plain copy takes about
+    1.3 us, on the H200 machine: tools/exp_fused_kernels.py). The
+    multi-tensor copy refuses conjugate views: such a capture fails, and
+    the signature copies its inputs in instead, as after any failed capture.
     """
     if len(into) == 1:
         into[0].copy_(outputs[0])
@@ -1792,7 +1801,8 @@ def _quickest(calls: list[Callable[[], Any]], stream: torch.cuda.Stream, budget_
     to ``most``: variants can differ by a few microseconds, within the
     spread of a few samples. ``too_long``: returned without sampling where
     a call of each takes longer than the budget. ``slack``: the first call
-    is kept unless another is faster by more than this fraction of its time.
+    is kept unless its median exceeds the quickest's by more than this
+    fraction of the quickest's.
     """
     times: list[list[float]] = [[] for _ in calls]
     with torch.cuda.stream(stream), torch.no_grad():

@@ -148,6 +148,7 @@ def _train_modes(case: Case, device: torch.device, dtype: torch.dtype) -> dict[s
             opt.step()
             return model
 
+        run.module = model  # (for _schedules)
         return run
 
     def parallel(**kw: Any) -> nn.Module:
@@ -433,7 +434,12 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
 
 
 def _schedules(mode: Callable) -> list[str]:
-    r"""How the ``Parallel`` of a mode ran, as ``explain()`` says (which capture variant a graph kept, say)."""
+    r"""How the ``Parallel`` of a mode ran, as ``explain()`` says (which capture variant a graph kept, say).
+
+    A mode that is not a module (a training step, a graph captured by hand)
+    names the module it runs as its ``module``.
+    """
+    mode = getattr(mode, "module", mode)
     blocks = [m for m in mode.modules() if isinstance(m, Parallel)] if isinstance(mode, nn.Module) else []
     return list(blocks[0].explain()["schedules"].values()) if blocks else []
 

@@ -547,7 +547,9 @@ class Parallel(nn.Module):
         (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
         chosen by ``"auto"`` or forced; for a CUDA graph with ``compile=``,
         also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
-        compiled as one, one stream"``, whichever replayed fastest); and, if the
+        compiled as one, one stream"``, whichever replayed fastest; ``"(input
+        read in place)"``: a graph also reads inputs found where the first
+        call's lay without copying them in); and, if the
         block could not be compiled (or captured) as one program,
         ``"not compiled as one"``: why.
         """
@@ -565,6 +567,7 @@ class Parallel(nn.Module):
                      for k, p in self._plans.copy().items()}  # (one C call: other threads add plans)
         if self.cuda_graph:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
+            readers = self._graphs.readers()
             for k, variant in self._graphs.variants().items():
                 if variant is not None and _WHOLE in variant:
                     schedules[_describe_signature(k[0])] = "CUDA graph, the block compiled as one, one stream"
@@ -575,7 +578,8 @@ class Parallel(nn.Module):
                 how += ["biases copied in line" for v in variant or () if v == _INLINE_BIAS]
                 names = list(self._modules)
                 order = next((v.order for v in variant or () if isinstance(v, _Order)), range(len(names)))
-                schedules[_describe_signature(k[0])] = f"CUDA graph, {', '.join(how)}, " + (
+                read = " (input read in place)" if k in readers else ""
+                schedules[_describe_signature(k[0])] = f"CUDA graph{read}, {', '.join(how)}, " + (
                     "streams" if self.streams is not False else "sequential") + "".join(
                     f", branch {names[order[v.index]]!r} on a high-priority stream"
                     for v in variant or () if isinstance(v, _Priority)) + "".join(

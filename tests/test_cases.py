@@ -77,6 +77,20 @@ def test_the_bench_json_says_how_each_parallel_mode_ran(tmp_path, monkeypatch):
     assert modes["eager Parallel fused"]["schedules"] == ["fused, sequential"]
 
 
+def test_the_bench_json_says_how_each_parallel_training_step_ran(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "bench.json"
+    assert main(["--case", "mlp8-train", "--reps", "2", "--group", "1", "--json", str(path)]) == 0
+    (result,) = json.loads(path.read_text())["results"]
+    modes = result["modes"]
+    assert "schedules" not in modes["eager seq"]
+    # (A training step is a closure around the model: the model's Parallel is found all the same.)
+    assert modes["eager Parallel"]["schedules"] and modes["eager Parallel fused"]["schedules"]
+    assert all(s.startswith("fused") for s in modes["eager Parallel fused"]["schedules"]), modes
+
+
 def test_the_bench_command_refuses_what_it_cannot_run(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_:  # a median and a spread need two samples

@@ -1273,6 +1273,8 @@ def test_an_input_kept_at_the_first_calls_address_is_read_in_place_and_replays_e
     graph = _only_graph(block)
     assert graph.reader is not None and graph.reader_at == x.data_ptr()
     assert block._graphs.captures == 1  # (the signature's graph; the reader is not a new signature)
+    (described,) = block.explain()["schedules"].values()
+    assert described.startswith("CUDA graph (input read in place), "), described
     if static_outputs:  # the same buffers whichever graph ran
         assert len(buffers) == 1
     # Nothing was copied in since the first call: the static buffer holds its input.
@@ -1423,6 +1425,8 @@ def test_a_reader_slower_than_copying_in_is_dropped(monkeypatch):
             assert torch.equal(block(x), _reference(block, x))
     graph = _only_graph(block)
     assert timed and timed[-1] == 2 and graph.readable and graph.reader is None
+    (described,) = block.explain()["schedules"].values()
+    assert described.startswith("CUDA graph, ") and "in place" not in described, described
 
 
 @cuda
