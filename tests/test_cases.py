@@ -64,31 +64,20 @@ def test_the_bench_command_checks_and_tables_a_case_on_the_cpu(capsys, monkeypat
     assert 0 < float(probe.split()[-1]) < 1e5
 
 
-def test_the_bench_json_says_how_each_parallel_mode_ran(tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", ["heads", "mlp8-train"])
+def test_the_bench_json_says_how_each_parallel_mode_ran(case, tmp_path, monkeypatch):
     import json
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     path = tmp_path / "bench.json"
-    assert main(["--case", "heads", "--reps", "2", "--group", "1", "--json", str(path)]) == 0
+    assert main(["--case", case, "--reps", "2", "--group", "1", "--json", str(path)]) == 0
     (result,) = json.loads(path.read_text())["results"]
     modes = result["modes"]
     assert "schedules" not in modes["eager seq"]  # (no Parallel in it)
+    # (A training step is a closure around its model, a heads mode the branches behind a trunk:
+    # the model's Parallel is found all the same.)
     assert modes["eager Parallel"]["schedules"] == ["unfused, sequential"]
     assert modes["eager Parallel fused"]["schedules"] == ["fused, sequential"]
-
-
-def test_the_bench_json_says_how_each_parallel_training_step_ran(tmp_path, monkeypatch):
-    import json
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    path = tmp_path / "bench.json"
-    assert main(["--case", "mlp8-train", "--reps", "2", "--group", "1", "--json", str(path)]) == 0
-    (result,) = json.loads(path.read_text())["results"]
-    modes = result["modes"]
-    assert "schedules" not in modes["eager seq"]
-    # (A training step is a closure around the model: the model's Parallel is found all the same.)
-    assert modes["eager Parallel"]["schedules"] and modes["eager Parallel fused"]["schedules"]
-    assert all(s.startswith("fused") for s in modes["eager Parallel fused"]["schedules"]), modes
 
 
 def test_the_bench_command_refuses_what_it_cannot_run(capsys, monkeypatch):
