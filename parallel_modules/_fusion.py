@@ -899,25 +899,22 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
                 # would cost a transposing copy before a cat join. (``out=`` allows no
                 # autograd, and autocast leaves it in the input's dtype.)
                 x = _to_stacked(v, n)
-                if not fewer:  # (the cat join's last layer, above)
-                    # An eager call, CPU-bound: one allocation and two views where the
-                    # join's copy (an allocation and a launch) and a view stood.
-                    rows, width = x.shape[1], wt.shape[-1]
-                    joined = t.new_empty((rows, n * width))
-                    out = joined.view(rows, n, width).transpose(0, 1)
-                    if bias is None:
-                        torch.bmm(x, wt, out=out)
-                    else:
-                        torch.baddbmm(bias, x, wt, out=out)
-                    return _Value(joined, _CHANNELS)
-                if bias is None:
-                    out = t.new_empty((x.shape[1], n, wt.shape[-1])).transpose(0, 1)
-                    torch.bmm(x, wt, out=out)
-                else:  # the bias already in place (see _Prefill): the product accumulates onto it
+                if fewer and bias is not None:
+                    # The bias already in place (see _Prefill): the product accumulates onto it.
                     prefill = _call.prefill
                     assert prefill is not None
                     out = prefill.filled(bias, x.shape[1], b_name).baddbmm_(x, wt)
-                return _Value(out.transpose(0, 1).flatten(1), _CHANNELS)
+                    return _Value(out.transpose(0, 1).flatten(1), _CHANNELS)
+                # One allocation and two views, where an eager cat join's copy (an allocation
+                # and a launch) and a view stood: eager calls are CPU-bound.
+                rows, width = x.shape[1], wt.shape[-1]
+                joined = t.new_empty((rows, n * width))
+                out = joined.view(rows, n, width).transpose(0, 1)
+                if bias is None:
+                    torch.bmm(x, wt, out=out)
+                else:  # (the cat join's last layer, above: no prefill outside a capture)
+                    torch.baddbmm(bias, x, wt, out=out)
+                return _Value(joined, _CHANNELS)
             if layout == _SHARED and t.dim() == 2:
                 flat, lead = t.expand(n, -1, -1), None
             elif layout == _STACKED and t.dim() == 3:
