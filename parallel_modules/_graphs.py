@@ -123,13 +123,17 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 # concluding that the caller keeps outputs.
 _LEND_AFTER = 2
 _WATCH = 16
-# How many bytes the outputs of a graph reading its inputs in place, which it copies into
-# the first graph's output buffers, may exceed the inputs by (a copy of a few MiB costs the
-# GPU what launching the input's copy cost it, about 5 us on the H200 machine); and the
-# alignment its inputs must have, that of the static buffers, which the caching allocator
-# aligns to 512 bytes (cuBLAS and cuDNN pick kernels by alignment).
+# How many bytes the outputs of a graph reading its inputs in place may exceed the inputs
+# by: its output buffers are memory held beside the first graph's, and a call copying its
+# input in copies the first graph's outputs into them; and the alignment its inputs must
+# have, that of the static buffers, which the caching allocator aligns to 512 bytes (cuBLAS
+# and cuDNN pick kernels by alignment).
 _IN_PLACE_SPARE_BYTES = 4 << 20
 _IN_PLACE_ALIGNMENT = 512
+# Calls in a row copying their inputs in, after which a signature drops its reader: its
+# caller no longer passes inputs where the first call's lay, and each such call pays a
+# copy of the outputs too (see _Graph.replay).
+_READER_MISSES = 16
 # Time spent deciding whether such a graph is faster than copying in (see _quickest), and
 # by how much copying in must be faster for the reader to be dropped (see _CudaGraphs._reader).
 _READER_BUDGET_MS = 30.0
@@ -545,10 +549,16 @@ class _Graph:
         self.kept_alive: list[torch.Tensor] = []
         # An inference graph that reads the first call's inputs where they lie, and the
         # addresses it reads (``_addresses``): a replay whose inputs lie there launches it and
-        # copies nothing in (see ``_CudaGraphs._reader``). ``readable``: the signature may have one.
+        # copies nothing, in or out (see ``_CudaGraphs._reader``). ``readable``: the signature
+        # may have one. With a reader, ``outputs`` are its buffers and ``first_outputs`` the
+        # first graph's, which a replay of the first graph copies into them; ``misses``: such
+        # replays in a row (see ``_READER_MISSES``).
         self.reader: torch.cuda.CUDAGraph | None = None
         self.reader_at: Any = None
         self.readable = False
+        self.first_outputs: list[torch.Tensor] | None = None
+        self.misses = 0
+        self.lend = lend
         self.input_versions: list[int] = []  # the static inputs' versions before warm-up
 
     def plan_grads(self) -> None:
@@ -560,6 +570,20 @@ class _Graph:
     def fresh_grads(self) -> list[torch.Tensor]:
         r"""Copies of the gradients the backward graph left in its buffers (``grad_inputs`` without its ``None``s)."""
         return self.input_copies.fresh() + self.param_copies.fresh()
+
+    def drop_reader(self) -> None:
+        r"""Forget the reader: the first graph's buffers are the outputs again, nothing copies them.
+
+        Under ``lock``, with no lent output alive (``_Lending.held``), and never
+        for a caller of ``static_outputs``, who may hold the buffers it was
+        handed: a new ``_Lending`` watches the buffers now handed out, cloning
+        until it sees the caller drop them in time, as for a new signature.
+        """
+        if self.first_outputs is not None:
+            self.outputs, self.first_outputs = self.first_outputs, None
+            self.lending = _Lending(self.lend)
+        self.reader = self.reader_at = None
+        self.misses = 0
 
     def _order(self, stream: torch.cuda.Stream) -> None:
         last = self.last
@@ -601,11 +625,22 @@ class _Graph:
                         [t.data_ptr() for t in tensors])) == self.reader_at and not _flipped(tensors):
                     # (``_addresses``, without its frame.)
                     _launch(reader)
+                    self.misses = 0
                 else:
                     for static, t in zip(self.inputs, tensors):
                         if static.data_ptr() != t.data_ptr():
                             static.copy_(t)
                     _launch(self.fwd)
+                    if reader is not None:
+                        # The first graph wrote its own buffers; the call's outputs are the reader's.
+                        # (With ``static_outputs`` the caller may read the buffers it was handed
+                        # after each call: they stay the same, and the reader with them.)
+                        self.misses += 1
+                        if self.misses < _READER_MISSES or static_outputs:
+                            _copy_out(self.outputs, self.first_outputs)
+                        else:
+                            self.drop_reader()
+                            lending, lent = self.lending, False
                 if static_outputs:
                     outs = self.outputs
                 elif lent and not _local.crossing:
@@ -1231,12 +1266,20 @@ class _CudaGraphs:
         where the allocator put it the iteration before -- which a graph can
         read directly. Such a graph reads that address and no other, so it
         replays only for tensors found there, of the signature it was captured
-        for; anything else is copied into the static buffers. It shares its
-        signature's memory pool (the two never run at once: replays of a
-        signature are ordered, see ``_Graph._order``), so it adds only its own
-        outputs, which it copies into the first graph's output buffers: a
-        call's outputs are the same buffers whichever graph ran, and what
-        ``_Lending`` and ``static_outputs`` promise of them holds unchanged.
+        for; anything else is copied into the static buffers.
+
+        A call's outputs are the same buffers whichever graph ran, so that
+        what ``_Lending`` and ``static_outputs`` promise of them holds: the
+        reader's own. It copies nothing out -- a copy on every replay's path,
+        1.4 us of the 24 us of fused mlp8's on the H200 machine -- and a
+        replay of the first graph, for inputs found elsewhere, copies its
+        outputs into them after it (``_Graph.replay``), until the caller is
+        seen to have moved for good (``_READER_MISSES``). The reader shares
+        its signature's memory pool: the two never run at once (replays of a
+        signature are ordered, see ``_Graph._order``), and its output buffers,
+        allocated after the first graph's capture ended, may be the first
+        graph's scratch memory, which that graph's replay writes before the
+        copy into them, both ordered before anything the call hands out.
 
         Captured with the first graph, inside its locks and on the same Python
         state: one captured later, at an address met later, would bake in
@@ -1247,7 +1290,7 @@ class _CudaGraphs:
         capture, other code does not). A capture that fails leaves the
         signature copying its inputs in, as before.
         """
-        if not graph.outputs:  # (nothing to copy out, and ``_copy_out`` would refuse an empty list)
+        if not graph.outputs:  # (a graph without outputs has nothing to spare: no copies)
             return
         index = graph.device.index
         stream = _capture_stream(index)
@@ -1258,13 +1301,7 @@ class _CudaGraphs:
         def call() -> list[torch.Tensor]:
             nonlocal begun
             begun = True
-            out = _bind(forward, args, kwargs, tensors)()  # (never compiled: see _capture)
-            outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-            if len(outputs) == len(graph.outputs) and all(
-                    o.shape == s.shape and o.dtype == s.dtype for o, s in zip(outputs, graph.outputs)):
-                _copy_out(graph.outputs, outputs)
-                return outputs
-            return []  # (another output than the first capture's: not kept)
+            return _matching_outputs(graph, _bind(forward, args, kwargs, tensors)())  # (never compiled: see _capture)
 
         try:
             _clear_cublas_workspaces()  # (see _capture)
@@ -1279,27 +1316,32 @@ class _CudaGraphs:
             torch.cuda.set_stream(caller)
         if not outputs:
             return
-        # Its own output buffers stay its: freed, the pool would hand them to a later capture.
-        reader.outputs = outputs
         graph.reader, graph.reader_at = reader, _addresses(tensors)
-        # Kept unless calls copying in take clearly less time than calls read in place: the
-        # outputs' copy is on the GPU's path, the input's is not always (Inception at batch 1,
-        # 0.9 MB in and 3.7 MB out, took 97 us a call reading in place against 85 copying).
-        # Within ``_READER_SLACK`` the reader stays: it also spares each call the copy's
-        # launch, host time that these samples, GPU-bound calls back to back, do not see.
-        # Calls too long to time within the budget, which either copy barely changes, keep it
-        # where its outputs are no larger than its inputs. (A reader dropped leaves the pool
-        # grown by its capture, as long as the signature's graph lives.)
-        smaller = sum(o.nbytes for o in outputs) <= sum(t.nbytes for t in graph.inputs)
+        # Its output buffers stay allocated as the signature's: freed, the pool would hand
+        # them to a later capture. (Nothing was lent yet: replays so far were timed with
+        # ``static_outputs``. A new ``_Lending`` all the same, for the buffers handed out now.)
+        graph.first_outputs, graph.outputs = graph.outputs, [o.detach() for o in outputs]
+        graph.lending = _Lending(graph.lend)
+        # Kept unless calls copying in take clearly less time than calls read in place (which
+        # copy nothing, where the others copy in and out; timed all the same, as the first
+        # graph's variants are). Within ``_READER_SLACK`` the reader stays: it also spares each
+        # call the copies' launches, host time that these samples, GPU-bound calls back to
+        # back, do not see. Calls too long to time within the budget keep it. (A reader dropped
+        # leaves the pool grown by its capture, as long as the signature's graph lives.)
         try:
             with torch.cuda.stream(stream), torch.no_grad():
+                # Refused here rather than at a later call's: outputs the copy cannot write.
+                _copy_out(graph.outputs, graph.first_outputs)
                 elsewhere = [t.detach().clone() for t in graph.inputs]
             faster = _quickest([lambda: graph.replay(tensors, True), lambda: graph.replay(elsewhere, True)], stream,
-                               _READER_BUDGET_MS, least=4, too_long=0 if smaller else 1, slack=_READER_SLACK) == 0
-        except Exception:  # (out of memory for the copy's source, say: the first graph stands)
+                               _READER_BUDGET_MS, least=4, too_long=0, slack=_READER_SLACK) == 0
+        except Exception:
+            # Out of memory for the copy's source, say, or outputs the copy out of the first graph
+            # refuses (overlapping ones, an expanded view): the first graph stands alone.
             faster = False
-        if not faster:
-            graph.reader = graph.reader_at = None
+        if not faster or graph.reader is not reader:  # (or dropped while timed: samples of <= 10 calls never are)
+            graph.drop_reader()
+        graph.misses = 0
         graph.last = None  # (every sample was waited for, see _fastest)
 
     def _lookup(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -1571,13 +1613,12 @@ class _CudaGraphs:
 
     def variants(self) -> dict[Hashable, Any]:
         r"""The variant each cached graph runs (see ``_graph_variants``), by cache key."""
-        with self._lock:
-            return {k: g.variant for k, g in self._graphs.items()}
+        return {k: variant for k, (variant, _) in self.schedules().items()}
 
-    def readers(self) -> set[Hashable]:
-        r"""The cache keys whose graphs read inputs at the first call's address in place (see ``_reader``)."""
+    def schedules(self) -> dict[Hashable, tuple[Any, bool]]:
+        r"""By cache key, each cached graph's variant and whether it has a reader (see ``_reader``), at one moment."""
         with self._lock:
-            return {k for k, g in self._graphs.items() if g.reader is not None}
+            return {k: (g.variant, g.reader is not None) for k, g in self._graphs.items()}
 
     def _record(self, graph: _Graph, call: Callable[[], Any], surface: tuple, leaves: tuple, needs_grad: bool,
                 stream: torch.cuda.Stream, caller: torch.cuda.Stream, index: int,
@@ -1657,15 +1698,21 @@ class _CudaGraphs:
         graph.readable = not needs_grad and _readable(graph, tensors, outputs)
 
 
-def _copy_out(into: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-    r"""Copy a reader's ``outputs`` into its signature's output buffers ``into``, inside its capture.
+def _matching_outputs(graph: _Graph, out: Any) -> list[torch.Tensor]:
+    r"""The tensors of a reader's output ``out``, if shaped as ``graph``'s outputs; else ``[]`` (no reader)."""
+    outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+    if len(outputs) == len(graph.outputs) and all(
+            o.shape == s.shape and o.dtype == s.dtype for o, s in zip(outputs, graph.outputs)):
+        return outputs
+    return []
 
-    The copy is GPU time of every replay: one multi-tensor kernel for
-    several outputs, a plain copy for one (the multi-tensor kernel took
-    3.2 us of mlp8's fused replay, 64 kB, where a plain copy takes about
-    1.3 us, on the H200 machine: tools/exp_fused_kernels.py). The
-    multi-tensor copy refuses conjugate views: such a capture fails, and
-    the signature copies its inputs in instead, as after any failed capture.
+
+def _copy_out(into: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    r"""Copy a first graph's ``outputs`` into its reader's buffers ``into``, after its replay.
+
+    One multi-tensor kernel for several outputs, a plain copy for one (the
+    multi-tensor kernel took 3.2 us for a single 64 kB tensor, where a plain
+    copy takes about 1.3 us, on the H200 machine: tools/exp_fused_kernels.py).
     """
     if len(into) == 1:
         into[0].copy_(outputs[0])
@@ -1681,8 +1728,10 @@ def _readable(graph: _Graph, tensors: list[torch.Tensor], outputs: list[torch.Te
     negative bit (which the copy resolves), and were not written in place by
     warm-up or capture (the static buffers keep such writes from the caller's
     tensors); where no output is an input (the reader would return, and hold,
-    the caller's tensor); and where the outputs are small enough that copying
-    them in the graph costs less than copying the inputs in before it.
+    the caller's tensor); and where the outputs are no larger than the inputs
+    by more than ``_IN_PLACE_SPARE_BYTES``: the reader's output buffers are
+    held beside the first graph's, and a call copying its inputs in copies
+    the outputs too.
     """
     try:
         inputs = {s.untyped_storage().data_ptr() for s in graph.inputs}

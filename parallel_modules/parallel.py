@@ -567,8 +567,7 @@ class Parallel(nn.Module):
                      for k, p in self._plans.copy().items()}  # (one C call: other threads add plans)
         if self.cuda_graph:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
-            readers = self._graphs.readers()
-            for k, variant in self._graphs.variants().items():
+            for k, (variant, reads) in self._graphs.schedules().items():
                 if variant is not None and _WHOLE in variant:
                     schedules[_describe_signature(k[0])] = "CUDA graph, the block compiled as one, one stream"
                     continue
@@ -578,7 +577,7 @@ class Parallel(nn.Module):
                 how += ["biases copied in line" for v in variant or () if v == _INLINE_BIAS]
                 names = list(self._modules)
                 order = next((v.order for v in variant or () if isinstance(v, _Order)), range(len(names)))
-                read = " (input read in place)" if k in readers else ""
+                read = " (input read in place)" if reads else ""
                 schedules[_describe_signature(k[0])] = f"CUDA graph{read}, {', '.join(how)}, " + (
                     "streams" if self.streams is not False else "sequential") + "".join(
                     f", branch {names[order[v.index]]!r} on a high-priority stream"

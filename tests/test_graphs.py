@@ -1424,27 +1424,162 @@ def test_a_reader_slower_than_copying_in_is_dropped(monkeypatch):
             x.normal_()
             assert torch.equal(block(x), _reference(block, x))
     graph = _only_graph(block)
-    assert timed and timed[-1] == 2 and graph.readable and graph.reader is None
+    assert timed and timed[-1] == 2 and graph.readable and graph.reader is None and graph.first_outputs is None
     (described,) = block.explain()["schedules"].values()
     assert described.startswith("CUDA graph, ") and "in place" not in described, described
 
 
 @cuda
 def test_a_reader_of_several_outputs_replays_them_all(kept_readers):
-    # (Several outputs are copied out of the reader by one multi-tensor copy, one by a plain copy.)
+    # (Calls copying in copy several outputs into the reader's by one multi-tensor copy, one by a plain copy.)
     torch.manual_seed(0)
     block = Parallel(nn.Linear(64, 32), nn.Linear(64, 16), nn.Tanh(), join="tuple", cuda_graph=True).cuda()
-    x = torch.empty(8, 64, device="cuda")
+    x, elsewhere = torch.empty(8, 64, device="cuda"), torch.empty(8, 64, device="cuda")
     with torch.no_grad():
         for i in range(6):
-            x.normal_()
-            out = block(x)
-            assert len(out) == 3
-            for o, b in zip(out, block):
-                assert torch.equal(o, b(x)), i
-            del out
+            for v in (x, elsewhere):
+                v.normal_()
+                out = block(v)
+                assert len(out) == 3
+                for o, b in zip(out, block):
+                    assert torch.equal(o, b(v)), i
+                del out
     graph = _only_graph(block)
     assert graph.reader is not None and len(graph.outputs) == 3
+
+
+@cuda
+@pytest.mark.parametrize("static_outputs", [False, True])
+def test_calls_read_in_place_and_copied_in_hand_out_the_same_buffers(static_outputs, kept_readers):
+    # The reader's buffers are the signature's outputs: a call copying in copies the first
+    # graph's outputs into them, so whichever graph ran, a call's outputs are those buffers.
+    block = _graphed(_mlp(4), static_outputs=static_outputs)
+    at, elsewhere = torch.empty(8, 64, device="cuda"), torch.empty(8, 64, device="cuda")
+    buffers, kept = set(), []
+    with torch.no_grad():
+        for i in range(5):
+            for x in (at, elsewhere, elsewhere):
+                x.normal_()
+                y = block(x)
+                assert torch.equal(y, _reference(block, x)), i
+                if static_outputs:
+                    buffers.add(y.data_ptr())
+                else:
+                    kept.append((y, _reference(block, x)))
+    graph = _only_graph(block)
+    assert graph.reader_at == at.data_ptr() and graph.first_outputs is not None
+    assert graph.outputs[0].data_ptr() != graph.first_outputs[0].data_ptr()
+    if static_outputs:
+        assert buffers == {graph.outputs[0].data_ptr()}
+    for y, expected in kept:  # (kept: cloned, never lent)
+        assert torch.equal(y, expected)
+
+
+@cuda
+def test_a_reader_missed_call_after_call_is_dropped(kept_readers):
+    from parallel_modules import _graphs
+
+    block = _graphed(_mlp(4))
+    at = torch.empty(8, 64, device="cuda")
+    kept = []
+    with torch.no_grad():
+        at.normal_()
+        kept.append((block(at), _reference(block, at)))
+        graph = _only_graph(block)
+        reader_buffer = graph.outputs[0].data_ptr()
+        for i in range(_graphs._READER_MISSES + 4):
+            x = torch.randn(8, 64, device="cuda")
+            y = block(x)
+            assert torch.equal(y, _reference(block, x)), i
+            assert (graph.reader is None) == (i >= _graphs._READER_MISSES - 1), i
+            kept.append((y, _reference(block, x)))
+        # Back to the first graph's buffers, written by it alone; the input at the old address copied in.
+        assert graph.first_outputs is None and graph.outputs[0].data_ptr() != reader_buffer
+        at.normal_()
+        assert torch.equal(block(at), _reference(block, at))
+    for y, expected in kept:
+        assert torch.equal(y, expected)
+
+
+@cuda
+def test_an_output_lent_before_the_reader_is_dropped_and_kept_after_is_never_overwritten(kept_readers):
+    from parallel_modules import _graphs
+
+    block = _graphed(_mlp(4))
+    at, elsewhere = torch.randn(8, 64, device="cuda"), torch.empty(8, 64, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(block(at), _reference(block, at))
+        graph = _only_graph(block)
+        for i in range(_graphs._READER_MISSES - 1):  # outputs dropped at once: lent
+            elsewhere.normal_()
+            assert torch.equal(block(elsewhere), _reference(block, elsewhere)), i
+        assert graph.lending.lent and graph.reader is not None
+        elsewhere.normal_()
+        y = block(elsewhere)  # the last miss: the reader is dropped, this output kept
+        expected = _reference(block, elsewhere)
+        assert graph.reader is None
+        for _ in range(3):
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(block, x))
+    assert torch.equal(y, expected)
+
+
+@cuda
+def test_static_outputs_keep_their_buffers_and_reader_however_often_calls_miss(kept_readers):
+    from parallel_modules import _graphs
+
+    block = _graphed(_mlp(4), static_outputs=True)
+    at = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        buffer = block(at)
+        for i in range(_graphs._READER_MISSES + 2):
+            x = torch.randn(8, 64, device="cuda")
+            assert block(x) is not None
+            assert torch.equal(buffer, _reference(block, x)), i  # the same buffer, this call's values
+    assert _only_graph(block).reader is not None
+
+
+class _Spread(nn.Module):
+    def forward(self, x):
+        return (x * 2).sum(1, keepdim=True).expand(-1, 64)  # (every column one memory location)
+
+
+@cuda
+@pytest.mark.parametrize("n", [1, 2])
+def test_no_reader_for_outputs_that_cannot_be_copied_into(n, kept_readers):
+    # An expanded output cannot be written by a copy: the first graph's outputs could never be
+    # copied into the reader's, so the signature keeps its first graph alone.
+    block = Parallel(*[_Spread() for _ in range(n)], join=None, cuda_graph=True, fuse=False)
+    at = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for x in (at, torch.randn(8, 64, device="cuda"), at):
+            for out, branch in zip(block(x), block):
+                assert torch.equal(out, branch(x))
+    graph = _only_graph(block)
+    assert graph.readable and graph.reader is None and graph.first_outputs is None
+
+
+def _copies(call) -> int:
+    r"""The memory copies on the GPU in one ``call()``."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" in e.name.lower())
+
+
+@cuda
+def test_a_call_read_in_place_copies_nothing(kept_readers):
+    # (Unfused: Linear, GELU and cat kernels, no copy in the graphs; no clones of the outputs either.)
+    block = _graphed(_mlp(4), static_outputs=True, fuse=False)
+    at, elsewhere = torch.randn(8, 64, device="cuda"), torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        block(at)
+        # The input copied in and the outputs copied out: two; read in place: none.
+        assert _copies(lambda: block(elsewhere)) == 2
+        assert _copies(lambda: block(at)) == 0
 
 
 @cuda
@@ -1474,7 +1609,7 @@ def test_a_reader_that_fails_to_capture_leaves_the_graph_working(monkeypatch):
     block = _graphed(_mlp(4))
     x = torch.randn(8, 64, device="cuda")
     with torch.no_grad(), monkeypatch.context() as patch:
-        patch.setattr(_graphs, "_copy_out", refuse)  # (what the reader's capture calls last)
+        patch.setattr(_graphs, "_matching_outputs", refuse)  # (what the reader's capture calls last)
         first = block(x)
     assert torch.equal(first, _reference(block, x))
     graph = _only_graph(block)

@@ -12,6 +12,7 @@ import torch
 
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES
+from parallel_modules.parallel import _INLINE_BIAS
 from _timing import graph_by_hand  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -42,8 +43,15 @@ for name in sys.argv[1:] or ["mlp8"]:
         fused = Parallel(*br, cuda_graph=True, fuse=True)
         auto = Parallel(*br, cuda_graph=True, fuse="auto")
         streams = Parallel(*br, cuda_graph=True, fuse=False)
+        # The fused block's two captures, each alone: biases copied in on a side stream, or in line.
+        side = Parallel(*br, cuda_graph=True, fuse=True)
+        side._graph_variants = lambda *a: [None]
+        in_line = Parallel(*br, cuda_graph=True, fuse=True)
+        in_line._graph_variants = lambda *a: [(_INLINE_BIAS,)]
         floor = graph_by_hand(br[0], x)
         for label, fn in [("floor", floor.replay), ("fused", lambda: fused(x)), ("auto", lambda: auto(x)),
+                          ("fused, biases on a side stream", lambda: side(x)),
+                          ("fused, biases in line", lambda: in_line(x)),
                           ("streams", lambda: streams(x))]:
             ev = kernels(fn)
             t0 = ev[0].time_range.start
@@ -55,7 +63,7 @@ for name in sys.argv[1:] or ["mlp8"]:
                 print(f"  {s - t0:7.1f} +{e.time_range.elapsed_us():6.1f}  gap {s - prev:5.1f}  "
                       f"stream {getattr(e, 'stream', '?')}  {e.name[:90]}")
                 prev = max(prev, e.time_range.end)
-        for label, m in (("fused", fused), ("auto", auto), ("streams", streams)):
+        for label, m in (("fused", fused), ("auto", auto), ("side", side), ("in line", in_line), ("streams", streams)):
             g = next(iter(m._graphs._graphs.values()))
             print(label, "variants:", list(m._graphs.variants().values()), "reader kept:", g.reader is not None,
                   "readable:", g.readable)
