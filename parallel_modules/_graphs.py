@@ -323,15 +323,17 @@ class _Lending:
     (returns new tensors aliasing them) and, before every later replay, checks
     by the storages' reference counts that nothing outside the graph still
     refers to them -- no output, no view of one. If something does, the caller
-    kept an output: that call runs eagerly instead of overwriting it, and the
-    graph clones from then on. A caller that keeps outputs (``y = block(x)``
-    in a loop, a list of results) is seen doing so and always gets clones.
+    kept an output: calls run eagerly instead of overwriting it for as long as
+    it lives (``kept``), and the graph clones from then on. A caller that
+    keeps outputs (``y = block(x)`` in a loop, a list of results) is seen
+    doing so and always gets clones.
     """
 
-    __slots__ = ("lent", "watch", "streak", "previous", "refs", "baseline")
+    __slots__ = ("lent", "kept", "watch", "streak", "previous", "refs", "baseline")
 
     def __init__(self, lend: bool = True) -> None:
         self.lent = False
+        self.kept = False  # a lent output outlived the call after it, and may still be alive
         self.watch = _WATCH if lend and _use_count is not None else 0
         self.streak = 0
         self.previous: list[StorageWeakRef] = []  # storages of the last call's clones
@@ -340,12 +342,14 @@ class _Lending:
 
     def held(self) -> bool:
         r"""Whether a lent output (or a view of one) is still alive; stops lending if so."""
-        if self.lent:
+        if self.lent or self.kept:
             for r, b in zip(self.refs, self.baseline):  # (a loop: a generator costs a frame per call)
                 if _use_count(r.cdata) > b:
                     self.lent = False
+                    self.kept = True
                     self.watch = 0
                     return True
+            self.kept = False
         return False
 
     def outputs(self, static: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -615,7 +619,7 @@ class _Graph:
             with self.lock:
                 lending = self.lending
                 lent = lending.lent
-                if lent and not static_outputs and lending.held():
+                if (lent or lending.kept) and not static_outputs and lending.held():
                     return _HELD
                 stream = _current_stream(self.device)
                 if self.last is not stream:
