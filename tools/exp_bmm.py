@@ -3,7 +3,8 @@
 Usage: ``PYTHONPATH=. python3 tools/exp_bmm.py``. Each variant is captured 20 times in one CUDA
 graph, so that the replay time per product is the kernels' own (no launch overhead), and compared
 with the single-branch ``addmm`` that sets the floor, and the same products as grouped 1x1
-convolutions (cuDNN, bias in the epilogue).
+convolutions (cuDNN, bias in the epilogue), and with the bias folded into the product as a row of the
+weights against a ones column of the input (what a replay without the biases' prefill copy would run).
 """
 import statistics
 
@@ -61,12 +62,22 @@ for backend in ("default", "cublaslt"):
             "bmm into channels layout (out=)": lambda: torch.bmm(x, w.mT, out=out),
             "baddbmm_ onto prefilled channels": lambda: out.baddbmm_(x, w.mT),
             "bmm W x^T": lambda: torch.bmm(w, x.mT),
+            # The bias inside the product: a ones column on the input, the bias as a row of the
+            # weights (K = D + 4, for 16-byte rows), so that no copy prefills the output.
+            "bmm, bias as a row of K = D + 4": lambda: torch.bmm(x_aug, w_aug.mT),
+            "gelu into [N, B, D] of a [N, B, D + 4] buffer": lambda: torch._C._nn.gelu(out, out=x_aug[..., :D]),
+            "prefill copy of 3 layers' biases": lambda: fill.copy_(biases.unsqueeze(1).expand(3, B, n, D)),
             "shared input: one F.linear [N*D, D] + bias": lambda: F.linear(x1, wide, bw),
             "gelu on [B, N*D]": lambda: F.gelu(out),
             # The channels layout [B, N*D] is a grouped 1x1 convolution's: bias in the epilogue.
             "grouped conv1d [B, N*D, 1] + bias": lambda: F.conv1d(xc1, wc1, bw, groups=n),
             "grouped conv2d [B, N*D, 1, 1] + bias": lambda: F.conv2d(xc2, wc2, bw, groups=n),
         }
+        x_aug = torch.zeros(n, B, D + 4, device=dev)
+        x_aug[..., D] = 1
+        w_aug = torch.zeros(n, D, D + 4, device=dev)
+        w_aug[..., :D], w_aug[..., D] = w, bias.squeeze(1)
+        fill, biases = torch.empty(3, B, n, D, device=dev), torch.randn(3, n, D, device=dev)
         xc1 = out.transpose(0, 1).reshape(B, n * D, 1)
         xc2 = xc1.unsqueeze(-1)
         wc1 = w.reshape(n * D, D, 1)
