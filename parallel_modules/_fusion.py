@@ -1065,8 +1065,6 @@ class _UnbatchedNow(Exception):
     """
 
 
-_forward_ad = torch.autograd.forward_ad
-
 # Layers that take an inference-only path when they see no tensor requiring grad (see _UnbatchedNow).
 _FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
