@@ -7,7 +7,6 @@ The module call minus ``_Graph.replay`` is what the checks before a replay cost;
 say which.
 """
 import sys
-import time
 
 import torch
 
@@ -17,6 +16,7 @@ from parallel_modules._graphs import _autograd_busy, _autocast_state, _kernel_se
 from parallel_modules._inputs import _signature
 from parallel_modules._streams import _capture_underway, _current_stream, _is_tracing
 from parallel_modules._watch import _swapped
+from _timing import events_us  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = torch.device("cuda")
@@ -60,15 +60,8 @@ for name in sys.argv[1:] or ["mlp8"]:
                 launches = label in ("module call m(x)", "m.forward(x)", "cache(m._forward, (x,), {})",
                                      "_Graph.replay", "_launch(reader or fwd)")
                 n = 200 if launches else 2000
-
-                def timed(fn=fn, launches=launches, n=n):
-                    for _ in range(20):
-                        fn()
-                    torch.cuda.synchronize()
-                    if launches:
-                        torch.cuda._sleep(int(400e-6 * n * 1.7e9))  # (the GPU never holds the host back)
-                    t0 = time.perf_counter()
-                    for _ in range(n):
-                        fn()
-                    return (time.perf_counter() - t0) / n * 1e6
-                print(f"  {label:<32}{min(timed() for _ in range(5)):7.2f} us")
+                spin = int(400e-6 * n * 1.7e9) if launches else 0  # (the GPU never holds the host back)
+                for _ in range(20):
+                    fn()
+                best = min(events_us(fn, n, spin)[1] for _ in range(5))
+                print(f"  {label:<32}{best:7.2f} us")
