@@ -63,7 +63,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
 
-from . import _watch
+from . import _batched_linear, _watch
 from ._streams import _capture_underway, _current_stream, _functorch_active, _is_tracing, _pool
 
 __all__: list[str] = []
@@ -323,6 +323,9 @@ class _Group:
         self.joint_classes = _joint_bias_classes(self.template)
         layers = _layers(self.template) if type(self.template) is nn.Sequential else [("", self.template)]
         self.last = layers[-1][0] if layers else None  # the name of the template's last layer
+        # (in, out) of each Linear, where the template is Linear layers and activations alone
+        # (see kernel_layers); None otherwise.
+        self.linear_shapes: list[tuple[int, int]] | None = _linear_shapes([m for _, m in layers])
         self.joint: dict[str, tuple[torch.Tensor, int]] = {}  # bias name -> (its class's tensor, its index)
         # Every member tensor and the address it had when bound (see _bound).
         self.expected: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
@@ -470,7 +473,28 @@ class _Group:
         """
         template = self.template
         layers = [m for _, m in _layers(template)] if type(template) is nn.Sequential else [template]
-        return x.dim() == 2 and any(type(m) is nn.Linear and m.bias is not None for m in layers[1:])
+        return (x.dim() == 2 and any(type(m) is nn.Linear and m.bias is not None for m in layers[1:])
+                and not self.kernel_layers(x))
+
+    def kernel_layers(self, x: torch.Tensor) -> bool:
+        r"""Whether a capture of :meth:`run` on ``x`` computes every ``Linear`` with :mod:`._batched_linear`.
+
+        For inference on rows of features through ``Linear`` layers and
+        activations alone, at shapes the kernel takes (see the ``Linear`` step
+        of :func:`_program`); under autocast, forward-mode AD or a functorch
+        transform, the layers run as they would eagerly.
+        """
+        shapes = self.linear_shapes
+        if not shapes or x.dim() != 2 or torch.is_autocast_enabled(x.device.type) or _functorch_active():
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or any(
+                p.requires_grad for m in self.members for p in m.parameters())):
+            return False
+        if _forward_ad._current_level >= 0 or any(
+                m.weight.dtype != x.dtype or m.weight.device != x.device for m in self.template.modules()
+                if type(m) is nn.Linear):
+            return False
+        return all(_batched_linear.supported(x.shape[0], i, o, x.dtype, x.device) for i, o in shapes)
 
     def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False, side_bias: bool = True,
             restack: bool = False) -> Any:
@@ -487,15 +511,18 @@ class _Group:
         (see :meth:`swapped`).
         """
         tracing = False if eager else _is_tracing()
-        fewer = cat_joined and not tracing and not eager and _kernels_cost_more(x)
+        captured = not tracing and not eager and _kernels_cost_more(x)
+        fewer = cat_joined and captured
+        kernels = captured and self.kernel_layers(x)
         call = _call
-        before = call.fewer_kernels, call.prefill, call.cat_joined
-        call.fewer_kernels, call.prefill = fewer, _Prefill(x, side_bias, self.joint) if fewer else None
+        before = call.fewer_kernels, call.prefill, call.cat_joined, call.kernels
+        call.fewer_kernels, call.kernels = fewer, kernels
+        call.prefill = _Prefill(x, side_bias, self.joint) if fewer and not kernels else None
         call.cat_joined = cat_joined and not tracing
         try:
             return self._run(x, tracing or restack)
         finally:
-            call.fewer_kernels, call.prefill, call.cat_joined = before
+            call.fewer_kernels, call.prefill, call.cat_joined, call.kernels = before
 
     def _run(self, x: torch.Tensor, tracing: bool) -> Any:
         watched: list | None = None
@@ -573,12 +600,13 @@ class _CallState(threading.local):
     fewer_kernels = False
     prefill: _Prefill | None = None
     cat_joined = False  # the caller concatenates the outputs along dim 1, and no compiler traces
+    kernels = False  # Linear layers run as _batched_linear kernels (see _Group.kernel_layers)
 
     def __init__(self) -> None:
         # Set on each thread's instance, not read off the class: torch.compile guards on the
         # instance's attributes, which a first call writing them would change (a guard failing
         # on the frame that made it, at the second call).
-        self.fewer_kernels, self.prefill, self.cat_joined = False, None, False
+        self.fewer_kernels, self.prefill, self.cat_joined, self.kernels = False, None, False, False
 
 
 class _Prefill:
@@ -830,14 +858,153 @@ def _layers(m: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
             for leaf in (_layers(c, _join(prefix, name)) if type(c) is nn.Sequential else [(_join(prefix, name), c)])]
 
 
-def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
+def _linear_shapes(layers: list[nn.Module]) -> list[tuple[int, int]] | None:
+    r"""``(in_features, out_features)`` of each ``Linear`` in ``layers``, if the rest are pointwise; else ``None``."""
+    if not any(type(m) is nn.Linear for m in layers) or not all(
+            type(m) is nn.Linear or type(m) in _POINTWISE for m in layers):
+        return None
+    return [(m.in_features, m.out_features) for m in layers if type(m) is nn.Linear]
+
+
+def _kernel_linear(v: _Value, w: torch.Tensor, b: torch.Tensor | None, n: int, code: int,
+                   activation: Callable[[torch.Tensor], torch.Tensor] | None, last: bool) -> _Value:
+    r"""A ``Linear`` layer (and the activation ``code`` after it) for every member, in one kernel.
+
+    See :mod:`._batched_linear`. The kernel reads the members' ``[N, rows, in]``
+    view of any layout as it lies and writes ``[N, rows, out]``, or, as the last
+    layer of a ``cat`` join, the join's ``[rows, N * out]`` itself (see the
+    ``Linear`` step of :func:`_program`). Should it fail to compile, the layer
+    is computed by ``baddbmm`` and ``activation`` (the module's ``forward``).
+    """
+    x = _to_stacked(v, n)
+    rows, width = x.shape[1], w.shape[1]
+    if last and _call.cat_joined:
+        joined = x.new_empty((rows, n * width))
+        out, result = joined.as_strided((n, rows, width), (width, n * width, 1)), _Value(joined, _CHANNELS)
+    else:
+        out = x.new_empty((n, rows, width))
+        result = _Value(out, _STACKED)
+    if _batched_linear.linear(x, w, b, out, code) is None:
+        y = torch.bmm(x, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), x, w.mT)
+        out.copy_(y if activation is None else activation(y))
+    return result
+
+
+def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
+    r"""The batched step of ``Linear`` ``m`` (at ``prefix`` in the template): see :func:`_program`."""
+    n = group.n
+    w_name, b_name = _join(prefix, "weight"), _join(prefix, "bias")
+    # Views of the stacks, kept while the stacks are the same objects (no
+    # grad: every call gets the stacks themselves), so that a call costs one
+    # launch per layer and no view operations: eager fused calls are
+    # CPU-bound, a view costing a third of a kernel launch.
+    views: list[Any] = [None] * 6
+    last = prefix == group.last  # the template's last layer
+
+    def linear(v: _Value, get: _Get) -> _Value:
+        if _call.kernels:
+            return _kernel_linear(v, get(w_name), get(b_name), n, _batched_linear._NONE, None, last)
+        t, layout = v.t, v.layout
+        w, b = get(w_name), get(b_name)
+        if views[0] is w and views[2] is b:
+            wt, bias = views[1], views[3]
+        else:
+            wt, bias = w.mT, None if b is None else b.unsqueeze(1)
+            views[:] = [w, wt, b, bias, None, None] if not w.requires_grad and (
+                b is None or not b.requires_grad) else [None] * 6
+        call = _call  # (a thread-local: read once)
+        fewer = call.fewer_kernels
+        if (fewer or (last and call.cat_joined)) and layout == _SHARED and t.dim() == 2:
+            # Every member reads the same rows: one product with the members' weights
+            # one after another ([N * out, in]), the bias added in its epilogue -- one
+            # kernel where a batched product needs two (the bias copied into the
+            # output first), and member i's outputs come out as columns
+            # i*out .. (i+1)*out: the channels layout, which a cat join reads as it is.
+            # Eager, only as the last layer, where the cat join reads it (tiny8 on the
+            # H100 machine: 22.5-31.6 against 46.5-72.3 us a call, tools/exp_fused_eager_ab.py):
+            # a later batched product would read it through two view operations, and an
+            # eager call is CPU-bound.
+            if views[0] is w and views[4] is not None:
+                return _Value(F.linear(t, views[4], views[5]), _CHANNELS)
+            flat = w.flatten(0, 1), None if b is None else b.flatten()
+            if views[0] is w:
+                views[4:] = flat
+            return _Value(F.linear(t, *flat), _CHANNELS)
+        # Outside a capture, on CUDA, the last layer of a cat join over more than one
+        # row: the product writes the concatenation itself (below). Not under functorch
+        # transforms (vmap has no batching rule for ``out=``) or forward-mode AD (``out=``
+        # refuses tangents); on the CPU the strided product costs more than the copy it saves.
+        if (t.dim() == (3 if layout == _STACKED else 2)
+                and (fewer or (last and call.cat_joined and t.is_cuda and t.shape[-2] > 1
+                               and not _functorch_active() and _forward_ad._current_level < 0))
+                and not (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+                and not torch.is_autocast_enabled(t.device.type)):
+            # Inference on one row vector per sample and member: the batched product
+            # reads the [N, B, in] view of any layout as it is and writes the channels
+            # layout directly, [B, N * out], where a contiguous [N, B, out] result
+            # would cost a transposing copy before a cat join. (``out=`` allows no
+            # autograd, and autocast leaves it in the input's dtype.)
+            x = _to_stacked(v, n)
+            if fewer and bias is not None:
+                # The bias already in place (see _Prefill): the product accumulates onto it.
+                prefill = _call.prefill
+                assert prefill is not None
+                out = prefill.filled(bias, x.shape[1], b_name).baddbmm_(x, wt)
+                return _Value(out.transpose(0, 1).flatten(1), _CHANNELS)
+            # One allocation and one view, where an eager cat join's copy (an allocation
+            # and a launch) and a view stood: eager calls are CPU-bound. (``as_strided``:
+            # one operation where ``view`` and ``transpose`` are two, 1.2 us apart on the
+            # development machine's CPU.)
+            rows, width = x.shape[1], wt.shape[-1]
+            joined = t.new_empty((rows, n * width))
+            out = joined.as_strided((n, rows, width), (width, n * width, 1))
+            if bias is None:
+                torch.bmm(x, wt, out=out)
+            else:  # (the cat join's last layer, above: no prefill outside a capture)
+                torch.baddbmm(bias, x, wt, out=out)
+            return _Value(joined, _CHANNELS)
+        if layout == _SHARED and t.dim() == 2:
+            flat, lead = t.expand(n, -1, -1), None
+        elif layout == _STACKED and t.dim() == 3:
+            flat, lead = t, None
+        elif layout == _SHARED:
+            lead = t.shape[:-1]
+            flat = t.reshape(-1, t.shape[-1]).expand(n, -1, -1)
+        else:
+            flat = _to_stacked(v, n)
+            lead = flat.shape[1:-1]
+            flat = flat.reshape(n, -1, flat.shape[-1])
+        out = torch.bmm(flat, wt) if bias is None else torch.baddbmm(bias, flat, wt)
+        return _Value(out if lead is None else out.view(n, *lead, out.shape[-1]), _STACKED)
+
+    return linear
+
+
+def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, str, int] | None = None
+             ) -> list[_Step]:
     r"""The batched steps that compute submodule ``m`` (at ``prefix`` in the template) for every member.
 
     Built once per group, so that a call does no module-type dispatch or name
     formatting: each step has its parameters' qualified names baked in.
+    ``then``: for a ``Linear``, the activation module that follows it, its
+    name and its code in :mod:`._batched_linear`, applied by the same step
+    (in the kernel's epilogue where the kernel runs).
     """
     if type(m) is nn.Sequential:
-        return [step for name, child in m._modules.items() for step in _program(group, child, _join(prefix, name))]
+        steps: list[_Step] = []
+        children = list(m._modules.items())
+        i = 0
+        while i < len(children):
+            name, child = children[i]
+            after = children[i + 1] if i + 1 < len(children) else None
+            code = _batched_linear.activation(after[1]) if after is not None and type(child) is nn.Linear else None
+            if code is not None:
+                steps += _program(group, child, _join(prefix, name), (after[1], _join(prefix, after[0]), code))
+                i += 2
+            else:
+                steps += _program(group, child, _join(prefix, name))
+                i += 1
+        return steps
     n = group.n
     q = lambda name: _join(prefix, name)  # noqa: E731
     fallback = _vmapped_step(group, m, prefix)
@@ -849,89 +1016,19 @@ def _program(group: _Group, m: nn.Module, prefix: str) -> list[_Step]:
         return [lambda v, get: _Value(forward(v.t), v.layout)]
 
     if type(m) is nn.Linear:
+        linear = _linear_step(group, m, prefix)
+        if then is None:
+            return [linear]
+        activation, code, last = then[0].forward, then[2], then[1] == group.last
         w_name, b_name = q("weight"), q("bias")
-        # Views of the stacks, kept while the stacks are the same objects (no
-        # grad: every call gets the stacks themselves), so that a call costs one
-        # launch per layer and no view operations: eager fused calls are
-        # CPU-bound, a view costing a third of a kernel launch.
-        views: list[Any] = [None] * 6
-        last = prefix == group.last  # the template's last layer
 
-        def linear(v: _Value, get: _Get) -> _Value:
-            t, layout = v.t, v.layout
-            w, b = get(w_name), get(b_name)
-            if views[0] is w and views[2] is b:
-                wt, bias = views[1], views[3]
-            else:
-                wt, bias = w.mT, None if b is None else b.unsqueeze(1)
-                views[:] = [w, wt, b, bias, None, None] if not w.requires_grad and (
-                    b is None or not b.requires_grad) else [None] * 6
-            call = _call  # (a thread-local: read once)
-            fewer = call.fewer_kernels
-            if (fewer or (last and call.cat_joined)) and layout == _SHARED and t.dim() == 2:
-                # Every member reads the same rows: one product with the members' weights
-                # one after another ([N * out, in]), the bias added in its epilogue -- one
-                # kernel where a batched product needs two (the bias copied into the
-                # output first), and member i's outputs come out as columns
-                # i*out .. (i+1)*out: the channels layout, which a cat join reads as it is.
-                # Eager, only as the last layer, where the cat join reads it (tiny8 on the
-                # H100 machine: 22.5-31.6 against 46.5-72.3 us a call, tools/exp_fused_eager_ab.py):
-                # a later batched product would read it through two view operations, and an
-                # eager call is CPU-bound.
-                if views[0] is w and views[4] is not None:
-                    return _Value(F.linear(t, views[4], views[5]), _CHANNELS)
-                flat = w.flatten(0, 1), None if b is None else b.flatten()
-                if views[0] is w:
-                    views[4:] = flat
-                return _Value(F.linear(t, *flat), _CHANNELS)
-            # Outside a capture, on CUDA, the last layer of a cat join over more than one
-            # row: the product writes the concatenation itself (below). Not under functorch
-            # transforms (vmap has no batching rule for ``out=``) or forward-mode AD (``out=``
-            # refuses tangents); on the CPU the strided product costs more than the copy it saves.
-            if (t.dim() == (3 if layout == _STACKED else 2)
-                    and (fewer or (last and call.cat_joined and t.is_cuda and t.shape[-2] > 1
-                                   and not _functorch_active() and _forward_ad._current_level < 0))
-                    and not (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
-                    and not torch.is_autocast_enabled(t.device.type)):
-                # Inference on one row vector per sample and member: the batched product
-                # reads the [N, B, in] view of any layout as it is and writes the channels
-                # layout directly, [B, N * out], where a contiguous [N, B, out] result
-                # would cost a transposing copy before a cat join. (``out=`` allows no
-                # autograd, and autocast leaves it in the input's dtype.)
-                x = _to_stacked(v, n)
-                if fewer and bias is not None:
-                    # The bias already in place (see _Prefill): the product accumulates onto it.
-                    prefill = _call.prefill
-                    assert prefill is not None
-                    out = prefill.filled(bias, x.shape[1], b_name).baddbmm_(x, wt)
-                    return _Value(out.transpose(0, 1).flatten(1), _CHANNELS)
-                # One allocation and one view, where an eager cat join's copy (an allocation
-                # and a launch) and a view stood: eager calls are CPU-bound. (``as_strided``:
-                # one operation where ``view`` and ``transpose`` are two, 1.2 us apart on the
-                # development machine's CPU.)
-                rows, width = x.shape[1], wt.shape[-1]
-                joined = t.new_empty((rows, n * width))
-                out = joined.as_strided((n, rows, width), (width, n * width, 1))
-                if bias is None:
-                    torch.bmm(x, wt, out=out)
-                else:  # (the cat join's last layer, above: no prefill outside a capture)
-                    torch.baddbmm(bias, x, wt, out=out)
-                return _Value(joined, _CHANNELS)
-            if layout == _SHARED and t.dim() == 2:
-                flat, lead = t.expand(n, -1, -1), None
-            elif layout == _STACKED and t.dim() == 3:
-                flat, lead = t, None
-            elif layout == _SHARED:
-                lead = t.shape[:-1]
-                flat = t.reshape(-1, t.shape[-1]).expand(n, -1, -1)
-            else:
-                flat = _to_stacked(v, n)
-                lead = flat.shape[1:-1]
-                flat = flat.reshape(n, -1, flat.shape[-1])
-            out = torch.bmm(flat, wt) if bias is None else torch.baddbmm(bias, flat, wt)
-            return _Value(out if lead is None else out.view(n, *lead, out.shape[-1]), _STACKED)
+        def linear_activation(v: _Value, get: _Get) -> _Value:
+            if _call.kernels:
+                return _kernel_linear(v, get(w_name), get(b_name), n, code, activation, last)
+            out = linear(v, get)
+            return _Value(activation(out.t), out.layout)
 
-        return [linear]
+        return [linear_activation]
 
     if type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d) and m.padding_mode == "zeros":
         nd = len(m.kernel_size)

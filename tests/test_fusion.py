@@ -106,13 +106,22 @@ CASES = {
 }
 
 
-@pytest.fixture(params=["eager", "graph"])
+@pytest.fixture(params=["eager", "graph", "kernels"])
 def layouts(request, monkeypatch):
-    r"""Both layout choices of fused products: the fewest operations (eager calls) and the fewest
-    kernels (calls captured in a CUDA graph), forced so that the CPU runs both."""
-    from parallel_modules import _fusion
+    r"""The layout choices of fused products: the fewest operations (eager calls), the fewest
+    kernels (calls captured in a CUDA graph), forced so that the CPU runs both; and, as a capture
+    for inference runs them, ``Linear`` layers as one kernel each (``_batched_linear``), taken
+    for every shape, whose arithmetic the CPU (or a GPU without Triton) stands in for with
+    ``tests/test_batched_linear.py``'s reference."""
+    from parallel_modules import _batched_linear, _fusion
+    from tests.test_batched_linear import reference_linear
 
-    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: request.param == "graph")
+    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: request.param != "eager")
+    if request.param == "kernels":
+        kernel = _batched_linear.linear
+        monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+        monkeypatch.setattr(_batched_linear, "linear", lambda x, *args: (
+            kernel(x, *args) if x.is_cuda and _batched_linear.unavailable() is None else reference_linear(x, *args)))
     return request.param
 
 
@@ -446,9 +455,11 @@ def test_biases_of_one_width_share_a_tensor_and_one_copy(device, joint, monkeypa
     # Captured, a fused call writes each batched product's bias into its output buffer
     # before the product (``_Prefill``), a kernel per layer on the replay's path. Biases of
     # one width are stacked as one tensor, so that one copy writes every such layer's.
-    from parallel_modules import _fusion
+    # (Where Triton takes the products, bias and all, there is no copy: see test_batched_linear.py.)
+    from parallel_modules import _batched_linear, _fusion
 
     monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)  # the layouts of a capture
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: False)
     if not joint:  # buffers too large to keep together: a copy per layer, as before
         monkeypatch.setattr(_fusion, "_JOINT_FILL_BYTES", 0)
     torch.manual_seed(0)
@@ -1117,10 +1128,11 @@ def test_cuda_products_wait_for_biases_written_on_a_side_stream(monkeypatch):
     # With the layouts of a capture, the biases of batched products are written into their
     # output buffers on a side stream (``_Prefill``). Delayed there, the products must still
     # accumulate onto them; without the join they would read uninitialised memory.
-    from parallel_modules import _fusion
+    from parallel_modules import _batched_linear, _fusion
     from parallel_modules._streams import _pool
 
     monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: False)  # (Triton copies no bias)
     p = Parallel(*[mlp(64, depth=3) for _ in range(8)], join="cat", dim=1, fuse=True).cuda().eval()
     caller = torch.cuda.current_stream()
     pool = _pool(caller.device)
@@ -1137,7 +1149,10 @@ def test_cuda_products_wait_for_biases_written_on_a_side_stream(monkeypatch):
 def test_cuda_graph_with_biases_copied_in_line(fuse, monkeypatch):
     # A fused call is also captured with its products' biases copied in on the capture stream
     # itself (one stream, cheaper to launch); here that variant is made to replay fastest.
-    from parallel_modules import _graphs
+    # (Where Triton takes the products, bias and all, there is no copy: see test_batched_linear.py.)
+    from parallel_modules import _batched_linear, _graphs
+
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: False)
 
     def in_line_if_any(graphs, stream):
         return next((g for g in graphs if g.variant and "bias in line" in g.variant), graphs[0])

@@ -1,0 +1,217 @@
+r"""The ``Linear`` layers of a fused group in a CUDA graph: product, bias and activation as one Triton kernel.
+
+A fused group of small MLP branches replayed in a CUDA graph is bound by how
+many kernels lie on its path, not by their arithmetic: on the H200 machine
+each costs 2-4 us of the replay whatever it computes. Eight branches of
+four ``Linear(256, 256)`` + ``GELU`` on a batch of 8 take, per layer, a
+cuBLAS batched product, a GELU and (shared by the layers) a copy of the
+biases into the products' outputs: 9 kernels and about 23 us, where one
+branch alone takes 8 kernels and 20 us (``addmm`` adds its bias in cuBLAS's
+epilogue). PyTorch has no batched product with a bias and an activation in
+its epilogue; inductor's Triton templates have one, but their fp32 products
+(TF32 off) were slower than cuBLAS's at these shapes.
+
+The kernel here is written for the shape at hand -- few rows -- and computes
+``y[n] = act(x[n] @ w[n].T + b[n])`` for every member ``n`` at once: each
+program takes a tile of ``BLOCK_N`` outputs of one member for all rows,
+loads the whole ``[BLOCK_M, BLOCK_K]`` input and ``[BLOCK_K, BLOCK_N]``
+weight tiles (one round trip to memory per ``BLOCK_K`` of the reduction),
+multiplies with CUDA-core FMAs and sums in float32, whatever the dtype. The
+grid spreads members times output tiles over the SMs. One kernel per layer:
+mlp8's replay takes 4 kernels and 16-17 us, below the single branch's 20 us
+(``tools/exp_triton_linear.py``). It reads and writes any strides, so it
+takes the shared input of a group's first layer as it lies (member stride
+0) and writes a ``cat`` join's layout directly.
+
+Only where it is known to win: in a CUDA graph (a launch from Python costs
+the host far more than cuBLAS's; a replay costs nothing of that), on a CUDA
+device whose Triton compiles it, for inference (no autograd: there is no
+backward), on rows few enough that the products are latency-bound (see
+:func:`supported`). The first launch compiles it (during the module's
+warm-up, before any capture); if that fails -- no compiler, an old Triton --
+the process falls back to cuBLAS for good and :func:`unavailable` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__: list[str] = []
+
+# Activations the kernel applies in its epilogue, by code. nn.GELU's exact form is the
+# error function's; its tanh form and SiLU are written with sigmoid, which every Triton has.
+_NONE, _GELU, _RELU, _GELU_TANH, _SILU = 0, 1, 2, 3, 4
+
+# Rows above this make the product worth tensor cores and cuBLAS's tiling; the
+# kernel's tiles hold every row of a program's outputs.
+_MAX_ROWS = 16
+# The reduction is unrolled in chunks of at most this many; the tile of partial
+# products, [BLOCK_M, BLOCK_K, BLOCK_N], is held in registers.
+_MAX_BLOCK_K = 256
+_TILE = 16384  # elements of that tile: 128 per thread at 4 warps
+_MAX_FEATURES = 4096
+
+
+def activation(m: nn.Module | None) -> int | None:
+    r"""The epilogue code of activation module ``m``, or ``None`` when the kernel has none for it."""
+    t = type(m)
+    if t is nn.GELU:
+        return {"none": _GELU, "tanh": _GELU_TANH}.get(m.approximate)
+    if t is nn.ReLU:
+        return _RELU
+    if t is nn.SiLU:
+        return _SILU
+    return None
+
+
+_failure: str | None = None  # why the kernel cannot run in this process, once known
+# The kernel's specializations launched outside a capture (see _specialization): a first
+# launch compiles and loads the kernel, which invalidates a CUDA graph capture underway.
+_compiled: set[tuple] = set()
+
+
+def unavailable() -> str | None:
+    r"""Why the kernel is not used in this process (``None``: it is, where it applies)."""
+    if _kernel() is None:
+        return "Triton is not installed"
+    return _failure
+
+
+def supported(rows: int, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    r"""Whether layers of this shape take the kernel (see the module docstring)."""
+    return (device.type == "cuda" and torch.version.hip is None and dtype in (torch.float32, torch.float16,
+                                                                              torch.bfloat16)
+            and 1 <= rows <= _MAX_ROWS and in_features <= _MAX_FEATURES and out_features <= _MAX_FEATURES
+            and unavailable() is None)
+
+
+@functools.cache
+def _kernel() -> Any:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def linear_act(x_ptr, w_ptr, b_ptr, y_ptr, M, K, OUT,
+                   sxn, sxm, sxk, swn, swo, swk, sbn, syn, sym, syo,
+                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_o = tl.program_id(0)
+        n = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        ro = pid_o * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_base = x_ptr + n * sxn + rm[:, None] * sxm
+        w_base = w_ptr + n * swn + ro[None, :] * swo
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(x_base + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            w = tl.load(w_base + kk[:, None] * swk, mask=(kk[:, None] < K) & (ro[None, :] < OUT), other=0.0)
+            if DOT:
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n * sbn + ro, mask=ro < OUT, other=0.0).to(tl.float32)[None, :]
+        if ACT == 1:  # GELU: x * Phi(x)
+            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+        elif ACT == 2:
+            acc = tl.maximum(acc, 0.0)
+        elif ACT == 3:  # GELU, tanh form: 0.5 x (1 + tanh(u)) = x * sigmoid(2u)
+            acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc))
+        elif ACT == 4:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(y_ptr + n * syn + rm[:, None] * sym + ro[None, :] * syo, acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (ro[None, :] < OUT))
+
+    return linear_act
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _blocks(rows: int, k: int, width: int, members: int, dot: bool | None, device: torch.device
+            ) -> tuple[bool, int, int, int, int]:
+    r"""``(dot, BLOCK_M, BLOCK_N, BLOCK_K, num_stages)`` for a layer; ``dot=None``: as measured best.
+
+    Two ways to the same sums, in float32 either way. FMA: a program per 8 or
+    so outputs of a member, its ``[rows, BLOCK_K, BLOCK_N]`` partial products
+    summed along K -- many small programs, each one round trip to memory.
+    ``tl.dot``: tensor cores (for float32, three TF32 products per
+    product, ``tf32x3``, which keep float32's accuracy), wider tiles, the K
+    loop pipelined. On the H200 machine, FMA wins while its programs fit in
+    about two per SM (mlp8: 4 layers in 16.4-17.2 us, against 20.0 by
+    ``tl.dot``), and ``tl.dot`` past that (mlp16: 20.4 against 26.1).
+    """
+    block_m = _pow2(rows)
+    block_k = min(_pow2(k), _MAX_BLOCK_K)
+    block_n = max(1, min(64, _TILE // (block_m * block_k), _pow2(width)))
+    if dot is None:
+        dot = members * -(-width // block_n) > 2 * _sm_count(device.index if device.index is not None
+                                                              else torch.cuda.current_device())
+    if dot:  # (tl.dot needs 16 or more along every dimension)
+        return True, 16, min(32, max(16, _pow2(width))), min(64, max(16, _pow2(k))), 3
+    return False, block_m, block_n, block_k, 1
+
+
+def _specialization(tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...], constants: tuple) -> tuple:
+    r"""What Triton compiles a launch for: dtypes, constants, which pointers are 16-byte aligned, which
+    integers are 1, multiples of 16 or beyond 32 bits. (Finer than Triton's key: a launch this calls
+    new may find a compiled kernel, never the reverse.)"""
+    return (constants, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
+            tuple((i == 1, i % 16 == 0, i >= 1 << 31) for i in ints))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+           act: int = _NONE, dot: bool | None = None) -> torch.Tensor | None:
+    r"""``out[n] = act(x[n] @ weight[n].T + bias[n])`` for every member ``n``; ``out``, or ``None`` if it cannot run.
+
+    ``x``: ``[N, rows, in]``, any strides (a member stride of 0 for a shared
+    input); ``weight``: ``[N, out, in]``; ``bias``: ``[N, out]`` or ``None``;
+    ``out``: ``[N, rows, out]``, any strides that do not overlap. ``dot``:
+    force one way of computing it (see :func:`_blocks`). ``None`` (nothing
+    written) when the kernel fails to compile or launch: it is then refused
+    for the rest of the process, and the caller computes the layer another
+    way. Also ``None`` during a CUDA graph capture for a specialization not
+    launched before it (a module's own capture follows a warm-up that
+    launches it; a capture of the user's own may not): compiling would
+    invalidate the capture.
+    """
+    global _failure
+    kernel = _kernel()
+    n, width, k = weight.shape
+    rows = x.shape[1]
+    dot, block_m, block_n, block_k, stages = _blocks(rows, k, width, n, dot, x.device)
+    b = bias if bias is not None else weight  # (any pointer: not read)
+    ints = (rows, k, width, *x.stride(), *weight.stride(), b.stride(0), *out.stride())
+    constants = (bias is not None, act, dot, block_m, block_n, block_k, stages, x.device.index)
+    key = _specialization((x, weight, b, out), ints, constants)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and key not in _compiled:
+        return None
+    try:
+        kernel[(-(-width // block_n), n)](
+            x, weight, b, out, *ints,
+            HAS_BIAS=bias is not None, ACT=act, DOT=dot, PRECISION="tf32x3" if x.dtype == torch.float32 else "ieee",
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
+    except Exception as e:  # (a compiler's error, a missing C compiler, a launch refused)
+        if capturing:
+            raise  # a capture cannot go on as if nothing had been enqueued
+        _failure = f"the Triton kernel failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return None
+    if not capturing:
+        _compiled.add(key)
+    return out

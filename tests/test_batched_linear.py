@@ -1,0 +1,224 @@
+"""Fused groups' ``Linear`` layers as one Triton kernel each in a CUDA graph (``parallel_modules._batched_linear``).
+
+The kernel is compared with the same layer computed by torch (float32 accumulation, so fp32
+agrees within ``1e-5``); where it applies is checked on the CPU with the kernel stood in for
+(``tests/test_fusion.py``'s ``layouts`` fixture runs every fused case that way too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel_modules import Parallel, _batched_linear, _fusion
+from tests._reference import reference
+
+ACTIVATIONS = {
+    _batched_linear._NONE: lambda y: y,
+    _batched_linear._GELU: F.gelu,
+    _batched_linear._RELU: F.relu,
+    _batched_linear._GELU_TANH: lambda y: F.gelu(y, approximate="tanh"),
+    _batched_linear._SILU: F.silu,
+}
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                     act: int = 0) -> torch.Tensor:
+    r"""What ``_batched_linear.linear`` computes, by torch: ``out[n] = act(x[n] @ weight[n].T + bias[n])``."""
+    y = x.float() @ weight.float().mT
+    if bias is not None:
+        y = y + bias.float().unsqueeze(1)
+    out.copy_(ACTIVATIONS[act](y))
+    return out
+
+
+needs_kernel = pytest.mark.skipif(
+    not torch.cuda.is_available() or _batched_linear.unavailable() is not None,
+    reason="needs a CUDA GPU and Triton")
+
+
+def mlp(width: int = 32, depth: int = 3, act: type[nn.Module] = nn.GELU, **kw) -> nn.Sequential:
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), act(**kw))])
+
+
+# ---------------------------------------------------------------- on the CPU
+@pytest.mark.parametrize("module, code", [
+    (nn.GELU(), _batched_linear._GELU), (nn.GELU(approximate="tanh"), _batched_linear._GELU_TANH),
+    (nn.ReLU(), _batched_linear._RELU), (nn.SiLU(), _batched_linear._SILU), (nn.Tanh(), None),
+    (nn.LeakyReLU(), None), (None, None),
+])
+def test_activations_the_epilogue_applies(module, code):
+    assert _batched_linear.activation(module) == code
+
+
+def test_never_on_the_cpu():
+    assert not _batched_linear.supported(8, 256, 256, torch.float32, torch.device("cpu"))
+
+
+def group_of(p: Parallel) -> _fusion._Group:
+    p(torch.zeros(2, 32))  # (finds the groups)
+    (group,) = p._fusion.units
+    return group
+
+
+@pytest.mark.parametrize("branch, takes", [
+    (lambda: mlp(), True),
+    (lambda: nn.Linear(32, 32), True),
+    (lambda: nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8, bias=False)), True),
+    (lambda: nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32)), False),  # not Linear and pointwise alone
+    (lambda: nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5)), False),
+])
+def test_which_groups_the_kernel_takes(monkeypatch, branch, takes):
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+    p = Parallel(*[branch().eval() for _ in range(3)], fuse=True).eval()
+    group = group_of(p)
+    with torch.no_grad():
+        assert group.kernel_layers(torch.zeros(4, 32)) is takes
+        assert not group.kernel_layers(torch.zeros(2, 4, 32))  # rows of features only
+        assert not group.kernel_layers(torch.zeros(4, 32, dtype=torch.float64))  # not the weights' dtype
+
+
+def test_the_kernel_is_for_inference(monkeypatch):
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+    group = group_of(Parallel(*[mlp() for _ in range(3)], fuse=True))
+    x = torch.zeros(4, 32)
+    assert not group.kernel_layers(x)  # parameters that take gradients
+    with torch.no_grad():
+        assert group.kernel_layers(x)
+        with torch.autocast("cpu"):
+            assert not group.kernel_layers(x)
+    for p in group.members[1].parameters():
+        p.requires_grad_(False)
+    assert not group.kernel_layers(x)  # one member still trains
+    for m in group.members:
+        m.requires_grad_(False)
+    assert group.kernel_layers(x)
+    assert not group.kernel_layers(x.requires_grad_())
+
+
+def test_a_capture_whose_kernel_takes_every_layer_copies_no_bias(monkeypatch):
+    group = group_of(Parallel(*[mlp() for _ in range(3)], fuse=True).eval())
+    x = torch.zeros(4, 32)
+    with torch.no_grad():
+        assert group.copies_biases(x)
+        monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+        assert not group.copies_biases(x)
+
+
+@pytest.mark.parametrize("join", ["cat", "sum", None])
+def test_a_kernel_that_fails_leaves_the_layer_to_torch(monkeypatch, join):
+    # The kernel refused (it returns None): each layer is computed by baddbmm and its activation.
+    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+    calls = []
+    monkeypatch.setattr(_batched_linear, "linear", lambda *args: calls.append(args[-1]))
+    p = Parallel(*[mlp(act=nn.SiLU) for _ in range(4)], fuse=True, join=join).eval()
+    with torch.no_grad():
+        x = torch.randn(5, 32)
+        torch.testing.assert_close(p(x), reference(p, x), rtol=1e-5, atol=1e-5)
+    assert calls == [_batched_linear._SILU] * 3
+
+
+# ---------------------------------------------------------------- on the GPU
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("n, rows, k, width", [(8, 8, 256, 256), (3, 5, 40, 24), (2, 1, 300, 7), (4, 16, 513, 64)])
+@pytest.mark.parametrize("dot", [False, True])  # CUDA-core FMAs, tensor cores (tf32x3 for float32)
+def test_kernel_equals_torch(dtype, tol, act, n, rows, k, width, dot):
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(n, rows, k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, width, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+    b = torch.randn(n, width, device="cuda", dtype=dtype, generator=g)
+    for bias in (b, None):
+        out = torch.full((n, rows, width), float("nan"), device="cuda", dtype=dtype)
+        assert _batched_linear.linear(x, w, bias, out, act, dot) is out
+        torch.testing.assert_close(out, reference_linear(x, w, bias, torch.empty_like(out), act), rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
+@needs_kernel
+def test_kernel_reads_and_writes_any_strides():
+    # A shared input (member stride 0), a transposed one, and a cat join's layout as the output.
+    n, rows, k, width = 3, 6, 48, 20
+    x = torch.randn(rows, k, device="cuda")
+    w, b = torch.randn(n, width, k, device="cuda"), torch.randn(n, width, device="cuda")
+    for xs, dot in ((x.expand(n, rows, k), False), (x.expand(n, rows, k), True),
+                    (torch.randn(n, k, rows, device="cuda").mT, False), (torch.randn(n, k, rows, device="cuda").mT, True)):
+        joined = torch.full((rows, n * width), float("nan"), device="cuda")
+        out = joined.as_strided((n, rows, width), (width, n * width, 1))
+        _batched_linear.linear(xs, w, b, out, _batched_linear._GELU, dot)
+        want = reference_linear(xs, w, b, torch.empty(n, rows, width, device="cuda"), _batched_linear._GELU)
+        torch.testing.assert_close(joined, want.transpose(0, 1).flatten(1), rtol=1e-5, atol=1e-5)
+
+
+def kernel_names(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("join", ["cat", "sum"])
+def test_graphed_fused_mlps_replay_one_kernel_per_layer(join):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    branches = [mlp(width=64, depth=4) for _ in range(8)]
+    p = Parallel(*branches, fuse=True, cuda_graph=True, join=join).cuda().eval()
+    with torch.no_grad():
+        for _ in range(5):  # fresh inputs, replayed
+            x = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(p(x), reference(p, x), rtol=1e-5, atol=1e-5)
+        names = kernel_names(lambda: p(x))
+    assert sum("linear_act" in name for name in names) == 4, names
+    assert not any("gemm" in name.lower() or "gelu" in name.lower() for name in names), names
+
+
+@pytest.mark.cuda
+@needs_kernel
+def test_graphed_training_keeps_torch_layers():
+    # Gradients need a backward the kernel does not have: the products stay cuBLAS's.
+    p = Parallel(*[mlp(width=64) for _ in range(4)], fuse=True, cuda_graph=True).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    for _ in range(3):
+        p(x).sum().backward()
+    names = kernel_names(lambda: p(x).sum().backward())
+    assert not any("linear_act" in name for name in names)
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("warmed_up", [False, True])
+def test_a_users_capture_compiles_no_kernel(warmed_up):
+    # A fused block captured by the user's own torch.cuda.graph: compiling the kernel there
+    # would invalidate the capture, so only a kernel launched before (in a warm-up under
+    # capture's layouts, as a cuda_graph=True module's) is launched; the rest is torch's.
+    width = 40 + 8 * warmed_up  # (with 3 rows, shapes no other test compiles the kernel for)
+    p = Parallel(*[mlp(width=width, act=nn.ReLU) for _ in range(3)], fuse=True).cuda().eval()
+    x = torch.randn(3, width, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.no_grad():
+        p(x)  # (finds the groups and stacks: eager)
+        if warmed_up:
+            from parallel_modules._streams import _graph_state
+
+            _graph_state.active = True  # (as a cuda_graph=True module's warm-up)
+            try:
+                p(x)
+            finally:
+                _graph_state.active = False
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(g, stream=side):
+            y = p(x)
+        x.copy_(torch.randn_like(x))
+        names = kernel_names(g.replay)
+        torch.testing.assert_close(y, reference(p, x), rtol=1e-5, atol=1e-5)
+    assert sum("linear_act" in name for name in names) == (3 if warmed_up else 0), names
