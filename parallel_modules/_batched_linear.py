@@ -34,6 +34,7 @@ the process falls back to cuBLAS for good and :func:`unavailable` says why.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -72,6 +73,7 @@ _failure: str | None = None  # why the kernel cannot run in this process, once k
 # The kernel's specializations launched outside a capture (see _specialization): a first
 # launch compiles and loads the kernel, which invalidates a CUDA graph capture underway.
 _compiled: set[tuple] = set()
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def unavailable() -> str | None:
@@ -191,6 +193,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     invalidate the capture.
     """
     global _failure
+    if _failure is not None:
+        return None
     kernel = _kernel()
     n, width, k = weight.shape
     rows = x.shape[1]
@@ -203,10 +207,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     if capturing and key not in _compiled:
         return None
     try:
-        kernel[(-(-width // block_n), n)](
-            x, weight, b, out, *ints,
-            HAS_BIAS=bias is not None, ACT=act, DOT=dot, PRECISION="tf32x3" if x.dtype == torch.float32 else "ieee",
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
+        # Triton launches on the current device's current stream: the capture's, or the caller's.
+        other_device = x.is_cuda and x.device.index != torch.cuda.current_device()
+        with torch.cuda.device(x.device) if other_device else _NO_CONTEXT:
+            kernel[(-(-width // block_n), n)](
+                x, weight, b, out, *ints,
+                HAS_BIAS=bias is not None, ACT=act, DOT=dot,
+                PRECISION="tf32x3" if x.dtype == torch.float32 else "ieee",
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
     except Exception as e:  # (a compiler's error, a missing C compiler, a launch refused)
         if capturing:
             raise  # a capture cannot go on as if nothing had been enqueued

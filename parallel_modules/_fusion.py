@@ -31,6 +31,13 @@ parameter through :class:`_Unstack`, whose backward hands each one its slice
 of the stacked gradient. While a compiler traces, the stacks are built with
 ``torch.stack`` instead, so the traced graph reads the real parameters.
 
+**Kernels.** Captured for inference, a group of ``Linear`` layers and
+activations on rows of features computes each layer and the activation after
+it as one Triton kernel for all members (:mod:`._batched_linear`): one launch
+per layer on the replay's path, where cuBLAS takes a product and an
+activation per layer and a copy of the biases (``_Group.kernel_layers`` says
+where).
+
 **Layouts.** A group's intermediate value is held in one of three layouts,
 chosen so that each layer maps to one existing kernel:
 

@@ -57,6 +57,33 @@ def test_never_on_the_cpu():
     assert not _batched_linear.supported(8, 256, 256, torch.float32, torch.device("cpu"))
 
 
+def test_without_triton_or_after_a_failure_nothing_is_launched(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(_batched_linear, "_kernel", lambda: None)
+    assert _batched_linear.unavailable() == "Triton is not installed"
+    assert not _batched_linear.supported(8, 256, 256, torch.float32, cuda)
+
+    def launch(*args, **kwargs):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(_batched_linear, "_kernel", lambda: launch)
+    monkeypatch.setattr(_batched_linear, "_failure", "the Triton kernel failed: ...")
+    assert _batched_linear.unavailable() == "the Triton kernel failed: ..."
+    assert not _batched_linear.supported(8, 256, 256, torch.float32, cuda)
+    x, w = torch.zeros(2, 3, 4), torch.zeros(2, 5, 4)
+    assert _batched_linear.linear(x, w, None, torch.zeros(2, 3, 5)) is None
+
+
+@pytest.mark.parametrize("rows, k, width, dtype, takes", [
+    (8, 256, 256, torch.float32, True), (16, 4096, 4096, torch.bfloat16, True),
+    (17, 256, 256, torch.float32, False), (8, 8192, 256, torch.float32, False), (8, 256, 256, torch.float64, False),
+])
+def test_shapes_the_kernel_takes(monkeypatch, rows, k, width, dtype, takes):
+    monkeypatch.setattr(_batched_linear, "unavailable", lambda: None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert _batched_linear.supported(rows, k, width, dtype, torch.device("cuda", 0)) is takes
+
+
 def group_of(p: Parallel) -> _fusion._Group:
     p(torch.zeros(2, 32))  # (finds the groups)
     (group,) = p._fusion.units
@@ -146,8 +173,9 @@ def test_kernel_reads_and_writes_any_strides():
     n, rows, k, width = 3, 6, 48, 20
     x = torch.randn(rows, k, device="cuda")
     w, b = torch.randn(n, width, k, device="cuda"), torch.randn(n, width, device="cuda")
-    for xs, dot in ((x.expand(n, rows, k), False), (x.expand(n, rows, k), True),
-                    (torch.randn(n, k, rows, device="cuda").mT, False), (torch.randn(n, k, rows, device="cuda").mT, True)):
+    transposed = torch.randn(n, k, rows, device="cuda").mT
+    for xs, dot in ((x.expand(n, rows, k), False), (x.expand(n, rows, k), True), (transposed, False),
+                    (transposed, True)):
         joined = torch.full((rows, n * width), float("nan"), device="cuda")
         out = joined.as_strided((n, rows, width), (width, n * width, 1))
         _batched_linear.linear(xs, w, b, out, _batched_linear._GELU, dot)
