@@ -168,3 +168,25 @@ def hand_fork_join(branches: list, x: torch.Tensor, caller, sides: list, fork, j
         for side in sides:
             wait(fork, side)
     return y
+
+
+def mlp_stacks(n: int, batch: int = 8):
+    r"""The benchmark's ``mlp{n}`` case in eval mode on CUDA (fp32), stacked by hand for the fused tools.
+
+    Returns ``(branches, x, seq, ref, W, B)``: the branches, an input of ``batch`` rows, the sequential
+    module, its output on ``x``, and each layer's weights ``[n, out, in]`` and biases ``[n, out]`` stacked.
+    """
+    from parallel_modules._cases import CASES, SequentialBranches
+
+    dev, dt = torch.device("cuda"), torch.float32
+    branches = CASES[f"mlp{n}"].branches(dev, dt).copy()
+    for b in branches:
+        b.eval()
+    x = CASES[f"mlp{n}"].make_input(batch, dev, dt)
+    seq = SequentialBranches(branches)
+    with torch.no_grad():
+        ref = seq(x)
+    depth = len(branches[0]) // 2
+    W = [torch.stack([b[2 * k].weight.detach() for b in branches]) for k in range(depth)]
+    B = [torch.stack([b[2 * k].bias.detach() for b in branches]) for k in range(depth)]
+    return branches, x, seq, ref, W, B

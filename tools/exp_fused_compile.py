@@ -19,27 +19,18 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from parallel_modules import Parallel
-from parallel_modules._cases import CASES, SequentialBranches
+from parallel_modules._cases import CASES
 from parallel_modules.bench import _capture
-from _timing import cpu_us, gpu_medians, profile as cprofile  # tools/ is the script's directory
+from _timing import cpu_us, gpu_medians, mlp_stacks, profile as cprofile  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 case = CASES[f"mlp{n}"]
 dev, dt = torch.device("cuda"), torch.float32
-branches = case.branches(dev, dt).copy()
-for b in branches:
-    b.eval()
-x = case.make_input(8, dev, dt)
-ref_mod = SequentialBranches(branches)
-with torch.no_grad():
-    ref = ref_mod(x)
-
-# The fused computation by hand: stacked copies of the parameters.
-depth = len(branches[0]) // 2
-W = [torch.stack([b[2 * k].weight.detach() for b in branches]) for k in range(depth)]  # [n, out, in]
-B = [torch.stack([b[2 * k].bias.detach() for b in branches]) for k in range(depth)]  # [n, out]
+# The fused computation by hand: stacked copies of the parameters, W [n, out, in] and B [n, out] per layer.
+branches, x, ref_mod, ref, W, B = mlp_stacks(n)
+depth = len(W)
 
 
 def fused(x: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from parallel_modules import Parallel, _batched_linear
-from parallel_modules._cases import CASES, SequentialBranches
+from parallel_modules._cases import CASES
 from parallel_modules.bench import _capture
-from _timing import events_us, gpu_medians  # tools/ is the script's directory
+from _timing import events_us, gpu_medians, mlp_stacks  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -41,16 +41,8 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.float32
     for n in [int(a) for a in sys.argv[1:]] or [8, 16]:
         case = CASES[f"mlp{n}"]
-        branches = case.branches(dev, dt)
-        for b in branches:
-            b.eval()
-        x = case.make_input(8, dev, dt)
-        seq = SequentialBranches(branches)
-        with torch.no_grad():
-            ref = seq(x)
-        depth = len(branches[0]) // 2
-        W = [torch.stack([b[2 * k].weight.detach() for b in branches]).contiguous() for k in range(depth)]
-        Bs = [torch.stack([b[2 * k].bias.detach() for b in branches]).contiguous() for k in range(depth)]
+        branches, x, seq, ref, W, Bs = mlp_stacks(n)
+        depth = len(W)
         rows, width = x.shape[0], W[-1].shape[1]
 
         def chain(dot):
