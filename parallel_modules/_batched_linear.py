@@ -55,6 +55,7 @@ _MAX_ROWS = 16
 _MAX_BLOCK_K = 256
 _TILE = 16384  # elements of that tile: 128 per thread at 4 warps
 _MAX_FEATURES = 4096
+_MAX_ELEMENTS = 1 << 31  # of a member stack: the kernel's offsets are 32-bit
 
 
 def activation(m: nn.Module | None) -> int | None:
@@ -182,8 +183,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     r"""``out[n] = act(x[n] @ weight[n].T + bias[n])`` for every member ``n``; ``out``, or ``None`` if it cannot run.
 
     ``x``: ``[N, rows, in]``, any strides (a member stride of 0 for a shared
-    input); ``weight``: ``[N, out, in]``; ``bias``: ``[N, out]`` or ``None``;
-    ``out``: ``[N, rows, out]``, any strides that do not overlap. ``dot``:
+    input); ``weight``: ``[N, out, in]``; ``bias``: ``[N, out]``, each
+    member's contiguous, or ``None``; ``out``: ``[N, rows, out]``, any strides
+    that do not overlap; none of them ``2**31`` elements or more (the
+    kernel's offsets are 32-bit). ``dot``:
     force one way of computing it (see :func:`_blocks`). ``None`` (nothing
     written) when the kernel fails to compile or launch: it is then refused
     for the rest of the process, and the caller computes the layer another
@@ -193,7 +196,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     invalidate the capture.
     """
     global _failure
-    if _failure is not None:
+    if _failure is not None or (bias is not None and bias.stride(-1) != 1) or weight.numel() >= _MAX_ELEMENTS:
         return None
     kernel = _kernel()
     n, width, k = weight.shape

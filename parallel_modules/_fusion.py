@@ -501,7 +501,8 @@ class _Group:
                 m.weight.dtype != x.dtype or m.weight.device != x.device for m in self.template.modules()
                 if type(m) is nn.Linear):
             return False
-        return all(_batched_linear.supported(x.shape[0], i, o, x.dtype, x.device) for i, o in shapes)
+        return all(_batched_linear.supported(x.shape[0], i, o, x.dtype, x.device)
+                   and self.n * i * o < _batched_linear._MAX_ELEMENTS for i, o in shapes)
 
     def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False, side_bias: bool = True,
             restack: bool = False) -> Any:

@@ -125,6 +125,62 @@ def test_the_kernel_is_for_inference(monkeypatch):
     assert not group.kernel_layers(x.requires_grad_())
 
 
+def test_not_under_functorch_transforms_or_forward_ad(monkeypatch):
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+    group = group_of(Parallel(*[mlp() for _ in range(3)], fuse=True).eval())
+    x = torch.zeros(4, 32)
+    seen = []
+
+    def look(t):
+        seen.append(group.kernel_layers(x))
+        return t
+
+    with torch.no_grad():
+        assert group.kernel_layers(x)
+        torch.func.vmap(look)(torch.zeros(2, 3))
+        with torch.autograd.forward_ad.dual_level():
+            seen.append(group.kernel_layers(x))
+    assert seen == [False, False]
+
+
+def test_stacks_the_kernels_offsets_cannot_reach_run_as_they_would(monkeypatch):
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+    group = group_of(Parallel(*[mlp() for _ in range(3)], fuse=True).eval())
+    with torch.no_grad():
+        assert group.kernel_layers(torch.zeros(4, 32))
+        monkeypatch.setattr(_batched_linear, "_MAX_ELEMENTS", 3 * 32 * 32)
+        assert not group.kernel_layers(torch.zeros(4, 32))
+    monkeypatch.setattr(_batched_linear, "_kernel", lambda: pytest.fail("launched"))
+    x, w = torch.zeros(3, 2, 32), torch.zeros(3, 32, 32)
+    assert _batched_linear.linear(x, w, None, torch.zeros(3, 2, 32)) is None  # (too large, as patched)
+    monkeypatch.undo()
+    monkeypatch.setattr(_batched_linear, "_kernel", lambda: pytest.fail("launched"))
+    assert _batched_linear.linear(x, w, torch.zeros(32, 3).t(), torch.zeros(3, 2, 32)) is None  # strided bias
+
+
+@pytest.mark.parametrize("join", ["cat", "sum"])
+def test_kernel_layers_write_what_the_join_reads_and_copy_no_bias(monkeypatch, join):
+    # The last layer of a cat join writes the joined [rows, N * out] itself (the channels
+    # layout); for any other join, the stacked [N, rows, out]. No bias is copied in beforehand.
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("biases copied in while the kernel takes every layer")
+
+    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+    monkeypatch.setattr(_batched_linear, "linear", reference_linear)
+    p = Parallel(*[nn.Sequential(mlp(), nn.Linear(32, 5), nn.ReLU()) for _ in range(3)], fuse=True, join=join).eval()
+    group = group_of(p)  # (a call with autograd on: the products' usual layouts)
+    monkeypatch.setattr(_fusion, "_Prefill", no_prefill)
+    with torch.no_grad():
+        x = torch.randn(4, 32)
+        value = group.run(x, cat_joined=join == "cat")
+        torch.testing.assert_close(p(x), reference(p, x), rtol=1e-5, atol=1e-5)
+    if join == "cat":
+        assert value.layout == _fusion._CHANNELS and value.t.shape == (4, 15)
+    else:
+        assert value.layout == _fusion._STACKED and value.t.shape == (3, 4, 5)
+
+
 def test_a_capture_whose_kernel_takes_every_layer_copies_no_bias(monkeypatch):
     group = group_of(Parallel(*[mlp() for _ in range(3)], fuse=True).eval())
     x = torch.zeros(4, 32)
@@ -224,11 +280,12 @@ def test_graphed_training_keeps_torch_layers():
 @pytest.mark.cuda
 @needs_kernel
 @pytest.mark.parametrize("warmed_up", [False, True])
-def test_a_users_capture_compiles_no_kernel(warmed_up):
+def test_a_users_capture_compiles_no_kernel(warmed_up, monkeypatch):
     # A fused block captured by the user's own torch.cuda.graph: compiling the kernel there
     # would invalidate the capture, so only a kernel launched before (in a warm-up under
     # capture's layouts, as a cuda_graph=True module's) is launched; the rest is torch's.
-    width = 40 + 8 * warmed_up  # (with 3 rows, shapes no other test compiles the kernel for)
+    monkeypatch.setattr(_batched_linear, "_compiled", set())  # (whatever other tests launched)
+    width = 40 + 8 * warmed_up
     p = Parallel(*[mlp(width=width, act=nn.ReLU) for _ in range(3)], fuse=True).cuda().eval()
     x = torch.randn(3, width, device="cuda")
     g = torch.cuda.CUDAGraph()
