@@ -910,17 +910,17 @@ def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
     last = prefix == group.last  # the template's last layer
 
     def linear(v: _Value, get: _Get) -> _Value:
-        if _call.kernels:
-            return _kernel_linear(v, get(w_name), get(b_name), n, _batched_linear._NONE, None, last)
-        t, layout = v.t, v.layout
+        call = _call  # (a thread-local: read once)
         w, b = get(w_name), get(b_name)
+        if call.kernels:
+            return _kernel_linear(v, w, b, n, _batched_linear._NONE, None, last)
+        t, layout = v.t, v.layout
         if views[0] is w and views[2] is b:
             wt, bias = views[1], views[3]
         else:
             wt, bias = w.mT, None if b is None else b.unsqueeze(1)
             views[:] = [w, wt, b, bias, None, None] if not w.requires_grad and (
                 b is None or not b.requires_grad) else [None] * 6
-        call = _call  # (a thread-local: read once)
         fewer = call.fewer_kernels
         if (fewer or (last and call.cat_joined)) and layout == _SHARED and t.dim() == 2:
             # Every member reads the same rows: one product with the members' weights
