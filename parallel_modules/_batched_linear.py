@@ -1,4 +1,4 @@
-r"""The ``Linear`` layers of a fused group in a CUDA graph: product, bias and activation as one Triton kernel.
+r"""The ``Linear`` layers of a fused group: product, bias and activation as one Triton kernel for all members.
 
 A fused group of small MLP branches replayed in a CUDA graph is bound by how
 many kernels lie on its path, not by their arithmetic: on the H200 machine
@@ -9,7 +9,9 @@ biases into the products' outputs: 9 kernels and about 23 us, where one
 branch alone takes 8 kernels and 20 us (``addmm`` adds its bias in cuBLAS's
 epilogue). PyTorch has no batched product with a bias and an activation in
 its epilogue; inductor's Triton templates have one, but their fp32 products
-(TF32 off) were slower than cuBLAS's at these shapes.
+(TF32 off) were slower than cuBLAS's at these shapes. Eagerly, each launch
+costs the host more than the GPU's work: one launch per layer where cuBLAS
+takes two is what counts there.
 
 The kernel here is written for the shape at hand -- few rows -- and computes
 ``y[n] = act(x[n] @ w[n].T + b[n])`` for every member ``n`` at once: each
@@ -23,11 +25,13 @@ mlp8's replay takes 4 kernels and 16-17 us, below the single branch's 20 us
 takes the shared input of a group's first layer as it lies (member stride
 0) and writes a ``cat`` join's layout directly.
 
-Only where it is known to win: in a CUDA graph (a launch from Python costs
-the host far more than cuBLAS's; a replay costs nothing of that), on a CUDA
-device whose Triton compiles it, for inference (no autograd: there is no
-backward), on rows few enough that the products are latency-bound (see
-:func:`supported`). The first launch compiles it (during the module's
+Only where it is known to win: on a CUDA device whose Triton compiles it,
+for inference (no autograd: there is no backward), on rows few enough that
+the products are latency-bound (see :func:`supported`); eagerly, only for a
+layer with an activation after it, and only where launches after the first
+go straight to the compiled kernel (see :func:`_bind`: through
+``kernel[grid]`` a launch costs the host far more than cuBLAS's two). The
+first launch of each shape compiles it (for a graphed module, during its
 warm-up, before any capture); if that fails -- no compiler, an old Triton --
 the process falls back to cuBLAS for good and :func:`unavailable` says why.
 """
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -71,9 +75,13 @@ def activation(m: nn.Module | None) -> int | None:
 
 
 _failure: str | None = None  # why the kernel cannot run in this process, once known
-# The kernel's specializations launched outside a capture (see _specialization): a first
-# launch compiles and loads the kernel, which invalidates a CUDA graph capture underway.
-_compiled: set[tuple] = set()
+# Each specialization launched outside a capture, by its key (see :func:`linear`), with the
+# compiled kernel's launcher bound to it (``None`` where ``_direct`` is off). A first launch
+# compiles and loads the kernel, which would invalidate a CUDA graph capture underway; later
+# ones go straight to the compiled kernel's C launcher (see :func:`_bind`).
+_launchers: dict[tuple, Callable[..., bool] | None] = {}
+_MAX_LAUNCHERS = 4096  # (a process that launches more distinct shapes starts the table anew)
+_direct = True  # whether launchers are bound (off for good once one is refused, see _bind)
 _NO_CONTEXT = contextlib.nullcontext()
 
 
@@ -170,12 +178,45 @@ def _blocks(rows: int, k: int, width: int, members: int, dot: bool | None, devic
     return False, block_m, block_n, block_k, 1
 
 
-def _specialization(tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...], constants: tuple) -> tuple:
-    r"""What Triton compiles a launch for: dtypes, constants, which pointers are 16-byte aligned, which
-    integers are 1, multiples of 16 or beyond 32 bits. (Finer than Triton's key: a launch this calls
-    new may find a compiled kernel, never the reverse.)"""
-    return (constants, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
-            tuple((i == 1, i % 16 == 0, i >= 1 << 31) for i in ints))
+def _bind(compiled: Any, grid: tuple[int, int], constants: tuple) -> Callable[..., bool] | None:
+    r"""The compiled kernel's own launcher, bound to one specialization's grid and constants.
+
+    ``kernel[grid](...)`` binds every argument, computes Triton's cache key and
+    looks the kernel up before it launches: 60 us of host time a launch on the
+    H200 machine, where the compiled kernel's launcher took 15 and cuBLAS's
+    ``baddbmm`` and a ``gelu`` 39 (``tools/exp_triton_eager.py``) -- a price
+    paid only outside CUDA graphs. The launcher returns ``False`` (nothing
+    launched) while a launch hook is set (Triton's profilers read the metadata
+    ``kernel[grid]`` prepares; see :func:`_hooked`); ``None`` here where this Triton lacks what it
+    needs.
+    """
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        runtime.launch_enter_hook, runtime.launch_exit_hook  # noqa: B018 (both must exist)
+        stream = torch._C._cuda_getCurrentRawStream  # (the device's current stream: a capture's, or the caller's)
+    except (ImportError, AttributeError):
+        return None
+    if function is None:
+        return None
+    g0, g1 = grid
+
+    def launch(index: int, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> bool:
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+            return False
+        # (Every argument, the constants too, as ``kernel[grid]`` passes them; no metadata, no hooks.)
+        run(g0, g1, 1, stream(index), function, metadata, None, None, None, *tensors, *ints, *constants)
+        return True
+
+    return launch
+
+
+def _hooked(hook: Any) -> bool:
+    r"""Whether Triton's launch hook ``hook`` calls anything: ``None``, or a chain of none (newer Tritons'
+    ``HookChain``), does not."""
+    return hook is not None and getattr(hook, "calls", True) != []
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -185,8 +226,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     ``x``: ``[N, rows, in]``, any strides (a member stride of 0 for a shared
     input); ``weight``: ``[N, out, in]``; ``bias``: ``[N, out]``, each
     member's contiguous, or ``None``; ``out``: ``[N, rows, out]``, any strides
-    that do not overlap; none of them ``2**31`` elements or more (the
-    kernel's offsets are 32-bit). ``dot``:
+    that do not overlap; all on one device, in one dtype, none of them
+    ``2**31`` elements or more (the kernel's offsets are 32-bit). ``dot``:
     force one way of computing it (see :func:`_blocks`). ``None`` (nothing
     written) when the kernel fails to compile or launch: it is then refused
     for the rest of the process, and the caller computes the layer another
@@ -195,34 +236,57 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     launches it; a capture of the user's own may not): compiling would
     invalidate the capture.
     """
-    global _failure
+    global _failure, _direct
     if _failure is not None or (bias is not None and bias.stride(-1) != 1) or weight.numel() >= _MAX_ELEMENTS:
+        return None
+    b = bias if bias is not None else weight  # (any pointer: not read)
+    ints = (x.shape[1], weight.shape[2], weight.shape[1], *x.stride(), *weight.stride(), b.stride(0), *out.stride())
+    index = x.device.index
+    # The launch's key: finer than the specialization Triton compiles for (its dtypes,
+    # which pointers are 16-byte aligned, which integers are 1, multiples of 16 or past
+    # 32 bits), so that a key launched before names a kernel compiled and loaded; and
+    # everything the grid and the constants are made of (the members, which no stride
+    # need show), which its launcher is bound to.
+    key = (ints, weight.shape[0], act, bias is not None, dot, index, x.dtype, weight.dtype, b.dtype, out.dtype,
+           x.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+    launch = _launchers.get(key)
+    # Triton launches on the current device's current stream: the capture's, or the caller's.
+    other_device = x.is_cuda and index != torch.cuda.current_device()
+    if launch is not None:
+        try:
+            with torch.cuda.device(index) if other_device else _NO_CONTEXT:
+                if launch(index, (x, weight, b, out), ints):
+                    return out
+        except TypeError:  # a launcher whose arguments differ in this Triton: refused before launching
+            _direct = False
+            _launchers.update(dict.fromkeys(_launchers))
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and key not in _launchers:
         return None
     kernel = _kernel()
     n, width, k = weight.shape
-    rows = x.shape[1]
-    dot, block_m, block_n, block_k, stages = _blocks(rows, k, width, n, dot, x.device)
-    b = bias if bias is not None else weight  # (any pointer: not read)
-    ints = (rows, k, width, *x.stride(), *weight.stride(), b.stride(0), *out.stride())
-    constants = (bias is not None, act, dot, block_m, block_n, block_k, stages, x.device.index)
-    key = _specialization((x, weight, b, out), ints, constants)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing and key not in _compiled:
-        return None
+    dot, block_m, block_n, block_k, stages = _blocks(ints[0], k, width, n, dot, x.device)
+    constants = (bias is not None, act, dot, "tf32x3" if x.dtype == torch.float32 else "ieee", block_m, block_n,
+                 block_k)
+    grid = (-(-width // block_n), n)
     try:
-        # Triton launches on the current device's current stream: the capture's, or the caller's.
-        other_device = x.is_cuda and x.device.index != torch.cuda.current_device()
-        with torch.cuda.device(x.device) if other_device else _NO_CONTEXT:
-            kernel[(-(-width // block_n), n)](
-                x, weight, b, out, *ints,
-                HAS_BIAS=bias is not None, ACT=act, DOT=dot,
-                PRECISION="tf32x3" if x.dtype == torch.float32 else "ieee",
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=stages)
+        with torch.cuda.device(index) if other_device else _NO_CONTEXT:
+            compiled = kernel[grid](
+                x, weight, b, out, *ints, *constants, num_warps=4, num_stages=stages)
     except Exception as e:  # (a compiler's error, a missing C compiler, a launch refused)
         if capturing:
             raise  # a capture cannot go on as if nothing had been enqueued
         _failure = f"the Triton kernel failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return None
-    if not capturing:
-        _compiled.add(key)
+    if not capturing and key not in _launchers:
+        if len(_launchers) >= _MAX_LAUNCHERS:
+            _launchers.clear()
+        launch = _bind(compiled, grid, constants) if _direct else None
+        _direct = launch is not None
+        _launchers[key] = launch
     return out
+
+
+def launches_fast() -> bool:
+    r"""Whether launches after a specialization's first go straight to its compiled kernel (see :func:`_bind`)."""
+    return _direct

@@ -31,12 +31,13 @@ parameter through :class:`_Unstack`, whose backward hands each one its slice
 of the stacked gradient. While a compiler traces, the stacks are built with
 ``torch.stack`` instead, so the traced graph reads the real parameters.
 
-**Kernels.** Captured for inference, a group of ``Linear`` layers and
-activations on rows of features computes each layer and the activation after
-it as one Triton kernel for all members (:mod:`._batched_linear`): one launch
-per layer on the replay's path, where cuBLAS takes a product and an
-activation per layer and a copy of the biases (``_Group.kernel_layers`` says
-where).
+**Kernels.** For inference, a group of ``Linear`` layers and activations on
+a few rows of features computes each layer and the activation after it as
+one Triton kernel for all members (:mod:`._batched_linear`): one launch per
+layer, where cuBLAS takes a product and an activation per layer (and, in a
+capture, a copy of the biases). Captured, that shortens the replay; eagerly,
+where each launch costs the host more than the GPU, it halves the launches
+(``_Group.kernel_layers`` says where).
 
 **Layouts.** A group's intermediate value is held in one of three layouts,
 chosen so that each layer maps to one existing kernel:
@@ -333,6 +334,11 @@ class _Group:
         # (in, out) of each Linear, where the template is Linear layers and activations alone
         # (see kernel_layers); None otherwise.
         self.linear_shapes: list[tuple[int, int]] | None = _linear_shapes([m for _, m in layers])
+        # Whether a Linear layer has an activation after it, which the kernel applies in the
+        # same launch: what makes the kernel pay in an eager call (see _CallState.lone_kernels).
+        modules = [m for _, m in layers]
+        self.paired = self.linear_shapes is not None and any(
+            type(a) is nn.Linear and _batched_linear.activation(b) is not None for a, b in zip(modules, modules[1:]))
         self.joint: dict[str, tuple[torch.Tensor, int]] = {}  # bias name -> (its class's tensor, its index)
         # Every member tensor and the address it had when bound (see _bound).
         self.expected: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
@@ -347,6 +353,9 @@ class _Group:
         self.scalars = False  # a member tensor of one element (see _watch._swapped)
         self.registrations = -1
         self.program: list[_Step] | None = None
+        # Whether the kernel takes every Linear layer, by (rows, dtype, device) of the input:
+        # the part of kernel_layers that depends on the members, not on the call.
+        self.kernel_shapes: dict[tuple, bool] = {}
 
     # Stacks ---------------------------------------------------------------
     def _tensors(self, entry: _Entry) -> list[torch.Tensor]:
@@ -429,6 +438,7 @@ class _Group:
                 joint.update((q, (together, k)) for k, q in enumerate(quals))
         ptrs = [t.data_ptr() for t in tensors_bound]
         self.stacks, self.bound, self.joint = stacks, bound, joint
+        self.kernel_shapes = {}
         self.snapshots = [d.copy() for d in self.tensor_dicts]
         self.scalars = _watch._has_scalars(self.tensor_dicts)
         self.expected = (tensors_bound, ptrs, list(range(len(ptrs))))
@@ -497,12 +507,18 @@ class _Group:
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 p.requires_grad for m in self.members for p in m.parameters())):
             return False
-        if _forward_ad._current_level >= 0 or any(
-                m.weight.dtype != x.dtype or m.weight.device != x.device for m in self.template.modules()
-                if type(m) is nn.Linear):
+        if _forward_ad._current_level >= 0:
             return False
-        return all(_batched_linear.supported(x.shape[0], i, o, x.dtype, x.device)
-                   and self.n * i * o < _batched_linear._MAX_ELEMENTS for i, o in shapes)
+        key = (x.shape[0], x.dtype, x.device)
+        takes = self.kernel_shapes.get(key)
+        if takes is None:
+            # (Made anew by bind whenever it stacks: a member cast or moved is stacked anew.)
+            takes = self.kernel_shapes[key] = not any(
+                m.weight.dtype != x.dtype or m.weight.device != x.device for m in self.template.modules()
+                if type(m) is nn.Linear) and all(
+                _batched_linear.supported(x.shape[0], i, o, x.dtype, x.device)
+                and self.n * i * o < _batched_linear._MAX_ELEMENTS for i, o in shapes)
+        return takes and _batched_linear._failure is None  # (a kernel that failed since: torch's layers)
 
     def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False, side_bias: bool = True,
             restack: bool = False) -> Any:
@@ -521,16 +537,19 @@ class _Group:
         tracing = False if eager else _is_tracing()
         captured = not tracing and not eager and _kernels_cost_more(x)
         fewer = cat_joined and captured
-        kernels = captured and self.kernel_layers(x)
+        # (Eagerly only where launches go straight to the compiled kernel: through Triton's
+        # own launch path a layer costs the host more than cuBLAS's two launches.)
+        kernels = not tracing and (captured or self.paired and x.is_cuda and _batched_linear.launches_fast()
+                                   ) and self.kernel_layers(x)
         call = _call
-        before = call.fewer_kernels, call.prefill, call.cat_joined, call.kernels
-        call.fewer_kernels, call.kernels = fewer, kernels
+        before = call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels
+        call.fewer_kernels, call.kernels, call.lone_kernels = fewer, kernels, kernels and captured
         call.prefill = _Prefill(x, side_bias, self.joint) if fewer and not kernels else None
         call.cat_joined = cat_joined and not tracing
         try:
             return self._run(x, tracing or restack)
         finally:
-            call.fewer_kernels, call.prefill, call.cat_joined, call.kernels = before
+            call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels = before
 
     def _run(self, x: torch.Tensor, tracing: bool) -> Any:
         watched: list | None = None
@@ -609,12 +628,17 @@ class _CallState(threading.local):
     prefill: _Prefill | None = None
     cat_joined = False  # the caller concatenates the outputs along dim 1, and no compiler traces
     kernels = False  # Linear layers run as _batched_linear kernels (see _Group.kernel_layers)
+    # So do those without an activation after them: in a capture, where that is one kernel
+    # on the replay's path where a batched product needs two (the bias copied in); not
+    # eagerly, where that product is one operation too, and the kernel saves the host nothing.
+    lone_kernels = False
 
     def __init__(self) -> None:
         # Set on each thread's instance, not read off the class: torch.compile guards on the
         # instance's attributes, which a first call writing them would change (a guard failing
         # on the frame that made it, at the second call).
         self.fewer_kernels, self.prefill, self.cat_joined, self.kernels = False, None, False, False
+        self.lone_kernels = False
 
 
 class _Prefill:
@@ -881,8 +905,9 @@ def _kernel_linear(v: _Value, w: torch.Tensor, b: torch.Tensor | None, n: int, c
     See :mod:`._batched_linear`. The kernel reads the members' ``[N, rows, in]``
     view of any layout as it lies and writes ``[N, rows, out]``, or, as the last
     layer of a ``cat`` join, the join's ``[rows, N * out]`` itself (see the
-    ``Linear`` step of :func:`_program`). Should it fail to compile, the layer
-    is computed by ``baddbmm`` and ``activation`` (the module's ``forward``).
+    ``Linear`` step of :func:`_program`). Should it fail to compile (or refuse
+    the call, see :func:`._batched_linear.linear`), the layer is computed by
+    ``baddbmm`` and ``activation`` (the module's ``forward``).
     """
     x = _to_stacked(v, n)
     rows, width = x.shape[1], w.shape[1]
@@ -892,7 +917,8 @@ def _kernel_linear(v: _Value, w: torch.Tensor, b: torch.Tensor | None, n: int, c
     else:
         out = x.new_empty((n, rows, width))
         result = _Value(out, _STACKED)
-    if _batched_linear.linear(x, w, b, out, code) is None:
+    if (w.dtype != x.dtype or w.device != x.device  # (torch's layers refuse these as they would unfused)
+            or _batched_linear.linear(x, w, b, out, code) is None):
         y = torch.bmm(x, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), x, w.mT)
         out.copy_(y if activation is None else activation(y))
     return result
@@ -912,7 +938,7 @@ def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
     def linear(v: _Value, get: _Get) -> _Value:
         call = _call  # (a thread-local: read once)
         w, b = get(w_name), get(b_name)
-        if call.kernels:
+        if call.lone_kernels:
             return _kernel_linear(v, w, b, n, _batched_linear._NONE, None, last)
         t, layout = v.t, v.layout
         if views[0] is w and views[2] is b:

@@ -7,6 +7,8 @@ agrees within ``1e-5``); where it applies is checked on the CPU with the kernel 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,107 @@ def test_without_triton_or_after_a_failure_nothing_is_launched(monkeypatch):
     assert _batched_linear.linear(x, w, None, torch.zeros(2, 3, 5)) is None
 
 
+@pytest.fixture
+def stand_in_triton(monkeypatch):
+    r"""A Triton stood in for on the CPU: ``kernel[grid](...)`` and the compiled kernel's launcher
+    compute the layer by torch and log ``("jit" | "direct", grid, stream)``; returns the log."""
+    import types
+
+    log: list[tuple] = []
+
+    def compute(args):
+        x, w, b, out = args[:4]
+        has_bias, act = args[17:19]
+        reference_linear(x, w, b if has_bias else None, out, act)
+
+    class Compiled:
+        function, packed_metadata = object(), object()
+
+        def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit, *args):
+            assert (function, metadata) == (self.function, self.packed_metadata) and g2 == 1
+            log.append(("direct", (g0, g1), stream))
+            compute(args)
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, num_stages):
+                log.append(("jit", grid, None))
+                compute(args)
+                return Compiled()
+            return launch
+
+    triton = types.ModuleType("triton")
+    triton.knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(_batched_linear, "_kernel", Kernel)
+    monkeypatch.setattr(_batched_linear, "_launchers", {})
+    monkeypatch.setattr(_batched_linear, "_direct", True)
+    monkeypatch.setattr(_batched_linear, "_failure", None)
+    return log, triton.knobs.runtime
+
+
+def layer(rows: int = 3, seed: int = 0, n: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    x, w, b = torch.randn(n, rows, 8, generator=g), torch.randn(n, 5, 8, generator=g), torch.randn(n, 5, generator=g)
+    return x, w, b, torch.empty(n, rows, 5)
+
+
+def test_launches_after_a_specializations_first_go_to_its_compiled_kernel(stand_in_triton):
+    log, _ = stand_in_triton
+    for seed in range(3):  # fresh values, one specialization
+        x, w, b, out = layer(seed=seed)
+        assert _batched_linear.linear(x, w, b, out, _batched_linear._GELU, dot=False) is out
+        torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out), _batched_linear._GELU))
+    assert [kind for kind, *_ in log] == ["jit", "direct", "direct"]
+    assert log[1][1:] == (log[0][1], 7)  # the first launch's grid, on the current stream
+    _batched_linear.linear(*layer(rows=4), dot=False)  # another shape: through Triton's own launch first
+    _batched_linear.linear(*layer(rows=3), act=_batched_linear._RELU, dot=False)  # another activation
+    assert [kind for kind, *_ in log[3:]] == ["jit", "jit"]
+    assert _batched_linear.launches_fast()
+    # As many members again, every stride the same: another grid, which a launcher is bound to.
+    x, w, b, out = layer(n=4)
+    assert x.stride() == layer()[0].stride() and out.stride() == layer()[3].stride()
+    _batched_linear.linear(x, w, b, out, _batched_linear._GELU, dot=False)
+    torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out), _batched_linear._GELU))
+    assert log[-1][:2] == ("jit", (log[0][1][0], 4))
+
+
+def test_launches_under_a_launch_hook_go_through_triton(stand_in_triton):
+    # Triton's profilers hook launches and read the metadata its own launch path prepares.
+    # (Newer Tritons hold a chain of hooks, empty unless a profiler added one.)
+    import types
+
+    log, runtime = stand_in_triton
+    _batched_linear.linear(*layer(), dot=False)
+    for hook in (lambda metadata: None, types.SimpleNamespace(calls=[print])):
+        runtime.launch_exit_hook = hook
+        x, w, b, out = layer(seed=1)
+        _batched_linear.linear(x, w, b, out, dot=False)
+        torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out)))
+    for hook in (None, types.SimpleNamespace(calls=[])):
+        runtime.launch_enter_hook = runtime.launch_exit_hook = hook
+        _batched_linear.linear(*layer(), dot=False)
+    assert [kind for kind, *_ in log] == ["jit", "jit", "jit", "direct", "direct"]
+
+
+def test_a_launcher_that_refuses_its_arguments_leaves_launches_to_triton(stand_in_triton, monkeypatch):
+    # A Triton whose compiled kernels take their arguments otherwise: refused before anything
+    # is launched, that launch and every later one go through Triton's own launch path.
+    log, _ = stand_in_triton
+    _batched_linear.linear(*layer(), dot=False)
+    key = next(iter(_batched_linear._launchers))
+    monkeypatch.setitem(_batched_linear._launchers, key, lambda *args: (_ for _ in ()).throw(TypeError("arguments")))
+    x, w, b, out = layer(seed=1)
+    assert _batched_linear.linear(x, w, b, out, dot=False) is out
+    torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out)))
+    assert not _batched_linear.launches_fast()
+    _batched_linear.linear(*layer(rows=4), dot=False)
+    _batched_linear.linear(*layer(rows=4), dot=False)
+    assert [kind for kind, *_ in log] == ["jit", "jit", "jit", "jit"]
+    assert set(_batched_linear._launchers.values()) == {None}
+
+
 @pytest.mark.parametrize("rows, k, width, dtype, takes", [
     (8, 256, 256, torch.float32, True), (16, 4096, 4096, torch.bfloat16, True),
     (17, 256, 256, torch.float32, False), (8, 8192, 256, torch.float32, False), (8, 256, 256, torch.float64, False),
@@ -105,6 +208,16 @@ def test_which_groups_the_kernel_takes(monkeypatch, branch, takes):
         assert group.kernel_layers(torch.zeros(4, 32)) is takes
         assert not group.kernel_layers(torch.zeros(2, 4, 32))  # rows of features only
         assert not group.kernel_layers(torch.zeros(4, 32, dtype=torch.float64))  # not the weights' dtype
+
+
+@pytest.mark.parametrize("branch, paired", [
+    (mlp, True), (lambda: nn.Linear(32, 32), False), (lambda: nn.Sequential(nn.Linear(32, 32), nn.Tanh()), False),
+    (lambda: nn.Sequential(nn.GELU(), nn.Linear(32, 32)), False),
+    (lambda: nn.Sequential(nn.Linear(32, 32), nn.SiLU()), True),
+])
+def test_eager_calls_take_the_kernel_where_it_saves_a_launch(branch, paired):
+    # Eagerly a Linear without an activation after it is one cuBLAS call already.
+    assert group_of(Parallel(*[branch() for _ in range(3)], fuse=True)).paired is paired
 
 
 def test_the_kernel_is_for_inference(monkeypatch):
@@ -145,11 +258,10 @@ def test_not_under_functorch_transforms_or_forward_ad(monkeypatch):
 
 def test_stacks_the_kernels_offsets_cannot_reach_run_as_they_would(monkeypatch):
     monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
-    group = group_of(Parallel(*[mlp() for _ in range(3)], fuse=True).eval())
     with torch.no_grad():
-        assert group.kernel_layers(torch.zeros(4, 32))
+        assert group_of(Parallel(*[mlp() for _ in range(3)], fuse=True).eval()).kernel_layers(torch.zeros(4, 32))
         monkeypatch.setattr(_batched_linear, "_MAX_ELEMENTS", 3 * 32 * 32)
-        assert not group.kernel_layers(torch.zeros(4, 32))
+        assert not group_of(Parallel(*[mlp() for _ in range(3)], fuse=True).eval()).kernel_layers(torch.zeros(4, 32))
     monkeypatch.setattr(_batched_linear, "_kernel", lambda: pytest.fail("launched"))
     x, w = torch.zeros(3, 2, 32), torch.zeros(3, 32, 32)
     assert _batched_linear.linear(x, w, None, torch.zeros(3, 2, 32)) is None  # (too large, as patched)
@@ -181,12 +293,15 @@ def test_kernel_layers_write_what_the_join_reads_and_copy_no_bias(monkeypatch, j
 
 
 def test_a_capture_whose_kernel_takes_every_layer_copies_no_bias(monkeypatch):
-    group = group_of(Parallel(*[mlp() for _ in range(3)], fuse=True).eval())
+    branches = [mlp() for _ in range(3)]
     x = torch.zeros(4, 32)
     with torch.no_grad():
-        assert group.copies_biases(x)
+        assert group_of(Parallel(*branches, fuse=True).eval()).copies_biases(x)
         monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+        group = group_of(Parallel(*branches, fuse=True).eval())
         assert not group.copies_biases(x)
+        monkeypatch.setattr(_batched_linear, "_failure", "the Triton kernel failed: ...")
+        assert group.copies_biases(x)  # (a kernel that failed since the group looked: torch's layers)
 
 
 @pytest.mark.parametrize("join", ["cat", "sum", None])
@@ -266,9 +381,59 @@ def test_graphed_fused_mlps_replay_one_kernel_per_layer(join):
 
 @pytest.mark.cuda
 @needs_kernel
-def test_graphed_training_keeps_torch_layers():
+@pytest.mark.parametrize("join", ["cat", "sum"])
+def test_eager_fused_mlps_launch_one_kernel_per_layer(join):
+    # Eagerly too, after the first call, each layer is one launch of the compiled kernel.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    p = Parallel(*[mlp(width=64, depth=4) for _ in range(8)], fuse=True, join=join).cuda().eval()
+    with torch.no_grad():
+        for _ in range(4):  # fresh inputs
+            x = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(p(x), reference(p, x), rtol=1e-5, atol=1e-5)
+        names = kernel_names(lambda: p(x))
+    assert sum("linear_act" in name for name in names) == 4, names
+    assert not any("gemm" in name.lower() or "gelu" in name.lower() for name in names), names
+    assert _batched_linear.launches_fast()  # (this Triton's compiled kernels take the arguments given)
+
+
+@pytest.mark.cuda
+@needs_kernel
+def test_eager_blocks_of_as_many_layers_and_more_members_each_compute_their_own():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    blocks = [Parallel(*[mlp(width=64) for _ in range(n)], fuse=True).cuda().eval() for n in (8, 16, 8)]
+    with torch.no_grad():
+        for _ in range(2):
+            for p in blocks:
+                x = torch.randn(4, 64, device="cuda")
+                torch.testing.assert_close(p(x), reference(p, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@needs_kernel
+def test_direct_launches_equal_tritons_own_and_respect_its_launch_hooks(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(_batched_linear, "_launchers", {})
+    w, b = torch.randn(4, 48, 40, device="cuda"), torch.randn(4, 48, device="cuda")
+    seen = []
+    for i in range(4):  # the first through Triton's launch, the second straight to the kernel, then hooked
+        if i == 2:
+            monkeypatch.setattr(knobs.runtime, "launch_enter_hook", seen.append)
+        elif i == 3:
+            monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+        x, out = torch.randn(4, 5, 40, device="cuda"), torch.empty(4, 5, 48, device="cuda")
+        assert _batched_linear.linear(x, w, b, out, _batched_linear._SILU) is out
+        torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out), _batched_linear._SILU),
+                                   rtol=1e-5, atol=1e-5)
+    assert len(seen) == 1 and callable(next(iter(_batched_linear._launchers.values())))
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_training_keeps_torch_layers(cuda_graph):
     # Gradients need a backward the kernel does not have: the products stay cuBLAS's.
-    p = Parallel(*[mlp(width=64) for _ in range(4)], fuse=True, cuda_graph=True).cuda()
+    p = Parallel(*[mlp(width=64) for _ in range(4)], fuse=True, cuda_graph=cuda_graph).cuda()
     x = torch.randn(8, 64, device="cuda")
     for _ in range(3):
         p(x).sum().backward()
@@ -283,14 +448,14 @@ def test_a_users_capture_compiles_no_kernel(warmed_up, monkeypatch):
     # A fused block captured by the user's own torch.cuda.graph: compiling the kernel there
     # would invalidate the capture, so only a kernel launched before (in a warm-up under
     # capture's layouts, as a cuda_graph=True module's) is launched; the rest is torch's.
-    monkeypatch.setattr(_batched_linear, "_compiled", set())  # (whatever other tests launched)
+    monkeypatch.setattr(_batched_linear, "_launchers", {})  # (whatever other tests launched)
     width = 40 + 8 * warmed_up
     p = Parallel(*[mlp(width=width, act=nn.ReLU) for _ in range(3)], fuse=True).cuda().eval()
     x = torch.randn(3, width, device="cuda")
     g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     with torch.no_grad():
-        p(x)  # (finds the groups and stacks: eager)
+        p(x[:2])  # (finds the groups and stacks, eagerly: the kernel launched for 2 rows, not 3)
         if warmed_up:
             from parallel_modules._streams import _graph_state
 
