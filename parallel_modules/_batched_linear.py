@@ -210,6 +210,7 @@ def _bind(compiled: Any, grid: tuple[int, int], constants: tuple) -> Callable[..
         run(g0, g1, 1, stream(index), function, metadata, None, None, None, *tensors, *ints, *constants)
         return True
 
+    launch.compiled = compiled  # (held with it: ``function`` lives in the module the compiled kernel loaded)
     return launch
 
 
@@ -257,7 +258,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
             with torch.cuda.device(index) if other_device else _NO_CONTEXT:
                 if launch(index, (x, weight, b, out), ints):
                     return out
-        except TypeError:  # a launcher whose arguments differ in this Triton: refused before launching
+        except Exception:  # (arguments this Triton's launchers take otherwise: refused before launching)
+            # Triton's own launch path from now on, which turns a failure into torch's layers.
             _direct = False
             _launchers.update(dict.fromkeys(_launchers))
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -278,11 +280,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
             raise  # a capture cannot go on as if nothing had been enqueued
         _failure = f"the Triton kernel failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return None
+    if compiled is None:  # (a cache hook of Triton's took the launch over: nothing written)
+        return None
     if not capturing and key not in _launchers:
         if len(_launchers) >= _MAX_LAUNCHERS:
             _launchers.clear()
         launch = _bind(compiled, grid, constants) if _direct else None
-        _direct = launch is not None
+        _direct = _direct and launch is not None  # (another thread may have turned it off meanwhile)
         _launchers[key] = launch
     return out
 

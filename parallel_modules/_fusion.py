@@ -74,6 +74,9 @@ from torch.utils import _pytree as pytree
 from . import _batched_linear, _watch
 from ._streams import _capture_underway, _current_stream, _functorch_active, _is_tracing, _pool
 
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # Python dispatch modes active on this thread
+_function_modes = torch._C._is_torch_function_mode_enabled
+
 __all__: list[str] = []
 
 _SHARED, _STACKED, _CHANNELS = 0, 1, 2
@@ -336,9 +339,7 @@ class _Group:
         self.linear_shapes: list[tuple[int, int]] | None = _linear_shapes([m for _, m in layers])
         # Whether a Linear layer has an activation after it, which the kernel applies in the
         # same launch: what makes the kernel pay in an eager call (see _CallState.lone_kernels).
-        modules = [m for _, m in layers]
-        self.paired = self.linear_shapes is not None and any(
-            type(a) is nn.Linear and _batched_linear.activation(b) is not None for a, b in zip(modules, modules[1:]))
+        self.paired = self.linear_shapes is not None and _paired(self.template)
         self.joint: dict[str, tuple[torch.Tensor, int]] = {}  # bias name -> (its class's tensor, its index)
         # Every member tensor and the address it had when bound (see _bound).
         self.expected: tuple[list[torch.Tensor], list[int], list[int]] = ([], [], [])
@@ -502,7 +503,10 @@ class _Group:
         transform, the layers run as they would eagerly.
         """
         shapes = self.linear_shapes
-        if not shapes or x.dim() != 2 or torch.is_autocast_enabled(x.device.type) or _functorch_active():
+        if (not shapes or x.dim() != 2 or type(x) is not torch.Tensor or torch.is_autocast_enabled(x.device.type)
+                or _functorch_active() or _dispatch_modes() or _function_modes()):
+            # (Subclasses and modes -- FakeTensorMode, FlopCounterMode -- see torch's operations;
+            # a kernel launched by hand would go past them.)
             return False
         if torch.is_grad_enabled() and (x.requires_grad or any(
                 p.requires_grad for m in self.members for p in m.parameters())):
@@ -514,8 +518,8 @@ class _Group:
         if takes is None:
             # (Made anew by bind whenever it stacks: a member cast or moved is stacked anew.)
             takes = self.kernel_shapes[key] = not any(
-                m.weight.dtype != x.dtype or m.weight.device != x.device for m in self.template.modules()
-                if type(m) is nn.Linear) and all(
+                t.dtype != x.dtype or t.device != x.device for m in self.template.modules() if type(m) is nn.Linear
+                for t in (m.weight, m.bias) if t is not None) and all(
                 _batched_linear.supported(x.shape[0], i, o, x.dtype, x.device)
                 and self.n * i * o < _batched_linear._MAX_ELEMENTS for i, o in shapes)
         return takes and _batched_linear._failure is None  # (a kernel that failed since: torch's layers)
@@ -539,8 +543,7 @@ class _Group:
         fewer = cat_joined and captured
         # (Eagerly only where launches go straight to the compiled kernel: through Triton's
         # own launch path a layer costs the host more than cuBLAS's two launches.)
-        kernels = not tracing and (captured or self.paired and x.is_cuda and _batched_linear.launches_fast()
-                                   ) and self.kernel_layers(x)
+        kernels = not tracing and (captured or self.paired and _launches_fast(x)) and self.kernel_layers(x)
         call = _call
         before = call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels
         call.fewer_kernels, call.kernels, call.lone_kernels = fewer, kernels, kernels and captured
@@ -604,6 +607,12 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             leaf.register_hook(check)
+
+
+def _launches_fast(x: torch.Tensor) -> bool:
+    r"""Whether an eager call on ``x`` launches :mod:`._batched_linear`'s kernel as cheaply as it runs cuBLAS's
+    two operations (see :func:`._batched_linear.launches_fast`)."""
+    return x.is_cuda and _batched_linear.launches_fast()
 
 
 def _kernels_cost_more(x: torch.Tensor) -> bool:
@@ -890,6 +899,15 @@ def _layers(m: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
             for leaf in (_layers(c, _join(prefix, name)) if type(c) is nn.Sequential else [(_join(prefix, name), c)])]
 
 
+def _paired(m: nn.Module) -> bool:
+    r"""Whether :func:`_program` pairs a ``Linear`` of ``m`` with the activation after it (in one ``Sequential``)."""
+    if type(m) is not nn.Sequential:
+        return False
+    children = list(m._modules.values())
+    return any(type(a) is nn.Linear and _batched_linear.activation(b) is not None
+               for a, b in zip(children, children[1:])) or any(_paired(c) for c in children)
+
+
 def _linear_shapes(layers: list[nn.Module]) -> list[tuple[int, int]] | None:
     r"""``(in_features, out_features)`` of each ``Linear`` in ``layers``, if the rest are pointwise; else ``None``."""
     if not any(type(m) is nn.Linear for m in layers) or not all(
@@ -918,6 +936,7 @@ def _kernel_linear(v: _Value, w: torch.Tensor, b: torch.Tensor | None, n: int, c
         out = x.new_empty((n, rows, width))
         result = _Value(out, _STACKED)
     if (w.dtype != x.dtype or w.device != x.device  # (torch's layers refuse these as they would unfused)
+            or b is not None and (b.dtype != x.dtype or b.device != x.device)
             or _batched_linear.linear(x, w, b, out, code) is None):
         y = torch.bmm(x, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), x, w.mT)
         out.copy_(y if activation is None else activation(y))

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel, _batched_linear, _fusion
 from tests._reference import reference
@@ -39,6 +40,10 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 needs_kernel = pytest.mark.skipif(
     not torch.cuda.is_available() or _batched_linear.unavailable() is not None,
     reason="needs a CUDA GPU and Triton")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 def mlp(width: int = 32, depth: int = 3, act: type[nn.Module] = nn.GELU, **kw) -> nn.Sequential:
@@ -218,6 +223,67 @@ def test_which_groups_the_kernel_takes(monkeypatch, branch, takes):
 def test_eager_calls_take_the_kernel_where_it_saves_a_launch(branch, paired):
     # Eagerly a Linear without an activation after it is one cuBLAS call already.
     assert group_of(Parallel(*[branch() for _ in range(3)], fuse=True)).paired is paired
+
+
+class Passing(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def eager_kernels(monkeypatch):
+    r"""Eager calls take the kernel as they would on a GPU whose launches are direct, the CPU standing in
+    for it with the reference; returns the activation code of each launch."""
+    launched: list[int] = []
+
+    def stand_in(x, weight, bias, out, act=0, dot=None):
+        launched.append(act)
+        return reference_linear(x, weight, bias, out, act)
+
+    monkeypatch.setattr(_fusion, "_launches_fast", lambda x: True)
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+    monkeypatch.setattr(_batched_linear, "linear", stand_in)
+    return launched
+
+
+@pytest.mark.parametrize("branch, launches", [
+    (lambda: nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)), [_batched_linear._GELU]),
+    (lambda: nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 32), nn.SiLU())),
+     [_batched_linear._RELU, _batched_linear._SILU]),
+    (lambda: nn.Linear(32, 8), []),
+    (lambda: nn.Sequential(nn.Sequential(nn.Linear(32, 32)), nn.GELU()), []),  # (not paired across Sequentials)
+])
+@pytest.mark.parametrize("join", ["cat", "sum", None])
+def test_eager_calls_launch_the_kernel_for_paired_layers_only(eager_kernels, branch, launches, join):
+    p = Parallel(*[branch() for _ in range(3)], fuse=True, join=join).eval()
+    with torch.no_grad():
+        for _ in range(2):  # fresh inputs
+            eager_kernels.clear()
+            x = torch.randn(4, 32)
+            assert_close(p(x), reference(p, x))
+            assert eager_kernels == launches
+        x = torch.randn(4, 32)
+        p(x)
+        eager_kernels.clear()
+        with Passing():  # (a dispatch mode sees torch's operations, which a launch by hand would pass by)
+            out = p(x)
+        assert eager_kernels == []
+        assert_close(out, reference(p, x))
+    eager_kernels.clear()
+    assert_close(p(x), reference(p, x))  # autograd records: torch's layers, which have a backward
+    assert eager_kernels == []
+
+
+def test_eager_kernels_refuse_what_torch_refuses(eager_kernels):
+    # Biases in another dtype than the input: F.linear raises, so must the fused call (its
+    # members, run unfused after the batched attempt, name the branch).
+    branches = [nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)]
+    for b in branches:
+        b[0].bias.data = b[0].bias.data.bfloat16()
+    p = Parallel(*branches, fuse=True).eval()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="dtype"):
+        p(torch.randn(4, 32))
+    assert eager_kernels == []
 
 
 def test_the_kernel_is_for_inference(monkeypatch):
@@ -414,6 +480,14 @@ def test_direct_launches_equal_tritons_own_and_respect_its_launch_hooks(monkeypa
     from triton import knobs
 
     monkeypatch.setattr(_batched_linear, "_launchers", {})
+    jit, through_triton = _batched_linear._kernel(), []
+
+    class Counted:  # Triton's own launch path, counted
+        def __getitem__(self, grid):
+            through_triton.append(grid)
+            return jit[grid]
+
+    monkeypatch.setattr(_batched_linear, "_kernel", Counted)
     w, b = torch.randn(4, 48, 40, device="cuda"), torch.randn(4, 48, device="cuda")
     seen = []
     for i in range(4):  # the first through Triton's launch, the second straight to the kernel, then hooked
@@ -426,6 +500,7 @@ def test_direct_launches_equal_tritons_own_and_respect_its_launch_hooks(monkeypa
         torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out), _batched_linear._SILU),
                                    rtol=1e-5, atol=1e-5)
     assert len(seen) == 1 and callable(next(iter(_batched_linear._launchers.values())))
+    assert len(through_triton) == 2  # the first launch and the hooked one
 
 
 @pytest.mark.cuda
