@@ -72,10 +72,9 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
 
 from . import _batched_linear, _watch
-from ._streams import _capture_underway, _current_stream, _functorch_active, _is_tracing, _pool
+from ._streams import _capture_underway, _current_stream, _dispatch_modes, _functorch_active, _is_tracing, _pool
 
-_dispatch_modes = torch._C._len_torch_dispatch_stack  # Python dispatch modes active on this thread
-_function_modes = torch._C._is_torch_function_mode_enabled
+_function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
 
 __all__: list[str] = []
 

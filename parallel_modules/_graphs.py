@@ -92,8 +92,8 @@ from . import _watch
 from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
 from ._inputs import _input_device, _signature, _value_key
-from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _graph_state, _hidden_tensors,
-                       _in_backward, _is_tracing, _pools, _saved_hooks_recording, _use_count)
+from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dispatch_modes, _graph_state,
+                       _hidden_tensors, _in_backward, _is_tracing, _pools, _saved_hooks_recording, _use_count)
 
 __all__: list[str] = []
 
@@ -228,7 +228,6 @@ def _autocast_state() -> Hashable:
 
 
 _forward_ad = torch.autograd.forward_ad
-_dispatch_modes = torch._C._len_torch_dispatch_stack  # Python dispatch modes active on this thread
 
 
 _SAVED_HOOKS, _BACKWARD, _FORWARD_AD = "saved-tensor hooks", "a backward pass", "forward-mode AD"

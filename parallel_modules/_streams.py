@@ -130,6 +130,7 @@ def _is_tracing() -> bool:
 _saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # Python dispatch modes active on this thread
 
 
 def _saved_hooks_recording() -> bool:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel, _batched_linear, _fusion
-from tests._reference import reference
+from tests._reference import assert_close, reference
 
 ACTIVATIONS = {
     _batched_linear._NONE: lambda y: y,
@@ -40,10 +40,6 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 needs_kernel = pytest.mark.skipif(
     not torch.cuda.is_available() or _batched_linear.unavailable() is not None,
     reason="needs a CUDA GPU and Triton")
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 def mlp(width: int = 32, depth: int = 3, act: type[nn.Module] = nn.GELU, **kw) -> nn.Sequential:
@@ -260,7 +256,7 @@ def test_eager_calls_launch_the_kernel_for_paired_layers_only(eager_kernels, bra
         for _ in range(2):  # fresh inputs
             eager_kernels.clear()
             x = torch.randn(4, 32)
-            assert_close(p(x), reference(p, x))
+            assert_close(p(x), reference(p, x), atol=1e-5)
             assert eager_kernels == launches
         x = torch.randn(4, 32)
         p(x)
@@ -268,9 +264,9 @@ def test_eager_calls_launch_the_kernel_for_paired_layers_only(eager_kernels, bra
         with Passing():  # (a dispatch mode sees torch's operations, which a launch by hand would pass by)
             out = p(x)
         assert eager_kernels == []
-        assert_close(out, reference(p, x))
+        assert_close(out, reference(p, x), atol=1e-5)
     eager_kernels.clear()
-    assert_close(p(x), reference(p, x))  # autograd records: torch's layers, which have a backward
+    assert_close(p(x), reference(p, x), atol=1e-5)  # autograd records: torch's layers, which have a backward
     assert eager_kernels == []
 
 
