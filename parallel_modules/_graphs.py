@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 import os
 import statistics
 import sys
@@ -105,6 +106,10 @@ _MAX_FAILED = 1024
 # Calls in a row that find the same tensors swapped into a graphed module's parameter or
 # buffer slots, after which they are taken as its own (see _CudaGraphs._unchanged).
 _SWAPS_KEPT = 3
+# One attribute of each of many tensors, read in C (a Python loop over mlp8's 64
+# parameters is a measurable part of a training call).
+_requires_grad = operator.attrgetter("requires_grad")
+_grad_of = operator.attrgetter("grad")
 
 # ``active``: this thread is warming up or capturing a graphed module. A graphed
 # module called from inside (a nested block) runs eagerly and is recorded by the
@@ -466,8 +471,8 @@ class _GradCopies:
 
     @staticmethod
     def _counts(kept: list[torch.Tensor], owners: list[torch.Tensor]) -> list[int]:
-        counts = [sys.getrefcount(t) for t in kept]
-        counts += [sys.getrefcount(t) for t in owners]
+        counts = list(map(sys.getrefcount, kept))
+        counts += map(sys.getrefcount, owners)
         for t in owners:
             storage = t.untyped_storage()
             # A storage's Python object is one per storage and holds it once, however
@@ -513,7 +518,10 @@ class _Graph:
         self.input_copies = _GradCopies([])
         self.param_copies = _GradCopies([])
         self.params: tuple[torch.Tensor, ...] = ()
+        self.takers: tuple[torch.Tensor, ...] = ()  # (see ``plan_grads``)
         self.param_ids: frozenset[int] = frozenset()  # (which hand-outs to order this one's after)
+        # ``RemovableHandle.next_id`` when ``params`` were last seen without hooks (``_direct_allowed``).
+        self.quiet_at: int | None = None
         # Training graphs with parameter gradients: a zero-size leaf among
         # ``_Replay``'s inputs (``None`` otherwise); ``token_node`` is its
         # accumulator. Whether the engine will run that accumulator tells a plain
@@ -569,6 +577,8 @@ class _Graph:
         n = len(self.inputs)
         self.input_copies = _GradCopies(self.grad_inputs[:n])
         self.param_copies = _GradCopies(self.grad_inputs[n:])
+        # The parameters that get a gradient, in the order of ``param_copies``' copies.
+        self.takers = tuple(p for p, g in zip(self.params, self.grad_inputs[n:]) if g is not None)
 
     def fresh_grads(self) -> list[torch.Tensor]:
         r"""Copies of the gradients the backward graph left in its buffers (``grad_inputs`` without its ``None``s)."""
@@ -603,7 +613,7 @@ class _Graph:
         r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
         if self.bwd is not None:
             token = self.token
-            direct = self.direct and _direct_allowed(self.params)
+            direct = self.direct and _direct_allowed(self)
             # Without ``direct``, the parameters are inputs as in any autograd graph,
             # followed by the token, through which a plain ``backward()`` is told apart.
             rest = (token,) if direct else self.params if token is None else (*self.params, token)
@@ -738,7 +748,7 @@ class _Replay(torch.autograd.Function):
             plain = _will_execute_node(graph.token_node)
             if ctx.direct:
                 if plain:
-                    if not _direct_allowed(graph.params):
+                    if not _direct_allowed(graph):
                         raise RuntimeError(
                             f"{graph.name}: a hook was registered on a parameter, or a torch.distributed process "
                             f"group created, between this call's forward and its backward, with direct_grads=True: "
@@ -746,14 +756,14 @@ class _Replay(torch.autograd.Function):
                             f"Register hooks (and create process groups) before the forward call, or pass "
                             f"direct_grads=False."
                         )
-                    _HandOut.queue(graph, n)
+                    _HandOut.queue(graph)
                 return inputs + (graph.token_grad,)
-            if plain and _direct_allowed(graph.params):
+            if plain and _direct_allowed(graph):
                 # Nothing listens on the parameters: their gradients go to ``.grad`` at the
                 # end of the pass, in one go, and their accumulators get none (each then
                 # returns at once), which saves the engine most of its per-parameter work
                 # (see ``_Graph.token``).
-                _HandOut.queue(graph, n)
+                _HandOut.queue(graph)
                 return inputs + (None,) * len(graph.params) + (graph.token_grad,)
             # ``torch.autograd.grad``, ``backward(inputs=...)``, hooks: through autograd.
             return inputs + _in_place(graph.grad_inputs[n:], graph.param_copies.fresh()) + (None,)
@@ -765,8 +775,8 @@ def _in_place(grads: list[torch.Tensor | None], copies: list[torch.Tensor]) -> t
     return tuple(next(it) if g is not None else None for g in grads)
 
 
-def _direct_allowed(params: tuple[torch.Tensor, ...]) -> bool:
-    r"""Whether a training replay may bypass the parameters' gradient accumulators on this call.
+def _direct_allowed(graph: _Graph) -> bool:
+    r"""Whether a training replay of ``graph`` may bypass its parameters' gradient accumulators on this call.
 
     Not when anything may be listening on them: a hook on a parameter
     (``register_hook``, ``register_post_accumulate_grad_hook``), or a process
@@ -776,9 +786,17 @@ def _direct_allowed(params: tuple[torch.Tensor, ...]) -> bool:
     """
     if _will_execute_node is None or _distributed():
         return False
-    for p in params:
+    # Both hooks are registered with a ``RemovableHandle``, whose class counts them:
+    # with no handle made since the parameters were last seen without hooks, none has
+    # one now (removing a hook makes none), and the walk over them -- two attributes of
+    # each of mlp8's 64 parameters, twice per training call -- is skipped.
+    handles = getattr(_Handle, "next_id", None)
+    if handles is not None and graph.quiet_at == handles:
+        return True
+    for p in graph.params:
         if p._backward_hooks or p._post_accumulate_grad_hooks:
             return False
+    graph.quiet_at = handles
     return True
 
 
@@ -811,21 +829,21 @@ class _HandOut:
     raises runs no final callback: the next forward replay drops this.
     """
 
-    __slots__ = ("graph", "device", "params", "ids", "grads", "copies", "staged", "event")
+    __slots__ = ("graph", "device", "takers", "ids", "copies", "staged", "event")
 
-    def __init__(self, graph: _Graph, grads: list[torch.Tensor | None]) -> None:
+    def __init__(self, graph: _Graph) -> None:
         # Weakly: the graph holds this as ``pending`` until it runs, or for good after a
         # pass that raised; a cycle would keep an evicted graph's pool until a collection.
         self.graph = weakref.ref(graph)
         self.device = graph.device
-        self.params, self.ids, self.grads, self.copies = graph.params, graph.param_ids, grads, graph.param_copies
+        self.takers, self.ids, self.copies = graph.takers, graph.param_ids, graph.param_copies
         self.staged: list[torch.Tensor] | None = None
         self.event: torch.cuda.Event | None = None
 
     @staticmethod
-    def queue(graph: _Graph, n: int) -> None:
-        r"""Hand out ``graph``'s parameter gradients (``grad_inputs[n:]``) when the running backward pass ends; ``graph.lock`` held."""
-        hand_out = _HandOut(graph, graph.grad_inputs[n:])
+    def queue(graph: _Graph) -> None:
+        r"""Hand out ``graph``'s parameter gradients when the running backward pass ends; ``graph.lock`` held."""
+        hand_out = _HandOut(graph)
         graph.pending = hand_out
         torch.autograd.Variable._execution_engine.queue_callback(hand_out)
 
@@ -848,13 +866,13 @@ class _HandOut:
                         # This stream waited for the replay (see above): the next replay, from
                         # any stream, now waits for these reads before it overwrites the buffers.
                         graph.last = stream
-                    _hand_out(self.params, self.grads, self.copies)
+                    _hand_out(self.takers, self.copies)
                     return
             assert self.event is not None
             stream.wait_event(self.event)
             for t in self.staged:  # (made on the forward replay's stream, used on this one)
                 t.record_stream(stream)
-            _accumulate(tuple(p for p, g in zip(self.params, self.grads) if g is not None), tuple(self.staged))
+            _accumulate(self.takers, tuple(self.staged))
 
 
 # The streams of the latest hand-outs on each device, by the ids of the parameters
@@ -895,8 +913,8 @@ def _after_hand_outs(last: dict[frozenset[int], Any], ids: frozenset[int], strea
         last[ids | old_ids] = stream
 
 
-def _hand_out(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None], copies: _GradCopies) -> None:
-    r"""Sum the backward graph's ``grads`` (buffers) into ``params``' ``.grad``, as their accumulators would.
+def _hand_out(taking: tuple[torch.Tensor, ...], copies: _GradCopies) -> None:
+    r"""Sum the backward graph's gradients (``copies.sources``) into ``taking``'s ``.grad``, as their accumulators would.
 
     The common cases take no new tensor: every ``.grad`` set (accumulation,
     ``zero_grad(set_to_none=False)``): one add from the buffers; every
@@ -904,10 +922,9 @@ def _hand_out(params: tuple[torch.Tensor, ...], grads: list[torch.Tensor | None]
     time, refilled when nothing holds them any more (:meth:`_GradCopies.reused`).
     Otherwise new copies, by :func:`_accumulate`.
     """
-    taking = [p for p, g in zip(params, grads) if g is not None]
     if not taking:
         return
-    held = [p.grad for p in taking]
+    held = list(map(_grad_of, taking))
     if all(g is None for g in held):
         for p, g in zip(taking, copies.reused()):
             p.grad = g
@@ -1192,7 +1209,7 @@ class _CudaGraphs:
             extra,
             torch.is_inference_mode_enabled(),
             _autocast_state(),
-            tuple(p.requires_grad for p in params) if grad else None,
+            tuple(map(_requires_grad, params)) if grad else None,
             _kernel_settings(),  # (kernels are chosen when captured)
         )
 

@@ -174,26 +174,52 @@ def test_accumulate_sets_or_sums_like_autograd():
         assert (p.grad is None) == (t.grad is None)
         if p.grad is not None:
             assert torch.equal(p.grad, t.grad)
-    # Parameters the backward graph computes no gradient for are left alone, call after call.
-    from parallel_modules._graphs import _GradCopies, _hand_out
 
-    nothing = _GradCopies([None, None])
-    for _ in range(2):
-        _hand_out(tuple(twins[:2]), [None, None], nothing)
+
+def test_hand_out_gives_each_parameter_its_own_gradient():
+    # A backward graph computes gradients for some parameters only (one frozen by the
+    # forward's path, say): ``plan_grads`` lines up the parameters that take one with
+    # their copies, and the hand-out sets, then sums, exactly those, call after call.
+    from types import SimpleNamespace
+
+    from parallel_modules._graphs import _Graph, _hand_out
+
+    torch.manual_seed(0)
+    params = tuple(nn.Parameter(torch.randn(3, 4)) for _ in range(3))
+    grads = [torch.randn(3, 4), None, torch.randn(3, 4)]
+    graph = SimpleNamespace(inputs=[torch.randn(2)], params=params, grad_inputs=[torch.randn(2), *grads])
+    _Graph.plan_grads(graph)
+    assert graph.takers == (params[0], params[2])
+    for step in (1, 2):
+        _hand_out(graph.takers, graph.param_copies)
+        assert params[1].grad is None
+        for p, g in ((params[0], grads[0]), (params[2], grads[2])):
+            assert torch.equal(p.grad, g * step)
+            assert p.grad.data_ptr() != g.data_ptr()  # a copy: the next replay overwrites the buffer
+    for p in params:
+        p.grad = None
+    _hand_out(graph.takers, graph.param_copies)  # after zero_grad(): set again, not summed
+    assert torch.equal(params[0].grad, grads[0]) and params[1].grad is None
 
 
 def test_direct_grads_defer_to_parameter_hooks():
     # A hook on a parameter listens on its accumulator: calls made meanwhile go through autograd.
     from parallel_modules._graphs import _direct_allowed
 
+    from types import SimpleNamespace
+
     params = tuple(nn.Parameter(torch.randn(2)) for _ in range(3))
-    assert _direct_allowed(params)
+    graph = SimpleNamespace(params=params, quiet_at=None)
+    assert _direct_allowed(graph)
+    # (Parameters seen without hooks are not walked again until a hook handle is made.)
+    assert graph.quiet_at is not None and _direct_allowed(graph)
     for register in (lambda p: p.register_hook(lambda g: g),
                      lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):
         handle = register(params[1])
-        assert not _direct_allowed(params)
+        assert not _direct_allowed(graph)
+        assert not _direct_allowed(graph)  # a hook found is looked for again on the next call
         handle.remove()
-        assert _direct_allowed(params)
+        assert _direct_allowed(graph)
 
 
 def test_direct_grads_on_the_cpu_train_through_autograd():
@@ -562,7 +588,9 @@ def test_fresh_gradients_are_copies_in_order_and_layout():
     grads = [torch.randn(3, 4), None, torch.randn(5), torch.randn(3, 4, dtype=torch.float64),
              torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), torch.randn(3, 4), torch.randn(5)]
     graph.grad_inputs = grads
+    graph.params = tuple(nn.Parameter(torch.zeros_like(g if g is not None else torch.empty(0))) for g in grads)
     graph.plan_grads()
+    assert graph.takers == tuple(p for p, g in zip(graph.params, grads) if g is not None)
     present = [g for g in grads if g is not None]
     for _ in range(2):
         fresh = graph.fresh_grads()
