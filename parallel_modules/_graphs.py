@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import operator
 import os
 import statistics
@@ -143,8 +144,13 @@ _READER_MISSES = 16
 # by how much copying in must be faster for the reader to be dropped (see _CudaGraphs._reader).
 _READER_BUDGET_MS = 30.0
 _READER_SLACK = 0.03
-# Returned by a replay that would overwrite an output the caller still holds.
+# Returned by a replay that would overwrite an output the caller still holds, or a
+# gradient lent to ``.grad`` that something else still holds (see ``_Graph.reclaim``).
 _HELD: Any = object()
+
+
+class _GradsHeld(Exception):
+    r"""Raised inside a training replay's forward, under the graph's lock, when ``_Graph.reclaim`` fails."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -522,6 +528,15 @@ class _Graph:
         self.param_ids: frozenset[int] = frozenset()  # (which hand-outs to order this one's after)
         # ``RemovableHandle.next_id`` when ``params`` were last seen without hooks (``_direct_allowed``).
         self.quiet_at: int | None = None
+        # Gradients lent to ``.grad`` (see ``lend_grads``): whether a hand-out may lend the
+        # backward graph's own buffers, the views it lends, whether they are out now, and the
+        # reference and storage use counts they have while nothing but this graph holds them.
+        self.lends_grads = False
+        self.lent: list[torch.Tensor] = []
+        self.grads_lent = False
+        self.lent_refs: list[int] = []
+        self.lent_uses: list[int] = []
+        self.lent_storages: list[Any] = []
         # Training graphs with parameter gradients: a zero-size leaf among
         # ``_Replay``'s inputs (``None`` otherwise); ``token_node`` is its
         # accumulator. Whether the engine will run that accumulator tells a plain
@@ -584,6 +599,69 @@ class _Graph:
         r"""Copies of the gradients the backward graph left in its buffers (``grad_inputs`` without its ``None``s)."""
         return self.input_copies.fresh() + self.param_copies.fresh()
 
+    def lend_grads(self) -> None:
+        r"""Hand the backward graph's own gradient buffers to ``takers``' ``.grad``, every one ``None``; ``lock`` held.
+
+        Copying them out cost a multi-tensor copy per backward (30 us of host
+        time for mlp8's 64 gradients on the H200 machine, and their size of
+        GPU memory traffic) and kept a second copy of every gradient alive.
+        Lent, they are the gradients until the next replay of this graph,
+        whose forward first takes them back (:meth:`reclaim`). They are lent
+        as views of the buffers, so that what a caller does to the tensor it
+        is handed (``.data = ...``) never re-points the graph's own.
+        """
+        if not self.lent:
+            sources = self.param_copies.sources
+            self.lent = [s.detach() for s in sources]
+            self.lent_storages = [StorageWeakRef(s.untyped_storage()) for s in sources]
+            self.lent_refs = list(map(sys.getrefcount, self.lent))
+            self.lent_uses = [_use_count(r.cdata) for r in self.lent_storages]
+        for p, g in zip(self.takers, self.lent):
+            p.grad = g
+        self.grads_lent = True
+
+    def reclaim(self) -> bool:
+        r"""Take back the gradients lent to ``.grad`` before a replay overwrites them; ``lock`` held.
+
+        Nothing may hold them but this graph and the parameters' ``.grad``: a
+        Python reference to one (a gradient kept for later) shows in its
+        reference count, a view of one (and anything else holding the memory)
+        in its storage's use count, and then this returns ``False`` and the
+        call runs otherwise (see ``_CudaGraphs._held``). A ``.grad`` still
+        holding its lent gradient (gradients accumulated over several
+        backward passes: ``zero_grad()`` not called, or
+        ``zero_grad(set_to_none=False)``) is given a copy of it, and this
+        graph copies from then on (summing into ``.grad`` in place is cheaper
+        for that loop). Every lent gradient's version moves, as a copy into it
+        would move it: autograd then refuses a backward through a tensor that
+        saved one, as it refuses one after any change in place.
+        """
+        if self._rehome():
+            self.lends_grads = False
+        lent = self.lent
+        if (list(map(sys.getrefcount, lent)) != self.lent_refs
+                or [_use_count(r.cdata) for r in self.lent_storages] != self.lent_uses):
+            return False
+        _bump_versions(lent)
+        self.grads_lent = False
+        return True
+
+    def _rehome(self) -> bool:
+        r"""Give each ``.grad`` still holding its lent gradient a copy of it; whether any did.
+
+        (A frame of its own: its locals hold lent gradients, which
+        :meth:`reclaim` then counts, and a ``.grad`` holding one adds to its
+        reference count on some torch releases.)
+        """
+        held = list(map(_grad_of, self.takers))
+        if not any(map(operator.is_not, held, itertools.repeat(None))):
+            return False
+        copies = self.param_copies.fresh()
+        for p, g, mine, copy in zip(self.takers, held, self.lent, copies):
+            if g is mine:
+                p.grad = copy
+        return True
+
     def drop_reader(self) -> None:
         r"""Forget the reader: the first graph's buffers are the outputs again, nothing copies them.
 
@@ -617,10 +695,13 @@ class _Graph:
             # Without ``direct``, the parameters are inputs as in any autograd graph,
             # followed by the token, through which a plain ``backward()`` is told apart.
             rest = (token,) if direct else self.params if token is None else (*self.params, token)
-            if _apply is None or torch._C._are_functorch_transforms_active():
-                outs = _Replay.apply(self, static_outputs, direct, *tensors, *rest)
-            else:
-                outs = _apply(self, static_outputs, direct, *_unwrap_dead(tensors), *rest)
+            try:
+                if _apply is None or torch._C._are_functorch_transforms_active():
+                    outs = _Replay.apply(self, static_outputs, direct, *tensors, *rest)
+                else:
+                    outs = _apply(self, static_outputs, direct, *_unwrap_dead(tensors), *rest)
+            except _GradsHeld:
+                return _HELD
         else:
             # (``_order``, ``_copy_in`` and ``_Lending.outputs`` written out for the
             # steady state: an inference replay is a few microseconds of CPU, and
@@ -692,6 +773,8 @@ class _Replay(torch.autograd.Function):
             graph._order(_current_stream(graph.device))
             if graph.pending is not None:  # (another thread's backward pass has not ended yet)
                 graph.pending.stage(graph)
+            if graph.grads_lent and not graph.reclaim():
+                raise _GradsHeld
             graph._copy_in(inputs[: len(graph.inputs)])
             _launch(graph.fwd)
             graph.gen += 1
@@ -800,6 +883,15 @@ def _direct_allowed(graph: _Graph) -> bool:
     return True
 
 
+def _bump_versions(tensors: list[torch.Tensor]) -> None:
+    r"""Move the autograd versions of ``tensors``, as a change in place would (one call where torch takes a list)."""
+    try:
+        torch.autograd.graph.increment_version(tensors)
+    except TypeError:  # (a torch whose increment_version takes one tensor)
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -866,7 +958,7 @@ class _HandOut:
                         # This stream waited for the replay (see above): the next replay, from
                         # any stream, now waits for these reads before it overwrites the buffers.
                         graph.last = stream
-                    _hand_out(self.takers, self.copies)
+                    _hand_out(self.takers, self.copies, graph)
                     return
             assert self.event is not None
             stream.wait_event(self.event)
@@ -913,19 +1005,25 @@ def _after_hand_outs(last: dict[frozenset[int], Any], ids: frozenset[int], strea
         last[ids | old_ids] = stream
 
 
-def _hand_out(taking: tuple[torch.Tensor, ...], copies: _GradCopies) -> None:
+def _hand_out(taking: tuple[torch.Tensor, ...], copies: _GradCopies, graph: _Graph | None = None) -> None:
     r"""Sum the backward graph's gradients (``copies.sources``) into ``taking``'s ``.grad``, as their accumulators would.
 
     The common cases take no new tensor: every ``.grad`` set (accumulation,
     ``zero_grad(set_to_none=False)``): one add from the buffers; every
-    ``.grad`` ``None`` (``zero_grad()``'s default): the copies handed out last
-    time, refilled when nothing holds them any more (:meth:`_GradCopies.reused`).
-    Otherwise new copies, by :func:`_accumulate`.
+    ``.grad`` ``None`` (``zero_grad()``'s default): the buffers themselves,
+    lent until ``graph``'s next replay (:meth:`_Graph.lend_grads`), or where it
+    does not lend, the copies handed out last time, refilled when nothing
+    holds them any more (:meth:`_GradCopies.reused`). Otherwise new copies, by
+    :func:`_accumulate`. ``graph``: the graph whose buffers ``copies`` reads
+    (``graph.lock`` held), or ``None``.
     """
     if not taking:
         return
     held = list(map(_grad_of, taking))
     if all(g is None for g in held):
+        if graph is not None and graph.lends_grads:
+            graph.lend_grads()
+            return
         for p, g in zip(taking, copies.reused()):
             p.grad = g
     elif all(g is not None for g in held):
@@ -1114,6 +1212,9 @@ class _CudaGraphs:
         self.fallback = bool(fallback)
         self.lend = lend
         self.direct_grads = bool(direct_grads)
+        # Whether training graphs lend their gradient buffers to ``.grad`` (``_Graph.lend_grads``):
+        # off for good once a caller was seen keeping one (``_held``).
+        self._lend_grads = _use_count is not None
         self.calls_owner = calls_owner
         self.captures = 0  # graphs captured so far (diagnostics and tests)
         self._owner = weakref.ref(owner)
@@ -1194,7 +1295,7 @@ class _CudaGraphs:
                 # (Nothing swapped in, no hook registered since: else the cache's path sees to it.)
                 self._recent.append(False)
                 out = hot[1].replay(args, self.static_outputs)  # (``_replay``, without its frame)
-                return forward(*args, **kwargs) if out is _HELD else out
+                return self._held(hot[1], forward, args, kwargs) if out is _HELD else out
         return self._lookup(forward, args, kwargs)
 
     def _key(self, owner: nn.Module, args: tuple, kwargs: dict, extra: tuple) -> Hashable:
@@ -1267,11 +1368,25 @@ class _CudaGraphs:
     def _replay(self, graph: _Graph, forward: Callable[..., Any], args: tuple, kwargs: dict,
                 tensors: list[torch.Tensor]) -> Any:
         out = graph.replay(tensors, self.static_outputs)
-        if out is _HELD:
-            # The caller still holds an output lent by an earlier replay, which
-            # this replay would overwrite: compute this call eagerly.
-            return forward(*args, **kwargs)
-        return out
+        return self._held(graph, forward, args, kwargs) if out is _HELD else out
+
+    def _held(self, graph: _Graph, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        r"""This call, computed eagerly: ``graph`` would overwrite what the caller still holds.
+
+        An inference graph's lent outputs are waited out this way, one call at
+        a time (see ``_Lending``). A training graph's gradients lent to
+        ``.grad`` and kept elsewhere (``_Graph.reclaim``) would be overwritten
+        by every later replay of it: the graph is dropped, and this module's
+        later captures copy their gradients out instead of lending them.
+        """
+        if graph.bwd is not None:
+            with self._lock:
+                self._lend_grads = False
+                for key in [k for k, g in self._graphs.items() if g is graph]:
+                    del self._graphs[key]
+                if self._hot is not None and self._hot[1] is graph:
+                    self._hot = None
+        return forward(*args, **kwargs)
 
     def _reader(self, graph: _Graph, owner: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict,
                 tensors: list[torch.Tensor], caller: torch.cuda.Stream) -> None:
@@ -1707,6 +1822,7 @@ class _CudaGraphs:
             graph.plan_grads()
             if _will_execute_node is not None and any(g is not None for g in graph.grad_inputs[len(graph.inputs):]):
                 graph.direct = self.direct_grads
+                graph.lends_grads = self._lend_grads
                 graph.token = torch.zeros(0, device=graph.device, requires_grad=True)
                 graph.token_node = torch.autograd.graph.get_gradient_edge(graph.token).node
                 graph.token_grad = torch.zeros(0, device=graph.device)

@@ -533,7 +533,7 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
     opt = torch.optim.SGD(block.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     weight = torch.randn(8, 8 * 64, device="cuda")
-    handed_out = []  # direct_grads: the parameters' copies after each backward
+    lent = []  # the gradients' storages after each backward
     for _ in range(5):
         base = torch.randn(8, 64, device="cuda")
         x, x_ref = base.clone().requires_grad_(input_grad), base.clone().requires_grad_(input_grad)
@@ -541,7 +541,7 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
         torch.testing.assert_close(out, out_ref)
         (out * weight).sum().backward()
         (out_ref * weight).sum().backward()
-        handed_out.append(_only_graph(block).param_copies.kept)
+        lent.append([p.grad.data_ptr() for p in block.parameters()])
         if input_grad:
             torch.testing.assert_close(x.grad, x_ref.grad)
         for p, p_ref in zip(block.parameters(), reference.parameters()):
@@ -555,10 +555,11 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
     graph = _only_graph(block)
     assert graph.bwd is not None and block._graphs.captures == 1
     # A plain backward() with nothing listening on the parameters: the replay's backward
-    # wrote their gradients itself, with or without direct_grads; zero_grad() let go of
-    # them, so the same copies, refilled, every step.
+    # wrote their gradients itself, with or without direct_grads, and .grad holds the
+    # graph's own buffers (nothing copied them); zero_grad() let go of them every step.
     assert handed == [5]
-    assert handed_out[0] is not None and all(k is handed_out[0] for k in handed_out)
+    assert all(ptrs == [g.data_ptr() for g in graph.param_copies.sources] for ptrs in lent)
+    assert graph.param_copies.kept is None and graph.lends_grads
 
 
 def _count_hand_outs(monkeypatch) -> list[int]:
@@ -605,12 +606,12 @@ def test_fresh_gradients_are_copies_in_order_and_layout():
 @cuda
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("between", ["set_to_none", "accumulate"])
+@pytest.mark.parametrize("between", ["set_to_none", "view", "accumulate"])
 def test_training_gradients_are_never_overwritten_by_a_later_replay(between, fuse, direct):
-    # Gradients are handed out as views of one fresh buffer per backward, which autograd keeps
-    # as the parameters' .grad without a copy (fused weight gradients too, which the products
-    # compute transposed). .grad tensors kept after zero_grad(set_to_none=True), or accumulated
-    # into over several backwards, must see no later replay.
+    # The first backward lends the graph's gradient buffers to .grad. .grad tensors kept after
+    # zero_grad(set_to_none=True) (or views of them), or accumulated into over several
+    # backwards, must see no later replay: the next call finds them held and runs eagerly, and
+    # the module copies gradients out from then on; accumulating .grad gets a copy of its own.
     branches = _mlp(4)
     reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
     block = _graphed(branches, fuse=fuse, direct_grads=direct)
@@ -622,17 +623,42 @@ def test_training_gradients_are_never_overwritten_by_a_later_replay(between, fus
         tol = dict(rtol=1e-5, atol=1e-5) if fuse else {}
         for p, p_ref in zip(block.parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, p_ref.grad, **tol)
-        if between == "set_to_none":
-            # One buffer per parameter shape, which autograd kept as it is (no copy per parameter).
-            shapes = {p.shape for p in block.parameters()}
-            assert len({p.grad.untyped_storage().data_ptr() for p in block.parameters()}) == len(shapes)
-            kept.append([p.grad for p in block.parameters()])
-            kept_ref.append([p.grad.clone() for p in reference.parameters()])
+        if between != "accumulate":
+            kept.append([p.grad if between == "set_to_none" else p.grad.view(-1) for p in block.parameters()])
+            kept_ref.append([p.grad.clone().view_as(k) for p, k in zip(reference.parameters(), kept[-1])])
             block.zero_grad(set_to_none=True)
             reference.zero_grad(set_to_none=True)
     for grads, grads_ref in zip(kept, kept_ref):
         for g, g_ref in zip(grads, grads_ref):
             torch.testing.assert_close(g, g_ref, **tol)
+    graph = _only_graph(block)
+    assert not graph.lends_grads and graph.param_copies.sources
+    # Kept: the lending graph was dropped and the module captured one that copies; accumulated:
+    # the same graph, copying from the second backward on.
+    assert block._graphs.captures == (1 if between == "accumulate" else 2)
+
+
+@cuda
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_lent_gradient_saved_by_autograd_is_never_read_overwritten(direct):
+    # A lent gradient used in a differentiable expression is saved by autograd, in C++, where
+    # no Python reference shows. The next replay either sees it held (the call runs eagerly)
+    # or moves its version: a later backward through it then gets the values it saved, or
+    # autograd's error for a tensor changed in place, never the next step's gradient.
+    block = _graphed(_mlp(2), direct_grads=direct)
+    w = torch.randn(64, 64, device="cuda", requires_grad=True)
+    block(torch.randn(8, 64, device="cuda")).square().sum().backward()
+    weight = next(block.parameters())
+    saved = weight.grad.clone()
+    aux = (weight.grad * w).sum()  # saves the lent gradient for w's gradient
+    block.zero_grad(set_to_none=True)
+    block(torch.randn(8, 64, device="cuda")).square().sum().backward()
+    try:
+        aux.backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+    else:
+        torch.testing.assert_close(w.grad, saved)
 
 
 @cuda
