@@ -111,6 +111,8 @@ _SWAPS_KEPT = 3
 # parameters is a measurable part of a training call).
 _requires_grad = operator.attrgetter("requires_grad")
 _grad_of = operator.attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr
+_tensor_uses = getattr(torch.Tensor, "_use_count", None)  # references to a tensor's C++ object
 
 # ``active``: this thread is warming up or capturing a graphed module. A graphed
 # module called from inside (a nested block) runs eagerly and is recorded by the
@@ -528,15 +530,16 @@ class _Graph:
         self.param_ids: frozenset[int] = frozenset()  # (which hand-outs to order this one's after)
         # ``RemovableHandle.next_id`` when ``params`` were last seen without hooks (``_direct_allowed``).
         self.quiet_at: int | None = None
+        self.quiet_seen: int | None = None
         # Gradients lent to ``.grad`` (see ``lend_grads``): whether a hand-out may lend the
-        # backward graph's own buffers, the views it lends, whether they are out now, and the
-        # reference and storage use counts they have while nothing but this graph holds them.
+        # backward graph's own buffers, the views it lends, whether they are out now, where
+        # they lie, their storages, and who holds them while nothing but this graph does.
         self.lends_grads = False
         self.lent: list[torch.Tensor] = []
         self.grads_lent = False
-        self.lent_refs: list[int] = []
-        self.lent_uses: list[int] = []
+        self.lent_at: list[int] = []
         self.lent_storages: list[Any] = []
+        self.lent_counts: list[int] = []
         # Training graphs with parameter gradients: a zero-size leaf among
         # ``_Replay``'s inputs (``None`` otherwise); ``token_node`` is its
         # accumulator. Whether the engine will run that accumulator tells a plain
@@ -608,41 +611,56 @@ class _Graph:
         Lent, they are the gradients until the next replay of this graph,
         whose forward first takes them back (:meth:`reclaim`). They are lent
         as views of the buffers, so that what a caller does to the tensor it
-        is handed (``.data = ...``) never re-points the graph's own.
+        is handed (``.data = ...``) never re-points the graph's own; how many
+        hold each view, its storage and that storage's Python object while
+        nothing but this graph does is noted when they are made.
         """
         if not self.lent:
-            sources = self.param_copies.sources
-            self.lent = [s.detach() for s in sources]
-            self.lent_storages = [StorageWeakRef(s.untyped_storage()) for s in sources]
-            self.lent_refs = list(map(sys.getrefcount, self.lent))
-            self.lent_uses = [_use_count(r.cdata) for r in self.lent_storages]
+            self.lent = [s.detach() for s in self.param_copies.sources]
+            self.lent_at = list(map(_data_ptr, self.lent))
+            self.lent_storages = [t.untyped_storage() for t in self.lent]
+            self.lent_counts = self._lent_counts()
         for p, g in zip(self.takers, self.lent):
             p.grad = g
         self.grads_lent = True
 
-    def reclaim(self) -> bool:
-        r"""Take back the gradients lent to ``.grad`` before a replay overwrites them; ``lock`` held.
+    def _lent_counts(self) -> list[int]:
+        r"""Who holds the lent gradients: Python references to each and its storage's object, C++ ones to each and its storage."""
+        counts = list(map(sys.getrefcount, self.lent))
+        counts += map(_tensor_uses, self.lent)  # (``.grad``, autograd's saved tensors, views)
+        counts += map(sys.getrefcount, self.lent_storages)
+        counts += [_use_count(o._cdata) for o in self.lent_storages]  # (anything else holding the memory)
+        return counts
 
-        Nothing may hold them but this graph and the parameters' ``.grad``: a
-        Python reference to one (a gradient kept for later) shows in its
-        reference count, a view of one (and anything else holding the memory)
-        in its storage's use count, and then this returns ``False`` and the
-        call runs otherwise (see ``_CudaGraphs._held``). A ``.grad`` still
-        holding its lent gradient (gradients accumulated over several
-        backward passes: ``zero_grad()`` not called, or
-        ``zero_grad(set_to_none=False)``) is given a copy of it, and this
-        graph copies from then on (summing into ``.grad`` in place is cheaper
-        for that loop). Every lent gradient's version moves, as a copy into it
-        would move it: autograd then refuses a backward through a tensor that
-        saved one, as it refuses one after any change in place.
+    def reclaim(self, stream: torch.cuda.Stream) -> bool:
+        r"""Take back the gradients lent to ``.grad`` before a replay on ``stream`` overwrites them.
+
+        ``lock`` and ``_hand_outs_lock`` held. Nothing may hold them but this
+        graph and the parameters' ``.grad``: a Python reference to one (a
+        gradient kept for later) shows in its reference count, a C++ one
+        (another ``.grad``, a tensor autograd saved) or a view in its use
+        count, a kept storage in the count of the storage's Python object, and
+        one of them re-pointed (``.data = ...``) in where it lies; then this
+        returns ``False`` and the call runs otherwise (see
+        ``_CudaGraphs._held``). A ``.grad`` still holding its lent gradient
+        (gradients accumulated over several backward passes: ``zero_grad()``
+        not called, or ``zero_grad(set_to_none=False)``) is given a copy of
+        it, and this graph copies from then on (summing into ``.grad`` in
+        place is cheaper for that loop). ``stream`` first waits for the
+        hand-outs of other graphs to the same parameters, which may have
+        summed into a lent gradient on their streams (see
+        :func:`_after_hand_outs`). Every lent gradient's version moves, as a
+        copy into it would move it: autograd then refuses a backward through
+        a tensor that saved one, as after any change in place.
         """
+        _after_hand_outs(_hand_outs.setdefault(self.device, {}), self.param_ids, stream)
+        if list(map(_data_ptr, self.lent)) != self.lent_at:
+            return False
         if self._rehome():
             self.lends_grads = False
-        lent = self.lent
-        if (list(map(sys.getrefcount, lent)) != self.lent_refs
-                or [_use_count(r.cdata) for r in self.lent_storages] != self.lent_uses):
+        if self._lent_counts() != self.lent_counts:
             return False
-        _bump_versions(lent)
+        _bump_versions(self.lent)
         self.grads_lent = False
         return True
 
@@ -769,11 +787,13 @@ class _Replay(torch.autograd.Function):
     def forward(ctx: Any, graph: _Graph, static_outputs: bool, direct: bool,  # type: ignore[override]
                 *inputs: torch.Tensor) -> tuple:
         ctx.direct = direct
-        with graph.lock:
-            graph._order(_current_stream(graph.device))
+        # (Taking back lent gradients writes ``.grad``, as hand-outs do: in their lock order.)
+        with _hand_outs_lock if graph.lends_grads else contextlib.nullcontext(), graph.lock:
+            stream = _current_stream(graph.device)
+            graph._order(stream)
             if graph.pending is not None:  # (another thread's backward pass has not ended yet)
                 graph.pending.stage(graph)
-            if graph.grads_lent and not graph.reclaim():
+            if graph.grads_lent and not graph.reclaim(stream):
                 raise _GradsHeld
             graph._copy_in(inputs[: len(graph.inputs)])
             _launch(graph.fwd)
@@ -878,9 +898,19 @@ def _direct_allowed(graph: _Graph) -> bool:
         return True
     for p in graph.params:
         if p._backward_hooks or p._post_accumulate_grad_hooks:
+            graph.quiet_seen = None
             return False
-    graph.quiet_at = handles
+    # Kept after a second walk under the same count only: a hook's handle is made before
+    # the hook goes into its dict, and a walk (another thread's call) in between finds none.
+    if graph.quiet_seen == handles:
+        graph.quiet_at = handles
+    graph.quiet_seen = handles
     return True
+
+
+def _own_memory(tensors: list[torch.Tensor]) -> bool:
+    r"""Whether no two of ``tensors`` share a storage."""
+    return len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
 
 
 def _bump_versions(tensors: list[torch.Tensor]) -> None:
@@ -1214,7 +1244,7 @@ class _CudaGraphs:
         self.direct_grads = bool(direct_grads)
         # Whether training graphs lend their gradient buffers to ``.grad`` (``_Graph.lend_grads``):
         # off for good once a caller was seen keeping one (``_held``).
-        self._lend_grads = _use_count is not None
+        self._lend_grads = _use_count is not None and _tensor_uses is not None
         self.calls_owner = calls_owner
         self.captures = 0  # graphs captured so far (diagnostics and tests)
         self._owner = weakref.ref(owner)
@@ -1822,7 +1852,9 @@ class _CudaGraphs:
             graph.plan_grads()
             if _will_execute_node is not None and any(g is not None for g in graph.grad_inputs[len(graph.inputs):]):
                 graph.direct = self.direct_grads
-                graph.lends_grads = self._lend_grads
+                # (Not where two parameters' gradients are one tensor, or share memory -- an add
+                # passes its gradient through to both sides --: each .grad must be its own.)
+                graph.lends_grads = self._lend_grads and _own_memory(graph.param_copies.sources)
                 graph.token = torch.zeros(0, device=graph.device, requires_grad=True)
                 graph.token_node = torch.autograd.graph.get_gradient_edge(graph.token).node
                 graph.token_grad = torch.zeros(0, device=graph.device)

@@ -204,15 +204,16 @@ def test_hand_out_gives_each_parameter_its_own_gradient():
 
 def test_direct_grads_defer_to_parameter_hooks():
     # A hook on a parameter listens on its accumulator: calls made meanwhile go through autograd.
-    from parallel_modules._graphs import _direct_allowed
-
     from types import SimpleNamespace
 
+    from parallel_modules._graphs import _direct_allowed
+
     params = tuple(nn.Parameter(torch.randn(2)) for _ in range(3))
-    graph = SimpleNamespace(params=params, quiet_at=None)
-    assert _direct_allowed(graph)
-    # (Parameters seen without hooks are not walked again until a hook handle is made.)
-    assert graph.quiet_at is not None and _direct_allowed(graph)
+    graph = SimpleNamespace(params=params, quiet_at=None, quiet_seen=None)
+    assert _direct_allowed(graph) and graph.quiet_at is None
+    # Parameters seen twice without hooks under one handle count are not walked again until a
+    # handle is made (once only: a hook's handle is made before the hook is in its dict).
+    assert _direct_allowed(graph) and graph.quiet_at is not None
     for register in (lambda p: p.register_hook(lambda g: g),
                      lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):
         handle = register(params[1])
@@ -220,6 +221,101 @@ def test_direct_grads_defer_to_parameter_hooks():
         assert not _direct_allowed(graph)  # a hook found is looked for again on the next call
         handle.remove()
         assert _direct_allowed(graph)
+
+
+def _lending_graph(monkeypatch, shapes=((3, 4), (5,), (3, 4))):
+    r"""A training graph's hand-out state on the CPU: parameters, and buffers standing for its gradients."""
+    from parallel_modules import _graphs
+
+    monkeypatch.setattr(_graphs, "_hand_outs", {})
+    torch.manual_seed(0)
+    params = tuple(nn.Parameter(torch.randn(s)) for s in shapes)
+    graph = _graphs._Graph.__new__(_graphs._Graph)
+    graph.device, graph.inputs, graph.params = torch.device("cpu"), [], params
+    graph.param_ids = frozenset(map(id, params))
+    graph.grad_inputs = [torch.randn(s) for s in shapes]
+    graph.plan_grads()
+    graph.lends_grads, graph.lent, graph.grads_lent = True, [], False
+    return graph
+
+
+def _replayed(graph) -> list[torch.Tensor]:
+    r"""What a backward replay does to ``graph``'s buffers: new gradients written in place; returns them."""
+    new = [torch.randn_like(g) for g in graph.param_copies.sources]
+    for g, v in zip(graph.param_copies.sources, new):
+        g.copy_(v)
+    return new
+
+
+def test_lent_gradients_are_the_graphs_buffers_until_taken_back(monkeypatch):
+    # After zero_grad(), a plain backward's hand-out gives .grad (views of) the backward graph's
+    # own buffers, nothing copied; the next forward takes them back, moving their versions.
+    from parallel_modules._graphs import _hand_out
+
+    graph = _lending_graph(monkeypatch)
+    for step in range(3):
+        new = _replayed(graph)
+        _hand_out(graph.takers, graph.param_copies, graph)
+        assert graph.grads_lent and graph.param_copies.kept is None
+        for p, g, v in zip(graph.params, graph.param_copies.sources, new):
+            assert p.grad.data_ptr() == g.data_ptr() and p.grad is not g and torch.equal(p.grad, v)
+        versions = [g._version for g in graph.param_copies.sources]
+        for p in graph.params:
+            p.grad = None  # zero_grad()
+        assert graph.reclaim(None)
+        assert not graph.grads_lent and graph.lends_grads
+        assert all(g._version > v for g, v in zip(graph.param_copies.sources, versions))
+
+
+@pytest.mark.parametrize("holder", ["reference", "view", "storage", "another grad", "saved by autograd",
+                                    "re-pointed"])
+def test_lent_gradients_still_held_are_not_taken_back(holder, monkeypatch):
+    # Whatever still holds a lent gradient after zero_grad() -- a reference, a view, its storage,
+    # another tensor's .grad, a tensor autograd saved -- or re-pointed it, keeps the replay
+    # from overwriting it: reclaim refuses, and the call runs otherwise.
+    from parallel_modules._graphs import _hand_out
+
+    graph = _lending_graph(monkeypatch)
+    _replayed(graph)
+    _hand_out(graph.takers, graph.param_copies, graph)
+    p = graph.params[0]
+    other = nn.Parameter(torch.zeros_like(p))
+    w = torch.randn_like(p, requires_grad=True)
+    kept = {"reference": lambda: p.grad, "view": lambda: p.grad.view(-1), "storage": lambda: p.grad.untyped_storage(),
+            "another grad": lambda: setattr(other, "grad", p.grad), "saved by autograd": lambda: (p.grad * w).sum(),
+            "re-pointed": lambda: setattr(p.grad, "data", torch.zeros_like(p))}[holder]()
+    if holder != "re-pointed":
+        p.grad = None
+    assert not graph.reclaim(None)
+    if holder == "re-pointed":
+        assert torch.equal(p.grad, torch.zeros_like(p))  # what it was re-pointed at, not a copy of the buffer
+    del kept
+
+
+def test_accumulating_grad_gets_a_copy_of_its_lent_gradient(monkeypatch):
+    # zero_grad() not called (or set_to_none=False): .grad still holds its lent gradient when the
+    # next forward comes. It gets a copy, the graph stops lending, and the next hand-out sums.
+    from parallel_modules._graphs import _hand_out
+
+    graph = _lending_graph(monkeypatch)
+    first = _replayed(graph)
+    _hand_out(graph.takers, graph.param_copies, graph)
+    assert graph.reclaim(None) and not graph.lends_grads
+    for p, g, v in zip(graph.params, graph.param_copies.sources, first):
+        assert p.grad.data_ptr() != g.data_ptr() and torch.equal(p.grad, v)
+    second = _replayed(graph)
+    _hand_out(graph.takers, graph.param_copies, graph)
+    for p, a, b in zip(graph.params, first, second):
+        torch.testing.assert_close(p.grad, a + b)
+
+
+def test_gradients_sharing_memory_are_not_lent():
+    # An add passes one gradient tensor to both its sides: two parameters' .grad must not be one.
+    from parallel_modules._graphs import _own_memory
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    assert _own_memory([a, b])
+    assert not _own_memory([a, a]) and not _own_memory([a, a.view(-1)]) and not _own_memory([a, a[1:]])
 
 
 def test_direct_grads_on_the_cpu_train_through_autograd():
@@ -636,6 +732,40 @@ def test_training_gradients_are_never_overwritten_by_a_later_replay(between, fus
     # Kept: the lending graph was dropped and the module captured one that copies; accumulated:
     # the same graph, copying from the second backward on.
     assert block._graphs.captures == (1 if between == "accumulate" else 2)
+
+
+class _Summed(nn.Module):
+    r"""``x @ (a + b)``: the add hands one gradient tensor to both parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(64, 64) / 8)
+        self.b = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.a + self.b)
+
+
+@cuda
+def test_parameters_given_one_gradient_tensor_get_a_grad_each():
+    # The backward graph computes one tensor for both of _Summed's parameters: lent, their .grad
+    # would be one memory, and clip_grad_norm_ (a multi-tensor scale in place) scale it twice.
+    torch.manual_seed(0)
+    branches = [_Summed(), nn.Linear(64, 64)]
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches)
+    for _ in range(3):
+        x = torch.randn(8, 64, device="cuda")
+        block(x).square().sum().backward()
+        _reference(reference, x).square().sum().backward()
+        for module in (block, reference):
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
+        for p, p_ref in zip(block.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad)
+        block.zero_grad()
+        reference.zero_grad()
+    graph = _only_graph(block)
+    assert not graph.lends_grads and block._graphs.captures == 1
 
 
 @cuda
