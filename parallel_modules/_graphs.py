@@ -528,9 +528,6 @@ class _Graph:
         self.params: tuple[torch.Tensor, ...] = ()
         self.takers: tuple[torch.Tensor, ...] = ()  # (see ``plan_grads``)
         self.param_ids: frozenset[int] = frozenset()  # (which hand-outs to order this one's after)
-        # ``RemovableHandle.next_id`` when ``params`` were last seen without hooks (``_direct_allowed``).
-        self.quiet_at: int | None = None
-        self.quiet_seen: int | None = None
         # Gradients lent to ``.grad`` (see ``lend_grads``): whether a hand-out may lend the
         # backward graph's own buffers, the views it lends, whether they are out now, where
         # they lie, their storages, and who holds them while nothing but this graph does.
@@ -889,22 +886,12 @@ def _direct_allowed(graph: _Graph) -> bool:
     """
     if _will_execute_node is None or _distributed():
         return False
-    # Both hooks are registered with a ``RemovableHandle``, whose class counts them:
-    # with no handle made since the parameters were last seen without hooks, none has
-    # one now (removing a hook makes none), and the walk over them -- two attributes of
-    # each of mlp8's 64 parameters, twice per training call -- is skipped.
-    handles = getattr(_Handle, "next_id", None)
-    if handles is not None and graph.quiet_at == handles:
-        return True
+    # (Walked on every call: a walk skipped while no hook handle was made since the last
+    # found none could miss a hook another thread was registering -- its handle is made
+    # before the hook goes into its dict -- for good; it saved about 5 us of a step.)
     for p in graph.params:
         if p._backward_hooks or p._post_accumulate_grad_hooks:
-            graph.quiet_seen = None
             return False
-    # Kept after a second walk under the same count only: a hook's handle is made before
-    # the hook goes into its dict, and a walk (another thread's call) in between finds none.
-    if graph.quiet_seen == handles:
-        graph.quiet_at = handles
-    graph.quiet_seen = handles
     return True
 
 

@@ -209,11 +209,8 @@ def test_direct_grads_defer_to_parameter_hooks():
     from parallel_modules._graphs import _direct_allowed
 
     params = tuple(nn.Parameter(torch.randn(2)) for _ in range(3))
-    graph = SimpleNamespace(params=params, quiet_at=None, quiet_seen=None)
-    assert _direct_allowed(graph) and graph.quiet_at is None
-    # Parameters seen twice without hooks under one handle count are not walked again until a
-    # handle is made (once only: a hook's handle is made before the hook is in its dict).
-    assert _direct_allowed(graph) and graph.quiet_at is not None
+    graph = SimpleNamespace(params=params)
+    assert _direct_allowed(graph) and _direct_allowed(graph)
     for register in (lambda p: p.register_hook(lambda g: g),
                      lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):
         handle = register(params[1])
@@ -267,8 +264,8 @@ def test_lent_gradients_are_the_graphs_buffers_until_taken_back(monkeypatch):
         assert all(g._version > v for g, v in zip(graph.param_copies.sources, versions))
 
 
-@pytest.mark.parametrize("holder", ["reference", "view", "storage", "another grad", "saved by autograd",
-                                    "re-pointed"])
+@pytest.mark.parametrize("holder", ["reference", "view", "detached", "data", "storage", "another grad",
+                                    "saved by autograd", "re-pointed"])
 def test_lent_gradients_still_held_are_not_taken_back(holder, monkeypatch):
     # Whatever still holds a lent gradient after zero_grad() -- a reference, a view, its storage,
     # another tensor's .grad, a tensor autograd saved -- or re-pointed it, keeps the replay
@@ -281,7 +278,8 @@ def test_lent_gradients_still_held_are_not_taken_back(holder, monkeypatch):
     p = graph.params[0]
     other = nn.Parameter(torch.zeros_like(p))
     w = torch.randn_like(p, requires_grad=True)
-    kept = {"reference": lambda: p.grad, "view": lambda: p.grad.view(-1), "storage": lambda: p.grad.untyped_storage(),
+    kept = {"reference": lambda: p.grad, "view": lambda: p.grad.view(-1), "detached": lambda: p.grad.detach(),
+            "data": lambda: p.grad.data, "storage": lambda: p.grad.untyped_storage(),
             "another grad": lambda: setattr(other, "grad", p.grad), "saved by autograd": lambda: (p.grad * w).sum(),
             "re-pointed": lambda: setattr(p.grad, "data", torch.zeros_like(p))}[holder]()
     if holder != "re-pointed":
@@ -290,6 +288,30 @@ def test_lent_gradients_still_held_are_not_taken_back(holder, monkeypatch):
     if holder == "re-pointed":
         assert torch.equal(p.grad, torch.zeros_like(p))  # what it was re-pointed at, not a copy of the buffer
     del kept
+
+
+def test_taking_lent_gradients_back_waits_for_other_hand_outs_to_the_same_parameters(monkeypatch):
+    # Another graph of the same parameters (another signature) may have summed into a lent
+    # gradient on its own stream: the replay about to overwrite it waits for that stream, and
+    # later hand-outs to those parameters wait for the replay's.
+    from parallel_modules import _graphs
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other: "Stream") -> None:
+            self.waited.append(other.name)
+
+    graph = _lending_graph(monkeypatch)
+    _replayed(graph)
+    _graphs._hand_out(graph.takers, graph.param_copies, graph)
+    other, unrelated, mine = Stream("other"), Stream("unrelated"), Stream("mine")
+    _graphs._hand_outs[graph.device] = {frozenset({id(graph.params[0])}): other, frozenset({-1}): unrelated}
+    for p in graph.params:
+        p.grad = None
+    assert graph.reclaim(mine)
+    assert mine.waited == ["other"] and _graphs._hand_outs[graph.device][graph.param_ids] is mine
 
 
 def test_accumulating_grad_gets_a_copy_of_its_lent_gradient(monkeypatch):
