@@ -154,6 +154,7 @@ _HELD: Any = object()
 class _GradsHeld(Exception):
     r"""Raised inside a training replay's forward, under the graph's lock, when ``_Graph.reclaim`` fails."""
 
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -706,7 +707,7 @@ class _Graph:
         r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
         if self.bwd is not None:
             token = self.token
-            direct = self.direct and _direct_allowed(self)
+            direct = self.direct and _direct_allowed(self.params)
             # Without ``direct``, the parameters are inputs as in any autograd graph,
             # followed by the token, through which a plain ``backward()`` is told apart.
             rest = (token,) if direct else self.params if token is None else (*self.params, token)
@@ -848,7 +849,7 @@ class _Replay(torch.autograd.Function):
             plain = _will_execute_node(graph.token_node)
             if ctx.direct:
                 if plain:
-                    if not _direct_allowed(graph):
+                    if not _direct_allowed(graph.params):
                         raise RuntimeError(
                             f"{graph.name}: a hook was registered on a parameter, or a torch.distributed process "
                             f"group created, between this call's forward and its backward, with direct_grads=True: "
@@ -858,7 +859,7 @@ class _Replay(torch.autograd.Function):
                         )
                     _HandOut.queue(graph)
                 return inputs + (graph.token_grad,)
-            if plain and _direct_allowed(graph):
+            if plain and _direct_allowed(graph.params):
                 # Nothing listens on the parameters: their gradients go to ``.grad`` at the
                 # end of the pass, in one go, and their accumulators get none (each then
                 # returns at once), which saves the engine most of its per-parameter work
@@ -875,8 +876,8 @@ def _in_place(grads: list[torch.Tensor | None], copies: list[torch.Tensor]) -> t
     return tuple(next(it) if g is not None else None for g in grads)
 
 
-def _direct_allowed(graph: _Graph) -> bool:
-    r"""Whether a training replay of ``graph`` may bypass its parameters' gradient accumulators on this call.
+def _direct_allowed(params: tuple[torch.Tensor, ...]) -> bool:
+    r"""Whether a training replay may bypass the parameters' gradient accumulators on this call.
 
     Not when anything may be listening on them: a hook on a parameter
     (``register_hook``, ``register_post_accumulate_grad_hook``), or a process
@@ -886,10 +887,7 @@ def _direct_allowed(graph: _Graph) -> bool:
     """
     if _will_execute_node is None or _distributed():
         return False
-    # (Walked on every call: a walk skipped while no hook handle was made since the last
-    # found none could miss a hook another thread was registering -- its handle is made
-    # before the hook goes into its dict -- for good; it saved about 5 us of a step.)
-    for p in graph.params:
+    for p in params:
         if p._backward_hooks or p._post_accumulate_grad_hooks:
             return False
     return True

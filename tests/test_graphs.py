@@ -204,20 +204,27 @@ def test_hand_out_gives_each_parameter_its_own_gradient():
 
 def test_direct_grads_defer_to_parameter_hooks():
     # A hook on a parameter listens on its accumulator: calls made meanwhile go through autograd.
-    from types import SimpleNamespace
-
     from parallel_modules._graphs import _direct_allowed
 
     params = tuple(nn.Parameter(torch.randn(2)) for _ in range(3))
-    graph = SimpleNamespace(params=params)
-    assert _direct_allowed(graph) and _direct_allowed(graph)
+    assert _direct_allowed(params) and _direct_allowed(params)
     for register in (lambda p: p.register_hook(lambda g: g),
                      lambda p: p.register_post_accumulate_grad_hook(lambda p: None)):
         handle = register(params[1])
-        assert not _direct_allowed(graph)
-        assert not _direct_allowed(graph)  # a hook found is looked for again on the next call
+        assert not _direct_allowed(params)
+        assert not _direct_allowed(params)  # a hook found is looked for again on the next call
         handle.remove()
-        assert _direct_allowed(graph)
+        assert _direct_allowed(params)
+
+
+class _Stream:
+    r"""A stand-in CUDA stream that notes which streams it was made to wait for."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.waited = name, []
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.waited.append(other.name)
 
 
 def _lending_graph(monkeypatch, shapes=((3, 4), (5,), (3, 4))):
@@ -296,17 +303,10 @@ def test_taking_lent_gradients_back_waits_for_other_hand_outs_to_the_same_parame
     # later hand-outs to those parameters wait for the replay's.
     from parallel_modules import _graphs
 
-    class Stream:
-        def __init__(self, name: str) -> None:
-            self.name, self.waited = name, []
-
-        def wait_stream(self, other: "Stream") -> None:
-            self.waited.append(other.name)
-
     graph = _lending_graph(monkeypatch)
     _replayed(graph)
     _graphs._hand_out(graph.takers, graph.param_copies, graph)
-    other, unrelated, mine = Stream("other"), Stream("unrelated"), Stream("mine")
+    other, unrelated, mine = _Stream("other"), _Stream("unrelated"), _Stream("mine")
     _graphs._hand_outs[graph.device] = {frozenset({id(graph.params[0])}): other, frozenset({-1}): unrelated}
     for p in graph.params:
         p.grad = None
@@ -360,14 +360,7 @@ def test_hand_outs_wait_for_earlier_ones_to_the_same_parameters_only(monkeypatch
     from parallel_modules import _graphs
     from parallel_modules._graphs import _after_hand_outs
 
-    class Stream:
-        def __init__(self, name: str) -> None:
-            self.name, self.waited = name, []
-
-        def wait_stream(self, other: "Stream") -> None:
-            self.waited.append(other.name)
-
-    a, b, c = Stream("a"), Stream("b"), Stream("c")
+    a, b, c = _Stream("a"), _Stream("b"), _Stream("c")
     last: dict = {}
     _after_hand_outs(last, frozenset({1, 2}), a)  # model 1 on stream a
     _after_hand_outs(last, frozenset({3, 4}), b)  # model 2 on stream b: unrelated
@@ -381,7 +374,7 @@ def test_hand_outs_wait_for_earlier_ones_to_the_same_parameters_only(monkeypatch
     # Past the bound, the oldest set is forgotten only after the newest hand-out's stream has
     # waited for it and taken its parameters on: a later hand-out to them still waits.
     monkeypatch.setattr(_graphs, "_MAX_HAND_OUTS", 3)
-    d, e = Stream("d"), Stream("e")
+    d, e = _Stream("d"), _Stream("e")
     _after_hand_outs(last, frozenset({6}), d)  # forgets {2, 5} (c), the oldest
     assert d.waited == ["c"] and len(last) == 3
     _after_hand_outs(last, frozenset({5}), e)  # waits for d, which came after c (and forgets a)
