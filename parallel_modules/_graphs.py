@@ -654,10 +654,15 @@ class _Graph:
         _after_hand_outs(_hand_outs.setdefault(self.device, {}), self.param_ids, stream)
         if list(map(_data_ptr, self.lent)) != self.lent_at:
             return False
-        if self._rehome():
-            self.lends_grads = False
+        # Counted first: after ``zero_grad()`` -- every step of a usual loop -- nothing but
+        # this graph holds them, and the ``.grad`` of every taker need not be read. (A
+        # ``.grad`` holding one adds to its use count, so equal counts mean none does.)
         if self._lent_counts() != self.lent_counts:
-            return False
+            if not self._rehome():
+                return False
+            self.lends_grads = False
+            if self._lent_counts() != self.lent_counts:
+                return False
         _bump_versions(self.lent)
         self.grads_lent = False
         return True
@@ -786,7 +791,8 @@ class _Replay(torch.autograd.Function):
                 *inputs: torch.Tensor) -> tuple:
         ctx.direct = direct
         # (Taking back lent gradients writes ``.grad``, as hand-outs do: in their lock order.)
-        with _hand_outs_lock if graph.lends_grads else contextlib.nullcontext(), graph.lock:
+        # (``grads_lent`` too: a graph that stopped lending may still have gradients out.)
+        with _hand_outs_lock if graph.lends_grads or graph.grads_lent else contextlib.nullcontext(), graph.lock:
             stream = _current_stream(graph.device)
             graph._order(stream)
             if graph.pending is not None:  # (another thread's backward pass has not ended yet)

@@ -314,6 +314,24 @@ def test_taking_lent_gradients_back_waits_for_other_hand_outs_to_the_same_parame
     assert mine.waited == ["other"] and _graphs._hand_outs[graph.device][graph.param_ids] is mine
 
 
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_a_kept_gradient_is_not_taken_back_whatever_grad_holds(zero_grad, monkeypatch):
+    # Reclaim reads .grad only when the counts differ from the lent baseline; a gradient kept
+    # elsewhere must still be refused when .grad also holds it (accumulation), after the
+    # .grad that held it got its copy.
+    from parallel_modules._graphs import _hand_out
+
+    graph = _lending_graph(monkeypatch)
+    _replayed(graph)
+    _hand_out(graph.takers, graph.param_copies, graph)
+    kept = graph.params[1].grad
+    if zero_grad:
+        for p in graph.params:
+            p.grad = None
+    assert not graph.reclaim(None)
+    del kept
+
+
 def test_accumulating_grad_gets_a_copy_of_its_lent_gradient(monkeypatch):
     # zero_grad() not called (or set_to_none=False): .grad still holds its lent gradient when the
     # next forward comes. It gets a copy, the graph stops lending, and the next hand-out sums.
