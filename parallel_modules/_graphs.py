@@ -638,7 +638,9 @@ class _Graph:
         gradient kept for later) shows in its reference count, a C++ one
         (another ``.grad``, a tensor autograd saved) or a view in its use
         count, a kept storage in the count of the storage's Python object, and
-        one of them re-pointed (``.data = ...``) in where it lies; then this
+        one of them re-pointed (``.data = ...``) in where it lies (not one
+        re-pointed at another storage made over the same memory, whose
+        owner then holds it from outside torch); then this
         returns ``False`` and the call runs otherwise (see
         ``_CudaGraphs._held``). A ``.grad`` still holding its lent gradient
         (gradients accumulated over several backward passes: ``zero_grad()``

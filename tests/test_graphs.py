@@ -314,22 +314,40 @@ def test_taking_lent_gradients_back_waits_for_other_hand_outs_to_the_same_parame
     assert mine.waited == ["other"] and _graphs._hand_outs[graph.device][graph.param_ids] is mine
 
 
-@pytest.mark.parametrize("zero_grad", [True, False])
-def test_a_kept_gradient_is_not_taken_back_whatever_grad_holds(zero_grad, monkeypatch):
-    # Reclaim reads .grad only when the counts differ from the lent baseline; a gradient kept
-    # elsewhere must still be refused when .grad also holds it (accumulation), after the
-    # .grad that held it got its copy.
+def test_a_kept_gradient_is_not_taken_back_when_grad_holds_it_too(monkeypatch):
+    # Reclaim reads .grad only when the counts differ from the lent baseline. With .grad still
+    # holding its lent gradient (accumulation) and a reference kept elsewhere, the .grad gets its
+    # copy, and the kept reference must still be seen, by counting again.
     from parallel_modules._graphs import _hand_out
 
     graph = _lending_graph(monkeypatch)
     _replayed(graph)
     _hand_out(graph.takers, graph.param_copies, graph)
     kept = graph.params[1].grad
-    if zero_grad:
-        for p in graph.params:
-            p.grad = None
     assert not graph.reclaim(None)
+    assert not graph.lends_grads
+    for p, g in zip(graph.params, graph.param_copies.sources):
+        assert p.grad.data_ptr() != g.data_ptr() and torch.equal(p.grad, g)
     del kept
+
+
+def test_a_grad_of_the_callers_own_is_left_alone_and_lending_goes_on(monkeypatch):
+    # Equal counts with a .grad set: the caller's own tensor, not a lent one. Nothing is copied,
+    # the gradients are taken back, and the next hand-out after zero_grad() lends again.
+    from parallel_modules._graphs import _hand_out
+
+    graph = _lending_graph(monkeypatch)
+    _replayed(graph)
+    _hand_out(graph.takers, graph.param_copies, graph)
+    for p in graph.params:
+        p.grad = None
+    own = torch.zeros_like(graph.params[0])
+    graph.params[0].grad = own
+    assert graph.reclaim(None) and graph.lends_grads and graph.params[0].grad is own
+    for p in graph.params:
+        p.grad = None
+    _hand_out(graph.takers, graph.param_copies, graph)
+    assert graph.grads_lent and graph.params[0].grad.data_ptr() == graph.param_copies.sources[0].data_ptr()
 
 
 def test_accumulating_grad_gets_a_copy_of_its_lent_gradient(monkeypatch):
