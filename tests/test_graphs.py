@@ -350,6 +350,40 @@ def test_a_grad_of_the_callers_own_is_left_alone_and_lending_goes_on(monkeypatch
     assert graph.grads_lent and graph.params[0].grad.data_ptr() == graph.param_copies.sources[0].data_ptr()
 
 
+def test_gradients_still_out_are_taken_back_under_the_hand_outs_lock(monkeypatch):
+    # A graph that stopped lending (its last reclaim gave an accumulating .grad a copy, and was
+    # refused) may still have gradients out, which a thread that picked the graph up earlier
+    # takes back: that writes .grad and the hand-outs' order, so it takes the hand-outs' lock.
+    from parallel_modules import _graphs
+
+    graph = _lending_graph(monkeypatch)
+    _replayed(graph)
+    _graphs._hand_out(graph.takers, graph.param_copies, graph)
+    graph.lends_grads = False  # (as a refused reclaim after a rehome leaves it)
+    taken = []
+
+    class _Lock:
+        def __enter__(self):
+            taken.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    class _Ctx:
+        def mark_non_differentiable(self, *tensors):
+            pass
+
+    monkeypatch.setattr(_graphs, "_hand_outs_lock", _Lock())
+    monkeypatch.setattr(_graphs, "_current_stream", lambda device: _Stream("caller"))
+    monkeypatch.setattr(_graphs, "_launch", lambda g: None)
+    graph.lock, graph.last, graph.pending, graph.gen = threading.Lock(), None, None, 0
+    graph.fwd, graph.outputs, graph.out_grad = None, [], []
+    for p in graph.params:
+        p.grad = None
+    _graphs._Replay.forward(_Ctx(), graph, False, True)
+    assert taken and not graph.grads_lent
+
+
 def test_accumulating_grad_gets_a_copy_of_its_lent_gradient(monkeypatch):
     # zero_grad() not called (or set_to_none=False): .grad still holds its lent gradient when the
     # next forward comes. It gets a copy, the graph stops lending, and the next hand-out sums.
