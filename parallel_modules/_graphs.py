@@ -482,14 +482,22 @@ class _GradCopies:
     def _counts(kept: list[torch.Tensor], owners: list[torch.Tensor]) -> list[int]:
         counts = list(map(sys.getrefcount, kept))
         counts += map(sys.getrefcount, owners)
-        for t in owners:
-            storage = t.untyped_storage()
-            # A storage's Python object is one per storage and holds it once, however
-            # many hold the object: a held one shows in the object's count.
-            counts.append(sys.getrefcount(storage))
-            if _use_count is not None:  # views, and anything else holding the memory
-                counts.append(_use_count(storage._cdata))
+        counts += _storage_holders([t.untyped_storage() for t in owners])
         return counts
+
+
+def _storage_holders(storages: list[Any]) -> list[int]:
+    r"""Who holds each of ``storages``: references to its Python object, then C++ ones to the storage.
+
+    A storage's Python object is one per storage and holds it once, however
+    many hold the object: a held one shows in the object's count. Views, and
+    anything else holding the memory, show in the storage's use count (where
+    torch exposes it).
+    """
+    counts = list(map(sys.getrefcount, storages))
+    if _use_count is not None:
+        counts += [_use_count(s._cdata) for s in storages]
+    return counts
 
 
 class _Graph:
@@ -626,8 +634,7 @@ class _Graph:
         r"""Who holds the lent gradients: Python references to each and its storage's object, C++ ones to each and its storage."""
         counts = list(map(sys.getrefcount, self.lent))
         counts += map(_tensor_uses, self.lent)  # (``.grad``, autograd's saved tensors, views)
-        counts += map(sys.getrefcount, self.lent_storages)
-        counts += [_use_count(o._cdata) for o in self.lent_storages]  # (anything else holding the memory)
+        counts += _storage_holders(self.lent_storages)
         return counts
 
     def reclaim(self, stream: torch.cuda.Stream) -> bool:
