@@ -128,6 +128,48 @@ def gpu_medians(calls: dict[str, Callable[[], object]], rounds: int = 30, per_sa
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def host_medians(calls: dict[str, Callable[[], object]], rounds: int = 25, per_sample: int = 200,
+                 warmup: int = 50) -> dict[str, float]:
+    r"""Median host microseconds per call of each entry, sampled interleaved (``per_sample`` calls, then a sync)."""
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(per_sample):
+                fn()
+            times[name].append((time.perf_counter() - t0) * 1e6 / per_sample)
+            torch.cuda.synchronize()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+               x: torch.Tensor) -> tuple[Callable[[], None], dict[str, list[float]]]:
+    r"""The benchmark's training step on ``x``, and the host microseconds of each of its parts, one entry per step.
+
+    ``zero_grad(set_to_none=True)``, the forward and ``square().mean()``, ``backward()``, the optimizer's ``step``.
+    """
+    parts: dict[str, list[float]] = {k: [] for k in ("zero_grad", "forward+loss", "backward", "opt.step")}
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        loss = model(x).square().mean()
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        opt.step()
+        t4 = time.perf_counter()
+        for k, a, b in zip(parts, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+            parts[k].append((b - a) * 1e6)
+
+    return step, parts
+
+
 def hand_fork_join(branches: list, x: torch.Tensor, caller, sides: list, fork, joins: list,
                    release: str | None = "wait", events: bool = True, switch: bool = True) -> torch.Tensor:
     r"""The fork/join of ``_streams._run_forked`` written out by hand for ``branches`` on ``x``, joined by cat.

@@ -9,7 +9,6 @@ drops them), whether the module's graph reads its input in place and lends its o
 each replays (torch.profiler, CUDA activity, 5 calls), summed by name.
 """
 import collections
-import statistics
 
 import torch
 from torch import nn
@@ -17,6 +16,7 @@ from torch import nn
 from parallel_modules import ParallelSequential
 from parallel_modules._cases import PIPELINES
 from parallel_modules.bench import _capture
+from _timing import gpu_medians  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -41,20 +41,10 @@ with torch.no_grad():
             diff = (out - ref).abs().max().item()
             del out
         print(f"  {name}: max abs difference from eager {diff:.3g}")
-    times = collections.defaultdict(list)
-    for _ in range(15):
-        for name, fn in variants.items():
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(10):
-                fn(x)
-            b.record()
-            torch.cuda.synchronize()
-            times[name].append(a.elapsed_time(b) * 100)
+    medians = gpu_medians({name: (lambda fn=fn: fn(x)) for name, fn in variants.items()}, rounds=15, per_sample=10)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}: encdec b8 fp32, GPU us per call (medians)")
-    for name, ts in times.items():
-        print(f"  {name:<56}{statistics.median(ts):9.1f}")
+    for name, us in medians.items():
+        print(f"  {name:<56}{us:9.1f}")
     for name in ("ParallelSequential chunks=1 cuda_graph", "ParallelSequential chunks=1 cuda_graph static_outputs"):
         g = variants[name]._graphs._hot[1]
         print(f"  {name}: reader={g.reader is not None} lent={g.lending.lent} kept={g.lending.kept} "

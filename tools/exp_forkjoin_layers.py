@@ -8,16 +8,14 @@ loop, a hand-written fork/join, the pool lookups, ``_run_forked``, ``Parallel._r
 so the host's drift hits them alike; medians per call are printed with the step from the
 previous variant.
 """
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
 from parallel_modules import Parallel
 from parallel_modules._streams import _current_stream, _pool, _run_forked
-from _timing import hand_fork_join  # tools/ is the script's directory
+from _timing import hand_fork_join, host_medians  # tools/ is the script's directory
 
 dev = torch.device("cuda")
 x = torch.randn(8, 16, device=dev)
@@ -51,21 +49,9 @@ variants = {
     "Parallel._run": lambda: par._run((x,), {}, dev, None, False),
     "Parallel()": lambda: par(x),
 }
-samples = {k: [] for k in variants}
 with torch.no_grad():
-    for fn in variants.values():
-        for _ in range(300):
-            fn()
-    torch.cuda.synchronize()
-    for _ in range(15):
-        for k, fn in variants.items():
-            t0 = time.perf_counter()
-            for _ in range(1000):
-                fn()
-            samples[k].append((time.perf_counter() - t0) * 1e3)  # us per call
-            torch.cuda.synchronize()
+    medians = host_medians(variants, rounds=15, per_sample=1000, warmup=300)
 prev = None
-for k, s in samples.items():
-    m = statistics.median(s)
+for k, m in medians.items():
     print(f"N={n} {k:<24}{m:8.1f} us" + (f"  {m - prev:+6.1f}" if prev is not None else ""))
     prev = m

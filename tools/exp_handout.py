@@ -9,11 +9,11 @@ graph's gradient buffers into the copies handed to ``.grad`` (one multi-tensor c
 sampled interleaved; medians of microseconds per call.
 """
 import operator
-import statistics
 import sys
-import time
 
 import torch
+
+from _timing import host_medians  # tools/ is the script's directory
 
 dev = torch.device("cuda")
 shapes = [(256, 256), (256,)] * 32
@@ -104,19 +104,8 @@ variants = {k: v for k, v in globals().items() if callable(v) and k in (
     "hooks_loop", "held_list", "held_map", "refs_list", "refs_map")}
 cat_out()
 assert all(torch.equal(v, s) for v, s in zip(views, sources))
-samples = {k: [] for k in variants}
 N = 200
-for fn in variants.values():
-    for _ in range(50):
-        fn()
-torch.cuda.synchronize()
-for _ in range(25):
-    for k, fn in variants.items():
-        t0 = time.perf_counter()
-        for _ in range(N):
-            fn()
-        samples[k].append((time.perf_counter() - t0) * 1e6 / N)
-        torch.cuda.synchronize()
+medians = host_medians(variants, rounds=25, per_sample=N, warmup=50)
 print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}: host us per call, medians of 25 x {N} calls")
-for k, v in samples.items():
-    print(f"{k:<14}{statistics.median(v):8.2f}")
+for k, m in medians.items():
+    print(f"{k:<14}{m:8.2f}")

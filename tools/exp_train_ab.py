@@ -11,7 +11,6 @@ and the host's per part, rounds interleaved, medians; then the parameters after 
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -19,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pm_before"))
 import pm_before  # noqa: E402
 from parallel_modules import Parallel  # noqa: E402
 from parallel_modules._cases import CASES, SequentialBranches  # noqa: E402
-from _timing import gpu_medians  # noqa: E402  (tools/ is the script's directory)
+from _timing import gpu_medians, train_step  # noqa: E402  (tools/ is the script's directory)
 
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = torch.device("cuda")
@@ -38,22 +37,7 @@ for label, spec in variants.items():
         b.load_state_dict(src.state_dict())
     model = SequentialBranches(br, case.join, case.dim) if spec is None else spec[0](
         *br, join=case.join, dim=case.dim, cuda_graph=True, **spec[1])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    parts = {k: [] for k in ("forward+loss", "backward", "step")}
-
-    def step(model=model, opt=opt, parts=parts):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = model(x).square().mean()
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        for k, a, b in zip(parts, (t0, t1, t2), (t1, t2, t3)):
-            parts[k].append((b - a) * 1e6)
-
-    steps[label], models[label] = (step, parts), model
+    steps[label], models[label] = train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), x), model
 for _ in range(30):
     for step, _ in steps.values():
         step()

@@ -26,7 +26,7 @@ import torch
 
 from parallel_modules import Parallel
 from parallel_modules._cases import CASES, SequentialBranches
-from _timing import gpu_medians, op_table, profile  # tools/ is the script's directory
+from _timing import gpu_medians, op_table, profile, train_step  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = torch.device("cuda")
@@ -50,26 +50,7 @@ for label, kw in variants:
         b.load_state_dict(src.state_dict())
     model = case.model(SequentialBranches(br, case.join, case.dim) if kw is None else
                        Parallel(*br, join=case.join, dim=case.dim, **kw), dev, torch.float32)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def make(model=model, opt=opt):
-        parts = {k: [] for k in ("zero_grad", "forward+loss", "backward", "opt.step")}
-
-        def step():
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            t1 = time.perf_counter()
-            loss = model(x).square().mean()
-            t2 = time.perf_counter()
-            loss.backward()
-            t3 = time.perf_counter()
-            opt.step()
-            t4 = time.perf_counter()
-            for k, a, b in zip(parts, (t0, t1, t2, t3), (t1, t2, t3, t4)):
-                parts[k].append((b - a) * 1e6)
-        return step, parts
-
-    steps[label] = make()
+    steps[label] = train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), x)
     params[label] = model
     if "accumulators" in label:
         steps[label][0]()  # captures
