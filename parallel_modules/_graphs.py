@@ -1373,7 +1373,9 @@ class _CudaGraphs:
         ran the old hooks); the next call captures anew. Hook dicts are
         compared only when a hook was registered somewhere since (the
         handles' counter moved) or while the owner has hooks (removing one
-        moves nothing). Tensors swapped in for one call
+        moves nothing). (PyTorch makes a hook's handle before it enters the
+        hook in its dict: one another thread enters after this looked is seen
+        only when the next handle is made anywhere.) Tensors swapped in for one call
         (``torch.func.functional_call``) run that call eagerly; the same ones
         found for ``_SWAPS_KEPT`` calls in a row are the owner's own now (a
         child's buffers replaced by ``block[0].half()``, which only the
