@@ -19,6 +19,7 @@ which, through that chain of events, follows every piece of every lane.
 from __future__ import annotations
 
 import importlib
+import operator
 import threading
 import weakref
 from collections import OrderedDict
@@ -145,25 +146,41 @@ class _SoftmaxDims(TorchFunctionMode):
     check on the traced shapes; nothing of it enters the graph). Only on
     tensors that may hold the batch along dimension 0: not a parameter (a
     softmax over learned mixing weights), nor one with fewer rows than a
-    micro-batch has samples (``smallest``).
+    micro-batch has samples (``smallest``; ``None`` while a compiler traces a
+    dynamic batch size: then those whose dimension 0 is symbolic, which only
+    sizes derived from the batch are -- comparing sizes would add guards that
+    break the dynamic dimension). And only the calls the stock layers make
+    (``_stacklevel=5``, where the functional API's own default is 3), unless a
+    listed layer's class has a ``forward`` of its own: a softmax of the
+    functional API elsewhere in a stage (over a vector of mixing weights
+    computed from a parameter) is not one of the layers', whatever its dim.
     """
 
     _FUNCTIONS = frozenset((torch.nn.functional.softmax, torch.nn.functional.log_softmax,
                             torch.nn.functional.softmin))
+    _STOCK_FORWARDS = frozenset(c.forward for c in _SOFTMAXES)
 
     def __init__(self, owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]],
-                 smallest: int) -> None:
+                 smallest: int | None) -> None:
         super().__init__()
         self.owner, self.plan, self.layers, self.smallest = owner, plan, layers, smallest
 
+    def _batched(self, t: torch.Tensor) -> bool:
+        r"""Whether ``t`` may hold the batch along dimension 0 (see the class)."""
+        if isinstance(t, nn.Parameter) or not t.dim():
+            return False
+        rows = t.shape[0]
+        return isinstance(rows, torch.SymInt) if self.smallest is None else rows >= self.smallest
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if (func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor)
-                and not isinstance(args[0], nn.Parameter) and args[0].dim() and args[0].shape[0] >= self.smallest):
+        if func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor) and self._batched(args[0]):
             written = kwargs.get("dim", args[1] if len(args) > 1 else None)
             ndim = args[0].dim()
             dim = (0 if ndim in (0, 1, 3) else 1) if written is None else written % max(ndim, 1)
-            layers = [(i, q, m) for i, q, m in self.layers if _softmax_dim(m) == written]
+            stock = kwargs.get("_stacklevel") == 5
+            layers = [(i, q, m) for i, q, m in self.layers if _softmax_dim(m) == written
+                      and (stock or type(m).forward not in self._STOCK_FORWARDS)]
             if dim == 0 and layers:
                 i, qual, m = layers[0]
                 raise RuntimeError(
@@ -200,6 +217,14 @@ def _batch_second(m: nn.Module) -> bool:
                            nn.Transformer)) and not getattr(m, "batch_first", True))
 
 
+def _recurrent_tail(stage: nn.Module) -> bool:
+    r"""Whether ``stage`` ends in a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) whose
+    result it returns: the layer itself, or the last of ``nn.Sequential`` containers."""
+    while type(stage) is nn.Sequential and len(stage):
+        stage = stage[-1]
+    return isinstance(stage, nn.RNNBase)
+
+
 class ParallelSequential(nn.Sequential):
     r"""A :class:`torch.nn.Sequential` whose stages run as a pipeline over micro-batches.
 
@@ -222,7 +247,10 @@ class ParallelSequential(nn.Sequential):
     or dict of tensors that all share the batch size along dimension 0
     (non-tensor leaves are passed to every piece as they are). As in
     :class:`torch.nn.Sequential`, each stage receives the previous stage's
-    output as its single argument.
+    output as its single argument. A last stage ending in a recurrent layer
+    (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, alone or last in an
+    ``nn.Sequential``) returns its final hidden states as that layer does:
+    joined along their batch dimension, 1.
 
     A CPU input to a module whose parameters live on a CUDA device is copied
     micro-batch by micro-batch on a copy stream, through pinned memory and
@@ -353,6 +381,11 @@ class ParallelSequential(nn.Sequential):
 
     @chunks.setter
     def chunks(self, value: int) -> None:
+        if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
+            try:
+                value = operator.index(value)  # (a NumPy integer, as ``tensor_split`` takes)
+            except TypeError:
+                pass  # (a float tensor: refused below)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             error = TypeError if isinstance(value, bool) or not isinstance(value, int) else ValueError
             raise error(
@@ -687,6 +720,9 @@ class ParallelSequential(nn.Sequential):
         cannot be joined into the whole batch's. (Where such a value happens to
         have as many rows as every micro-batch has samples, it looks batched and
         is concatenated: stages must be batch-independent, see the class.)
+        A last stage ending in a recurrent layer returns ``(output, h_n)`` or
+        ``(output, (h_n, c_n))``, whose final hidden states hold the batch along
+        dimension 1 (``batch_first`` or not): joined along it.
         Non-tensor leaves pass on only where they are ``None`` or the input's
         own, the same object from every micro-batch: anything else a stage
         computed on a micro-batch (``x.shape[0]``) need not be the whole batch's.
@@ -695,12 +731,25 @@ class ParallelSequential(nn.Sequential):
             return outputs[0]
         sizes = [_batch_size(p) for p in pieces]
 
-        def batched(column: Sequence[torch.Tensor]) -> torch.Tensor:
-            if any(t.dim() == 0 or t.shape[0] != n for t, n in zip(column, sizes)):
-                raise TypeError(f"tensors not batched like the micro-batches (of {sizes} samples)")
-            return torch.cat(list(column), 0)
+        def batched(column: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+            if any(t.dim() <= dim or t.shape[dim] != n for t, n in zip(column, sizes)):
+                raise TypeError(f"tensors not batched like the micro-batches (of {sizes} samples)"
+                                + (f" along dimension {dim}" if dim else ""))
+            return torch.cat(list(column), dim)
 
         try:
+            stages = list(self._modules.values())
+            if stages and _recurrent_tail(stages[-1]) and all(
+                    type(o) is tuple and len(o) == 2 and isinstance(o[0], torch.Tensor) for o in outputs):
+                hidden = [o[1] for o in outputs]
+                if all(isinstance(h, torch.Tensor) and h.dim() == 3 for h in hidden):
+                    return batched([o[0] for o in outputs]), batched(hidden, 1)
+                if all(type(h) is tuple and len(h) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 3
+                                                                 for t in h) for h in hidden):
+                    return batched([o[0] for o in outputs]), tuple(batched(c, 1) for c in zip(*hidden))
+                raise TypeError("the recurrent layer ending the last stage returned hidden states without a "
+                                "batch dimension: its input was unbatched (2-D), which micro-batches cut along "
+                                "its sequence")
             if all(isinstance(o, torch.Tensor) for o in outputs):
                 first = outputs[0]
                 if all(o is first for o in outputs[1:]):
@@ -838,8 +887,10 @@ class ParallelSequential(nn.Sequential):
                 key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
                 tracing = _is_tracing()
                 if tracing or key not in self._softmax_checked:
-                    batch = _batch_size(input) or 0
-                    with _SoftmaxDims(self, plan, layers, max(batch // self._chunks, 1)):
+                    smallest = None
+                    if not (tracing and _symbolic_batch(input)):
+                        smallest = max((_batch_size(input) or 0) // self._chunks, 1)
+                    with _SoftmaxDims(self, plan, layers, smallest):
                         output = self._forward(input)
                     if not tracing:  # (each trace checks: a tracer would record the add as a side effect)
                         self._softmax_checked.add(key)

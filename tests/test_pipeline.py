@@ -68,6 +68,18 @@ def test_no_stages() -> None:
         ParallelSequential(OrderedDict())
 
 
+def test_chunks_takes_integers_of_other_types() -> None:
+    # Before: a NumPy integer was refused as not an int, where tensor_split takes it.
+    np = pytest.importorskip("numpy")
+    model = ParallelSequential(nn.Linear(2, 2), chunks=np.int64(3))
+    assert model.chunks == 3 and type(model.chunks) is int
+    model.chunks = torch.tensor(2)
+    assert model.chunks == 2 and type(model.chunks) is int
+    with pytest.raises(TypeError, match="chunks must be an int >= 1"):
+        model.chunks = torch.tensor(2.5)
+    assert model.chunks == 2
+
+
 @pytest.mark.parametrize("chunks", [0, -1, 1.5, True, "2", None])
 def test_bad_chunks(chunks) -> None:
     error = ValueError if type(chunks) is int else TypeError  # (an int below 1, or not an int)
@@ -896,6 +908,58 @@ def test_a_softmax_over_a_parameter_is_not_taken_for_a_layer_across_the_batch() 
     # The same softmax on a batched tensor along dimension 0 is still refused.
     with pytest.raises(RuntimeError, match=r"(?s)stage '1' \(index 1\) contains '1.0'.*dimension 0"):
         ParallelSequential(nn.Identity(), nn.Sequential(nn.Softmax(dim=-1)), chunks=2)(torch.randn(6))
+
+
+class _TemperedMix(_ScalarMix):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.nn.functional.softmax(self.w / 0.5, dim=-1)  # (over a tensor made from the parameter)
+        return a * x + b * x.tanh()
+
+
+def test_a_functional_softmax_is_not_taken_for_a_softmax_layer_of_the_same_dim() -> None:
+    # Before: refused, blaming stage 0's Softmax(dim=-1) for the functional softmax stage 1
+    # calls on a 1-D tensor of two mixing weights (as many as a micro-batch's samples).
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=-1)), _TemperedMix()]
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(ParallelSequential(*stages, chunks=2)(x), nn.Sequential(*stages)(x))
+    # The layer itself on a 1-D input normalizes across the batch: still refused, and named.
+    with pytest.raises(RuntimeError, match=r"(?s)stage '0' \(index 0\) contains '0.1'.*dimension 0"):
+        ParallelSequential(nn.Sequential(nn.Identity(), nn.Softmax(dim=-1)), chunks=2)(torch.randn(6))
+
+
+class _OwnSoftmax(nn.Softmax):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (no _stacklevel, as a subclass may write it)
+        return torch.nn.functional.softmax(x, self.dim)
+
+
+def test_a_softmax_layer_with_a_forward_of_its_own_is_still_checked() -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)contains '1' \(_OwnSoftmax\(dim=-2\)\).*dimension 0"):
+        ParallelSequential(nn.Identity(), _OwnSoftmax(dim=-2), chunks=2)(torch.randn(6, 3))
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(ParallelSequential(nn.Identity(), _OwnSoftmax(dim=-1), chunks=2)(x), x.softmax(-1))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.LSTM(3, 5, num_layers=2, batch_first=True),
+    lambda: nn.LSTM(3, 5, num_layers=2, batch_first=True, bidirectional=True, proj_size=2),
+    lambda: nn.GRU(3, 5, batch_first=True),
+    lambda: nn.Sequential(nn.Linear(3, 3), nn.RNN(3, 5, num_layers=2, batch_first=True)),
+], ids=["lstm", "lstm-bidirectional-proj", "gru", "sequential-rnn"])
+@pytest.mark.parametrize("batch,chunks", [(4, 2), (3, 3), (5, 2)])
+def test_a_recurrent_last_stage_joins_its_hidden_states_along_their_batch_dim(make, batch, chunks) -> None:
+    # Before: h_n and c_n, (layers, batch, hidden), were joined along dimension 0: a wrong
+    # shape, silently, where layers x directions equal a micro-batch's samples (2 and 2, 1 and
+    # 1), and refused as not batched elsewhere.
+    torch.manual_seed(0)
+    rnn = make()
+    x = torch.randn(batch, 6, 3)
+    expected = nn.Sequential(rnn)(x)
+    got = ParallelSequential(nn.Identity(), rnn, chunks=chunks)(x)
+    torch.testing.assert_close(got, expected)
+    # Unbatched, a 2-D input would be cut along its sequence: refused.
+    with pytest.raises(ValueError, match="(?s)cannot concatenate.*without a batch dimension"):
+        ParallelSequential(nn.Identity(), rnn, chunks=2)(torch.randn(6, 3))
 
 
 @pytest.mark.parametrize("style", ["parametrization", "hook"])

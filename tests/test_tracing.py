@@ -339,6 +339,23 @@ def test_pipeline_exported_with_a_dynamic_batch():
                 torch.testing.assert_close(program.module()(x), model(x))
 
 
+@pytest.mark.parametrize("layer", [nn.Softmax(dim=-1), nn.LogSoftmax(dim=-1)], ids=["softmax", "logsoftmax"])
+def test_pipeline_with_a_softmax_layer_exported_with_a_dynamic_batch(layer):
+    # Before: refused ("Constraints violated (batch)"): the softmax check compared the
+    # symbolic batch with a micro-batch's size, which added guards on it.
+    model = ParallelSequential(mlp(16, 16), layer, chunks=2).eval()
+    program = torch.export.export(model, (torch.randn(8, 16),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=2, max=64)},))
+    for n in (8, 13, 2):
+        x = torch.randn(n, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(x), model(x))
+    # Along dimension 0 it is refused with a dynamic batch as with a static one.
+    across = ParallelSequential(mlp(16, 16), type(layer)(dim=-2), chunks=2).eval()
+    with pytest.raises(RuntimeError, match="normalizes along dimension 0"):
+        torch.export.export(across, (torch.randn(8, 16),), dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},))
+
+
 @pytest.mark.parametrize("make", [lambda: Parallel(mlp(), mlp()), lambda: ParallelSequential(mlp(), chunks=2)],
                          ids=["Parallel", "ParallelSequential"])
 def test_jit_script_is_refused_with_what_works_instead(make):
