@@ -352,10 +352,23 @@ class _Group:
         self.snapshots: list[dict[str, Any]] = []
         self.scalars = False  # a member tensor of one element (see _watch._swapped)
         self.registrations = -1
-        self.program: list[_Step] | None = None
         # Whether the kernel takes every Linear layer, by (rows, dtype, device) of the input:
         # the part of kernel_layers that depends on the members, not on the call.
         self.kernel_shapes: dict[tuple, bool] = {}
+        # Stacks autograd saves for backward only where the step's input requires grad (a
+        # ``Linear``'s weight: a product saves each operand for the other's gradient), and
+        # never (an ``Embedding``'s weight: its backward reads the indices alone), as it
+        # saves the members' own tensors unfused (see _refuse_changed_members). Filled by
+        # _program.
+        self.saved_with_input: set[str] = set()
+        self.never_saved: set[str] = set()
+        # The batched steps, made now: made at the first call, under a compiler's trace, the
+        # assignment was a side effect it guarded on, and compiled the block a second time.
+        self.program: list[_Step] | None = None
+        try:
+            self.program = _program(self, self.template, "")
+        except Exception:
+            pass  # (made again at the first call, which raises it with the group's context)
 
     # Stacks ---------------------------------------------------------------
     def _tensors(self, entry: _Entry) -> list[torch.Tensor]:
@@ -454,9 +467,11 @@ class _Group:
         """
         return _watch._swapped(self.tensor_dicts, self.snapshots, self.scalars)
 
-    def _stacked(self, qual: str, tracing: bool, watched: list | None = None) -> torch.Tensor | None:
+    def _stacked(self, qual: str, tracing: bool, watched: list | None = None,
+                 input_grad: bool = True) -> torch.Tensor | None:
         r"""The stack of ``qual`` for this call (see :class:`_Unstack`); ``watched`` collects those that
-        carry gradients back, with their members' versions now (see :func:`_refuse_changed_members`)."""
+        carry gradients back and that autograd saves for backward (``input_grad``: the step's input
+        requires grad), with their members' versions now (see :func:`_refuse_changed_members`)."""
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
             return None
@@ -475,7 +490,8 @@ class _Group:
                                                                          or stacked.dtype.is_complex):
             tensors = self._tensors(entry)
             if any([t.requires_grad for t in tensors]):  # (members may be frozen one by one)
-                if watched is not None and entry.attr != "bias":  # (see _refuse_changed_members)
+                if (watched is not None and entry.attr != "bias" and qual not in self.never_saved
+                        and (input_grad or qual not in self.saved_with_input)):  # (see _refuse_changed_members)
                     watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
                 return _Unstack.apply(stacked, *tensors)
         return stacked
@@ -555,11 +571,12 @@ class _Group:
 
     def _run(self, x: torch.Tensor, tracing: bool) -> Any:
         watched: list | None = None
+        input_grad = [True]  # whether the input of the step running requires grad
         if not tracing and not torch.is_grad_enabled():
             get: _Get = self.stacks.get  # nothing to differentiate: the stacks as they are
         else:
             watched = None if tracing else []
-            get = lambda qual: self._stacked(qual, tracing, watched)  # noqa: E731
+            get = lambda qual: self._stacked(qual, tracing, watched, input_grad[0])  # noqa: E731
         program = self.program
         if program is None:
             program = self.program = _program(self, self.template, "")
@@ -568,6 +585,8 @@ class _Group:
             if not isinstance(value, _Value):
                 raise TypeError(f"a layer of {type(self.template).__name__} returned a structured value "
                                 f"where the next layer expects a tensor")
+            if watched is not None:
+                input_grad[0] = value.t.requires_grad
             value = step(value, get)
         if watched:
             _refuse_changed_members(value, watched)
@@ -585,9 +604,10 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
     ``optimizer.step()`` between a ``backward(retain_graph=True)`` and another
     backward); fused it would silently use the new values. So, when the
     gradient reaches ``value`` -- before any layer of the group runs its
-    backward -- the members' versions are compared with this call's. Biases
-    are left out: no batched layer saves one for backward, and unfused such a
-    change passes too.
+    backward -- the members' versions are compared with this call's. Left
+    out, as unfused autograd saves none of them and lets such a change pass:
+    biases, a ``Linear``'s weight where the layer's input does not require
+    grad (a probe on frozen features) and an ``Embedding``'s weight.
     """
     def check(grad: torch.Tensor) -> None:
         for qual, indices, tensors, versions in watched:
@@ -963,8 +983,9 @@ def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
             wt, bias = views[1], views[3]
         else:
             wt, bias = w.mT, None if b is None else b.unsqueeze(1)
-            views[:] = [w, wt, b, bias, None, None] if not w.requires_grad and (
-                b is None or not b.requires_grad) else [None] * 6
+            if not _is_tracing():  # (a trace's stacks are its own; written, a guard of it would fail)
+                views[:] = [w, wt, b, bias, None, None] if not w.requires_grad and (
+                    b is None or not b.requires_grad) else [None] * 6
         fewer = call.fewer_kernels
         if (fewer or (last and call.cat_joined)) and layout == _SHARED and t.dim() == 2:
             # Every member reads the same rows: one product with the members' weights
@@ -1068,6 +1089,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         return [lambda v, get: _Value(forward(v.t), v.layout)]
 
     if type(m) is nn.Linear:
+        group.saved_with_input.add(q("weight"))
         linear = _linear_step(group, m, prefix)
         if then is None:
             return [linear]
@@ -1165,6 +1187,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         # members' own: one out of range is out of range of the whole table for the
         # last member (too large) or the first (negative), and raises as unfused.
         w_name, padding_idx, rows = q("weight"), m.padding_idx, m.num_embeddings
+        group.never_saved.add(w_name)
 
         def embedding(v: _Value, get: _Get) -> Any:
             if v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0:

@@ -299,7 +299,7 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_placement", "_plans", "_tree", "_tuner", "_unwritten"})
+                           "_placement", "_plans", "_revision", "_tree", "_tuner", "_unwritten"})
 
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,

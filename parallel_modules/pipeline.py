@@ -331,7 +331,7 @@ class ParallelSequential(nn.Sequential):
 
     # The private state of an instance: no stage may take these names (see _check_name).
     _internal = frozenset({"_chunks", "_compiler", "_graphs", "_home", "_per_stage", "_placed", "_plan",
-                           "_softmax_checked", "_tree"})
+                           "_revision", "_softmax_checked", "_tree"})
 
     @overload
     def __init__(self, *stages: nn.Module, chunks: int = 1, cuda_graph: bool = False, max_graphs: int = 8,

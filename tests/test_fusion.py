@@ -1673,6 +1673,39 @@ def test_a_backward_after_the_weights_changed_in_place_is_refused_as_unfused(fus
     assert_close(x.grad, expected)
 
 
+@pytest.mark.parametrize("case", ["probe", "probe-input-grad", "mlp", "embedding"])
+def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(case):
+    # Before: fused, any weight changed in place refused the backward; unfused, autograd saves
+    # a Linear's weight only where its input requires grad (a probe on frozen features: not)
+    # and never an Embedding's (its backward reads the indices), and lets such a change pass.
+    torch.manual_seed(0)
+    if case == "embedding":
+        make, x = (lambda: nn.Embedding(10, 4)), torch.randint(0, 10, (5, 3))
+    elif case == "mlp":  # (the second Linear's input requires grad: saved, refused both ways)
+        make, x = (lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))), torch.randn(5, 4)
+    else:
+        make, x = (lambda: nn.Linear(4, 2)), torch.randn(5, 4, requires_grad=case == "probe-input-grad")
+    fused = Parallel(*[make() for _ in range(3)], fuse=True)
+    plain = copy.deepcopy(fused)
+    plain.fuse = False
+    outcomes = []
+    for block in (plain, fused):
+        loss = block(x).square().sum()
+        with torch.no_grad():
+            (block[0][-1] if case == "mlp" else block[0]).weight.mul_(0.9)  # (as an optimizer's step)
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e)
+            outcomes.append(None)
+        else:
+            outcomes.append([p.grad.clone() for p in block.parameters()])
+    assert (outcomes[0] is None) == (outcomes[1] is None) == (case in ("probe-input-grad", "mlp"))
+    if outcomes[0] is not None:
+        for a, b in zip(*outcomes):
+            assert_close(a, b)
+
+
 @pytest.mark.parametrize("regroup", ["eval", "double", "deepcopy", "averaged"])
 def test_a_member_frozen_after_construction_survives_a_regrouping(regroup):
     # Before: freezing one member's layer worked until the branches were grouped anew (eval()

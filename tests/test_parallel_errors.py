@@ -628,6 +628,8 @@ def _private_state(block: nn.Module, x: torch.Tensor) -> set[str]:
             block(x)
         block.eval()(x)
         block.to(torch.float64)(x.double())
+        block.max_graphs = 4  # (a setting changed: its revision, see _watch._change_setting)
+        block(x.double())
     if isinstance(block, Parallel):
         block.explain()
     return {name for name in vars(block) if name.startswith("_")} - set(vars(nn.Module()))
@@ -641,7 +643,7 @@ def test_branch_names_of_the_private_state_are_refused(settings):
     x = torch.randn(4, 8)
     names = _private_state(Parallel(nn.Linear(8, 4), nn.Linear(8, 4), **settings), x)
     assert names <= Parallel._internal, names - Parallel._internal  # (a new one: add it to _internal)
-    assert "_plans" in names
+    assert {"_plans", "_revision"} <= names
     for name in sorted(names):
         with pytest.raises(ValueError, match=f"Parallel: cannot name a branch {name!r}: Parallel has an attribute"):
             Parallel(OrderedDict([("a", nn.Linear(8, 4)), (name, nn.Linear(8, 4))]))
@@ -656,7 +658,7 @@ def test_stage_names_of_the_private_state_are_refused(settings):
     x = torch.randn(4, 8)
     names = _private_state(ParallelSequential(nn.Linear(8, 8), nn.Softmax(-1), **settings), x)
     assert names <= ParallelSequential._internal, names - ParallelSequential._internal
-    assert "_plan" in names
+    assert {"_plan", "_revision"} <= names
     for name in sorted(names):
         with pytest.raises(ValueError, match=f"ParallelSequential: cannot name a stage {name!r}"):
             ParallelSequential(OrderedDict([("enc", nn.Linear(8, 8)), (name, nn.Linear(8, 2))]), chunks=2)

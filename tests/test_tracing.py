@@ -232,10 +232,34 @@ def test_compiled_fused_block_ignores_hooks_elsewhere():
     counter = CompileCounter()
     compiled = torch.compile(model, fullgraph=True, backend=counter)
     with torch.no_grad():
-        model(x)  # (grouped eagerly first: a program built during the first trace costs one more)
+        model(x)
         for _ in range(4):
             assert_close(compiled(x), reference(model, x))
             unrelated.register_hook(lambda g: g).remove()
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-group", "mixed"])
+def test_a_fused_block_compiled_before_any_eager_call_is_traced_once(fuse, mixed):
+    # Before: twice. The group's batched steps were made at its first call, in the first
+    # trace, whose assignment dynamo guarded on; "auto" with mixed groups ran its first eager
+    # call unfused, so compiled after it too.
+    from torch._dynamo.testing import CompileCounter
+
+    if mixed and fuse is True:
+        pytest.skip("fuse=True refuses branches that differ")
+    torch.manual_seed(0)
+    branches = [_small_mlp(), _small_mlp()] + ([nn.Linear(8, 4)] if mixed else [])
+    model = Parallel(*branches, join="cat", fuse=fuse).eval()
+    x = torch.randn(5, 8)
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        if mixed:
+            model(x)
+        for _ in range(3):
+            assert_close(compiled(x), reference(model, x))
     assert counter.frame_count == 1
 
 
