@@ -898,32 +898,24 @@ class _ScalarMix(nn.Module):
         return a * x + b * x.tanh()
 
 
-def test_a_softmax_over_a_parameter_is_not_taken_for_a_layer_across_the_batch() -> None:
-    # Before: refused, blaming stage 0's Softmax(dim=-1), whose dim matched that of the
-    # functional softmax stage 1 calls on its 1-D parameter.
-    torch.manual_seed(0)
-    stages = [nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=-1)), _ScalarMix()]
-    x = torch.randn(6, 4)
-    torch.testing.assert_close(ParallelSequential(*stages, chunks=2)(x), nn.Sequential(*stages)(x))
-    # The same softmax on a batched tensor along dimension 0 is still refused.
-    with pytest.raises(RuntimeError, match=r"(?s)stage '1' \(index 1\) contains '1.0'.*dimension 0"):
-        ParallelSequential(nn.Identity(), nn.Sequential(nn.Softmax(dim=-1)), chunks=2)(torch.randn(6))
-
-
 class _TemperedMix(_ScalarMix):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = torch.nn.functional.softmax(self.w / 0.5, dim=-1)  # (over a tensor made from the parameter)
         return a * x + b * x.tanh()
 
 
-def test_a_functional_softmax_is_not_taken_for_a_softmax_layer_of_the_same_dim() -> None:
-    # Before: refused, blaming stage 0's Softmax(dim=-1) for the functional softmax stage 1
-    # calls on a 1-D tensor of two mixing weights (as many as a micro-batch's samples).
+@pytest.mark.parametrize("mix,batch", [(_ScalarMix, 6), (_TemperedMix, 4)], ids=["parameter", "from-parameter"])
+def test_a_functional_softmax_is_not_taken_for_a_softmax_layer_of_the_same_dim(mix, batch) -> None:
+    # Before: refused, blaming stage 0's Softmax(dim=-1), whose dim matched that of the
+    # functional softmax stage 1 calls on its 1-D parameter, or on a tensor made from it
+    # (two mixing weights: as many as a micro-batch's samples at batch 4).
     torch.manual_seed(0)
-    stages = [nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=-1)), _TemperedMix()]
-    x = torch.randn(4, 4)
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=-1)), mix()]
+    x = torch.randn(batch, 4)
     torch.testing.assert_close(ParallelSequential(*stages, chunks=2)(x), nn.Sequential(*stages)(x))
-    # The layer itself on a 1-D input normalizes across the batch: still refused, and named.
+    # The layers themselves on a batched 1-D tensor normalize across the batch: still refused, and named.
+    with pytest.raises(RuntimeError, match=r"(?s)stage '1' \(index 1\) contains '1.0'.*dimension 0"):
+        ParallelSequential(nn.Identity(), nn.Sequential(nn.Softmax(dim=-1)), chunks=2)(torch.randn(6))
     with pytest.raises(RuntimeError, match=r"(?s)stage '0' \(index 0\) contains '0.1'.*dimension 0"):
         ParallelSequential(nn.Sequential(nn.Identity(), nn.Softmax(dim=-1)), chunks=2)(torch.randn(6))
 
