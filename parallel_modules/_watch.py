@@ -59,32 +59,55 @@ def _install() -> None:
             _installed = True
 
 
-def _members(root: nn.Module) -> tuple[Any, ...]:
+def _members(root: nn.Module) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]:
+    r"""The submodules, parameters and settings revisions of ``root`` (see :func:`_change_setting`), and its buffers.
+
+    One walk of the tree, each module's own dicts read as they are: a module
+    or tensor held twice is listed twice, in both snapshots compared.
+    """
     modules = tuple(root.modules())
-    # (With each block's settings revision: see _change_setting.)
-    return (*modules, *root.parameters(), *root.buffers(), *[m.__dict__.get("_revision") for m in modules])
+    members = (*modules, *[p for m in modules for p in m._parameters.values() if p is not None],
+               *[m.__dict__.get("_revision") for m in modules])
+    return members, tuple([b for m in modules for b in m._buffers.values() if b is not None])
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return t.device, t.dtype, t.shape
 
 
 class _Tree:
     r"""The submodules, parameters and buffers of ``root`` when it was last looked at."""
 
-    __slots__ = ("seen", "members", "parameters")
+    __slots__ = ("seen", "members", "buffers", "parameters")
 
     def __init__(self, root: nn.Module) -> None:
         _install()
         self.seen = _changes
         # Held (not only their ids), so that an id is not reused by a new object while compared.
-        self.members = _members(root)
+        self.members, self.buffers = _members(root)
         # Without walking the tree again (whether any is trained, on a hot path).
         self.parameters = tuple(root.parameters())
 
     def same(self, root: nn.Module) -> bool:
-        r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered)."""
+        r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered).
+
+        A buffer assigned a new tensor of the same device, dtype and shape
+        (``self.steps = self.steps + 1`` in a ``forward``; assigning one runs
+        the registration hooks) leaves the tree the same: what blocks learnt
+        does not depend on which tensor it is, and what reads it by address
+        looks for itself (fused stacks bind anew, CUDA graphs see tensors
+        swapped in). Made anew at every call, schedules were tuned and graphs
+        captured anew at every call.
+        """
         if self.seen == _changes:
             return True
-        now = _members(root)
+        now, buffers = _members(root)
         if len(now) != len(self.members) or any(a is not b for a, b in zip(now, self.members)):
             return False
+        if len(buffers) != len(self.buffers) or any(
+                a is not b and _layout(a) != _layout(b) for a, b in zip(buffers, self.buffers)):
+            return False
+        self.buffers = buffers
         self.seen = _changes
         return True
 

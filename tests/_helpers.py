@@ -31,6 +31,19 @@ def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
     return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
 
 
+class Steps(nn.Module):
+    r"""Counts its calls in a buffer it assigns anew at each one (``self.steps = self.steps + 1``)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        return self.lin(x)
+
+
 class Queries(nn.Module):
     r"""Learned queries: returns its parameter of ``shape``, whatever the input."""
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from parallel_modules import Parallel
 from parallel_modules._cases import inception_branches, mlp_branches
+from tests._helpers import Steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 cuda = pytest.mark.cuda
@@ -43,6 +44,24 @@ def _reference(branches, *args) -> torch.Tensor:
 
 def _graph_warnings(record) -> list[str]:
     return [str(w.message) for w in record if "cuda_graph" in str(w.message) or "CUDA graph" in str(w.message)]
+
+
+@cuda
+def test_a_branch_assigning_a_buffer_in_forward_is_captured_once(monkeypatch):
+    # Before: the assignments made while capturing (registration hooks run) were taken for a
+    # changed tree at the next call, which freed the graphs and captured anew: every call.
+    from parallel_modules._graphs import _CudaGraphs
+
+    captures = []
+    capture = _CudaGraphs._capture
+    monkeypatch.setattr(_CudaGraphs, "_capture", lambda self, *a, **k: captures.append(1) or capture(self, *a, **k))
+    torch.manual_seed(0)
+    block = Parallel(Steps(16), Steps(16), cuda_graph=True).cuda().eval()
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 16, device="cuda")
+            assert torch.equal(block(x), torch.cat([m.lin(x) for m in block], 1))
+    assert len(captures) == 1
 
 
 # ---------------------------------------------------------------------- CPU
