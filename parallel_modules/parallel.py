@@ -813,6 +813,11 @@ class Parallel(nn.Module):
                 "branches unfused, or fuse=False."
             ) from failure
         fusion.disable(group, failure)
+        # Signatures planned with the group fused are planned anew at their next call, with the
+        # groups left (and explain() says what runs).
+        for key in [k for k, plan in self._plans.copy().items() if plan.fused]:
+            self._plans.pop(key, None)
+            self._tuner.forget(key)
         warnings.warn(f"{type(self).__name__}: branches {names} are identical but cannot run batched "
                       f"({type(failure).__name__}: {failure}); they run unfused from now on (see .explain()).",
                       UserWarning, stacklevel=4)

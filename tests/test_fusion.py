@@ -949,6 +949,8 @@ def test_vmap_failure_disables_group_once_and_says_why():
         warnings.simplefilter("error")  # not a warning on every call
         assert_close(p(x), reference(p, x))
     assert "running them batched failed" in p.explain()["unfused"]["0"]
+    # The signature planned fused before the group failed is planned anew (it said "fused").
+    assert list(p.explain()["schedules"].values()) == ["unfused, sequential"]
     forced = Parallel(*[Branchy() for _ in range(3)], fuse=True)
     with pytest.raises(RuntimeError, match="fuse=True, but branches"):
         forced(x)
