@@ -44,7 +44,7 @@ def _conv_relu(cin: int, cout: int, k: int) -> nn.Sequential:
 
 
 def inception_branches() -> list[nn.Module]:
-    r"""The Inception-style block of DESIGN.md: 192 channels in, 256 out (64+64+96+32)."""
+    r"""An Inception-style block: 192 channels in, 256 out (64+64+96+32), as the project's specification gives it."""
     return [
         _conv_relu(192, 64, 1),
         nn.Sequential(_conv_relu(192, 48, 1), _conv_relu(48, 64, 5)),

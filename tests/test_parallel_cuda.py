@@ -1,4 +1,4 @@
-"""``Parallel`` on CUDA streams: the reliability tests of DESIGN.md (1-3, 5-7, 9).
+"""``Parallel`` on CUDA streams: the reliability tests of the design specification (1-3, 5-7, 9).
 
 Every result is compared bit-for-bit with the sequential computation (fp32, TF32 off). The
 delay tests use ``torch.cuda._sleep`` (a kernel spinning for a number of GPU clock cycles)

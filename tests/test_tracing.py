@@ -1,4 +1,4 @@
-"""``Parallel`` under ``torch.export`` and ``torch.compile`` (DESIGN "Tracing", test 10).
+"""``Parallel`` under ``torch.export`` and ``torch.compile`` (the design specification's "Tracing", test 10).
 
 While a compiler traces, branches run one after the other: the traced program must hold no
 stream or event operations and must compute what the eager module computes. On CUDA the

@@ -1,6 +1,6 @@
 """Record the stream timelines shown by notebooks/timeline.ipynb (dev tool, run on the GPU machine).
 
-Profiles the Inception-style block of DESIGN.md (``parallel_modules/_cases.py``, batch 1, fp32,
+Profiles the Inception-style block of the benchmark (``parallel_modules/_cases.py``, batch 1, fp32,
 TF32 off, eval, no grad) twice -- as the plain sequential module and as
 ``Parallel(..., cuda_graph=True)`` -- and writes both timelines, kernel events only, to one
 compact JSON file (a few tens of kB) that can be committed::
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_timeline_trace: {e}", file=sys.stderr)
         return 1
     env = {k: timelines[0].metadata.get(k) for k in ("recorded", "gpu", "torch", "cuda", "python")}
-    meta = {**env, "case": "inception (DESIGN.md): 192 channels 35x35, 4 branches, cat on channels",
+    meta = {**env, "case": "inception: 192 channels 35x35, 4 branches, cat on channels",
             "batch": args.batch, "dtype": "float32", "shape": list(x.shape), "calls": args.calls,
             "tool": "tools/make_timeline_trace.py"}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
