@@ -1639,6 +1639,8 @@ class _CudaGraphs:
             buffers = list(owner.buffers())
             with torch.no_grad():
                 saved = [b.clone() for b in buffers]
+            # Each module's buffers as they are: a forward assigning one anew is refused (see _reassigned).
+            slots = [(name, m, dict(m._buffers)) for name, m in owner.named_modules() if m._buffers]
             autocast_cache = torch.is_autocast_cache_enabled()
             # Casts cached by autocast outside the graph would be read by address
             # and freed when the autocast region ends: cast inside the graph instead.
@@ -1691,6 +1693,7 @@ class _CudaGraphs:
                                 if needs_grad:
                                     _grad(out, surface)
                                 del out
+                            self._refuse_reassigned(slots, tensors)
                         torch.cuda.synchronize()
                         _clear_cublas_workspaces()  # the capture allocates its own (see _clear_cublas_workspaces)
                         self._record(graph, call, surface, leaves, needs_grad, stream, caller, index, tensors)
@@ -1731,6 +1734,30 @@ class _CudaGraphs:
             # The next replay from another stream waits for the restore above (see _Graph._order).
             graph.last = caller
         return graph
+
+    def _refuse_reassigned(self, slots: list[tuple[str, nn.Module, dict]], tensors: list[torch.Tensor]) -> None:
+        r"""Refuse a forward that assigns a buffer a new tensor (``self.steps = self.steps + 1``).
+
+        A graph reads a buffer where it lay when captured; one assigned anew by
+        each warm-up call lies in memory the capture and the variants' timing
+        free (reading it, a replay faulted on the H200 machine), and a replay
+        would not assign it anyway. The tensors the warm-up assigned are taken
+        out again: the module holds its own buffers, whose values are put back
+        with the others'. (Updated in place, ``self.steps.add_(1)``, a buffer
+        is captured as BatchNorm's running statistics are.)
+        """
+        changed = [(name, k) for name, m, kept in slots for k, t in kept.items() if m._buffers.get(k) is not t]
+        if not changed:
+            return
+        for _, m, kept in slots:
+            m._buffers.update(kept)  # (not through setattr: no registration to be seen)
+        where = ", ".join(f"{name + '.' if name else ''}{k}" for name, k in changed[:3])
+        raise _CaptureError(
+            f"{self.name}: cannot capture input signature ({_describe(tensors)}) with cuda_graph=True: forward "
+            f"assigns a new tensor to the buffer {where} (as `self.buf = self.buf + 1` does). A graph reads "
+            f"buffers where they lay when captured, and a replay assigns nothing. Update the buffer in place "
+            f"(`self.buf.add_(1)`, `self.buf.copy_(...)`), or pass graph_fallback=True to run this signature "
+            f"eagerly with a warning.")
 
     def _check_leaves(self, out: Any, surface: tuple, before: list[torch.Tensor] | None) -> list[torch.Tensor]:
         r"""Refuse outputs that autograd differentiates with respect to tensors the graphs do not.
