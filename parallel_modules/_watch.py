@@ -4,8 +4,10 @@ r"""Whether a module's children changed since its caches were built.
 the first calls -- fused groups, schedules, batch-mixing stages, CUDA graphs --
 that a later change to a child invalidates: a submodule replaced anywhere below
 (``block[0][2] = nn.Linear(...)``, as adapter and quantization tools inject
-layers), a branch added with ``add_module``, a parameter or buffer registered
-anew (``load_state_dict(assign=True)``). Walking the whole tree on every call
+layers), a branch added with ``add_module``, a parameter registered anew
+(``load_state_dict(assign=True)``), a buffer of another device, dtype or shape
+(one assigned a tensor like the last, as a ``forward`` counting its calls does,
+is left to what reads it: see :meth:`_Tree.same`). Walking the whole tree on every call
 would cost more than a small call itself, so torch's global registration hooks
 count such changes anywhere in the process, and a module walks its tree only
 when the count moved since it last looked (:class:`_Tree`); fused groups compare
