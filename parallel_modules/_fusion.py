@@ -362,11 +362,12 @@ class _Group:
         # _program.
         self.saved_with_input: set[str] = set()
         self.never_saved: set[str] = set()
-        # The batched steps, made now: made at the first call, under a compiler's trace, the
-        # assignment was a side effect it guarded on, and compiled the block a second time.
+        # The batched steps, made at the first eager call (they read the layers' settings
+        # then: see _run). Made once here for the two sets above, which depend on the
+        # layers' types alone.
         self.program: list[_Step] | None = None
         try:
-            self.program = _program(self, self.template, "")
+            _program(self, self.template, "")
         except Exception:
             pass  # (made again at the first call, which raises it with the group's context)
 
@@ -489,11 +490,15 @@ class _Group:
         if torch.is_grad_enabled() and entry.kind == "_parameters" and (stacked.dtype.is_floating_point
                                                                          or stacked.dtype.is_complex):
             tensors = self._tensors(entry)
+            watch = (watched is not None and entry.attr != "bias" and qual not in self.never_saved
+                     and (input_grad or qual not in self.saved_with_input))  # (see _refuse_changed_members)
             if any([t.requires_grad for t in tensors]):  # (members may be frozen one by one)
-                if (watched is not None and entry.attr != "bias" and qual not in self.never_saved
-                        and (input_grad or qual not in self.saved_with_input)):  # (see _refuse_changed_members)
+                if watch:
                     watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
                 return _Unstack.apply(stacked, *tensors)
+            if watch and input_grad:
+                # Frozen: autograd saves them all the same for the input's gradient.
+                watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
         return stacked
 
     # Running --------------------------------------------------------------
@@ -579,7 +584,11 @@ class _Group:
             get = lambda qual: self._stacked(qual, tracing, watched, input_grad[0])  # noqa: E731
         program = self.program
         if program is None:
-            program = self.program = _program(self, self.template, "")
+            program = _program(self, self.template, "")
+            if not tracing:
+                # (Kept by eager calls alone: assigned inside a compiler's trace, it was a side
+                # effect the compiler guarded on, and the block was compiled a second time.)
+                self.program = program
         value: Any = _Value(x, _SHARED)
         for step in program:
             if not isinstance(value, _Value):
@@ -1089,7 +1098,8 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         return [lambda v, get: _Value(forward(v.t), v.layout)]
 
     if type(m) is nn.Linear:
-        group.saved_with_input.add(q("weight"))
+        if q("weight") not in group.saved_with_input:  # (read, not written, under a trace: see _Group)
+            group.saved_with_input.add(q("weight"))
         linear = _linear_step(group, m, prefix)
         if then is None:
             return [linear]
@@ -1187,7 +1197,8 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         # members' own: one out of range is out of range of the whole table for the
         # last member (too large) or the first (negative), and raises as unfused.
         w_name, padding_idx, rows = q("weight"), m.padding_idx, m.num_embeddings
-        group.never_saved.add(w_name)
+        if w_name not in group.never_saved:
+            group.never_saved.add(w_name)
 
         def embedding(v: _Value, get: _Get) -> Any:
             if v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0:

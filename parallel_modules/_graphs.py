@@ -1639,8 +1639,7 @@ class _CudaGraphs:
             buffers = list(owner.buffers())
             with torch.no_grad():
                 saved = [b.clone() for b in buffers]
-            # Each module's buffers as they are: a forward assigning one anew is refused (see _reassigned).
-            slots = [(name, m, dict(m._buffers)) for name, m in owner.named_modules() if m._buffers]
+            slots = _buffer_slots(owner)  # (a forward assigning a buffer anew is refused: _refuse_reassigned)
             autocast_cache = torch.is_autocast_cache_enabled()
             # Casts cached by autocast outside the graph would be read by address
             # and freed when the autocast region ends: cast inside the graph instead.
@@ -1725,7 +1724,9 @@ class _CudaGraphs:
                 _warn_mismatch(warn_mismatch)
                 torch.cuda.set_stream(caller)
                 # Warm-up (and timing replays) ran the module: put its buffers back,
-                # so that the replay of this call is the only update they see.
+                # so that the replay of this call is the only update they see. (Its own
+                # buffers first, where a warm-up that failed had assigned others.)
+                _restore_slots(slots)
                 caller.wait_stream(stream)
                 with torch.no_grad():
                     for b, s in zip(buffers, saved):
@@ -1749,8 +1750,7 @@ class _CudaGraphs:
         changed = [(name, k) for name, m, kept in slots for k, t in kept.items() if m._buffers.get(k) is not t]
         if not changed:
             return
-        for _, m, kept in slots:
-            m._buffers.update(kept)  # (not through setattr: no registration to be seen)
+        _restore_slots(slots)
         where = ", ".join(f"{name + '.' if name else ''}{k}" for name, k in changed[:3])
         raise _CaptureError(
             f"{self.name}: cannot capture input signature ({_describe(tensors)}) with cuda_graph=True: forward "
@@ -1893,6 +1893,23 @@ class _CudaGraphs:
                 s.requires_grad_(False)
         graph.outputs = [o.detach() for o in outputs]
         graph.readable = not needs_grad and _readable(graph, tensors, outputs)
+
+
+def _buffer_slots(owner: nn.Module) -> list[tuple[str, nn.Module, dict]]:
+    r"""Each module of ``owner`` with its buffers as they are now (see ``_CudaGraphs._refuse_reassigned``).
+
+    (TorchScript modules keep theirs in C++, behind a view that is not a
+    dict, which their own code cannot assign anew from Python.)
+    """
+    return [(name, m, dict(m._buffers)) for name, m in owner.named_modules()
+            if isinstance(m._buffers, dict) and m._buffers]
+
+
+def _restore_slots(slots: list[tuple[str, nn.Module, dict]]) -> None:
+    r"""Put each module's own buffers of ``slots`` back (not through ``setattr``: no registration to be seen)."""
+    for _, m, kept in slots:
+        if any(m._buffers.get(k) is not t for k, t in kept.items()):
+            m._buffers.update(kept)
 
 
 def _matching_outputs(graph: _Graph, out: Any) -> list[torch.Tensor]:

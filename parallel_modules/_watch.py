@@ -74,7 +74,14 @@ def _members(root: nn.Module) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
-    return t.device, t.dtype, t.shape
+    return type(t), t.layout, t.device, t.dtype, t.shape
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # (no storage: subclasses, meta)
+        return -1
 
 
 class _Tree:
@@ -93,24 +100,33 @@ class _Tree:
     def same(self, root: nn.Module) -> bool:
         r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered).
 
-        A buffer assigned a new tensor of the same device, dtype and shape
-        (``self.steps = self.steps + 1`` in a ``forward``; assigning one runs
-        the registration hooks) leaves the tree the same: what blocks learnt
-        does not depend on which tensor it is, and what reads it by address
-        looks for itself (fused stacks bind anew, CUDA graphs see tensors
-        swapped in). Made anew at every call, schedules were tuned and graphs
-        captured anew at every call.
+        A buffer assigned a new tensor of its own, of the same class, layout,
+        device, dtype and shape (``self.steps = self.steps + 1`` in a
+        ``forward``; assigning one runs the registration hooks), leaves the
+        tree the same: what blocks learnt does not depend on which tensor it
+        is, and what reads it by address looks for itself (fused stacks bind
+        anew, CUDA graphs see tensors swapped in). Made anew at every call,
+        schedules were tuned anew at every call. A buffer tied to another
+        tensor of the tree (the same one, or its memory) changes it: fused
+        groups refuse branches that share tensors.
         """
-        if self.seen == _changes:
+        seen = _changes  # (before the walk: a registration during it is looked at next time)
+        if self.seen == seen:
             return True
         now, buffers = _members(root)
         if len(now) != len(self.members) or any(a is not b for a, b in zip(now, self.members)):
             return False
-        if len(buffers) != len(self.buffers) or any(
-                a is not b and _layout(a) != _layout(b) for a, b in zip(buffers, self.buffers)):
+        if len(buffers) != len(self.buffers):
             return False
+        changed = [b for a, b in zip(self.buffers, buffers) if a is not b]
+        if changed:
+            if any(_layout(a) != _layout(b) for a, b in zip(self.buffers, buffers) if a is not b):
+                return False
+            held = [_storage(t) for t in (*root.parameters(), *buffers)]
+            if any(_storage(b) == -1 or held.count(_storage(b)) > 1 for b in changed):
+                return False
         self.buffers = buffers
-        self.seen = _changes
+        self.seen = seen
         return True
 
 

@@ -381,7 +381,8 @@ class ParallelSequential(nn.Sequential):
 
     @chunks.setter
     def chunks(self, value: int) -> None:
-        if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
+        if (not isinstance(value, (bool, int)) and hasattr(type(value), "__index__")
+                and not (isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim()))):
             try:
                 value = operator.index(value)  # (a NumPy integer, as ``tensor_split`` takes)
             except TypeError:

@@ -69,6 +69,27 @@ def test_a_branch_assigning_a_buffer_in_forward_is_refused_at_capture():
 
 
 # ---------------------------------------------------------------------- CPU
+def test_buffers_assigned_in_warm_up_are_refused_and_put_back_torchscript_ones_left_alone():
+    # What a capture checks after its warm-up (see the CUDA test above), on the CPU. Before (a
+    # review): a TorchScript module's buffers, behind a view that is not a dict, made it raise
+    # AttributeError, which graph_fallback=True did not catch.
+    from parallel_modules._graphs import _buffer_slots, _CaptureError, _CudaGraphs, _restore_slots
+
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    block = Parallel(scripted, Steps(4), cuda_graph=True)
+    slots = _buffer_slots(block)
+    assert [name for name, _, _ in slots] == ["1"]  # (the scripted module's are its own)
+    own = block[1].steps
+    block(torch.randn(3, 4))  # (warned: the CPU runs eagerly) -- assigns block[1].steps anew
+    assert block[1].steps is not own
+    with pytest.raises(_CaptureError, match=r"(?s)assigns a new tensor to the buffer 1\.steps.*in place"):
+        _CudaGraphs._refuse_reassigned(block._graphs, slots, [torch.randn(3, 4)])
+    assert block[1].steps is own
+    block[1].steps = torch.ones(())
+    _restore_slots(slots)
+    assert block[1].steps is own
+
+
 def test_cpu_input_warns_once_and_runs_eagerly():
     block = Parallel(*_mlp(3, width=16), cuda_graph=True)
     other = Parallel(*_mlp(2, width=16), cuda_graph=True)

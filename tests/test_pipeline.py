@@ -75,8 +75,9 @@ def test_chunks_takes_integers_of_other_types() -> None:
     assert model.chunks == 3 and type(model.chunks) is int
     model.chunks = torch.tensor(2)
     assert model.chunks == 2 and type(model.chunks) is int
-    with pytest.raises(TypeError, match="chunks must be an int >= 1"):
-        model.chunks = torch.tensor(2.5)
+    for bad in (torch.tensor(2.5), torch.tensor(True), torch.tensor([3])):
+        with pytest.raises(TypeError, match="chunks must be an int >= 1"):
+            model.chunks = bad
     assert model.chunks == 2
 
 
