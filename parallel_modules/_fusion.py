@@ -570,11 +570,11 @@ class _Group:
         call.prefill = _Prefill(x, side_bias, self.joint) if fewer and not kernels else None
         call.cat_joined = cat_joined and not tracing
         try:
-            return self._run(x, tracing or restack)
+            return self._run(x, tracing or restack, keep=not tracing)
         finally:
             call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels = before
 
-    def _run(self, x: torch.Tensor, tracing: bool) -> Any:
+    def _run(self, x: torch.Tensor, tracing: bool, keep: bool = True) -> Any:
         watched: list | None = None
         input_grad = [True]  # whether the input of the step running requires grad
         if not tracing and not torch.is_grad_enabled():
@@ -585,9 +585,9 @@ class _Group:
         program = self.program
         if program is None:
             program = _program(self, self.template, "")
-            if not tracing:
-                # (Kept by eager calls alone: assigned inside a compiler's trace, it was a side
-                # effect the compiler guarded on, and the block was compiled a second time.)
+            if keep:
+                # (Not kept by a compiler's trace: assigned there, it was a side effect the
+                # compiler guarded on, and the block was compiled a second time.)
                 self.program = program
         value: Any = _Value(x, _SHARED)
         for step in program:

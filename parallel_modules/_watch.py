@@ -78,10 +78,14 @@ def _layout(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _storage(t: torch.Tensor) -> int:
+    r"""The address of ``t``'s memory, or ``-1`` where it has none to share with another tensor."""
+    if isinstance(t, _Uninitialized) or t.numel() == 0 or t.device.type == "meta":
+        return -1  # (no memory of its own to share)
     try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # (no storage: subclasses, meta)
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:  # (no storage: wrapper subclasses, functorch wrappers, DTensor, XLA)
         return -1
+    return ptr or -1
 
 
 class _Tree:
@@ -122,9 +126,11 @@ class _Tree:
         if changed:
             if any(_layout(a) != _layout(b) for a, b in zip(self.buffers, buffers) if a is not b):
                 return False
-            held = [_storage(t) for t in (*root.parameters(), *buffers)]
-            if any(_storage(b) == -1 or held.count(_storage(b)) > 1 for b in changed):
-                return False
+            mine = [p for p in map(_storage, changed) if p != -1]  # (-1: nothing to tie; type compared above)
+            if mine:
+                held = [_storage(t) for t in (*root.parameters(), *buffers)]
+                if any(held.count(p) > 1 for p in mine):
+                    return False
         self.buffers = buffers
         self.seen = seen
         return True

@@ -1728,6 +1728,25 @@ def test_a_buffer_replaced_by_a_tensor_subclass_after_the_first_call_is_not_fuse
     assert "not a plain dense tensor" in block.explain()["unfused"]["0"]
 
 
+def test_a_block_called_through_functional_call_keeps_its_batched_steps(monkeypatch):
+    # Before (a review of this session's change): calls through torch.func.functional_call were
+    # taken for traces, and made the group's batched steps anew at every call.
+    from parallel_modules import _fusion
+
+    builds = []
+    program = _fusion._program
+    monkeypatch.setattr(_fusion, "_program", lambda g, m, prefix, *a: builds.append(prefix) or program(g, m, prefix, *a))
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(3)], fuse=True)
+    params = {k: v.detach().clone() for k, v in block.named_parameters()}
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(5):
+            out = torch.func.functional_call(block, params, (x,))
+    assert builds.count("") == 2  # (one when grouped, for what its layers' types decide; one at the first call)
+    assert_close(out, torch.cat([b(x) for b in block], 1))
+
+
 @pytest.mark.parametrize("change", ["eps", "padding"])
 def test_layer_settings_changed_before_the_first_call_are_used(change):
     # Before (the batched steps made at grouping, this session): settings set between building

@@ -545,6 +545,47 @@ def test_a_buffer_assigned_anew_in_forward_keeps_what_the_block_learnt(fuse):
         assert pipe._plan is plan and int(pipe[0].steps) == 4  # (one call per micro-batch)
 
 
+class _StepsWithLazyHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.head = nn.LazyLinear(8)  # (never run: its parameters stay uninitialized)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("make", [_StepsWithLazyHead, lambda: _EmptyPick()], ids=["lazy-head", "empty-buffer"])
+def test_buffers_without_memory_of_their_own_are_assigned_anew_without_trouble(make):
+    # Before (a review of this session's tie check): a tree holding an uninitialized lazy
+    # parameter raised ValueError at the next call after a buffer was assigned, and a buffer of
+    # no elements (every one at address 0) counted as tied: everything was made anew each call.
+    import warnings
+
+    block = Parallel(make(), make())
+    a, b = torch.randn(4, 8), torch.randn(5, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (lazy modules are experimental, and say so)
+        for x in (a, b, a):
+            assert block(x).shape == (x.shape[0], 16)
+    assert len(block.explain()["schedules"]) == 2
+
+
+class _EmptyPick(nn.Module):
+    r"""Keeps the rows of its input above 10 in a buffer: none, here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("picked", torch.zeros(0, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.picked = x[x.sum(1) > 10].detach()[:0]
+        return self.lin(x)
+
+
 def test_dtype_change_is_followed():
     branches = three_branches()
     p = Parallel(*branches, join="cat")
