@@ -496,8 +496,9 @@ class _Group:
                 if watch:
                     watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
                 return _Unstack.apply(stacked, *tensors)
-            if watch and input_grad:
-                # Frozen: autograd saves them all the same for the input's gradient.
+            if watch and input_grad and qual in self.saved_with_input:
+                # A frozen Linear's weight: autograd saves it all the same for the input's
+                # gradient. (Not a layer run through vmap, whose saved tensors are its own.)
                 watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
         return stacked
 
