@@ -1728,6 +1728,36 @@ def test_a_buffer_replaced_by_a_tensor_subclass_after_the_first_call_is_not_fuse
     assert "not a plain dense tensor" in block.explain()["unfused"]["0"]
 
 
+class _Centered(nn.Module):
+    r"""A Linear layer on its input minus a frozen offset (a subtraction saves neither operand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.center = nn.Parameter(torch.randn(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x - self.center)
+
+
+def test_a_frozen_weight_autograd_does_not_save_may_change_before_backward_in_a_vmapped_layer():
+    # Before (the first fix of frozen weights, this session): refused, where unfused autograd
+    # lets it pass: every frozen weight was checked whenever the layer's input required grad.
+    torch.manual_seed(0)
+    block = Parallel(*[_Centered() for _ in range(3)], fuse=True)
+    plain = copy.deepcopy(block)
+    plain.fuse = False
+    grads, inputs = [], torch.randn(5, 4)
+    for b in (plain, block):
+        loss = b(inputs.clone().requires_grad_()).square().sum()
+        with torch.no_grad():
+            b[0].center.mul_(0.5)
+        loss.backward()
+        grads.append([p.grad for p in b.parameters() if p.grad is not None])
+    for a, g in zip(*grads):
+        assert_close(a, g)
+
+
 def test_a_block_called_through_functional_call_keeps_its_batched_steps(monkeypatch):
     # Before (a review of this session's change): calls through torch.func.functional_call were
     # taken for traces, and made the group's batched steps anew at every call.
