@@ -490,16 +490,15 @@ class _Group:
         if torch.is_grad_enabled() and entry.kind == "_parameters" and (stacked.dtype.is_floating_point
                                                                          or stacked.dtype.is_complex):
             tensors = self._tensors(entry)
-            watch = (watched is not None and entry.attr != "bias" and qual not in self.never_saved
-                     and (input_grad or qual not in self.saved_with_input))  # (see _refuse_changed_members)
-            if any([t.requires_grad for t in tensors]):  # (members may be frozen one by one)
-                if watch:
-                    watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
-                return _Unstack.apply(stacked, *tensors)
-            if watch and input_grad and qual in self.saved_with_input:
-                # A frozen Linear's weight: autograd saves it all the same for the input's
-                # gradient. (Not a layer run through vmap, whose saved tensors are its own.)
+            trained = any([t.requires_grad for t in tensors])  # (members may be frozen one by one)
+            # (See _refuse_changed_members. A frozen Linear's weight too: autograd saves it all
+            # the same for the input's gradient; not a layer run through vmap, whose saved
+            # tensors are its own.)
+            if (watched is not None and entry.attr != "bias" and qual not in self.never_saved
+                    and (input_grad if qual in self.saved_with_input else trained)):
                 watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
+            if trained:
+                return _Unstack.apply(stacked, *tensors)
         return stacked
 
     # Running --------------------------------------------------------------

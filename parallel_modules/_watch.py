@@ -35,6 +35,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._streams import _storage_address
+
 __all__: list[str] = []
 
 # Module, parameter and buffer registrations anywhere in the process so far.
@@ -82,10 +84,9 @@ def _storage(t: torch.Tensor) -> int:
     if isinstance(t, _Uninitialized) or t.numel() == 0 or t.device.type == "meta":
         return -1  # (no memory of its own to share)
     try:
-        ptr = t.untyped_storage().data_ptr()
+        return _storage_address(t) or -1
     except Exception:  # (no storage: wrapper subclasses, functorch wrappers, DTensor, XLA)
         return -1
-    return ptr or -1
 
 
 class _Tree:
@@ -122,11 +123,11 @@ class _Tree:
             return False
         if len(buffers) != len(self.buffers):
             return False
-        changed = [b for a, b in zip(self.buffers, buffers) if a is not b]
+        changed = [(a, b) for a, b in zip(self.buffers, buffers) if a is not b]
         if changed:
-            if any(_layout(a) != _layout(b) for a, b in zip(self.buffers, buffers) if a is not b):
+            if any(_layout(a) != _layout(b) for a, b in changed):
                 return False
-            mine = [p for p in map(_storage, changed) if p != -1]  # (-1: nothing to tie; type compared above)
+            mine = [p for p in (_storage(b) for _, b in changed) if p != -1]  # (-1: nothing to tie; type compared above)
             if mine:
                 held = [_storage(t) for t in (*root.parameters(), *buffers)]
                 if any(held.count(p) > 1 for p in mine):
