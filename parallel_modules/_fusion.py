@@ -66,7 +66,6 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
@@ -217,6 +216,10 @@ def _unfusable(branch: nn.Module) -> str | None:
     named = list(branch.named_parameters(remove_duplicate=False)) + list(branch.named_buffers(remove_duplicate=False))
     if len({id(t) for _, t in named}) != len(named):
         return "it uses one parameter or buffer in several places (tied weights)"
+    overlap = _first_overlap([t for _, t in named])
+    if overlap is not None:
+        a, b = (named[i][0] for i in overlap)
+        return f"its {a!r} and {b!r} share memory (tied weights): stacked, they would be untied"
     return None
 
 
@@ -227,8 +230,62 @@ def _is_block(m: nn.Module) -> bool:
     return isinstance(m, (Parallel, ParallelSequential))
 
 
+def _tensors(branch: nn.Module) -> list[torch.Tensor]:
+    return [*branch.parameters(), *branch.buffers()]
+
+
 def _tensor_ids(branch: nn.Module) -> set[int]:
-    return {id(t) for t in branch.parameters()} | {id(t) for t in branch.buffers()}
+    return {id(t) for t in _tensors(branch)}
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
+    r"""The bytes ``t`` reads: its storage's address, the first byte and the byte after the last (``None``: no
+    memory of its own to share)."""
+    address = _watch._storage(t)
+    if address == -1:
+        return None
+    start = t.storage_offset() * t.element_size()
+    return address, start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _first_overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    r"""The indices of two of ``tensors`` that read some of the same memory, or ``None``.
+
+    Distinct parameters may share memory -- ``p.data = q.data``, or a checkpoint
+    holding one tensor under two keys loaded with ``load_state_dict(assign=True)`` --
+    and a plain module then trains them tied (each update lands in the one memory).
+    Stacking copies each into a slice of its own: fused, they would be untied. (The
+    members of a group laid out in its stacks read disjoint slices of one storage.)
+    """
+    spans = sorted((*span, i) for i, span in ((i, _span(t)) for i, t in enumerate(tensors)) if span is not None)
+    # (Sorted by start, a span that overlaps any earlier one overlaps the one just before it.)
+    for (address, _, end, i), (other, start, _, j) in zip(spans, spans[1:]):
+        if address == other and start < end:
+            return i, j
+    return None
+
+
+def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
+    r"""The branches (by index, in ``held``: each one's tensors) that share memory with another branch through
+    distinct tensor objects (see :func:`_first_overlap`), each with one such other branch.
+
+    Not only within a group: stacking a member moves it to new memory, untying it from
+    a branch left unfused as well. (One object held by two branches moves for both.)
+    """
+    spans = sorted((*span, i, id(t)) for i, tensors in enumerate(held) for t in tensors
+                   for span in (_span(t),) if span is not None)
+    tied: dict[int, int] = {}
+    address, open_spans = None, []  # the spans of this address that reach past the current start
+    for where, start, end, i, ident in spans:
+        if where != address:
+            address, open_spans = where, []
+        open_spans = [s for s in open_spans if s[0] > start]
+        for _, j, other in open_spans:
+            if j != i and other != ident:
+                tied.setdefault(i, j)
+                tied.setdefault(j, i)
+        open_spans.append((end, i, ident))
+    return tied
 
 
 def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, str]]:
@@ -240,8 +297,12 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
     reasons: dict[int, str] = {}
     groups: list[list[int]] = []
     ids: dict[int, set[int]] = {}  # each fusable branch's parameters and buffers
+    tied = _tied_in_memory([_tensors(branch) for branch in branches])
     for i, branch in enumerate(branches):
         why = _unfusable(branch)
+        if why is None and i in tied:
+            why = (f"it shares memory with branch index {tied[i]} through another parameter or buffer object "
+                   f"(tied weights): stacked, the two would be untied")
         if why is not None:
             reasons[i] = why
             continue
@@ -424,6 +485,11 @@ class _Group:
                     continue
                 stacked = _adopt(tensors)
                 if stacked is None:
+                    overlap = _first_overlap(tensors)
+                    if overlap is not None:  # (tied since the group was found: see _first_overlap)
+                        a, b = (self.indices[i] for i in overlap)
+                        raise RuntimeError(f"{qual} of branches {a} and {b} share memory now: stacked, they "
+                                           f"would be untied")
                     stacked = torch.stack([t.detach() for t in tensors])
                     moved = True
                     for i, t in enumerate(tensors):

@@ -108,6 +108,24 @@ _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
 _ACROSS_DIM_0 = (*_SOFTMAXES, nn.Embedding, nn.EmbeddingBag)
 
 
+# Layers that quantize their input with a scale taken from the whole input at every call
+# (``torch.ao.quantization.quantize_dynamic``'s), and QAT's fake quantizers, whose observers
+# set the scale from the inputs they see: a micro-batch would be quantized on another scale.
+# (Looked up softly: torch.ao.quantization is deprecated, for torchao.)
+try:
+    from torch.ao.nn.quantized import dynamic as _dynamic
+    from torch.ao.quantization import FakeQuantizeBase as _FakeQuantize
+except ImportError:  # pragma: no cover - a torch without them
+    _DYNAMIC_QUANTIZED, _FakeQuantize = (), ()
+else:
+    _DYNAMIC_QUANTIZED = tuple(c for c in vars(_dynamic).values() if isinstance(c, type) and issubclass(c, nn.Module))
+
+
+def _quantizes_on_the_batch(qual: str, m: nn.Module) -> bool:
+    # (Not a QAT layer's ``weight_fake_quant``, which observes the weight: the same for every micro-batch.)
+    return isinstance(m, _DYNAMIC_QUANTIZED) or isinstance(m, _FakeQuantize) and not qual.endswith("weight_fake_quant")
+
+
 _SpectralNorm = getattr(torch.nn.utils.parametrizations, "_SpectralNorm", ())
 _SpectralNormHook = getattr(importlib.import_module("torch.nn.utils.spectral_norm"), "SpectralNorm", ())
 
@@ -486,7 +504,7 @@ class ParallelSequential(nn.Sequential):
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
                 if (isinstance(m, _NormBase) or hasattr(type(m), "mixes_batch") or _batch_second(m)
-                        or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m)):
+                        or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m) or _quantizes_on_the_batch(qual, m)):
                     mixers.append((i, qual, m))
                 else:
                     others.append((i, qual, m))
@@ -582,6 +600,19 @@ class ParallelSequential(nn.Sequential):
             elif isinstance(m, _SOFTMAXES):  # (dims written None or negative: see _SoftmaxDims)
                 mixes, why = _softmax_dim(m) == 0, "normalizes along dimension 0, across the batch"
                 fix = "normalize along another dimension, or use chunks=1."
+            elif isinstance(m, _DYNAMIC_QUANTIZED):
+                mixes = True
+                why = ("is dynamically quantized (quantize_dynamic): it quantizes its input with a scale taken "
+                       "from the whole input at every call")
+                fix = ("use chunks=1 (or pipeline the float model, and quantize it statically: a fixed scale "
+                       "treats every sample alike).")
+            elif isinstance(m, _FakeQuantize):
+                # (Whether its observer runs is a tensor, maybe on the GPU: not read at every call.)
+                mixes, why = True, "sets its quantization scale from the inputs it observes"
+                fix = ("use chunks=1 while its observer runs (quantization-aware training); once disabled "
+                       "(torch.ao.quantization.disable_observer), say so with "
+                       f"`model.get_submodule({qual!r}).mixes_batch = False`, or convert the model first "
+                       "(torch.ao.quantization.convert).")
             elif _spectral_norm(m):
                 mixes = m.training
                 why = "updates its spectral norm's power-iteration estimate at every call in training mode"

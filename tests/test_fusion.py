@@ -1857,3 +1857,69 @@ def test_a_member_frozen_after_construction_survives_a_regrouping(regroup):
         p.zero_grad()
         p(x).square().sum().backward()
         assert p[0][0].weight.grad is None and p[1][0].weight.grad is not None
+
+
+def _tied_checkpoint_block(fuse) -> tuple[Parallel, nn.ModuleList]:
+    # A checkpoint holding one tensor under two keys (saved from heads that shared a layer;
+    # torch.save keeps the sharing), loaded into modules built on the meta device: branches 0
+    # and 1 get distinct Parameters over one memory, which plain modules train tied.
+    torch.manual_seed(0)
+    state = nn.ModuleList([mlp(8) for _ in range(3)]).state_dict()
+    state["1.0.weight"], state["1.0.bias"] = state["0.0.weight"], state["0.0.bias"]
+    with torch.device("meta"):
+        block, plain = Parallel(*[mlp(8) for _ in range(3)], fuse=fuse), nn.ModuleList([mlp(8) for _ in range(3)])
+    block.load_state_dict(copy.deepcopy(state), assign=True)
+    plain.load_state_dict(copy.deepcopy(state), assign=True)
+    assert block[0][0].weight is not block[1][0].weight
+    return block, plain
+
+
+def test_parameters_sharing_memory_are_not_untied_by_stacking():
+    block, plain = _tied_checkpoint_block("auto")
+    opt_block, opt_plain = torch.optim.SGD(block.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        out, expected = block(x), torch.cat([m(x) for m in plain], 1)
+        assert_close(out, expected)
+        for y, opt in ((out, opt_block), (expected, opt_plain)):
+            y.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    # Stacked, branch 0 (or 1) would have been copied into a slice of its own: 0.12 off after a step.
+    assert block[0][0].weight.data_ptr() == block[1][0].weight.data_ptr()
+    assert_close(block[2][0].weight, plain[2][0].weight)
+    assert_close(block[0][0].weight, plain[0][0].weight)
+    unfused = block.explain()["unfused"]
+    assert set(unfused) == {"0", "1", "2"}  # (branch 2 alone has no identical partner left)
+    assert "shares memory with branch index 1" in unfused["0"] and "tied weights" in unfused["0"]
+
+    block, _ = _tied_checkpoint_block(True)
+    with pytest.raises(ValueError, match=r"branch '0' cannot be fused: it shares memory with branch index 1"):
+        block(torch.randn(4, 8))
+
+
+def test_parameters_tied_in_memory_within_a_branch_are_not_fused():
+    branches = [mlp(8) for _ in range(3)]
+    for b in branches:
+        b[2].weight.data = b[0].weight.data  # two Parameters, one memory
+    p = Parallel(*branches, fuse="auto")
+    x = torch.randn(4, 8)
+    assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == []
+    assert "its '0.weight' and '2.weight' share memory" in p.explain()["unfused"]["0"]
+
+
+def test_members_tied_in_memory_after_the_first_call_run_unfused():
+    p = Parallel(*[mlp(8) for _ in range(3)], fuse="auto")
+    x = torch.randn(4, 8)
+    p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    p[1][0].weight.data = p[0][0].weight.data  # tied now, by memory
+    with pytest.warns(UserWarning, match="0.weight of branches 0 and 1 share memory now"):
+        out = p(x)
+    assert_close(out, reference(p, x))
+    out.square().sum().backward()
+    torch.optim.SGD(p.parameters(), lr=0.1).step()
+    assert p[0][0].weight.data_ptr() == p[1][0].weight.data_ptr()  # still one memory, as unfused
+    assert fused_groups(p) == []
+    assert_close(p(x), reference(p, x))

@@ -974,6 +974,50 @@ def test_a_spectral_norm_in_training_is_refused(style: str) -> None:
     torch.testing.assert_close(model(x), reference(x))
 
 
+def test_a_dynamically_quantized_layer_is_refused() -> None:
+    # Before: quantize_dynamic's Linear quantized each micro-batch on a scale of its own (off by
+    # 0.41 of 0.64 against the quantized nn.Sequential, with one large sample in the batch).
+    pytest.importorskip("torch.ao.nn.quantized.dynamic")
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)]
+    quantize = lambda m: torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8)  # noqa: E731
+    model, reference = quantize(ParallelSequential(*copy.deepcopy(layers), chunks=4)), quantize(nn.Sequential(*layers))
+    x = torch.randn(8, 16)
+    x[0] *= 100
+    with pytest.raises(RuntimeError, match=r"stage '0' \(index 0\) contains '0' \(Linear\), which is dynamically "
+                                           r"quantized .*use chunks=1"):
+        model(x)
+    model.chunks = 1  # (and the block still works)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
+def test_a_fake_quantizer_is_refused_unless_declared_idle() -> None:
+    # Quantization-aware training: an activation's fake quantizer sets its scale from what it
+    # observes, so each micro-batch would be quantized on another scale.
+    pytest.importorskip("torch.ao.quantization")
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))  # noqa: E731
+    fake = torch.ao.quantization.FakeQuantize
+    model, reference = ParallelSequential(*make(), chunks=2), make()
+    reference.load_state_dict(model.state_dict())
+    for m in (model, reference):
+        m.insert(1, fake())
+    x = torch.randn(6, 16)
+    x[0] *= 50
+    with pytest.raises(RuntimeError, match=r"contains '1' \(FakeQuantize\), which sets its quantization scale "
+                                           r"from the inputs it observes.*disable_observer"):
+        model(x)
+    # A QAT layer's weight quantizer observes the weight, the same for every micro-batch: not refused.
+    qat = torch.ao.nn.qat.Linear(16, 16, qconfig=torch.ao.quantization.get_default_qat_qconfig("x86"))
+    ParallelSequential(qat, nn.ReLU(), chunks=2)(torch.randn(4, 16))
+    # Observers disabled, and said so: the same as the whole batch.
+    for m in (model, reference):
+        m.apply(torch.ao.quantization.disable_observer)
+        m[1].scale.fill_(0.05)
+    model[1].mixes_batch = False
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+
+
 class _TiedHead(nn.Module):
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
