@@ -188,6 +188,8 @@ def _unfusable(branch: nn.Module) -> str | None:
         where = f"submodule {path!r} ({type(m).__name__})" if path else f"the branch ({type(m).__name__})"
         if isinstance(m, torch.jit.ScriptModule):
             return f"{where} is a TorchScript module, which torch.func cannot call batched"
+        if type(m).__module__.startswith("torch.ao.nn.quantized"):  # (its weights are packed, not parameters)
+            return f"{where} is a quantized layer, which torch.func cannot call batched"
         if any(getattr(m, h, None) for h in _HOOKS):
             return f"{where} has hooks, which a batched call would not run once per branch"
         if "forward" in vars(m):

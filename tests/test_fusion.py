@@ -1923,3 +1923,17 @@ def test_members_tied_in_memory_after_the_first_call_run_unfused():
     assert p[0][0].weight.data_ptr() == p[1][0].weight.data_ptr()  # still one memory, as unfused
     assert fused_groups(p) == []
     assert_close(p(x), reference(p, x))
+
+
+def test_quantized_branches_are_refused_as_quantized():
+    # Before: fuse=True blamed a difference between the branches' packed weights (ScriptObjects).
+    pytest.importorskip("torch.ao.nn.quantized.dynamic")
+    block = torch.ao.quantization.quantize_dynamic(Parallel(*[mlp(8) for _ in range(3)]), {nn.Linear})
+    x = torch.randn(4, 8)
+    expected = torch.cat([b(x) for b in block], 1)
+    block.fuse = "auto"
+    torch.testing.assert_close(block(x), expected, rtol=0, atol=0)
+    assert "submodule '0' (Linear) is a quantized layer" in block.explain()["unfused"]["0"]
+    with pytest.raises(ValueError, match=r"branch '0' cannot be fused: submodule '0' \(Linear\) is a quantized layer"):
+        block.fuse = True
+    torch.testing.assert_close(block(x), expected, rtol=0, atol=0)  # (left as it was)
