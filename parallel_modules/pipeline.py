@@ -40,7 +40,7 @@ from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_
 from . import _watch
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
-from ._streams import (_capture_underway, _current_stream, _graph_state, _is_tracing,
+from ._streams import (_capture_underway, _current_stream, _functorch_active, _graph_state, _is_tracing,
                        _join_backward, _pool, _record, _record_on, _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
@@ -943,7 +943,7 @@ class ParallelSequential(nn.Sequential):
 
     def _forward(self, input: Any) -> Any:
         plan = self._get_plan()
-        if self._chunks > 1:
+        if self._chunks > 1 and not _functorch_active():  # (which runs the whole input: see below)
             self._refuse_mixing(plan)
         device = input.device if isinstance(input, torch.Tensor) else _input_device((input,), {})
         copy_to = None
@@ -963,8 +963,11 @@ class ParallelSequential(nn.Sequential):
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
         if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (
-                _is_tracing() and _symbolic_batch(input)):
-            # (torch.fx.symbolic_trace traces proxies, which cannot be cut into micro-batches:
+                _is_tracing() and _symbolic_batch(input)) or _functorch_active():
+            # (Under torch.func transforms -- vmap(grad(...)) for per-sample gradients sees
+            # one sample at a time -- the stages run on the whole input: the same result,
+            # where micro-batches would gain nothing and a batch of one could not be cut.
+            # torch.fx.symbolic_trace traces proxies, which cannot be cut into micro-batches:
             # its graph runs the stages on the whole batch, as the CPU path would up to rounding.
             # torch.export sets the same flag, but traces tensors. So does a trace with a
             # dynamic batch size: cut into pieces, its program would hold only for batches of

@@ -1018,6 +1018,35 @@ def test_a_fake_quantizer_is_refused_unless_declared_idle() -> None:
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
 
 
+def test_per_sample_gradients_through_vmap_of_grad() -> None:
+    # Before: vmap(grad(...)) sees one sample at a time, and chunks=4 refused a batch of one.
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)]
+    model, reference = ParallelSequential(*copy.deepcopy(layers), chunks=4), nn.Sequential(*layers)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+
+    def per_sample(module):
+        def loss(p, xi, yi):
+            out = torch.func.functional_call(module, p, (xi.unsqueeze(0),))
+            return (out - yi.unsqueeze(0)).square().sum()
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+    got, expected = per_sample(model), per_sample(reference)
+    assert got.keys() == expected.keys()
+    for k in got:
+        assert got[k].shape[0] == 8
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0)
+    # Nor is a stage mixing samples refused there: the whole input runs at once.
+    stages = [nn.Linear(16, 16), nn.Softmax(dim=0)]
+    mixing, plain = ParallelSequential(*stages, chunks=2), nn.Sequential(*stages)
+    x = torch.randn(4, 3, 16)
+    torch.testing.assert_close(torch.func.vmap(mixing, in_dims=1, out_dims=1)(x),
+                               torch.func.vmap(plain, in_dims=1, out_dims=1)(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="normalizes along dimension 0"):
+        mixing(x[:, 0])
+
+
 class _TiedHead(nn.Module):
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
