@@ -943,7 +943,9 @@ class ParallelSequential(nn.Sequential):
 
     def _forward(self, input: Any) -> Any:
         plan = self._get_plan()
-        if self._chunks > 1 and not _functorch_active():  # (which runs the whole input: see below)
+        # (Not asked of a compiler, which would record the question in its graph.)
+        transformed = not _is_tracing() and _functorch_active()
+        if self._chunks > 1 and not transformed:  # (which runs the whole input: see below)
             self._refuse_mixing(plan)
         device = input.device if isinstance(input, torch.Tensor) else _input_device((input,), {})
         copy_to = None
@@ -963,7 +965,7 @@ class ParallelSequential(nn.Sequential):
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
         if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (
-                _is_tracing() and _symbolic_batch(input)) or _functorch_active():
+                _is_tracing() and _symbolic_batch(input)) or transformed:
             # (Under torch.func transforms -- vmap(grad(...)) for per-sample gradients sees
             # one sample at a time -- the stages run on the whole input: the same result,
             # where micro-batches would gain nothing and a batch of one could not be cut.
