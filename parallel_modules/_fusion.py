@@ -1363,7 +1363,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             # (Without parameters or buffers nothing else is batched, and vmap needs a batched
             # input: the members' common input is read as N stacked copies, without copying.)
             out = stacked(state, _to_stacked(v, group.n))
-        if state:
+        if state and not _is_tracing():  # (traced, the stacks are made in the graph: nothing to alias)
             out = _own_memory(out, state)
         if isinstance(out, torch.Tensor):
             return _Value(out, _STACKED)

@@ -433,3 +433,40 @@ def test_a_fused_layer_replaced_since_grouping_is_traced_as_it_is_now(fuse, how)
         compiled(x)
         block[0][1] = nn.ReLU()
         assert_close(compiled(x), torch.cat([block[0](x), block[1](x)], 1))
+
+
+class _TwoLayers(nn.Module):
+    r"""A custom class: fused, its members run through ``torch.vmap``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("how", ["compile", "export-strict", "export-nonstrict"])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_fused_group_of_a_custom_class_traces(fuse, how):
+    # Before: the vmapped step read its output's storage address (a member returning its own
+    # parameter gets a copy, see _own_memory), which fake and traced tensors refuse.
+    torch.manual_seed(0)
+    model = Parallel(*[_TwoLayers() for _ in range(3)], fuse=fuse).train()
+    x = torch.randn(4, 8)
+    model(x)
+    assert model.explain()["fused"] == [["0", "1", "2"]]
+    if how == "compile":
+        traced = torch.compile(model, fullgraph=True, backend="aot_eager")
+    else:
+        traced = torch.export.export(model, (x,), strict=how == "export-strict").module()
+    x = torch.randn(4, 8, requires_grad=True)
+    out, expected = traced(x), reference(model, x)
+    assert_close(out, expected)
+    if how == "compile":  # (gradients too, to every member's own parameters)
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        expected.square().sum().backward()
+        for got, want in zip(grads, [p.grad for p in model.parameters()]):
+            assert_close(got, want)
