@@ -188,6 +188,14 @@ def _torch_compile_kwargs(owner: str, backend: Backend, options: dict[str, Any])
         raise ValueError(f"{owner}: compile={backend!r} captures CUDA graphs of its own, which cannot run inside "
                          f"this module's; use compile='inductor' and cuda_graph=True, which captures the "
                          f"compiled branches in one graph.")
+    # (Values torch.compile reads only when it first compiles, which would blame the child.)
+    for name, allowed_types, what in (("fullgraph", (bool,), "a bool"), ("disable", (bool,), "a bool"),
+                                      ("dynamic", (bool, type(None)), "None or a bool"),
+                                      ("mode", (str, type(None)), "None or a string"),
+                                      ("options", (dict, type(None)), "None or a dict")):
+        if name in options and not isinstance(options[name], allowed_types):
+            raise TypeError(f"{owner}: compile_options {name}= must be {what} (as torch.compile takes it), "
+                            f"got {options[name]!r}.")
     kwargs = {"dynamic": False, **options}
     if backend == "inductor":
         # Mode and options both become inductor options, so that CUDA graphs

@@ -300,6 +300,11 @@ def test_bad_input_is_not_reported_as_a_compile_error(fallback):
          "triton.cudagraphs=True"),
         ({"compile": "inductor", "compile_options": {"mode": "no-such-mode"}}, ValueError, "mode='no-such-mode'"),
         ({"compile": "cudagraphs"}, ValueError, "captures CUDA graphs of its own"),
+        # (Before: accepted, then blamed on branch '0' by dynamo's own assertion at the first call.)
+        ({"compile": "eager", "compile_options": {"dynamic": "yes"}}, TypeError, "dynamic= must be None or a bool"),
+        ({"compile": "eager", "compile_options": {"fullgraph": 1}}, TypeError, "fullgraph= must be a bool"),
+        ({"compile": "inductor", "compile_options": {"options": [("max_autotune", True)]}}, TypeError,
+         "options= must be None or a dict"),
     ],
 )
 @pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
