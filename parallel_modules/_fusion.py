@@ -188,7 +188,7 @@ def _unfusable(branch: nn.Module) -> str | None:
         where = f"submodule {path!r} ({type(m).__name__})" if path else f"the branch ({type(m).__name__})"
         if isinstance(m, torch.jit.ScriptModule):
             return f"{where} is a TorchScript module, which torch.func cannot call batched"
-        if type(m).__module__.startswith("torch.ao.nn.quantized"):  # (its weights are packed, not parameters)
+        if _quantized(m):
             return f"{where} is a quantized layer, which torch.func cannot call batched"
         if any(getattr(m, h, None) for h in _HOOKS):
             return f"{where} has hooks, which a batched call would not run once per branch"
@@ -221,8 +221,16 @@ def _unfusable(branch: nn.Module) -> str | None:
     overlap = _first_overlap([t for _, t in named])
     if overlap is not None:
         a, b = (named[i][0] for i in overlap)
-        return f"its {a!r} and {b!r} share memory (tied weights): stacked, they would be untied"
+        return (f"its {a!r} and {b!r} share memory (a tied weight, or views of one tensor): stacked, they "
+                f"would no longer share it")
     return None
+
+
+def _quantized(m: nn.Module) -> bool:
+    r"""Whether ``m`` is a quantized layer (its weights packed, not parameters); not a float reference one."""
+    where = type(m).__module__
+    return where.startswith(("torch.ao.nn.quantized.", "torch.ao.nn.intrinsic.quantized.")) and not where.startswith(
+        "torch.ao.nn.quantized.reference")
 
 
 def _is_block(m: nn.Module) -> bool:
@@ -260,7 +268,8 @@ def _first_overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     members of a group laid out in its stacks read disjoint slices of one storage.)
     """
     spans = sorted((*span, i) for i, span in ((i, _span(t)) for i, t in enumerate(tensors)) if span is not None)
-    # (Sorted by start, a span that overlaps any earlier one overlaps the one just before it.)
+    # (Sorted by start: where any two overlap, two neighbours do -- the first span to start
+    # inside an earlier one starts inside the one just before it.)
     for (address, _, end, i), (other, start, _, j) in zip(spans, spans[1:]):
         if address == other and start < end:
             return i, j
@@ -304,7 +313,7 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
         why = _unfusable(branch)
         if why is None and i in tied:
             why = (f"it shares memory with branch index {tied[i]} through another parameter or buffer object "
-                   f"(tied weights): stacked, the two would be untied")
+                   f"(a tied weight, or views of one tensor): stacked, they would no longer share it")
         if why is not None:
             reasons[i] = why
             continue
@@ -376,9 +385,10 @@ class _Value(NamedTuple):
 class _Group:
     r"""One group of identical branches, evaluated as one batched computation."""
 
-    def __init__(self, indices: list[int], members: list[nn.Module]) -> None:
+    def __init__(self, indices: list[int], members: list[nn.Module], others: list[nn.Module] = ()) -> None:
         self.indices = indices
         self.members = members
+        self.others = others  # the block's other branches (see _refuse_ties)
         self.n = len(members)
         self.template = members[0]
         self.entries: dict[str, _Entry] = {}
@@ -454,6 +464,27 @@ class _Group:
         r"""The stacks of the members' buffers (after :meth:`bind`)."""
         return [t for t in (self.stacks.get(q) for q in self.buffers) if t is not None]
 
+    def _refuse_ties(self) -> None:
+        r"""Refuse to stack members that share memory with other tensors of the block (see :func:`_first_overlap`).
+
+        ``_groups`` left such branches out; ``.data =`` and ``set_()`` tie tensors
+        since, registering nothing, and stacking would copy them apart.
+        """
+        for i, member in zip(self.indices, self.members):
+            tensors = _tensors(member)
+            overlap = _first_overlap(tensors)
+            if overlap is not None:
+                names = {id(t): q for q, t in [*member.named_parameters(), *member.named_buffers()]}
+                a, b = (names[id(tensors[k])] for k in overlap)
+                raise RuntimeError(f"{a} and {b} of branch {i} share memory now: stacked, they would no longer")
+        tied = _tied_in_memory([_tensors(m) for m in (*self.members, *self.others)])
+        k = next((k for k in range(self.n) if k in tied), None)
+        if k is not None:
+            other = tied[k]
+            with_ = (f"branch {self.indices[other]}" if other < self.n else "another branch of the block")
+            raise RuntimeError(f"branch {self.indices[k]} shares memory with {with_} now, through another parameter "
+                               f"or buffer object: stacked, they would no longer")
+
     def bind(self) -> bool:
         r"""Stack each parameter and buffer of the members; point the members at their slices.
 
@@ -464,7 +495,7 @@ class _Group:
         """
         if self.stacks and (self._bound() or _watch._swapped_in(self.owners)):
             return False  # (swapped in: stacked for the call only, see _Group.run)
-        moved = False
+        moved = checked = False
         stacks: dict[str, torch.Tensor] = {}
         bound: dict[str, list[torch.Tensor]] = {}
         tensors_bound: list[torch.Tensor] = []
@@ -487,11 +518,9 @@ class _Group:
                     continue
                 stacked = _adopt(tensors)
                 if stacked is None:
-                    overlap = _first_overlap(tensors)
-                    if overlap is not None:  # (tied since the group was found: see _first_overlap)
-                        a, b = (self.indices[i] for i in overlap)
-                        raise RuntimeError(f"{qual} of branches {a} and {b} share memory now: stacked, they "
-                                           f"would be untied")
+                    if not checked:
+                        self._refuse_ties()
+                        checked = True
                     stacked = torch.stack([t.detach() for t in tensors])
                     moved = True
                     for i, t in enumerate(tensors):
@@ -1424,7 +1453,8 @@ class _Fusion:
         # (One branch, or none, is identical to itself: it runs as it is.)
         if required and len(branches) > 1 and (len(groups) != 1 or len(groups[0]) != len(branches)):
             raise ValueError(_required_error(owner, names, branches, self.reasons))
-        self.groups = [_Group(g, [branches[i] for i in g]) for g in groups]
+        self.groups = [_Group(g, [branches[i] for i in g], [b for i, b in enumerate(branches) if i not in g])
+                       for g in groups]
         # Grouping depended on these submodules' train/eval modes (BatchNorm,
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.

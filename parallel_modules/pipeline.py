@@ -115,15 +115,19 @@ _ACROSS_DIM_0 = (*_SOFTMAXES, nn.Embedding, nn.EmbeddingBag)
 try:
     from torch.ao.nn.quantized import dynamic as _dynamic
     from torch.ao.quantization import FakeQuantizeBase as _FakeQuantize
+    from torch.ao.quantization.observer import FixedQParamsObserver as _FixedQParams
 except ImportError:  # pragma: no cover - a torch without them
-    _DYNAMIC_QUANTIZED, _FakeQuantize = (), ()
+    _DYNAMIC_QUANTIZED, _FakeQuantize, _FixedQParams = (), (), ()
 else:
     _DYNAMIC_QUANTIZED = tuple(c for c in vars(_dynamic).values() if isinstance(c, type) and issubclass(c, nn.Module))
 
 
-def _quantizes_on_the_batch(qual: str, m: nn.Module) -> bool:
-    # (Not a QAT layer's ``weight_fake_quant``, which observes the weight: the same for every micro-batch.)
-    return isinstance(m, _DYNAMIC_QUANTIZED) or isinstance(m, _FakeQuantize) and not qual.endswith("weight_fake_quant")
+def _quantizes_on_the_batch(m: nn.Module) -> bool:
+    # (A weight's fake quantizer too: the default QAT one keeps a moving average of what it
+    # observes, which each micro-batch would move again once the weight changes. Not one
+    # of fixed scale, after a sigmoid or softmax.)
+    return isinstance(m, _DYNAMIC_QUANTIZED) or isinstance(m, _FakeQuantize) and not isinstance(
+        getattr(m, "activation_post_process", None), _FixedQParams)
 
 
 _SpectralNorm = getattr(torch.nn.utils.parametrizations, "_SpectralNorm", ())
@@ -504,7 +508,7 @@ class ParallelSequential(nn.Sequential):
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
                 if (isinstance(m, _NormBase) or hasattr(type(m), "mixes_batch") or _batch_second(m)
-                        or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m) or _quantizes_on_the_batch(qual, m)):
+                        or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m) or _quantizes_on_the_batch(m)):
                     mixers.append((i, qual, m))
                 else:
                     others.append((i, qual, m))
@@ -606,7 +610,7 @@ class ParallelSequential(nn.Sequential):
                        "from the whole input at every call")
                 fix = ("use chunks=1 (or pipeline the float model, and quantize it statically: a fixed scale "
                        "treats every sample alike).")
-            elif isinstance(m, _FakeQuantize):
+            elif _quantizes_on_the_batch(m):
                 # (Whether its observer runs is a tensor, maybe on the GPU: not read at every call.)
                 mixes, why = True, "sets its quantization scale from the inputs it observes"
                 fix = ("use chunks=1 while its observer runs (quantization-aware training); once disabled "

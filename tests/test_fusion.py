@@ -1891,38 +1891,75 @@ def test_parameters_sharing_memory_are_not_untied_by_stacking():
     assert_close(block[0][0].weight, plain[0][0].weight)
     unfused = block.explain()["unfused"]
     assert set(unfused) == {"0", "1", "2"}  # (branch 2 alone has no identical partner left)
-    assert "shares memory with branch index 1" in unfused["0"] and "tied weights" in unfused["0"]
+    assert "shares memory with branch index 1" in unfused["0"] and "a tied weight" in unfused["0"]
 
     block, _ = _tied_checkpoint_block(True)
     with pytest.raises(ValueError, match=r"branch '0' cannot be fused: it shares memory with branch index 1"):
         block(torch.randn(4, 8))
 
 
+def _train_beside_plain(block: Parallel, plain: nn.ModuleList, steps: int = 2) -> None:
+    for m in (block, plain):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        for _ in range(steps):
+            x = torch.randn(4, 8)
+            out = m(x) if m is block else torch.cat([b(x) for b in m], 1)
+            out.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(block.parameters(), plain.parameters()):
+        assert_close(a, b)
+
+
 def test_parameters_tied_in_memory_within_a_branch_are_not_fused():
+    torch.manual_seed(0)
     branches = [mlp(8) for _ in range(3)]
-    for b in branches:
+    plain = copy.deepcopy(nn.ModuleList(branches))
+    for b in (*branches, *plain):
         b[2].weight.data = b[0].weight.data  # two Parameters, one memory
     p = Parallel(*branches, fuse="auto")
-    x = torch.randn(4, 8)
-    assert_close(p(x), reference(p, x))
+    _train_beside_plain(p, plain)
     assert fused_groups(p) == []
     assert "its '0.weight' and '2.weight' share memory" in p.explain()["unfused"]["0"]
 
 
-def test_members_tied_in_memory_after_the_first_call_run_unfused():
-    p = Parallel(*[mlp(8) for _ in range(3)], fuse="auto")
-    x = torch.randn(4, 8)
-    p(x)
+def _tie_first_members(m: nn.Module) -> None:
+    m[1][0].weight.data = m[0][0].weight.data
+
+
+def _tie_to_the_unfused_branch(m: nn.Module) -> None:
+    m[0][0].weight.data = m[3][0].weight.data
+
+
+def _tie_within_a_member(m: nn.Module) -> None:
+    m[0][2].weight.data = m[0][0].weight.data
+
+
+def _tie_across_entries(m: nn.Module) -> None:
+    m[0][2].weight.data = m[1][0].weight.data
+
+
+@pytest.mark.parametrize("tie, message", [
+    (_tie_first_members, "branch 0 shares memory with branch 1 now"),
+    (_tie_to_the_unfused_branch, "branch 0 shares memory with another branch of the block now"),
+    (_tie_within_a_member, "0.weight and 2.weight of branch 0 share memory now"),
+    (_tie_across_entries, "branch 0 shares memory with branch 1 now"),
+], ids=["members", "unfused-branch", "within-member", "across-entries"])
+def test_members_tied_in_memory_after_the_first_call_run_unfused(tie, message):
+    # Before: stacked anew at the next call, and so untied (0.10-0.26 off plain modules after two
+    # SGD steps); only the first of these was caught by the first fix.
+    torch.manual_seed(0)
+    branches = [mlp(8) for _ in range(3)] + [nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())]
+    plain = copy.deepcopy(nn.ModuleList(branches))
+    p = Parallel(*branches, fuse="auto")
+    p(torch.randn(4, 8))
     assert fused_groups(p) == [["0", "1", "2"]]
-    p[1][0].weight.data = p[0][0].weight.data  # tied now, by memory
-    with pytest.warns(UserWarning, match="0.weight of branches 0 and 1 share memory now"):
-        out = p(x)
-    assert_close(out, reference(p, x))
-    out.square().sum().backward()
-    torch.optim.SGD(p.parameters(), lr=0.1).step()
-    assert p[0][0].weight.data_ptr() == p[1][0].weight.data_ptr()  # still one memory, as unfused
+    tie(p)  # tied now, by memory (``.data =`` registers nothing)
+    tie(plain)
+    with pytest.warns(UserWarning, match=message):
+        _train_beside_plain(p, plain)
     assert fused_groups(p) == []
-    assert_close(p(x), reference(p, x))
 
 
 def test_quantized_branches_are_refused_as_quantized():
@@ -1937,3 +1974,7 @@ def test_quantized_branches_are_refused_as_quantized():
     with pytest.raises(ValueError, match=r"branch '0' cannot be fused: submodule '0' \(Linear\) is a quantized layer"):
         block.fuse = True
     torch.testing.assert_close(block(x), expected, rtol=0, atol=0)  # (left as it was)
+    # Reference quantized layers hold float weights, as parameters: those fuse.
+    reference_layers = Parallel(*[torch.ao.nn.quantized.reference.Linear(8, 8) for _ in range(3)], fuse="auto")
+    assert_close(reference_layers(x), reference(reference_layers, x))
+    assert fused_groups(reference_layers) == [["0", "1", "2"]]

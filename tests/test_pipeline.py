@@ -1007,9 +1007,14 @@ def test_a_fake_quantizer_is_refused_unless_declared_idle() -> None:
     with pytest.raises(RuntimeError, match=r"contains '1' \(FakeQuantize\), which sets its quantization scale "
                                            r"from the inputs it observes.*disable_observer"):
         model(x)
-    # A QAT layer's weight quantizer observes the weight, the same for every micro-batch: not refused.
+    # A QAT layer's weight quantizer keeps a moving average, which each micro-batch would move
+    # again once the weight changed: refused too. One of fixed scale (after a sigmoid) is not.
     qat = torch.ao.nn.qat.Linear(16, 16, qconfig=torch.ao.quantization.get_default_qat_qconfig("x86"))
-    ParallelSequential(qat, nn.ReLU(), chunks=2)(torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match=r"contains '0.weight_fake_quant' \(FusedMovingAvgObsFakeQuantize\)"):
+        ParallelSequential(qat, nn.ReLU(), chunks=2)(torch.randn(4, 16))
+    fixed = torch.ao.quantization.fake_quantize.default_fixed_qparams_range_0to1_fake_quant()
+    stages = [nn.Linear(16, 16), nn.Sigmoid(), fixed]
+    torch.testing.assert_close(ParallelSequential(*stages, chunks=2)(x), nn.Sequential(*stages)(x), rtol=0, atol=0)
     # Observers disabled, and said so: the same as the whole batch.
     for m in (model, reference):
         m.apply(torch.ao.quantization.disable_observer)
