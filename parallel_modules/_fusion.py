@@ -58,6 +58,8 @@ flow) is marked unfusable with the error as its reason.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -371,6 +373,17 @@ class _Unstack(torch.autograd.Function):
         return (None, *grad.unbind(0))
 
 
+# One thread at a time: stacks the members' tensors and re-points them at their slices
+# (``_Group.bind``: two threads would each stack, and the parameters could end up views of
+# one thread's stack while the group reads the other's, never seeing an update again);
+# finds the groups and publishes them (``Parallel._reset``, ``_fusion_for``); runs a layer
+# through vmap (``torch.func.functional_call`` writes the stacks into the template layer's
+# own dicts for the call and puts its tensors back after: two threads would read, and put
+# back, each other's). Reentrant: a layer run through vmap may call a fused block of its own.
+# Not taken while a compiler traces, which cannot trace a lock and traces one call at a time.
+_lock = threading.RLock()
+
+
 class _Entry(NamedTuple):
     owners: tuple[nn.Module, ...]  # the submodule holding the tensor, per member
     attr: str  # its name there
@@ -495,6 +508,12 @@ class _Group:
         """
         if self.stacks and (self._bound() or _watch._swapped_in(self.owners)):
             return False  # (swapped in: stacked for the call only, see _Group.run)
+        with _lock:  # (see _lock; looked at again once held: another thread may have stacked)
+            if self.stacks and (self._bound() or _watch._swapped_in(self.owners)):
+                return False
+            return self._bind()
+
+    def _bind(self) -> bool:
         moved = checked = False
         stacks: dict[str, torch.Tensor] = {}
         bound: dict[str, list[torch.Tensor]] = {}
@@ -1353,10 +1372,11 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     r"""Any other module: :func:`torch.vmap` of :func:`torch.func.functional_call` over the stacks."""
     quals = [q for q in group.entries if q.startswith(prefix + ".")] if prefix else list(group.entries)
     local = [(q[len(prefix) + 1:] if prefix else q, q) for q in quals]
+    runner = m if _is_tracing() else _own_dicts(m)  # (a compiler traces no copy; its graph runs no module)
 
     def call(state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
         given = dict(state)
-        out = torch.func.functional_call(m, state, (x,), tie_weights=False, strict=False)
+        out = torch.func.functional_call(runner, state, (x,), tie_weights=False, strict=False)
         # A tensor assigned in forward (``self.avg = ...``, not ``self.avg.mul_(...)``) is
         # written back into ``state`` and the stacked one put back in the module: the
         # members would silently keep their old tensors. Refused: the group runs unfused.
@@ -1386,13 +1406,15 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 and (v.t.requires_grad or any(t.requires_grad for t in state.values()))):
             raise _UnbatchedNow
         _structure.value = None
-        if v.layout == _SHARED and state:
-            out = shared(state, v.t)
-        else:
-            # (Without parameters or buffers nothing else is batched, and vmap needs a batched
-            # input: the members' common input is read as N stacked copies, without copying.)
-            out = stacked(state, _to_stacked(v, group.n))
-        if state and not _is_tracing():  # (traced, the stacks are made in the graph: nothing to alias)
+        tracing = _is_tracing()
+        with contextlib.nullcontext() if tracing else _lock:  # (functional_call writes m's dicts: see _lock)
+            if v.layout == _SHARED and state:
+                out = shared(state, v.t)
+            else:
+                # (Without parameters or buffers nothing else is batched, and vmap needs a batched
+                # input: the members' common input is read as N stacked copies, without copying.)
+                out = stacked(state, _to_stacked(v, group.n))
+        if state and not tracing:  # (traced, the stacks are made in the graph: nothing to alias)
             out = _own_memory(out, state)
         if isinstance(out, torch.Tensor):
             return _Value(out, _STACKED)
@@ -1405,6 +1427,23 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         return out
 
     return step
+
+
+def _own_dicts(m: nn.Module) -> nn.Module:
+    r"""``m`` with parameter, buffer and submodule dicts of its own, holding the same tensors.
+
+    ``torch.func.functional_call`` writes the stacks into the dicts of the module
+    it runs for the call: those of the template layer -- the first member's own
+    -- would show them to another thread calling that member directly (a branch
+    left unfused, the user's own code) while the call runs. (A copy made once:
+    like the other fused layers, its settings are those of grouping; see the
+    README's limits.)
+    """
+    memo = {id(t): t for t in (*m.parameters(), *m.buffers())}
+    try:
+        return copy.deepcopy(m, memo)
+    except Exception:  # (an attribute that cannot be copied: the layer itself, one thread at a time)
+        return m
 
 
 def _own_memory(out: Any, state: dict[str, torch.Tensor]) -> Any:

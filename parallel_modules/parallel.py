@@ -17,6 +17,7 @@ from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _UnbatchedNow, _Unfused
+from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs
@@ -371,6 +372,13 @@ class Parallel(nn.Module):
         r"""Forget everything learnt about calls: after the branches, their
         devices or dtypes change, devices are checked, schedules tuned and CUDA
         graphs captured anew."""
+        with _fusion_lock:  # (another thread's call may be grouping: its groups must not land after these)
+            self._forget(strict)
+
+    def _forget(self, strict: bool) -> None:
+        # The tree as it is before the groups are made of it: a change that lands
+        # while they are made is seen at the next call.
+        tree = _watch._Tree(self)
         self._tuner = _ScheduleTuner()
         self._plans: dict[Hashable, _Schedule] = {}
         # Signatures with inference-tensor inputs whose first call saw no branch write to them.
@@ -385,7 +393,7 @@ class Parallel(nn.Module):
                                        direct_grads=self.direct_grads)
         if self.fuse is not False:
             self._prepare_fusion(strict)
-        self._tree = _watch._Tree(self)  # (after stacking, which registers nothing)
+        self._tree = tree
         self._placed = _watch._placement(self)  # (see _apply)
 
     def _prepare_fusion(self, strict: bool) -> None:
@@ -606,7 +614,10 @@ class Parallel(nn.Module):
         if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
             if not regroup:
                 return None
-            fusion = self._fusion = self._new_fusion()
+            with _fusion_lock:  # (looked at again once held: another thread may have grouped)
+                fusion = self._fusion
+                if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
+                    fusion = self._fusion = self._new_fusion()
         return fusion if fusion.groups else None
 
     def _traced_fusion(self, args: tuple, kwargs: dict) -> _Fusion | None:
@@ -649,8 +660,9 @@ class Parallel(nn.Module):
             # branches that no longer fuse in this mode (dropout in training), the next
             # call says so, as after a branch is replaced: ``train()`` itself must not
             # raise, leaving the modules after this one in the old mode.
-            self._fusion = None
-            self._prepare_fusion(strict=False)
+            with _fusion_lock:
+                self._fusion = None
+                self._prepare_fusion(strict=False)
         return self
 
     def _regrouped(self) -> bool:
@@ -664,8 +676,11 @@ class Parallel(nn.Module):
         fusion = self._fusion
         if fusion is None or fusion.groups or fusion.current():
             return False
-        self._fusion = self._new_fusion()
-        self._tuner, self._plans = _ScheduleTuner(), {}
+        with _fusion_lock:
+            if self._fusion is not fusion:  # (another thread found them)
+                return True
+            self._fusion = self._new_fusion()
+            self._tuner, self._plans = _ScheduleTuner(), {}
         return True
 
     def _graph_variants(self, args: tuple, kwargs: dict, first_only: bool = False) -> list[tuple[Any, ...] | None]:

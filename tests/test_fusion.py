@@ -1978,3 +1978,90 @@ def test_quantized_branches_are_refused_as_quantized():
     reference_layers = Parallel(*[torch.ao.nn.quantized.reference.Linear(8, 8) for _ in range(3)], fuse="auto")
     assert_close(reference_layers(x), reference(reference_layers, x))
     assert fused_groups(reference_layers) == [["0", "1", "2"]]
+
+
+# ----------------------------------------------------------------- threads
+@pytest.fixture
+def fast_switching():
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    yield
+    sys.setswitchinterval(interval)
+
+
+def _in_threads(fn, n: int = 4) -> list[BaseException]:
+    import threading
+
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def run(i):
+        try:
+            barrier.wait()
+            fn(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_groups_stacked_by_concurrent_first_calls_follow_later_updates(fast_switching):
+    # Before: two threads stacking at once could leave the parameters views of one thread's
+    # stacks while the group read the other's: a later load_state_dict (or optimizer step) was
+    # never seen again (off by 30-70, call after call).
+    x = torch.randn(4, 8)
+    for _ in range(20):
+        block = Parallel(*[mlp(8) for _ in range(4)], fuse=True)
+        fresh = lambda: {k: torch.randn_like(v) for k, v in block.state_dict().items()}  # noqa: E731
+        block.load_state_dict(fresh(), assign=True)  # new Parameters: stacked at the next call
+
+        def call(_):
+            with torch.no_grad():
+                block(x)
+
+        assert not _in_threads(call)
+        block.load_state_dict(fresh())  # copied in place
+        with torch.no_grad():
+            assert_close(block(x), reference(block, x))
+
+
+class _Scaled(nn.Module):
+    r"""A custom layer (run through vmap when fused) whose weight shows which member ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(8, 8), nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_layers_run_through_vmap_serve_concurrent_threads(fast_switching):
+    # Before: functional_call wrote the stacks into the first member's own dicts for the call:
+    # other threads' calls (of the block, or of that member itself) read them -- functorch
+    # errors, a group disabled for a false "assigns a new tensor", and the member left holding
+    # an escaped batched tensor instead of its Parameter.
+    block = Parallel(*[_Scaled() for _ in range(4)], fuse=True).eval()
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = reference(block, x)
+        alone = block[0](x)
+
+    def call(i):
+        with torch.no_grad():
+            for _ in range(100):
+                if i % 2:
+                    assert_close(block(x), expected)
+                else:
+                    torch.testing.assert_close(block[0](x), alone, rtol=0, atol=0)
+
+    assert not _in_threads(call)
+    assert block.explain()["fused"] == [["0", "1", "2", "3"]]
+    assert all(type(p) is nn.Parameter for p in block[0].parameters())
