@@ -92,11 +92,13 @@ def _storage(t: torch.Tensor) -> int:
 class _Tree:
     r"""The submodules, parameters and buffers of ``root`` when it was last looked at."""
 
-    __slots__ = ("seen", "members", "buffers", "parameters")
+    __slots__ = ("seen", "walked", "members", "buffers", "parameters")
 
     def __init__(self, root: nn.Module) -> None:
         _install()
-        self.seen = _changes
+        # The count at the last walk that found the tree settled, and at the last walk (see same):
+        # the next call walks once more.
+        self.seen, self.walked = -1, _changes
         # Held (not only their ids), so that an id is not reused by a new object while compared.
         self.members, self.buffers = _members(root)
         # Without walking the tree again (whether any is trained, on a hot path).
@@ -133,7 +135,14 @@ class _Tree:
                 if any(held.count(p) > 1 for p in mine):
                     return False
         self.buffers = buffers
-        self.seen = seen
+        # torch runs the registration hooks before it stores what they announce: a walk
+        # from another thread between the two saw the old tree. So the tree is walked once
+        # more at the next call with the count unchanged -- a miss would need the
+        # registering thread to stall between hook and store through a whole call -- and
+        # only then taken as seen. (Where a forward assigns a buffer, every call walks anyway.)
+        if self.walked == seen:
+            self.seen = seen
+        self.walked = seen
         return True
 
 

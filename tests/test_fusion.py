@@ -2032,7 +2032,7 @@ def test_groups_stacked_by_concurrent_first_calls_follow_later_updates(fast_swit
             assert_close(block(x), reference(block, x))
 
 
-class _Scaled(nn.Module):
+class _Gated(nn.Module):
     r"""A custom layer (run through vmap when fused) whose weight shows which member ran."""
 
     def __init__(self) -> None:
@@ -2048,7 +2048,7 @@ def test_layers_run_through_vmap_serve_concurrent_threads(fast_switching):
     # other threads' calls (of the block, or of that member itself) read them -- functorch
     # errors, a group disabled for a false "assigns a new tensor", and the member left holding
     # an escaped batched tensor instead of its Parameter.
-    block = Parallel(*[_Scaled() for _ in range(4)], fuse=True).eval()
+    block = Parallel(*[_Gated() for _ in range(4)], fuse=True).eval()
     x = torch.randn(5, 8)
     with torch.no_grad():
         expected = reference(block, x)

@@ -802,3 +802,32 @@ def test_lazy_branches_and_stages_build_move_copy_and_run():
         assert out.dtype == torch.float64
         assert_same(out, torch.cat([m(x) for m in block], 1) if isinstance(block, Parallel) else block[1](block[0](x)))
         assert twin(x.float()).shape == pickled(x.float()).shape == out.shape
+
+
+def test_a_layer_replaced_while_another_thread_calls_is_seen():
+    # torch runs the registration hooks (which count changes) before it stores the module:
+    # before, a call from another thread in between walked the old tree and took the new count
+    # as seen, and the block kept running the replaced layer for good (fused: off by 2.3).
+    # The gap is a few bytecodes wide; a hook of the test's own makes that call inside it.
+    import threading
+
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.1), nn.Linear(16, 4)) for _ in range(4)],
+                     fuse="auto")
+    x = torch.randn(3, 8)
+    new = nn.LeakyReLU(3.0)
+
+    def call_in_the_gap(module, name, submodule):
+        if submodule is new:
+            thread = threading.Thread(target=lambda: block(x))
+            thread.start()
+            thread.join()
+
+    with torch.no_grad():
+        block(x)
+        handle = nn.modules.module.register_module_module_registration_hook(call_in_the_gap)
+        try:
+            block[1][1] = new
+        finally:
+            handle.remove()
+        torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
