@@ -373,14 +373,12 @@ class _Unstack(torch.autograd.Function):
         return (None, *grad.unbind(0))
 
 
-# One thread at a time: stacks the members' tensors and re-points them at their slices
+# One thread at a time stacks the members' tensors and re-points them at their slices
 # (``_Group.bind``: two threads would each stack, and the parameters could end up views of
-# one thread's stack while the group reads the other's, never seeing an update again);
-# finds the groups and publishes them (``Parallel._reset``, ``_fusion_for``); runs a layer
-# through vmap (``torch.func.functional_call`` writes the stacks into the template layer's
-# own dicts for the call and puts its tensors back after: two threads would read, and put
-# back, each other's). Reentrant: a layer run through vmap may call a fused block of its own.
-# Not taken while a compiler traces, which cannot trace a lock and traces one call at a time.
+# one thread's stack while the group reads the other's, never seeing an update again), and
+# finds the groups and publishes them (``Parallel._reset``, ``_fusion_for``). Taken after a
+# block's CUDA graphs' lock (a capture groups and stacks), never before. Not taken while a
+# compiler traces, which cannot trace a lock and traces one call at a time.
 _lock = threading.RLock()
 
 
@@ -1372,7 +1370,13 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     r"""Any other module: :func:`torch.vmap` of :func:`torch.func.functional_call` over the stacks."""
     quals = [q for q in group.entries if q.startswith(prefix + ".")] if prefix else list(group.entries)
     local = [(q[len(prefix) + 1:] if prefix else q, q) for q in quals]
-    runner = m if _is_tracing() else _own_dicts(m)  # (a compiler traces no copy; its graph runs no module)
+    # ``functional_call`` writes the stacks into ``runner``'s dicts for the call and puts its
+    # tensors back after: two threads would read, and put back, each other's. (Per layer: the
+    # blocks of other threads run on. A compiler tracing the steps it makes for its trace
+    # copies nothing and takes no lock: its graph runs no module, and one trace at a time.)
+    tracing = _is_tracing()
+    runner = m if tracing else _own_dicts(m)
+    lock = contextlib.nullcontext() if tracing else threading.Lock()
 
     def call(state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
         given = dict(state)
@@ -1407,7 +1411,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             raise _UnbatchedNow
         _structure.value = None
         tracing = _is_tracing()
-        with contextlib.nullcontext() if tracing else _lock:  # (functional_call writes m's dicts: see _lock)
+        with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if v.layout == _SHARED and state:
                 out = shared(state, v.t)
             else:
@@ -1430,20 +1434,21 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
 
 
 def _own_dicts(m: nn.Module) -> nn.Module:
-    r"""``m`` with parameter, buffer and submodule dicts of its own, holding the same tensors.
+    r"""``m`` with parameter, buffer and submodule dicts of its own (and so its submodules), all else shared.
 
     ``torch.func.functional_call`` writes the stacks into the dicts of the module
     it runs for the call: those of the template layer -- the first member's own
     -- would show them to another thread calling that member directly (a branch
-    left unfused, the user's own code) while the call runs. (A copy made once:
-    like the other fused layers, its settings are those of grouping; see the
-    README's limits.)
+    left unfused, the user's own code) while the call runs. Every other
+    attribute is the template's own object (a table the members share, a mask
+    changed in place); settings are copied values, those of grouping, as for the
+    other fused layers (see the README's limits).
     """
-    memo = {id(t): t for t in (*m.parameters(), *m.buffers())}
-    try:
-        return copy.deepcopy(m, memo)
-    except Exception:  # (an attribute that cannot be copied: the layer itself, one thread at a time)
-        return m
+    runner = copy.copy(m)
+    d = runner.__dict__
+    d["_parameters"], d["_buffers"] = dict(m._parameters), dict(m._buffers)
+    d["_modules"] = {name: None if c is None else _own_dicts(c) for name, c in m._modules.items()}
+    return runner
 
 
 def _own_memory(out: Any, state: dict[str, torch.Tensor]) -> Any:

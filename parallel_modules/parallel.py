@@ -372,8 +372,17 @@ class Parallel(nn.Module):
         r"""Forget everything learnt about calls: after the branches, their
         devices or dtypes change, devices are checked, schedules tuned and CUDA
         graphs captured anew."""
+        # (The graphs cleared outside the fusion lock, before and after: a capture holds its
+        # graphs' lock and may take the fusion lock, to group or stack, so the two are only
+        # ever taken in that order. Cleared after, a graph a capture was making meanwhile of
+        # the old groups goes too.)
+        graphs = self.__dict__.get("_graphs")
+        if graphs is not None:
+            graphs.clear()
         with _fusion_lock:  # (another thread's call may be grouping: its groups must not land after these)
             self._forget(strict)
+        if graphs is not None:
+            graphs.clear()
 
     def _forget(self, strict: bool) -> None:
         # The tree as it is before the groups are made of it: a change that lands
@@ -385,10 +394,7 @@ class Parallel(nn.Module):
         self._unwritten: dict[Hashable, None] = {}
         self._fusion: _Fusion | None = None
         self._placement: Any = _UNPLACED  # which device each branch runs on: _placement.py
-        graphs = self.__dict__.get("_graphs")
-        if graphs is not None:
-            graphs.clear()
-        else:  # constructed, unpickled or deep-copied: graphs never are copied
+        if self.__dict__.get("_graphs") is None:  # constructed, unpickled or deep-copied: graphs never are copied
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
                                        direct_grads=self.direct_grads)
         if self.fuse is not False:

@@ -2004,11 +2004,12 @@ def _in_threads(fn, n: int = 4) -> list[BaseException]:
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread is still running (deadlocked?)"
     return errors
 
 
@@ -2065,3 +2066,59 @@ def test_layers_run_through_vmap_serve_concurrent_threads(fast_switching):
     assert not _in_threads(call)
     assert block.explain()["fused"] == [["0", "1", "2", "3"]]
     assert all(type(p) is nn.Parameter for p in block[0].parameters())
+
+
+def test_a_reset_while_a_capture_holds_the_graphs_lock_does_not_deadlock():
+    # A capture holds its graphs' lock and its warm-up groups, stacks or runs vmap; before, a
+    # reset took the fusion lock, then the graphs' lock to clear them: the other order.
+    # (The capture stood in for on the CPU: the lock taken as _CudaGraphs._lookup takes it.)
+    import threading
+    import time
+
+    block = Parallel(*[_Gated() for _ in range(4)], fuse=True).eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        block(x)
+    held = threading.Event()
+
+    def capture(i):
+        if i == 0:
+            with block._graphs._lock:
+                held.set()
+                time.sleep(0.2)  # (the other thread is inside the reset meanwhile)
+                with torch.no_grad():
+                    block._forward(x)
+        else:
+            held.wait()
+            block._reset()
+
+    assert not _in_threads(capture, 2)
+
+
+class _Shared(nn.Module):
+    r"""A layer reading objects every member holds without registering them: a table, a mask."""
+
+    def __init__(self, table: nn.Parameter, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.lin, self._table, self.mask = nn.Linear(8, 8), [table], mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) @ self._table[0]) * self.mask
+
+
+def test_a_layer_run_through_vmap_reads_the_objects_its_members_share():
+    # (A first fix ran vmap on a deep copy of the template layer: the copy's own table and
+    # mask, stale after in-place updates, and no gradient for the table.)
+    table, mask = nn.Parameter(torch.randn(8, 8)), torch.ones(8)
+    block = Parallel(*[_Shared(table, mask) for _ in range(4)], fuse=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        block(x)
+        table.mul_(2.0)
+        mask[:4] = 0
+        assert_close(block(x), reference(block, x))
+    block(x).sum().backward()
+    expected = table.grad.clone()
+    table.grad = None
+    reference(block, x).sum().backward()
+    assert_close(expected, table.grad)
