@@ -396,7 +396,7 @@ class _Value(NamedTuple):
 class _Group:
     r"""One group of identical branches, evaluated as one batched computation."""
 
-    def __init__(self, indices: list[int], members: list[nn.Module], others: list[nn.Module] = ()) -> None:
+    def __init__(self, indices: list[int], members: list[nn.Module], others: Sequence[nn.Module] = ()) -> None:
         self.indices = indices
         self.members = members
         self.others = others  # the block's other branches (see _refuse_ties)
@@ -487,14 +487,14 @@ class _Group:
             if overlap is not None:
                 names = {id(t): q for q, t in [*member.named_parameters(), *member.named_buffers()]}
                 a, b = (names[id(tensors[k])] for k in overlap)
-                raise RuntimeError(f"{a} and {b} of branch {i} share memory now: stacked, they would no longer")
+                raise RuntimeError(f"{a} and {b} of branch {i} share memory now: stacked, they would no longer share it")
         tied = _tied_in_memory([_tensors(m) for m in (*self.members, *self.others)])
         k = next((k for k in range(self.n) if k in tied), None)
         if k is not None:
             other = tied[k]
             with_ = (f"branch {self.indices[other]}" if other < self.n else "another branch of the block")
             raise RuntimeError(f"branch {self.indices[k]} shares memory with {with_} now, through another parameter "
-                               f"or buffer object: stacked, they would no longer")
+                               f"or buffer object: stacked, they would no longer share it")
 
     def bind(self) -> bool:
         r"""Stack each parameter and buffer of the members; point the members at their slices.
