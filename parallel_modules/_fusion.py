@@ -206,6 +206,9 @@ def _unfusable(branch: nn.Module) -> str | None:
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
             return (f"{where} has sparse gradients (sparse=True), which the members' stacked weight cannot "
                     f"hand back to each branch")
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            return (f"{where} renormalizes the rows it looks up in its weight, in place (max_norm), which "
+                    f"autograd refuses on a view of the members' stacked weights")
         if isinstance(m, nn.RNNBase):
             return f"{where} is a recurrent layer, which is not batched across branches"
         if _is_block(m):

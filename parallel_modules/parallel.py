@@ -20,7 +20,7 @@ from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
-from ._joins import JoinSpec, _check_join, _join_outputs
+from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _current_device, _current_stream,
                        _fork_join, _is_tracing, _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
@@ -824,7 +824,10 @@ class Parallel(nn.Module):
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
         outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
-        if isinstance(failure, _UnbatchedNow):  # (this call only: the group is not at fault)
+        if isinstance(failure, _UnbatchedNow) or _out_of_memory(failure):
+            # (This call only: the group is not at fault. Batched, the members' activations
+            # are held at once, one after another each in turn: a large batch may fit only
+            # unfused, and an allocation failure of the members too raises as it is.)
             return outputs
         names = [list(self._modules)[i] for i in group.indices]
         if self.fuse is True:

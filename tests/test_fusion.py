@@ -2122,3 +2122,40 @@ def test_a_layer_run_through_vmap_reads_the_objects_its_members_share():
     table.grad = None
     reference(block, x).sum().backward()
     assert_close(expected, table.grad)
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_an_allocation_failure_batched_runs_the_members_for_that_call_only(fuse, monkeypatch):
+    # Batched, the members' activations are held at once: a large batch may fit only one member
+    # at a time. Before: fuse=True raised "failed to run batched" (not an OutOfMemoryError a
+    # caller could catch), and "auto" dropped the group for good.
+    torch.manual_seed(0)
+    p = Parallel(*[mlp(8) for _ in range(3)], fuse=fuse)
+    x = torch.randn(4, 8)
+    p(x)
+    group = p._fusion.groups[0]
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(group, "run", out_of_memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_close(p(x), reference(p, x))
+    monkeypatch.undo()
+    assert fused_groups(p) == [["0", "1", "2"]]
+    assert_close(p(x), reference(p, x))
+
+
+def test_embeddings_renormalizing_their_rows_are_not_fused():
+    # Before: fuse=True took them, and every call recording autograd then failed (max_norm
+    # renormalizes the looked-up rows in place, in a view of the stacked weights).
+    make = lambda: nn.Embedding(10, 4, max_norm=1.0)  # noqa: E731
+    p = Parallel(*[make() for _ in range(3)], fuse="auto")
+    idx = torch.randint(0, 10, (5,))
+    out = p(idx)
+    out.sum().backward()
+    assert fused_groups(p) == []
+    assert "renormalizes the rows it looks up" in p.explain()["unfused"]["0"]
+    with pytest.raises(ValueError, match=r"branch '0' cannot be fused: the branch \(Embedding\) renormalizes"):
+        Parallel(*[make() for _ in range(3)], fuse=True)
