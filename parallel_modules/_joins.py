@@ -10,6 +10,7 @@ is bit-for-bit the one of the sequential expression.
 from __future__ import annotations
 
 import functools
+import reprlib
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
@@ -61,6 +62,24 @@ def _describe(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
     return type(value).__name__
+
+
+def _same_leaf(value: Any, first: Any) -> bool:
+    r"""Whether a non-tensor output leaf is the first branch's (an ``==`` that is not one bool -- a
+    NumPy array's, elementwise -- is not the same)."""
+    if value is first:
+        return True
+    try:
+        return type(value) is type(first) and bool(value == first)
+    except Exception:
+        return False
+
+
+def _describe_leaf(value: Any) -> str:
+    r"""An output leaf for an error: a tensor as :func:`_describe` has it, anything else with its value too."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return _describe(value) if value is not None else "None"
+    return f"{type(value).__name__} {reprlib.repr(value)}"
 
 
 def _listing(names: Sequence[str], outputs: Sequence[Any]) -> str:
@@ -155,14 +174,13 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
                 joined.append(_leaf_join(how, dim, list(column)))
             except (RuntimeError, TypeError, IndexError) as e:
                 raise _join_error(owner, how, dim, names, outputs, e) from e
-        elif not any(isinstance(v, _LEAVES) for v in column) and all(
-                v is column[0] or (type(v) is type(column[0]) and v == column[0]) for v in column):
+        elif not any(isinstance(v, _LEAVES) for v in column) and all(_same_leaf(v, column[0]) for v in column):
             joined.append(column[0])  # the same non-tensor from every branch (``None``): passed on
         else:
             raise ValueError(
                 f"{owner}: join={how!r} joins the outputs leaf by leaf, but leaf {i} of the outputs is not a "
                 f"tensor in every branch, nor the same value in all: "
-                f"{', '.join(f'branch {n!r}: {_describe(v)}' for n, v in zip(names, column))}.\n"
+                f"{', '.join(f'branch {n!r}: {_describe_leaf(v)}' for n, v in zip(names, column))}.\n"
                 f"{_listing(names, outputs)}\nReturn a tensor there from every branch (or the same non-tensor "
                 "value), or pass join=None to receive the outputs as a tuple."
             )

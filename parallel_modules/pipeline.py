@@ -464,6 +464,12 @@ class ParallelSequential(nn.Sequential):
         _check_stage(type(self).__name__, str(len(self)), module)
         return super().append(module)
 
+    def __iadd__(self, other: nn.Sequential) -> "ParallelSequential":
+        if isinstance(other, nn.Sequential):  # (what nn.Sequential adds: its stages, one by one)
+            for i, module in enumerate(other):
+                _check_stage(type(self).__name__, str(len(self) + i), module)
+        return super().__iadd__(other)
+
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
         _check_stage(type(self).__name__, str(index), module)
         super().insert(index, module)

@@ -340,7 +340,7 @@ def test_none_leaves_of_structured_outputs_are_passed_on():
 
 def test_a_leaf_that_is_a_tensor_in_one_branch_only_is_named():
     p = Parallel(OrderedDict(a=lambda t: (t, None), b=lambda t: (t, t)), join="sum")
-    with pytest.raises(ValueError, match=r"leaf 1 .*branch 'a': NoneType, branch 'b': Tensor"):
+    with pytest.raises(ValueError, match=r"leaf 1 .*branch 'a': None, branch 'b': Tensor"):
         p(torch.randn(2, 2))
 
 
@@ -662,3 +662,17 @@ def test_stage_names_of_the_private_state_are_refused(settings):
     for name in sorted(names):
         with pytest.raises(ValueError, match=f"ParallelSequential: cannot name a stage {name!r}"):
             ParallelSequential(OrderedDict([("enc", nn.Linear(8, 8)), (name, nn.Linear(8, 2))]), chunks=2)
+
+
+def test_non_tensor_output_leaves_that_differ_are_named_with_their_values():
+    # Before: "branch '0': int, branch '1': int" (no values), and a NumPy leaf escaped as a bare
+    # "truth value of an array is ambiguous" naming neither the block nor a branch.
+    x = torch.randn(2, 3)
+    with pytest.raises(ValueError, match=r"leaf 1 of the outputs .* branch '0': int 3, branch '1': int 4"):
+        Parallel(lambda x: (x, 3), lambda x: (x, 4))(x)
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=r"^Parallel: join='cat' .* branch '0': ndarray array\(\[1, 2\]\)"):
+        Parallel(lambda x: (x, np.array([1, 2])), lambda x: (x, np.array([1, 2])))(x)
+    out = Parallel(lambda x: (x, "tag"), lambda x: (x * 2, "tag"))(x)  # the same value: passed on
+    torch.testing.assert_close(out[0], torch.cat([x, x * 2], 1))
+    assert out[1] == "tag"

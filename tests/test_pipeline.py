@@ -1097,3 +1097,14 @@ def test_stock_layers_mixing_samples_by_their_settings_are_refused() -> None:
         torch.testing.assert_close(model(tokens), emb(tokens).flatten(1))
     model.eval()
     torch.testing.assert_close(model(tokens), emb(tokens).flatten(1))
+
+
+def test_stages_added_with_iadd_are_checked() -> None:
+    # Before: nn.Sequential's += added a ModuleList stage unchecked, refused only at the call.
+    pipe = ParallelSequential(nn.Linear(4, 4), chunks=2)
+    with pytest.raises(TypeError, match=r"stage '1' is a ModuleList, which holds modules but cannot be called"):
+        pipe += nn.Sequential(nn.ModuleList([nn.ReLU()]))
+    assert len(pipe) == 1
+    pipe += nn.Sequential(nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
