@@ -223,11 +223,10 @@ def _unfusable(branch: nn.Module) -> str | None:
     named = list(branch.named_parameters(remove_duplicate=False)) + list(branch.named_buffers(remove_duplicate=False))
     if len({id(t) for _, t in named}) != len(named):
         return "it uses one parameter or buffer in several places (tied weights)"
-    overlap = _first_overlap([t for _, t in named])
-    if overlap is not None:
-        a, b = (named[i][0] for i in overlap)
-        return (f"its {a!r} and {b!r} share memory (a tied weight, or views of one tensor): stacked, they "
-                f"would no longer share it")
+    tied = _tied_within(branch)
+    if tied is not None:
+        return (f"its {tied[0]!r} and {tied[1]!r} share memory (a tied weight, or views of one tensor): stacked, "
+                f"they would no longer share it")
     return None
 
 
@@ -263,28 +262,15 @@ def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     return address, start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _first_overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
-    r"""The indices of two of ``tensors`` that read some of the same memory, or ``None``.
+def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
+    r"""The branches (by index, in ``held``: each one's tensors) that share memory with another branch through
+    distinct tensor objects, each with one such other branch.
 
     Distinct parameters may share memory -- ``p.data = q.data``, or a checkpoint
     holding one tensor under two keys loaded with ``load_state_dict(assign=True)`` --
     and a plain module then trains them tied (each update lands in the one memory).
     Stacking copies each into a slice of its own: fused, they would be untied. (The
     members of a group laid out in its stacks read disjoint slices of one storage.)
-    """
-    spans = sorted((*span, i) for i, span in ((i, _span(t)) for i, t in enumerate(tensors)) if span is not None)
-    # (Sorted by start: where any two overlap, two neighbours do -- the first span to start
-    # inside an earlier one starts inside the one just before it.)
-    for (address, _, end, i), (other, start, _, j) in zip(spans, spans[1:]):
-        if address == other and start < end:
-            return i, j
-    return None
-
-
-def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
-    r"""The branches (by index, in ``held``: each one's tensors) that share memory with another branch through
-    distinct tensor objects (see :func:`_first_overlap`), each with one such other branch.
-
     Not only within a group: stacking a member moves it to new memory, untying it from
     a branch left unfused as well. (One object held by two branches moves for both.)
     """
@@ -302,6 +288,13 @@ def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
                 tied.setdefault(j, i)
         open_spans.append((end, i, ident))
     return tied
+
+
+def _tied_within(branch: nn.Module) -> tuple[str, str] | None:
+    r"""The names of two of ``branch``'s parameters and buffers that share memory (see :func:`_tied_in_memory`)."""
+    named = [*branch.named_parameters(), *branch.named_buffers()]
+    tied = _tied_in_memory([[t] for _, t in named])
+    return None if not tied else tuple(named[i][0] for i in min(tied.items()))
 
 
 def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, str]]:
@@ -479,18 +472,16 @@ class _Group:
         return [t for t in (self.stacks.get(q) for q in self.buffers) if t is not None]
 
     def _refuse_ties(self) -> None:
-        r"""Refuse to stack members that share memory with other tensors of the block (see :func:`_first_overlap`).
+        r"""Refuse to stack members that share memory with other tensors of the block (see :func:`_tied_in_memory`).
 
         ``_groups`` left such branches out; ``.data =`` and ``set_()`` tie tensors
         since, registering nothing, and stacking would copy them apart.
         """
         for i, member in zip(self.indices, self.members):
-            tensors = _tensors(member)
-            overlap = _first_overlap(tensors)
-            if overlap is not None:
-                names = {id(t): q for q, t in [*member.named_parameters(), *member.named_buffers()]}
-                a, b = (names[id(tensors[k])] for k in overlap)
-                raise RuntimeError(f"{a} and {b} of branch {i} share memory now: stacked, they would no longer share it")
+            tied = _tied_within(member)
+            if tied is not None:
+                raise RuntimeError(f"{tied[0]} and {tied[1]} of branch {i} share memory now: stacked, they would no "
+                                   f"longer share it")
         tied = _tied_in_memory([_tensors(m) for m in (*self.members, *self.others)])
         k = next((k for k in range(self.n) if k in tied), None)
         if k is not None:
