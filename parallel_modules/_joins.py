@@ -77,9 +77,9 @@ def _same_leaf(value: Any, first: Any) -> bool:
 
 def _describe_leaf(value: Any) -> str:
     r"""An output leaf for an error: a tensor as :func:`_describe` has it, anything else with its value too."""
-    if isinstance(value, torch.Tensor) or value is None:
-        return _describe(value) if value is not None else "None"
-    return f"{type(value).__name__} {reprlib.repr(value)}"
+    if value is None:
+        return "None"
+    return _describe(value) if isinstance(value, torch.Tensor) else f"{type(value).__name__} {reprlib.repr(value)}"
 
 
 def _listing(names: Sequence[str], outputs: Sequence[Any]) -> str:
