@@ -182,6 +182,13 @@ def rand(*shape: int, dtype: torch.dtype = torch.float32, device: Any = None) ->
     return torch.randn(*shape, dtype=dtype, device=DEV if device is None else device)
 
 
+def check_calls(blk: Callable, ref: Callable, shape: tuple[int, ...], calls: int, what: str, exact: bool = True) -> None:
+    r"""``check`` ``blk`` against ``ref`` on ``calls`` fresh random inputs of ``shape``."""
+    for i in range(calls):
+        x = rand(*shape)
+        check(blk(x), ref(x), f"{what} call {i}", exact=exact)
+
+
 def sync() -> None:
     if CUDA:
         torch.cuda.synchronize()
@@ -233,9 +240,7 @@ def parallel_joins_graph() -> None:
     for join in JOINS:
         blk, ref = _joined_block(join, cuda_graph=True)
         with torch.no_grad():
-            for i in range(10):
-                x = rand(6, 32)
-                check(blk(x), ref(x), f"join={join} call {i}")
+            check_calls(blk, ref, (6, 32), 10, f"join={join}")
 
 
 @scenario()
@@ -248,9 +253,7 @@ def many_branches() -> None:
             blk = Parallel(*[nn.Linear(16, 4) for _ in range(n)], **settings).to(DEV).eval()
             ref = plain(list(blk), "cat")
             with torch.no_grad():
-                for i in range(4):
-                    x = rand(3, 16)
-                    check(blk(x), ref(x), f"n={n} {settings} call {i}")
+                check_calls(blk, ref, (3, 16), 4, f"n={n} {settings}")
 
 
 def _nested(outer: dict, inner: dict) -> tuple[Parallel, Callable]:
@@ -275,9 +278,7 @@ def nested_parallel() -> None:
             continue
         blk, ref = _nested(outer, inner)
         with torch.no_grad():
-            for i in range(6):
-                x = rand(4, 32)
-                check(blk(x), ref(x), f"outer={outer} inner={inner} call {i}")
+            check_calls(blk, ref, (4, 32), 6, f"outer={outer} inner={inner}")
 
 
 @scenario()
@@ -291,9 +292,7 @@ def nested_in_pipeline() -> None:
             ref = nn.Sequential(*copy.deepcopy(stages)).to(DEV).eval()
             pipe = ParallelSequential(*stages, chunks=chunks, cuda_graph=graph).to(DEV).eval()
             with torch.no_grad():
-                for i in range(6):
-                    x = rand(10, 32)
-                    check(pipe(x), ref(x), f"chunks={chunks} graph={graph} call {i}", exact=False)
+                check_calls(pipe, ref, (10, 32), 6, f"chunks={chunks} graph={graph}", exact=False)
 
 
 @scenario()
@@ -402,9 +401,7 @@ def outputs_kept_across_calls() -> None:
 
 def _keep_outputs_close(blk: nn.Module, ref: Callable, what: str) -> None:
     with torch.no_grad():
-        for i in range(20):
-            x = rand(8, 32)
-            check(blk(x), ref(x), f"{what} dropped call {i}", exact=False)
+        check_calls(blk, ref, (8, 32), 20, f"{what} dropped", exact=False)
         outs, refs = [], []
         for i in range(6):
             x = rand(8, 32)
@@ -662,9 +659,7 @@ def fused_inference() -> None:
                 refs = nn.ModuleList(copy.deepcopy(list(blk))).eval()  # same weights, unfused
                 rf = plain(list(refs), "cat")
                 with torch.no_grad():
-                    for i in range(6):
-                        x = rand(rows, 32)
-                        check(blk(x), rf(x), f"mlp fuse={fuse!r} graph={graph} rows={rows} call {i}", exact=False)
+                    check_calls(blk, rf, (rows, 32), 6, f"mlp fuse={fuse!r} graph={graph} rows={rows}", exact=False)
                     for join in ("sum", "stack", "tuple"):
                         blk.join = join
                         rf = plain(list(refs), join)
@@ -675,9 +670,7 @@ def fused_inference() -> None:
             refs = nn.ModuleList(copy.deepcopy(list(blk))).eval()
             rf = plain(list(refs), "cat")
             with torch.no_grad():
-                for i in range(5):
-                    x = rand(2, 8, 12, 12)
-                    check(blk(x), rf(x), f"conv fuse={fuse!r} graph={graph} call {i}", exact=False)
+                check_calls(blk, rf, (2, 8, 12, 12), 5, f"conv fuse={fuse!r} graph={graph}", exact=False)
 
 
 @scenario()
@@ -925,9 +918,7 @@ def inference_mode_inputs() -> None:
         blk = Parallel(mlp(), Sleepy(mlp()), mlp(), join="cat", **settings).to(DEV).eval()
         ref = plain(list(blk), "cat")
         with torch.inference_mode():
-            for i in range(8):
-                x = rand(4, 32)
-                check(blk(x), ref(x), f"{settings} call {i}")
+            check_calls(blk, ref, (4, 32), 8, f"{settings}")
 
 
 # ---------------------------------------------------------------------------------------- driver
