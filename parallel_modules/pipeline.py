@@ -953,8 +953,9 @@ class ParallelSequential(nn.Sequential):
 
     def _forward(self, input: Any) -> Any:
         plan = self._get_plan()
+        tracing = _is_tracing()
         # (Not asked of a compiler, which would record the question in its graph.)
-        transformed = not _is_tracing() and _functorch_active()
+        transformed = not tracing and _functorch_active()
         if self._chunks > 1 and not transformed:  # (which runs the whole input: see below)
             self._refuse_mixing(plan)
         device = input.device if isinstance(input, torch.Tensor) else _input_device((input,), {})
@@ -970,12 +971,12 @@ class ParallelSequential(nn.Sequential):
                 if plan.home is not None and device != plan.home:
                     raise self._placement_error(plan, device)
         calls = self._stages()
-        graphs = (self._stage_graphs(plan, input) if copy_to is not None and self.cuda_graph and not _is_tracing()
+        graphs = (self._stage_graphs(plan, input) if copy_to is not None and self.cuda_graph and not tracing
                   else None)
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
         if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (
-                _is_tracing() and _symbolic_batch(input)) or transformed:
+                tracing and _symbolic_batch(input)) or transformed:
             # (Under torch.func transforms -- vmap(grad(...)) for per-sample gradients sees
             # one sample at a time -- the stages run on the whole input: the same result,
             # where micro-batches would gain nothing and a batch of one could not be cut.
@@ -991,13 +992,13 @@ class ParallelSequential(nn.Sequential):
                 # copy: 8% slower than copy-then-compute on a 38 MB batch). A pageable one
                 # is copied synchronously, as ``.to(device)`` does.
                 # (Not while a compiler traces: is_pinned() breaks the traced graph.)
-                pinned = not _is_tracing() and _pinned(input)
+                pinned = not tracing and _pinned(input)
                 input = _to_device(input, copy_to, non_blocking=pinned, pinned=pinned)
             return self._in_order(calls, input)
 
         pieces = self._split(input, copied=copy_to is not None)
         stages = list(zip(plan.names, calls))
-        if _is_tracing() or (copy_to is None and (device is None or device.type != "cuda")):
+        if tracing or (copy_to is None and (device is None or device.type != "cuda")):
             # Compilers see the micro-batches one after the other (no stream
             # ops in the graph) and schedule them; the CPU runs them in order.
             # (A pipeline recomputed by torch.utils.checkpoint(use_reentrant=False)
