@@ -173,7 +173,7 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
             try:
                 joined.append(_leaf_join(how, dim, list(column)))
             except (RuntimeError, TypeError, IndexError) as e:
-                raise _join_error(owner, how, dim, names, outputs, e) from e
+                raise _join_error(owner, how, dim, names, outputs, e, list(column)) from e
         elif not any(isinstance(v, _LEAVES) for v in column) and all(_same_leaf(v, column[0]) for v in column):
             joined.append(column[0])  # the same non-tensor from every branch (``None``): passed on
         else:
@@ -195,10 +195,23 @@ def _out_of_memory(e: BaseException) -> bool:
             or "can't allocate memory" in text)
 
 
+def _expectation(how: str, dim: int, leaves: list[Any]) -> str:
+    r"""What ``how`` expects of the tensors ``leaves`` that it could not join, the mismatch torch met
+    first where it is one a shape listing does not make plain (torch checks devices before shapes)."""
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    # (a sum takes a 0-d CPU tensor with tensors of any device, as a number)
+    if len({t.device for t in tensors if how in ("cat", "stack") or t.dim() or t.device.type != "cpu"}) > 1:
+        return "all outputs on one device (move them in the branches, e.g. .to(x.device))"
+    if how == "cat" and any(t.dim() == 0 for t in tensors):
+        return "outputs of at least one dimension (0-d tensors cannot be concatenated; join='stack' stacks them)"
+    return _EXPECTED[how].format(dim=dim)
+
+
 def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: list[Any],
-                e: Exception) -> Exception:
+                e: Exception, leaves: list[Any] | None = None) -> Exception:
     r"""The error for outputs ``how`` cannot join, of the type torch raised (``e``): ``IndexError`` for a
-    ``dim`` out of range, ``RuntimeError`` for shapes or devices that do not match."""
+    ``dim`` out of range, ``RuntimeError`` for shapes or devices that do not match. ``leaves``: the
+    tensors that failed to join, where ``outputs`` are structures (the default: ``outputs``)."""
     if _out_of_memory(e):
         raise _with_context(e, f"(raised joining the branch outputs of {owner} with join={how!r})")
     names = list(names)
@@ -212,7 +225,7 @@ def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: l
             f"{' or '.join(map(str, ndims))} dimensions (valid: {valid}); got:\n{_listing(names, outputs)}\n"
             f"Pass a dim in that range, or join=None to receive the outputs as a tuple. ({e})"
         )
-    expected = _EXPECTED[how].format(dim=dim)
+    expected = _expectation(how, dim, outputs if leaves is None else leaves)
     return (TypeError if isinstance(e, TypeError) else RuntimeError)(
         f"{owner}: join={how!r}{along} cannot combine the branch outputs; it expects "
         f"{expected}, got:\n{_listing(names, outputs)}\n"

@@ -676,3 +676,52 @@ def test_non_tensor_output_leaves_that_differ_are_named_with_their_values():
     out = Parallel(lambda x: (x, "tag"), lambda x: (x * 2, "tag"))(x)  # the same value: passed on
     torch.testing.assert_close(out[0], torch.cat([x, x * 2], 1))
     assert out[1] == "tag"
+
+
+class _ToMeta(nn.Module):
+    def forward(self, x):
+        return x.to("meta")
+
+
+@pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
+def test_outputs_on_different_devices_are_called_that_not_a_shape_mismatch(join):
+    # torch checks devices before shapes: equal shapes on two devices are no shape mismatch.
+    p = Parallel(OrderedDict(here=nn.Identity(), there=_ToMeta()), join=join)
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as ei:
+            p(torch.randn(2, 3))
+        msg = str(ei.value)
+        assert "expects all outputs on one device" in msg and "branch 'there': Tensor(2, 3) float32 on meta" in msg
+        assert "to match" not in msg and "broadcast" not in msg and "shapes to be equal" not in msg
+    p.there = nn.Identity()  # fixed
+    x = torch.randn(2, 3)
+    assert_same(p(x), torch.cat([x, x], 1) if join == "cat" else
+                torch.stack([x, x], 1) if join == "stack" else x + x if join == "sum" else (x + x) / 2)
+
+
+def test_a_sum_with_a_0d_cpu_output_is_not_called_a_device_mismatch():
+    # (a 0-d CPU tensor adds to a tensor of any device, as a number: a failing sum is about shapes)
+    p = Parallel(lambda x: x.to("meta"), lambda x: torch.ones(2, 5, device="meta"), lambda x: torch.tensor(1.0),
+                 join="sum")
+    with pytest.raises(RuntimeError, match="expects shapes that broadcast together"):
+        p(torch.randn(2, 3))
+
+
+def test_0d_outputs_of_cat_are_called_that_with_stack_suggested():
+    p = Parallel(OrderedDict(a=lambda x: x.sum(), b=lambda x: x.mean()))
+    with pytest.raises(RuntimeError) as ei:
+        p(torch.randn(2, 3))
+    msg = str(ei.value)
+    assert "at least one dimension" in msg and "join='stack'" in msg and "branch 'a': Tensor() float32" in msg
+    p.join, x = "stack", torch.randn(2, 3)
+    p.dim = 0
+    assert_same(p(x), torch.stack([x.sum(), x.mean()]))
+
+
+def test_a_device_mismatch_in_one_leaf_of_structured_outputs_is_diagnosed_on_that_leaf():
+    p = Parallel(lambda x: (x, x), lambda x: (x, x.to("meta")))
+    with pytest.raises(RuntimeError, match="expects all outputs on one device"):
+        p(torch.randn(2, 3))
+    q = Parallel(lambda x: (x, x.to("meta")), lambda x: (x[:, :1].t(), x.to("meta")), dim=0)
+    with pytest.raises(RuntimeError, match="expects all dimensions except dim=0 to match"):
+        q(torch.randn(2, 3))
