@@ -241,8 +241,9 @@ def _batch_second(m: nn.Module) -> bool:
 
 def _recurrent_tail(stage: nn.Module) -> bool:
     r"""Whether ``stage`` ends in a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) whose
-    result it returns: the layer itself, or the last of ``nn.Sequential`` containers."""
-    while type(stage) is nn.Sequential and len(stage):
+    result it returns: the layer itself, or the last of ``nn.Sequential`` containers (a nested
+    pipeline too, which returns its recurrent tail's hidden states as the layer does)."""
+    while (type(stage) is nn.Sequential or isinstance(stage, ParallelSequential)) and len(stage):
         stage = stage[-1]
     return isinstance(stage, nn.RNNBase)
 
@@ -271,7 +272,7 @@ class ParallelSequential(nn.Sequential):
     :class:`torch.nn.Sequential`, each stage receives the previous stage's
     output as its single argument. A last stage ending in a recurrent layer
     (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, alone or last in an
-    ``nn.Sequential``) returns its final hidden states as that layer does:
+    ``nn.Sequential`` or a nested ``ParallelSequential``) returns its final hidden states as that layer does:
     joined along their batch dimension, 1.
 
     A CPU input to a module whose parameters live on a CUDA device is copied
@@ -929,12 +930,15 @@ class ParallelSequential(nn.Sequential):
                 key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
                 tracing = _is_tracing()
                 if tracing or key not in self._softmax_checked:
-                    smallest = None
+                    smallest, batch = None, None
                     if not (tracing and _symbolic_batch(input)):
-                        smallest = max((_batch_size(input) or 0) // self._chunks, 1)
+                        batch = _batch_size(input) or 0
+                        smallest = max(batch // self._chunks, 1)
                     with _SoftmaxDims(self, plan, layers, smallest):
                         output = self._forward(input)
-                    if not tracing:  # (each trace checks: a tracer would record the add as a side effect)
+                    # (each trace checks: a tracer would record the add as a side effect. An empty
+                    # batch has no rows for the check to see: the next call of the signature checks.)
+                    if not tracing and batch:
                         self._softmax_checked.add(key)
                     return output
         return self._forward(input)

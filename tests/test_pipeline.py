@@ -887,6 +887,18 @@ def test_softmax_layers_whose_dim_resolves_to_0_are_refused(layer, shape) -> Non
             model(torch.randn(shape))
 
 
+def test_an_empty_batch_leaves_the_softmax_check_to_the_next_call() -> None:
+    # Before: an empty batch ran whole (no rows to look at), but its signature was taken as
+    # checked, and the next batch was normalized across its micro-batches, silently.
+    model = ParallelSequential(nn.Linear(4, 4), nn.Softmax(dim=-2), chunks=2)
+    assert model(torch.randn(0, 4)).shape == (0, 4)
+    with pytest.raises(RuntimeError, match=r"contains '1' \(Softmax\(dim=-2\)\).*dimension 0"):
+        model(torch.randn(6, 4))
+    model[1] = nn.Softmax(dim=-1)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(model(x), nn.Sequential(*model)(x))
+
+
 class _ScalarMix(nn.Module):
     r"""A learned softmax-weighted mix of two feature sets: a softmax over a parameter, not the batch."""
 
@@ -953,6 +965,20 @@ def test_a_recurrent_last_stage_joins_its_hidden_states_along_their_batch_dim(ma
     # Unbatched, a 2-D input would be cut along its sequence: refused.
     with pytest.raises(ValueError, match="(?s)cannot concatenate.*without a batch dimension"):
         ParallelSequential(nn.Identity(), rnn, chunks=2)(torch.randn(6, 3))
+
+
+@pytest.mark.parametrize("layers", [2, 1])
+def test_a_recurrent_tail_in_a_nested_pipeline_joins_its_hidden_states_along_their_batch_dim(layers) -> None:
+    # Before: a last stage that is itself a ParallelSequential ending in an LSTM had h_n and
+    # c_n joined along dimension 0: (4, 2, 5) for (2, 4, 5) at two layers, refused at one.
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 5, num_layers=layers, batch_first=True)
+    x = torch.randn(4, 3, 4)
+    expected = lstm(x)
+    for inner_chunks in (1, 2):
+        inner = ParallelSequential(nn.Identity(), lstm, chunks=inner_chunks)
+        for tail in (inner, nn.Sequential(nn.Identity(), inner)):
+            torch.testing.assert_close(ParallelSequential(nn.Identity(), tail, chunks=2)(x), expected)
 
 
 @pytest.mark.parametrize("style", ["parametrization", "hook"])
