@@ -124,16 +124,30 @@ def _check_devices(owner: str, names: Iterable[str], children: Iterable[nn.Modul
 def _with_context(error: BaseException, context: str) -> BaseException:
     r"""Add ``context`` (which module, which branch) to an exception raised inside a branch.
 
-    The exception keeps its type, so ``except`` clauses in user code still
-    work: Python 3.11+ shows the context as a note under the traceback; on 3.10
-    it is appended to a string message. (Not while ``torch.compile`` traces.)
+    The exception keeps its type and its ``args``, so ``except`` clauses and
+    code reading the exception (a ``KeyError``'s key, an ``OSError``'s errno)
+    still work: Python 3.11+ shows the context as a note under the traceback.
+    Python 3.10 shows no notes: there ``__notes__`` is set as 3.11 would, and the
+    context is also appended to the message of an exception whose only argument
+    is its message (not a ``KeyError``'s key, whose ``str`` is its ``repr``).
+    An exception raised again through the same block (a branch re-raising a
+    stored exception) gets the context once. (Not while ``torch.compile``
+    traces.)
     """
     if torch.compiler.is_compiling():
         # Dynamo cannot trace ``add_note`` and would report that instead of the
         # user's exception: the exception goes on as raised.
         return error
+    notes = getattr(error, "__notes__", None)
+    if isinstance(notes, list) and context in notes:
+        return error
     if sys.version_info >= (3, 11):
         error.add_note(context)
-    elif error.args and isinstance(error.args[0], str):
-        error.args = (f"{error.args[0]}\n{context}",) + error.args[1:]
+        return error
+    if not isinstance(notes, list):
+        notes = error.__notes__ = []
+    notes.append(context)
+    if (len(error.args) == 1 and isinstance(error.args[0], str) and not isinstance(error, KeyError)
+            and type(error).__str__ is BaseException.__str__):
+        error.args = (f"{error.args[0]}\n{context}",)
     return error

@@ -725,3 +725,50 @@ def test_a_device_mismatch_in_one_leaf_of_structured_outputs_is_diagnosed_on_tha
     q = Parallel(lambda x: (x, x.to("meta")), lambda x: (x[:, :1].t(), x.to("meta")), dim=0)
     with pytest.raises(RuntimeError, match="expects all dimensions except dim=0 to match"):
         q(torch.randn(2, 3))
+
+
+class _Lookup(nn.Module):
+    def forward(self, x):
+        return x * {"a": 1}["b"]  # KeyError('b')
+
+
+class _Bare(nn.Module):
+    def forward(self, x):
+        raise OSError(2, "No such file or directory")
+
+
+class _Python310:
+    version_info = (3, 10, 0)
+
+
+@pytest.mark.parametrize("python", ["3.10", "current"])
+def test_branch_errors_keep_their_args_and_get_the_branch_named(python, monkeypatch):
+    # Before, on 3.10: a KeyError's key became "b\n(raised in branch ...)", and an exception
+    # whose first argument is not a message (OSError's errno) was left without the branch named.
+    import parallel_modules._inputs as inputs
+
+    if python == "3.10":
+        monkeypatch.setattr(inputs, "sys", _Python310())
+    with pytest.raises(KeyError) as ei:
+        Parallel(nn.Identity(), _Lookup())(torch.randn(2, 2))
+    assert ei.value.args == ("b",) and "branch '1' (index 1) of Parallel" in "".join(ei.value.__notes__)
+    with pytest.raises(OSError) as ei:
+        Parallel(nn.Identity(), _Bare())(torch.randn(2, 2))
+    assert ei.value.errno == 2 and ei.value.args == (2, "No such file or directory")
+    assert "branch '1' (index 1) of Parallel" in "".join(ei.value.__notes__)
+    with pytest.raises(ValueError) as ei:  # a message of its own: 3.10 shows no notes, so it is appended there
+        Parallel(nn.Identity(), lambda x: int("x"))(torch.randn(2, 2))
+    assert ("branch '1' (index 1) of Parallel" in str(ei.value)) == (python == "3.10")
+
+
+def test_an_exception_raised_again_through_a_block_is_noted_once():
+    stored = RuntimeError("stored")
+
+    def fail(x):
+        raise stored
+
+    p = Parallel(nn.Identity(), fail)
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            p(torch.randn(2, 2))
+    assert len(stored.__notes__) == 1
