@@ -55,10 +55,13 @@ def _describe(value: Any) -> str:
             shape = "[" + ", ".join(str(tuple(t.shape)) for t in value.unbind()) + "]"
         return f"NestedTensor{shape} {str(value.dtype).replace('torch.', '')} on {value.device}"
     if isinstance(value, torch.Tensor):
-        return f"Tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')} on {value.device}"
+        layout = "" if value.layout == torch.strided else f" {str(value.layout).replace('torch.', '')}"
+        return f"Tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}{layout} on {value.device}"
     if isinstance(value, (tuple, list)):
         inner = ", ".join(_describe(v) for v in value)
-        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+        # (a named tuple by its name: two of other types look alike otherwise)
+        kind = type(value).__name__ if type(value) not in (tuple, list) else ""
+        return f"{kind}({inner})" if isinstance(value, tuple) else f"{kind}[{inner}]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
     return type(value).__name__
@@ -202,8 +205,14 @@ def _expectation(how: str, dim: int, leaves: list[Any]) -> str:
     # (a sum takes a 0-d CPU tensor with tensors of any device, as a number)
     if len({t.device for t in tensors if how in ("cat", "stack") or t.dim() or t.device.type != "cpu"}) > 1:
         return "all outputs on one device (move them in the branches, e.g. .to(x.device))"
+    if len({t.layout for t in tensors}) > 1:
+        return "outputs of one layout (all dense, or all sparse: convert with .to_dense() or .to_sparse())"
     if how == "cat" and any(t.dim() == 0 for t in tensors):
         return "outputs of at least one dimension (0-d tensors cannot be concatenated; join='stack' stacks them)"
+    ndims = sorted({t.dim() for t in tensors})
+    if how == "cat" and len(ndims) > 1:
+        return (f"outputs of one number of dimensions (here {' and '.join(map(str, ndims))}), matching in every "
+                f"dimension but dim={dim}")
     return _EXPECTED[how].format(dim=dim)
 
 
@@ -216,19 +225,27 @@ def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: l
         raise _with_context(e, f"(raised joining the branch outputs of {owner} with join={how!r})")
     names = list(names)
     along = f" (dim={dim})" if how in ("cat", "stack") else ""  # (sum and mean take no dim)
-    if isinstance(e, IndexError) and along:
-        ndims = sorted({t.dim() for o in outputs for t in pytree.tree_leaves(o) if isinstance(t, torch.Tensor)})
+    ndims = sorted({t.dim() for t in (outputs if leaves is None else leaves) if isinstance(t, torch.Tensor)})
+    if isinstance(e, IndexError) and along and len(ndims) == 1:  # (of several ranks: those differ first)
         # (stack adds a dimension: its dim may be one more)
         valid = ", ".join(f"{-n - (how == 'stack')} to {n - (how != 'stack')}" for n in ndims)
         return IndexError(
             f"{owner}: join={how!r}{along}: dim is out of range for branch outputs of "
             f"{' or '.join(map(str, ndims))} dimensions (valid: {valid}); got:\n{_listing(names, outputs)}\n"
-            f"Pass a dim in that range, or join=None to receive the outputs as a tuple. ({e})"
+            f"Pass a dim in that range, or join=None to receive the outputs as a tuple. ({_first_line(e)})"
         )
     expected = _expectation(how, dim, outputs if leaves is None else leaves)
-    return (TypeError if isinstance(e, TypeError) else RuntimeError)(
+    kind = type(e) if type(e) in (TypeError, NotImplementedError) else RuntimeError
+    return (IndexError if isinstance(e, IndexError) else kind)(
         f"{owner}: join={how!r}{along} cannot combine the branch outputs; it expects "
         f"{expected}, got:\n{_listing(names, outputs)}\n"
         f"Make the branches agree, choose another join{' or dim' if along else ''}, "
-        f"or pass join=None to receive the outputs as a tuple. ({type(e).__name__}: {e})"
+        f"or pass join=None to receive the outputs as a tuple. ({type(e).__name__}: {_first_line(e)})"
     )
+
+
+def _first_line(e: BaseException) -> str:
+    r"""``e``'s message without what follows its first line (a dispatcher's table of kernels: the
+    exception is chained as the cause, where it is whole)."""
+    text = str(e)
+    return text.split("\n", 1)[0] + (" [...]" if "\n" in text else "")

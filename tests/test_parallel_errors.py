@@ -772,3 +772,35 @@ def test_an_exception_raised_again_through_a_block_is_noted_once():
         with pytest.raises(RuntimeError):
             p(torch.randn(2, 2))
     assert len(stored.__notes__) == 1
+
+
+def test_a_sparse_output_beside_a_dense_one_is_called_a_layout_mismatch():
+    # Before: both listed as "Tensor(5, 4) float32 on cpu", blamed on the dimensions, with
+    # torch's 60-line table of kernels pasted into the message, as a RuntimeError.
+    p = Parallel(OrderedDict(dense=nn.Identity(), sparse=lambda x: x.to_sparse()))
+    with pytest.raises(NotImplementedError) as ei:
+        p(torch.randn(5, 4))
+    msg = str(ei.value)
+    assert "expects outputs of one layout" in msg and "branch 'sparse': Tensor(5, 4) float32 sparse_coo on cpu" in msg
+    assert len(msg.splitlines()) < 8 and isinstance(ei.value.__cause__, NotImplementedError)
+    p.sparse = nn.Identity()
+    x = torch.randn(5, 4)
+    assert_same(p(x), torch.cat([x, x], 1))
+
+
+def test_outputs_of_different_ranks_are_called_that_not_a_dim_out_of_range():
+    # Before: "dim is out of range ... (valid: -2 to 1, -3 to 2)", a range holding the dim given.
+    p = Parallel(nn.Identity(), lambda x: x.unsqueeze(-1), dim=2)
+    with pytest.raises(IndexError) as ei:
+        p(torch.randn(5, 4))
+    msg = str(ei.value)
+    assert "one number of dimensions (here 2 and 3)" in msg and "out of range" not in msg.split("(IndexError")[0]
+
+
+def test_named_tuples_of_different_types_are_told_apart_in_the_listing():
+    from collections import namedtuple
+
+    a, b = namedtuple("A", "x y"), namedtuple("B", "x y")
+    with pytest.raises(ValueError) as ei:
+        Parallel(lambda x: a(x, x), lambda x: b(x, x))(torch.randn(2, 3))
+    assert "A(Tensor(2, 3)" in str(ei.value) and "B(Tensor(2, 3)" in str(ei.value)
