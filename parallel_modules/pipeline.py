@@ -951,9 +951,27 @@ class ParallelSequential(nn.Sequential):
                 input = module(input)
                 s += 1
         except Exception as e:
-            raise _with_context(e, f"(raised in stage {list(self._modules)[s]!r} (index {s}) of "
-                                   f"{type(self).__name__})")
+            raise self._stage_error(e, f"(raised in stage {list(self._modules)[s]!r} (index {s}) of "
+                                       f"{type(self).__name__})")
         return input
+
+    def _stage_error(self, error: Exception, context: str) -> Exception:
+        r"""``error``, raised in a stage, with ``context`` and, where a stage was moved by a ``.to()`` of
+        its own since the plan was made (which registers nothing: see ``_watch``), that too; the plan
+        is then forgotten, so that the next call looks at the stages' devices anew."""
+        plan = self._plan
+        if plan is not None and not _is_tracing():
+            placement: dict[torch.device, int] = {}
+            for i, stage in enumerate(plan.stages):
+                for d in _module_devices(stage):
+                    placement.setdefault(d, i)
+            if placement != plan.placement:
+                self._plan, self._home = None, _UNKNOWN
+                where = ", ".join(f"stage {plan.names[i]!r} on {d}" for d, i in placement.items())
+                context += (f"; a stage was moved since the pipeline's last call, by a .to() of its own (now: "
+                            f"{where}): the next call looks at the stages' devices anew. (Moving the whole "
+                            f"pipeline with {type(self).__name__}.to(...) is seen at once.)")
+        return _with_context(error, context)
 
     def _forward(self, input: Any) -> Any:
         plan = self._get_plan()
@@ -1040,7 +1058,7 @@ class ParallelSequential(nn.Sequential):
         try:
             return stage(value)
         except Exception as e:
-            raise _with_context(
+            raise self._stage_error(
                 e, f"(raised in stage {name!r} (index {s}) on micro-batch {m} of {count} of {type(self).__name__})"
             )
 

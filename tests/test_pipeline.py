@@ -1134,3 +1134,21 @@ def test_stages_added_with_iadd_are_checked() -> None:
     pipe += nn.Sequential(nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(4, 4)
     torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_stage_moved_by_its_own_to_is_named_and_seen_at_the_next_call(chunks) -> None:
+    # Before: every call after the move failed with torch's bare device error, the plan kept.
+    pipe = ParallelSequential(nn.Linear(4, 4), nn.Linear(4, 4), chunks=chunks)
+    x = torch.randn(6, 4)
+    pipe(x)
+    pipe[1].to("meta")
+    with pytest.raises(RuntimeError) as ei:
+        pipe(x)
+    assert "a stage was moved since the pipeline's last call" in "".join(ei.value.__notes__)
+    assert "stage '1' on meta" in "".join(ei.value.__notes__)
+    with pytest.raises(RuntimeError, match=r"stages have parameters on different devices \(stage '0' on cpu, "
+                                           r"stage '1' on meta\)"):
+        pipe(x)
+    pipe[1] = nn.Linear(4, 4)  # fixed
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
