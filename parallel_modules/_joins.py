@@ -34,6 +34,8 @@ def _check_join(owner: str, join: JoinSpec) -> str | Callable[[list], Any]:
             f"{owner}: join={type(join).__name__}(...) has parameters or buffers, but a join is called, not "
             f"registered: the block's state_dict holds only its branches (the keys of an nn.ModuleList of "
             f"them). Put a learned join after the block: nn.Sequential({owner}(..., join=None), "
+            f"{type(join).__name__}(...)) for a module that takes the tuple of outputs, or a named join "
+            f"first for one that takes a tensor: nn.Sequential({owner}(..., join='cat'), "
             f"{type(join).__name__}(...))."
         )
     if callable(join):
@@ -123,7 +125,8 @@ def _join_outputs(
             return how(outputs)
         except Exception as e:
             raise _with_context(e, f"(raised in the join {getattr(how, '__qualname__', how)!r} of {owner}, "
-                                   f"called with the outputs of branches {list(names)})")
+                                   f"called with one argument: the list of the outputs of branches "
+                                   f"{list(names)})")
     if how == "cat" and all(isinstance(o, _LEAVES) for o in outputs):  # the common case first
         try:
             return torch.cat(outputs, dim)

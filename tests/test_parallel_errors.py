@@ -804,3 +804,23 @@ def test_named_tuples_of_different_types_are_told_apart_in_the_listing():
     with pytest.raises(ValueError) as ei:
         Parallel(lambda x: a(x, x), lambda x: b(x, x))(torch.randn(2, 3))
     assert "A(Tensor(2, 3)" in str(ei.value) and "B(Tensor(2, 3)" in str(ei.value)
+
+
+def test_a_join_taking_one_argument_per_branch_is_told_it_gets_one_list():
+    p = Parallel(nn.Linear(4, 3), nn.Linear(4, 3), join=lambda a, b: a * b)
+    with pytest.raises(TypeError) as ei:
+        p(torch.randn(5, 4))
+    assert "called with one argument: the list of the outputs of branches ['0', '1']" in full_text(ei.value)
+    p.join = lambda outputs: outputs[0] * outputs[1]  # fixed
+    x = torch.randn(5, 4)
+    assert_same(p(x), p[0](x) * p[1](x))
+
+
+def test_the_advice_for_a_join_with_parameters_works_when_followed():
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    with pytest.raises(ValueError) as ei:
+        Parallel(a, b, join=nn.Linear(6, 3))
+    assert "nn.Sequential(Parallel(..., join='cat'), Linear(...))" in str(ei.value)
+    head = nn.Linear(6, 3)
+    x = torch.randn(5, 4)
+    assert_same(nn.Sequential(Parallel(a, b, join="cat"), head)(x), head(torch.cat([a(x), b(x)], 1)))
