@@ -90,3 +90,25 @@ def _check_name(cls: type, kind: str, name: Any, taken: frozenset[str] = frozens
     if problem:
         raise ValueError(f"{owner}: cannot name a {kind} {name!r}: {problem} (a {kind}'s name becomes an "
                          f"attribute of the {owner}). Choose another name.")
+
+
+def _child_key(owner: str, names: list[str], idx: Any, kind: str, slices: bool = True) -> str:
+    r"""The name of child ``idx`` (an int) of a container whose children are ``names``, where
+    ``kind`` is what a child is called (``"branch"``, ``"stage"``); the errors say what was
+    expected (an int in range, a slice where ``slices``) and how to reach a named child."""
+    plural = "branches" if kind == "branch" else f"{kind}s"
+    if not hasattr(idx, "__index__"):
+        if isinstance(idx, slice) and not slices:
+            raise TypeError(f"{owner}: cannot assign to a slice of {plural} ({idx!r}), as nn.Sequential "
+                            f"cannot; assign them one at a time: block[i] = module.")
+        named = ""
+        if isinstance(idx, str):
+            named = (f" A named {kind} is an attribute: block.{idx}." if idx.isidentifier()
+                     else f" A named {kind} is an attribute: getattr(block, {idx!r}).")
+        raise TypeError(f"{owner}: {plural} are indexed by int or slice, got "
+                        f"{type(idx).__name__} ({idx!r}).{named}")
+    idx = idx.__index__()
+    n = len(names)
+    if not -n <= idx < n:
+        raise IndexError(f"{owner}: index {idx} is out of range for {n} {kind if n == 1 else plural}.")
+    return names[idx % n]

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
-from ._children import _Function, _as_branch, _check_name  # noqa: F401  (_Function: pickles name it here)
+from ._children import _Function, _as_branch, _check_name, _child_key  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _UnbatchedNow, _Unfused
 from ._fusion import _lock as _fusion_lock
@@ -461,22 +461,7 @@ class Parallel(nn.Module):
         return iter(self._modules.values())
 
     def _key(self, idx: int, slices: bool = True) -> str:
-        if not hasattr(idx, "__index__"):
-            owner = type(self).__name__
-            if isinstance(idx, slice) and not slices:
-                raise TypeError(f"{owner}: cannot assign to a slice of branches ({idx!r}), as nn.Sequential "
-                                f"cannot; assign them one at a time: block[i] = module.")
-            named = ""
-            if isinstance(idx, str):
-                named = (f" A named branch is an attribute: block.{idx}." if idx.isidentifier()
-                         else f" A named branch is an attribute: getattr(block, {idx!r}).")
-            raise TypeError(f"{owner}: branches are indexed by int or slice, got "
-                            f"{type(idx).__name__} ({idx!r}).{named}")
-        idx = idx.__index__()
-        n = len(self._modules)
-        if not -n <= idx < n:
-            raise IndexError(f"{type(self).__name__}: index {idx} is out of range for {n} branches.")
-        return list(self._modules)[idx % n]
+        return _child_key(type(self).__name__, list(self._modules), idx, "branch", slices)
 
     @overload
     def __getitem__(self, idx: slice) -> "Parallel": ...

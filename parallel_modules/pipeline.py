@@ -23,7 +23,7 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, NamedTuple, Sequence, overload
+from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence, overload
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._children import _check_name, _check_stage
+from ._children import _check_name, _check_stage, _child_key
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
@@ -458,12 +458,21 @@ class ParallelSequential(nn.Sequential):
     # ``__setitem__`` register the stage, which ``forward`` notices; ``insert`` writes
     # ``_modules`` directly and ``__delitem__`` deletes, which registers nothing.)
     def __setitem__(self, idx: int, module: nn.Module) -> None:
+        _child_key(type(self).__name__, list(self._modules), idx, "stage", slices=False)
         _check_stage(type(self).__name__, str(idx), module)
         super().__setitem__(idx, module)
 
     def append(self, module: nn.Module) -> "ParallelSequential":
         _check_stage(type(self).__name__, str(len(self)), module)
         return super().append(module)
+
+    def extend(self, sequential: Iterable[nn.Module]) -> "ParallelSequential":
+        # All checked before any is appended (nn.Sequential appends one by one): a bad one
+        # leaves the pipeline as it was.
+        stages = list(sequential)
+        for i, module in enumerate(stages):
+            _check_stage(type(self).__name__, str(len(self) + i), module)
+        return super().extend(stages)
 
     def __iadd__(self, other: nn.Sequential) -> "ParallelSequential":
         if isinstance(other, nn.Sequential):  # (what nn.Sequential adds: its stages, one by one)
@@ -478,6 +487,8 @@ class ParallelSequential(nn.Sequential):
         return self
 
     def __delitem__(self, idx: int | slice) -> None:
+        if not isinstance(idx, slice):
+            _child_key(type(self).__name__, list(self._modules), idx, "stage")
         super().__delitem__(idx)
         self._reset()
 
@@ -555,7 +566,7 @@ class ParallelSequential(nn.Sequential):
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
         if isinstance(idx, slice):
             return self._like(list(self._modules.items())[idx])
-        return super().__getitem__(idx)
+        return self._modules[_child_key(type(self).__name__, list(self._modules), idx, "stage")]
 
     # ``+`` and ``*`` as nn.Sequential's (which would return a plain nn.Sequential), with the
     # left operand's settings.
@@ -828,7 +839,8 @@ class ParallelSequential(nn.Sequential):
                 raise
             names = list(self._modules)
             listing = "\n".join(f"  micro-batch {m}: {_describe(o)}" for m, o in enumerate(outputs))
-            raise ValueError(
+            # (the type Parallel's join raises: torch.cat's RuntimeError for tensors that do not agree)
+            raise (RuntimeError if isinstance(e, RuntimeError) else ValueError)(
                 f"{type(self).__name__}: cannot concatenate the outputs of the last stage "
                 f"{names[-1]!r} (index {len(names) - 1}) along dimension 0 over {len(outputs)} "
                 f"micro-batches; expected tensors (or one structure of tensors) batched along "

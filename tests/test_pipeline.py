@@ -287,9 +287,11 @@ def test_outputs_that_cannot_be_concatenated(device: str) -> None:
         def forward(self, x):  # width depends on the micro-batch: pieces disagree in dim 1
             return x[:, : x.shape[0]]
 
-    for last, shapes in ((Total(), r"micro-batch 0: Tensor\(\)"), (Ragged(), r"micro-batch 0: Tensor\(3, 3\).*micro-batch 2: Tensor\(2, 2\)")):
+    # (Tensors that do not agree: torch.cat's RuntimeError, as Parallel's join raises it.)
+    for last, shapes, kind in ((Total(), r"micro-batch 0: Tensor\(\)", ValueError),
+                               (Ragged(), r"micro-batch 0: Tensor\(3, 3\).*micro-batch 2: Tensor\(2, 2\)", RuntimeError)):
         model = ParallelSequential(OrderedDict(enc=nn.Linear(8, 8), head=last), chunks=3).to(device)
-        with pytest.raises(ValueError, match=r"(?s)outputs of the last stage 'head' \(index 1\).*" + shapes):
+        with pytest.raises(kind, match=r"(?s)outputs of the last stage 'head' \(index 1\).*" + shapes):
             model(torch.randn(8, 8, device=device))
         model.chunks = 1  # the whole batch at once: nothing to concatenate
         y = torch.randn(8, 8, device=device)
@@ -1152,3 +1154,31 @@ def test_a_stage_moved_by_its_own_to_is_named_and_seen_at_the_next_call(chunks) 
         pipe(x)
     pipe[1] = nn.Linear(4, 4)  # fixed
     torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
+
+
+def test_extend_with_a_bad_stage_appends_none() -> None:
+    # Before: nn.Sequential.extend appended the good stages before the bad one raised.
+    pipe = ParallelSequential(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"ParallelSequential: stage '2' must be an nn.Module"):
+        pipe.extend([nn.ReLU(), "x"])
+    assert len(pipe) == 1
+    pipe.extend(iter([nn.ReLU()]))  # (an iterator: read once)
+    x = torch.randn(2, 4)
+    assert len(pipe) == 2 and torch.equal(pipe(x), nn.Sequential(*pipe)(x))
+
+
+def test_indexing_errors_name_the_pipeline_and_what_was_expected() -> None:
+    # Before: nn.Sequential's bare "index 10 is out of range" and "'str' object cannot be
+    # interpreted as an integer".
+    pipe = ParallelSequential(OrderedDict(enc=nn.Linear(4, 4), act=nn.ReLU()))
+    for bad in (lambda: pipe[10], lambda: pipe.__setitem__(-3, nn.ReLU()), lambda: pipe.__delitem__(2)):
+        with pytest.raises(IndexError, match=r"ParallelSequential: index -?\d+ is out of range for 2 stages\."):
+            bad()
+    with pytest.raises(TypeError, match=r"stages are indexed by int or slice, got str \('enc'\)\. A named stage "
+                                        r"is an attribute: block\.enc\."):
+        pipe["enc"]
+    with pytest.raises(TypeError, match="cannot assign to a slice of stages"):
+        pipe[0:1] = nn.ReLU()
+    assert len(pipe) == 2 and pipe[-1] is pipe.act and list(pipe[1:]) == [pipe.act]
+    x = torch.randn(3, 4)
+    assert torch.equal(pipe(x), pipe.act(pipe.enc(x)))
