@@ -888,7 +888,10 @@ class Parallel(nn.Module):
 
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
-            outputs = [run(i, c) for i, c in enumerate(calls)]  # (fused: one unit, or no device)
+            if len(calls) > 1 and self.fuse == "auto":
+                outputs = self._run_units_watched(calls, run, args, kwargs)
+            else:
+                outputs = [run(i, c) for i, c in enumerate(calls)]  # (fused: one unit, or no device)
         else:
             # Joined by the fork when it can: side outputs are then freed without record_stream.
             join = self._combine if fusion is None and self.join in _REDUCING_JOINS else None
@@ -908,6 +911,53 @@ class Parallel(nn.Module):
             if join is not None:
                 return _Reduced(outputs)
         return outputs if fusion is None else fusion.scatter(calls, outputs)
+
+    def _run_units_watched(self, units: list[Any], run: Callable[[int, Any], Any], args: tuple,
+                           kwargs: dict) -> list[Any]:
+        r"""``run`` each of the fused ``units`` in turn, refusing a call in which one changed an input in place.
+
+        ``fuse="auto"`` runs a group's members together, before or after the
+        branches between them: a branch writing to the shared input would be
+        seen by some of the branches after it and not others. The first call of
+        a signature runs the branches in order and keeps such a block unfused
+        (``_outputs``); a branch that writes on later calls only (switched to
+        ``inplace=True``, or writing on some inputs) is seen here, by the inputs'
+        versions, as a fork sees it. That call's result is not the sequential
+        one: refused, and every fused schedule forgotten, so that the next call
+        looks again in order.
+        """
+        watched = _watched(args, kwargs)
+        first = watched[0] if len(watched) == 1 else None  # the common case: one int compared per unit
+        version = first._version if first is not None else 0
+        versions = [t._version for t in watched] if len(watched) > 1 else None
+        outputs = []
+        for i, unit in enumerate(units):
+            outputs.append(run(i, unit))
+            if first is not None and first._version != version or versions and _changed(watched, versions):
+                # Out of order only if a branch that ran before should have seen the write, or
+                # one still to run should not (a write by the last branch is harmless).
+                wrote = _unit_indices(unit)
+                if (len(wrote) == 1 and all(j < wrote[0] for u in units[:i] for j in _unit_indices(u))
+                        and all(j > wrote[0] for u in units[i + 1:] for j in _unit_indices(u))):
+                    version = first._version if first is not None else 0
+                    versions = [t._version for t in watched] if versions else None
+                    continue
+                for key in [k for k, plan in self._plans.copy().items() if plan.fused]:
+                    self._plans.pop(key, None)
+                    self._tuner.forget(key)
+                self._unwritten.clear()
+                names = list(self._modules)
+                which = [names[j] for j in wrote]
+                raise RuntimeError(
+                    f"{type(self).__name__}: fuse='auto' runs fused groups out of branch order, and "
+                    f"{'branch' if len(which) == 1 else 'one of branches'} {which[0] if len(which) == 1 else which!r} "
+                    f"changed the shared input in place on this call, which the first call of this input "
+                    f"signature did not: the branches after it did not all see the change, so the result "
+                    f"would differ from calling them one after another. The next call runs the branches in "
+                    f"order, and keeps them so if the write recurs. To keep them fused, make the branch's "
+                    f"first operation out of place (inplace=False, x = x + 1); or pass fuse=False."
+                )
+        return outputs
 
     def _combine(self, outputs: list[Any]) -> Any:
         # (The common case, without _join_outputs' frame. Types first: a compiler can neither
@@ -1185,6 +1235,11 @@ class Parallel(nn.Module):
         if plan is not None:
             self._remember(key, plan)
         return plan
+
+
+def _unit_indices(unit: Any) -> list[int]:
+    r"""The branches a fused call's unit runs: a group's members, or the one branch."""
+    return unit.indices if isinstance(unit, _Group) else [unit]
 
 
 def _own_mode(block: nn.Module, branch: nn.Module, given: Any) -> nn.Module:
