@@ -130,24 +130,26 @@ def _with_context(error: BaseException, context: str) -> BaseException:
     Python 3.10 shows no notes: there ``__notes__`` is set as 3.11 would, and the
     context is also appended to the message of an exception whose only argument
     is its message (not a ``KeyError``'s key, whose ``str`` is its ``repr``).
-    An exception raised again through the same block (a branch re-raising a
-    stored exception) gets the context once. (Not while ``torch.compile``
-    traces.)
+    An exception that takes no note (a frozen dataclass, a ``__notes__`` that
+    is not a list) goes on as raised. (Not while ``torch.compile`` traces.)
     """
     if torch.compiler.is_compiling():
         # Dynamo cannot trace ``add_note`` and would report that instead of the
         # user's exception: the exception goes on as raised.
         return error
-    notes = getattr(error, "__notes__", None)
-    if isinstance(notes, list) and context in notes:
-        return error
-    if sys.version_info >= (3, 11):
-        error.add_note(context)
-        return error
-    if not isinstance(notes, list):
-        notes = error.__notes__ = []
-    notes.append(context)
-    if (len(error.args) == 1 and isinstance(error.args[0], str) and not isinstance(error, KeyError)
-            and type(error).__str__ is BaseException.__str__):
-        error.args = (f"{error.args[0]}\n{context}",)
+    try:
+        if sys.version_info >= (3, 11):
+            error.add_note(context)
+            return error
+        notes = getattr(error, "__notes__", None)
+        if notes is None:
+            notes = error.__notes__ = []
+        if not isinstance(notes, list):
+            return error
+        notes.append(context)
+        if (len(error.args) == 1 and isinstance(error.args[0], str) and not isinstance(error, KeyError)
+                and type(error).__str__ is BaseException.__str__):
+            error.args = (f"{error.args[0]}\n{context}",)
+    except (AttributeError, TypeError):  # (its attributes cannot be set: the user's exception matters more)
+        pass
     return error

@@ -205,10 +205,11 @@ def _expectation(how: str, dim: int, leaves: list[Any]) -> str:
     r"""What ``how`` expects of the tensors ``leaves`` that it could not join, the mismatch torch met
     first where it is one a shape listing does not make plain (torch checks devices before shapes)."""
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    # (a sum takes a 0-d CPU tensor with tensors of any device, as a number)
-    if len({t.device for t in tensors if how in ("cat", "stack") or t.dim() or t.device.type != "cpu"}) > 1:
+    if how in ("sum", "mean"):
+        return _first_failing_sum(tensors)
+    if len({t.device for t in tensors}) > 1:
         return "all outputs on one device (move them in the branches, e.g. .to(x.device))"
-    if len({t.layout for t in tensors}) > 1:
+    if len({t.layout for t in tensors}) > 1 and not any(t.is_nested for t in tensors):
         return "outputs of one layout (all dense, or all sparse: convert with .to_dense() or .to_sparse())"
     if how == "cat" and any(t.dim() == 0 for t in tensors):
         return "outputs of at least one dimension (0-d tensors cannot be concatenated; join='stack' stacks them)"
@@ -217,6 +218,23 @@ def _expectation(how: str, dim: int, leaves: list[Any]) -> str:
         return (f"outputs of one number of dimensions (here {' and '.join(map(str, ndims))}), matching in every "
                 f"dimension but dim={dim}")
     return _EXPECTED[how].format(dim=dim)
+
+
+def _first_failing_sum(tensors: list[torch.Tensor]) -> str:
+    r"""Why a sum of ``tensors``, added left to right, fails: the first addition that fails says
+    (a 0-d CPU tensor adds to a tensor of any device, as a number)."""
+    on_one_device = "all outputs on one device (move them in the branches, e.g. .to(x.device))"
+    try:
+        shape, device = tensors[0].shape, tensors[0].device
+        for t in tensors[1:]:
+            scalar = t.dim() == 0 and t.device.type == "cpu"
+            if not scalar and device != t.device and not (len(shape) == 0 and device.type == "cpu"):
+                return on_one_device
+            shape = torch.broadcast_shapes(shape, t.shape)
+            device = device if scalar else t.device
+    except Exception:  # (shapes that do not broadcast; nested tensors, which have no one shape)
+        pass
+    return _EXPECTED["sum"]
 
 
 def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: list[Any],
@@ -238,7 +256,8 @@ def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: l
             f"Pass a dim in that range, or join=None to receive the outputs as a tuple. ({_first_line(e)})"
         )
     expected = _expectation(how, dim, outputs if leaves is None else leaves)
-    kind = type(e) if type(e) in (TypeError, NotImplementedError) else RuntimeError
+    kind = (TypeError if isinstance(e, TypeError) else NotImplementedError if isinstance(e, NotImplementedError)
+            else RuntimeError)
     return (IndexError if isinstance(e, IndexError) else kind)(
         f"{owner}: join={how!r}{along} cannot combine the branch outputs; it expects "
         f"{expected}, got:\n{_listing(names, outputs)}\n"

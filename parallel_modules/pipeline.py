@@ -60,6 +60,7 @@ class _Plan(NamedTuple):
     names: tuple[str, ...]
     home: Any  # the one device of every parameter/buffer, None (none at all) or _MIXED
     placement: dict[torch.device, int]  # each device -> first stage index living there
+    devices: tuple[frozenset[torch.device], ...]  # each stage's (see ParallelSequential._stage_error)
     # Modules that mix samples by their type (BatchNorm, batch-second layers) or a
     # class attribute ``mixes_batch``: (stage index, qualified name, module).
     mixers: tuple[tuple[int, str, nn.Module], ...]
@@ -243,7 +244,9 @@ def _recurrent_tail(stage: nn.Module) -> bool:
     r"""Whether ``stage`` ends in a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) whose
     result it returns: the layer itself, or the last of ``nn.Sequential`` containers (a nested
     pipeline too, which returns its recurrent tail's hidden states as the layer does)."""
-    while (type(stage) is nn.Sequential or isinstance(stage, ParallelSequential)) and len(stage):
+    # (Not a subclass with a forward of its own, which may return anything.)
+    while (type(stage) is nn.Sequential or isinstance(stage, ParallelSequential)
+           and type(stage).forward is ParallelSequential.forward) and len(stage):
         stage = stage[-1]
     return isinstance(stage, nn.RNNBase)
 
@@ -520,9 +523,10 @@ class ParallelSequential(nn.Sequential):
         stages = tuple(self._modules.values())
         names = tuple(self._modules)
         placement: dict[torch.device, int] = {}
+        devices = tuple(frozenset(_module_devices(stage)) for stage in stages)
         mixers, others = [], []
         for i, (name, stage) in enumerate(zip(names, stages)):
-            for d in _module_devices(stage):
+            for d in devices[i]:
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
                 if (isinstance(m, _NormBase) or hasattr(type(m), "mixes_batch") or _batch_second(m)
@@ -536,7 +540,7 @@ class ParallelSequential(nn.Sequential):
         modules = [m for _, _, m in (*mixers, *others)]
         tied = frozenset(id(m) for _, _, m in mixers
                          if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and _read_elsewhere(m, modules))
-        return _Plan(stages, names, home, placement, tuple(mixers), tuple(others), tied)
+        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied)
 
     def _get_plan(self) -> _Plan:
         plan = self._plan
@@ -973,13 +977,13 @@ class ParallelSequential(nn.Sequential):
         is then forgotten, so that the next call looks at the stages' devices anew."""
         plan = self._plan
         if plan is not None and not _is_tracing():
-            placement: dict[torch.device, int] = {}
-            for i, stage in enumerate(plan.stages):
-                for d in _module_devices(stage):
-                    placement.setdefault(d, i)
-            if placement != plan.placement:
+            now = [frozenset(_module_devices(stage)) for stage in plan.stages]
+            # (A stage without tensors that registers one in its first call -- a cache of
+            # rotary embeddings or masks -- moved nothing.)
+            if any(before and devices != before for before, devices in zip(plan.devices, now)):
                 self._plan, self._home = None, _UNKNOWN
-                where = ", ".join(f"stage {plan.names[i]!r} on {d}" for d, i in placement.items())
+                where = ", ".join(f"stage {name!r} on {', '.join(sorted(map(str, devices)))}"
+                                  for name, devices in zip(plan.names, now) if devices)
                 context += (f"; a stage was moved since the pipeline's last call, by a .to() of its own (now: "
                             f"{where}): the next call looks at the stages' devices anew. (Moving the whole "
                             f"pipeline with {type(self).__name__}.to(...) is seen at once.)")

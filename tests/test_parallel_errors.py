@@ -761,19 +761,34 @@ def test_branch_errors_keep_their_args_and_get_the_branch_named(python, monkeypa
     assert ("branch '1' (index 1) of Parallel" in str(ei.value)) == (python == "3.10")
 
 
-def test_an_exception_raised_again_through_a_block_is_noted_once():
-    stored = RuntimeError("stored")
+def test_nested_blocks_at_the_same_index_each_add_their_note():
+    # (A review caught a dedupe by the note's text, which dropped the outer of two equal notes.)
+    def bad(x):
+        raise RuntimeError("bad")
+
+    with pytest.raises(RuntimeError) as ei:
+        Parallel(nn.Identity(), Parallel(nn.Identity(), bad))(torch.randn(2, 2))
+    assert ei.value.__notes__.count("(raised in branch '1' (index 1) of Parallel)") == 2
+
+
+@pytest.mark.parametrize("python", ["3.10", "current"])
+def test_an_exception_that_takes_no_note_goes_on_as_raised(python, monkeypatch):
+    import dataclasses
+
+    import parallel_modules._inputs as inputs
+
+    @dataclasses.dataclass(frozen=True)
+    class SolverFailed(Exception):
+        code: int
 
     def fail(x):
-        raise stored
+        raise SolverFailed(7)
 
-    p = Parallel(nn.Identity(), fail)
-    for _ in range(3):
-        with pytest.raises(RuntimeError):
-            p(torch.randn(2, 2))
-    assert len(stored.__notes__) == 1
-
-
+    if python == "3.10":
+        monkeypatch.setattr(inputs, "sys", _Python310())
+    with pytest.raises(SolverFailed) as ei:
+        Parallel(nn.Identity(), fail)(torch.randn(2, 2))
+    assert ei.value.code == 7
 def test_a_sparse_output_beside_a_dense_one_is_called_a_layout_mismatch():
     # Before: both listed as "Tensor(5, 4) float32 on cpu", blamed on the dimensions, with
     # torch's 60-line table of kernels pasted into the message, as a RuntimeError.
@@ -824,3 +839,30 @@ def test_the_advice_for_a_join_with_parameters_works_when_followed():
     head = nn.Linear(6, 3)
     x = torch.randn(5, 4)
     assert_same(nn.Sequential(Parallel(a, b, join="cat"), head)(x), head(torch.cat([a(x), b(x)], 1)))
+
+
+def test_a_type_error_subclass_from_a_join_keeps_its_type():
+    class UnsupportedOp(TypeError):
+        pass
+
+    class Picky(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.stack:
+                raise UnsupportedOp("stack is not supported")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    # (Before a review's fix: a RuntimeError, which ``except TypeError`` missed.)
+    with pytest.raises(TypeError) as ei:
+        Parallel(nn.Identity(), nn.Identity(), join="stack")(torch.randn(2, 2).as_subclass(Picky))
+    assert isinstance(ei.value.__cause__, UnsupportedOp)
+
+
+def test_a_sum_is_diagnosed_by_its_first_failing_addition():
+    # Shapes fail before the meta output is reached: not a device mismatch.
+    p = Parallel(nn.Identity(), lambda x: x[:, :1].expand(2, 5).clone(), lambda x: x.to("meta"), join="sum")
+    with pytest.raises(RuntimeError, match="expects shapes that broadcast together"):
+        p(torch.randn(2, 3))
+    q = Parallel(nn.Identity(), lambda x: x.to("meta"), lambda x: x[:, :1].expand(2, 5).clone(), join="sum")
+    with pytest.raises(RuntimeError, match="expects all outputs on one device"):
+        q(torch.randn(2, 3))

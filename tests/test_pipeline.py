@@ -1182,3 +1182,39 @@ def test_indexing_errors_name_the_pipeline_and_what_was_expected() -> None:
     assert len(pipe) == 2 and pipe[-1] is pipe.act and list(pipe[1:]) == [pipe.act]
     x = torch.randn(3, 4)
     assert torch.equal(pipe(x), pipe.act(pipe.enc(x)))
+
+
+class _MaskCache(nn.Module):
+    r"""No tensor until its first call, which registers a cache (as rotary and mask caches do)."""
+
+    def forward(self, x):
+        if not hasattr(self, "cache"):
+            self.register_buffer("cache", torch.zeros(1), persistent=False)
+        return x + self.cache
+
+
+def test_a_stage_registering_its_first_buffer_is_not_taken_for_a_move() -> None:
+    pipe = ParallelSequential(_MaskCache(), nn.Linear(4, 4), chunks=2)
+    with pytest.raises(RuntimeError) as ei:
+        pipe(torch.randn(6, 3))  # a shape error of stage 1, in the call that registered stage 0's cache
+    assert "was moved" not in "".join(ei.value.__notes__)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
+
+
+class _LastHidden(ParallelSequential):
+    r"""A pipeline subclass with a forward of its own: the output and the last layer's hidden state, batch-first."""
+
+    def forward(self, x):
+        out, (h, _) = super().forward(x)
+        return out, h[-1]
+
+
+def test_a_pipeline_subclass_with_a_forward_of_its_own_is_not_a_recurrent_tail() -> None:
+    torch.manual_seed(0)
+    inner = _LastHidden(nn.LSTM(4, 5, num_layers=2, batch_first=True))
+    x = torch.randn(6, 3, 4)
+    out, h = ParallelSequential(nn.Identity(), inner, chunks=2)(x)
+    expected = inner(x)
+    torch.testing.assert_close(out, expected[0])
+    torch.testing.assert_close(h, expected[1])
