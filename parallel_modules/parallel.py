@@ -888,7 +888,7 @@ class Parallel(nn.Module):
 
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
-            if len(calls) > 1 and self.fuse == "auto":
+            if len(calls) > 1 and self.fuse == "auto" and not _is_tracing():  # (a traced graph has no versions)
                 outputs = self._run_units_watched(calls, run, args, kwargs)
             else:
                 outputs = [run(i, c) for i, c in enumerate(calls)]  # (fused: one unit, or no device)
