@@ -605,8 +605,12 @@ def _changed(inputs: list[torch.Tensor], versions: list[int]) -> bool:
     return any(t._version != v for t, v in zip(inputs, versions))
 
 
+class _ChangedInPlace(RuntimeError):
+    r"""A branch changed an input in place while others read it (see :func:`_changed_in_place`)."""
+
+
 def _changed_in_place() -> RuntimeError:
-    return RuntimeError(
+    return _ChangedInPlace(
         "a branch changed its input in place (an in-place first operation, such as nn.ReLU(inplace=True)), "
         "while the other branches read it on their own CUDA streams at the same time: what they "
         "read depends on timing. Make the branch's first operation out of place (inplace=False, "

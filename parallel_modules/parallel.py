@@ -22,8 +22,9 @@ from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_
 from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
-from ._streams import (_capture_underway, _changed, _changed_in_place, _current_device, _current_stream,
-                       _fork_join, _is_tracing, _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
+from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
+                       _current_stream, _fork_join, _is_tracing, _run_forked, _tensor_leaves, _unversioned, _watched,
+                       _Writes)
 from . import _watch
 
 __all__ = ["Parallel"]
@@ -824,18 +825,34 @@ class Parallel(nn.Module):
         fusion.disable(group, failure)
         # Signatures planned with the group fused are planned anew at their next call, with the
         # groups left (and explain() says what runs).
-        for key in [k for k, plan in self._plans.copy().items() if plan.fused]:
-            self._plans.pop(key, None)
-            self._tuner.forget(key)
+        self._forget_plans(lambda plan: plan.fused)
         warnings.warn(f"{type(self).__name__}: branches {names} are identical but cannot run batched "
                       f"({type(failure).__name__}: {failure}); they run unfused from now on (see .explain()).",
                       UserWarning, stacklevel=4)
         return outputs
 
+    def _forget_plans(self, which: Callable[[_Schedule], bool]) -> None:
+        r"""Plan anew, at their next call, the signatures whose schedule is ``which``; and look again
+        at whether their inference tensors are written (``_first_unversioned``)."""
+        for key in [k for k, plan in self._plans.copy().items() if which(plan)]:
+            self._plans.pop(key, None)
+            self._tuner.forget(key)
+        self._unwritten.clear()
+
+    def _fork_refused(self, error: BaseException) -> str:
+        r"""For a fork refused as a branch changed the shared input in place (``_ChangedInPlace``)
+        under ``streams="auto"``, which forked the signature because its first calls wrote nothing:
+        the forked schedules forgotten, and what the next call does, to add to the error."""
+        if not isinstance(error, _ChangedInPlace) or self.streams != "auto":
+            return ""
+        self._forget_plans(lambda plan: plan.forked)
+        return ("; streams='auto' forked this input signature, as its first calls wrote nothing: the next call "
+                "times the schedules again, and runs the branches one after another if the write recurs")
+
     # ---------------------------------------------------------------- forward
     def _branch_error(self, error: Exception, index: int) -> Exception:
         name = list(self._modules)[index]
-        context = f"(raised in branch {name!r} (index {index}) of {type(self).__name__})"
+        context = f"(raised in branch {name!r} (index {index}) of {type(self).__name__}{self._fork_refused(error)})"
         moved = _moved(self)
         if moved is not None:
             context += (f"; a branch was moved since the block's last call, by a .to() of its own (now: {moved}): "
@@ -899,15 +916,20 @@ class Parallel(nn.Module):
             high = next((v.index for v in variant or () if isinstance(v, _Priority)), 0)
             order = next((v.order for v in variant or () if isinstance(v, _Order)), None)
             inputs = (*args, *kwargs.values()) if torch.is_grad_enabled() else ()
-            if device.index is not None and device.index != _current_device():
-                with torch.cuda.device(device):
+            try:
+                if device.index is not None and device.index != _current_device():
+                    with torch.cuda.device(device):
+                        outputs = _run_forked(calls, device, run, capturing, inputs, join, high, order, args,
+                                              kwargs, self._branch_error)
+                elif join is not None and capturing is False:
+                    return _Reduced(_fork_join(calls, device, args, kwargs, join, self._branch_error))
+                else:
                     outputs = _run_forked(calls, device, run, capturing, inputs, join, high, order, args, kwargs,
                                           self._branch_error)
-            elif join is not None and capturing is False:
-                return _Reduced(_fork_join(calls, device, args, kwargs, join, self._branch_error))
-            else:
-                outputs = _run_forked(calls, device, run, capturing, inputs, join, high, order, args, kwargs,
-                                      self._branch_error)
+            except _ChangedInPlace as e:
+                if run is not None:  # (fused units: not through _branch_error, which names a branch)
+                    raise _with_context(e, f"(raised in {type(self).__name__}{self._fork_refused(e)})")
+                raise
             if join is not None:
                 return _Reduced(outputs)
         return outputs if fusion is None else fusion.scatter(calls, outputs)
@@ -942,10 +964,7 @@ class Parallel(nn.Module):
                     version = first._version if first is not None else 0
                     versions = [t._version for t in watched] if versions else None
                     continue
-                for key in [k for k, plan in self._plans.copy().items() if plan.fused]:
-                    self._plans.pop(key, None)
-                    self._tuner.forget(key)
-                self._unwritten.clear()
+                self._forget_plans(lambda plan: plan.fused)
                 names = list(self._modules)
                 which = [names[j] for j in wrote]
                 raise RuntimeError(
@@ -1137,11 +1156,21 @@ class Parallel(nn.Module):
         # tiny branches cost 20 us of a 60 us call, where a fused group's join is
         # a view; timed without it, "auto" kept the unfused branches, 1.6x slower,
         # in 5 fresh blocks of 10).
-        out, decided = tuner.run(
-            key, _current_stream(device), candidates,
-            lambda s: _Reduced(self._joined(
-                self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None, False))),
-        )
+        try:
+            out, decided = tuner.run(
+                key, _current_stream(device), candidates,
+                lambda s: _Reduced(self._joined(
+                    self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None, False))),
+            )
+        except Exception:
+            if _changed(watched, versions):
+                # A trial forked or fused out of branch order was refused for a branch writing
+                # the input (see _run): the trials go no further, the signature stays in order.
+                tuner.forget(key)
+                in_order = [c for c in candidates if not c.forked]
+                if self._tuner is tuner and in_order:  # (unfused first: fuse=True has only fused)
+                    self._remember(key, min(in_order, key=lambda c: c.fused))
+            raise
         if _changed(watched, versions):
             # A branch changed the input in place: forked, the others would race
             # with it (a fork refuses it, so "auto" would fail every other call

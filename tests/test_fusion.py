@@ -2206,3 +2206,30 @@ def test_fuse_auto_lets_a_write_by_the_last_branch_through():
         block(torch.full((5, 8), 0.5))
         x = torch.randn(5, 8) * 10
         torch.testing.assert_close(block(x.clone()), _in_order(block, x.clone()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [False, "auto"])
+@pytest.mark.parametrize("streams", [False, "auto"])
+@pytest.mark.parametrize("calls", [1, 6, 30])
+def test_auto_on_cuda_refuses_a_late_write_out_of_branch_order_once(fuse, streams, calls):
+    # "auto" tunes and keeps a schedule (fused out of order, forked) on calls that write
+    # nothing. A branch writing the input on a later call: refused on that call, by the fused
+    # units' watch or the fork's, then in order. Before: a forked schedule refused every call
+    # after, for good, and a refusal in the middle of tuning let the next trial be refused too.
+    torch.manual_seed(0)
+    block = Parallel(_lin(), _ClampIfLarge(), _lin(), fuse=fuse, streams=streams).cuda()
+    refused = 0
+    with torch.no_grad():
+        for _ in range(calls):  # before or after a schedule is kept
+            block(torch.full((5, 8), 0.5, device="cuda"))
+        for _ in range(5):
+            x = torch.randn(5, 8, device="cuda") * 10
+            try:
+                out = block(x.clone())
+            except RuntimeError as e:
+                assert "changed the shared input in place" in str(e) or "changed its input in place" in str(e)
+                refused += 1
+                continue
+            torch.testing.assert_close(out, _in_order(block, x.clone()))
+    assert refused <= 1
