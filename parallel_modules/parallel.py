@@ -624,7 +624,12 @@ class Parallel(nn.Module):
         """
         if self.fuse is False or self._auto_unfused():
             return None
-        return self._fusion_for(args, kwargs, regroup=False)
+        fusion = self._fusion_for(args, kwargs, regroup=False)
+        if self.fuse == "auto" and fusion is not None and _out_of_order(fusion.units):
+            # Eagerly, such groups run fused only while the calls show no branch writing the
+            # shared input (``_run_units_watched``); compiled code would not look.
+            return None
+        return fusion
 
     def _auto_unfused(self) -> bool:
         r"""Whether ``fuse="auto"`` keeps the branches unfused: with deterministic algorithms asked for.
@@ -832,22 +837,40 @@ class Parallel(nn.Module):
         return outputs
 
     def _forget_plans(self, which: Callable[[_Schedule], bool]) -> None:
-        r"""Plan anew, at their next call, the signatures whose schedule is ``which``; and look again
-        at whether their inference tensors are written (``_first_unversioned``)."""
+        r"""Plan anew, at their next call, the signatures whose schedule is ``which``."""
         for key in [k for k, plan in self._plans.copy().items() if which(plan)]:
             self._plans.pop(key, None)
             self._tuner.forget(key)
-        self._unwritten.clear()
+
+    def _keep_in_order(self) -> None:
+        r"""Run every signature planned forked or fused one branch after another from now on.
+
+        A branch wrote the shared input on a call after ``"auto"`` had chosen
+        such a schedule, as the first calls wrote nothing: it may write again
+        on any later call (on some inputs only, say), which the next calls
+        need not show. Setting ``streams`` or ``fuse`` again times them anew.
+        """
+        for key, plan in self._plans.copy().items():
+            if plan.forked or plan.fused:
+                self._plans[key] = plan._replace(forked=False, fused=False)
+                self._tuner.forget(key)
 
     def _fork_refused(self, error: BaseException) -> str:
         r"""For a fork refused as a branch changed the shared input in place (``_ChangedInPlace``)
         under ``streams="auto"``, which forked the signature because its first calls wrote nothing:
-        the forked schedules forgotten, and what the next call does, to add to the error."""
-        if not isinstance(error, _ChangedInPlace) or self.streams != "auto":
+        the schedules kept in branch order, and a word on it to add to the error.
+
+        Only where the fork was this block's, from a schedule it chose (not a
+        nested block's, nor a graph's or a placement's, which fork by rule).
+        """
+        if (not isinstance(error, _ChangedInPlace) or self.streams != "auto" or self.cuda_graph
+                or self._placement is not None or getattr(error, "handled", False)):
             return ""
-        self._forget_plans(lambda plan: plan.forked)
-        return ("; streams='auto' forked this input signature, as its first calls wrote nothing: the next call "
-                "times the schedules again, and runs the branches one after another if the write recurs")
+        error.handled = True  # (by the innermost block whose fork it was: those around it pass it on)
+        self._keep_in_order()
+        return ("; streams='auto' had forked it, as the first calls of its input signature wrote nothing: "
+                "from the next call on, the block runs its branches one after another (set streams='auto' "
+                "again to time them anew)")
 
     # ---------------------------------------------------------------- forward
     def _branch_error(self, error: Exception, index: int) -> Exception:
@@ -905,7 +928,12 @@ class Parallel(nn.Module):
 
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
-            if len(calls) > 1 and self.fuse == "auto" and not _is_tracing():  # (a traced graph has no versions)
+            if len(calls) > 1 and self.fuse == "auto" and not capturing and not _is_tracing():
+                # (Under capture the graph module looks for writes; a traced graph has none to watch.)
+                if _functorch_active():
+                    # The inputs are torch.func's wrappers, whose versions do not move: no write
+                    # could be seen. In branch order instead.
+                    return self._run(args, kwargs, None, None)
                 outputs = self._run_units_watched(calls, run, args, kwargs)
             else:
                 outputs = [run(i, c) for i, c in enumerate(calls)]  # (fused: one unit, or no device)
@@ -964,7 +992,7 @@ class Parallel(nn.Module):
                     version = first._version if first is not None else 0
                     versions = [t._version for t in watched] if versions else None
                     continue
-                self._forget_plans(lambda plan: plan.fused)
+                self._keep_in_order()
                 names = list(self._modules)
                 which = [names[j] for j in wrote]
                 raise RuntimeError(
@@ -972,9 +1000,9 @@ class Parallel(nn.Module):
                     f"{'branch' if len(which) == 1 else 'one of branches'} {which[0] if len(which) == 1 else which!r} "
                     f"changed the shared input in place on this call, which the first call of this input "
                     f"signature did not: the branches after it did not all see the change, so the result "
-                    f"would differ from calling them one after another. The next call runs the branches in "
-                    f"order, and keeps them so if the write recurs. To keep them fused, make the branch's "
-                    f"first operation out of place (inplace=False, x = x + 1); or pass fuse=False."
+                    f"would differ from calling them one after another. From the next call on, the block "
+                    f"runs its branches one after another (set fuse='auto' again to time them anew). To keep "
+                    f"them fused, make the branch's first operation out of place (inplace=False, x = x + 1)."
                 )
         return outputs
 
@@ -1264,6 +1292,12 @@ class Parallel(nn.Module):
         if plan is not None:
             self._remember(key, plan)
         return plan
+
+
+def _out_of_order(units: list[Any]) -> bool:
+    r"""Whether running ``units`` in turn runs a branch before one of a lower index."""
+    order = [i for unit in units for i in _unit_indices(unit)]
+    return order != sorted(order)
 
 
 def _unit_indices(unit: Any) -> list[int]:

@@ -866,3 +866,16 @@ def test_a_sum_is_diagnosed_by_its_first_failing_addition():
     q = Parallel(nn.Identity(), lambda x: x.to("meta"), lambda x: x[:, :1].expand(2, 5).clone(), join="sum")
     with pytest.raises(RuntimeError, match="expects all outputs on one device"):
         q(torch.randn(2, 3))
+
+
+def test_a_refused_fork_of_a_nested_block_is_noted_by_that_block_alone():
+    # (A review: the outer block also took the inner fork's refusal for its own, noted it and
+    # dropped its own schedules.)
+    from parallel_modules._streams import _changed_in_place
+
+    def inner_fork_refused(x):
+        raise _changed_in_place()
+
+    with pytest.raises(RuntimeError) as ei:
+        Parallel(nn.Identity(), Parallel(nn.Identity(), inner_fork_refused))(torch.randn(2, 2))
+    assert sum("streams='auto' had forked it" in note for note in ei.value.__notes__) == 1
