@@ -366,6 +366,14 @@ class _Unstack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        if grad.dim() and grad.stride(0) == 0:
+            # One gradient for every member, expanded: a sum or mean join hands each member
+            # the same gradient, which a bias added without a reduction (a batch of one)
+            # passes on as it is. Unbound, it would give every member's ``.grad`` the same
+            # memory, which autograd keeps as it comes: a second backward accumulating into
+            # one member's would add to all (twice the sum over two passes), and so would
+            # any in-place change (clipping) of one.
+            grad = grad.contiguous()
         return (None, *grad.unbind(0))
 
 

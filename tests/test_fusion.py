@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import io
 import pickle
 import warnings
@@ -2293,3 +2294,32 @@ def test_fuse_auto_traces_groups_out_of_branch_order_unfused():
     with torch.no_grad():
         compiled = torch.compile(block, backend=CompileCounter())
         assert_same(compiled(x.clone()), _in_order(block, x.clone()))
+
+
+@pytest.mark.parametrize("layer", [lambda: nn.Linear(5, 3), lambda: nn.LayerNorm(5)], ids=["linear", "layernorm"])
+@pytest.mark.parametrize("join", ["sum", "mean"])
+def test_members_gradients_of_a_reduced_join_do_not_share_memory(layer, join):
+    # Before: with a batch of one, a sum or mean join handed every member the same expanded
+    # gradient, which the bias's add passes on as it is: every member's bias.grad was the same
+    # memory, so a second backward added to all (1.88 off against the reference), and an
+    # in-place change of one .grad (clipping) changed the others.
+    torch.manual_seed(0)
+    branches = [layer().double() for _ in range(3)]
+    ref = copy.deepcopy(branches)
+    block = Parallel(*branches, join=join, fuse=True)
+
+    def combined(outputs):
+        total = functools.reduce(torch.add, outputs)
+        return total / len(outputs) if join == "mean" else total
+
+    for _ in range(2):
+        x = torch.randn(1, 5, dtype=torch.float64)
+        block(x).pow(2).sum().backward()
+        combined([b(x) for b in ref]).pow(2).sum().backward()
+    ptrs = {b.bias.grad.data_ptr() for b in branches}
+    assert len(ptrs) == len(branches)
+    branches[0].bias.grad.mul_(0.5)
+    ref[0].bias.grad.mul_(0.5)
+    for b, r in zip(branches, ref):
+        torch.testing.assert_close(b.bias.grad, r.bias.grad)
+        torch.testing.assert_close(b.weight.grad, r.weight.grad)
