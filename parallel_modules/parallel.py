@@ -301,7 +301,7 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_placement", "_plans", "_revision", "_tree", "_tuner", "_unwritten"})
+                           "_in_order", "_placement", "_plans", "_revision", "_tree", "_tuner", "_unwritten"})
 
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
@@ -393,6 +393,9 @@ class Parallel(nn.Module):
         self._plans: dict[Hashable, _Schedule] = {}
         # Signatures with inference-tensor inputs whose first call saw no branch write to them.
         self._unwritten: dict[Hashable, None] = {}
+        # A branch wrote the shared input on a call after "auto" had forked or fused out of
+        # branch order: schedules keep the branches in order (see _keep_in_order).
+        self._in_order = False
         self._fusion: _Fusion | None = None
         self._placement: Any = _UNPLACED  # which device each branch runs on: _placement.py
         if self.__dict__.get("_graphs") is None:  # constructed, unpickled or deep-copied: graphs never are copied
@@ -848,8 +851,10 @@ class Parallel(nn.Module):
         A branch wrote the shared input on a call after ``"auto"`` had chosen
         such a schedule, as the first calls wrote nothing: it may write again
         on any later call (on some inputs only, say), which the next calls
-        need not show. Setting ``streams`` or ``fuse`` again times them anew.
+        need not show, nor a signature first seen later. Setting ``streams``
+        or ``fuse`` again times them anew.
         """
+        self._in_order = True
         for key, plan in self._plans.copy().items():
             if plan.forked or plan.fused:
                 self._plans[key] = plan._replace(forked=False, fused=False)
@@ -863,10 +868,11 @@ class Parallel(nn.Module):
         Only where the fork was this block's, from a schedule it chose (not a
         nested block's, nor a graph's or a placement's, which fork by rule).
         """
-        if (not isinstance(error, _ChangedInPlace) or self.streams != "auto" or self.cuda_graph
-                or self._placement is not None or getattr(error, "handled", False)):
+        if not isinstance(error, _ChangedInPlace) or getattr(error, "handled", False):
             return ""
-        error.handled = True  # (by the innermost block whose fork it was: those around it pass it on)
+        error.handled = True  # (by the innermost block, whose fork it was: those around it pass it on)
+        if self.streams != "auto" or self.cuda_graph or self._placement is not None:
+            return ""
         self._keep_in_order()
         return ("; streams='auto' had forked it, as the first calls of its input signature wrote nothing: "
                 "from the next call on, the block runs its branches one after another (set streams='auto' "
@@ -1241,9 +1247,11 @@ class Parallel(nn.Module):
                 self._unwritten.pop(next(iter(self._unwritten)))
             self._unwritten[key] = None
         elif self.streams is True:
-            raise _with_context(_changed_in_place(), f"(seen by {type(self).__name__} on its first call with "
-                                                     f"this input signature, whose inference tensors keep no "
-                                                     f"version to check on each call)")
+            refused = _changed_in_place()
+            refused.handled = True  # (see _fork_refused)
+            raise _with_context(refused, f"(seen by {type(self).__name__} on its first call with this input "
+                                         f"signature, whose inference tensors keep no version to check on "
+                                         f"each call)")
         else:
             self._remember(key, _Schedule(fused is not None, False, True))
         return outputs
@@ -1254,6 +1262,9 @@ class Parallel(nn.Module):
         if len(fuses) == 2 and self._auto_unfused():
             fuses = [False]
         forks = [False, True] if self.streams == "auto" else [bool(self.streams)]
+        if self._in_order:  # (see _keep_in_order)
+            fuses = [False] if self.fuse == "auto" else fuses
+            forks = [False] if self.streams == "auto" else forks
         if len(forks) == 2 and torch.is_grad_enabled() and (
                 any(p.requires_grad for p in self.parameters())
                 or any(t.requires_grad for t in _tensor_leaves((args, kwargs)))):
@@ -1285,7 +1296,8 @@ class Parallel(nn.Module):
             _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
         if device is None or device.type != "cuda":
             # No streams on the CPU; fusion ("auto" too) always pays there: fewer, larger operations.
-            plan: _Schedule | None = _CPU_FUSED if fusion is not None and not self._auto_unfused() else _CPU
+            fused = fusion is not None and not self._auto_unfused() and not (self._in_order and self.fuse == "auto")
+            plan: _Schedule | None = _CPU_FUSED if fused else _CPU
         else:
             candidates = self._candidates(fusion, args, kwargs)
             plan = candidates[0] if len(candidates) == 1 else None

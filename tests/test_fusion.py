@@ -2323,3 +2323,22 @@ def test_members_gradients_of_a_reduced_join_do_not_share_memory(layer, join):
     for b, r in zip(branches, ref):
         torch.testing.assert_close(b.bias.grad, r.bias.grad)
         torch.testing.assert_close(b.weight.grad, r.weight.grad)
+
+
+def test_fuse_auto_keeps_signatures_first_seen_after_a_late_write_in_order():
+    # (A review: only the signatures planned when the write was refused were kept in order; a
+    # batch size first seen after it was fused again and refused again: 5, 6 and 7 each once.)
+    torch.manual_seed(0)
+    block = Parallel(_lin(), _ClampIfLarge(), _lin(), fuse="auto")
+    refused = []
+    with torch.no_grad():
+        for batch in (4, 5, 6, 7):
+            block(torch.full((batch, 8), 0.5))  # the signature's first call writes nothing
+            x = torch.randn(batch, 8) * 10
+            try:
+                out = block(x.clone())
+            except RuntimeError:
+                refused.append(batch)
+                continue
+            assert_same(out, _in_order(block, x.clone()))
+    assert refused == [4]

@@ -868,14 +868,19 @@ def test_a_sum_is_diagnosed_by_its_first_failing_addition():
         q(torch.randn(2, 3))
 
 
-def test_a_refused_fork_of_a_nested_block_is_noted_by_that_block_alone():
-    # (A review: the outer block also took the inner fork's refusal for its own, noted it and
-    # dropped its own schedules.)
+@pytest.mark.parametrize("inner_streams", [True, "auto"])
+def test_a_refused_fork_of_a_nested_block_is_noted_by_that_block_alone(inner_streams):
+    # (Reviews: the outer block also took the inner fork's refusal for its own, noted it and
+    # kept its own branches in order for good -- an inner streams=True block left it unmarked.)
     from parallel_modules._streams import _changed_in_place
 
     def inner_fork_refused(x):
-        raise _changed_in_place()
+        raise _changed_in_place()  # (as the inner block's fork raises it, on a GPU)
 
-    with pytest.raises(RuntimeError) as ei:
-        Parallel(nn.Identity(), Parallel(nn.Identity(), inner_fork_refused))(torch.randn(2, 2))
-    assert sum("streams='auto' had forked it" in note for note in ei.value.__notes__) == 1
+    outer = Parallel(nn.Linear(2, 2), Parallel(nn.Identity(), inner_fork_refused, streams=inner_streams),
+                     nn.Linear(2, 2), fuse="auto")
+    with torch.no_grad(), pytest.raises(RuntimeError) as ei:
+        outer(torch.randn(3, 2))
+    notes = [n for n in ei.value.__notes__ if "streams='auto' had forked it" in n]
+    assert len(notes) == (1 if inner_streams == "auto" else 0)
+    assert all("of Parallel; streams" in n for n in notes) and not outer._in_order
