@@ -201,6 +201,9 @@ def _out_of_memory(e: BaseException) -> bool:
             or "can't allocate memory" in text)
 
 
+_ONE_DEVICE = "all outputs on one device (move them in the branches, e.g. .to(x.device))"
+
+
 def _expectation(how: str, dim: int, leaves: list[Any]) -> str:
     r"""What ``how`` expects of the tensors ``leaves`` that it could not join, the mismatch torch met
     first where it is one a shape listing does not make plain (torch checks devices before shapes)."""
@@ -208,7 +211,7 @@ def _expectation(how: str, dim: int, leaves: list[Any]) -> str:
     if how in ("sum", "mean"):
         return _first_failing_sum(tensors)
     if len({t.device for t in tensors}) > 1:
-        return "all outputs on one device (move them in the branches, e.g. .to(x.device))"
+        return _ONE_DEVICE
     if len({t.layout for t in tensors}) > 1 and not any(t.is_nested for t in tensors):
         return "outputs of one layout (all dense, or all sparse: convert with .to_dense() or .to_sparse())"
     if how == "cat" and any(t.dim() == 0 for t in tensors):
@@ -223,13 +226,12 @@ def _expectation(how: str, dim: int, leaves: list[Any]) -> str:
 def _first_failing_sum(tensors: list[torch.Tensor]) -> str:
     r"""Why a sum of ``tensors``, added left to right, fails: the first addition that fails says
     (a 0-d CPU tensor adds to a tensor of any device, as a number)."""
-    on_one_device = "all outputs on one device (move them in the branches, e.g. .to(x.device))"
     try:
         shape, device = tensors[0].shape, tensors[0].device
         for t in tensors[1:]:
             scalar = t.dim() == 0 and t.device.type == "cpu"
             if not scalar and device != t.device and not (len(shape) == 0 and device.type == "cpu"):
-                return on_one_device
+                return _ONE_DEVICE
             shape = torch.broadcast_shapes(shape, t.shape)
             device = device if scalar else t.device
     except Exception:  # (shapes that do not broadcast; nested tensors, which have no one shape)

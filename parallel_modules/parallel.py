@@ -881,7 +881,8 @@ class Parallel(nn.Module):
     # ---------------------------------------------------------------- forward
     def _branch_error(self, error: Exception, index: int) -> Exception:
         name = list(self._modules)[index]
-        context = f"(raised in branch {name!r} (index {index}) of {type(self).__name__}{self._fork_refused(error)})"
+        refused = self._fork_refused(error)  # (and, for a fork this block chose, the branches kept in order)
+        context = f"(raised in branch {name!r} (index {index}) of {type(self).__name__}{refused})"
         moved = _moved(self)
         if moved is not None:
             context += (f"; a branch was moved since the block's last call, by a .to() of its own (now: {moved}): "
@@ -979,8 +980,8 @@ class Parallel(nn.Module):
         (``_outputs``); a branch that writes on later calls only (switched to
         ``inplace=True``, or writing on some inputs) is seen here, by the inputs'
         versions, as a fork sees it. That call's result is not the sequential
-        one: refused, and every fused schedule forgotten, so that the next call
-        looks again in order.
+        one: refused, and the block kept in branch order from then on
+        (:meth:`_keep_in_order`).
         """
         watched = _watched(args, kwargs)
         first = watched[0] if len(watched) == 1 else None  # the common case: one int compared per unit
