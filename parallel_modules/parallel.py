@@ -23,8 +23,8 @@ from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
-                       _current_stream, _fork_join, _is_tracing, _run_forked, _tensor_leaves, _unversioned, _watched,
-                       _Writes)
+                       _current_stream, _fork_join, _in_backward, _is_tracing, _run_forked, _saved_hooks_recording,
+                       _tensor_leaves, _unversioned, _watched, _Writes)
 from . import _watch
 
 __all__ = ["Parallel"]
@@ -935,7 +935,8 @@ class Parallel(nn.Module):
 
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
-            if len(calls) > 1 and self.fuse == "auto" and not capturing and not _is_tracing():
+            if fusion is not None and self.fuse == "auto" and not capturing and not _is_tracing() and not (
+                    len(calls) == 1 and _functorch_active()):
                 # (Under capture the graph module looks for writes; a traced graph has none to watch.)
                 if _functorch_active():
                     # The inputs are torch.func's wrappers, whose versions do not move: no write
@@ -973,12 +974,14 @@ class Parallel(nn.Module):
                            kwargs: dict) -> list[Any]:
         r"""``run`` each of the fused ``units`` in turn, refusing a call in which one changed an input in place.
 
-        ``fuse="auto"`` runs a group's members together, before or after the
-        branches between them: a branch writing to the shared input would be
-        seen by some of the branches after it and not others. The first call of
-        a signature runs the branches in order and keeps such a block unfused
+        ``fuse="auto"`` runs a group's members together, on one input, and
+        before or after the branches between them: a branch writing to the
+        shared input would be seen by some of the branches after it and not
+        others (by all its group's members, or none). The first call of a
+        signature runs the branches in order and keeps such a block unfused
         (``_outputs``); a branch that writes on later calls only (switched to
-        ``inplace=True``, or writing on some inputs) is seen here, by the inputs'
+        ``inplace=True``, or writing on some inputs), or on a first call under
+        checkpointing (:meth:`_checkpointed`), is seen here, by the inputs'
         versions, as a fork sees it. That call's result is not the sequential
         one: refused, and the block kept in branch order from then on
         (:meth:`_keep_in_order`).
@@ -999,19 +1002,26 @@ class Parallel(nn.Module):
                     version = first._version if first is not None else 0
                     versions = [t._version for t in watched] if versions else None
                     continue
-                self._keep_in_order()
-                names = list(self._modules)
-                which = [names[j] for j in wrote]
-                raise RuntimeError(
-                    f"{type(self).__name__}: fuse='auto' runs fused groups out of branch order, and "
-                    f"{'branch' if len(which) == 1 else 'one of branches'} {which[0] if len(which) == 1 else which!r} "
-                    f"changed the shared input in place on this call, which the first call of this input "
-                    f"signature did not: the branches after it did not all see the change, so the result "
-                    f"would differ from calling them one after another. From the next call on, the block "
-                    f"runs its branches one after another (set fuse='auto' again to time them anew). To keep "
-                    f"them fused, make the branch's first operation out of place (inplace=False, x = x + 1)."
-                )
+                raise self._refused_write(wrote)
         return outputs
+
+    def _refused_write(self, wrote: list[int]) -> RuntimeError:
+        r"""The error of a ``fuse="auto"`` call in which the branches ``wrote`` (one, or a group's members)
+        changed the shared input in place out of branch order; the block is kept in order from then on."""
+        self._keep_in_order()
+        names = list(self._modules)
+        which = [names[j] for j in wrote]
+        how = ("runs fused groups out of branch order" if len(which) == 1 else
+               "runs the members of a fused group together, on one input")
+        return RuntimeError(
+            f"{type(self).__name__}: fuse='auto' {how}, and "
+            f"{'branch' if len(which) == 1 else 'one of branches'} {which[0] if len(which) == 1 else which!r} "
+            f"changed the shared input in place on this call, which the block had not seen it do on the first "
+            f"call of this input signature: the branches after it did not all see the change, so the result "
+            f"would differ from calling them one after another. From the next call on, the block runs its "
+            f"branches one after another (set fuse='auto' again to time them anew). To keep them fused, make "
+            f"the branch's first operation out of place (inplace=False, x = x + 1)."
+        )
 
     def _combine(self, outputs: list[Any]) -> Any:
         # (The common case, without _join_outputs' frame. Types first: a compiler can neither
@@ -1088,7 +1098,15 @@ class Parallel(nn.Module):
                 fusion = self._fusion_for(args, kwargs)
                 units = None if fusion is None else fusion.units  # (a failing group changes fusion.units)
                 if units is not None and len(units) == 1 and isinstance(units[0], _Group):
+                    # fuse="auto": members writing the input are refused (see _run_units_watched).
+                    # The common case, one tensor, watched here: one int compared.
+                    x = args[0] if self.fuse == "auto" and len(args) == 1 and not kwargs else None
+                    if self.fuse == "auto" and (type(x) is not torch.Tensor or x.is_inference()):
+                        return self._joined(self._run(args, kwargs, None, fusion, False))
+                    version = x._version if x is not None else 0
                     out = self._run_group(fusion, units[0], args, kwargs, eager=True)
+                    if x is not None and x._version != version:
+                        raise self._refused_write(units[0].indices)
                     return self._joined(fusion.scatter(units, [out]))
                 # Mixed groups (or none left): what ``_outputs`` runs for this plan,
                 # with the groups already found.
@@ -1149,11 +1167,16 @@ class Parallel(nn.Module):
                 self._remember(key, plan._replace(forked=False))
             return outputs
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
+        # torch.utils.checkpoint recomputes the forward pass in backward and refuses a
+        # recomputation that saves other tensors than the forward did: a call it may
+        # recompute runs the schedule of the next call too (see _checkpointed).
+        checkpointed = plan is None and (_saved_hooks_recording() or _in_backward())
         if plan is None:
-            # A fused group runs its members together, before or after the other branches
+            # A fused group runs its members together, and before or after the other branches
             # (or groups), as forks run branches side by side: one of those changing the
-            # shared input in place would be seen by some members and not others.
-            reordered = self.fuse == "auto" and fusion is not None and len(fusion.units) > 1
+            # shared input in place would be seen by some members and not others. (Checkpointed,
+            # the fused call watches for such writes instead: see _run_units_watched.)
+            reordered = self.fuse == "auto" and fusion is not None and not checkpointed
             if (self.streams is not False or reordered) and key not in self._unwritten and self._compiler is None:
                 device = _input_device(args, kwargs) if _unversioned(args, kwargs) else None
                 if device is not None and device.type == "cuda" and not _capture_underway():
@@ -1184,6 +1207,8 @@ class Parallel(nn.Module):
         if plan is not None:
             return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None, False)
         tuner, candidates = self._tuner, self._candidates(fusion, args, kwargs)
+        if checkpointed and len(candidates) > 1:
+            return self._checkpointed(args, kwargs, device, fusion, candidates)
         watched = _watched(args, kwargs)
         versions = [a._version for a in watched]
         # Each schedule is timed with its join: the user pays for it, and it is not
@@ -1215,6 +1240,25 @@ class Parallel(nn.Module):
         if decided is not None and self._tuner is tuner:  # (not if a setting changed meanwhile: reset)
             self._remember(key, decided)
         return out
+
+    def _checkpointed(self, args: tuple, kwargs: dict, device: torch.device | None, fusion: _Fusion | None,
+                      candidates: list[_Schedule]) -> Any:
+        r"""A call of a signature still being timed, under saved-tensor hooks or in backward: the most
+        fused of ``candidates``, forked only if none runs in order, untimed and deciding nothing.
+
+        ``torch.utils.checkpoint(use_reentrant=False)`` runs the forward pass
+        under saved-tensor hooks and runs it again in backward, where it refuses
+        a recomputation that saves other tensors: the trials of "auto", one
+        schedule per call, would run a fused group in one and its members in the
+        other. So do they not: both run this schedule, while the signature is
+        timed by calls outside (forks run in line there anyway, see
+        ``_streams._autograd_in_line``). Under ``fuse="auto"`` the fused call
+        watches for a branch changing the input in place (see
+        :meth:`_run_units_watched`), where an unhooked first call runs the
+        branches in order and looks.
+        """
+        s = max(candidates, key=lambda c: (c.fused, not c.forked))
+        return self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None, False)
 
     def _run_watched(self, args: tuple, kwargs: dict, fusion: _Fusion | None) -> tuple[Any, bool]:
         r"""The branches run in turn (``fusion``'s groups batched), and whether any changed an input in

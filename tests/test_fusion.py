@@ -303,6 +303,8 @@ def test_buffer_assigned_in_forward_runs_unfused():
     p = Parallel(*copy.deepcopy(branches), fuse="auto")
     ref = Parallel(*copy.deepcopy(branches))
     x = torch.randn(4, 8)
+    # (The first call of a signature runs the branches in order, watching for writes to x.)
+    assert_close(p(x), ref(x))
     with pytest.warns(UserWarning, match="assigns a new tensor to 'avg' in forward"):
         out = p(x)
     for _ in range(3):
@@ -943,6 +945,7 @@ def test_shared_module_is_not_fused_with_itself():
 def test_vmap_failure_disables_group_once_and_says_why():
     p = Parallel(*[Branchy() for _ in range(3)], fuse="auto")
     x = torch.randn(4, 16)
+    assert_close(p(x), reference(p, x))  # (the first call of a signature runs the branches in order)
     with pytest.warns(UserWarning, match="cannot run batched"):
         out = p(x)
     assert_close(out, reference(p, x))
@@ -1310,6 +1313,7 @@ def test_a_group_failing_part_way_updates_buffers_once():
     ref = copy.deepcopy(p)
     ref.fuse = False
     x = torch.randn(3, 2, 5)
+    assert_close(p(x), ref(x))  # (the first call of a signature runs the branches in order)
     with pytest.warns(UserWarning, match="cannot run batched"):
         out = p(x)
     assert_close(out, ref(x))
@@ -1416,19 +1420,31 @@ def test_fused_complex_parameters_get_gradients():
         torch.testing.assert_close(fused.grad, plain.grad)
 
 
-def test_checkpointing_a_fused_block():
-    # Non-reentrant checkpoint ends its recomputation early by raising through the group.
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-group", "group-and-branch"])
+def test_checkpointing_a_fused_block(device, mixed, monkeypatch):
+    # Non-reentrant checkpoint ends its recomputation early by raising through the group, and
+    # refuses a recomputation that saves other tensors than the forward. Before: the first call
+    # of a signature ran the branches in order to look for writes to the input (CPU) or tried
+    # one schedule per call ("auto" on CUDA), and the recomputation, the next call, ran the
+    # group fused: "A different number of tensors was saved during the original forward and
+    # recomputation".
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
-    p = Parallel(_small_mlp(), _small_mlp(), fuse="auto")
+    p = Parallel(_small_mlp(), _small_mlp(), *([nn.Linear(8, 4)] if mixed else []), fuse="auto").to(device)
     plain = Parallel(*copy.deepcopy(list(p)))
-    x = torch.randn(5, 8, requires_grad=True)
-    checkpoint(p, x, use_reentrant=False).sum().backward()
-    plain(x.detach().requires_grad_()).sum().backward()
-    for a, b in zip(p.parameters(), plain.parameters()):
-        torch.testing.assert_close(a.grad, b.grad)
-    assert len(p._fusion.groups) == 1 and not p._fusion.reasons  # still fused
+    fused_runs = []
+    run_group = Parallel._run_group
+    monkeypatch.setattr(Parallel, "_run_group", lambda *a, **k: fused_runs.append(1) or run_group(*a, **k))
+    for _ in range(4):  # (CUDA: "auto" would try a schedule per call; it times calls outside checkpoints)
+        x = torch.randn(5, 8, device=device, requires_grad=True)
+        checkpoint(p, x, use_reentrant=False).sum().backward()
+        plain(x.detach().requires_grad_()).sum().backward()
+        for a, b in zip(p.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert len(p._fusion.groups) == 1 and list(p._fusion.reasons) == ([2] if mixed else [])  # still fused
+    assert len(fused_runs) == 8  # fused in every forward and its recomputation
 
 
 class _SelfAttention(nn.Module):
@@ -1651,6 +1667,7 @@ def test_a_backward_after_the_weights_changed_in_place_is_refused_as_unfused(fus
     p = Parallel(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in range(2)], fuse=fuse)
     opt = torch.optim.SGD(p.parameters(), lr=0.5)
     x = torch.randn(3, 4, requires_grad=True)
+    p(x)  # (fuse="auto": the first call of a signature runs the branches in order)
     loss = p(x).square().sum()
     assert fused_groups(p) == [["0", "1"]]
     loss.backward(retain_graph=True)
@@ -2197,6 +2214,44 @@ def test_fuse_auto_refuses_a_call_in_which_a_branch_between_fused_members_writes
         for _ in range(2):  # looked at in order again: kept in order, as the write recurs
             x = torch.randn(5, 8) * 10
             assert_same(block(x.clone()), _in_order(block, x.clone()))
+
+
+class _ScaleIfLarge(nn.Module):
+    r"""A layer with a weight (fused through vmap, reading the members' common input as it is) that
+    doubles its input in place when it holds a large value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if bool(x[0, 0] > 3):
+            x.mul_(2)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-call", "later-call"])
+def test_fuse_auto_sees_the_members_of_one_group_write_the_input(first):
+    # Before: a group covering every branch was neither looked at on its first call nor watched
+    # later (other groups and branches were): fused, every member read the input after one write
+    # where, called in turn, each sees the writes of those before it -- off by up to 12, silently.
+    torch.manual_seed(0)
+    block = Parallel(*[_ScaleIfLarge() for _ in range(3)], fuse="auto")
+    refused = 0
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(2, 8)
+            x[0, 0] = 5.0 if first or i >= 1 else 0.0
+            try:
+                out = block(x.clone())
+            except RuntimeError as e:
+                assert ("fuse='auto' runs the members of a fused group together, on one input, and one of "
+                        "branches ['0', '1', '2'] changed the shared input in place") in str(e)
+                refused += 1
+                continue
+            assert_same(out, _in_order(block, x.clone()))
+    assert refused == (0 if first else 1)
+    assert list(block.explain()["schedules"].values()) == ["unfused, sequential"]
 
 
 def test_fuse_auto_lets_a_write_by_the_last_branch_through():
