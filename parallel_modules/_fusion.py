@@ -1463,10 +1463,10 @@ def _own_memory(out: Any, state: dict[str, torch.Tensor]) -> Any:
     records, a view it refuses to change), where unfused the join makes a new
     tensor. (The vmapped path only: the batched rules compute new tensors.)
     """
-    stacks = {t.untyped_storage().data_ptr() for t in state.values()} - {0}
+    stacks = {_watch._storage(t) for t in state.values()} - {0, -1}
 
     def own(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in stacks:
+        if isinstance(t, torch.Tensor) and _watch._storage(t) in stacks:
             return t.clone()
         return t
 

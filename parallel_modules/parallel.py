@@ -794,7 +794,7 @@ class Parallel(nn.Module):
             tracing = not eager and _is_tracing()
             if not tracing and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
-            if self.training and group.buffers and not tracing:
+            if self.training and group.buffers and not tracing and not _functorch_active():
                 # Layers that ran batched before one failed may have updated buffers (an
                 # InstanceNorm's running statistics): put back before the members run unfused.
                 kept = [(b, b.clone()) for b in group.buffer_stacks()]

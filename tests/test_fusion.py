@@ -2397,3 +2397,63 @@ def test_fuse_auto_keeps_signatures_first_seen_after_a_late_write_in_order():
                 continue
             assert_same(out, _in_order(block, x.clone()))
     assert refused == [4]
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp"])
+def test_layers_fused_through_vmap_run_under_torch_func_transforms(fuse, transform):
+    # Before: the copy of an output sharing memory with a stack read each tensor's storage, which
+    # functorch's wrappers do not have: fuse=True raised ("Cannot access storage of
+    # TensorWrapper"), and "auto" warned and unfused the group for good.
+    from torch.func import grad, jvp, vmap
+
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(4, 3), nn.PReLU()) for _ in range(3)], fuse=fuse)
+    plain = nn.ModuleList(copy.deepcopy(list(block)))
+    x, t = torch.randn(6, 4), torch.randn(6, 4)
+    run = {
+        "grad": lambda f: grad(lambda v: f(v).square().sum())(x),
+        "vmap": lambda f: vmap(f)(x[:, None]),
+        "jvp": lambda f: jvp(f, (x,), (t,))[1],
+    }[transform]
+    block(x)  # (fuse="auto": the first call of a signature runs the branches in order)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (not "cannot run batched")
+        for _ in range(2):
+            torch.testing.assert_close(run(block), run(lambda v: torch.cat([b(v) for b in plain], 1)))
+    assert block.explain()["fused"] == [["0", "1", "2"]]
+
+
+class _SignedGate(nn.Module):
+    r"""A layer with a buffer and control flow on its output's values, which vmap cannot batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * self.scale if y.sum() > 0 else -y
+
+
+def test_a_group_with_buffers_failing_under_grad_falls_back_unfused():
+    # Before: in training, the buffers kept to be put back after a failed batched run were put
+    # back in place, which a grad transform refuses ("attempted to call in-place operation
+    # (aten::copy_) that would mutate a captured Tensor"): that error replaced the fallback to
+    # unfused members, on every call.
+    from torch.func import grad
+
+    torch.manual_seed(0)
+    block = Parallel(*[_SignedGate() for _ in range(3)], fuse="auto")
+    plain = nn.ModuleList(copy.deepcopy(list(block)))
+    loss = lambda f: lambda v: f(v).square().sum()  # noqa: E731
+    for i in range(3):
+        x = torch.randn(6, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the group cannot run batched, and says so once)
+            got = grad(loss(block))(x)
+        torch.testing.assert_close(got, grad(loss(lambda v: torch.cat([b(v) for b in plain], 1)))(x))
+    assert "running them batched failed" in block.explain()["unfused"]["0"]
+    for mine, theirs in zip(block.buffers(), plain.buffers()):
+        assert torch.equal(mine, theirs)
