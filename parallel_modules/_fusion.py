@@ -366,14 +366,17 @@ class _Unstack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        if grad.dim() and grad.stride(0) == 0:
-            # One gradient for every member, expanded: a sum or mean join hands each member
-            # the same gradient, which a bias added without a reduction (a batch of one)
-            # passes on as it is. Unbound, it would give every member's ``.grad`` the same
-            # memory, which autograd keeps as it comes: a second backward accumulating into
-            # one member's would add to all (twice the sum over two passes), and so would
-            # any in-place change (clipping) of one.
-            grad = grad.contiguous()
+        if grad.dim() and (grad.stride(0) == 0 or grad._is_view() and grad.is_contiguous()):
+            # Memory that is not this backward's own: a bias added without a reduction (a
+            # batch of one) passes its gradient on as it came -- for a cat or stack join, a
+            # view of the gradient ``backward(g)`` was given; for a sum or mean join, one
+            # gradient expanded to every member. Unbound, each member's slice is contiguous,
+            # and autograd keeps it as the member's ``.grad``: a second backward accumulating
+            # into it would write into ``g`` (changing what later passes read) or into every
+            # member's at once, and so would any in-place change (clipping). Unfused, the
+            # bias's gradient is a sum, a tensor of its own. (Weights' come transposed, which
+            # autograd copies anyway; the copy here is of a bias-sized gradient.)
+            grad = grad.clone(memory_format=torch.contiguous_format)
         return (None, *grad.unbind(0))
 
 
