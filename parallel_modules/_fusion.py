@@ -701,12 +701,13 @@ class _Group:
         else:
             watched = None if tracing else []
             get = lambda qual: self._stacked(qual, tracing, watched, input_grad[0])  # noqa: E731
-        program = self.program
+        # (Neither read nor kept by a compiler's trace: assigned there, it was a side effect
+        # the compiler guarded on, and the block was compiled a second time; read, an eager
+        # call that made it since failed the guard, and compiled the block again.)
+        program = self.program if keep else None
         if program is None:
             program = _program(self, self.template, "")
             if keep:
-                # (Not kept by a compiler's trace: assigned there, it was a side effect the
-                # compiler guarded on, and the block was compiled a second time.)
                 self.program = program
         value: Any = _Value(x, _SHARED)
         for step in program:

@@ -1049,7 +1049,7 @@ class Parallel(nn.Module):
                 self._graphs.clear()
                 self._graph_moves = self._param_moves
             return self._graphs(self._forward, args, kwargs)
-        if self._placement is None and not tracing:
+        if not tracing and self._placement is None:  # (read only eagerly: a compiler would guard on it)
             # The common cases, inline: a signature whose schedule is decided,
             # sequential (what "auto" keeps for branches too small to gain from
             # streams) or fused. On tiny branches each Python frame saved is a
@@ -1132,7 +1132,9 @@ class Parallel(nn.Module):
         r"""Run the branches as this call's schedule says. ``looked_up``: the call's signature and
         its plan, where ``forward`` found them (the branches on one device, and no tracer)."""
         if looked_up is None:
-            placement = self._placement
+            # (A compiler's trace looks for itself: read, the placement an eager call remembers
+            # since would fail the compiler's guard on it, and compile the block again.)
+            placement = self._placement if not _is_tracing() else _UNPLACED
             if placement is not None:  # branches on several devices, or not looked at yet
                 placement = _place(self) if placement is _UNPLACED else placement
                 if placement is not None:

@@ -543,12 +543,15 @@ class ParallelSequential(nn.Sequential):
         return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied)
 
     def _get_plan(self) -> _Plan:
-        plan = self._plan
+        # (A compiler's trace makes its own: it would record the assignments as side effects
+        # of forward, and guard on the reads, which the next eager call's plan fails.)
+        tracing = _is_tracing()
+        plan = None if tracing else self._plan
         # Stages added, replaced or removed (append, insert, [i] = m, del ...)
         # show up as a different tuple of children.
         if plan is None or plan.stages != tuple(self._modules.values()):
             plan = self._make_plan()
-            if not _is_tracing():  # a tracer would record the assignments as side effects of forward
+            if not tracing:
                 self._plan, self._home = plan, plan.home
         return plan
 
@@ -932,7 +935,7 @@ class ParallelSequential(nn.Sequential):
         if self._chunks == 1:
             # The plain Sequential, as cheap as nn.Sequential: one attribute
             # read and one device comparison more.
-            home = self._home
+            home = self._home if not _is_tracing() else self._get_plan().home  # (see _get_plan)
             # (``isinstance(home, torch.device)`` first: dynamo cannot compare a
             # device with the _UNKNOWN/_MIXED sentinels, and fullgraph=True fails.)
             if home is None or (isinstance(home, torch.device) and isinstance(input, torch.Tensor)

@@ -263,6 +263,30 @@ def test_a_fused_block_compiled_before_any_eager_call_is_traced_once(fuse, mixed
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("make", [
+    lambda: Parallel(_small_mlp(), _small_mlp(), join="cat"),
+    lambda: Parallel(_small_mlp(), _small_mlp(), join="cat", fuse=True),
+    lambda: ParallelSequential(nn.Linear(8, 8), nn.ReLU(), chunks=1),
+    lambda: ParallelSequential(nn.Linear(8, 8), nn.ReLU(), chunks=2),
+], ids=["parallel", "fused", "pipeline-1", "pipeline-2"])
+def test_an_eager_call_between_compiled_calls_compiles_nothing_again(make):
+    # Before: twice. The trace read what the first eager call remembers (the block's placement,
+    # a group's batched steps, a pipeline's plan and home device) and guarded on it as it was.
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = make().eval()
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        x = torch.randn(6, 8)
+        compiled(x)
+        expected = model(x)
+        for _ in range(2):
+            assert_close(compiled(x), expected)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("join", ["cat", "sum", "stack"])
 def test_fx_symbolic_trace_of_a_named_join(join):
     # torch.fx passes proxies through the branches: they are joined as tensors (compared as
