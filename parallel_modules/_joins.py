@@ -92,12 +92,69 @@ def _listing(names: Sequence[str], outputs: Sequence[Any]) -> str:
 
 
 def _leaf_join(how: str, dim: int, leaves: list[torch.Tensor]) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # A compiler cannot catch what torch.cat raises for a fake tensor: its own error, which
+        # names no branch, would replace ours (see _join_error). The shapes it traces with say.
+        mismatch = _mismatch(how, dim, leaves)
+        if mismatch is not None:
+            raise mismatch
     if how == "cat":
         return torch.cat(leaves, dim)
     if how == "stack":
         return torch.stack(leaves, dim)
     total = functools.reduce(torch.add, leaves)
     return total / len(leaves) if how == "mean" else total
+
+
+def _mismatch(how: str, dim: int, leaves: list[Any]) -> Exception | None:
+    r"""The exception ``_leaf_join(how, dim, leaves)`` would raise, where the shapes and devices show
+    it surely would (``None`` otherwise): torch's own checks, written for a compiler's trace."""
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if len(tensors) < len(leaves) or not tensors:
+        return None
+    if len({t.device for t in tensors}) > 1 and how in ("cat", "stack"):
+        return RuntimeError("Expected all tensors to be on the same device")
+    shapes = [tuple(t.shape) for t in tensors]
+    if how == "stack":
+        n = len(shapes[0]) + 1
+        if not -n <= dim < n:
+            return IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
+        if any(shape != shapes[0] for shape in shapes):
+            return RuntimeError("stack expects each tensor to be equal size")
+        return None
+    if how == "cat":
+        if any(len(shape) == 1 and shape[0] == 0 for shape in shapes):
+            return None  # (legacy: torch.cat skips 1-D empty tensors)
+        n = len(shapes[0])
+        if any(len(shape) != n for shape in shapes) or n == 0:
+            return RuntimeError("Tensors must have same number of dimensions")
+        if not -n <= dim < n:
+            return IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
+        d = dim % n
+        if any(shape[:d] != shapes[0][:d] or shape[d + 1:] != shapes[0][d + 1:] for shape in shapes):
+            return RuntimeError("Sizes of tensors must match except in the concatenated dimension")
+        return None
+    # sum, mean: added left to right, broadcasting
+    size: tuple | None = shapes[0]
+    for shape in shapes[1:]:
+        size = _broadcast(size, shape)
+        if size is None:
+            return RuntimeError("The size of tensor a must match the size of tensor b at a non-singleton dimension")
+    return None
+
+
+def _broadcast(a: tuple, b: tuple) -> tuple | None:
+    r"""The shape of ``a`` and ``b`` broadcast together, or ``None`` where they do not broadcast
+    (``torch.broadcast_shapes``, in Python: a compiler traces it without a tensor)."""
+    if len(a) < len(b):
+        a, b = b, a
+    lead = len(a) - len(b)
+    out = list(a[:lead])
+    for x, y in zip(a[lead:], b):
+        if x != y and x != 1 and y != 1:
+            return None
+        out.append(y if x == 1 else x)
+    return tuple(out)
 
 
 _EXPECTED = {
@@ -129,7 +186,7 @@ def _join_outputs(
                                    f"{list(names)})")
     if how == "cat" and all(isinstance(o, _LEAVES) for o in outputs):  # the common case first
         try:
-            return torch.cat(outputs, dim)
+            return _leaf_join(how, dim, outputs)
         except (RuntimeError, IndexError) as e:  # IndexError: dim out of range
             raise _join_error(owner, how, dim, names, outputs, e) from e
     elif how == "tuple":
@@ -232,9 +289,11 @@ def _first_failing_sum(tensors: list[torch.Tensor]) -> str:
             scalar = t.dim() == 0 and t.device.type == "cpu"
             if not scalar and device != t.device and not (len(shape) == 0 and device.type == "cpu"):
                 return _ONE_DEVICE
-            shape = torch.broadcast_shapes(shape, t.shape)
+            shape = _broadcast(tuple(shape), tuple(t.shape))
+            if shape is None:
+                break
             device = device if scalar else t.device
-    except Exception:  # (shapes that do not broadcast; nested tensors, which have no one shape)
+    except Exception:  # (nested tensors, which have no one shape)
         pass
     return _EXPECTED["sum"]
 

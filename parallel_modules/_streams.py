@@ -139,6 +139,16 @@ def _saved_hooks_recording() -> bool:
     return _saved_tensor_hooks is not None and torch.is_grad_enabled() and _saved_tensor_hooks(False) is not None
 
 
+def _checkpoint_recording() -> bool:
+    r"""Whether ``torch.utils.checkpoint(use_reentrant=False)`` records this forward pass, which it
+    runs again in backward and refuses to find saving other tensors (its saved-tensor hooks, not
+    those of ``save_on_cpu``, which recomputes nothing)."""
+    if not _saved_hooks_recording():
+        return False
+    hooks = _saved_tensor_hooks(False)
+    return getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
 def _in_backward() -> bool:
     r"""Whether this call runs inside a backward pass (a checkpoint's recomputation, a custom ``backward``)."""
     return _graph_task is not None and _graph_task() != -1

@@ -23,7 +23,7 @@ from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
-                       _current_stream, _fork_join, _in_backward, _is_tracing, _run_forked, _saved_hooks_recording,
+                       _checkpoint_recording, _current_stream, _fork_join, _in_backward, _is_tracing, _run_forked,
                        _tensor_leaves, _unversioned, _watched, _Writes)
 from . import _watch
 
@@ -790,8 +790,11 @@ class Parallel(nn.Module):
     def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict, eager: bool = False) -> list[Any]:
         r"""The group's batched value. ``eager``: the caller saw no tracer and no capture (see :meth:`_Group.run`)."""
         kept = None
+        tracing = not eager and _is_tracing()
+        x = args[0]
+        # (Whether the batched attempt wrote the members' input before failing: see below.)
+        version = x._version if not tracing and type(x) is torch.Tensor and not x.is_inference() else None
         try:
-            tracing = not eager and _is_tracing()
             if not tracing and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
             if self.training and group.buffers and not tracing and not _functorch_active():
@@ -814,6 +817,19 @@ class Parallel(nn.Module):
                     for b, saved in kept:
                         b.copy_(saved)
             failure = e
+        names = [list(self._modules)[i] for i in group.indices]
+        if version is not None and x._version != version:
+            # Called in turn now, the members would read what the batched attempt wrote.
+            if self.fuse is not True:
+                fusion.disable(group, failure)
+                self._forget_plans(lambda plan: plan.fused)
+            raise RuntimeError(
+                f"{type(self).__name__}: branches {names} changed their input in place while running batched, "
+                f"then failed to ({type(failure).__name__}: {failure}): called one after another now, they "
+                f"would read the changed input, so this call is refused. "
+                + ("Pass fuse='auto' or fuse=False to run them unfused." if self.fuse is True else
+                   "From the next call on they run unfused (see .explain()).")
+            ) from failure
         # Run the members as ordinary branches: if they fail too, the input is at
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
@@ -823,7 +839,6 @@ class Parallel(nn.Module):
             # are held at once, one after another each in turn: a large batch may fit only
             # unfused, and an allocation failure of the members too raises as it is.)
             return outputs
-        names = [list(self._modules)[i] for i in group.indices]
         if self.fuse is True:
             raise RuntimeError(
                 f"{type(self).__name__}: fuse=True, but branches {names} failed to run batched, while "
@@ -995,10 +1010,12 @@ class Parallel(nn.Module):
             outputs.append(run(i, unit))
             if first is not None and first._version != version or versions and _changed(watched, versions):
                 # Out of order only if a branch that ran before should have seen the write, or
-                # one still to run should not (a write by the last branch is harmless).
+                # one still to run should not (a write by the last branch is harmless), or a
+                # group ran its members together (not one after another: _run_group's fallback).
                 wrote = _unit_indices(unit)
-                if (len(wrote) == 1 and all(j < wrote[0] for u in units[:i] for j in _unit_indices(u))
-                        and all(j > wrote[0] for u in units[i + 1:] for j in _unit_indices(u))):
+                if ((len(wrote) == 1 or type(outputs[-1]) is _Unfused)
+                        and all(j < wrote[0] for u in units[:i] for j in _unit_indices(u))
+                        and all(j > wrote[-1] for u in units[i + 1:] for j in _unit_indices(u))):
                     version = first._version if first is not None else 0
                     versions = [t._version for t in watched] if versions else None
                     continue
@@ -1027,7 +1044,8 @@ class Parallel(nn.Module):
         # (The common case, without _join_outputs' frame. Types first: a compiler can neither
         # compare a builtin join such as ``sum`` with a string nor trace torch.cat raising for
         # structured outputs.)
-        if type(self.join) is str and self.join == "cat" and outputs and isinstance(outputs[0], torch.Tensor):
+        if (type(self.join) is str and self.join == "cat" and outputs and isinstance(outputs[0], torch.Tensor)
+                and not torch.compiler.is_compiling()):  # (which cannot catch what torch.cat raises: see _joins)
             try:
                 return torch.cat(outputs, self.dim)
             except Exception:
@@ -1105,7 +1123,8 @@ class Parallel(nn.Module):
                         return self._joined(self._run(args, kwargs, None, fusion, False))
                     version = x._version if x is not None else 0
                     out = self._run_group(fusion, units[0], args, kwargs, eager=True)
-                    if x is not None and x._version != version:
+                    if x is not None and x._version != version and type(out) is not _Unfused:
+                        # (Unfused: the members ran in turn, as called one after another.)
                         raise self._refused_write(units[0].indices)
                     return self._joined(fusion.scatter(units, [out]))
                 # Mixed groups (or none left): what ``_outputs`` runs for this plan,
@@ -1172,7 +1191,7 @@ class Parallel(nn.Module):
         # torch.utils.checkpoint recomputes the forward pass in backward and refuses a
         # recomputation that saves other tensors than the forward did: a call it may
         # recompute runs the schedule of the next call too (see _checkpointed).
-        checkpointed = plan is None and (_saved_hooks_recording() or _in_backward())
+        checkpointed = plan is None and (_checkpoint_recording() or _in_backward())
         if plan is None:
             # A fused group runs its members together, and before or after the other branches
             # (or groups), as forks run branches side by side: one of those changing the
@@ -1210,7 +1229,7 @@ class Parallel(nn.Module):
             return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None, False)
         tuner, candidates = self._tuner, self._candidates(fusion, args, kwargs)
         if checkpointed and len(candidates) > 1:
-            return self._checkpointed(args, kwargs, device, fusion, candidates)
+            return self._checkpointed(key, args, kwargs, device, fusion, candidates)
         watched = _watched(args, kwargs)
         versions = [a._version for a in watched]
         # Each schedule is timed with its join: the user pays for it, and it is not
@@ -1243,23 +1262,24 @@ class Parallel(nn.Module):
             self._remember(key, decided)
         return out
 
-    def _checkpointed(self, args: tuple, kwargs: dict, device: torch.device | None, fusion: _Fusion | None,
-                      candidates: list[_Schedule]) -> Any:
-        r"""A call of a signature still being timed, under saved-tensor hooks or in backward: the most
-        fused of ``candidates``, forked only if none runs in order, untimed and deciding nothing.
+    def _checkpointed(self, key: Hashable, args: tuple, kwargs: dict, device: torch.device | None,
+                      fusion: _Fusion | None, candidates: list[_Schedule]) -> Any:
+        r"""The first call of a signature under ``torch.utils.checkpoint`` or in backward: the most fused of
+        ``candidates``, forked only if none runs in order, kept for the signature without timing.
 
         ``torch.utils.checkpoint(use_reentrant=False)`` runs the forward pass
         under saved-tensor hooks and runs it again in backward, where it refuses
         a recomputation that saves other tensors: the trials of "auto", one
         schedule per call, would run a fused group in one and its members in the
-        other. So do they not: both run this schedule, while the signature is
-        timed by calls outside (forks run in line there anyway, see
-        ``_streams._autograd_in_line``). Under ``fuse="auto"`` the fused call
-        watches for a branch changing the input in place (see
-        :meth:`_run_units_watched`), where an unhooked first call runs the
-        branches in order and looks.
+        other, and a block only ever called checkpointed would never be decided.
+        Kept, the forward and its recomputation run one schedule (forks run in
+        line there anyway, see ``_streams._autograd_in_line``). Under
+        ``fuse="auto"`` the fused call watches for a branch changing the input
+        in place (see :meth:`_run_units_watched`), where an unhooked first call
+        runs the branches in order and looks.
         """
         s = max(candidates, key=lambda c: (c.fused, not c.forked))
+        self._remember(key, s)
         return self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None, False)
 
     def _run_watched(self, args: tuple, kwargs: dict, fusion: _Fusion | None) -> tuple[Any, bool]:

@@ -2479,3 +2479,77 @@ def test_a_group_with_buffers_failing_under_grad_falls_back_unfused():
     assert "running them batched failed" in block.explain()["unfused"]["0"]
     for mine, theirs in zip(block.buffers(), plain.buffers()):
         assert torch.equal(mine, theirs)
+
+
+class _WritesThenMaybeGates(nn.Module):
+    r"""While ``mode`` is set, adds 1 to its input in place first, then (``"gate-first"``) branches on
+    values where vmap cannot (the batched attempt fails before the write) or (``"write-first"``) after it."""
+
+    mode = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if self.mode == "gate-first" and self.lin(x).sum() > 1e9:  # (batched: the weights are)
+            return x
+        if self.mode:
+            x.add_(1)
+        y = self.lin(x)
+        if self.mode == "write-first" and y.sum() > 1e9:
+            return -y
+        return y
+
+
+@pytest.mark.parametrize("mode", ["gate-first", "write-first"])
+def test_a_group_failing_batched_on_a_call_its_members_write_the_input(mode, monkeypatch):
+    # (A review.) The batched attempt failed before any write: the members then ran in turn,
+    # which is the sequential result, not to be refused as members run together. It wrote and
+    # then failed: called in turn now, they would read its write (the input 2x where in turn
+    # it is +3 in all): refused, saying so; unfused from then on.
+    torch.manual_seed(0)
+    block = Parallel(*[_WritesThenMaybeGates() for _ in range(3)], fuse="auto")
+    monkeypatch.setattr(_WritesThenMaybeGates, "mode", "")  # (a class attribute: fused members read the class's)
+    with torch.no_grad():
+        block(torch.randn(5, 8))  # (looked at in order: nothing written)
+        block(torch.randn(5, 8))  # fused
+        _WritesThenMaybeGates.mode = mode
+        x = torch.randn(5, 8)
+        if mode == "gate-first":
+            with pytest.warns(UserWarning, match="cannot run batched"):
+                out = block(x.clone())
+            assert_same(out, _in_order(block, x.clone()))
+        else:
+            with pytest.raises(RuntimeError, match=r"branches \['0', '1', '2'\] changed their input in place while "
+                                                   r"running batched, then failed to"):
+                block(x.clone())
+        assert block.explain()["fused"] == []
+        x = torch.randn(5, 8)
+        assert_same(block(x.clone()), _in_order(block, x.clone()))
+
+
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "checkpoint"])
+def test_saved_tensor_hooks_and_a_group_writing_its_input_on_the_first_call(hooks, monkeypatch):
+    # save_on_cpu recomputes nothing: the first call of a signature looks at the branches in
+    # order as without hooks (a review: it was refused, as under checkpoint). Under checkpoint,
+    # whose recomputation must run what the forward ran, the first call runs fused and watched:
+    # the write is refused, not silently wrong (off by 2.65 before).
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = Parallel(*[_WritesThenMaybeGates() for _ in range(3)], fuse="auto")
+    monkeypatch.setattr(_WritesThenMaybeGates, "mode", "always")
+    w = torch.randn(5, 8, requires_grad=True)
+    expected = _in_order(block, w * 1)
+    if hooks == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu():
+            out = block(w * 1)
+        out.sum().backward()
+        assert_same(out, expected)
+        assert list(block.explain()["schedules"].values()) == ["unfused, sequential"]
+    else:
+        with pytest.raises(RuntimeError, match="runs the members of a fused group together, on one input"):
+            checkpoint(block, w * 1, use_reentrant=False)
+        x = w * 1
+        assert_same(checkpoint(block, x, use_reentrant=False), _in_order(block, w * 1) + 0)

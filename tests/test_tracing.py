@@ -287,6 +287,30 @@ def test_an_eager_call_between_compiled_calls_compiles_nothing_again(make):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("join, second", [
+    ("stack", lambda: nn.Linear(8, 3)),
+    ("cat", lambda: nn.Sequential(nn.Linear(8, 4), nn.Flatten(0))),
+    ("sum", lambda: nn.Linear(8, 3)),
+])
+@pytest.mark.parametrize("how", ["compile", "fullgraph", "export"])
+def test_a_join_mismatch_names_the_branches_under_compilers(join, second, how):
+    # Before: torch.compile and strict export raised torch's fake-tensor error ("RuntimeError
+    # when making fake tensor call"), naming neither the block, its join nor the branches: the
+    # join's own message comes from catching torch's exception, which a compiler cannot do.
+    model = Parallel(nn.Linear(8, 4), second(), join=join)
+    x = torch.randn(6, 8)
+    with pytest.raises(Exception) as e:
+        if how == "export":
+            torch.export.export(model, (x,), strict=True)
+        else:
+            torch.compile(model, backend="eager", fullgraph=how == "fullgraph")(x)
+    text = str(e.value)
+    assert f"Parallel: join={join!r}" in text and "cannot combine the branch outputs" in text, text[:300]
+    assert "branch '0': Tensor(6, 4)" in text.replace("\\n", "\n")
+    if how == "compile":  # (without fullgraph: the block's own error, raised eagerly past the break)
+        assert isinstance(e.value, RuntimeError) and str(e.value).startswith(f"Parallel: join={join!r}")
+
+
 @pytest.mark.parametrize("join", ["cat", "sum", "stack"])
 def test_fx_symbolic_trace_of_a_named_join(join):
     # torch.fx passes proxies through the branches: they are joined as tensors (compared as
