@@ -106,6 +106,25 @@ def _leaf_join(how: str, dim: int, leaves: list[torch.Tensor]) -> torch.Tensor:
     return total / len(leaves) if how == "mean" else total
 
 
+def _differ(a: Any, b: Any) -> bool:
+    r"""Whether sizes ``a`` and ``b`` surely differ: both known numbers. (A symbolic size is not
+    compared: a compiler guards on the comparison, and on a size that depends on data, ``x[x > 0]``,
+    it cannot; torch's own checks see to those.)"""
+    return _guard_or_false(a != b)
+
+
+def _guard_or_false(condition: Any) -> bool:
+    r"""``condition``, a comparison of sizes, where it surely holds without a guard; ``False`` otherwise.
+
+    Called only while a compiler traces, which has imported the symbolic shapes module (imported
+    with this one, it would add sympy's 0.6 s to every import of the package).
+    """
+    from torch.fx.experimental import symbolic_shapes
+
+    guard = getattr(symbolic_shapes, "guard_or_false", None)  # (PyTorch 2.8 and later)
+    return guard(condition) if guard is not None else symbolic_shapes.statically_known_true(condition)
+
+
 def _mismatch(how: str, dim: int, leaves: list[Any]) -> Exception | None:
     r"""The exception ``_leaf_join(how, dim, leaves)`` would raise, where the shapes and devices show
     it surely would (``None`` otherwise): torch's own checks, written for a compiler's trace."""
@@ -119,11 +138,11 @@ def _mismatch(how: str, dim: int, leaves: list[Any]) -> Exception | None:
         n = len(shapes[0]) + 1
         if not -n <= dim < n:
             return IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
-        if any(shape != shapes[0] for shape in shapes):
+        if any(len(shape) != n - 1 or any(map(_differ, shape, shapes[0])) for shape in shapes):
             return RuntimeError("stack expects each tensor to be equal size")
         return None
     if how == "cat":
-        if any(len(shape) == 1 and shape[0] == 0 for shape in shapes):
+        if any(len(shape) == 1 and not _differ(shape[0], 0) for shape in shapes):
             return None  # (legacy: torch.cat skips 1-D empty tensors)
         n = len(shapes[0])
         if any(len(shape) != n for shape in shapes) or n == 0:
@@ -131,7 +150,7 @@ def _mismatch(how: str, dim: int, leaves: list[Any]) -> Exception | None:
         if not -n <= dim < n:
             return IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
         d = dim % n
-        if any(shape[:d] != shapes[0][:d] or shape[d + 1:] != shapes[0][d + 1:] for shape in shapes):
+        if any(_differ(a, b) for shape in shapes for i, (a, b) in enumerate(zip(shape, shapes[0])) if i != d):
             return RuntimeError("Sizes of tensors must match except in the concatenated dimension")
         return None
     # sum, mean: added left to right, broadcasting
@@ -144,16 +163,16 @@ def _mismatch(how: str, dim: int, leaves: list[Any]) -> Exception | None:
 
 
 def _broadcast(a: tuple, b: tuple) -> tuple | None:
-    r"""The shape of ``a`` and ``b`` broadcast together, or ``None`` where they do not broadcast
-    (``torch.broadcast_shapes``, in Python: a compiler traces it without a tensor)."""
+    r"""The shape of ``a`` and ``b`` broadcast together, or ``None`` where they surely do not broadcast
+    (``torch.broadcast_shapes``, in Python: a compiler traces it without a tensor, nor a guard)."""
     if len(a) < len(b):
         a, b = b, a
     lead = len(a) - len(b)
     out = list(a[:lead])
     for x, y in zip(a[lead:], b):
-        if x != y and x != 1 and y != 1:
+        if _differ(x, y) and _differ(x, 1) and _differ(y, 1):
             return None
-        out.append(y if x == 1 else x)
+        out.append(y if _guard_or_false(x == 1) else x)
     return tuple(out)
 
 

@@ -311,6 +311,30 @@ def test_a_join_mismatch_names_the_branches_under_compilers(join, second, how):
         assert isinstance(e.value, RuntimeError) and str(e.value).startswith(f"Parallel: join={join!r}")
 
 
+@pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
+@pytest.mark.parametrize("how", ["fullgraph", "export"])
+def test_joins_of_sizes_that_depend_on_data_trace(join, how):
+    # (A review.) The join's shape check under compilers compared sizes in Python, which needs a
+    # guard, and one cannot guard on a size that depends on data (rows picked by a mask): the
+    # trace failed ("Could not guard on data-dependent expression") where torch.cat traces.
+    class Picked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), join=join, dim=0)
+
+        def forward(self, x):
+            return self.block(x[x[:, 0] > 0])
+
+    torch.manual_seed(0)
+    model, x = Picked(), torch.randn(8, 4)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        if how == "export":
+            out = torch.export.export(model, (x,), strict=True).module()(x)
+        else:
+            out = torch.compile(model, backend="eager", fullgraph=True)(x)
+    assert_close(out, model(x))
+
+
 @pytest.mark.parametrize("join", ["cat", "sum", "stack"])
 def test_fx_symbolic_trace_of_a_named_join(join):
     # torch.fx passes proxies through the branches: they are joined as tensors (compared as
