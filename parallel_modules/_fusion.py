@@ -989,7 +989,9 @@ class _Joined:
             return t.movedim(0, d).flatten(d, d + 1) if 0 <= d < t.dim() - 1 else None
         if how == "stack":
             d = dim + t.dim() if dim < 0 else dim  # in the stacked result, which has t's dims
-            return (t if d == 0 else t.movedim(0, d).contiguous()) if 0 <= d < t.dim() else None
+            # (Dense, as torch.stack's: a layer's batched rule may leave the stack strided, a
+            # Flatten of the channels layout.)
+            return (t.contiguous() if d == 0 else t.movedim(0, d).contiguous()) if 0 <= d < t.dim() else None
         if how in ("sum", "mean") and (t.is_floating_point() or t.is_complex()):
             # (Integer and bool outputs: ``sum(0)`` promotes to int64 and ``mean(0)``
             # refuses, where the join's additions keep the outputs' dtype.)
@@ -1018,7 +1020,12 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
     if v.layout == _SHARED:
         return [t, *(t.clone() for _ in range(n - 1))]
     if v.layout == _STACKED:
-        return _members(t, 0, n, recording and t.requires_grad)
+        # (A member's slice is dense unless a layer's batched rule left the stack strided, a
+        # Flatten of the channels layout: then copied, as unfused it would be dense.)
+        member = t.select(0, 0) if t.dim() else t
+        dense = member.is_contiguous() or member.dim() == 4 and member.is_contiguous(
+            memory_format=torch.channels_last)
+        return _members(t, 0, n, recording and t.requires_grad or not dense)
     # The channels layout, [B, N * C, ...]: a member's channels are a strided slice of
     # every sample, where unfused it gets a dense tensor (``.view()`` works on it). One
     # copy gives every member a dense block; an input in another memory format

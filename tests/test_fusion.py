@@ -2553,3 +2553,23 @@ def test_saved_tensor_hooks_and_a_group_writing_its_input_on_the_first_call(hook
             checkpoint(block, w * 1, use_reentrant=False)
         x = w * 1
         assert_same(checkpoint(block, x, use_reentrant=False), _in_order(block, w * 1) + 0)
+
+
+@pytest.mark.parametrize("join", ["stack", None])
+def test_fused_heads_ending_in_flatten_return_dense_outputs(join):
+    # (A helper's hunt.) A Flatten of the grouped convolutions' channels layout left the stacked
+    # value strided; the stack join and the members' outputs were views of it, which .view()
+    # refused, where the branches' own outputs and torch.stack's are dense.
+    torch.manual_seed(0)
+    heads = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()) for _ in range(3)]
+    block = Parallel(*copy.deepcopy(heads), join=join, dim=0, fuse=True).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        out = block(x)
+        expected = [h(x) for h in heads]
+    if join == "stack":
+        out, expected = [out], [torch.stack(expected)]
+    for o, e in zip(out, expected):
+        torch.testing.assert_close(o, e)
+        assert o.is_contiguous() and o.stride() == e.stride()
+        o.view(-1)
