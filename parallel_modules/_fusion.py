@@ -1328,9 +1328,11 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             group.never_saved.add(w_name)
 
         def embedding(v: _Value, get: _Get) -> Any:
-            if v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0:
+            if (v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0
+                    or v.t.dtype not in (torch.int32, torch.int64)):
                 # Each member's own indices, or forward-mode AD (whose padding row keeps its
-                # tangent, which the ``detach`` below would drop): vmap's rule.
+                # tangent, which the ``detach`` below would drop): vmap's rule. (So too indices
+                # of a dtype the layer refuses, which the offsets' int64 would promote.)
                 return fallback(v, get)
             idx, w = v.t, get(w_name)
             offsets = torch.arange(0, n * rows, rows, device=idx.device).view(n, *(1,) * idx.dim())

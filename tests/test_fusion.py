@@ -2573,3 +2573,15 @@ def test_fused_heads_ending_in_flatten_return_dense_outputs(join):
         torch.testing.assert_close(o, e)
         assert o.is_contiguous() and o.stride() == e.stride()
         o.view(-1)
+
+
+def test_fused_embeddings_refuse_the_index_dtypes_the_layer_refuses():
+    # (A helper's hunt.) Fused, uint8 indices were added to the members' int64 offsets, which
+    # promoted them: the block returned a result where each branch raises.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3)) for _ in range(3)], fuse=True)
+    idx = torch.randint(0, 10, (2, 3))
+    with pytest.raises(RuntimeError, match=r"indices(.|\n)*branch '0'"):
+        block(idx.to(torch.uint8))
+    torch.testing.assert_close(block(idx), torch.cat([b(idx) for b in block], 1))
+    assert block.explain()["fused"] == [["0", "1", "2"]]
