@@ -107,9 +107,8 @@ def _leaf_join(how: str, dim: int, leaves: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _differ(a: Any, b: Any) -> bool:
-    r"""Whether sizes ``a`` and ``b`` surely differ: both known numbers. (A symbolic size is not
-    compared: a compiler guards on the comparison, and on a size that depends on data, ``x[x > 0]``,
-    it cannot; torch's own checks see to those.)"""
+    r"""Whether sizes ``a`` and ``b`` surely differ, asking the compiler for no guard (on a size that
+    depends on data, ``x[x > 0]``, it cannot guard; where it is unsure, torch's own checks decide)."""
     return _guard_or_false(a != b)
 
 

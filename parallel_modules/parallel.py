@@ -950,13 +950,14 @@ class Parallel(nn.Module):
 
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
-            if fusion is not None and self.fuse == "auto" and not capturing and not _is_tracing() and not (
-                    len(calls) == 1 and _functorch_active()):
-                # (Under capture the graph module looks for writes; a traced graph has none to watch.)
-                if _functorch_active():
-                    # The inputs are torch.func's wrappers, whose versions do not move: no write
-                    # could be seen. In branch order instead.
-                    return self._run(args, kwargs, None, None)
+            # (Under capture the graph module looks for writes; a traced graph has none to watch.)
+            watch = fusion is not None and self.fuse == "auto" and not capturing and not _is_tracing()
+            functorch = watch and _functorch_active()
+            if functorch and len(calls) > 1:
+                # The inputs are torch.func's wrappers, whose versions do not move: no write
+                # could be seen. In branch order instead.
+                return self._run(args, kwargs, None, None)
+            if watch and not functorch:
                 outputs = self._run_units_watched(calls, run, args, kwargs)
             else:
                 outputs = [run(i, c) for i, c in enumerate(calls)]  # (fused: one unit, or no device)
