@@ -360,6 +360,17 @@ def _trace_metadata(trace: Mapping[str, Any], device: int | None = None) -> dict
     return _plain(meta)
 
 
+def _runs(runs: Any) -> dict[int, Mapping[str, Any]]:
+    r"""The recordings a compact file lists, by process id: each an object with an int ``pid`` and a ``label``."""
+    if not isinstance(runs, list) or not all(
+            isinstance(r, Mapping) and isinstance(r.get("pid"), int) and isinstance(r.get("label"), (str, int))
+            for r in runs):
+        raise ValueError(f"parallel_modules.timeline: cannot read this file's list of recordings: expected "
+                         f"otherData['runs'] to be a list of objects each with an int 'pid' and a 'label', as "
+                         f"save_timelines writes them, got {runs!r:.200}")
+    return {r["pid"]: r for r in runs}
+
+
 def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
     if isinstance(trace, list):  # the JSON array format of Chrome traces
         trace = {"traceEvents": trace}
@@ -375,7 +386,7 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
                          f"wrote it, or record the timeline again.")
     if written == _FORMAT:  # our compact file: one process ("pid") per recording
         meta = _plain({k: v for k, v in other.items() if k not in ("format", "runs")})
-        runs = {int(r["pid"]): r for r in other.get("runs", [])}
+        runs = _runs(other.get("runs", []))
         events: dict[int, list[Any]] = defaultdict(list)
         for e in trace["traceEvents"]:
             if _is_kernel(e):
@@ -384,6 +395,10 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
         out = {}
         for pid in sorted(set(runs) | set(by_pid)):
             run = runs.get(pid, {"label": f"run {pid}"})
+            if run["label"] in out:
+                raise ValueError(f"parallel_modules.timeline: this file holds two recordings labelled "
+                                 f"{run['label']!r}; save_timelines writes distinct labels, so it was edited "
+                                 f"since. Give each of its 'runs' its own label.")
             out[run["label"]] = Timeline(by_pid.get(pid, []), run["label"],
                                          {**meta, **_plain({k: v for k, v in run.items() if k not in ("label", "pid")})})
         return out

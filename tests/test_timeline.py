@@ -265,6 +265,23 @@ def test_a_compact_file_of_another_format_version_is_refused(tmp_path) -> None:
         load_timelines(path)
 
 
+@pytest.mark.parametrize("runs", [[{"label": "x"}], [{"pid": "0", "label": "x"}], [{"pid": 0}], {"pid": 0}, ["x"]])
+def test_a_compact_file_with_a_broken_list_of_recordings_is_refused_clearly(runs) -> None:
+    doc = {"otherData": {"format": "parallel_modules.timeline/1", "runs": runs}, "traceEvents": []}
+    with pytest.raises(ValueError, match=r"cannot read this file's list of recordings: expected .*'pid' and a 'label'"):
+        load_timelines(doc)
+
+
+def test_a_compact_file_with_two_recordings_of_one_label_is_refused(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    save_timelines(path, Timeline([KernelEvent("a", 1, 0.0, 1.0)], "one"), Timeline([KernelEvent("b", 2, 0.0, 2.0)], "two"))
+    doc = json.loads(path.read_text())
+    assert set(load_timelines(doc)) == {"one", "two"}
+    doc["otherData"]["runs"][1]["label"] = "one"  # edited by hand: neither recording may silently win
+    with pytest.raises(ValueError, match="two recordings labelled 'one'"):
+        load_timelines(doc)
+
+
 def test_loaded_metadata_holds_plain_floats(tmp_path) -> None:
     path = tmp_path / "t.json"
     save_timelines(path, Timeline([KernelEvent("a", 1, 0.0, 1.0)], "one", {"ms": 1.5}), metadata={"x": [0.25]})
