@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import inspect
 import json
+import os
 import platform
 import statistics
 import sys
@@ -165,16 +166,66 @@ def _train_modes(case: Case, device: torch.device, dtype: torch.dtype) -> dict[s
     return modes
 
 
-def _check_training(name: str, model: nn.Module, ref: nn.Module, dtype: torch.dtype) -> str:
-    r"""Parameters after the same steps as the sequential module: equal, or close for fused modes."""
-    tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
+def _check_training(name: str, model: nn.Module, ref: nn.Module, start: list[torch.Tensor], dtype: torch.dtype) -> str:
+    r"""After the same steps from the same ``start`` as the sequential ``ref``: the last gradients and the
+    parameters equal, or close for fused modes.
+
+    Closeness is judged on the gradients and on how far the parameters moved,
+    each against the reference's own scale: a step of ``lr * grad`` moves a
+    parameter by far less than any tolerance on its value, so comparing values
+    alone cannot tell a step from none.
+    """
+    def fail(what: str) -> AssertionError:
+        return AssertionError(f"bench: training mode {name!r} differs from the sequential module: {what}")
+
     params, expected = list(model.parameters()), list(ref.parameters())
-    if "fuse" not in name and all(torch.equal(p, e) for p, e in zip(params, expected)):
-        return "equal"
-    if all(torch.allclose(p, e, rtol=tol, atol=tol) for p, e in zip(params, expected)):
-        return f"close({tol:g})"
-    err = max((p - e).abs().max().item() for p, e in zip(params, expected))
-    raise AssertionError(f"bench: training mode {name!r} differs from the sequential module (max abs error {err:.3g})")
+    if [p.shape for p in params] != [e.shape for e in expected]:
+        raise fail(f"parameter shapes {[tuple(p.shape) for p in params]}, expected {[tuple(e.shape) for e in expected]}")
+    if any(p.grad is None for p in params):
+        raise fail("a parameter has no gradient after the step (no backward reached it)")
+    moved = [e.detach() - s for e, s in zip(expected, start)]
+    if not any(m.any() for m in moved):
+        raise AssertionError("bench: the sequential module's training steps changed no parameter: nothing to compare")
+    if "fuse" not in name:
+        if all(torch.equal(p, e) and torch.equal(p.grad, e.grad) for p, e in zip(params, expected)):
+            return "equal"
+        err = max((p - e).abs().max().item() for p, e in zip(params, expected))
+        raise fail(f"parameters not bit-for-bit equal (max abs error {err:.3g})")
+    # Fused groups sum in another order (a batched matrix product): each result within ``tol`` of the
+    # reference's largest, and the parameters within the rounding of three steps (half an ulp each).
+    tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
+    eps = torch.finfo(dtype).eps
+    for i, (p, e, s, m) in enumerate(zip(params, expected, start, moved)):
+        g, ge = p.grad.float(), e.grad.float()
+        if not torch.allclose(g, ge, rtol=tol, atol=tol * ge.abs().max().item()):
+            raise fail(f"parameter {i}'s gradient (max abs error {(g - ge).abs().max().item():.3g}, "
+                       f"largest {ge.abs().max().item():.3g})")
+        err = ((p.detach() - s).float() - m.float()).abs()
+        if (err > tol * m.abs().max().float() + 4 * eps * torch.maximum(s.abs(), p.detach().abs()).float()).any():
+            raise fail(f"parameter {i} moved by {(p.detach() - s).abs().max().item():.3g} at most, the reference's "
+                       f"by {m.abs().max().item():.3g} (max abs difference {err.max().item():.3g})")
+    return f"close({tol:g})"
+
+
+def _train_checks(modes: dict[str, Callable], inputs: list[torch.Tensor], dtype: torch.dtype) -> dict[str, str]:
+    r"""Every mode's training steps on ``inputs`` from the sequential module's parameters, checked against its.
+
+    Run after the warm-up, so that what is checked is what is timed (graphed
+    steps replay). The parameters are copied in place, as an optimizer step
+    writes them: graphs and fused groups read them where they are.
+    """
+    ref = modes["eager seq"].module
+    with torch.no_grad():
+        for name, fn in modes.items():
+            if name != "eager seq":
+                for p, e in zip(fn.module.parameters(), ref.parameters()):
+                    p.copy_(e)
+    start = [e.detach().clone() for e in ref.parameters()]
+    for fn in modes.values():
+        for xi in inputs:
+            fn(xi)
+    return {name: "reference" if name == "eager seq" else _check_training(name, fn.module, ref, start, dtype)
+            for name, fn in modes.items()}
 
 
 def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype,
@@ -185,7 +236,9 @@ def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype
         modes: dict[str, Callable] = {"eager seq": lambda x: seq(x.to(device, non_blocking=True))}
     else:
         modes = {"eager seq": seq}
-    for c in case.chunks:
+    # (A batch smaller than the chunks cannot be split into them: ParallelSequential refuses it.)
+    chunks = [c for c in case.chunks if c <= len(x)]
+    for c in chunks:
         modes[f"ParallelSequential chunks={c}"] = ParallelSequential(*stages, chunks=c)
     if device.type == "cuda":
         if case.host_input:
@@ -194,7 +247,7 @@ def _pipeline_modes(case: PipelineCase, device: torch.device, dtype: torch.dtype
             modes["graph seq"] = lambda x: replay(x.to(device, non_blocking=True))
         else:
             modes["graph seq"] = _capture(seq, x, in_place=True)
-        for c in case.chunks:
+        for c in chunks:
             modes[f"graph ParallelSequential chunks={c}"] = ParallelSequential(*stages, chunks=c, cuda_graph=True)
     return modes
 
@@ -203,6 +256,9 @@ def _check(name: str, out: Any, ref: Any, dtype: torch.dtype, exact: bool) -> st
     # Compiled and fused modes may sum in another order (fused: a batched
     # matrix product or grouped convolution in place of one per branch).
     exact = exact and not name.startswith("compile") and "fuse" not in name
+    if out.shape != ref.shape or out.dtype != ref.dtype:  # (allclose would broadcast)
+        raise AssertionError(f"bench: mode {name!r} returned {tuple(out.shape)} {out.dtype}, the sequential module "
+                             f"{tuple(ref.shape)} {ref.dtype}")
     if exact and torch.equal(out, ref):
         return "equal"
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
@@ -371,18 +427,24 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
     with torch.no_grad() if not train else contextlib.nullcontext():
         if train:
             modes = _train_modes(case, device, dtype)
-            # The same steps on the same inputs in every mode, then compare parameters.
-            inputs = [case.make_input(batch, device, dtype) for _ in range(3)]
-            trained = {name: [fn(xi) for xi in inputs][-1] for name, fn in modes.items()}
-            checks = {name: "reference" if name == "eager seq" else
-                      _check_training(name, m, trained["eager seq"], dtype) for name, m in trained.items()}
-            for fn in modes.values():
-                _warm_up(lambda: fn(x), 40 if cuda else 2)  # warm-up, as below
         else:
             modes = _pipeline_modes(case, device, dtype, x) if pipeline else _modes(case, device, dtype, x, quick)
-            if only:  # the reference always runs: every speed-up and check is relative to it
-                modes = {k: v for k, v in modes.items() if k == "eager seq" or any(o in k for o in only)}
+        if only:  # the reference always runs: every speed-up and check is relative to it
+            modes = {k: v for k, v in modes.items() if k == "eager seq" or any(o in k for o in only)}
+        if train:
+            for fn in modes.values():
+                _warm_up(lambda: fn(x), 40 if cuda else 2)  # warm-up, as below
+            # The same steps on the same fresh inputs in every mode, then compare.
+            checks = _train_checks(modes, [case.make_input(batch, device, dtype) for _ in range(3)], dtype)
+        else:
+            # Checked on the timed input and on other values in it: graphed modes read
+            # their input where it is, and a replay that missed new values would still
+            # match on the values it was captured with.
+            values, fresh = x.clone(), case.make_input(batch, device, dtype)
             ref = modes["eager seq"](x)
+            x.copy_(fresh)
+            ref_fresh = modes["eager seq"](x)
+            x.copy_(values)
             checks = {}
             for name, fn in modes.items():
                 # Warm-up (lazy init, stream tuning, capture, compilation) calls
@@ -391,11 +453,15 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
                 # instead of copying them out, as it does while timed.
                 # Then while a block still tries schedules.
                 _warm_up(lambda: fn(x), 40 if cuda else 2)
-                out = fn(x)
+                if name == "eager seq":
+                    checks[name] = "reference"
+                    continue
                 # Pipelines: micro-batches may pick other kernels than the whole
                 # batch, and transposed convolutions are not deterministic.
-                checks[name] = "reference" if name == "eager seq" else _check(name, out, ref, dtype, not pipeline)
-                del out
+                checks[name] = _check(name, fn(x), ref, dtype, not pipeline)
+                x.copy_(fresh)
+                _check(name, fn(x), ref_fresh, dtype, not pipeline)
+                x.copy_(values)
         # Slow cases (a compute-bound call takes 20 ms) get fewer calls per
         # sample and more samples, so that every mode still sees >= 100 calls
         # and the whole suite stays within minutes.
@@ -546,6 +612,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.reps is not None and args.reps < 2 or args.group < 1:
         p.error("--reps must be at least 2 (medians and spreads need two samples) and --group at least 1")
+    if args.batch and min(args.batch) < 1:
+        p.error(f"--batch must be at least 1, got {min(args.batch)}")
+    for path in (args.json, args.plot):
+        # Before minutes of measurements, not after the first case.
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"cannot write {path!r}: its folder {os.path.dirname(os.path.abspath(path))!r} does not exist")
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -91,6 +91,88 @@ def test_the_bench_command_refuses_what_it_cannot_run(capsys, monkeypatch):
     assert "skipping compute without a CUDA GPU" in out and "float32 only" in out and "nothing left" in err
 
 
+def test_the_bench_command_refuses_bad_sizes_and_paths_before_measuring(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main(["--case", "heads", "--batch", "0"])
+    assert "--batch must be at least 1, got 0" in capsys.readouterr().err
+    missing = tmp_path / "no-such-folder" / "bench.json"
+    with pytest.raises(SystemExit):
+        main(["--case", "heads", "--json", str(missing)])
+    assert "cannot write" in capsys.readouterr().err and not missing.parent.exists()
+    # A pipeline's chunk counts larger than the batch are left out, not a traceback.
+    assert main(["--case", "encdec", "--batch", "1", "--reps", "2", "--group", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("encdec")]
+    assert [r.split()[3:] [:2] for r in rows] == [["eager", "seq"], ["ParallelSequential", "chunks=1"]]
+
+
+def test_the_bench_checks_refuse_a_wrong_shape_that_would_broadcast():
+    from parallel_modules.bench import _check
+
+    ref = torch.ones(1, 8, 10)
+    assert _check("eager Parallel fused", ref.clone(), ref, torch.float32, True) == "close(0.0001)"
+    for out in (torch.ones(8, 10), torch.ones(1, 8, 10, dtype=torch.float64)):
+        with pytest.raises(AssertionError, match="eager Parallel fused.* returned"):
+            _check("eager Parallel fused", out, ref, torch.float32, True)
+
+
+def test_the_bench_check_catches_a_mode_that_ignores_new_values_in_its_input(monkeypatch):
+    import parallel_modules.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    modes = bench._modes
+
+    def stale(case, device, dtype, x, quick):  # a replay that kept its first result (a stale input buffer)
+        out = modes(case, device, dtype, x, quick)
+        real, memo = out["eager Parallel"], []
+
+        def run(inp):
+            if not memo:
+                memo.append(real(inp))
+            return memo[0]
+
+        out["eager Parallel"] = run
+        return out
+
+    assert main(["--case", "tiny8", "--reps", "2", "--group", "1"]) == 0  # (the unbroken modes pass)
+    monkeypatch.setattr(bench, "_modes", stale)
+    with pytest.raises(AssertionError, match="mode 'eager Parallel' differs from the sequential module"):
+        main(["--case", "tiny8", "--reps", "2", "--group", "1"])
+
+
+@pytest.mark.parametrize("broken", ["no backward", "no step", "other gradients"])
+def test_the_bench_training_check_catches_a_step_that_does_not_train_as_the_sequential_one(monkeypatch, broken):
+    import parallel_modules.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    train_modes = bench._train_modes
+
+    def modes(case, device, dtype):
+        out = train_modes(case, device, dtype)
+        model = out["eager Parallel fused"].module
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def run(x):
+            opt.zero_grad(set_to_none=True)
+            if broken == "no backward":
+                with torch.no_grad():
+                    model(x)
+                return model
+            loss = model(x).square().mean()
+            (loss * (1.001 if broken == "other gradients" else 1)).backward()
+            if broken != "no step":
+                opt.step()
+            return model
+
+        run.module = model
+        out["eager Parallel fused"] = run
+        return out
+
+    monkeypatch.setattr(bench, "_train_modes", modes)
+    with pytest.raises(AssertionError, match="training mode 'eager Parallel fused' differs"):
+        main(["--case", "mlp8-train", "--reps", "2", "--group", "1"])
+
+
 def test_the_table_bounds_a_pipeline_by_its_stages_alone():
     from parallel_modules.bench import _table
 
