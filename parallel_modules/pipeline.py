@@ -18,12 +18,13 @@ which, through that chain of events, follows every piece of every lane.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import operator
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence, overload
+from typing import Any, Callable, Hashable, Iterable, Iterator, NamedTuple, Sequence, overload
 
 import torch
 from torch import nn
@@ -163,10 +164,11 @@ class _SoftmaxDims(TorchFunctionMode):
     ``Softmax(dim=-2)`` on rows of features, or ``Softmax()`` (dim chosen from the
     input's number of dimensions) on a 3-D input, normalizes across the batch,
     which micro-batches would cut. Which it is shows only once the layer sees its
-    input: the first call of each input signature runs under this mode, which
-    looks at every softmax of the functional API those layers call, and so
-    does every trace of a compiler (dynamo and ``torch.export`` run the mode's
-    check on the traced shapes; nothing of it enters the graph). Only on
+    input: in the first call of each input signature this mode is active inside
+    those layers' forwards (:meth:`inside`), where it looks at every softmax of
+    the functional API they call, and through the whole of every trace of a
+    compiler, or call of compiled stages (dynamo and ``torch.export`` run the
+    mode's check on the traced shapes; nothing of it enters the graph). Only on
     tensors that may hold the batch along dimension 0: not a parameter (a
     softmax over learned mixing weights), nor one with fewer rows than a
     micro-batch has samples (``smallest``; ``None`` while a compiler traces a
@@ -187,6 +189,44 @@ class _SoftmaxDims(TorchFunctionMode):
                  smallest: int | None) -> None:
         super().__init__()
         self.owner, self.plan, self.layers, self.smallest = owner, plan, layers, smallest
+        self.entered: list[nn.Module] = []  # the layers whose forward runs now, under inside()
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        r"""This mode, active only inside the listed layers' own forwards, this thread's calls of them.
+
+        Entered and left by hooks on those layers: an active mode anywhere else
+        in the call would turn off torch's fast paths (``nn.MultiheadAttention``'s
+        in eval asks ``has_torch_function``), and the checked first call of a
+        signature would differ by rounding from every later call.
+        """
+        thread = threading.get_ident()
+        entered = self.entered
+
+        def enter(m: nn.Module, args: Any) -> None:
+            if threading.get_ident() == thread:
+                self.__enter__()
+                entered.append(m)
+
+        # (Run last among the layer's pre-hooks and first among its forward hooks, which run
+        # even when the forward raises: the mode covers the layer's forward alone.)
+        def leave(m: nn.Module, args: Any, output: Any) -> None:
+            if threading.get_ident() == thread and entered and entered[-1] is m:
+                entered.pop()
+                self.__exit__(None, None, None)
+
+        handles = []
+        try:
+            for m in {id(m): m for _, _, m in self.layers}.values():
+                handles.append(m.register_forward_pre_hook(enter))
+                handles.append(m.register_forward_hook(leave, prepend=True, always_call=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            while entered:  # (a hook's removal cannot leave the mode on this thread's stack)
+                entered.pop()
+                self.__exit__(None, None, None)
 
     def _batched(self, t: torch.Tensor) -> bool:
         r"""Whether ``t`` may hold the batch along dimension 0 (see the class)."""
@@ -203,7 +243,8 @@ class _SoftmaxDims(TorchFunctionMode):
             dim = (0 if ndim in (0, 1, 3) else 1) if written is None else written % max(ndim, 1)
             stock = kwargs.get("_stacklevel") == 5
             layers = [(i, q, m) for i, q, m in self.layers if _softmax_dim(m) == written
-                      and (stock or type(m).forward not in self._STOCK_FORWARDS)]
+                      and (stock or type(m).forward not in self._STOCK_FORWARDS)
+                      and (not self.entered or m is self.entered[-1])]
             if dim == 0 and layers:
                 i, qual, m = layers[0]
                 raise RuntimeError(
@@ -776,7 +817,8 @@ class ParallelSequential(nn.Sequential):
         r"""Join the micro-batch outputs of the last stage along dimension 0.
 
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
-        passed on) is returned as it is; other tensors must be batched like the
+        passed on) is returned as it is, unless it has as many rows as the last
+        micro-batch (made or rewritten for each: refused); other tensors must be batched like the
         micro-batches themselves: a value reduced over the batch (``x.mean(0)``)
         cannot be joined into the whole batch's. (Where such a value happens to
         have as many rows as every micro-batch has samples, it looks batched and
@@ -798,6 +840,20 @@ class ParallelSequential(nn.Sequential):
                                 + (f" along dimension {dim}" if dim else ""))
             return torch.cat(list(column), dim)
 
+        def shared(t: torch.Tensor) -> torch.Tensor:
+            # One tensor object from every micro-batch (the input's tensors are cut into new
+            # ones): a parameter, a constant, is returned as it is. One with as many rows as the
+            # last micro-batch was, most likely, made for each (an ``out=`` buffer rewritten, a
+            # mask cached by batch size): it holds the last micro-batch's rows, not the whole batch's.
+            rows = t.shape[0] if t.dim() else None
+            if type(rows) is int and rows == sizes[-1] and not isinstance(t, nn.Parameter):
+                raise TypeError(
+                    f"every micro-batch returned the same tensor object, with as many rows ({rows}) as the "
+                    f"last micro-batch has samples: written anew by each micro-batch (an out= argument, a "
+                    f"buffer updated in place) or cached by batch size, it holds the last micro-batch's "
+                    f"values, not the whole batch's. Return a new tensor from each call (e.g. .clone() it)")
+            return t
+
         try:
             stages = list(self._modules.values())
             if stages and _recurrent_tail(stages[-1]) and all(
@@ -814,7 +870,7 @@ class ParallelSequential(nn.Sequential):
             if all(isinstance(o, torch.Tensor) for o in outputs):
                 first = outputs[0]
                 if all(o is first for o in outputs[1:]):
-                    return first  # the same tensor from every micro-batch, as in a structure below
+                    return shared(first)  # the same tensor from every micro-batch, as in a structure below
                 return batched(outputs)
             flat = [pytree.tree_flatten(o) for o in outputs]
             spec = flat[0][1]
@@ -825,7 +881,7 @@ class ParallelSequential(nn.Sequential):
             for column in zip(*(leaves for leaves, _ in flat)):
                 first = column[0]
                 if all(t is first for t in column[1:]) and isinstance(first, torch.Tensor):
-                    joined.append(first)  # the same tensor from every micro-batch
+                    joined.append(shared(first))  # the same tensor from every micro-batch
                 elif all(isinstance(t, torch.Tensor) for t in column):
                     joined.append(batched(column))
                 elif (first is None or id(first) in given) and all(v is first for v in column[1:]):
@@ -943,17 +999,22 @@ class ParallelSequential(nn.Sequential):
                 return self._in_order(self._stages(), input)
         if self._chunks > 1:
             plan = self._get_plan()
+            # (A declared ``mixes_batch`` decides, as in _mixing_error.)
             layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
-                      and (_softmax_dim(m) is None or _softmax_dim(m) < 0)]
-            if layers:
+                      and (_softmax_dim(m) is None or _softmax_dim(m) < 0) and getattr(m, "mixes_batch", None) is None]
+            tracing = _is_tracing()
+            # (Under torch.func transforms the stages run on the whole input: see _forward.)
+            if layers and (tracing or not _functorch_active()):
                 key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
-                tracing = _is_tracing()
                 if tracing or key not in self._softmax_checked:
                     smallest, batch = None, None
                     if not (tracing and _symbolic_batch(input)):
                         batch = _batch_size(input) or 0
                         smallest = max(batch // self._chunks, 1)
-                    with _SoftmaxDims(self, plan, layers, smallest):
+                    check = _SoftmaxDims(self, plan, layers, smallest)
+                    # A compiler traces the mode (which puts nothing in its graph) and would trace
+                    # hooks as side effects; compiled stages would be compiled again without them.
+                    with check if tracing or self._compiler is not None else check.inside():
                         output = self._forward(input)
                     # (each trace checks: a tracer would record the add as a side effect. An empty
                     # batch has no rows for the check to see: the next call of the signature checks.)

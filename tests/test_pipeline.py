@@ -737,6 +737,43 @@ def test_the_same_tensor_from_every_micro_batch_is_returned_as_it_is(wrap: bool)
         assert got is stage.q
 
 
+class _OutBuffer(nn.Module):
+    r"""Writes each call's result into one buffer (``out=``) and returns it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.empty(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.buf.resize_(x.shape)
+        return torch.mul(x, 2, out=self.buf)
+
+
+class _CachedMask(nn.Module):
+    r"""Returns ``(x, mask)``, the mask made once per batch size and kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.masks.setdefault(x.shape[0], torch.ones(x.shape[0], 3))
+
+
+@pytest.mark.parametrize("stage,batch", [(_OutBuffer, 10), (_OutBuffer, 9), (_CachedMask, 10)],
+                         ids=["out-even", "out-uneven", "cached-mask"])
+def test_one_tensor_made_for_each_micro_batch_is_refused_not_returned_as_the_whole_batch(stage, batch) -> None:
+    # Before: returned as it is, as a parameter would be: the last micro-batch's rows ((5, 4)
+    # where nn.Sequential gives (10, 4)), silently.
+    model = ParallelSequential(nn.Identity(), stage(), chunks=2)
+    with torch.no_grad(), pytest.raises(
+            ValueError, match=r"(?s)same tensor object, with as many rows \([45]\) as the last micro-batch.*clone"):
+        model(torch.randn(batch, 4))
+    # A parameter with as many rows is returned as it is.
+    rows = ParallelSequential(Queries(5, 4), chunks=2)
+    assert rows(torch.randn(10, 4)) is rows[0].q
+
+
 class _Wrap(nn.Module):
     def forward(self, t: torch.Tensor) -> tuple[torch.Tensor]:
         return (t,)
@@ -945,6 +982,74 @@ def test_a_softmax_layer_with_a_forward_of_its_own_is_still_checked() -> None:
         ParallelSequential(nn.Identity(), _OwnSoftmax(dim=-2), chunks=2)(torch.randn(6, 3))
     x = torch.randn(6, 3)
     torch.testing.assert_close(ParallelSequential(nn.Identity(), _OwnSoftmax(dim=-1), chunks=2)(x), x.softmax(-1))
+
+
+class _Transpose(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.t()
+
+
+class _PerSampleSoftmax(nn.Softmax):
+    mixes_batch = False  # (declared by its class)
+
+
+@pytest.mark.parametrize("declare", ["instance", "class"])
+def test_a_softmax_layer_declaring_mixes_batch_false_is_not_refused(declare) -> None:
+    # Before: refused all the same, although the README's remedy for a layer refused
+    # wrongly is to declare it: this one normalizes per sample, on the transposed batch.
+    if declare == "instance":
+        softmax = nn.Softmax(dim=-2)
+        softmax.mixes_batch = False
+    else:
+        softmax = _PerSampleSoftmax(dim=-2)
+    stages = [_Transpose(), softmax, _Transpose()]
+    x = torch.randn(10, 6)
+    torch.testing.assert_close(ParallelSequential(*stages, chunks=2)(x), nn.Sequential(*stages)(x), rtol=0, atol=0)
+    softmax.mixes_batch = True  # (and declaring it mixes refuses it)
+    with pytest.raises(RuntimeError, match="declares mixes_batch = True"):
+        ParallelSequential(*stages, chunks=2)(x)
+
+
+def test_the_first_call_checking_softmax_dims_equals_every_later_call() -> None:
+    # Before: the first call of a signature ran under a torch function mode, which turned
+    # off nn.MultiheadAttention's fast path (eval) for that call only: it differed from
+    # later calls, and from nn.Sequential on each micro-batch, by rounding.
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0)
+    head = nn.Sequential(nn.Linear(16, 5), nn.Softmax(dim=-2))  # (over the sequence of a batched input)
+    model = ParallelSequential(encoder, head, chunks=2).eval()
+    reference = nn.Sequential(encoder, head).eval()
+    x = torch.randn(8, 6, 16)
+    with torch.no_grad():
+        first, second = model(x), model(x)
+        expected = torch.cat([reference(c) for c in x.tensor_split(2)])
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    # The check itself still runs on the first call of a signature, and names the layer: an
+    # unbatched (2-D) input reaches the softmax as (rows, features), normalized across the rows.
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"contains '1.1' \(Softmax\(dim=-2\)\).*dimension 0"):
+        model(torch.randn(8, 16))
+
+
+def test_a_softmax_layer_raising_leaves_no_mode_behind() -> None:
+    # The check's mode is entered and left by hooks around the layer's forward, even when it raises.
+    model = ParallelSequential(nn.Identity(), nn.Softmax(dim=-1), chunks=2)
+    depth = torch._C._len_torch_function_stack()
+    with pytest.raises(RuntimeError):
+        model(torch.randn(6, 3, dtype=torch.int64))  # (softmax is not implemented for integers)
+    assert torch._C._len_torch_function_stack() == depth
+    assert not model[1]._forward_pre_hooks and not model[1]._forward_hooks
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(model(x), x.softmax(-1), rtol=0, atol=0)
+
+
+def test_vmap_runs_a_pipeline_with_a_negative_dim_softmax_on_the_whole_input() -> None:
+    # Before: the softmax check ran under torch.func, on one sample at a time, and refused
+    # LogSoftmax(dim=-1) on its 1-D input, where nn.Sequential works.
+    torch.manual_seed(0)
+    stages = [nn.Linear(8, 4), nn.LogSoftmax(dim=-1)]
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(torch.func.vmap(ParallelSequential(*stages, chunks=2))(x),
+                               torch.func.vmap(nn.Sequential(*stages))(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("make", [
