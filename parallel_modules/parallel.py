@@ -1324,15 +1324,25 @@ class Parallel(nn.Module):
             self._remember(key, _Schedule(fused is not None, False, True))
         return outputs
 
+    def _fuse_choices(self, fusion: _Fusion | None) -> list[bool]:
+        r"""Whether to run ``fusion``'s groups fused: ``[False, True]`` where ``fuse="auto"`` may time both.
+
+        ``"auto"`` keeps the branches unfused with deterministic algorithms
+        asked for (:meth:`_auto_unfused`) and once a write out of order was
+        seen (:meth:`_keep_in_order`); ``fuse=True`` always fuses.
+        """
+        if fusion is None or self.fuse is False:
+            return [False]
+        if self.fuse is True:
+            return [True]
+        return [False] if self._auto_unfused() or self._in_order else [False, True]
+
     def _candidates(self, fusion: _Fusion | None, args: tuple, kwargs: dict) -> list[_Schedule]:
         r"""The schedules worth trying for a CUDA call; the plain sequential one first."""
-        fuses = [False, True] if self.fuse == "auto" and fusion is not None else [self.fuse is True and fusion is not None]
-        if len(fuses) == 2 and self._auto_unfused():
-            fuses = [False]
+        fuses = self._fuse_choices(fusion)
         forks = [False, True] if self.streams == "auto" else [bool(self.streams)]
-        if self._in_order:  # (see _keep_in_order)
-            fuses = [False] if self.fuse == "auto" else fuses
-            forks = [False] if self.streams == "auto" else forks
+        if self._in_order and self.streams == "auto":  # (see _keep_in_order)
+            forks = [False]
         if len(forks) == 2 and torch.is_grad_enabled() and (
                 any(p.requires_grad for p in self.parameters())
                 or any(t.requires_grad for t in _tensor_leaves((args, kwargs)))):
@@ -1364,8 +1374,7 @@ class Parallel(nn.Module):
             _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
         if device is None or device.type != "cuda":
             # No streams on the CPU; fusion ("auto" too) always pays there: fewer, larger operations.
-            fused = fusion is not None and not self._auto_unfused() and not (self._in_order and self.fuse == "auto")
-            plan: _Schedule | None = _CPU_FUSED if fused else _CPU
+            plan: _Schedule | None = _CPU_FUSED if self._fuse_choices(fusion)[-1] else _CPU
         else:
             candidates = self._candidates(fusion, args, kwargs)
             plan = candidates[0] if len(candidates) == 1 else None
