@@ -183,9 +183,9 @@ def _check_training(name: str, model: nn.Module, ref: nn.Module, start: list[tor
         raise fail(f"parameter shapes {[tuple(p.shape) for p in params]}, expected {[tuple(e.shape) for e in expected]}")
     if any(p.grad is None for p in params):
         raise fail("a parameter has no gradient after the step (no backward reached it)")
+    # (In half precision three steps may move no parameter at all, lr * grad being below half
+    # an ulp: then none must move, and the gradients carry the check.)
     moved = [e.detach() - s for e, s in zip(expected, start)]
-    if not any(m.any() for m in moved):
-        raise AssertionError("bench: the sequential module's training steps changed no parameter: nothing to compare")
     if "fuse" not in name:
         if all(torch.equal(p, e) and torch.equal(p.grad, e.grad) for p, e in zip(params, expected)):
             return "equal"
@@ -441,10 +441,17 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
             # their input where it is, and a replay that missed new values would still
             # match on the values it was captured with.
             values, fresh = x.clone(), case.make_input(batch, device, dtype)
+
+            def rewrite(value: torch.Tensor) -> None:
+                # (A host input is read by copies still in flight: not written under them.)
+                if cuda:
+                    torch.cuda.synchronize()
+                x.copy_(value)
+
             ref = modes["eager seq"](x)
-            x.copy_(fresh)
+            rewrite(fresh)
             ref_fresh = modes["eager seq"](x)
-            x.copy_(values)
+            rewrite(values)
             checks = {}
             for name, fn in modes.items():
                 # Warm-up (lazy init, stream tuning, capture, compilation) calls
@@ -459,9 +466,9 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
                 # Pipelines: micro-batches may pick other kernels than the whole
                 # batch, and transposed convolutions are not deterministic.
                 checks[name] = _check(name, fn(x), ref, dtype, not pipeline)
-                x.copy_(fresh)
+                rewrite(fresh)
                 _check(name, fn(x), ref_fresh, dtype, not pipeline)
-                x.copy_(values)
+                rewrite(values)
         # Slow cases (a compute-bound call takes 20 ms) get fewer calls per
         # sample and more samples, so that every mode still sees >= 100 calls
         # and the whole suite stays within minutes.

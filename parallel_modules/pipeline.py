@@ -39,6 +39,7 @@ from ._joins import _describe, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
+from .parallel import Parallel
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
 from ._streams import (_capture_underway, _current_stream, _functorch_active, _graph_state, _is_tracing,
@@ -69,6 +70,8 @@ class _Plan(NamedTuple):
     others: tuple[tuple[int, str, nn.Module], ...]
     # The ids of the embeddings whose weight another module of the stages reads (tied).
     tied: frozenset[int]
+    # Whether the softmax check is kept inside the softmax layers (see _SoftmaxDims.inside).
+    scoped: bool
 
 
 # This thread's CUDA events, per device (an event may only be recorded on
@@ -107,6 +110,9 @@ _mark = _record_on
 # Stock layers that mix samples across the batch depending on their settings: a softmax
 # along dimension 0, an embedding scaling its gradient by frequencies in the batch.
 _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
+# Layers with a fast path that any active torch function mode turns off (they ask
+# ``has_torch_function``): decoder layers and ``nn.Transformer`` hold such layers.
+_FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 _ACROSS_DIM_0 = (*_SOFTMAXES, nn.Embedding, nn.EmbeddingBag)
 
 
@@ -198,7 +204,10 @@ class _SoftmaxDims(TorchFunctionMode):
         Entered and left by hooks on those layers: an active mode anywhere else
         in the call would turn off torch's fast paths (``nn.MultiheadAttention``'s
         in eval asks ``has_torch_function``), and the checked first call of a
-        signature would differ by rounding from every later call.
+        signature would differ by rounding from every later call. Only where
+        such layers are (``_Plan.scoped``): a layer called through its
+        ``.forward()`` runs no hooks, and is checked only by the mode over the
+        whole call.
         """
         thread = threading.get_ident()
         entered = self.entered
@@ -254,6 +263,40 @@ class _SoftmaxDims(TorchFunctionMode):
                     f"with chunks={self.owner._chunks} the result would differ from running the whole batch. "
                     "Give it the non-negative dim it should normalize along, or use chunks=1.")
         return func(*args, **kwargs)
+
+
+class _Rewrites:
+    r"""Refuses a tensor object the last stage returned for one micro-batch and wrote again for the next.
+
+    A stage writing into one buffer at every call (``out=``, a buffer updated in
+    place and returned) hands every micro-batch the same tensor, which by the
+    join holds only the last micro-batch's values: returned as it is (as the
+    same parameter from every micro-batch is), it would hold the last
+    micro-batch's rows, not the whole batch's. Its version counter moved
+    between the two micro-batches' ends. (One returned unchanged, a parameter or
+    a constant, is left to :meth:`ParallelSequential._concat`.)
+    """
+
+    __slots__ = ("owner", "last")
+
+    def __init__(self, owner: "ParallelSequential") -> None:
+        self.owner = owner
+        self.last: list[tuple[torch.Tensor, int]] = []  # the previous micro-batch's tensors and their versions
+
+    def see(self, m: int, output: Any) -> Any:
+        tensors = ([output] if isinstance(output, torch.Tensor) else
+                   [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)])
+        for (t, version), now in zip(self.last, tensors):
+            if now is t and t._version != version:
+                names = list(self.owner._modules)
+                raise RuntimeError(
+                    f"{type(self.owner).__name__}: the last stage {names[-1]!r} (index {len(names) - 1}) returned "
+                    f"one tensor object for micro-batches {m - 1} and {m}, and wrote it again in between (an out= "
+                    f"argument, a buffer updated in place and returned): the result would hold the last "
+                    f"micro-batch's values, not the whole batch's. Return a new tensor from each call (e.g. "
+                    f".clone() it), or use chunks=1.")
+        self.last = [(t, t._version) for t in tensors]
+        return output
 
 
 def _signature_dims(input: Any) -> tuple[int, ...]:
@@ -581,7 +624,13 @@ class ParallelSequential(nn.Sequential):
         modules = [m for _, _, m in (*mixers, *others)]
         tied = frozenset(id(m) for _, _, m in mixers
                          if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and _read_elsewhere(m, modules))
-        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied)
+        # Hooks where a mode over the whole call would change a result (fast paths), and
+        # where nothing below reads hooks: blocks of this library (fusion, graphs) and
+        # compiled modules (dynamo would trace them) take hooks for the user's own.
+        scoped = any(isinstance(m, _FAST_PATHS) for m in modules) and not any(
+            isinstance(m, (Parallel, ParallelSequential)) or isinstance(getattr(m, "_orig_mod", None), nn.Module)
+            for m in modules)
+        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped)
 
     def _get_plan(self) -> _Plan:
         # (A compiler's trace makes its own: it would record the assignments as side effects
@@ -817,8 +866,8 @@ class ParallelSequential(nn.Sequential):
         r"""Join the micro-batch outputs of the last stage along dimension 0.
 
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
-        passed on) is returned as it is, unless it has as many rows as the last
-        micro-batch (made or rewritten for each: refused); other tensors must be batched like the
+        passed on) is returned as it is (one written again by a later
+        micro-batch is refused before: see :class:`_Rewrites`); other tensors must be batched like the
         micro-batches themselves: a value reduced over the batch (``x.mean(0)``)
         cannot be joined into the whole batch's. (Where such a value happens to
         have as many rows as every micro-batch has samples, it looks batched and
@@ -840,20 +889,6 @@ class ParallelSequential(nn.Sequential):
                                 + (f" along dimension {dim}" if dim else ""))
             return torch.cat(list(column), dim)
 
-        def shared(t: torch.Tensor) -> torch.Tensor:
-            # One tensor object from every micro-batch (the input's tensors are cut into new
-            # ones): a parameter, a constant, is returned as it is. One with as many rows as the
-            # last micro-batch was, most likely, made for each (an ``out=`` buffer rewritten, a
-            # mask cached by batch size): it holds the last micro-batch's rows, not the whole batch's.
-            rows = t.shape[0] if t.dim() else None
-            if type(rows) is int and rows == sizes[-1] and not isinstance(t, nn.Parameter):
-                raise TypeError(
-                    f"every micro-batch returned the same tensor object, with as many rows ({rows}) as the "
-                    f"last micro-batch has samples: written anew by each micro-batch (an out= argument, a "
-                    f"buffer updated in place) or cached by batch size, it holds the last micro-batch's "
-                    f"values, not the whole batch's. Return a new tensor from each call (e.g. .clone() it)")
-            return t
-
         try:
             stages = list(self._modules.values())
             if stages and _recurrent_tail(stages[-1]) and all(
@@ -870,7 +905,7 @@ class ParallelSequential(nn.Sequential):
             if all(isinstance(o, torch.Tensor) for o in outputs):
                 first = outputs[0]
                 if all(o is first for o in outputs[1:]):
-                    return shared(first)  # the same tensor from every micro-batch, as in a structure below
+                    return first  # the same tensor from every micro-batch, as in a structure below
                 return batched(outputs)
             flat = [pytree.tree_flatten(o) for o in outputs]
             spec = flat[0][1]
@@ -881,7 +916,7 @@ class ParallelSequential(nn.Sequential):
             for column in zip(*(leaves for leaves, _ in flat)):
                 first = column[0]
                 if all(t is first for t in column[1:]) and isinstance(first, torch.Tensor):
-                    joined.append(shared(first))  # the same tensor from every micro-batch
+                    joined.append(first)  # the same tensor from every micro-batch
                 elif all(isinstance(t, torch.Tensor) for t in column):
                     joined.append(batched(column))
                 elif (first is None or id(first) in given) and all(v is first for v in column[1:]):
@@ -1014,7 +1049,7 @@ class ParallelSequential(nn.Sequential):
                     check = _SoftmaxDims(self, plan, layers, smallest)
                     # A compiler traces the mode (which puts nothing in its graph) and would trace
                     # hooks as side effects; compiled stages would be compiled again without them.
-                    with check if tracing or self._compiler is not None else check.inside():
+                    with check.inside() if plan.scoped and not tracing and self._compiler is None else check:
                         output = self._forward(input)
                     # (each trace checks: a tracer would record the add as a side effect. An empty
                     # batch has no rows for the check to see: the next call of the signature checks.)
@@ -1110,10 +1145,11 @@ class ParallelSequential(nn.Sequential):
             if copy_to is not None:
                 pieces = [_to_device(p, copy_to, non_blocking=False) for p in pieces]
             outputs = []
+            rewrites = _Rewrites(self) if not tracing else None  # (a trace's tensors keep no versions to compare)
             for m, value in enumerate(pieces):
                 for s, (name, stage) in enumerate(stages):
                     value = self._call(s, name, stage, m, len(pieces), value)
-                outputs.append(value)
+                outputs.append(value if rewrites is None else rewrites.see(m, value))
             return self._concat(outputs, pieces)
 
         target = copy_to if copy_to is not None else device
@@ -1184,6 +1220,9 @@ class ParallelSequential(nn.Sequential):
             lanes.append(copy_lane)
         for s, (name, stage) in enumerate(stages):
             lanes.append(lambda m, v, s=s, name=name, stage=stage: self._call(s, name, stage, m, count, v))
+        if lanes:
+            rewrites, last_stage = _Rewrites(self), lanes[-1]
+            lanes[-1] = lambda m, v: rewrites.see(m, last_stage(m, v))
         n_lanes = len(lanes)
 
         capturing = _capture_underway()
