@@ -281,13 +281,15 @@ class _Rewrites:
 
     def __init__(self, owner: "ParallelSequential") -> None:
         self.owner = owner
-        self.last: list[tuple[torch.Tensor, int]] = []  # the previous micro-batch's tensors and their versions
+        # The previous micro-batch's tensors and their versions. (Weakly: the last lane lets
+        # each piece go once it is in its place in the result, see ParallelSequential._pipeline.)
+        self.last: list[tuple[weakref.ref, int]] = []
 
     def see(self, m: int, output: Any) -> Any:
         tensors = ([output] if isinstance(output, torch.Tensor) else
                    [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)])
-        for (t, version), now in zip(self.last, tensors):
-            if now is t and t._version != version:
+        for (ref, version), now in zip(self.last, tensors):
+            if now is ref() and now._version != version:
                 names = list(self.owner._modules)
                 raise RuntimeError(
                     f"{type(self.owner).__name__}: the last stage {names[-1]!r} (index {len(names) - 1}) returned "
@@ -295,7 +297,7 @@ class _Rewrites:
                     f"argument, a buffer updated in place and returned): the result would hold the last "
                     f"micro-batch's values, not the whole batch's. Return a new tensor from each call (e.g. "
                     f".clone() it), or use chunks=1.")
-        self.last = [(t, t._version) for t in tensors]
+        self.last = [(weakref.ref(t), t._version) for t in tensors]
         return output
 
 
