@@ -453,6 +453,10 @@ class _Group:
         # _program.
         self.saved_with_input: set[str] = set()
         self.never_saved: set[str] = set()
+        # And those saved whenever anything requires grad (_SAVES_WEIGHT): frozen, they are
+        # saved for the input's gradient. (A layer of the user's, vmapped, may save none.)
+        self.saved_always: set[str] = set()
+        self.ran = False  # whether the group ran batched once (see Parallel._run_group)
         # The batched steps, made at the first eager call (they read the layers' settings
         # then: see _run). Made once here for the two sets above, which depend on the
         # layers' types alone.
@@ -610,11 +614,12 @@ class _Group:
                                                                          or stacked.dtype.is_complex):
             tensors = self._tensors(entry)
             trained = any([t.requires_grad for t in tensors])  # (members may be frozen one by one)
-            # (See _refuse_changed_members. A frozen Linear's weight too: autograd saves it all
-            # the same for the input's gradient; not a layer run through vmap, whose saved
-            # tensors are its own.)
-            if (watched is not None and entry.attr != "bias" and qual not in self.never_saved
-                    and (input_grad if qual in self.saved_with_input else trained)):
+            # (See _refuse_changed_members. A frozen Linear's weight too where the step's input
+            # requires grad: autograd saves it all the same for the input's gradient; and a
+            # frozen weight of the layers whose backward saves it whatever requires grad.)
+            if (watched is not None and entry.attr != "bias" and qual not in self.never_saved and (
+                    input_grad if qual in self.saved_with_input else
+                    trained or input_grad if qual in self.saved_always else trained)):
                 watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
             if trained:
                 return _Unstack.apply(stacked, *tensors)
@@ -1217,6 +1222,8 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
     n = group.n
     q = lambda name: _join(prefix, name)  # noqa: E731
     fallback = _vmapped_step(group, m, prefix)
+    if isinstance(m, _SAVES_WEIGHT) and q("weight") in group.entries and q("weight") not in group.saved_always:
+        group.saved_always.add(q("weight"))  # (read, not written, under a trace: see _Group)
 
     if type(m) in _POINTWISE or isinstance(m, _DropoutNd):  # dropout: only in eval or with p=0 (see _unfusable)
         # ``forward`` itself: fused members have no hooks (see _unfusable), and
@@ -1379,6 +1386,12 @@ class _UnbatchedNow(Exception):
 
 # Layers that take an inference-only path when they see no tensor requiring grad (see _UnbatchedNow).
 _FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+# Layers whose backward saves their weight whenever anything requires grad: the input's
+# gradient reads it (a convolution's kernel, a norm's scale, PReLU's slopes). Unfused,
+# autograd refuses a backward after such a weight changed in place, frozen or not.
+_SAVES_WEIGHT = (nn.modules.conv._ConvNd, _BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm,
+                 nn.GroupNorm, nn.PReLU, nn.RMSNorm)
 
 
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:

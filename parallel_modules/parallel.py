@@ -797,17 +797,23 @@ class Parallel(nn.Module):
         try:
             if not tracing and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
-            if self.training and group.buffers and not tracing and not _functorch_active():
+            # (``tracing`` first: a compiler would guard on ``group.ran``, which an eager call sets.)
+            if not tracing and group.buffers and (self.training or not group.ran) and not _functorch_active():
                 # Layers that ran batched before one failed may have updated buffers (an
                 # InstanceNorm's running statistics): put back before the members run unfused.
+                # (In eval mode stock layers update none; a module of the user's may, and is
+                # seen failing -- data-dependent control flow -- at its first batched call.)
                 kept = [(b, b.clone()) for b in group.buffer_stacks()]
             # Tensors swapped in without registration (torch.func.functional_call), or
             # functorch transforms, which need the members' tensors as they are: stacked
             # for this call.
             restack = not tracing and (group.swapped() or _functorch_active())
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
-            return group.run(args[0], self._cat_joined(fusion), eager,
-                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
+            out = group.run(args[0], self._cat_joined(fusion), eager,
+                            eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
+            if not tracing:
+                group.ran = True
+            return out
         except Exception as e:
             if not isinstance(e, _UnbatchedNow) and (_is_tracing() or isinstance(e, _StopRecomputation)):
                 # (Checkpoint's early stop of a recomputation is control flow, not a failure.)
@@ -951,9 +957,9 @@ class Parallel(nn.Module):
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
             # (Under capture the graph module looks for writes; a traced graph has none to watch.)
-            watch = fusion is not None and self.fuse == "auto" and not capturing and not _is_tracing()
+            watch = fusion is not None and not capturing and not _is_tracing()
             functorch = watch and _functorch_active()
-            if functorch and len(calls) > 1:
+            if functorch and len(calls) > 1 and self.fuse == "auto":
                 # The inputs are torch.func's wrappers, whose versions do not move: no write
                 # could be seen. In branch order instead.
                 return self._run(args, kwargs, None, None)
@@ -1024,13 +1030,23 @@ class Parallel(nn.Module):
         return outputs
 
     def _refused_write(self, wrote: list[int]) -> RuntimeError:
-        r"""The error of a ``fuse="auto"`` call in which the branches ``wrote`` (one, or a group's members)
-        changed the shared input in place out of branch order; the block is kept in order from then on."""
-        self._keep_in_order()
+        r"""The error of a fused call in which the branches ``wrote`` (one, or a group's members) changed
+        the shared input in place out of branch order; with ``fuse="auto"`` the block is kept in order
+        from then on."""
         names = list(self._modules)
         which = [names[j] for j in wrote]
         how = ("runs fused groups out of branch order" if len(which) == 1 else
                "runs the members of a fused group together, on one input")
+        if self.fuse is True:
+            return RuntimeError(
+                f"{type(self).__name__}: fuse=True {how}, and "
+                f"{'branch' if len(which) == 1 else 'one of branches'} {which[0] if len(which) == 1 else which!r} "
+                f"changed the shared input in place: the branches after it did not all see the change, so the "
+                f"result would differ from calling them one after another, and this call is refused. Make the "
+                f"branch's first operation out of place (inplace=False, x = x + 1), or pass fuse='auto' (which "
+                f"then keeps such branches in order) or fuse=False."
+            )
+        self._keep_in_order()
         return RuntimeError(
             f"{type(self).__name__}: fuse='auto' {how}, and "
             f"{'branch' if len(which) == 1 else 'one of branches'} {which[0] if len(which) == 1 else which!r} "
@@ -1117,10 +1133,10 @@ class Parallel(nn.Module):
                 fusion = self._fusion_for(args, kwargs)
                 units = None if fusion is None else fusion.units  # (a failing group changes fusion.units)
                 if units is not None and len(units) == 1 and isinstance(units[0], _Group):
-                    # fuse="auto": members writing the input are refused (see _run_units_watched).
+                    # Members writing the input are refused (see _run_units_watched).
                     # The common case, one tensor, watched here: one int compared.
-                    x = args[0] if self.fuse == "auto" and len(args) == 1 and not kwargs else None
-                    if self.fuse == "auto" and (type(x) is not torch.Tensor or x.is_inference()):
+                    x = args[0] if len(args) == 1 and not kwargs else None
+                    if type(x) is not torch.Tensor or x.is_inference():
                         return self._joined(self._run(args, kwargs, None, fusion, False))
                     version = x._version if x is not None else 0
                     out = self._run_group(fusion, units[0], args, kwargs, eager=True)

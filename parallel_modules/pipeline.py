@@ -39,6 +39,7 @@ from ._joins import _describe, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
+from ._fusion import _FAST_PATHS  # (also turned off by any torch function mode: see _Plan.scoped)
 from .parallel import Parallel
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
@@ -110,9 +111,6 @@ _mark = _record_on
 # Stock layers that mix samples across the batch depending on their settings: a softmax
 # along dimension 0, an embedding scaling its gradient by frequencies in the batch.
 _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
-# Layers with a fast path that any active torch function mode turns off (they ask
-# ``has_torch_function``): decoder layers and ``nn.Transformer`` hold such layers.
-_FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 _ACROSS_DIM_0 = (*_SOFTMAXES, nn.Embedding, nn.EmbeddingBag)
 
 

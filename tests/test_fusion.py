@@ -1321,6 +1321,74 @@ def test_a_group_failing_part_way_updates_buffers_once():
         assert torch.equal(a, b), name
 
 
+class _CountingSign(nn.Module):
+    r"""Counts its calls in a buffer (in eval mode too) and cannot run batched (data-dependent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        h = self.lin(x)
+        return h if h.sum() > -1e9 else -h
+
+
+@pytest.mark.parametrize("fuse", ["auto", True])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_group_failing_batched_updates_buffers_once_in_eval_mode_too(fuse, training):
+    # Before: in eval mode the buffers the batched attempt updated were not put back, and
+    # the members updated them again unfused: two counts a call ("auto"'s first fused call;
+    # every call with fuse=True, each of which raises).
+    # (fuse=True runs the members unfused, to see whether the input is at fault, then raises.)
+    block = Parallel(*[_CountingSign() for _ in range(3)], fuse=fuse).train(training)
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            try:
+                block(x)
+            except RuntimeError as e:
+                assert fuse is True and "failed to run batched" in str(e)
+    assert [b.calls.item() for b in block] == [3.0] * 3
+
+
+class _LeakyFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act, self.lin = nn.LeakyReLU(0.1, inplace=True), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(self.act(x))
+
+
+def test_fuse_true_refuses_a_call_in_which_members_write_the_shared_input():
+    # Before: fused, every member read the input after one write where, called in turn, each
+    # sees the writes of those before it: a wrong result, and the caller's input written once
+    # (-0.1) where in turn three times (-0.001), silently. fuse="auto" keeps them in order.
+    torch.manual_seed(0)
+    branches = [_LeakyFirst() for _ in range(3)]
+    x = -torch.ones(2, 4)
+    expected = _in_order(Parallel(*branches), x.clone())
+    for join, args in (("cat", (x.clone(),)), ("sum", (x.clone(),))):
+        block = Parallel(*branches, fuse=True, join=join)
+        for _ in range(2):  # (refused each time: the block is left as it was set)
+            with torch.no_grad(), pytest.raises(
+                    RuntimeError, match=r"fuse=True runs the members of a fused group together, on one input, and "
+                                        r"one of branches \['0', '1', '2'\] changed the shared input in place"):
+                block(*[a.clone() for a in args])
+    auto = Parallel(*branches, fuse="auto")
+    for _ in range(2):
+        assert_same(auto(x.clone()), expected)
+    # Out of place, fused as before.
+    for b in branches:
+        b.act.inplace = False
+    block = Parallel(*branches, fuse=True)
+    assert_close(block(x.clone()), _in_order(Parallel(*branches), x.clone()))
+    assert list(block.explain()["schedules"].values()) == ["fused, sequential"]
+
+
 def test_layer_norm_keeps_its_dtype_and_rounds_once():
     torch.manual_seed(0)
     build = lambda: nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))  # noqa: E731
@@ -1814,7 +1882,8 @@ def test_layer_settings_changed_before_the_first_call_are_used(change):
         assert_close(block(x), torch.cat([b(x) for b in block], 1))
 
 
-@pytest.mark.parametrize("case", ["probe", "probe-input-grad", "mlp", "embedding", "frozen"])
+@pytest.mark.parametrize("case", ["probe", "probe-input-grad", "mlp", "embedding", "frozen", "frozen-conv",
+                                  "frozen-norm", "frozen-conv-no-input-grad"])
 def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(case):
     # Before: fused, any weight changed in place refused the backward; unfused, autograd saves
     # a Linear's weight only where its input requires grad (a probe on frozen features: not)
@@ -1822,6 +1891,11 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
     torch.manual_seed(0)
     if case == "embedding":
         make, x = (lambda: nn.Embedding(10, 4)), torch.randint(0, 10, (5, 3))
+    elif case.startswith("frozen-conv"):  # (before: a frozen weight other than a Linear's, read silently)
+        needs = case == "frozen-conv"
+        make, x = (lambda: nn.Conv2d(3, 4, 3)), torch.randn(2, 3, 6, 6, requires_grad=needs)
+    elif case == "frozen-norm":
+        make, x = (lambda: nn.LayerNorm(4)), torch.randn(5, 4, requires_grad=True)
     elif case in ("mlp", "frozen"):  # (the second Linear's input requires grad: saved, refused both ways)
         make, x = (lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))), torch.randn(5, 4)
     else:
@@ -1830,11 +1904,16 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
     if case == "frozen":  # (before: a frozen head changed in place was read silently, fused)
         for b in fused:
             b[-1].requires_grad_(False)
+    if case.startswith(("frozen-conv", "frozen-norm")):  # (a frozen teacher's EMA update, say)
+        fused.requires_grad_(False)
     plain = copy.deepcopy(fused)
     plain.fuse = False
     outcomes = []
     for block in (plain, fused):
         loss = block(x).square().sum()
+        if not loss.requires_grad:  # (nothing requires grad: no backward either way)
+            outcomes.append([])
+            continue
         with torch.no_grad():
             (block[0][-1] if case in ("mlp", "frozen") else block[0]).weight.mul_(0.9)  # (as an optimizer's step)
         try:
@@ -1844,9 +1923,10 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
             outcomes.append(None)
         else:
             outcomes.append([p.grad.clone() for p in block.parameters() if p.grad is not None])
-    assert (outcomes[0] is None) == (outcomes[1] is None) == (case in ("probe-input-grad", "mlp", "frozen"))
+    assert (outcomes[0] is None) == (outcomes[1] is None) == (
+        case in ("probe-input-grad", "mlp", "frozen", "frozen-conv", "frozen-norm"))
     if outcomes[0] is not None:
-        for a, b in zip(*outcomes):
+        for a, b in zip(*outcomes, strict=True):
             assert_close(a, b)
 
 
