@@ -1020,7 +1020,7 @@ class Parallel(nn.Module):
                 # one still to run should not (a write by the last branch is harmless), or a
                 # group ran its members together (not one after another: _run_group's fallback).
                 wrote = _unit_indices(unit)
-                if ((len(wrote) == 1 or type(outputs[-1]) is _Unfused)
+                if ((len(wrote) == 1 or type(outputs[-1]) is _Unfused or _clamps_its_input(unit))
                         and all(j < wrote[0] for u in units[:i] for j in _unit_indices(u))
                         and all(j > wrote[-1] for u in units[i + 1:] for j in _unit_indices(u))):
                     version = first._version if first is not None else 0
@@ -1140,7 +1140,8 @@ class Parallel(nn.Module):
                         return self._joined(self._run(args, kwargs, None, fusion, False))
                     version = x._version if x is not None else 0
                     out = self._run_group(fusion, units[0], args, kwargs, eager=True)
-                    if x is not None and x._version != version and type(out) is not _Unfused:
+                    if (x is not None and x._version != version and type(out) is not _Unfused
+                            and not _clamps_its_input(units[0])):
                         # (Unfused: the members ran in turn, as called one after another.)
                         raise self._refused_write(units[0].indices)
                     return self._joined(fusion.scatter(units, [out]))
@@ -1408,6 +1409,29 @@ def _out_of_order(units: list[Any]) -> bool:
 def _unit_indices(unit: Any) -> list[int]:
     r"""The branches a fused call's unit runs: a group's members, or the one branch."""
     return unit.indices if isinstance(unit, _Group) else [unit]
+
+
+# Layers writing their input in place to a clamp of it: one clamp after another is a clamp.
+_CLAMPS = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
+
+
+def _clamps_its_input(unit: Any) -> bool:
+    r"""Whether ``unit`` is a group whose members write their input only to clamp it, once or many times alike.
+
+    Members that begin with in-place clamps (``nn.ReLU(inplace=True)`` before a
+    ``Linear`` or a convolution, whose output is new) leave the shared input as
+    one of them would, called in turn, and read what each would have read: run
+    together, the group changes no result. Any other write is refused (see
+    :meth:`Parallel._run_units_watched`).
+    """
+    if not isinstance(unit, _Group):
+        return False
+    template = unit.template
+    layers = list(template._modules.values()) if type(template) is nn.Sequential else [template]
+    k = 0
+    while k < len(layers) and type(layers[k]) in _CLAMPS and layers[k].inplace:
+        k += 1
+    return 0 < k < len(layers) and type(layers[k]) in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def _own_mode(block: nn.Module, branch: nn.Module, given: Any) -> nn.Module:

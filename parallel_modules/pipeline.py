@@ -263,40 +263,13 @@ class _SoftmaxDims(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Rewrites:
-    r"""Refuses a tensor object the last stage returned for one micro-batch and wrote again for the next.
+def _versions(output: Any) -> list[int | None]:
+    r"""The version of each leaf of a micro-batch's output, as it was returned (see ``ParallelSequential._concat``).
 
-    A stage writing into one buffer at every call (``out=``, a buffer updated in
-    place and returned) hands every micro-batch the same tensor, which by the
-    join holds only the last micro-batch's values: returned as it is (as the
-    same parameter from every micro-batch is), it would hold the last
-    micro-batch's rows, not the whole batch's. Its version counter moved
-    between the two micro-batches' ends. (One returned unchanged, a parameter or
-    a constant, is left to :meth:`ParallelSequential._concat`.)
+    ``None`` for a leaf that is no tensor, or an inference tensor, which keeps no version.
     """
-
-    __slots__ = ("owner", "last")
-
-    def __init__(self, owner: "ParallelSequential") -> None:
-        self.owner = owner
-        # The previous micro-batch's tensors and their versions. (Weakly: the last lane lets
-        # each piece go once it is in its place in the result, see ParallelSequential._pipeline.)
-        self.last: list[tuple[weakref.ref, int]] = []
-
-    def see(self, m: int, output: Any) -> Any:
-        tensors = ([output] if isinstance(output, torch.Tensor) else
-                   [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)])
-        for (ref, version), now in zip(self.last, tensors):
-            if now is ref() and now._version != version:
-                names = list(self.owner._modules)
-                raise RuntimeError(
-                    f"{type(self.owner).__name__}: the last stage {names[-1]!r} (index {len(names) - 1}) returned "
-                    f"one tensor object for micro-batches {m - 1} and {m}, and wrote it again in between (an out= "
-                    f"argument, a buffer updated in place and returned): the result would hold the last "
-                    f"micro-batch's values, not the whole batch's. Return a new tensor from each call (e.g. "
-                    f".clone() it), or use chunks=1.")
-        self.last = [(weakref.ref(t), t._version) for t in tensors]
-        return output
+    leaves = [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
+    return [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None for t in leaves]
 
 
 def _signature_dims(input: Any) -> tuple[int, ...]:
@@ -862,12 +835,14 @@ class ParallelSequential(nn.Sequential):
                    if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
 
-    def _concat(self, outputs: list[Any], pieces: list[Any]) -> Any:
+    def _concat(self, outputs: list[Any], pieces: list[Any], versions: list[int | None] | None = None) -> Any:
         r"""Join the micro-batch outputs of the last stage along dimension 0.
 
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
-        passed on) is returned as it is (one written again by a later
-        micro-batch is refused before: see :class:`_Rewrites`); other tensors must be batched like the
+        passed on) is returned as it is, unless it was written again since the
+        first micro-batch returned it (``versions``: its leaves' then, see
+        :func:`_versions`) and has as many rows as the last micro-batch: an
+        ``out=`` buffer, which holds the last micro-batch's values only. Other tensors must be batched like the
         micro-batches themselves: a value reduced over the batch (``x.mean(0)``)
         cannot be joined into the whole batch's. (Where such a value happens to
         have as many rows as every micro-batch has samples, it looks batched and
@@ -882,6 +857,17 @@ class ParallelSequential(nn.Sequential):
         if len(outputs) == 1:
             return outputs[0]
         sizes = [_batch_size(p) for p in pieces]
+
+        def shared(t: torch.Tensor, i: int) -> torch.Tensor:
+            r"""``t``, leaf ``i`` of every micro-batch's output, unless written for each (see above)."""
+            if (versions is not None and i < len(versions) and versions[i] is not None
+                    and t._version != versions[i] and t.dim() and t.shape[0] == sizes[-1]):
+                raise TypeError(
+                    f"every micro-batch returned one tensor object (leaf {i} of the output), written again since "
+                    f"micro-batch 0 returned it (an out= argument, a buffer updated in place and returned): it "
+                    f"holds the last micro-batch's {t.shape[0]} rows, not the whole batch's. Return a new tensor "
+                    f"from each call (e.g. .clone() it)")
+            return t
 
         def batched(column: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
             if any(t.dim() <= dim or t.shape[dim] != n for t, n in zip(column, sizes)):
@@ -905,7 +891,7 @@ class ParallelSequential(nn.Sequential):
             if all(isinstance(o, torch.Tensor) for o in outputs):
                 first = outputs[0]
                 if all(o is first for o in outputs[1:]):
-                    return first  # the same tensor from every micro-batch, as in a structure below
+                    return shared(first, 0)  # the same tensor from every micro-batch, as in a structure below
                 return batched(outputs)
             flat = [pytree.tree_flatten(o) for o in outputs]
             spec = flat[0][1]
@@ -913,10 +899,10 @@ class ParallelSequential(nn.Sequential):
                 raise TypeError("the micro-batches returned different structures")
             given = {id(v) for v in pytree.tree_leaves(pieces[0]) if not isinstance(v, torch.Tensor)}
             joined = []
-            for column in zip(*(leaves for leaves, _ in flat)):
+            for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
                 first = column[0]
                 if all(t is first for t in column[1:]) and isinstance(first, torch.Tensor):
-                    joined.append(first)  # the same tensor from every micro-batch
+                    joined.append(shared(first, i))  # the same tensor from every micro-batch
                 elif all(isinstance(t, torch.Tensor) for t in column):
                     joined.append(batched(column))
                 elif (first is None or id(first) in given) and all(v is first for v in column[1:]):
@@ -1145,21 +1131,24 @@ class ParallelSequential(nn.Sequential):
             if copy_to is not None:
                 pieces = [_to_device(p, copy_to, non_blocking=False) for p in pieces]
             outputs = []
-            rewrites = _Rewrites(self) if not tracing else None  # (a trace's tensors keep no versions to compare)
+            versions = None  # (a trace's tensors keep no versions to compare)
             for m, value in enumerate(pieces):
                 for s, (name, stage) in enumerate(stages):
                     value = self._call(s, name, stage, m, len(pieces), value)
-                outputs.append(value if rewrites is None else rewrites.see(m, value))
-            return self._concat(outputs, pieces)
+                if m == 0 and not tracing:
+                    versions = _versions(value)
+                outputs.append(value)
+            return self._concat(outputs, pieces, versions)
 
         target = copy_to if copy_to is not None else device
         assert target is not None
         ahead = copy_to is not None and _pinned(input)  # the copy lane issued whole, first
+        seen: list[list[int | None]] = []  # the first micro-batch's versions (see _concat)
         if target.index is not None and target.index != torch.cuda.current_device():
             with torch.cuda.device(target):
-                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead)
+                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen)
         else:
-            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead)
+            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen)
         if isinstance(outputs, _Gather):
             return outputs.out
         if not all(isinstance(o, torch.Tensor) and o.is_cuda for o in outputs) and any(
@@ -1168,7 +1157,7 @@ class ParallelSequential(nn.Sequential):
             # (``x.to("cpu", non_blocking=True)``): the host would concatenate pieces the
             # lanes' copies have yet to write. The caller's stream has joined every lane.
             torch.cuda.current_stream(target).synchronize()
-        return self._concat(outputs, pieces)
+        return self._concat(outputs, pieces, seen[0] if seen else None)
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
         try:
@@ -1180,9 +1169,11 @@ class ParallelSequential(nn.Sequential):
 
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,
-        ahead: bool = False,
+        ahead: bool = False, seen: list[list[int | None]] | None = None,
     ) -> list[Any] | _Gather:
         r"""Run every piece of ``input`` through every lane on the side streams.
+
+        ``seen`` receives the versions of the first piece's output (see :meth:`_concat`).
 
         Returns the outputs per piece, or, where the last lane concatenated
         them as they came (:class:`_Gather`), the concatenation.
@@ -1220,9 +1211,6 @@ class ParallelSequential(nn.Sequential):
             lanes.append(copy_lane)
         for s, (name, stage) in enumerate(stages):
             lanes.append(lambda m, v, s=s, name=name, stage=stage: self._call(s, name, stage, m, count, v))
-        if lanes:
-            rewrites, last_stage = _Rewrites(self), lanes[-1]
-            lanes[-1] = lambda m, v: rewrites.see(m, last_stage(m, v))
         n_lanes = len(lanes)
 
         capturing = _capture_underway()
@@ -1283,6 +1271,8 @@ class ParallelSequential(nn.Sequential):
                 _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
                 return
             values[m] = lanes[lane](m, values[m])
+            if m == 0 and seen is not None:
+                seen.append(_versions(values[0]))
             if gather is not None and gather.add(m, values[m]):
                 # In its place in the result: let the piece go now. Its memory is
                 # reused sooner, and a graphed last stage (host input) sees its

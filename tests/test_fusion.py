@@ -1381,6 +1381,17 @@ def test_fuse_true_refuses_a_call_in_which_members_write_the_shared_input():
     auto = Parallel(*branches, fuse="auto")
     for _ in range(2):
         assert_same(auto(x.clone()), expected)
+    # An in-place clamp first (ReLU(inplace=True) before a Linear) gives the same once or three
+    # times: fused as before (a review of the first draft, which refused it).
+    for act in (nn.ReLU(inplace=True), nn.Hardtanh(-0.5, 0.5, inplace=True)):
+        heads = [nn.Sequential(copy.deepcopy(act), nn.Linear(4, 3)) for _ in range(3)]
+        x = torch.randn(2, 4)
+        for fuse in (True, "auto"):
+            block = Parallel(*heads, fuse=fuse)
+            for _ in range(2):
+                got, y = block(x.clone()), x.clone()
+                assert_close(got, torch.cat([h(y) for h in heads], 1))
+            assert list(block.explain()["schedules"].values())[0].startswith("fused" if fuse is True else "")
     # Out of place, fused as before.
     for b in branches:
         b.act.inplace = False
