@@ -841,8 +841,9 @@ class ParallelSequential(nn.Sequential):
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
         passed on) is returned as it is, unless it was written again since the
         first micro-batch returned it (``versions``: its leaves' then, see
-        :func:`_versions`) and has as many rows as the last micro-batch: an
-        ``out=`` buffer, which holds the last micro-batch's values only. Other tensors must be batched like the
+        :func:`_versions`), as an ``out=`` buffer is, which holds what the last
+        micro-batch wrote (a 0-dim total summed over the micro-batches is the
+        whole batch's: returned). Other tensors must be batched like the
         micro-batches themselves: a value reduced over the batch (``x.mean(0)``)
         cannot be joined into the whole batch's. (Where such a value happens to
         have as many rows as every micro-batch has samples, it looks batched and
@@ -861,12 +862,12 @@ class ParallelSequential(nn.Sequential):
         def shared(t: torch.Tensor, i: int) -> torch.Tensor:
             r"""``t``, leaf ``i`` of every micro-batch's output, unless written for each (see above)."""
             if (versions is not None and i < len(versions) and versions[i] is not None
-                    and t._version != versions[i] and t.dim() and t.shape[0] == sizes[-1]):
+                    and t._version != versions[i] and t.dim()):
                 raise TypeError(
-                    f"every micro-batch returned one tensor object (leaf {i} of the output), written again since "
-                    f"micro-batch 0 returned it (an out= argument, a buffer updated in place and returned): it "
-                    f"holds the last micro-batch's {t.shape[0]} rows, not the whole batch's. Return a new tensor "
-                    f"from each call (e.g. .clone() it)")
+                    f"every micro-batch returned one tensor object (leaf {i} of the output, {tuple(t.shape)}), "
+                    f"written again since micro-batch 0 returned it (an out= argument, a buffer updated in place "
+                    f"and returned): it holds what the last micro-batch wrote, not the whole batch's values. "
+                    f"Return a new tensor from each call (e.g. .clone() it)")
             return t
 
         def batched(column: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:

@@ -1391,7 +1391,8 @@ def test_fuse_true_refuses_a_call_in_which_members_write_the_shared_input():
             for _ in range(2):
                 got, y = block(x.clone()), x.clone()
                 assert_close(got, torch.cat([h(y) for h in heads], 1))
-            assert list(block.explain()["schedules"].values())[0].startswith("fused" if fuse is True else "")
+            # ("auto" saw the write on its first call, made in turn, and keeps them so.)
+            assert list(block.explain()["schedules"].values())[0].startswith("fused" if fuse is True else "unfused")
     # Out of place, fused as before.
     for b in branches:
         b.act.inplace = False

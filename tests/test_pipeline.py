@@ -769,7 +769,7 @@ def test_one_tensor_written_again_for_each_micro_batch_is_refused(batch, wrap) -
     model = ParallelSequential(nn.Identity(), last, chunks=2)
     with torch.no_grad(), pytest.raises(
             ValueError, match=r"(?s)cannot concatenate the outputs of the last stage '1'.*every micro-batch returned "
-                              r"one tensor object \(leaf 0 of the output\), written again since micro-batch 0.*clone"):
+                              r"one tensor object \(leaf 0 of the output, \([45], 4\)\), written again since micro-batch 0.*clone"):
         model(torch.randn(batch, 4))
     x = torch.randn(batch, 4)  # (and the module still works)
     torch.testing.assert_close(ParallelSequential(nn.Identity(), nn.Identity(), chunks=2)(x), x, rtol=0, atol=0)
@@ -786,6 +786,21 @@ def test_one_tensor_written_again_for_each_micro_batch_is_refused(batch, wrap) -
     total = ParallelSequential(nn.Identity(), _Total(), chunks=2)
     out, sums = total(torch.ones(10, 4))
     assert out.shape == (10, 4) and sums is total[1].total and sums.item() == 40.0
+    # A buffer written in part, whatever its rows (a review of the second draft, which looked
+    # for as many rows as a micro-batch), is refused.
+    with pytest.raises(ValueError, match=r"leaf 1 of the output, \(16, 4\)\), written again since micro-batch 0"):
+        ParallelSequential(nn.Identity(), _PartlyWritten(), chunks=2)(torch.randn(10, 4))
+
+
+class _PartlyWritten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(16, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            self.buf[: x.shape[0]] = x * 2
+        return x, self.buf
 
 
 class _Total(nn.Module):
