@@ -475,7 +475,14 @@ class Parallel(nn.Module):
 
     def __getitem__(self, idx: int | slice) -> "nn.Module | Parallel":
         if isinstance(idx, slice):
-            return self.__class__(OrderedDict(list(self._modules.items())[idx]), **self._settings())
+            items = list(self._modules.items())
+            chosen = items[idx]
+            if all(k == str(i) for i, (k, _) in enumerate(items)):
+                # Numbered anew, as nn.ModuleList's slices are (and ``del block[i]`` numbers
+                # them): keys "0", "1", ... as a ModuleList of those branches has, and room
+                # to append. Named branches keep their names.
+                chosen = [(str(i), m) for i, (_, m) in enumerate(chosen)]
+            return self.__class__(OrderedDict(chosen), **self._settings())
         return self._modules[self._key(idx)]
 
     def __setitem__(self, idx: int, module: nn.Module | Callable[..., Any]) -> None:

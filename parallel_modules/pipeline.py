@@ -522,8 +522,23 @@ class ParallelSequential(nn.Sequential):
         _check_stage(type(self).__name__, str(idx), module)
         super().__setitem__(idx, module)
 
+    def _check_free(self, count: int) -> None:
+        r"""Refuses appending ``count`` stages named by their index where a stage of such a name is kept.
+
+        A slice keeps its stages' names, as ``nn.Sequential``'s does (``pipe[1:]``:
+        ``"1"``, ``"2"``), and nn.Sequential's ``append`` then replaced stage ``"2"``
+        with the new one, silently.
+        """
+        taken = [str(len(self) + i) for i in range(count) if str(len(self) + i) in self._modules]
+        if taken:
+            raise ValueError(f"{type(self).__name__}: a stage named {taken[0]!r} already exists (the stages keep "
+                             f"their names through a slice or a deletion: {list(self._modules)}), and appending "
+                             f"names stages by their index. Build a new one, "
+                             f"{type(self).__name__}(*pipe, new_stage), or name them with an OrderedDict.")
+
     def append(self, module: nn.Module) -> "ParallelSequential":
         _check_stage(type(self).__name__, str(len(self)), module)
+        self._check_free(1)
         return super().append(module)
 
     def extend(self, sequential: Iterable[nn.Module]) -> "ParallelSequential":
@@ -532,12 +547,14 @@ class ParallelSequential(nn.Sequential):
         stages = list(sequential)
         for i, module in enumerate(stages):
             _check_stage(type(self).__name__, str(len(self) + i), module)
+        self._check_free(len(stages))
         return super().extend(stages)
 
     def __iadd__(self, other: nn.Sequential) -> "ParallelSequential":
         if isinstance(other, nn.Sequential):  # (what nn.Sequential adds: its stages, one by one)
             for i, module in enumerate(other):
                 _check_stage(type(self).__name__, str(len(self) + i), module)
+            self._check_free(len(other))
         return super().__iadd__(other)
 
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":

@@ -190,7 +190,14 @@ def test_slice_returns_parallel_with_same_settings_and_keys():
     sub = p[1:3]
     assert type(sub) is Parallel
     assert list(sub) == bs[1:3]
-    assert keys(sub) == ["1", "2"]  # as nn.Sequential's slices: the keys are kept
+    # Numbered anew, as an nn.ModuleList of those branches is keyed (and as ``del`` numbers
+    # them); before, the keys were kept ("1", "2"), and appending to the slice was refused.
+    assert keys(sub) == ["0", "1"]
+    assert sub.state_dict().keys() == nn.ModuleList(bs[1:3]).state_dict().keys()
+    assert len(sub.append(nn.Linear(4, 4))) == 3
+    sub = p[1:3]
+    named = Parallel(OrderedDict(a=bs[0], b=bs[1], c=bs[2]))
+    assert keys(named[1:]) == ["b", "c"]  # (named branches keep their names)
     assert (sub.join, sub.dim, sub.streams) == (p.join, p.dim, p.streams)
     assert sub.extra_repr() == p.extra_repr()
     x = torch.randn(3, 4)

@@ -1398,3 +1398,18 @@ def test_a_pipeline_subclass_with_a_forward_of_its_own_is_not_a_recurrent_tail()
     expected = inner(x)
     torch.testing.assert_close(out, expected[0])
     torch.testing.assert_close(h, expected[1])
+
+
+def test_appending_to_a_slice_whose_stages_kept_their_names_is_refused_not_overwriting() -> None:
+    # Before: as nn.Sequential's, a slice keeps its stages' names ("1", "2") and append named
+    # the new stage "2": it replaced the Linear, silently (extend and += too).
+    pipe = ParallelSequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    part = pipe[1:]
+    for grow in (lambda: part.append(nn.ReLU()), lambda: part.extend([nn.ReLU(), nn.Tanh()]),
+                 lambda: part.__iadd__(nn.Sequential(nn.ReLU()))):
+        with pytest.raises(ValueError, match=r"a stage named '2' already exists .*\['1', '2'\]"):
+            grow()
+        assert list(part._modules) == ["1", "2"] and part[1] is pipe[2]
+    # Named by their index from 0, a slice grows as before.
+    whole = pipe[:2].append(nn.ReLU())
+    assert list(whole._modules) == ["0", "1", "2"] and isinstance(whole[2], nn.ReLU)
