@@ -529,12 +529,14 @@ def _environment(device: torch.device) -> dict[str, Any]:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'case':<10}{'batch':>6} {'dtype':<8}{'mode':<26}{'median us':>11}{'IQR':>9}{'vs eager seq':>14}{'x floor':>9}  check"]
+    # (Columns a space apart: a CPU run's medians of seconds fill the widths.)
+    lines = [f"{'case':<10}{'batch':>6} {'dtype':<8}{'mode':<26} {'median us':>11} {'IQR':>9}"
+             f"{'vs eager seq':>14}{'x floor':>9}  check"]
     for r in results:
         for name, m in r["modes"].items():
             xf = f"{m['x_floor']:.2f}" if m["x_floor"] else "-"
-            lines.append(f"{r['case']:<10}{r['batch']:>6} {r['dtype']:<8}{name:<26}{m['median_us']:>11.1f}"
-                         f"{m['iqr_us']:>9.1f}{m['speedup_vs_eager_seq']:>13.2f}x{xf:>9}  {m['check']}")
+            lines.append(f"{r['case']:<10}{r['batch']:>6} {r['dtype']:<8}{name:<26} {m['median_us']:>11.1f}"
+                         f" {m['iqr_us']:>9.1f}{m['speedup_vs_eager_seq']:>13.2f}x{xf:>9}  {m['check']}")
         if r["floor_us"]:
             lines.append(f"{'':<24}{'floor (longest branch, graphed)':<26}{r['floor_us']:>11.1f}")
         if r.get("host_probe_us"):  # (results saved before the probe existed have none)
