@@ -639,6 +639,11 @@ class Parallel(nn.Module):
             # Eagerly, such groups run fused only while the calls show no branch writing the
             # shared input (``_run_units_watched``); compiled code would not look.
             return None
+        if fusion is not None and any(_writes_its_input(g) or _writes_buffers(g, self.training)
+                                      for g in fusion.groups):
+            # Nor at a group whose members write the shared input (an in-place activation first),
+            # or may write buffers, which a trace would write into its stacked copies only.
+            return None
         return fusion
 
     def _auto_unfused(self) -> bool:
@@ -1416,6 +1421,33 @@ def _out_of_order(units: list[Any]) -> bool:
 def _unit_indices(unit: Any) -> list[int]:
     r"""The branches a fused call's unit runs: a group's members, or the one branch."""
     return unit.indices if isinstance(unit, _Group) else [unit]
+
+
+def _writes_its_input(group: _Group) -> bool:
+    r"""Whether a group's members begin with a stock layer writing the shared input in place, not a clamp.
+
+    What a trace can tell from the layers alone (see :meth:`Parallel._traced_fusion`):
+    ``nn.ELU(inplace=True)`` first, or after layers returning their input (or a view
+    of it). A module of the user's writing its input is seen by eager calls only.
+    """
+    template = group.template
+    for m in list(template._modules.values()) if type(template) is nn.Sequential else [template]:
+        if isinstance(m, nn.modules.dropout._DropoutNd):  # (fused in eval, or with p=0: it returns its input)
+            continue
+        if getattr(m, "inplace", False) is True:
+            return not _clamps_its_input(group)
+        if type(m) not in (nn.Identity, nn.Flatten, nn.Unflatten):
+            return False
+    return False
+
+
+def _writes_buffers(group: _Group, training: bool) -> bool:
+    r"""Whether a group's members may write their buffers: in training, or held by other than a norm in eval."""
+    for qual in group.buffers:
+        owner = group.entries[qual].owners[0]
+        if training or not isinstance(owner, nn.modules.batchnorm._NormBase):
+            return True
+    return False
 
 
 # Layers writing their input in place to a clamp of it: one clamp after another is a clamp.

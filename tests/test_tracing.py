@@ -9,6 +9,7 @@ reorder floating-point operations.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
 import pytest
@@ -421,6 +422,44 @@ def test_fuse_auto_under_deterministic_algorithms_is_traced_unfused():
             assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), eager)
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.parametrize("fuse", ["auto", True])
+@pytest.mark.parametrize("how", ["compile", "export"])
+def test_members_writing_the_shared_input_are_traced_unfused(fuse, how):
+    # Before: traced fused, every member read the input after one write (ELU(inplace=True)
+    # first), where eager calls run them in order ("auto") or refuse the call (True): off by
+    # 0.16, silently. A trace cannot watch the input's version; it sees the layers.
+    torch.manual_seed(0)
+    model = Parallel(*[nn.Sequential(nn.ELU(inplace=True), nn.Linear(4, 4)) for _ in range(3)], fuse=fuse)
+    x = torch.randn(5, 4)
+    y = x.clone()
+    expected = torch.cat([b(y) for b in model], 1)
+    if how == "compile":
+        got = torch.compile(model, backend="eager", fullgraph=True)(x.clone())
+    else:
+        got = torch.export.export(model, (x.clone(),)).module()(x.clone())
+    assert torch.equal(got, expected)
+    # An in-place clamp first is the same once or many times: traced fused, as before.
+    clamped = Parallel(*[nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)) for _ in range(3)], fuse=fuse)
+    y = x.clone()
+    assert_close(torch.export.export(clamped, (x.clone(),)).module()(x.clone()), torch.cat([b(y) for b in clamped], 1))
+
+
+@pytest.mark.parametrize("fuse", ["auto", True])
+def test_buffers_a_fused_group_updates_are_updated_under_compile(fuse):
+    # Before: a trace stacked the members' buffers into a copy and updated that: running
+    # statistics (InstanceNorm in training) stayed at their initial values, compiled.
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True))  # noqa: E731
+    eager = Parallel(make(), make(), fuse=fuse)
+    compiled = Parallel(*[copy.deepcopy(b) for b in eager], fuse=fuse)
+    x = torch.randn(2, 3, 6, 6)
+    for _ in range(2):
+        assert_close(torch.compile(compiled, backend="eager", fullgraph=True)(x), eager(x))
+    for (name, a), (_, b) in zip(eager.named_buffers(), compiled.named_buffers(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    assert eager[0][1].running_mean.abs().sum() > 0
 
 
 def test_pipeline_exported_with_a_dynamic_batch():
