@@ -1052,7 +1052,8 @@ class ParallelSequential(nn.Sequential):
                         smallest = max(batch // self._chunks, 1)
                     check = _SoftmaxDims(self, plan, layers, smallest)
                     # A compiler traces the mode (which puts nothing in its graph) and would trace
-                    # hooks as side effects; compiled stages would be compiled again without them.
+                    # hooks as side effects. (Compiled stages guard on the mode: they compile again
+                    # for the next call, without it. See README, Compilers.)
                     with check.inside() if plan.scoped and not tracing and self._compiler is None else check:
                         output = self._forward(input)
                     # (each trace checks: a tracer would record the add as a side effect. An empty
