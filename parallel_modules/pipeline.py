@@ -1052,10 +1052,10 @@ class ParallelSequential(nn.Sequential):
                         smallest = max(batch // self._chunks, 1)
                     check = _SoftmaxDims(self, plan, layers, smallest)
                     # A compiler traces the mode (which puts nothing in its graph) and would trace
-                    # hooks as side effects. (Compiled stages guard on the mode: they compile again
-                    # for the next call, without it. See README, Compilers.)
+                    # hooks as side effects. Stages compiled with compile= run uncompiled under it:
+                    # compiled code guards on the mode, and would compile again for the next call.
                     with check.inside() if plan.scoped and not tracing and self._compiler is None else check:
-                        output = self._forward(input)
+                        output = self._forward(input, uncompiled=not tracing and self._compiler is not None)
                     # (each trace checks: a tracer would record the add as a side effect. An empty
                     # batch has no rows for the check to see: the next call of the signature checks.)
                     if not tracing and batch:
@@ -1093,7 +1093,8 @@ class ParallelSequential(nn.Sequential):
                             f"pipeline with {type(self).__name__}.to(...) is seen at once.)")
         return _with_context(error, context)
 
-    def _forward(self, input: Any) -> Any:
+    def _forward(self, input: Any, uncompiled: bool = False) -> Any:
+        r"""The stages on ``input``, micro-batch by micro-batch; ``uncompiled``: not their compiled forms."""
         plan = self._get_plan()
         tracing = _is_tracing()
         # (Not asked of a compiler, which would record the question in its graph.)
@@ -1112,7 +1113,7 @@ class ParallelSequential(nn.Sequential):
                 plan = self._get_plan()
                 if plan.home is not None and device != plan.home:
                     raise self._placement_error(plan, device)
-        calls = self._stages()
+        calls = self._modules.values() if uncompiled else self._stages()
         graphs = (self._stage_graphs(plan, input) if copy_to is not None and self.cuda_graph and not tracing
                   else None)
         if graphs is not None:

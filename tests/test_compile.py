@@ -821,3 +821,23 @@ def test_a_to_after_a_branch_moved_on_its_own_still_resets_the_block():
         block.double()
         assert block._tuner is not tuner and not block._compiler._calls
         assert_same(block(x.double()), cat_reference(block, x.double()))
+
+
+def test_a_pipeline_checking_its_softmax_dims_compiles_its_stages_once():
+    # Before (a CPU hunt): the first call of a signature ran the compiled stages under the
+    # softmax check's torch function mode, on which compiled code guards: every stage compiled
+    # again for the next call (3 frames, then 6). It runs them uncompiled instead.
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    counter = CompileCounter()
+    model = ParallelSequential(nn.Linear(8, 8), nn.Softmax(dim=-1), nn.Linear(8, 8), chunks=2, compile=counter)
+    x = torch.randn(6, 8)
+    expected = torch.cat([nn.Sequential(*model)(c) for c in x.tensor_split(2)])
+    frames = []
+    for _ in range(3):
+        assert_same(model(x), expected)
+        frames.append(counter.frame_count)
+    assert frames == [0, 3, 3]
+    with pytest.raises(RuntimeError, match=r"contains '1' \(Softmax\(dim=-2\)\).*dimension 0"):
+        ParallelSequential(nn.Linear(8, 8), nn.Softmax(dim=-2), chunks=2, compile=CompileCounter())(x)
