@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _UnbatchedNow, _Unfused
+from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _layers, _UnbatchedNow, _Unfused
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
@@ -639,10 +639,9 @@ class Parallel(nn.Module):
             # Eagerly, such groups run fused only while the calls show no branch writing the
             # shared input (``_run_units_watched``); compiled code would not look.
             return None
-        if fusion is not None and any(_writes_its_input(g) or _writes_buffers(g, self.training)
-                                      for g in fusion.groups):
-            # Nor at a group whose members write the shared input (an in-place activation first),
-            # or may write buffers, which a trace would write into its stacked copies only.
+        if fusion is not None and _out_of_order(fusion.units) and any(_traced_unfused(g) for g in fusion.groups):
+            # (A group traced unfused runs its members at its place: in branch order only if the
+            # units are. See _run.)
             return None
         return fusion
 
@@ -961,8 +960,12 @@ class Parallel(nn.Module):
         else:
             branches = self._branches()
 
+            tracing = _is_tracing()
+
             def run(i: int, unit: Any) -> Any:
                 if isinstance(unit, _Group):
+                    if tracing and _traced_unfused(unit):
+                        return _Unfused(self._call(j, args, kwargs, branches) for j in unit.indices)
                     return self._run_group(fusion, unit, args, kwargs)
                 return self._call(unit, args, kwargs, branches)
 
@@ -1423,15 +1426,30 @@ def _unit_indices(unit: Any) -> list[int]:
     return unit.indices if isinstance(unit, _Group) else [unit]
 
 
+def _traced_unfused(group: _Group) -> bool:
+    r"""Whether a trace runs ``group``'s members one after another, not fused.
+
+    A trace cannot watch the input's version nor write back into the members'
+    buffers what a batched layer wrote into their stacks: members whose layers
+    show a write to the shared input (:func:`_writes_its_input`) or that may
+    write buffers (:func:`_writes_buffers`) are traced unfused.
+    """
+    return _writes_its_input(group) or _writes_buffers(group)
+
+
+def _leading_layers(template: nn.Module) -> list[nn.Module]:
+    r"""The layers a member runs one after another, nested ``Sequential`` s flattened, as fused steps see them."""
+    return [m for _, m in _layers(template)] if type(template) is nn.Sequential else [template]
+
+
 def _writes_its_input(group: _Group) -> bool:
     r"""Whether a group's members begin with a stock layer writing the shared input in place, not a clamp.
 
-    What a trace can tell from the layers alone (see :meth:`Parallel._traced_fusion`):
+    What a trace can tell from the layers alone (see :func:`_traced_unfused`):
     ``nn.ELU(inplace=True)`` first, or after layers returning their input (or a view
     of it). A module of the user's writing its input is seen by eager calls only.
     """
-    template = group.template
-    for m in list(template._modules.values()) if type(template) is nn.Sequential else [template]:
+    for m in _leading_layers(group.template):
         if isinstance(m, nn.modules.dropout._DropoutNd):  # (fused in eval, or with p=0: it returns its input)
             continue
         if getattr(m, "inplace", False) is True:
@@ -1441,11 +1459,11 @@ def _writes_its_input(group: _Group) -> bool:
     return False
 
 
-def _writes_buffers(group: _Group, training: bool) -> bool:
-    r"""Whether a group's members may write their buffers: in training, or held by other than a norm in eval."""
+def _writes_buffers(group: _Group) -> bool:
+    r"""Whether a group's members may write their buffers: held by a layer in training, or by other than a norm."""
     for qual in group.buffers:
-        owner = group.entries[qual].owners[0]
-        if training or not isinstance(owner, nn.modules.batchnorm._NormBase):
+        owners = group.entries[qual].owners
+        if any(o.training for o in owners) or not isinstance(owners[0], nn.modules.batchnorm._NormBase):
             return True
     return False
 
@@ -1465,8 +1483,7 @@ def _clamps_its_input(unit: Any) -> bool:
     """
     if not isinstance(unit, _Group):
         return False
-    template = unit.template
-    layers = list(template._modules.values()) if type(template) is nn.Sequential else [template]
+    layers = _leading_layers(unit.template)
     k = 0
     while k < len(layers) and type(layers[k]) in _CLAMPS and layers[k].inplace:
         k += 1

@@ -559,6 +559,13 @@ class ParallelSequential(nn.Sequential):
 
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
         _check_stage(type(self).__name__, str(index), module)
+        if list(self._modules) != [str(i) for i in range(len(self))]:
+            # (nn.Sequential's insert moves stages "0".."n-1" up by one: on names kept through a
+            # slice, or given, it replaced or dropped a stage, or failed half done.)
+            raise ValueError(f"{type(self).__name__}: insert numbers the stages by position and needs them named "
+                             f"'0'..'{len(self) - 1}', got {list(self._modules)} (kept through a slice, or given "
+                             f"in an OrderedDict). Build a new one, {type(self).__name__}(*stages), or name the "
+                             f"stages with an OrderedDict.")
         super().insert(index, module)
         self._reset()
         return self

@@ -1410,6 +1410,9 @@ def test_appending_to_a_slice_whose_stages_kept_their_names_is_refused_not_overw
         with pytest.raises(ValueError, match=r"a stage named '2' already exists .*\['1', '2'\]"):
             grow()
         assert list(part._modules) == ["1", "2"] and part[1] is pipe[2]
+    with pytest.raises(ValueError, match=r"insert numbers the stages by position .* got \['1', '2'\]"):
+        part.insert(1, nn.ReLU())
+    assert list(part._modules) == ["1", "2"] and part[1] is pipe[2]
     # Named by their index from 0, a slice grows as before.
     whole = pipe[:2].append(nn.ReLU())
     assert list(whole._modules) == ["0", "1", "2"] and isinstance(whole[2], nn.ReLU)

@@ -440,6 +440,22 @@ def test_members_writing_the_shared_input_are_traced_unfused(fuse, how):
     else:
         got = torch.export.export(model, (x.clone(),)).module()(x.clone())
     assert torch.equal(got, expected)
+    # Nested in a Sequential (a review of the first draft, which looked at direct children), and
+    # beside a group that may be traced fused, which still is (the first draft unfused the block).
+    writers = [nn.Sequential(nn.Sequential(nn.ELU(inplace=True), nn.Linear(4, 4)), nn.Linear(4, 4)) for _ in range(2)]
+    others = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)] if fuse == "auto" else []
+    nested = Parallel(*writers, *others, fuse=fuse)  # (fuse=True: every branch in one group)
+    y = x.clone()
+    expected = torch.cat([b(y) for b in nested], 1)
+    if how == "compile":
+        got = torch.compile(nested, backend="eager", fullgraph=True)(x.clone())
+    else:
+        got = torch.export.export(nested, (x.clone(),)).module()(x.clone())
+    assert_close(got, expected)
+    if others:
+        graph = torch.export.export(nested, (x.clone(),)).graph
+        batched = [n for n in graph.nodes if n.op == "call_function" and "bmm" in str(n.target)]
+        assert len(batched) == 1  # (the Tanh heads' one Linear, fused; the writers' four, unfused)
     # An in-place clamp first is the same once or many times: traced fused, as before.
     clamped = Parallel(*[nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)) for _ in range(3)], fuse=fuse)
     y = x.clone()
@@ -460,6 +476,15 @@ def test_buffers_a_fused_group_updates_are_updated_under_compile(fuse):
     for (name, a), (_, b) in zip(eager.named_buffers(), compiled.named_buffers(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
     assert eager[0][1].running_mean.abs().sum() > 0
+    # Members in training in a block in eval (a review: the block's mode was read, not theirs).
+    for block in (eager, compiled):
+        block.eval()
+        for b in block:
+            b.train()
+    for _ in range(2):
+        assert_close(torch.compile(compiled, backend="eager", fullgraph=True)(x), eager(x))
+    for (name, a), (_, b) in zip(eager.named_buffers(), compiled.named_buffers(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
 
 
 def test_pipeline_exported_with_a_dynamic_batch():
