@@ -424,6 +424,17 @@ def test_fuse_auto_under_deterministic_algorithms_is_traced_unfused():
         torch.use_deterministic_algorithms(previous)
 
 
+def _traced_against_in_turn(model: Parallel, x: torch.Tensor, how: str) -> None:
+    r"""``model`` compiled or exported, on a copy of ``x``, against its branches called in turn on one copy."""
+    y = x.clone()
+    expected = torch.cat([b(y) for b in model], 1)
+    if how == "compile":
+        got = torch.compile(model, backend="eager", fullgraph=True)(x.clone())
+    else:
+        got = torch.export.export(model, (x.clone(),)).module()(x.clone())
+    assert_close(got, expected)
+
+
 @pytest.mark.parametrize("fuse", ["auto", True])
 @pytest.mark.parametrize("how", ["compile", "export"])
 def test_members_writing_the_shared_input_are_traced_unfused(fuse, how):
@@ -431,35 +442,22 @@ def test_members_writing_the_shared_input_are_traced_unfused(fuse, how):
     # first), where eager calls run them in order ("auto") or refuse the call (True): off by
     # 0.16, silently. A trace cannot watch the input's version; it sees the layers.
     torch.manual_seed(0)
-    model = Parallel(*[nn.Sequential(nn.ELU(inplace=True), nn.Linear(4, 4)) for _ in range(3)], fuse=fuse)
     x = torch.randn(5, 4)
-    y = x.clone()
-    expected = torch.cat([b(y) for b in model], 1)
-    if how == "compile":
-        got = torch.compile(model, backend="eager", fullgraph=True)(x.clone())
-    else:
-        got = torch.export.export(model, (x.clone(),)).module()(x.clone())
-    assert torch.equal(got, expected)
+    _traced_against_in_turn(
+        Parallel(*[nn.Sequential(nn.ELU(inplace=True), nn.Linear(4, 4)) for _ in range(3)], fuse=fuse), x, how)
     # Nested in a Sequential (a review of the first draft, which looked at direct children), and
     # beside a group that may be traced fused, which still is (the first draft unfused the block).
     writers = [nn.Sequential(nn.Sequential(nn.ELU(inplace=True), nn.Linear(4, 4)), nn.Linear(4, 4)) for _ in range(2)]
     others = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)] if fuse == "auto" else []
     nested = Parallel(*writers, *others, fuse=fuse)  # (fuse=True: every branch in one group)
-    y = x.clone()
-    expected = torch.cat([b(y) for b in nested], 1)
-    if how == "compile":
-        got = torch.compile(nested, backend="eager", fullgraph=True)(x.clone())
-    else:
-        got = torch.export.export(nested, (x.clone(),)).module()(x.clone())
-    assert_close(got, expected)
+    _traced_against_in_turn(nested, x, how)
     if others:
         graph = torch.export.export(nested, (x.clone(),)).graph
         batched = [n for n in graph.nodes if n.op == "call_function" and "bmm" in str(n.target)]
         assert len(batched) == 1  # (the Tanh heads' one Linear, fused; the writers' four, unfused)
     # An in-place clamp first is the same once or many times: traced fused, as before.
-    clamped = Parallel(*[nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)) for _ in range(3)], fuse=fuse)
-    y = x.clone()
-    assert_close(torch.export.export(clamped, (x.clone(),)).module()(x.clone()), torch.cat([b(y) for b in clamped], 1))
+    _traced_against_in_turn(
+        Parallel(*[nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4)) for _ in range(3)], fuse=fuse), x, how)
 
 
 @pytest.mark.parametrize("fuse", ["auto", True])
