@@ -1121,8 +1121,10 @@ class ParallelSequential(nn.Sequential):
                 if plan.home is not None and device != plan.home:
                     raise self._placement_error(plan, device)
         calls = self._modules.values() if uncompiled else self._stages()
+        # (Not for a call run uncompiled, see _eager: the graphs captured would be kept for the
+        # compiled stages' calls.)
         graphs = (self._stage_graphs(plan, input) if copy_to is not None and self.cuda_graph and not tracing
-                  else None)
+                  and not uncompiled else None)
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
         if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (

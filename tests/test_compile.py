@@ -841,3 +841,23 @@ def test_a_pipeline_checking_its_softmax_dims_compiles_its_stages_once():
     assert frames == [0, 3, 3]
     with pytest.raises(RuntimeError, match=r"contains '1' \(Softmax\(dim=-2\)\).*dimension 0"):
         ParallelSequential(nn.Linear(8, 8), nn.Softmax(dim=-2), chunks=2, compile=CompileCounter())(x)
+
+
+@cuda
+def test_a_host_input_pipeline_checking_its_softmax_dims_captures_its_compiled_stages():
+    # Before (a review): the first call of a signature, run uncompiled for the softmax check,
+    # captured the per-stage graphs of a host-input cuda_graph=True pipeline from the
+    # uncompiled stages, which every later call then replayed: compile= had no effect.
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    counter = CompileCounter()
+    model = ParallelSequential(nn.Linear(8, 8), nn.Softmax(dim=-1), nn.Linear(8, 8), chunks=2, compile=counter,
+                               cuda_graph=True).cuda().eval()
+    reference = nn.Sequential(*copy.deepcopy(list(model)))
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_close(model(x), reference(x.cuda()))
+    assert counter.frame_count > 0
+    assert all(c.captures > 0 for c in model._per_stage.values())
