@@ -633,8 +633,7 @@ class _Group:
         features, every ``Linear`` with a bias after the first layer (the
         first, on the shared input, adds its bias in the product's epilogue).
         """
-        template = self.template
-        layers = [m for _, m in _layers(template)] if type(template) is nn.Sequential else [template]
+        layers = _flat_layers(self.template)
         return (x.dim() == 2 and any(type(m) is nn.Linear and m.bias is not None for m in layers[1:])
                 and not self.kernel_layers(x))
 
@@ -1057,6 +1056,11 @@ def _layers(m: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
     :func:`_program` does)."""
     return [leaf for name, c in m._modules.items()
             for leaf in (_layers(c, _join(prefix, name)) if type(c) is nn.Sequential else [(_join(prefix, name), c)])]
+
+
+def _flat_layers(template: nn.Module) -> list[nn.Module]:
+    r"""The layers a member runs one after another: ``template``'s, flattened (:func:`_layers`), or itself."""
+    return [m for _, m in _layers(template)] if type(template) is nn.Sequential else [template]
 
 
 def _paired(m: nn.Module) -> bool:

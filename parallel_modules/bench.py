@@ -183,9 +183,6 @@ def _check_training(name: str, model: nn.Module, ref: nn.Module, start: list[tor
         raise fail(f"parameter shapes {[tuple(p.shape) for p in params]}, expected {[tuple(e.shape) for e in expected]}")
     if any(p.grad is None for p in params):
         raise fail("a parameter has no gradient after the step (no backward reached it)")
-    # (In half precision three steps may move no parameter at all, lr * grad being below half
-    # an ulp: then none must move, and the gradients carry the check.)
-    moved = [e.detach() - s for e, s in zip(expected, start)]
     if "fuse" not in name:
         if all(torch.equal(p, e) and torch.equal(p.grad, e.grad) for p, e in zip(params, expected)):
             return "equal"
@@ -195,6 +192,9 @@ def _check_training(name: str, model: nn.Module, ref: nn.Module, start: list[tor
     # reference's largest, and the parameters within the rounding of three steps (half an ulp each).
     tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
     eps = torch.finfo(dtype).eps
+    # (In half precision three steps may move no parameter at all, lr * grad being below half
+    # an ulp: then none must move, and the gradients carry the check.)
+    moved = [e.detach() - s for e, s in zip(expected, start)]
     for i, (p, e, s, m) in enumerate(zip(params, expected, start, moved)):
         g, ge = p.grad.float(), e.grad.float()
         if not torch.allclose(g, ge, rtol=tol, atol=tol * ge.abs().max().item()):

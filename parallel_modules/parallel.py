@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import _difference, _functorch_active, _Fusion, _Group, _Joined, _layers, _UnbatchedNow, _Unfused
+from ._fusion import _difference, _flat_layers, _functorch_active, _Fusion, _Group, _Joined, _UnbatchedNow, _Unfused
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
@@ -639,10 +639,8 @@ class Parallel(nn.Module):
             # Eagerly, such groups run fused only while the calls show no branch writing the
             # shared input (``_run_units_watched``); compiled code would not look.
             return None
-        if fusion is not None and _out_of_order(fusion.units) and any(_traced_unfused(g) for g in fusion.groups):
-            # (A group traced unfused runs its members at its place: in branch order only if the
-            # units are. See _run.)
-            return None
+        # (A group _run traces unfused runs its members at its place: in branch order, as the
+        # units are here -- out of order only under "auto", above; fuse=True makes one group.)
         return fusion
 
     def _auto_unfused(self) -> bool:
@@ -955,12 +953,11 @@ class Parallel(nn.Module):
             return outputs
 
         run: Any = None  # _run_forked calls each branch on args, kwargs (and names it in an error)
+        tracing = fusion is not None and _is_tracing()
         if fusion is None:
             calls: list[Any] = self._branches()
         else:
             branches = self._branches()
-
-            tracing = _is_tracing()
 
             def run(i: int, unit: Any) -> Any:
                 if isinstance(unit, _Group):
@@ -972,7 +969,7 @@ class Parallel(nn.Module):
             calls = list(fusion.units)
         if device is None or len(calls) == 1:
             # (Under capture the graph module looks for writes; a traced graph has none to watch.)
-            watch = fusion is not None and not capturing and not _is_tracing()
+            watch = fusion is not None and not capturing and not tracing
             functorch = watch and _functorch_active()
             if functorch and len(calls) > 1 and self.fuse == "auto":
                 # The inputs are torch.func's wrappers, whose versions do not move: no write
@@ -1437,11 +1434,6 @@ def _traced_unfused(group: _Group) -> bool:
     return _writes_its_input(group) or _writes_buffers(group)
 
 
-def _leading_layers(template: nn.Module) -> list[nn.Module]:
-    r"""The layers a member runs one after another, nested ``Sequential`` s flattened, as fused steps see them."""
-    return [m for _, m in _layers(template)] if type(template) is nn.Sequential else [template]
-
-
 def _writes_its_input(group: _Group) -> bool:
     r"""Whether a group's members begin with a stock layer writing the shared input in place, not a clamp.
 
@@ -1449,7 +1441,7 @@ def _writes_its_input(group: _Group) -> bool:
     ``nn.ELU(inplace=True)`` first, or after layers returning their input (or a view
     of it). A module of the user's writing its input is seen by eager calls only.
     """
-    for m in _leading_layers(group.template):
+    for m in _flat_layers(group.template):
         if isinstance(m, nn.modules.dropout._DropoutNd):  # (fused in eval, or with p=0: it returns its input)
             continue
         if getattr(m, "inplace", False) is True:
@@ -1483,7 +1475,7 @@ def _clamps_its_input(unit: Any) -> bool:
     """
     if not isinstance(unit, _Group):
         return False
-    layers = _leading_layers(unit.template)
+    layers = _flat_layers(unit.template)
     k = 0
     while k < len(layers) and type(layers[k]) in _CLAMPS and layers[k].inplace:
         k += 1

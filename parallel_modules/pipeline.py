@@ -1048,11 +1048,11 @@ class ParallelSequential(nn.Sequential):
             # (A declared ``mixes_batch`` decides, as in _mixing_error.)
             layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
                       and (_softmax_dim(m) is None or _softmax_dim(m) < 0) and getattr(m, "mixes_batch", None) is None]
-            tracing = _is_tracing()
-            # (Under torch.func transforms the stages run on the whole input: see _forward.)
-            if layers and (tracing or not _functorch_active()):
+            if layers:
                 key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
-                if tracing or key not in self._softmax_checked:
+                tracing = _is_tracing()
+                # (Under torch.func transforms the stages run on the whole input: see _forward.)
+                if tracing or key not in self._softmax_checked and not _functorch_active():
                     smallest, batch = None, None
                     if not (tracing and _symbolic_batch(input)):
                         batch = _batch_size(input) or 0
