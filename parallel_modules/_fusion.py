@@ -1228,6 +1228,11 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
     fallback = _vmapped_step(group, m, prefix)
     if isinstance(m, _SAVES_WEIGHT) and q("weight") in group.entries and q("weight") not in group.saved_always:
         group.saved_always.add(q("weight"))  # (read, not written, under a trace: see _Group)
+    elif (isinstance(m, nn.modules.instancenorm._InstanceNorm) and q("weight") in group.entries
+          and q("weight") not in group.never_saved):
+        # ATen's instance norm saves a copy of its weight, repeated for each sample, unfused
+        # as under vmap: a change in place after the forward pass reaches neither backward.
+        group.never_saved.add(q("weight"))
 
     if type(m) in _POINTWISE or isinstance(m, _DropoutNd):  # dropout: only in eval or with p=0 (see _unfusable)
         # ``forward`` itself: fused members have no hooks (see _unfusable), and
@@ -1394,8 +1399,8 @@ _FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Transformer
 # Layers whose backward saves their weight whenever anything requires grad: the input's
 # gradient reads it (a convolution's kernel, a norm's scale, PReLU's slopes). Unfused,
 # autograd refuses a backward after such a weight changed in place, frozen or not.
-_SAVES_WEIGHT = (nn.modules.conv._ConvNd, _BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm,
-                 nn.GroupNorm, nn.PReLU, nn.RMSNorm)
+# (Not an instance norm's: see _program.)
+_SAVES_WEIGHT = (nn.modules.conv._ConvNd, _BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.PReLU, nn.RMSNorm)
 
 
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:

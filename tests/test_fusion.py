@@ -1895,7 +1895,8 @@ def test_layer_settings_changed_before_the_first_call_are_used(change):
 
 
 @pytest.mark.parametrize("case", ["probe", "probe-input-grad", "mlp", "embedding", "frozen", "frozen-conv",
-                                  "frozen-norm", "frozen-conv-no-input-grad"])
+                                  "frozen-norm", "frozen-conv-no-input-grad", "instance-norm",
+                                  "frozen-instance-norm"])
 def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(case):
     # Before: fused, any weight changed in place refused the backward; unfused, autograd saves
     # a Linear's weight only where its input requires grad (a probe on frozen features: not)
@@ -1908,6 +1909,8 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
         make, x = (lambda: nn.Conv2d(3, 4, 3)), torch.randn(2, 3, 6, 6, requires_grad=needs)
     elif case == "frozen-norm":
         make, x = (lambda: nn.LayerNorm(4)), torch.randn(5, 4, requires_grad=True)
+    elif case.endswith("instance-norm"):  # (before: refused fused; unfused, it saves a copy of its weight)
+        make, x = (lambda: nn.InstanceNorm1d(4, affine=True)), torch.randn(2, 4, 6, requires_grad=True)
     elif case in ("mlp", "frozen"):  # (the second Linear's input requires grad: saved, refused both ways)
         make, x = (lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))), torch.randn(5, 4)
     else:
@@ -1916,7 +1919,7 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
     if case == "frozen":  # (before: a frozen head changed in place was read silently, fused)
         for b in fused:
             b[-1].requires_grad_(False)
-    if case.startswith(("frozen-conv", "frozen-norm")):  # (a frozen teacher's EMA update, say)
+    if case.startswith(("frozen-conv", "frozen-norm", "frozen-instance")):  # (a frozen teacher's EMA update, say)
         fused.requires_grad_(False)
     plain = copy.deepcopy(fused)
     plain.fuse = False
