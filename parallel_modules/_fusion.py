@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -1060,7 +1060,16 @@ def _layers(m: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
 
 def _flat_layers(template: nn.Module) -> list[nn.Module]:
     r"""The layers a member runs one after another: ``template``'s, flattened (:func:`_layers`), or itself."""
-    return [m for _, m in _layers(template)] if type(template) is nn.Sequential else [template]
+    return list(_iter_layers(template))
+
+
+def _iter_layers(template: nn.Module) -> Iterator[nn.Module]:
+    r""":func:`_flat_layers`, one at a time: for a caller that reads the first few on every call."""
+    if type(template) is not nn.Sequential:
+        yield template
+        return
+    for c in template._modules.values():
+        yield from _iter_layers(c)
 
 
 def _paired(m: nn.Module) -> bool:

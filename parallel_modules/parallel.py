@@ -16,7 +16,8 @@ from torch.utils import _pytree as pytree
 from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import _difference, _flat_layers, _functorch_active, _Fusion, _Group, _Joined, _UnbatchedNow, _Unfused
+from ._fusion import (_difference, _flat_layers, _functorch_active, _Fusion, _Group, _iter_layers, _Joined,
+                      _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _check_devices, _input_device, _signature, _with_context
@@ -301,7 +302,8 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_in_order", "_placement", "_plans", "_revision", "_tree", "_tuner", "_unwritten"})
+                           "_in_order", "_placement", "_plans", "_revision", "_tree", "_tuner", "_unwritten",
+                           "_watched_fused"})
 
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
@@ -393,6 +395,8 @@ class Parallel(nn.Module):
         self._plans: dict[Hashable, _Schedule] = {}
         # Signatures with inference-tensor inputs whose first call saw no branch write to them.
         self._unwritten: dict[Hashable, None] = {}
+        # The same, for fuse=True: signatures whose first call was watched (see _first_inference_fused).
+        self._watched_fused: dict[Hashable, None] = {}
         # A branch wrote the shared input on a call after "auto" had forked or fused out of
         # branch order: schedules keep the branches in order (see _keep_in_order).
         self._in_order = False
@@ -1021,13 +1025,21 @@ class Parallel(nn.Module):
         (:meth:`_keep_in_order`).
         """
         watched = _watched(args, kwargs)
+        seen = self._first_inference_fused(units, args, kwargs)
         first = watched[0] if len(watched) == 1 else None  # the common case: one int compared per unit
         version = first._version if first is not None else 0
         versions = [t._version for t in watched] if len(watched) > 1 else None
         outputs = []
         for i, unit in enumerate(units):
-            outputs.append(run(i, unit))
-            if first is not None and first._version != version or versions and _changed(watched, versions):
+            if seen is None:
+                outputs.append(run(i, unit))
+                written = False
+            else:
+                writes = _Writes(seen[1])
+                with writes:
+                    outputs.append(run(i, unit))
+                written = writes.wrote
+            if written or first is not None and first._version != version or versions and _changed(watched, versions):
                 # Out of order only if a branch that ran before should have seen the write, or
                 # one still to run should not (a write by the last branch is harmless), or a
                 # group ran its members together (not one after another: _run_group's fallback).
@@ -1039,12 +1051,40 @@ class Parallel(nn.Module):
                     versions = [t._version for t in watched] if versions else None
                     continue
                 raise self._refused_write(wrote)
+        if seen is not None:
+            _bounded_add(self._watched_fused, seen[0])
         return outputs
 
-    def _refused_write(self, wrote: list[int]) -> RuntimeError:
+    def _first_inference_fused(self, units: list[Any], args: tuple, kwargs: dict) -> tuple[Hashable, list] | None:
+        r"""For ``fuse=True`` on inference tensors: the signature and those tensors, on its first call.
+
+        Inference tensors keep no version by which a write shows. On the first
+        call of such a signature (as ``fuse="auto"``'s first call in turn, see
+        :meth:`_first_unversioned`), members beginning with a stock layer that
+        writes the shared input are refused before they run, and every unit
+        runs under :class:`._streams._Writes`; ``None`` on later calls, and
+        for other inputs. (A branch that writes on later calls only is not seen.)
+        """
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if self.fuse is not True or isinstance(x, torch.Tensor) and not x.is_inference():
+            return None
+        unversioned = _unversioned(args, kwargs)
+        if not unversioned:
+            return None
+        key = _signature(args, kwargs, self.training, floats=False)
+        if key in self._watched_fused:
+            return None
+        for unit in units:
+            if isinstance(unit, _Group) and _writes_its_input(unit):
+                raise _with_context(self._refused_write(unit.indices, before=True),
+                                    "(seen from its layers before it ran: the input is an inference tensor, "
+                                    "which keeps no version by which a write shows)")
+        return key, unversioned
+
+    def _refused_write(self, wrote: list[int], before: bool = False) -> RuntimeError:
         r"""The error of a fused call in which the branches ``wrote`` (one, or a group's members) changed
         the shared input in place out of branch order; with ``fuse="auto"`` the block is kept in order
-        from then on."""
+        from then on. ``before``: refused before they ran, from their layers (``fuse=True``)."""
         names = list(self._modules)
         which = [names[j] for j in wrote]
         how = ("runs fused groups out of branch order" if len(which) == 1 else
@@ -1053,7 +1093,8 @@ class Parallel(nn.Module):
             return RuntimeError(
                 f"{type(self).__name__}: fuse=True {how}, and "
                 f"{'branch' if len(which) == 1 else 'one of branches'} {which[0] if len(which) == 1 else which!r} "
-                f"changed the shared input in place: the branches after it did not all see the change, so the "
+                f"{'begins with a layer changing' if before else 'changed'} the shared input in place: the "
+                f"branches after it {'would not' if before else 'did not'} all see the change, so the "
                 f"result would differ from calling them one after another, and this call is refused. Make the "
                 f"branch's first operation out of place (inplace=False, x = x + 1), or pass fuse='auto' (which "
                 f"then keeps such branches in order) or fuse=False."
@@ -1340,9 +1381,7 @@ class Parallel(nn.Module):
         fused = fusion if self.fuse is True else None
         outputs, wrote = self._run_watched(args, kwargs, fused)
         if not wrote:
-            if len(self._unwritten) >= _MAX_PLANS:
-                self._unwritten.pop(next(iter(self._unwritten)))
-            self._unwritten[key] = None
+            _bounded_add(self._unwritten, key)
         elif self.streams is True:
             refused = _changed_in_place()
             refused.handled = True  # (see _fork_refused)
@@ -1412,6 +1451,13 @@ class Parallel(nn.Module):
         return plan
 
 
+def _bounded_add(seen: dict[Hashable, None], key: Hashable) -> None:
+    r"""Add ``key`` to ``seen``, a dict of signatures, dropping the oldest beyond ``_MAX_PLANS`` (dynamic shapes)."""
+    if len(seen) >= _MAX_PLANS:
+        seen.pop(next(iter(seen)))
+    seen[key] = None
+
+
 def _out_of_order(units: list[Any]) -> bool:
     r"""Whether running ``units`` in turn runs a branch before one of a lower index."""
     order = [i for unit in units for i in _unit_indices(unit)]
@@ -1441,10 +1487,10 @@ def _writes_its_input(group: _Group) -> bool:
     ``nn.ELU(inplace=True)`` first, or after layers returning their input (or a view
     of it). A module of the user's writing its input is seen by eager calls only.
     """
-    for m in _flat_layers(group.template):
+    for m in _iter_layers(group.template):  # (the first few: inference calls with fuse=True ask on every call)
         if isinstance(m, nn.modules.dropout._DropoutNd):  # (fused in eval, or with p=0: it returns its input)
             continue
-        if getattr(m, "inplace", False) is True:
+        if m.__dict__.get("inplace") is True:  # (not getattr: a module without one raises inside, slowly)
             return not _clamps_its_input(group)
         if type(m) not in (nn.Identity, nn.Flatten, nn.Unflatten):
             return False
