@@ -152,9 +152,15 @@ def _spectral_norm(m: nn.Module) -> bool:
 
 
 def _read_elsewhere(m: nn.Module, modules: Sequence[nn.Module]) -> bool:
-    r"""Whether embedding ``m``'s weight is read by another of ``modules`` (tied, or ``m`` held twice)."""
-    holders = [x for x in modules if x is m or any(p is m.weight for p in x._parameters.values())]
-    return len(holders) > 1
+    r"""Whether embedding ``m``'s weight is read by another of ``modules`` (tied, or ``m`` held twice).
+
+    ``modules``: every module of the pipeline, itself included; each counted
+    once, whatever number of stages list it, and each of its slots holding ``m``
+    (a head keeping the embedding whose weight it reads, in the same stage).
+    """
+    unique = {id(x): x for x in modules}.values()
+    held = sum(c is m for x in unique for c in x._modules.values())
+    return held > 1 or any(x is not m and any(p is m.weight for p in x._parameters.values()) for x in unique)
 
 
 def _softmax_dim(m: nn.Module) -> int | None:
@@ -194,6 +200,7 @@ class _SoftmaxDims(TorchFunctionMode):
         super().__init__()
         self.owner, self.plan, self.layers, self.smallest = owner, plan, layers, smallest
         self.entered: list[nn.Module] = []  # the layers whose forward runs now, under inside()
+        self.reached: set[int] = set()  # ids of the layers seen normalizing, checked
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
@@ -214,6 +221,7 @@ class _SoftmaxDims(TorchFunctionMode):
             if threading.get_ident() == thread:
                 self.__enter__()
                 entered.append(m)
+                self.reached.add(id(m))
 
         # (Run last among the layer's pre-hooks and first among its forward hooks, which run
         # even when the forward raises: the mode covers the layer's forward alone.)
@@ -244,7 +252,7 @@ class _SoftmaxDims(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor) and self._batched(args[0]):
+        if func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor):
             written = kwargs.get("dim", args[1] if len(args) > 1 else None)
             ndim = args[0].dim()
             dim = (0 if ndim in (0, 1, 3) else 1) if written is None else written % max(ndim, 1)
@@ -252,7 +260,8 @@ class _SoftmaxDims(TorchFunctionMode):
             layers = [(i, q, m) for i, q, m in self.layers if _softmax_dim(m) == written
                       and (stock or type(m).forward not in self._STOCK_FORWARDS)
                       and (not self.entered or m is self.entered[-1])]
-            if dim == 0 and layers:
+            self.reached.update(id(m) for _, _, m in layers)
+            if dim == 0 and layers and self._batched(args[0]):
                 i, qual, m = layers[0]
                 raise RuntimeError(
                     f"{type(self.owner).__name__}: stage {self.plan.names[i]!r} (index {i}) contains {qual!r} "
@@ -496,7 +505,8 @@ class ParallelSequential(nn.Sequential):
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""
         self._plan: _Plan | None = None
         self._home: Any = _UNKNOWN
-        self._softmax_checked: set[Hashable] = set()  # input dims seen by softmax layers (see _SoftmaxDims)
+        # (input dims, mode, layer, dim) seen by softmax layers reached in a checked call (see _SoftmaxDims)
+        self._softmax_checked: set[Hashable] = set()
         # Each stage's graphs for host inputs (``_stage_graphs``), by stage name.
         self._per_stage: dict[str, _CudaGraphs] = {}
         graphs = self.__dict__.get("_graphs")
@@ -620,7 +630,7 @@ class ParallelSequential(nn.Sequential):
         # the plan anew.)
         modules = [m for _, _, m in (*mixers, *others)]
         tied = frozenset(id(m) for _, _, m in mixers
-                         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and _read_elsewhere(m, modules))
+                         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and _read_elsewhere(m, [self, *modules]))
         # Hooks where a mode over the whole call would change a result (fast paths), and
         # where nothing below reads hooks: blocks of this library (fusion, graphs) and
         # compiled modules (dynamo would trace them) take hooks for the user's own.
@@ -1049,10 +1059,14 @@ class ParallelSequential(nn.Sequential):
             layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
                       and (_softmax_dim(m) is None or _softmax_dim(m) < 0) and getattr(m, "mixes_batch", None) is None]
             if layers:
-                key = (_signature_dims(input), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
+                # Per layer: one not reached on a call (a branch of the stage's own, taken in
+                # training, or on a flag) is checked when it is, by the next call. (The mode
+                # decides too, where a stage's path depends on it.)
+                dims = (_signature_dims(input), self.training)
+                keys = {id(m): (dims, id(m), _softmax_dim(m)) for _, _, m in layers}
                 tracing = _is_tracing()
                 # (Under torch.func transforms the stages run on the whole input: see _forward.)
-                if tracing or key not in self._softmax_checked and not _functorch_active():
+                if tracing or not self._softmax_checked.issuperset(keys.values()) and not _functorch_active():
                     smallest, batch = None, None
                     if not (tracing and _symbolic_batch(input)):
                         batch = _batch_size(input) or 0
@@ -1066,7 +1080,7 @@ class ParallelSequential(nn.Sequential):
                     # (each trace checks: a tracer would record the add as a side effect. An empty
                     # batch has no rows for the check to see: the next call of the signature checks.)
                     if not tracing and batch:
-                        self._softmax_checked.add(key)
+                        self._softmax_checked.update(keys[i] for i in check.reached)
                     return output
         return self._forward(input)
 

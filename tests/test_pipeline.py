@@ -990,6 +990,34 @@ def test_an_empty_batch_leaves_the_softmax_check_to_the_next_call() -> None:
     torch.testing.assert_close(model(x), nn.Sequential(*model)(x))
 
 
+class _EvalProbabilities(nn.Module):
+    r"""Logits in training, probabilities along dim -2 in eval: the softmax is reached in eval only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.sm = nn.Linear(4, 3), nn.Softmax(dim=-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y if self.training else self.sm(y)
+
+
+def test_a_softmax_layer_not_reached_on_a_call_is_checked_when_it_is() -> None:
+    # Before: the check of a signature's first call was kept whether the layer ran or not: after
+    # one training call, which returns logits, eval normalized across each micro-batch (off by
+    # 0.22 against nn.Sequential), silently, where a new pipeline in eval is refused.
+    torch.manual_seed(0)
+    model = ParallelSequential(nn.Linear(4, 4), _EvalProbabilities(), chunks=2)
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(model(x), nn.Sequential(*model)(x))
+    model.eval()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"contains '1.sm' \(Softmax\(dim=-2\)\).*dimension 0"):
+            model(x)
+    model[1].sm.dim = -1  # (fixed as the error says: works)
+    torch.testing.assert_close(model(x), nn.Sequential(*model)(x))
+
+
 class _ScalarMix(nn.Module):
     r"""A learned softmax-weighted mix of two feature sets: a softmax over a parameter, not the batch."""
 
@@ -1287,6 +1315,10 @@ def test_an_embedding_renormalizing_a_weight_another_layer_reads_is_refused() ->
     reference = nn.Sequential(copy.deepcopy(untied), copy.deepcopy(head))
     torch.testing.assert_close(ParallelSequential(untied, head, chunks=2)(tokens), reference(tokens))
     torch.testing.assert_close(untied.weight, reference[0].weight)
+    # Tied within one stage (the head holds the embedding whose weight it reads): before, each
+    # stage listed its modules once, so the second holder went unseen (off by 5.25), silently.
+    with pytest.raises(RuntimeError, match=r"contains '0.0' \(Embedding\), which renormalizes the rows"):
+        ParallelSequential(nn.Sequential(embedding, _TiedHead(embedding)), chunks=2)(tokens)
 
 
 def test_stock_layers_mixing_samples_by_their_settings_are_refused() -> None:
