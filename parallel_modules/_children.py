@@ -39,6 +39,11 @@ def _unfit(owner: str, kind: str, name: str, child: Any) -> str | None:
         return (f"{owner}: {kind} {name!r} is a {type(child).__name__}, which holds modules but cannot be called. "
                 f"Pass its modules as the {plural} ({owner}(*modules), or {owner}(OrderedDict(module_dict))), "
                 f"or wrap them in an nn.Sequential to run them one after another as one {kind}.")
+    if type(child) in (list, tuple, dict):
+        plural = "branches" if kind == "branch" else "stages"
+        return (f"{owner}: {kind} {name!r} is a {type(child).__name__} of {len(child)}, not a module. Pass the "
+                f"{plural} as separate arguments, {owner}(*{plural}), or named in an OrderedDict, "
+                f"{owner}(OrderedDict(...)).")
     if isinstance(child, type) and issubclass(child, nn.Module):
         return (f"{owner}: {kind} {name!r} is the class {child.__name__}, not a module; pass an instance, "
                 f"e.g. {child.__name__}(...).")

@@ -73,7 +73,8 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
 
 from . import _batched_linear, _watch
-from ._streams import _capture_underway, _current_stream, _dispatch_modes, _functorch_active, _is_tracing, _pool
+from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _is_tracing,
+                       _jit_tracing, _pool)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
 
@@ -1013,11 +1014,14 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
     single views (``select``; autograd refuses in-place operations on the
     outputs of ``unbind``, which returns several views). Outputs computed once
     for all members (the shared layout) are copied for all but the first.
+    (Copies too under ``torch.jit.trace``, whose check traces again with
+    autograd off: a trace must record the same operations either way.)
     """
     recording = torch.is_grad_enabled()
+    traced = not torch.compiler.is_compiling() and _jit_tracing()  # (dynamo cannot trace the question)
     if not isinstance(v, _Value):  # structured output of a vmapped module: stacked leaves
         leaves, spec = pytree.tree_flatten(v)
-        columns = [_members(leaf, 0, n, recording and leaf.requires_grad) if isinstance(leaf, torch.Tensor)
+        columns = [_members(leaf, 0, n, traced or recording and leaf.requires_grad) if isinstance(leaf, torch.Tensor)
                    else (leaf,) * n for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
     t = v.t
@@ -1029,13 +1033,13 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
         member = t.select(0, 0) if t.dim() else t
         dense = member.is_contiguous() or member.dim() == 4 and member.is_contiguous(
             memory_format=torch.channels_last)
-        return _members(t, 0, n, recording and t.requires_grad or not dense)
+        return _members(t, 0, n, traced or recording and t.requires_grad or not dense)
     # The channels layout, [B, N * C, ...]: a member's channels are a strided slice of
     # every sample, where unfused it gets a dense tensor (``.view()`` works on it). One
     # copy gives every member a dense block; an input in another memory format
     # (channels-last) gets that format, member by member, as unfused.
     t = t.unflatten(1, (n, -1))
-    if recording and t.requires_grad or not t.is_contiguous():
+    if traced or recording and t.requires_grad or not t.is_contiguous():
         return _members(t, 1, n, True)
     return _members(t.movedim(1, 0).contiguous(), 0, n, False)
 

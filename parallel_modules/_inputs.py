@@ -57,12 +57,12 @@ def _signature(args: tuple, kwargs: dict, training: bool, floats: bool = True) -
     tuner's table).
     """
     grad = torch.is_grad_enabled()
-    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and not args[0].is_nested:
+    if (not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and args[0].layout is torch.strided
+            and not args[0].is_nested):
+        # (Dense only: a sparse COO tensor has strides of its own, (0, 0) for a matrix, as an
+        # expanded dense one may; the general path keys sparse layouts and their sizes.)
         x = args[0]
-        try:
-            return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, grad, training)
-        except RuntimeError:  # no strides (sparse CSR/CSC/BSR): the general path keys its layout
-            pass
+        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, grad, training)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     parts: list[Hashable] = [spec, grad, training]
     for leaf in leaves:

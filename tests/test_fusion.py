@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel
@@ -1089,6 +1090,21 @@ def test_jit_trace_of_fused_module_reads_the_parameters():
     x = torch.randn(3, 16)
     with torch.no_grad():
         assert_close(loaded(x), reference(other, x))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("join", [None, "dict"])
+def test_jit_trace_of_a_fused_block_passes_its_check_with_autograd_on(join):
+    # Before: each member's output was a copy while autograd recorded and a view otherwise, and
+    # torch.jit.trace's check, which traces again with autograd off, failed: "Graphs differed
+    # across invocations!" (a tuple or dict join; cat joins the batched value whole).
+    torch.manual_seed(0)
+    p = Parallel(collections.OrderedDict(a=nn.Linear(4, 3), b=nn.Linear(4, 3)), fuse=True, join=join)
+    x = torch.randn(5, 4)
+    traced = torch.jit.trace(p, (x,), strict=False)
+    got, want = traced(x), p(x)
+    for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
+        assert_close(g, w)
 
 
 def test_compile_fullgraph_of_fused_module():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel_modules import Parallel
+from parallel_modules import Parallel, ParallelSequential
 from tests._helpers import cpu_and_cuda
 from tests._reference import assert_same
 
@@ -429,6 +429,32 @@ def test_signatures_tell_apart_values_that_compare_equal():
     assert key(float("nan")) == key(float("nan"))  # a fresh NaN finds its key again
     assert key(2j) != key(3j) and key(np.int64(2)) != key(np.int64(3))
     assert key(1) != key(True) != key(1.0)
+
+
+def test_a_sparse_input_is_not_keyed_as_a_dense_one_with_the_same_strides():
+    # Before: one tensor took the signature's fast path, which left out the layout, and a
+    # sparse COO matrix (strides (0, 0)) was keyed as an expanded dense one: a schedule, graph
+    # or engine made for either would have served the other.
+    from parallel_modules._inputs import _signature
+
+    sparse = torch.randn(3, 4).to_sparse()
+    dense = torch.tensor(1.0).expand(3, 4)
+    assert _signature((sparse,), {}, True) != _signature((dense,), {}, True)
+    assert _signature((sparse,), {}, True) == _signature((sparse,), {}, True)
+
+
+@pytest.mark.parametrize("container", [list, tuple, dict])
+def test_branches_passed_in_one_list_or_dict_are_refused_with_the_fix(container):
+    # Before: "must be an nn.Module or a callable ... Wrap it in a module", where the branches
+    # were meant to be passed one by one.
+    branches = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    given = dict(a=branches[0], b=branches[1]) if container is dict else container(branches)
+    with pytest.raises(TypeError, match=rf"Parallel: branch '0' is a {container.__name__} of 2, not a module\. "
+                                        r"Pass the branches as separate arguments, Parallel\(\*branches\), or "
+                                        r"named in an OrderedDict"):
+        Parallel(given)
+    with pytest.raises(TypeError, match=rf"ParallelSequential: stage '0' is a {container.__name__} of 2"):
+        ParallelSequential(given)
 
 
 # --------------------------------------------------- found by a review of errors
