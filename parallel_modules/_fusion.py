@@ -71,10 +71,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_stack
 
 from . import _batched_linear, _watch
 from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _is_tracing,
-                       _jit_tracing, _pool)
+                       _jit_tracing, _pool, _Writes)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
 
@@ -648,7 +649,7 @@ class _Group:
         """
         shapes = self.linear_shapes
         if (not shapes or x.dim() != 2 or type(x) is not torch.Tensor or torch.is_autocast_enabled(x.device.type)
-                or _functorch_active() or _dispatch_modes() or _function_modes()):
+                or _functorch_active() or _dispatch_modes() and not _only_writes_watched() or _function_modes()):
             # (Subclasses and modes -- FakeTensorMode, FlopCounterMode -- see torch's operations;
             # a kernel launched by hand would go past them.)
             return False
@@ -760,6 +761,13 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             leaf.register_hook(check)
+
+
+def _only_writes_watched() -> bool:
+    r"""Whether the only dispatch modes active are :class:`._streams._Writes`, which watch for writes to
+    the inputs: a kernel launched by hand writes only its own output, and the call that first watches a
+    signature then runs the kernels of every later call, not others that round otherwise."""
+    return all(type(mode) is _Writes for mode in _dispatch_stack())
 
 
 def _launches_fast(x: torch.Tensor) -> bool:
@@ -1239,12 +1247,16 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
     n = group.n
     q = lambda name: _join(prefix, name)  # noqa: E731
     fallback = _vmapped_step(group, m, prefix)
-    if isinstance(m, _SAVES_WEIGHT) and q("weight") in group.entries and q("weight") not in group.saved_always:
-        group.saved_always.add(q("weight"))  # (read, not written, under a trace: see _Group)
-    elif (isinstance(m, nn.modules.instancenorm._InstanceNorm) and q("weight") in group.entries
-          and q("weight") not in group.never_saved):
-        # ATen's instance norm saves a copy of its weight, repeated for each sample, unfused
-        # as under vmap: a change in place after the forward pass reaches neither backward.
+    # ATen's instance norm saves a copy of its weight, repeated for each sample, unfused as
+    # under vmap: a change in place after the forward pass reaches neither backward. (Not
+    # where a subclass's forward of its own may read the weight itself.)
+    copies_weight = (isinstance(m, nn.modules.instancenorm._InstanceNorm)
+                     and type(m).forward is nn.modules.instancenorm._InstanceNorm.forward)
+    if q("weight") in group.entries and (isinstance(m, _SAVES_WEIGHT) or isinstance(
+            m, nn.modules.instancenorm._InstanceNorm) and not copies_weight):
+        if q("weight") not in group.saved_always:
+            group.saved_always.add(q("weight"))  # (read, not written, under a trace: see _Group)
+    elif copies_weight and q("weight") in group.entries and q("weight") not in group.never_saved:
         group.never_saved.add(q("weight"))
 
     if type(m) in _POINTWISE or isinstance(m, _DropoutNd):  # dropout: only in eval or with p=0 (see _unfusable)

@@ -1058,12 +1058,13 @@ class Parallel(nn.Module):
     def _first_inference_fused(self, units: list[Any], args: tuple, kwargs: dict) -> tuple[Hashable, list] | None:
         r"""For ``fuse=True`` on inference tensors: the signature and those tensors, on its first call.
 
-        Inference tensors keep no version by which a write shows. On the first
-        call of such a signature (as ``fuse="auto"``'s first call in turn, see
-        :meth:`_first_unversioned`), members beginning with a stock layer that
-        writes the shared input are refused before they run, and every unit
-        runs under :class:`._streams._Writes`; ``None`` on later calls, and
-        for other inputs. (A branch that writes on later calls only is not seen.)
+        Inference tensors keep no version by which a write shows. Members
+        beginning with a stock layer that writes the shared input are refused
+        before they run; on the first call of such a signature (as
+        ``fuse="auto"``'s first call in turn, see :meth:`_first_unversioned`)
+        every unit runs under :class:`._streams._Writes`, which sees the others;
+        ``None`` on later calls, and for other inputs. (A module of the user's
+        that writes on later calls only is not seen.)
         """
         x = args[0] if len(args) == 1 and not kwargs else None
         if self.fuse is not True or isinstance(x, torch.Tensor) and not x.is_inference():
@@ -1071,15 +1072,13 @@ class Parallel(nn.Module):
         unversioned = _unversioned(args, kwargs)
         if not unversioned:
             return None
-        key = _signature(args, kwargs, self.training, floats=False)
-        if key in self._watched_fused:
-            return None
-        for unit in units:
+        for unit in units:  # (on every call: a layer's inplace may be set after the first)
             if isinstance(unit, _Group) and _writes_its_input(unit):
                 raise _with_context(self._refused_write(unit.indices, before=True),
                                     "(seen from its layers before it ran: the input is an inference tensor, "
                                     "which keeps no version by which a write shows)")
-        return key, unversioned
+        key = _signature(args, kwargs, self.training, floats=False)
+        return None if key in self._watched_fused else (key, unversioned)
 
     def _refused_write(self, wrote: list[int], before: bool = False) -> RuntimeError:
         r"""The error of a fused call in which the branches ``wrote`` (one, or a group's members) changed

@@ -200,7 +200,6 @@ class _SoftmaxDims(TorchFunctionMode):
         super().__init__()
         self.owner, self.plan, self.layers, self.smallest = owner, plan, layers, smallest
         self.entered: list[nn.Module] = []  # the layers whose forward runs now, under inside()
-        self.reached: set[int] = set()  # ids of the layers seen normalizing, checked
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
@@ -211,8 +210,8 @@ class _SoftmaxDims(TorchFunctionMode):
         in eval asks ``has_torch_function``), and the checked first call of a
         signature would differ by rounding from every later call. Only where
         such layers are (``_Plan.scoped``): a layer called through its
-        ``.forward()`` runs no hooks, and is checked only by the mode over the
-        whole call.
+        ``.forward()`` runs no hooks, and is not checked there (elsewhere, the
+        mode over the whole call sees it).
         """
         thread = threading.get_ident()
         entered = self.entered
@@ -221,7 +220,6 @@ class _SoftmaxDims(TorchFunctionMode):
             if threading.get_ident() == thread:
                 self.__enter__()
                 entered.append(m)
-                self.reached.add(id(m))
 
         # (Run last among the layer's pre-hooks and first among its forward hooks, which run
         # even when the forward raises: the mode covers the layer's forward alone.)
@@ -252,7 +250,7 @@ class _SoftmaxDims(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor):
+        if func in self._FUNCTIONS and args and isinstance(args[0], torch.Tensor) and self._batched(args[0]):
             written = kwargs.get("dim", args[1] if len(args) > 1 else None)
             ndim = args[0].dim()
             dim = (0 if ndim in (0, 1, 3) else 1) if written is None else written % max(ndim, 1)
@@ -260,8 +258,7 @@ class _SoftmaxDims(TorchFunctionMode):
             layers = [(i, q, m) for i, q, m in self.layers if _softmax_dim(m) == written
                       and (stock or type(m).forward not in self._STOCK_FORWARDS)
                       and (not self.entered or m is self.entered[-1])]
-            self.reached.update(id(m) for _, _, m in layers)
-            if dim == 0 and layers and self._batched(args[0]):
+            if dim == 0 and layers:
                 i, qual, m = layers[0]
                 raise RuntimeError(
                     f"{type(self.owner).__name__}: stage {self.plan.names[i]!r} (index {i}) contains {qual!r} "
@@ -505,7 +502,7 @@ class ParallelSequential(nn.Sequential):
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""
         self._plan: _Plan | None = None
         self._home: Any = _UNKNOWN
-        # (input dims, mode, layer, dim) seen by softmax layers reached in a checked call (see _SoftmaxDims)
+        # Input dims and modes seen by softmax layers (see _SoftmaxDims).
         self._softmax_checked: set[Hashable] = set()
         # Each stage's graphs for host inputs (``_stage_graphs``), by stage name.
         self._per_stage: dict[str, _CudaGraphs] = {}
@@ -749,8 +746,11 @@ class ParallelSequential(nn.Sequential):
                 # head) between two micro-batches' lookups.
                 mixes = True
                 why = ("renormalizes the rows each call looks up (max_norm) in its weight, which another "
-                       "layer also reads: that layer would read it renormalized for some micro-batches only")
-                fix = "use chunks=1, or renormalize the weight yourself before the call (max_norm=None)."
+                       "layer also reads, or may (it holds the embedding too): that layer would read it "
+                       "renormalized for some micro-batches only")
+                fix = ("use chunks=1, or renormalize the weight yourself before the call (max_norm=None); if "
+                       "the other holders only look rows up, never reading the weight itself, say so with "
+                       f"`model.get_submodule({qual!r}).mixes_batch = False`.")
             elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                 mixes = m.scale_grad_by_freq and m.training and m.weight.requires_grad and torch.is_grad_enabled()
                 why = ("scales its gradient by each index's frequency in the batch (scale_grad_by_freq=True) "
@@ -1059,14 +1059,12 @@ class ParallelSequential(nn.Sequential):
             layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
                       and (_softmax_dim(m) is None or _softmax_dim(m) < 0) and getattr(m, "mixes_batch", None) is None]
             if layers:
-                # Per layer: one not reached on a call (a branch of the stage's own, taken in
-                # training, or on a flag) is checked when it is, by the next call. (The mode
-                # decides too, where a stage's path depends on it.)
-                dims = (_signature_dims(input), self.training)
-                keys = {id(m): (dims, id(m), _softmax_dim(m)) for _, _, m in layers}
+                # (The mode too: a stage may take another path in eval, logits in training and
+                # probabilities in eval.)
+                key = (_signature_dims(input), self.training, tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
                 tracing = _is_tracing()
                 # (Under torch.func transforms the stages run on the whole input: see _forward.)
-                if tracing or not self._softmax_checked.issuperset(keys.values()) and not _functorch_active():
+                if tracing or key not in self._softmax_checked and not _functorch_active():
                     smallest, batch = None, None
                     if not (tracing and _symbolic_batch(input)):
                         batch = _batch_size(input) or 0
@@ -1080,7 +1078,7 @@ class ParallelSequential(nn.Sequential):
                     # (each trace checks: a tracer would record the add as a side effect. An empty
                     # batch has no rows for the check to see: the next call of the signature checks.)
                     if not tracing and batch:
-                        self._softmax_checked.update(keys[i] for i in check.reached)
+                        self._softmax_checked.add(key)
                     return output
         return self._forward(input)
 

@@ -1414,6 +1414,7 @@ def test_fuse_true_refuses_a_call_in_which_members_write_the_shared_input():
         b.act.inplace = False
     block = Parallel(*branches, fuse=True)
     assert_close(block(x.clone()), _in_order(Parallel(*branches), x.clone()))
+    assert list(block.explain()["schedules"].values()) == ["fused, sequential"]
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -1439,6 +1440,16 @@ def test_fuse_true_refuses_members_writing_a_shared_inference_tensor(device, fir
                 block(x)
         if first == "stock":
             assert torch.equal(x, -torch.ones(2, 4, device=device))
+    if first == "stock":  # (a review: a layer set in place after the signature's first call)
+        for b in block:
+            b[0].inplace = False
+        with torch.inference_mode():
+            x = torch.randn(2, 4, device=device)
+            assert_close(block(x.clone()), _in_order(Parallel(*branches), x.clone()))
+            for b in block:
+                b[0].inplace = True
+            with pytest.raises(RuntimeError, match=r"begins with a layer changing the shared input in place"):
+                block(x)
     # In-place clamps first change no result, batched or in turn: fused, and equal.
     heads = [nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 3)) for _ in range(3)]
     block = Parallel(*heads, fuse=True).to(device)
@@ -1446,7 +1457,6 @@ def test_fuse_true_refuses_members_writing_a_shared_inference_tensor(device, fir
         with torch.inference_mode():
             x = torch.randn(2, 4, device=device)
             assert_close(block(x.clone()), _in_order(Parallel(*heads), x.clone()))
-    assert list(block.explain()["schedules"].values()) == ["fused, sequential"]
 
 
 def test_layer_norm_keeps_its_dtype_and_rounds_once():
@@ -1942,9 +1952,14 @@ def test_layer_settings_changed_before_the_first_call_are_used(change):
         assert_close(block(x), torch.cat([b(x) for b in block], 1))
 
 
+class _ScaledInstanceNorm(nn.InstanceNorm1d):
+    def forward(self, x):
+        return super().forward(x) * self.weight[:, None]
+
+
 @pytest.mark.parametrize("case", ["probe", "probe-input-grad", "mlp", "embedding", "frozen", "frozen-conv",
                                   "frozen-norm", "frozen-conv-no-input-grad", "instance-norm",
-                                  "frozen-instance-norm"])
+                                  "frozen-instance-norm", "instance-norm-reading-its-weight"])
 def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(case):
     # Before: fused, any weight changed in place refused the backward; unfused, autograd saves
     # a Linear's weight only where its input requires grad (a probe on frozen features: not)
@@ -1959,6 +1974,8 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
         make, x = (lambda: nn.LayerNorm(4)), torch.randn(5, 4, requires_grad=True)
     elif case.endswith("instance-norm"):  # (before: refused fused; unfused, it saves a copy of its weight)
         make, x = (lambda: nn.InstanceNorm1d(4, affine=True)), torch.randn(2, 4, 6, requires_grad=True)
+    elif case == "instance-norm-reading-its-weight":  # (a review: its own forward saves the weight)
+        make, x = (lambda: _ScaledInstanceNorm(4, affine=True)), torch.randn(2, 4, 6, requires_grad=True)
     elif case in ("mlp", "frozen"):  # (the second Linear's input requires grad: saved, refused both ways)
         make, x = (lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))), torch.randn(5, 4)
     else:
@@ -1987,7 +2004,7 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
         else:
             outcomes.append([p.grad.clone() for p in block.parameters() if p.grad is not None])
     assert (outcomes[0] is None) == (outcomes[1] is None) == (
-        case in ("probe-input-grad", "mlp", "frozen", "frozen-conv", "frozen-norm"))
+        case in ("probe-input-grad", "mlp", "frozen", "frozen-conv", "frozen-norm", "instance-norm-reading-its-weight"))
     if outcomes[0] is not None:
         for a, b in zip(*outcomes, strict=True):
             assert_close(a, b)

@@ -1319,6 +1319,17 @@ def test_an_embedding_renormalizing_a_weight_another_layer_reads_is_refused() ->
     # stage listed its modules once, so the second holder went unseen (off by 5.25), silently.
     with pytest.raises(RuntimeError, match=r"contains '0.0' \(Embedding\), which renormalizes the rows"):
         ParallelSequential(nn.Sequential(embedding, _TiedHead(embedding)), chunks=2)(tokens)
+    # Held twice to look rows up only: the same rows whichever micro-batch renormalizes them first,
+    # refused as it may read the weight, and run once declared.
+    twice = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        twice.weight.mul_(5)
+    reference = nn.Sequential(Parallel(copy.deepcopy(twice), copy.deepcopy(twice), join="sum"))
+    model = ParallelSequential(Parallel(twice, twice, join="sum"), chunks=2)
+    with pytest.raises(RuntimeError, match=r"(?s)contains '0.0' \(Embedding\).*mixes_batch = False"):
+        model(tokens)
+    twice.mixes_batch = False
+    torch.testing.assert_close(model(tokens), reference(tokens))
 
 
 def test_stock_layers_mixing_samples_by_their_settings_are_refused() -> None:
