@@ -944,7 +944,9 @@ def _to_channels(v: _Value, n: int) -> torch.Tensor:
     if v.layout == _CHANNELS:
         return v.t
     if v.layout == _SHARED:
-        return v.t.repeat(1, n, *([1] * (v.t.dim() - 2)))
+        # (``cat``, not ``repeat``: a channels-last input gives a channels-last result, as each
+        # member's layer would.)
+        return torch.cat([v.t] * n, 1)
     return v.t.movedim(0, 1).flatten(1, 2)
 
 
@@ -1053,10 +1055,20 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
 
 
 def _members(t: torch.Tensor, dim: int, n: int, copy: bool) -> list[torch.Tensor]:
-    r"""``t``'s ``n`` slices along ``dim``: views, or dense copies of their own (in ``t``'s memory format)."""
+    r"""``t``'s ``n`` slices along ``dim``: views, or dense copies of their own (in ``t``'s memory format).
+
+    Views of one tensor share its version counter: a member's output changed in
+    place would make autograd refuse another's, saved by the caller's own graph
+    (a frozen teacher's heads, one scaled in place), where unfused each has its
+    own. Outside autograd's view (``t`` requires no grad) each view gets a
+    counter of its own, by ``.data``; not while a compiler or torch.func traces
+    it, nor for inference tensors, which keep none.
+    """
     if copy:
         return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
-    return [t.select(dim, i) for i in range(n)]
+    if _is_tracing() or t.requires_grad or _functorch_active() or t.is_inference():  # (a compiler asks the first)
+        return [t.select(dim, i) for i in range(n)]
+    return [t.select(dim, i).data for i in range(n)]
 
 
 _Get = Callable[[str], "torch.Tensor | None"]
@@ -1468,6 +1480,11 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         if torch.is_autocast_enabled(v.t.device.type):
             raise _UnbatchedNow
         state = {k: t for k, t in ((k, get(q)) for k, q in local) if t is not None}
+        if v.t.is_floating_point() and any(t.is_floating_point() and t.dtype != v.t.dtype for t in state.values()):
+            # Weights of another dtype than the input (a norm kept in float32 under bfloat16
+            # activations): a layer's own kernel returns the input's dtype, or refuses, where
+            # vmap's decomposition promotes. (See _UnbatchedNow.)
+            raise _UnbatchedNow
         if (fast_paths and torch.is_grad_enabled() and not all(sub.training for sub in fast_paths)
                 and (v.t.requires_grad or any(t.requires_grad for t in state.values()))):
             raise _UnbatchedNow

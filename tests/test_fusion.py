@@ -1464,6 +1464,65 @@ def test_fuse_true_refuses_members_writing_a_shared_inference_tensor(device, fir
             assert_close(block(x.clone()), _in_order(Parallel(*heads), x.clone()))
 
 
+@pytest.mark.parametrize("make", [lambda: nn.GroupNorm(2, 8), lambda: nn.InstanceNorm1d(8, affine=True)],
+                         ids=["group-norm", "instance-norm"])
+def test_a_norm_kept_in_float32_under_bfloat16_inputs_returns_their_dtype(make):
+    # Before: vmap's decomposition applied the float32 affine step and returned float32 where
+    # the layer itself returns bfloat16 (fuse="auto": bfloat16 on the first call, float32 after),
+    # and a bfloat16 layer after it then refused the float32 input.
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 5, dtype=torch.bfloat16)
+    members = [nn.Sequential(make(), nn.Conv1d(8, 4, 1).bfloat16()) for _ in range(3)]
+    expected = torch.cat([m(x) for m in members], 1)
+    for fuse in (True, "auto"):
+        block = Parallel(*members, fuse=fuse)
+        for _ in range(2):
+            out = block(x)
+            assert out.dtype == torch.bfloat16
+            assert torch.equal(out, expected)  # (run unfused: the same operations)
+
+
+@pytest.mark.parametrize("frozen", ["no_grad", "requires_grad_false"])
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_fused_outputs_changed_in_place_leave_each_others_autograd_alone(frozen, layer):
+    # Before: outside autograd the members' outputs were views of one batched tensor, sharing its
+    # version counter: scaling one head's output in place made autograd refuse a backward through
+    # another's ("modified by an inplace operation"), where unfused each has its own.
+    torch.manual_seed(0)
+    if layer == "linear":
+        heads, x = [nn.Linear(8, 4) for _ in range(3)], torch.randn(5, 8)
+    else:
+        heads, x = [nn.Conv2d(3, 4, 3) for _ in range(3)], torch.randn(2, 3, 6, 6)
+    grads = []
+    for fuse in (False, True):
+        block = Parallel(*copy.deepcopy(heads), join=None, fuse=fuse)
+        student = copy.deepcopy(heads[0])
+        if frozen == "no_grad":
+            with torch.no_grad():
+                teacher = block(x)
+        else:
+            teacher = block.requires_grad_(False)(x)
+        loss = (student(x) * teacher[0]).sum()
+        teacher[1].mul_(0.5)
+        loss.backward()
+        grads.append(student.weight.grad)
+    assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("make", [lambda: nn.BatchNorm2d(3).eval(), lambda: nn.Conv2d(3, 3, 3, groups=3)],
+                         ids=["batch-norm", "depthwise"])
+def test_channels_last_survives_a_first_layer_run_on_the_channels_layout(make):
+    # Before: the shared input was repeated into the channels layout, which is contiguous: the
+    # members' outputs lost the channels-last format unfused layers keep.
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    members = [make() for _ in range(2)]
+    outs = Parallel(*members, join=None, fuse=True)(x)
+    for out, m in zip(outs, members, strict=True):
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        assert_close(out, m(x))
+
+
 def test_layer_norm_keeps_its_dtype_and_rounds_once():
     torch.manual_seed(0)
     build = lambda: nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))  # noqa: E731
