@@ -202,7 +202,11 @@ def _unfusable(branch: nn.Module) -> str | None:
             return f"{where} is parametrized (torch.nn.utils.parametrize)"
         if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
             return f"{where} has uninitialized lazy parameters; call the module once first"
-        if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None):
+        if isinstance(m, _BatchNorm) and m.running_mean is None:
+            return (f"{where} normalizes with batch statistics in every mode (track_running_stats=False), "
+                    f"which a batched call does not take; construct it with running statistics and call "
+                    f".eval() on it to allow fusion")
+        if isinstance(m, _BatchNorm) and m.training:
             return (f"{where} normalizes with batch statistics and updates its running statistics in place "
                     f"(BatchNorm in training mode); call .eval() on it to allow fusion")
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:

@@ -318,6 +318,16 @@ def test_buffer_assigned_in_forward_runs_unfused():
         Parallel(*copy.deepcopy(branches), fuse=True)(x)
 
 
+def test_a_batch_norm_without_running_statistics_is_refused_for_what_it_is():
+    # Before: "BatchNorm in training mode; call .eval()" for one in eval already, whose advice
+    # changed nothing (without running statistics it uses batch statistics in eval too).
+    p = Parallel(*[nn.BatchNorm1d(4, track_running_stats=False) for _ in range(2)], fuse="auto").eval()
+    x = torch.randn(5, 4)
+    assert_same(p(x), torch.cat([b(x) for b in p], 1))
+    assert "track_running_stats=False" in p.explain()["unfused"]["0"]
+    assert "training mode" not in p.explain()["unfused"]["0"]
+
+
 def test_sparse_embeddings_are_not_fused():
     branches = [nn.Embedding(10, 4, sparse=True) for _ in range(3)]
     p = Parallel(*branches, fuse="auto")
