@@ -553,12 +553,19 @@ class _Group:
                     if not checked:
                         self._refuse_ties()
                         checked = True
-                    stacked = torch.stack([t.detach() for t in tensors])
+                    # (Inference tensors, made under inference_mode, keep no version.)
+                    versions = [None if t.is_inference() else t._version for t in tensors]
+                    old = [t.detach() for t in tensors]
+                    stacked = torch.stack(old)
                     moved = True
                     for i, t in enumerate(tensors):
                         # ``.data =`` keeps the Parameter object (optimizers hold it)
                         # and makes it a view of the stack: updates reach both.
                         t.data = stacked[i]
+                        if versions[i] is not None and t._version != versions[i]:
+                            # Written in place by another thread while stacked (a
+                            # load_state_dict, an optimizer step): kept, not undone.
+                            stacked[i].copy_(old[i])
                 stacks[qual], bound[qual] = stacked, tensors
                 tensors_bound += tensors
             joint: dict[str, tuple[torch.Tensor, int]] = {}
@@ -579,7 +586,10 @@ class _Group:
                             t.data = together[k, i]
                         stacks[q] = together[k]
                 joint.update((q, (together, k)) for k, q in enumerate(quals))
-        ptrs = [t.data_ptr() for t in tensors_bound]
+        # Where the members must point, from the stacks, not from the members: one given
+        # other memory by another thread (``.data =``) since it was pointed there is then
+        # seen by the next call, and stacked anew.
+        ptrs = [stacks[q][i].data_ptr() for q, tensors in bound.items() for i in range(len(tensors))]
         self.stacks, self.bound, self.joint = stacks, bound, joint
         self.kernel_shapes = {}
         self.snapshots = [d.copy() for d in self.tensor_dicts]
@@ -1576,6 +1586,9 @@ class _Fusion:
     def __init__(self, owner: str, names: list[str], branches: list[nn.Module], required: bool) -> None:
         _watch._install()
         self.names = names
+        # (Read before the hook dicts are: a hook registered by another thread while they are
+        # read moves it after, and the next call looks at them again.)
+        handles = getattr(_Handle, "next_id", None)
         groups, self.reasons = _groups(branches)
         # (One branch, or none, is identical to itself: it runs as it is.)
         if required and len(branches) > 1 and (len(groups) != 1 or len(groups[0]) != len(branches)):
@@ -1591,7 +1604,7 @@ class _Fusion:
         # must stay empty. (About 2 us a call for eight 4-layer MLPs.)
         self.hooks = [d for g in self.groups for member in g.members for d in _hook_dicts(member)] + list(
             _GLOBAL_HOOKS) if self.groups else []
-        self.handles = getattr(_Handle, "next_id", None)  # the hook dicts are looked at when it moves
+        self.handles = handles  # the hook dicts are looked at when it moves
         # Branches left out for their hooks (or for global ones): grouped anew once they are gone.
         self.hooked = [_hook_dicts(branches[i]) + list(_GLOBAL_HOOKS) for i, why in self.reasons.items()
                        if "hooks" in why]

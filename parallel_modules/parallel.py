@@ -1272,17 +1272,16 @@ class Parallel(nn.Module):
                 device = _input_device(args, kwargs) if _unversioned(args, kwargs) else None
                 if device is not None and device.type == "cuda" and not _capture_underway():
                     return self._first_unversioned(key, args, kwargs, fusion)
-            plan = self._plan(key, args, kwargs, fusion)
+            plan = self._plan(key, args, kwargs, fusion, watch_first=reordered)
             if plan is _CPU_FUSED and reordered:  # the first call runs in turn and looks
-                try:
-                    outputs, wrote = self._run_watched(args, kwargs, None)
-                except BaseException:
-                    # Nothing was seen: the next call of the signature looks again
-                    # (kept, the fused plan would never watch for writes to the input).
-                    self._plans.pop(key, None)
-                    raise
+                # (Remembered once it has looked: other threads' calls of the signature
+                # meanwhile look too, rather than run fused what may write its input. One
+                # that fails sees nothing, and the next call looks again.)
+                outputs, wrote = self._run_watched(args, kwargs, None)
                 if wrote:
                     self._remember(key, _CPU)
+                elif key not in self._plans:
+                    self._remember(key, _CPU_FUSED)
                 return outputs
         if plan is not None and not plan.cuda:
             return self._run(args, kwargs, None, fusion if plan.fused else None)
@@ -1434,8 +1433,12 @@ class Parallel(nn.Module):
             self._plans.pop(next(iter(self._plans), None), None)
         self._plans[key] = plan
 
-    def _plan(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None) -> _Schedule | None:
-        r"""First call with this signature: check devices, choose how to schedule (``None``: tune)."""
+    def _plan(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None,
+              watch_first: bool = False) -> _Schedule | None:
+        r"""First call with this signature: check devices, choose how to schedule (``None``: tune).
+
+        ``watch_first``: a fused CPU plan is the caller's to remember, once a call in turn saw
+        whether a branch writes its input."""
         device = _input_device(args, kwargs)
         if device is not None:
             _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
@@ -1445,7 +1448,7 @@ class Parallel(nn.Module):
         else:
             candidates = self._candidates(fusion, args, kwargs)
             plan = candidates[0] if len(candidates) == 1 else None
-        if plan is not None:
+        if plan is not None and not (watch_first and plan is _CPU_FUSED):
             self._remember(key, plan)
         return plan
 
@@ -1453,7 +1456,7 @@ class Parallel(nn.Module):
 def _bounded_add(seen: dict[Hashable, None], key: Hashable) -> None:
     r"""Add ``key`` to ``seen``, a dict of signatures, dropping the oldest beyond ``_MAX_PLANS`` (dynamic shapes)."""
     if len(seen) >= _MAX_PLANS:
-        seen.pop(next(iter(seen)))
+        seen.pop(next(iter(seen)), None)  # (another thread may have dropped the same one)
     seen[key] = None
 
 

@@ -12,11 +12,13 @@ import copy
 import functools
 import io
 import pickle
+import threading
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -2819,3 +2821,119 @@ def test_fused_embeddings_refuse_the_index_dtypes_the_layer_refuses():
         block(idx.to(torch.uint8))
     torch.testing.assert_close(block(idx), torch.cat([b(idx) for b in block], 1))
     assert block.explain()["fused"] == [["0", "1", "2"]]
+
+
+# ------------------------------------------------ found by a CPU hunt of threads
+class _InAnotherThread(TorchFunctionMode):
+    r"""Runs ``action`` in another thread, once, right after the first call of ``func`` matching ``when``:
+    the thread switch an operating system may make at that point of a call, made certain."""
+
+    def __init__(self, func, when, action) -> None:
+        super().__init__()
+        self.func, self.when, self.action, self.done = func, when, action, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is self.func and not self.done and self.when(args):
+            self.done = True
+            t = threading.Thread(target=self.action)
+            t.start()
+            t.join()
+        return out
+
+
+@pytest.mark.parametrize("write", ["data", "copy"])
+def test_a_member_written_by_another_thread_while_its_group_is_stacked_keeps_the_write(write):
+    # Before: a member given new memory (.data =) by another thread after the stacking thread had
+    # pointed it into the stack was taken as bound, and the group read the old stack on every
+    # later call (off by 4.2); one written in place (copy_, load_state_dict) between the stack's
+    # copy and the re-pointing lost the write.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Linear(8, 4) for _ in range(2)], fuse=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        block(x)
+        block[1].weight.data = torch.randn(4, 8)  # (out of the stack: the next call stacks anew)
+    v = torch.randn(4, 8)
+    if write == "data":
+        mode = _InAnotherThread(torch.Tensor.__getitem__, lambda a: a[1] == 1,
+                                lambda: setattr(block[0].weight, "data", v))
+    else:
+        def load():  # (as load_state_dict writes a parameter)
+            with torch.no_grad():
+                block[0].weight.copy_(v)
+
+        mode = _InAnotherThread(torch.stack, lambda a: True, load)
+    with torch.no_grad():
+        with mode:
+            block(x)
+        assert mode.done
+        assert torch.equal(block[0].weight, v)
+        for _ in range(2):
+            assert_close(block(x), torch.cat([b(x) for b in block], 1))
+
+
+def test_a_hook_registered_while_the_groups_are_found_is_run(monkeypatch):
+    # Before: the count of hook handles was read after the hook dicts, so a hook another thread
+    # registered in between was taken as seen: the member stayed fused, its hook never ran.
+    import parallel_modules._fusion as fusion
+
+    torch.manual_seed(0)
+    branches = [mlp() for _ in range(3)]
+    ran = []
+    find = fusion._groups
+
+    def groups_then_hook(found_for):
+        found = find(found_for)
+        if not ran:
+            t = threading.Thread(target=lambda: branches[1][2].register_forward_hook(lambda m, a, o: ran.append(1)))
+            t.start()
+            t.join()
+            ran.append(0)
+        return found
+
+    monkeypatch.setattr(fusion, "_groups", groups_then_hook)
+    block = Parallel(*branches, fuse="auto")
+    x = torch.randn(4, 16)
+    block(x)
+    monkeypatch.setattr(fusion, "_groups", find)
+    assert ran[0] == 0
+    ran.clear()
+    out = block(x)
+    assert ran == [1]
+    assert_same(out, torch.cat([b(x) for b in block], 1))
+
+
+def test_fuse_auto_first_calls_of_a_signature_in_two_threads_both_look_for_writes():
+    # Before: the fused plan was remembered before the first call's run in turn had looked for
+    # writes to the input; a call from another thread meanwhile ran the groups fused, saw branch
+    # 2 write its input and refused ("runs fused groups out of branch order"), keeping the block
+    # in order for good.
+    torch.manual_seed(0)
+    errors = []
+
+    class Caller(nn.Module):  # calls the block from another thread, once, from inside its first call
+        def forward(self, x):
+            if not errors:
+                errors.append(None)
+                t = threading.Thread(target=lambda: errors.append(_call(torch.randn(3, 8))))
+                t.start()
+                t.join()
+            return x[:, :4] * 2
+
+    def _call(x):
+        try:
+            with torch.no_grad():
+                block(x)
+        except RuntimeError as e:
+            return e
+
+    block = Parallel(Caller(), mlp(8, 4), nn.Sequential(nn.ELU(inplace=True), nn.Linear(8, 4)), mlp(8, 4),
+                     fuse="auto")
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        out = block(x.clone())
+    assert errors == [None, None]
+    y = x.clone()
+    assert_close(out, torch.cat([b(y) for b in block], 1))
+    assert not block._in_order
