@@ -1076,11 +1076,13 @@ def _members(t: torch.Tensor, dim: int, n: int, copy: bool) -> list[torch.Tensor
     (a frozen teacher's heads, one scaled in place), where unfused each has its
     own. Outside autograd's view (``t`` requires no grad) each view gets a
     counter of its own, by ``.data``; not while a compiler or torch.func traces
-    it, nor for inference tensors, which keep none.
+    it, nor under forward-mode AD (``.data`` drops a tangent), nor for
+    inference tensors, which keep none.
     """
     if copy:
         return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
-    if _is_tracing() or t.requires_grad or _functorch_active() or t.is_inference():  # (a compiler asks the first)
+    if (_is_tracing() or t.requires_grad or _functorch_active() or _forward_ad._current_level >= 0
+            or t.is_inference()):  # (a compiler asks the first)
         return [t.select(dim, i) for i in range(n)]
     return [t.select(dim, i).data for i in range(n)]
 

@@ -1521,6 +1521,24 @@ def test_fused_outputs_changed_in_place_leave_each_others_autograd_alone(frozen,
     assert_close(grads[0], grads[1])
 
 
+def test_fused_outputs_of_a_frozen_block_keep_their_forward_mode_tangents():
+    # A draft of the version-counter fix above handed out .data views, which drop the tangents
+    # of forward-mode AD: a frozen block's fused outputs came back without them.
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    heads = [nn.Linear(4, 3) for _ in range(3)]
+    x, t = torch.randn(5, 4), torch.randn(5, 4)
+    tangents = []
+    for fuse in (False, True):
+        block = Parallel(*copy.deepcopy(heads), join=None, fuse=fuse).requires_grad_(False)
+        with fwAD.dual_level():
+            tangents.append([fwAD.unpack_dual(o).tangent for o in block(fwAD.make_dual(x, t))])
+    for a, b in zip(*tangents, strict=True):
+        assert a is not None and b is not None
+        assert_close(a, b)
+
+
 @pytest.mark.parametrize("make", [lambda: nn.BatchNorm2d(3).eval(), lambda: nn.Conv2d(3, 3, 3, groups=3)],
                          ids=["batch-norm", "depthwise"])
 def test_channels_last_survives_a_first_layer_run_on_the_channels_layout(make):
