@@ -559,13 +559,16 @@ class _Group:
                     stacked = torch.stack(old)
                     moved = True
                     for i, t in enumerate(tensors):
+                        if versions[i] is not None and t._version != versions[i]:
+                            # Written in place by another thread since it was copied into
+                            # the stack (a load_state_dict, an optimizer step): copied again.
+                            # (A write between this check and the next line still lands in
+                            # the old memory: a thread writing parameters while the block's
+                            # first call runs races it, as with any module's.)
+                            stacked[i].copy_(old[i])
                         # ``.data =`` keeps the Parameter object (optimizers hold it)
                         # and makes it a view of the stack: updates reach both.
                         t.data = stacked[i]
-                        if versions[i] is not None and t._version != versions[i]:
-                            # Written in place by another thread while stacked (a
-                            # load_state_dict, an optimizer step): kept, not undone.
-                            stacked[i].copy_(old[i])
                 stacks[qual], bound[qual] = stacked, tensors
                 tensors_bound += tensors
             joint: dict[str, tuple[torch.Tensor, int]] = {}
@@ -1077,12 +1080,14 @@ def _members(t: torch.Tensor, dim: int, n: int, copy: bool) -> list[torch.Tensor
     own. Outside autograd's view (``t`` requires no grad) each view gets a
     counter of its own, by ``.data``; not while a compiler or torch.func traces
     it, nor under forward-mode AD (``.data`` drops a tangent), nor for
-    inference tensors, which keep none.
+    inference tensors, which keep none, nor where ``t`` is a view of another
+    tensor (a member returning its input, expanded by vmap), whose writes
+    autograd must keep seeing.
     """
     if copy:
         return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
     if (_is_tracing() or t.requires_grad or _functorch_active() or _forward_ad._current_level >= 0
-            or t.is_inference()):  # (a compiler asks the first)
+            or t.is_inference() or t._is_view()):  # (a compiler asks the first)
         return [t.select(dim, i) for i in range(n)]
     return [t.select(dim, i).data for i in range(n)]
 
@@ -1489,6 +1494,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
     fast_paths = [sub for sub in m.modules() if isinstance(sub, _FAST_PATHS)]
+    mixed_kernel = isinstance(m, (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm))
     shared = torch.vmap(call, in_dims=(0, None))
     stacked = torch.vmap(call, in_dims=(0, 0))
 
@@ -1496,10 +1502,11 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         if torch.is_autocast_enabled(v.t.device.type):
             raise _UnbatchedNow
         state = {k: t for k, t in ((k, get(q)) for k, q in local) if t is not None}
-        if v.t.is_floating_point() and any(t.is_floating_point() and t.dtype != v.t.dtype for t in state.values()):
-            # Weights of another dtype than the input (a norm kept in float32 under bfloat16
-            # activations): a layer's own kernel returns the input's dtype, or refuses, where
-            # vmap's decomposition promotes. (See _UnbatchedNow.)
+        if mixed_kernel and v.t.is_floating_point() and any(
+                t.is_floating_point() and t.dtype != v.t.dtype for t in state.values()):
+            # A group or instance norm kept in float32 under bfloat16 activations: ATen's kernel
+            # returns the input's dtype, where vmap's decomposition promotes to the weights'.
+            # (See _UnbatchedNow. Other layers promote as vmap does, or refuse alike.)
             raise _UnbatchedNow
         if (fast_paths and torch.is_grad_enabled() and not all(sub.training for sub in fast_paths)
                 and (v.t.requires_grad or any(t.requires_grad for t in state.values()))):

@@ -1521,6 +1521,60 @@ def test_fused_outputs_changed_in_place_leave_each_others_autograd_alone(frozen,
     assert_close(grads[0], grads[1])
 
 
+class _CountedScale(nn.Module):
+    r"""Scales by a float64 constant (a 0-dim buffer, which promotes nothing), counting its calls."""
+
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(0.5, dtype=torch.float64))
+
+    def forward(self, x):
+        type(self).calls += 1
+        return x * self.scale
+
+
+def test_a_layer_with_a_buffer_of_another_dtype_still_runs_batched():
+    # A draft of the dtype check above sent every vmapped layer with a weight or buffer of another
+    # dtype than its input unfused, on every call: the layers before it ran twice, and a first
+    # layer writing the input in place (a clamp) made fuse=True refuse every call.
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8, dtype=torch.bfloat16), _CountedScale())
+               for _ in range(3)]
+    block = Parallel(*members, fuse=True)
+    for _ in range(2):
+        x = torch.randn(4, 8, dtype=torch.bfloat16)
+        _CountedScale.calls = 0
+        out = block(x.clone())
+        assert _CountedScale.calls == 1  # (once, batched: not once per member after a failed attempt)
+        y = x.clone()
+        expected = torch.cat([m(y) for m in members], 1)
+        assert out.dtype == expected.dtype == torch.bfloat16
+        torch.testing.assert_close(out, expected)
+
+
+def test_a_member_returning_its_input_keeps_autograd_watching_it():
+    # A draft of the version-counter fix above gave each member's output a counter of its own
+    # even where it is the block's input (vmap expands it): an in-place change of one then went
+    # unseen by a backward that saved another, and the gradient came out doubled, silently.
+    class Echo(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return x, self.lin(x)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 8), torch.randn(8, requires_grad=True)
+    outs = Parallel(Echo(), Echo(), join=None, fuse=True)(x.clone())
+    loss = (outs[1][0] * w).sum()
+    outs[0][0].mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_fused_outputs_of_a_frozen_block_keep_their_forward_mode_tangents():
     # A draft of the version-counter fix above handed out .data views, which drop the tangents
     # of forward-mode AD: a frozen block's fused outputs came back without them.
