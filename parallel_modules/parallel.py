@@ -979,6 +979,8 @@ class Parallel(nn.Module):
                 # The inputs are torch.func's wrappers, whose versions do not move: no write
                 # could be seen. In branch order instead.
                 return self._run(args, kwargs, None, None)
+            if functorch and self.fuse is True:
+                self._refuse_writers(calls, "under torch.func transforms, whose wrapped inputs keep no version")
             if watch and not functorch:
                 outputs = self._run_units_watched(calls, run, args, kwargs)
             else:
@@ -1072,13 +1074,18 @@ class Parallel(nn.Module):
         unversioned = _unversioned(args, kwargs)
         if not unversioned:
             return None
-        for unit in units:  # (on every call: a layer's inplace may be set after the first)
-            if isinstance(unit, _Group) and _writes_its_input(unit):
-                raise _with_context(self._refused_write(unit.indices, before=True),
-                                    "(seen from its layers before it ran: the input is an inference tensor, "
-                                    "which keeps no version by which a write shows)")
+        # (On every call: a layer's inplace may be set after the first.)
+        self._refuse_writers(units, "the input is an inference tensor, which keeps no version")
         key = _signature(args, kwargs, self.training, floats=False)
         return None if key in self._watched_fused else (key, unversioned)
+
+    def _refuse_writers(self, units: list[Any], why: str) -> None:
+        r"""Refuse, before they run, fused groups whose members begin with a stock layer writing the shared
+        input (:func:`_writes_its_input`), where no version shows the write (``why``)."""
+        for unit in units:
+            if isinstance(unit, _Group) and _writes_its_input(unit):
+                raise _with_context(self._refused_write(unit.indices, before=True),
+                                    f"(seen from its layers before it ran: {why} by which a write shows)")
 
     def _refused_write(self, wrote: list[int], before: bool = False) -> RuntimeError:
         r"""The error of a fused call in which the branches ``wrote`` (one, or a group's members) changed

@@ -2895,6 +2895,20 @@ def test_fused_embeddings_refuse_the_index_dtypes_the_layer_refuses():
     assert block.explain()["fused"] == [["0", "1", "2"]]
 
 
+def test_fuse_true_under_vmap_refuses_members_writing_the_shared_input():
+    # Before: torch.func's wrapped inputs keep no version, and the members ran batched on one
+    # input that ELU(inplace=True) wrote once (off by 0.27 against the block unfused), silently.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.ELU(inplace=True), nn.Linear(4, 3)) for _ in range(3)]
+    x = torch.randn(2, 5, 4)
+    with pytest.raises(RuntimeError, match=r"begins with a layer changing the shared input in place"):
+        torch.vmap(Parallel(*branches, fuse=True))(x.clone())
+    for b in branches:
+        b[0].inplace = False
+    assert_close(torch.vmap(Parallel(*branches, fuse=True))(x.clone()),
+                 torch.vmap(Parallel(*branches))(x.clone()))
+
+
 # ------------------------------------------------ found by a CPU hunt of threads
 class _InAnotherThread(TorchFunctionMode):
     r"""Runs ``action`` in another thread, once, right after the first call of ``func`` matching ``when``:
