@@ -24,8 +24,8 @@ from ._inputs import _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
-                       _checkpoint_recording, _current_stream, _fork_join, _in_backward, _is_tracing, _run_forked,
-                       _tensor_leaves, _unversioned, _watched, _Writes)
+                       _checkpoint_recording, _current_stream, _fork_join, _in_backward, _is_tracing, _jit_tracing,
+                       _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
 from . import _watch
 
 __all__ = ["Parallel"]
@@ -1484,9 +1484,13 @@ def _traced_unfused(group: _Group) -> bool:
     A trace cannot watch the input's version nor write back into the members'
     buffers what a batched layer wrote into their stacks: members whose layers
     show a write to the shared input (:func:`_writes_its_input`) or that may
-    write buffers (:func:`_writes_buffers`) are traced unfused.
+    write buffers (:func:`_writes_buffers`) are traced unfused. So is every
+    group under ``torch.jit.trace``, where ``torch.func.functional_call`` --
+    which runs the layers fusion hands to vmap (a GroupNorm, a module of the
+    user's) -- refuses to run.
     """
-    return _writes_its_input(group) or _writes_buffers(group)
+    return (not torch.compiler.is_compiling() and _jit_tracing() or _writes_its_input(group)
+            or _writes_buffers(group))
 
 
 def _writes_its_input(group: _Group) -> bool:

@@ -1085,7 +1085,8 @@ def test_fused_embeddings_refuse_an_index_out_of_range_as_unfused_ones_do():
 def test_jit_trace_of_fused_module_reads_the_parameters():
     # torch.jit.trace records the stacks an untraced call reads as constants:
     # a saved trace would then keep its weights twice and ignore a later
-    # load_state_dict. Traced, a fused group stacks the parameters in the graph.
+    # load_state_dict. Traced, the group reads the members' parameters (unfused:
+    # see the next test but one).
     p = Parallel(*[mlp() for _ in range(3)], fuse=True).eval()
     x = torch.randn(3, 16)
     with torch.no_grad():
@@ -1117,6 +1118,19 @@ def test_jit_trace_of_a_fused_block_passes_its_check_with_autograd_on(join):
     got, want = traced(x), p(x)
     for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
         assert_close(g, w)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_jit_trace_of_a_block_fusing_a_layer_run_by_vmap(fuse):
+    # Before: torch.func.functional_call, which runs the layers fusion hands to vmap (a GroupNorm
+    # here), refuses under torch.jit.trace: "The stateless API can't be used with Jitted modules".
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(2, 8))  # noqa: E731
+    block = Parallel(make(), make(), fuse=fuse)
+    traced = torch.jit.trace(block, (torch.randn(4, 3, 5, 5),))
+    x = torch.randn(6, 3, 5, 5)
+    assert_close(traced(x), block(x))
 
 
 def test_compile_fullgraph_of_fused_module():
