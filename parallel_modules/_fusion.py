@@ -386,6 +386,26 @@ class _Unstack(torch.autograd.Function):
         return (None, *grad.unbind(0))
 
 
+class _OwnGradients(torch.autograd.Function):
+    r"""The identity, whose backward hands the members' gradients memory of their own (see :class:`_Unstack`).
+
+    Where a trace stacks the members' tensors itself (``torch.stack``, whose
+    backward unbinds), a bias added without a reduction (a batch of one) under
+    a sum or mean join gets one gradient expanded to every member: unbound,
+    the members' ``.grad`` would share it, and a second backward accumulating
+    into them would add into every member's at once. (Decided on the
+    gradient's strides, which a compiler's trace knows.)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, stacked: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return stacked.view_as(stacked)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.clone(memory_format=torch.contiguous_format) if grad.dim() and grad.stride(0) == 0 else grad
+
+
 # One thread at a time stacks the members' tensors and re-points them at their slices
 # (``_Group.bind``: two threads would each stack, and the parameters could end up views of
 # one thread's stack while the group reads the other's, never seeing an update again), and
@@ -625,7 +645,9 @@ class _Group:
                     raise RuntimeError(f"the branches are no longer identical: {qual} is None in some "
                                        f"members, not in others")
                 return None
-            return torch.stack(tensors)
+            stacked = torch.stack(tensors)
+            # (Not under torch.func transforms, which hand gradients back, accumulating none.)
+            return _OwnGradients.apply(stacked) if stacked.requires_grad and not _functorch_active() else stacked
         stacked = self.stacks.get(qual)
         if stacked is None:
             return None
