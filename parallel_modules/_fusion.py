@@ -762,6 +762,16 @@ class _Group:
             if watched is not None:
                 input_grad[0] = value.t.requires_grad
             value = step(value, get)
+        if watched and not x.requires_grad:
+            # A member whose parameters are all frozen, on an input that requires no grad,
+            # computes nothing autograd differentiates unfused: none of its weights is saved,
+            # and a change in place to one (an EMA teacher's update before the students'
+            # backward) passes. Fused, its share of the gradient is computed and dropped.
+            frozen = {k for k, m in enumerate(self.members) if not any(p.requires_grad for p in m.parameters())}
+            if frozen:
+                kept = [k for k in range(self.n) if k not in frozen]
+                watched = [(qual, [indices[k] for k in kept], [tensors[k] for k in kept], [versions[k] for k in kept])
+                           for qual, indices, tensors, versions in watched]
         if watched:
             _refuse_changed_members(value, watched)
         return value

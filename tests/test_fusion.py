@@ -2198,6 +2198,35 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
             assert_close(a, b)
 
 
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_a_frozen_member_updated_before_backward_passes_or_fails_as_unfused(input_grad):
+    # Before: an EMA teacher kept frozen beside its students and updated in place before their
+    # backward was refused fused ("modified by an inplace operation"), where unfused nothing of
+    # it is saved for backward; with an input that requires grad, both refuse.
+    torch.manual_seed(0)
+    heads = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(3)]
+    x = torch.randn(5, 8, requires_grad=input_grad)
+    outcomes = []
+    for fuse in (False, True):
+        block = Parallel(*copy.deepcopy(heads), fuse=fuse)
+        block[0].requires_grad_(False)
+        loss = block(x).pow(2).mean()
+        with torch.no_grad():
+            for teacher, student in zip(block[0].parameters(), block[1].parameters(), strict=True):
+                teacher.lerp_(student, 0.01)
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e)
+            outcomes.append(None)
+        else:
+            outcomes.append([p.grad.clone() for p in block.parameters() if p.grad is not None])
+    assert (outcomes[0] is None) == (outcomes[1] is None) == input_grad
+    if outcomes[0] is not None:
+        for a, b in zip(*outcomes, strict=True):
+            assert_close(a, b)
+
+
 @pytest.mark.parametrize("regroup", ["eval", "double", "deepcopy", "averaged"])
 def test_a_member_frozen_after_construction_survives_a_regrouping(regroup):
     # Before: freezing one member's layer worked until the branches were grouped anew (eval()
