@@ -2140,6 +2140,16 @@ def test_layer_settings_changed_before_the_first_call_are_used(change):
         assert_close(block(x), torch.cat([b(x) for b in block], 1))
 
 
+def _backward_or_refused(loss: torch.Tensor, block: nn.Module) -> list[torch.Tensor] | None:
+    r"""``block``'s gradients after ``loss.backward()``, or ``None`` where autograd refuses it for a change in place."""
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        return None
+    return [p.grad.clone() for p in block.parameters() if p.grad is not None]
+
+
 class _ScaledInstanceNorm(nn.InstanceNorm1d):
     def forward(self, x):
         return super().forward(x) * self.weight[:, None]
@@ -2184,13 +2194,7 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
             continue
         with torch.no_grad():
             (block[0][-1] if case in ("mlp", "frozen") else block[0]).weight.mul_(0.9)  # (as an optimizer's step)
-        try:
-            loss.backward()
-        except RuntimeError as e:
-            assert "modified by an inplace operation" in str(e)
-            outcomes.append(None)
-        else:
-            outcomes.append([p.grad.clone() for p in block.parameters() if p.grad is not None])
+        outcomes.append(_backward_or_refused(loss, block))
     assert (outcomes[0] is None) == (outcomes[1] is None) == (
         case in ("probe-input-grad", "mlp", "frozen", "frozen-conv", "frozen-norm", "instance-norm-reading-its-weight"))
     if outcomes[0] is not None:
@@ -2214,13 +2218,7 @@ def test_a_frozen_member_updated_before_backward_passes_or_fails_as_unfused(inpu
         with torch.no_grad():
             for teacher, student in zip(block[0].parameters(), block[1].parameters(), strict=True):
                 teacher.lerp_(student, 0.01)
-        try:
-            loss.backward()
-        except RuntimeError as e:
-            assert "modified by an inplace operation" in str(e)
-            outcomes.append(None)
-        else:
-            outcomes.append([p.grad.clone() for p in block.parameters() if p.grad is not None])
+        outcomes.append(_backward_or_refused(loss, block))
     assert (outcomes[0] is None) == (outcomes[1] is None) == input_grad
     if outcomes[0] is not None:
         for a, b in zip(*outcomes, strict=True):
