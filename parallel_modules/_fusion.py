@@ -75,7 +75,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 
 from . import _batched_linear, _watch
 from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _is_tracing,
-                       _jit_tracing, _pool, _Writes)
+                       _pool, _Writes)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
 
@@ -1073,14 +1073,11 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
     single views (``select``; autograd refuses in-place operations on the
     outputs of ``unbind``, which returns several views). Outputs computed once
     for all members (the shared layout) are copied for all but the first.
-    (Copies too under ``torch.jit.trace``, whose check traces again with
-    autograd off: a trace must record the same operations either way.)
     """
     recording = torch.is_grad_enabled()
-    traced = not torch.compiler.is_compiling() and _jit_tracing()  # (dynamo cannot trace the question)
     if not isinstance(v, _Value):  # structured output of a vmapped module: stacked leaves
         leaves, spec = pytree.tree_flatten(v)
-        columns = [_members(leaf, 0, n, traced or recording and leaf.requires_grad) if isinstance(leaf, torch.Tensor)
+        columns = [_members(leaf, 0, n, recording and leaf.requires_grad) if isinstance(leaf, torch.Tensor)
                    else (leaf,) * n for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
     t = v.t
@@ -1092,13 +1089,13 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
         member = t.select(0, 0) if t.dim() else t
         dense = member.is_contiguous() or member.dim() == 4 and member.is_contiguous(
             memory_format=torch.channels_last)
-        return _members(t, 0, n, traced or recording and t.requires_grad or not dense)
+        return _members(t, 0, n, recording and t.requires_grad or not dense)
     # The channels layout, [B, N * C, ...]: a member's channels are a strided slice of
     # every sample, where unfused it gets a dense tensor (``.view()`` works on it). One
     # copy gives every member a dense block; an input in another memory format
     # (channels-last) gets that format, member by member, as unfused.
     t = t.unflatten(1, (n, -1))
-    if traced or recording and t.requires_grad or not t.is_contiguous():
+    if recording and t.requires_grad or not t.is_contiguous():
         return _members(t, 1, n, True)
     return _members(t.movedim(1, 0).contiguous(), 0, n, False)
 
@@ -1315,14 +1312,13 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
     # ATen's instance norm saves a copy of its weight, repeated for each sample, unfused as
     # under vmap: a change in place after the forward pass reaches neither backward. (Not
     # where a subclass's forward of its own may read the weight itself.)
-    copies_weight = (isinstance(m, nn.modules.instancenorm._InstanceNorm)
-                     and type(m).forward is nn.modules.instancenorm._InstanceNorm.forward)
-    if q("weight") in group.entries and (isinstance(m, _SAVES_WEIGHT) or isinstance(
-            m, nn.modules.instancenorm._InstanceNorm) and not copies_weight):
-        if q("weight") not in group.saved_always:
-            group.saved_always.add(q("weight"))  # (read, not written, under a trace: see _Group)
-    elif copies_weight and q("weight") in group.entries and q("weight") not in group.never_saved:
-        group.never_saved.add(q("weight"))
+    # (Sets read, not written, under a trace: see _Group.)
+    if q("weight") in group.entries:
+        if type(m).forward is nn.modules.instancenorm._InstanceNorm.forward:
+            if q("weight") not in group.never_saved:
+                group.never_saved.add(q("weight"))
+        elif isinstance(m, _SAVES_WEIGHT) and q("weight") not in group.saved_always:
+            group.saved_always.add(q("weight"))
 
     if type(m) in _POINTWISE or isinstance(m, _DropoutNd):  # dropout: only in eval or with p=0 (see _unfusable)
         # ``forward`` itself: fused members have no hooks (see _unfusable), and
@@ -1489,8 +1485,9 @@ _FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Transformer
 # Layers whose backward saves their weight whenever anything requires grad: the input's
 # gradient reads it (a convolution's kernel, a norm's scale, PReLU's slopes). Unfused,
 # autograd refuses a backward after such a weight changed in place, frozen or not.
-# (Not an instance norm's: see _program.)
-_SAVES_WEIGHT = (nn.modules.conv._ConvNd, _BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.PReLU, nn.RMSNorm)
+# (Not a stock instance norm's, which saves a copy: see _program.)
+_SAVES_WEIGHT = (nn.modules.conv._ConvNd, _BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm,
+                 nn.GroupNorm, nn.PReLU, nn.RMSNorm)
 
 
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:

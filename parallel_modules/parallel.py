@@ -1436,9 +1436,7 @@ class Parallel(nn.Module):
         return candidates
 
     def _remember(self, key: Hashable, plan: _Schedule) -> None:
-        if len(self._plans) >= _MAX_PLANS:  # dynamic shapes: bounded, the oldest decision goes
-            self._plans.pop(next(iter(self._plans), None), None)
-        self._plans[key] = plan
+        _bounded_add(self._plans, key, plan)
 
     def _plan(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None,
               watch_first: bool = False) -> _Schedule | None:
@@ -1460,11 +1458,11 @@ class Parallel(nn.Module):
         return plan
 
 
-def _bounded_add(seen: dict[Hashable, None], key: Hashable) -> None:
-    r"""Add ``key`` to ``seen``, a dict of signatures, dropping the oldest beyond ``_MAX_PLANS`` (dynamic shapes)."""
+def _bounded_add(seen: dict[Hashable, Any], key: Hashable, value: Any = None) -> None:
+    r"""Set ``seen[key]``, a dict by signature, dropping the oldest entry beyond ``_MAX_PLANS`` (dynamic shapes)."""
     if len(seen) >= _MAX_PLANS:
-        seen.pop(next(iter(seen)), None)  # (another thread may have dropped the same one)
-    seen[key] = None
+        seen.pop(next(iter(seen), None), None)  # (another thread may have dropped the same one)
+    seen[key] = value
 
 
 def _out_of_order(units: list[Any]) -> bool:
