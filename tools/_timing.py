@@ -212,6 +212,34 @@ def hand_fork_join(branches: list, x: torch.Tensor, caller, sides: list, fork, j
     return y
 
 
+def hand_h2d_pipeline(model: Callable[[torch.Tensor], torch.Tensor], host_pieces: list[torch.Tensor],
+                      copy_stream: torch.cuda.Stream) -> Callable[[], torch.Tensor]:
+    r"""A host-to-device pipeline written by hand: each piece of pinned host memory copied on
+    ``copy_stream``, computed on the caller's stream after its copy's event, the outputs ``cat``.
+
+    What ``ParallelSequential(model, chunks=len(host_pieces))`` does for a CPU input, as a user would
+    write it, for the h2d tools to compare with.
+    """
+    def run() -> torch.Tensor:
+        cur = torch.cuda.current_stream()
+        copy_stream.wait_stream(cur)
+        events, ins = [], []
+        with torch.cuda.stream(copy_stream):
+            for h in host_pieces:
+                d = h.to("cuda", non_blocking=True)
+                e = torch.cuda.Event()
+                e.record(copy_stream)
+                ins.append(d)
+                events.append(e)
+        outs = []
+        for d, e in zip(ins, events):
+            cur.wait_event(e)
+            d.record_stream(cur)  # (made on the copy stream, read and freed on this one)
+            outs.append(model(d))
+        return torch.cat(outs)
+    return run
+
+
 def mlp_stacks(n: int, batch: int = 8):
     r"""The benchmark's ``mlp{n}`` case in eval mode on CUDA (fp32), stacked by hand for the fused tools.
 

@@ -14,11 +14,10 @@ compute, whichever is longer.
 import sys
 
 import torch
-from torch import nn
 
 from parallel_modules import ParallelSequential
 from parallel_modules._cases import h2d_model
-from _timing import gpu_medians  # tools/ is the script's directory
+from _timing import gpu_medians, hand_h2d_pipeline  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -54,23 +53,7 @@ for width in widths:
         y.record_stream(torch.cuda.current_stream())
         return out
 
-    def by_hand():
-        cur = torch.cuda.current_stream()
-        copy_stream.wait_stream(cur)
-        events, ins = [], []
-        with torch.cuda.stream(copy_stream):
-            for h in host_quarters:
-                d = h.to(dev, non_blocking=True)
-                e = torch.cuda.Event()
-                e.record(copy_stream)
-                ins.append(d)
-                events.append(e)
-        outs = []
-        for d, e in zip(ins, events):
-            cur.wait_event(e)
-            d.record_stream(cur)
-            outs.append(model(d))
-        return torch.cat(outs)
+    by_hand = hand_h2d_pipeline(model, host_quarters, copy_stream)
 
     def copy_then_compute():
         return model(x.to(dev, non_blocking=True))

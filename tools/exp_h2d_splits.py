@@ -13,7 +13,7 @@ import sys
 import torch
 
 from parallel_modules._cases import h2d_model
-from _timing import gpu_medians  # tools/ is the script's directory
+from _timing import gpu_medians, hand_h2d_pipeline  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -25,35 +25,12 @@ SPLITS = [(16, 16, 16, 16), (8, 24, 24, 8), (10, 22, 22, 10), (12, 20, 20, 12), 
           (6, 18, 24, 16), (12, 18, 18, 16), (4, 20, 24, 16)]
 
 
-def pipeline(model, sizes):
-    pieces = list(x.split(list(sizes)))
-
-    def run():
-        cur = torch.cuda.current_stream()
-        copy_stream.wait_stream(cur)
-        events, ins = [], []
-        with torch.cuda.stream(copy_stream):
-            for h in pieces:
-                d = h.to(dev, non_blocking=True)
-                e = torch.cuda.Event()
-                e.record(copy_stream)
-                ins.append(d)
-                events.append(e)
-        outs = []
-        for d, e in zip(ins, events):
-            cur.wait_event(e)
-            d.record_stream(cur)
-            outs.append(model(d))
-        return torch.cat(outs)
-    return run
-
-
 for width in widths:
     torch.manual_seed(0)
     model = h2d_model(width).to(dev).eval()
     variants = {"copy then compute": lambda: model(x.to(dev, non_blocking=True))}
     for s in SPLITS:
-        variants["by hand " + "/".join(map(str, s))] = pipeline(model, s)
+        variants["by hand " + "/".join(map(str, s))] = hand_h2d_pipeline(model, list(x.split(list(s))), copy_stream)
     with torch.no_grad():
         ref = variants["copy then compute"]()
         for k, fn in variants.items():
