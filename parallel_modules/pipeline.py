@@ -265,7 +265,9 @@ class _SoftmaxDims(TorchFunctionMode):
                     f"({type(m).__name__}({'' if isinstance(m, nn.Softmax2d) else f'dim={m.dim}'})), which on its "
                     f"{ndim}-D input normalizes along dimension 0, across the batch, so "
                     f"with chunks={self.owner._chunks} the result would differ from running the whole batch. "
-                    "Give it the non-negative dim it should normalize along, or use chunks=1.")
+                    "Give it the non-negative dim it should normalize along, or use chunks=1; if what it "
+                    "normalizes holds no batch (weights computed from a parameter), say so with "
+                    f"`model.get_submodule({qual!r}).mixes_batch = False`.")
         return func(*args, **kwargs)
 
 
@@ -307,11 +309,15 @@ def _recurrent_tail(stage: nn.Module) -> bool:
     r"""Whether ``stage`` ends in a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) whose
     result it returns: the layer itself, or the last of ``nn.Sequential`` containers (a nested
     pipeline too, which returns its recurrent tail's hidden states as the layer does)."""
-    # (Not a subclass with a forward of its own, which may return anything.)
+    # (Not a subclass with a forward of its own, which may return anything: a recurrent
+    # layer's too, whose hidden states the README asks to return batch-first.)
     while (type(stage) is nn.Sequential or isinstance(stage, ParallelSequential)
            and type(stage).forward is ParallelSequential.forward) and len(stage):
         stage = stage[-1]
-    return isinstance(stage, nn.RNNBase)
+    return isinstance(stage, nn.RNNBase) and type(stage).forward in _RECURRENT_FORWARDS
+
+
+_RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward))
 
 
 class ParallelSequential(nn.Sequential):
@@ -722,7 +728,9 @@ class ParallelSequential(nn.Sequential):
                 )
             elif isinstance(m, _SOFTMAXES):  # (dims written None or negative: see _SoftmaxDims)
                 mixes, why = _softmax_dim(m) == 0, "normalizes along dimension 0, across the batch"
-                fix = "normalize along another dimension, or use chunks=1."
+                fix = ("normalize along another dimension, or use chunks=1; if what it normalizes holds no "
+                       "batch (weights computed from a parameter), say so with "
+                       f"`model.get_submodule({qual!r}).mixes_batch = False`.")
             elif isinstance(m, _DYNAMIC_QUANTIZED):
                 mixes = True
                 why = ("is dynamically quantized (quantize_dynamic): it quantizes its input with a scale taken "

@@ -1443,6 +1443,66 @@ def test_a_pipeline_subclass_with_a_forward_of_its_own_is_not_a_recurrent_tail()
     torch.testing.assert_close(h, expected[1])
 
 
+class _GatedMix(nn.Module):
+    r"""Mixes per-sample features with softmax weights over three learned logits: no batch in the softmax."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.logits = nn.Parameter(torch.randn(3))
+        self.gate = nn.Softmax(dim=dim)
+
+    def forward(self, x):
+        a = self.gate(self.logits / 0.5)
+        return a[0] * x + a[1] * x.tanh() + a[2] * x.sigmoid()
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_a_softmax_over_weights_made_from_a_parameter_is_told_how_to_pass(dim: int) -> None:
+    # The checks cannot tell three logits from three samples (dim=-1: a micro-batch of 2 has
+    # fewer rows; dim=0: refused as written); the error says how to declare such a layer, and
+    # declared so, it runs.
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+    stages = [nn.Linear(4, 4), _GatedMix(dim)]
+    pipe = ParallelSequential(*stages, chunks=2)
+    with pytest.raises(RuntimeError, match=r"\(weights computed from a parameter\), say so with "
+                                           r"`model.get_submodule\('1.gate'\).mixes_batch = False`"):
+        pipe(x)
+    pipe.get_submodule("1.gate").mixes_batch = False
+    torch.testing.assert_close(pipe(x), nn.Sequential(*stages)(x))
+
+
+class _BatchFirstGRU(nn.GRU):
+    r"""A GRU returning its final hidden states batch-first, as the README asks of a custom last stage."""
+
+    def forward(self, x):
+        out, h = super().forward(x)
+        return out, h.transpose(0, 1).contiguous()
+
+
+class _LastLayerLSTM(nn.LSTM):
+    r"""An LSTM returning its output and the last layer's final hidden state, (batch, hidden)."""
+
+    def forward(self, x):
+        out, (h, _) = super().forward(x)
+        return out, h[-1]
+
+
+@pytest.mark.parametrize("make", [lambda: _BatchFirstGRU(3, 4, num_layers=2, batch_first=True),
+                                  lambda: _LastLayerLSTM(3, 4, num_layers=2, batch_first=True)],
+                         ids=["gru-batch-first", "lstm-last-layer"])
+def test_a_recurrent_subclass_with_a_forward_of_its_own_is_joined_along_dim_0(make) -> None:
+    # Before: taken for a stock recurrent tail, its batch-first hidden states were joined along
+    # dimension 1: (2, 6, 4) for (6, 2, 4), silently, where the layers equal a micro-batch's
+    # samples, and a (batch, hidden) state was refused as "unbatched".
+    torch.manual_seed(0)
+    rnn = make()
+    x = torch.randn(6, 5, 3)
+    got, expected = ParallelSequential(rnn, chunks=3)(x), nn.Sequential(rnn)(x)
+    assert [t.shape for t in got] == [t.shape for t in expected]
+    torch.testing.assert_close(got, expected)
+
+
 def test_appending_to_a_slice_whose_stages_kept_their_names_is_refused_not_overwriting() -> None:
     # Before: as nn.Sequential's, a slice keeps its stages' names ("1", "2") and append named
     # the new stage "2": it replaced the Linear, silently (extend and += too).
