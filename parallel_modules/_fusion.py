@@ -194,14 +194,16 @@ def _unfusable(branch: nn.Module) -> str | None:
             return f"{where} is a TorchScript module, which torch.func cannot call batched"
         if _quantized(m):
             return f"{where} is a quantized layer, which torch.func cannot call batched"
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            # (Before the hooks: its own, which initializes it at its first call, is one.)
+            return (f"{where} has uninitialized lazy parameters; call the block once (with fuse=False or "
+                    f"'auto'), or the branch, to initialize them first")
         if any(getattr(m, h, None) for h in _HOOKS):
             return f"{where} has hooks, which a batched call would not run once per branch"
         if "forward" in vars(m):
             return f"{where} has its forward replaced on the instance"
         if getattr(m, "parametrizations", None) is not None:
             return f"{where} is parametrized (torch.nn.utils.parametrize)"
-        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
-            return f"{where} has uninitialized lazy parameters; call the module once first"
         if isinstance(m, _BatchNorm) and m.running_mean is None:
             return (f"{where} normalizes with batch statistics in every mode (track_running_stats=False), "
                     f"which a batched call does not take; construct it with running statistics and call "
@@ -312,6 +314,7 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
     reasons: dict[int, str] = {}
     groups: list[list[int]] = []
     ids: dict[int, set[int]] = {}  # each fusable branch's parameters and buffers
+    sharers: dict[int, list[int]] = {}  # branch -> the identical ones left out for sharing its tensors
     tied = _tied_in_memory([_tensors(branch) for branch in branches])
     for i, branch in enumerate(branches):
         why = _unfusable(branch)
@@ -327,6 +330,7 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
                 shared = next((j for j in group if ids[i] & ids[j]), None)
                 if shared is not None:
                     reasons[i] = f"it shares parameters or buffers with branch index {shared}"
+                    sharers.setdefault(shared, []).append(i)
                     break
                 group.append(i)
                 break
@@ -339,7 +343,10 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
     kept = []
     for group in groups:
         if len(group) == 1:
-            reasons[group[0]] = "no other branch is identical to it"
+            left = sharers.get(group[0])
+            reasons[group[0]] = ("no other branch is identical to it" if not left else
+                                 f"the branches identical to it (index {', '.join(map(str, left))}) share its "
+                                 f"parameters or buffers (the same module, or tied weights)")
             continue
         members = []
         for i in group:

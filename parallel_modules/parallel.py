@@ -137,7 +137,9 @@ class Parallel(nn.Module):
         join: how to combine the outputs, in branch order: ``"cat"`` along
             ``dim``, ``"stack"`` along ``dim``, ``"sum"``, ``"mean"``,
             ``None`` or ``"tuple"`` for a tuple, ``"dict"`` for a dict keyed
-            by branch name, or a callable taking the list of outputs. Named
+            by branch name, or a callable taking the list of outputs (a
+            module without parameters or buffers too, called but not
+            registered: the block's ``.eval()`` does not reach it). Named
             joins apply leaf by leaf to structured outputs. Default: ``"cat"``.
         dim: dimension for ``"cat"`` and ``"stack"``. Default: ``1``.
         streams: ``True`` to always fork onto side streams, ``False`` to run

@@ -357,6 +357,16 @@ def test_parameter_shared_by_two_groups_is_stacked_by_one():
     assert "shares parameters or buffers with branch index 0" in p.explain()["unfused"]["2"]
 
 
+def test_explain_names_why_one_module_used_as_every_branch_is_unfused():
+    # Before: branch 0 read "no other branch is identical to it", though branches 1 and 2 are it.
+    a = nn.Linear(4, 3)
+    unfused = Parallel(a, a, a, fuse="auto").explain()["unfused"]
+    assert unfused["0"] == ("the branches identical to it (index 1, 2) share its parameters or buffers "
+                            "(the same module, or tied weights)")
+    assert unfused["1"] == unfused["2"] == "it shares parameters or buffers with branch index 0"
+    assert Parallel(a, nn.Linear(4, 4), fuse="auto").explain()["unfused"]["0"] == "no other branch is identical to it"
+
+
 def test_group_cut_to_one_member_holds_nothing_back():
     # Branch 2 shares a layer with the first group: the second group keeps only branch 3, which then
     # runs unfused -- and must not keep branch 4 (which shares a layer with it) out of the third.

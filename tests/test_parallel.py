@@ -11,6 +11,7 @@ import copy
 import functools
 import io
 import pickle
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -811,6 +812,24 @@ def test_lazy_branches_and_stages_build_move_copy_and_run():
         assert out.dtype == torch.float64
         assert_same(out, torch.cat([m(x) for m in block], 1) if isinstance(block, Parallel) else block[1](block[0](x)))
         assert twin(x.float()).shape == pickled(x.float()).shape == out.shape
+
+
+def test_fuse_true_on_uninitialized_lazy_branches_says_so_and_fuses_once_they_are():
+    # Before: refused for "hooks, which a batched call would not run once per branch" -- the
+    # lazy layer's own initializing hook, which the user never registered.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (lazy modules are experimental, and say so)
+        with pytest.raises(ValueError, match=r"'0' \(LazyLinear\) has uninitialized lazy parameters; call the "
+                                             r"block once"):
+            Parallel(*branches, fuse=True)
+        block = Parallel(*branches)
+        x = torch.randn(2, 4)
+        block(x)
+    block.fuse = True
+    assert block.explain()["fused"] == [["0", "1", "2"]]
+    torch.testing.assert_close(block(x), torch.cat([b(x) for b in branches], 1))
 
 
 def test_a_layer_replaced_while_another_thread_calls_is_seen():
