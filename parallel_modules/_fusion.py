@@ -74,8 +74,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_stack
 
 from . import _batched_linear, _watch
-from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _is_tracing,
-                       _pool, _Writes)
+from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _graph_task,
+                       _is_tracing, _pool, _Writes)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
 
@@ -370,11 +370,17 @@ class _Unstack(torch.autograd.Function):
 
     Forward returns the stack itself (the parameters already alias its slices,
     so no copy is made); backward gives each parameter its slice of the
-    stacked gradient, so gradients accumulate in every branch's own ``.grad``.
+    stacked gradient, so gradients accumulate in every branch's own ``.grad``
+    -- except a member none of whose outputs received a gradient in this
+    backward pass (see :class:`_Received`): unfused, its parameters get none,
+    their ``.grad`` stays ``None``, and optimizers skip them (no weight decay,
+    no momentum); a slice of zeros would move them.
     """
 
     @staticmethod
-    def forward(ctx: Any, stacked: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, received: "_Received | None", stacked: torch.Tensor,  # type: ignore[override]
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.received = received
         return stacked.view_as(stacked)
 
     @staticmethod
@@ -390,7 +396,65 @@ class _Unstack(torch.autograd.Function):
             # bias's gradient is a sum, a tensor of its own. (Weights' come transposed, which
             # autograd copies anyway; the copy here is of a bias-sized gradient.)
             grad = grad.clone(memory_format=torch.contiguous_format)
-        return (None, *grad.unbind(0))
+        got = ctx.received.got() if ctx.received is not None else None
+        if got is None:
+            return (None, None, *grad.unbind(0))
+        return (None, None, *(g if i in got else None for i, g in enumerate(grad.unbind(0))))
+
+
+class _Received:
+    r"""Which members' outputs of one fused call received a gradient, per backward pass.
+
+    Reported by :class:`_Split`, whose backward runs before any layer of the
+    group's (it takes their outputs), read by :class:`_Unstack`, whose backward
+    runs after them all (it makes their parameters). Kept per graph task, as
+    one call's graph may be differentiated again (``retain_graph=True``) with
+    other members' outputs used; the last few only. Where nothing was
+    reported for the pass (a join read off the batched value, a split by
+    torch's own operations), every member received one.
+    """
+
+    __slots__ = ("passes",)
+
+    def __init__(self) -> None:
+        self.passes: dict[int, set[int]] = {}
+
+    def add(self, members: list[int]) -> None:
+        task = _graph_task()
+        seen = self.passes.get(task)
+        if seen is None:
+            if len(self.passes) >= 4:
+                self.passes.pop(next(iter(self.passes), None), None)
+            seen = self.passes[task] = set()
+        seen.update(members)
+
+    def got(self) -> set[int] | None:
+        return self.passes.get(_graph_task())
+
+
+class _Split(torch.autograd.Function):
+    r"""``t``'s slices along ``dim``, each a copy of its own, whose backward tells ``received``
+    which of them received a gradient (see :class:`_Unstack`).
+
+    Autograd's own ``select`` hands zeros back for every slice whose output
+    got no gradient (a multi-task head whose loss this step leaves out, an
+    output detached); here those outputs stay without one.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, dim: int, received: _Received) -> tuple:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.dim, ctx.received = dim, received
+        return tuple(t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(t.shape[dim]))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        got = [i for i, g in enumerate(grads) if g is not None]
+        ctx.received.add(got)
+        if len(got) < len(grads):
+            zero = torch.zeros_like(grads[got[0]])
+            grads = tuple(zero if g is None else g for g in grads)
+        return torch.stack(grads, ctx.dim), None, None
 
 
 class _OwnGradients(torch.autograd.Function):
@@ -431,6 +495,14 @@ class _Entry(NamedTuple):
 class _Value(NamedTuple):
     t: torch.Tensor
     layout: int
+    received: _Received | None = None  # the call's, on its final value (see _Split)
+
+
+class _Structured(NamedTuple):
+    r"""A group's final value that is a structure of stacked tensors, and the call's :class:`_Received`."""
+
+    tree: Any
+    received: _Received
 
 
 class _Group:
@@ -638,10 +710,10 @@ class _Group:
         return _watch._swapped(self.tensor_dicts, self.snapshots, self.scalars)
 
     def _stacked(self, qual: str, tracing: bool, watched: list | None = None,
-                 input_grad: bool = True) -> torch.Tensor | None:
-        r"""The stack of ``qual`` for this call (see :class:`_Unstack`); ``watched`` collects those that
-        carry gradients back and that autograd saves for backward (``input_grad``: the step's input
-        requires grad), with their members' versions now (see :func:`_refuse_changed_members`)."""
+                 input_grad: bool = True, received: _Received | None = None) -> torch.Tensor | None:
+        r"""The stack of ``qual`` for this call (see :class:`_Unstack`, which ``received`` is handed); ``watched``
+        collects those that carry gradients back and that autograd saves for backward (``input_grad``: the
+        step's input requires grad), with their members' versions now (see :func:`_refuse_changed_members`)."""
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
             return None
@@ -670,7 +742,7 @@ class _Group:
                     trained or input_grad if qual in self.saved_always else trained)):
                 watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
             if trained:
-                return _Unstack.apply(stacked, *tensors)
+                return _Unstack.apply(received, stacked, *tensors)
         return stacked
 
     # Running --------------------------------------------------------------
@@ -747,12 +819,18 @@ class _Group:
 
     def _run(self, x: torch.Tensor, tracing: bool, keep: bool = True) -> Any:
         watched: list | None = None
+        received: _Received | None = None
         input_grad = [True]  # whether the input of the step running requires grad
         if not tracing and not torch.is_grad_enabled():
             get: _Get = self.stacks.get  # nothing to differentiate: the stacks as they are
         else:
             watched = None if tracing else []
-            get = lambda qual: self._stacked(qual, tracing, watched, input_grad[0])  # noqa: E731
+            # (Told by the members' outputs' split: not under torch.func transforms or forward-mode
+            # AD, where they are split by torch's operations, see _members.)
+            if (not tracing and _graph_task is not None and not _functorch_active()
+                    and _forward_ad._current_level < 0):
+                received = _Received()
+            get = lambda qual: self._stacked(qual, tracing, watched, input_grad[0], received)  # noqa: E731
         # (Neither read nor kept by a compiler's trace: assigned there, it was a side effect
         # the compiler guarded on, and the block was compiled a second time; read, an eager
         # call that made it since failed the guard, and compiled the block again.)
@@ -781,6 +859,8 @@ class _Group:
                            for qual, indices, tensors, versions in watched]
         if watched:
             _refuse_changed_members(value, watched)
+        if received is not None:
+            value = value._replace(received=received) if isinstance(value, _Value) else _Structured(value, received)
         return value
 
 
@@ -1083,9 +1163,12 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
     """
     recording = torch.is_grad_enabled()
     if not isinstance(v, _Value):  # structured output of a vmapped module: stacked leaves
+        received = None
+        if type(v) is _Structured:
+            v, received = v
         leaves, spec = pytree.tree_flatten(v)
-        columns = [_members(leaf, 0, n, recording and leaf.requires_grad) if isinstance(leaf, torch.Tensor)
-                   else (leaf,) * n for leaf in leaves]
+        columns = [_members(leaf, 0, n, recording and leaf.requires_grad, received)
+                   if isinstance(leaf, torch.Tensor) else (leaf,) * n for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
     t = v.t
     if v.layout == _SHARED:
@@ -1096,19 +1179,20 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
         member = t.select(0, 0) if t.dim() else t
         dense = member.is_contiguous() or member.dim() == 4 and member.is_contiguous(
             memory_format=torch.channels_last)
-        return _members(t, 0, n, recording and t.requires_grad or not dense)
+        return _members(t, 0, n, recording and t.requires_grad or not dense, v.received)
     # The channels layout, [B, N * C, ...]: a member's channels are a strided slice of
     # every sample, where unfused it gets a dense tensor (``.view()`` works on it). One
     # copy gives every member a dense block; an input in another memory format
     # (channels-last) gets that format, member by member, as unfused.
     t = t.unflatten(1, (n, -1))
     if recording and t.requires_grad or not t.is_contiguous():
-        return _members(t, 1, n, True)
+        return _members(t, 1, n, True, v.received)
     return _members(t.movedim(1, 0).contiguous(), 0, n, False)
 
 
-def _members(t: torch.Tensor, dim: int, n: int, copy: bool) -> list[torch.Tensor]:
-    r"""``t``'s ``n`` slices along ``dim``: views, or dense copies of their own (in ``t``'s memory format).
+def _members(t: torch.Tensor, dim: int, n: int, copy: bool, received: _Received | None = None) -> list[torch.Tensor]:
+    r"""``t``'s ``n`` slices along ``dim``: views, or dense copies of their own (in ``t``'s memory format;
+    through :class:`_Split`, telling ``received``, where the call made one and autograd records them).
 
     Views of one tensor share its version counter: a member's output changed in
     place would make autograd refuse another's, saved by the caller's own graph
@@ -1121,6 +1205,8 @@ def _members(t: torch.Tensor, dim: int, n: int, copy: bool) -> list[torch.Tensor
     autograd must keep seeing.
     """
     if copy:
+        if received is not None and t.requires_grad and torch.is_grad_enabled():
+            return list(_Split.apply(t, dim, received))
         return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
     if (_is_tracing() or t.requires_grad or _functorch_active() or _forward_ad._current_level >= 0
             or t.is_inference() or t._is_view()):  # (a compiler asks the first)

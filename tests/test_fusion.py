@@ -3100,3 +3100,78 @@ def test_fuse_auto_first_calls_of_a_signature_in_two_threads_both_look_for_write
     y = x.clone()
     assert_close(out, torch.cat([b(y) for b in block], 1))
     assert not block._in_order
+
+
+class _TwoOutputs(nn.Module):
+    r"""A layer of the user's returning a tuple: fused through vmap, its value is a structure of stacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y.tanh()
+
+
+def _multi_task_heads(kind: str) -> list[nn.Module]:
+    if kind == "mlp":
+        return [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)) for _ in range(3)]
+    if kind == "conv":  # (the channels layout, split along dimension 1)
+        return [nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()) for _ in range(3)]
+    return [_TwoOutputs() for _ in range(3)]
+
+
+def _task_output(out, join, t: int) -> torch.Tensor:
+    picked = out[str(t)] if join == "dict" else out[t]
+    return picked[0] if isinstance(picked, tuple) else picked
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv", "tuple-output"])
+@pytest.mark.parametrize("join", [None, "dict", list], ids=["tuple", "dict", "callable"])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_heads_the_loss_leaves_out_get_no_gradient_as_unfused(kind, join, fuse):
+    # Before: fused, every member got a .grad of zeros (autograd's select hands zeros back for
+    # the slices whose output got no gradient), so AdamW decayed and moved heads no loss used
+    # (0.035 off after 6 steps of multi-task training); unfused their .grad stays None, and
+    # optimizers skip them.
+    torch.manual_seed(0)
+    heads = _multi_task_heads(kind)
+    block, plain = Parallel(*copy.deepcopy(heads), join=join, fuse=fuse), copy.deepcopy(heads)
+    opt_b = torch.optim.AdamW(block.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_p = torch.optim.AdamW([p for h in plain for p in h.parameters()], lr=1e-2, weight_decay=0.1)
+    shape = (2, 3, 6, 6) if kind == "conv" else (8, 16)
+    for step in range(6):
+        x, t = torch.randn(shape), step % 3
+        _task_output(block(x), join, t).pow(2).mean().backward()
+        _task_output(dict(enumerate(h(x) for h in plain)), None, t).pow(2).mean().backward()
+        for j in range(3):
+            assert all((p.grad is None) == (j != t) for p in block[j].parameters()), (step, j)
+        opt_b.step(), opt_p.step()
+        opt_b.zero_grad(), opt_p.zero_grad()
+    assert fused_groups(block) == [["0", "1", "2"]]
+    for a, b in zip(block.parameters(), [p for h in plain for p in h.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_backward_through_other_heads_gives_those_their_gradients():
+    # Per backward pass: one call's outputs differentiated again (retain_graph) through another
+    # head give it its gradient, and leave the first's as the first pass left it; as autograd.grad.
+    torch.manual_seed(0)
+    heads = _multi_task_heads("mlp")
+    block = Parallel(*copy.deepcopy(heads), join=None, fuse=True)
+    x = torch.randn(8, 16)
+    out, ref = block(x), [h(x) for h in heads]
+    assert fused_groups(block) == [["0", "1", "2"]]
+    unused = torch.autograd.grad(out[0].sum(), [*block[1].parameters(), *block[0].parameters()],
+                                 retain_graph=True, allow_unused=True)
+    assert all(g is None for g in unused[:4]) and all(g is not None for g in unused[4:])
+    out[0].sum().backward(retain_graph=True)
+    ref[0].sum().backward()
+    out[1].sum().backward()
+    ref[1].sum().backward()
+    for j in range(3):
+        for a, b in zip(block[j].parameters(), heads[j].parameters()):
+            assert (a.grad is None) == (b.grad is None) == (j == 2)
+            if b.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
