@@ -78,6 +78,7 @@ from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _fun
                        _is_tracing, _pool, _Writes)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # (torch.export, strict or not)
 
 __all__: list[str] = []
 
@@ -719,14 +720,26 @@ class _Group:
             return None
         if tracing:
             tensors = self._tensors(entry)
-            if any([t is None for t in tensors]):
-                if any([t is not None for t in tensors]):  # (one member's bias removed, say)
-                    raise RuntimeError(f"the branches are no longer identical: {qual} is None in some "
-                                       f"members, not in others")
+            first = tensors[0]
+            if any([(t is None) != (first is None) or t is not None and (
+                    t.shape != first.shape or t.dtype != first.dtype) for t in tensors[1:]]):
+                # The members differ since the group was found (one's bias removed, a weight of
+                # another shape given), which registers nothing. A trace cannot find the groups
+                # again (see Parallel._traced_fusion): they are traced unfused. Eagerly (their
+                # tensors stacked as they are), the group fails, and "auto" unfuses it for good.
+                if _is_tracing():
+                    raise _UnbatchedNow
+                raise RuntimeError(f"the branches are no longer identical: {qual} differs between members")
+            if first is None:
                 return None
             stacked = torch.stack(tensors)
-            # (Not under torch.func transforms, which hand gradients back, accumulating none.)
-            return _OwnGradients.apply(stacked) if stacked.requires_grad and not _functorch_active() else stacked
+            # (Not under torch.func transforms, which hand gradients back, accumulating none. Nor
+            # under torch.export, whose programs hold no autograd.Function: a strict export runs
+            # its forward with grad off, cutting the parameters from the gradient, and a non-strict
+            # one keeps the forward alone.)
+            if stacked.requires_grad and not _functorch_active() and not _is_exporting():
+                return _OwnGradients.apply(stacked)
+            return stacked
         stacked = self.stacks.get(qual)
         if stacked is None:
             return None
@@ -809,6 +822,10 @@ class _Group:
         kernels = not tracing and (captured or self.paired and _launches_fast(x)) and self.kernel_layers(x)
         call = _call
         before = call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels
+        if tracing and not any(before):
+            # A compiler's trace decides all of them off, as they are: set, they would be a side
+            # effect of the traced forward (dynamo warns of it under a strict torch.export).
+            return self._run(x, True, keep=False)
         call.fewer_kernels, call.kernels, call.lone_kernels = fewer, kernels, kernels and captured
         call.prefill = _Prefill(x, side_bias, self.joint) if fewer and not kernels else None
         call.cat_joined = cat_joined and not tracing
@@ -1113,13 +1130,15 @@ class _Joined:
         spoils nothing. (A ``Linear`` saves its input, not its output: no copy.)
         """
         joined = self._join(how, dim)
-        if joined is not None and joined.requires_grad and not _is_tracing():
+        if joined is not None and joined.requires_grad:
             t = self.value.t
             base = t if t._base is None else t._base
-            fn = base.grad_fn  # (a Python Function's ``ctx`` may have saved anything)
-            if (joined is t or joined._base is base) and (hasattr(fn, "_saved_result") or isinstance(
-                    fn, torch.autograd.function.BackwardCFunction)):
-                return joined.clone()
+            if joined is t or joined._base is base:
+                if _is_tracing():  # (a compiler's trace shows no saved results: copied whatever saved it)
+                    return joined.clone()
+                fn = base.grad_fn  # (a Python Function's ``ctx`` may have saved anything)
+                if hasattr(fn, "_saved_result") or isinstance(fn, torch.autograd.function.BackwardCFunction):
+                    return joined.clone()
         return joined
 
     def _join(self, how: Any, dim: int) -> torch.Tensor | None:

@@ -14,6 +14,8 @@ import reprlib
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
+from torch import nn
+from torch.fx import _symbolic_trace
 from torch.utils import _pytree as pytree
 
 from ._inputs import _with_context
@@ -197,6 +199,10 @@ def _join_outputs(
     # exception raised by torch.cat.)
     if callable(how):
         try:
+            if isinstance(how, nn.Module) and _symbolic_trace._is_fx_tracing_flag:
+                # (torch.fx.symbolic_trace records a module's call by its path in the traced root,
+                # which a join, called but not registered, does not have: its forward is traced.)
+                return how.forward(outputs)
             return how(outputs)
         except Exception as e:
             raise _with_context(e, f"(raised in the join {getattr(how, '__qualname__', how)!r} of {owner}, "

@@ -1033,6 +1033,96 @@ def test_export_of_fused_module_equals_eager():
         assert_close(ep.module()(x), reference(p, x))
 
 
+class _ScaledHeads(nn.Module):
+    r"""Heads stacked along dim 0 (their Tanh saves its output), the result scaled in place."""
+
+    def __init__(self, fuse) -> None:
+        super().__init__()
+        self.heads = Parallel(*[nn.Sequential(nn.Linear(8, 6), nn.Tanh()) for _ in range(3)],
+                              join=self.join, dim=0, fuse=fuse)
+
+    def forward(self, x):
+        y = self.heads(x)
+        y.mul_(2)
+        return y
+
+
+@pytest.mark.parametrize("join", ["stack", "cat"])
+@pytest.mark.parametrize("how", ["compile", "export"])
+def test_a_traced_fused_join_along_dim_0_may_be_changed_in_place(join, how):
+    # Before: traced, the join was the group's last activation itself (stack) or a view of it
+    # (cat), which Tanh saved: the in-place scale made the backward fail ("modified by an
+    # inplace operation"), where eager (which copies it) and unfused worked.
+    torch.manual_seed(0)
+    _ScaledHeads.join = join
+    model = _ScaledHeads(fuse=True)
+    ref = copy.deepcopy(model)
+    ref.heads.fuse = False
+    x = torch.randn(4, 8)
+    if how == "compile":
+        torch._dynamo.reset()
+        run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    else:
+        run = torch.export.export(model, (x,)).module()
+    run(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    params = {k.removeprefix("_orig_mod."): v for k, v in run.named_parameters()}
+    assert sorted(params) == sorted(dict(ref.named_parameters()))
+    for name, p in ref.named_parameters():
+        assert_close(params[name].grad, p.grad)
+
+
+@pytest.mark.parametrize("how", ["compile", "export"])
+def test_a_member_changed_since_grouping_is_traced_unfused(how):
+    # Before: a member's bias set to None after an eager call grouped the block made the trace
+    # raise (dynamo's "Observed exception"; export's "the branches are no longer identical",
+    # naming neither the block nor the branch), where eager calls regroup.
+    torch.manual_seed(0)
+    block = Parallel(nn.Linear(8, 6), nn.Linear(8, 6), nn.Linear(8, 6), join="cat", fuse="auto")
+    x = torch.randn(4, 8)
+    block(x)
+    block[2].bias = None
+    if how == "compile":
+        torch._dynamo.reset()
+        out = torch.compile(block, fullgraph=True, backend="eager")(x)
+    else:
+        out = torch.export.export(block, (x,)).module()(x)
+    assert_same(out, torch.cat([b(x) for b in block], 1))
+
+
+def test_a_strict_export_of_a_fused_block_has_no_side_effects():
+    # Before: the group set and restored its per-call settings (thread-local) while traced,
+    # which dynamo reported as side effects of the forward.
+    block = Parallel(*[mlp() for _ in range(3)], join="cat", fuse=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*side effects.*")
+        ep = torch.export.export(block, (torch.randn(4, 16),), strict=True)
+    x = torch.randn(4, 16)
+    assert_close(ep.module()(x), reference(block, x))
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+def test_an_exported_fused_block_trains_as_unfused(strict):
+    # Before: a strict export turned the stacks' autograd.Function into a call with grad off:
+    # no parameter of the exported program got a gradient, silently (the input's did).
+    torch.manual_seed(0)
+    branches = [mlp() for _ in range(3)]
+    ref = copy.deepcopy(branches)
+    x = torch.randn(4, 16)
+    exported = torch.export.export(Parallel(*branches, join="sum", fuse=True), (x,), strict=strict).module()
+    x = torch.randn(4, 16, requires_grad=True)
+    exported(x).pow(2).sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    sum(b(x_ref) for b in ref).pow(2).sum().backward()
+    assert_close(x.grad, x_ref.grad)
+    got = dict(exported.named_parameters())
+    expected = {f"{i}.{k}": p for i, b in enumerate(ref) for k, p in b.named_parameters()}
+    assert sorted(got) == sorted(expected)
+    for name, p in expected.items():
+        assert got[name].grad is not None, name
+        assert_close(got[name].grad, p.grad)
+
+
 @pytest.mark.parametrize("padding_idx", [None, 3])
 def test_export_of_fused_embeddings_equals_eager(padding_idx):
     # Exporting torch.vmap(F.embedding) fails; the fused group gathers rows of the stacked weights.

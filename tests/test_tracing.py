@@ -346,6 +346,23 @@ def test_fx_symbolic_trace_of_a_named_join(join):
     assert_close(traced(x), model(x))
 
 
+class _MaxJoin(nn.Module):
+    r"""A join written as a module without parameters: called by the block, not registered."""
+
+    def forward(self, outs):
+        return torch.stack(outs).amax(0)
+
+
+def test_fx_symbolic_trace_of_a_module_join():
+    # Before: fx records a module's call by its path in the traced root, which the join, not
+    # registered, lacks: "module is not installed as a submodule". Its forward is traced now.
+    model = nn.Sequential(Parallel(nn.Linear(4, 3), nn.Linear(4, 3), join=_MaxJoin()), nn.ReLU())
+    traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(2, 4)
+    assert_close(traced(x), model(x))
+    assert any(n.target is torch.amax or "amax" in str(n.target) for n in traced.graph.nodes)
+
+
 def test_compiled_branch_error_keeps_the_users_message():
     # Dynamo cannot trace ``add_note``, with which eager calls name the failing branch: it
     # reported that instead of the user's exception.
