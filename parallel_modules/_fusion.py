@@ -181,6 +181,13 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
     return None
 
 
+def _member_tensor(member: nn.Module, qual: str) -> torch.Tensor | None:
+    r"""The parameter or buffer ``qual`` of ``member`` (``"0.bias"``), or ``None`` where it has none."""
+    prefix, _, name = qual.rpartition(".")
+    owner = member.get_submodule(prefix) if prefix else member
+    return owner._parameters.get(name) if name in owner._parameters else owner._buffers.get(name)
+
+
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
@@ -412,15 +419,21 @@ class _Received:
     one call's graph may be differentiated again (``retain_graph=True``) with
     other members' outputs used; the last few only. Where nothing was
     reported for the pass (a join read off the batched value, a split by
-    torch's own operations), every member received one.
+    torch's own operations), every member received one; so for every pass
+    after one that made a graph of its own (``create_graph=True``, a gradient
+    penalty), whose gradients reach the stacks through that graph, past the split.
     """
 
-    __slots__ = ("passes",)
+    __slots__ = ("passes", "higher")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
+        self.higher = False
 
     def add(self, members: list[int]) -> None:
+        if torch.is_grad_enabled():  # (a backward pass with create_graph=True)
+            self.higher = True
+            return
         task = _graph_task()
         seen = self.passes.get(task)
         if seen is None:
@@ -430,7 +443,7 @@ class _Received:
         seen.update(members)
 
     def got(self) -> set[int] | None:
-        return self.passes.get(_graph_task())
+        return None if self.higher else self.passes.get(_graph_task())
 
 
 class _Split(torch.autograd.Function):
@@ -452,6 +465,8 @@ class _Split(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:  # type: ignore[override]
         got = [i for i, g in enumerate(grads) if g is not None]
         ctx.received.add(got)
+        if not got:  # (run all the same where each came undefined: a reentrant checkpoint's unused input)
+            return None, None, None
         if len(got) < len(grads):
             zero = torch.zeros_like(grads[got[0]])
             grads = tuple(zero if g is None else g for g in grads)
@@ -717,6 +732,10 @@ class _Group:
         step's input requires grad), with their members' versions now (see :func:`_refuse_changed_members`)."""
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
+            if _is_tracing() and any([_member_tensor(m, qual) is not None for m in self.members]):
+                # Given to a member since the group was found (eagerly, that registration makes
+                # the groups anew): traced unfused, as below.
+                raise _UnbatchedNow
             return None
         if tracing:
             tensors = self._tensors(entry)
@@ -1755,9 +1774,10 @@ class _Fusion:
         self.hooks = [d for g in self.groups for member in g.members for d in _hook_dicts(member)] + list(
             _GLOBAL_HOOKS) if self.groups else []
         self.handles = handles  # the hook dicts are looked at when it moves
-        # Branches left out for their hooks (or for global ones): grouped anew once they are gone.
+        # Branches left out for their hooks (or for global ones; an uninitialized lazy layer's own
+        # initializing one too): grouped anew once they are gone.
         self.hooked = [_hook_dicts(branches[i]) + list(_GLOBAL_HOOKS) for i, why in self.reasons.items()
-                       if "hooks" in why]
+                       if "hooks" in why or "uninitialized lazy" in why]
         # The fused members' module trees: a layer replaced since (``block[0][1] = nn.ReLU()``,
         # as adapter and quantization tools do) is seen eagerly by ``_watch``'s count of
         # registrations, which a compiler must not read (see :meth:`current`).
