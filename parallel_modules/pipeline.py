@@ -265,8 +265,10 @@ class _SoftmaxDims(TorchFunctionMode):
                     f"({type(m).__name__}({'' if isinstance(m, nn.Softmax2d) else f'dim={m.dim}'})), which on its "
                     f"{ndim}-D input normalizes along dimension 0, across the batch, so "
                     f"with chunks={self.owner._chunks} the result would differ from running the whole batch. "
-                    "Give it the non-negative dim it should normalize along, or use chunks=1; if what it "
-                    "normalizes holds no batch (weights computed from a parameter), say so with "
+                    + ("Give it a batched 4-D input, or use nn.Softmax(dim=1) for the channels, or use "
+                       "chunks=1; if what it " if isinstance(m, nn.Softmax2d) else
+                       "Give it the non-negative dim it should normalize along, or use chunks=1; if what it ")
+                    + "normalizes holds no batch (weights computed from a parameter), say so with "
                     f"`model.get_submodule({qual!r}).mixes_batch = False`.")
         return func(*args, **kwargs)
 
@@ -280,11 +282,13 @@ def _versions(output: Any) -> list[int | None]:
     return [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None for t in leaves]
 
 
-def _signature_dims(input: Any) -> tuple[int, ...]:
-    r"""The numbers of dimensions of ``input``'s tensors: what decides which dim a softmax layer reads."""
+def _signature_dims(input: Any) -> Hashable:
+    r"""The numbers of dimensions of ``input``'s tensors, and its structure (which key holds which): what
+    decides which dim a softmax layer reads."""
     if isinstance(input, torch.Tensor):
         return (input.dim(),)
-    return tuple(t.dim() for t in pytree.tree_leaves(input) if isinstance(t, torch.Tensor))
+    leaves, spec = pytree.tree_flatten(input)
+    return spec, tuple(t.dim() if isinstance(t, torch.Tensor) else None for t in leaves)
 
 
 def _symbolic_batch(input: Any) -> bool:
@@ -310,14 +314,25 @@ def _recurrent_tail(stage: nn.Module) -> bool:
     result it returns: the layer itself, or the last of ``nn.Sequential`` containers (a nested
     pipeline too, which returns its recurrent tail's hidden states as the layer does)."""
     # (Not a subclass with a forward of its own, which may return anything: a recurrent
-    # layer's too, whose hidden states the README asks to return batch-first.)
-    while (type(stage) is nn.Sequential or isinstance(stage, ParallelSequential)
-           and type(stage).forward is ParallelSequential.forward) and len(stage):
+    # layer's too, whose hidden states the README asks to return batch-first. A compiled
+    # module returns what the module it compiled does.)
+    while True:
+        stage = getattr(stage, "_orig_mod", stage) if type(stage).__name__ == "OptimizedModule" else stage
+        if not (isinstance(stage, nn.Sequential) and type(stage).forward in _SEQUENTIAL_FORWARDS and len(stage)):
+            break
         stage = stage[-1]
     return isinstance(stage, nn.RNNBase) and type(stage).forward in _RECURRENT_FORWARDS
 
 
 _RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward))
+
+
+def _recurrent_branches(stage: nn.Module) -> bool:
+    r"""Whether ``stage`` is a ``Parallel`` returning its branches' outputs apart (a tuple or dict join)
+    with a recurrent tail among them, whose hidden states hold the batch along dimension 1."""
+    stage = getattr(stage, "_orig_mod", stage) if type(stage).__name__ == "OptimizedModule" else stage
+    return (isinstance(stage, Parallel) and type(stage).forward is Parallel.forward
+            and stage.join in (None, "tuple", "dict") and any(_recurrent_tail(b) for b in stage))
 
 
 class ParallelSequential(nn.Sequential):
@@ -931,6 +946,11 @@ class ParallelSequential(nn.Sequential):
                 raise TypeError("the recurrent layer ending the last stage returned hidden states without a "
                                 "batch dimension: its input was unbatched (2-D), which micro-batches cut along "
                                 "its sequence")
+            if stages and _recurrent_branches(stages[-1]):
+                raise TypeError("the last stage is a Parallel returning its branches' outputs apart, one of "
+                                "them ending in a recurrent layer, whose hidden states hold the batch along "
+                                "dimension 1: joined along dimension 0 they would be wrong (end each such "
+                                "branch in a module returning them batch-first, h.transpose(0, 1))")
             if all(isinstance(o, torch.Tensor) for o in outputs):
                 first = outputs[0]
                 if all(o is first for o in outputs[1:]):
@@ -1069,7 +1089,9 @@ class ParallelSequential(nn.Sequential):
             if layers:
                 # (The mode too: a stage may take another path in eval, logits in training and
                 # probabilities in eval.)
-                key = (_signature_dims(input), self.training, tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
+                # (Every module's mode: a stage switched to eval alone may reach a layer it skipped.)
+                key = (_signature_dims(input), tuple([m.training for m in self.modules()]),
+                       tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
                 tracing = _is_tracing()
                 # (Under torch.func transforms the stages run on the whole input: see _forward.)
                 if tracing or key not in self._softmax_checked and not _functorch_active():
@@ -1503,3 +1525,7 @@ def _to_device(value: Any, device: torch.device, non_blocking: bool, pinned: boo
     if isinstance(value, torch.Tensor):
         return move(value)
     return pytree.tree_map(move, value)
+
+
+# The containers that return what their last stage returns (see _recurrent_tail).
+_SEQUENTIAL_FORWARDS = frozenset((nn.Sequential.forward, ParallelSequential.forward))

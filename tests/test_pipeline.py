@@ -10,6 +10,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from parallel_modules import Parallel, ParallelSequential
 from tests._helpers import Queries, cpu_and_cuda
@@ -1441,6 +1442,81 @@ def test_a_pipeline_subclass_with_a_forward_of_its_own_is_not_a_recurrent_tail()
     expected = inner(x)
     torch.testing.assert_close(out, expected[0])
     torch.testing.assert_close(h, expected[1])
+
+
+class _Encoder(nn.Sequential):
+    r"""A subclass of ``nn.Sequential`` without a forward of its own: it returns what its last layer does."""
+
+
+@pytest.mark.parametrize("wrap", ["sequential-subclass", "compiled"])
+@pytest.mark.parametrize("layers,batch", [(1, 2), (2, 4)])
+def test_a_recurrent_tail_behind_a_sequential_subclass_or_compiled_is_joined_along_dim_1(wrap, layers, batch):
+    # Before: only a plain nn.Sequential was looked through: h_n joined along dimension 0,
+    # (2, 1, 5) for (1, 2, 5) -- silently, where the layers equal a micro-batch's samples.
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 5, num_layers=layers, batch_first=True)
+    tail = _Encoder(nn.Linear(4, 4), lstm) if wrap == "sequential-subclass" else torch.compile(lstm, backend="eager")
+    x = torch.randn(batch, 3, 4)
+    got, expected = ParallelSequential(nn.Identity(), tail, chunks=2)(x), nn.Sequential(nn.Identity(), tail)(x)
+    assert [t.shape for t in pytree.tree_leaves(got)] == [t.shape for t in pytree.tree_leaves(expected)]
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_parallel_of_recurrent_branches_returned_apart_is_refused_as_a_last_stage():
+    # Before: each branch's h_n joined along dimension 0, (2, 1, 5) for (1, 2, 5), silently.
+    heads = Parallel(nn.GRU(4, 5, batch_first=True), nn.GRU(4, 5, batch_first=True), join="tuple")
+    with pytest.raises(ValueError, match="(?s)a Parallel returning its branches' outputs apart.*recurrent"):
+        ParallelSequential(nn.Identity(), heads, chunks=2)(torch.randn(2, 3, 4))
+
+
+class _EvalProbs(nn.Module):
+    r"""Logits in training, probabilities (a softmax whose dim resolves to 0 on 2-D rows) in eval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.sm = nn.Linear(4, 3), nn.Softmax(dim=-2)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y if self.training else self.sm(y)
+
+
+def test_the_softmax_check_sees_a_stage_switched_to_eval_alone():
+    # Before: the check's key held the pipeline's own mode only: a stage switched to eval by
+    # itself reached its softmax unchecked (0.227 off the whole batch's result).
+    torch.manual_seed(0)
+    head = _EvalProbs()
+    pipe = ParallelSequential(nn.Linear(4, 4), head, chunks=2)
+    x = torch.randn(6, 4)
+    pipe(x)
+    head.eval()
+    with pytest.raises(RuntimeError, match=r"'1.sm' \(Softmax\(dim=-2\)\)"):
+        pipe(x)
+
+
+class _PickedSoftmax(nn.Module):
+    r"""Softmax(dim=-2) over ``x["a"]``: 2-D rows are normalized across the batch, 3-D ones are not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sm = nn.Softmax(dim=-2)
+
+    def forward(self, d):
+        return self.sm(d["a"]).flatten(1)
+
+
+def test_the_softmax_check_tells_dict_inputs_apart_by_key():
+    # Before: the key held the inputs' numbers of dimensions in order, not their keys: {"a": 3-D,
+    # "b": 2-D} checked let {"a": 2-D, "b": 3-D} through (0.35 off the whole batch's result).
+    pipe = ParallelSequential(_PickedSoftmax(), chunks=2)
+    pipe({"a": torch.randn(4, 3, 2), "b": torch.randn(4, 2)})
+    with pytest.raises(RuntimeError, match="normalizes along dimension 0"):
+        pipe({"b": torch.randn(4, 3, 2), "a": torch.randn(4, 2)})
+
+
+def test_a_softmax2d_refusal_says_how_to_fix_it():
+    with pytest.raises(RuntimeError, match=r"Give it a batched 4-D input, or use nn.Softmax\(dim=1\)"):
+        ParallelSequential(nn.Softmax2d(), chunks=2)(torch.randn(4, 3, 5))
 
 
 class _GatedMix(nn.Module):
