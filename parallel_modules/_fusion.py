@@ -181,11 +181,19 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
     return None
 
 
-def _member_tensor(member: nn.Module, qual: str) -> torch.Tensor | None:
-    r"""The parameter or buffer ``qual`` of ``member`` (``"0.bias"``), or ``None`` where it has none."""
+def _member_tensor(member: nn.Module, qual: str) -> Any:
+    r"""The parameter or buffer ``qual`` of ``member`` (``"0.bias"``), ``None`` where it has none, or
+    ``_GONE`` where it has no submodule of that name (renamed since it was grouped)."""
     prefix, _, name = qual.rpartition(".")
-    owner = member.get_submodule(prefix) if prefix else member
+    owner: nn.Module | None = member
+    for part in prefix.split(".") if prefix else ():
+        owner = owner._modules.get(part)
+        if owner is None:
+            return _GONE
     return owner._parameters.get(name) if name in owner._parameters else owner._buffers.get(name)
+
+
+_GONE = object()
 
 
 def _join(path: str, name: str) -> str:
@@ -389,10 +397,13 @@ class _Unstack(torch.autograd.Function):
     def forward(ctx: Any, received: "_Received | None", stacked: torch.Tensor,  # type: ignore[override]
                 *params: torch.Tensor) -> torch.Tensor:
         ctx.received = received
+        ctx.set_materialize_grads(False)
         return stacked.view_as(stacked)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        if grad is None:  # (no gradient came: none for the members either, as unfused)
+            return (None, None, *(None for _ in ctx.needs_input_grad[2:]))
         if grad.dim() and (grad.stride(0) == 0 or grad._is_view() and grad.is_contiguous()):
             # Memory that is not this backward's own: a bias added without a reduction (a
             # batch of one) passes its gradient on as it came -- for a cat or stack join, a
@@ -421,56 +432,54 @@ class _Received:
     reported for the pass (a join read off the batched value, a split by
     torch's own operations), every member received one; so for every pass
     after one that made a graph of its own (``create_graph=True``, a gradient
-    penalty), whose gradients reach the stacks through that graph, past the split.
+    penalty), whose gradients may reach the stacks through that graph, past the
+    split (that pass itself reaches them through the split alone).
     """
 
     __slots__ = ("passes", "higher")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
-        self.higher = False
+        self.higher: int | None = None  # the first pass with create_graph=True
 
-    def add(self, members: list[int]) -> None:
-        if torch.is_grad_enabled():  # (a backward pass with create_graph=True)
-            self.higher = True
-            return
+    def add(self, member: int) -> None:
         task = _graph_task()
+        if self.higher is None and torch.is_grad_enabled():  # (a backward's grad mode is its create_graph)
+            self.higher = task
         seen = self.passes.get(task)
         if seen is None:
             if len(self.passes) >= 4:
                 self.passes.pop(next(iter(self.passes), None), None)
             seen = self.passes[task] = set()
-        seen.update(members)
+        seen.add(member)
 
     def got(self) -> set[int] | None:
-        return None if self.higher else self.passes.get(_graph_task())
+        task = _graph_task()
+        return None if self.higher is not None and self.higher != task else self.passes.get(task)
 
 
 class _Split(torch.autograd.Function):
-    r"""``t``'s slices along ``dim``, each a copy of its own, whose backward tells ``received``
-    which of them received a gradient (see :class:`_Unstack`).
+    r"""Member ``i``'s slice of ``t`` along ``dim``, a copy of its own, whose backward tells ``received``
+    that it received a gradient (see :class:`_Unstack`).
 
-    Autograd's own ``select`` hands zeros back for every slice whose output
-    got no gradient (a multi-task head whose loss this step leaves out, an
-    output detached); here those outputs stay without one.
+    One node per member, as autograd's own ``select`` makes: a member's output the
+    backward pass leaves out runs nothing (its tensor hooks included), where
+    ``select`` would hand its members' parameters zeros all the same.
     """
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, dim: int, received: _Received) -> tuple:  # type: ignore[override]
+    def forward(ctx: Any, t: torch.Tensor, dim: int, i: int,  # type: ignore[override]
+                received: _Received) -> torch.Tensor:
         ctx.set_materialize_grads(False)
-        ctx.dim, ctx.received = dim, received
-        return tuple(t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(t.shape[dim]))
+        ctx.shape, ctx.dim, ctx.i, ctx.received = t.shape, dim, i, received
+        return t.select(dim, i).clone(memory_format=torch.preserve_format)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:  # type: ignore[override]
-        got = [i for i, g in enumerate(grads) if g is not None]
-        ctx.received.add(got)
-        if not got:  # (run all the same where each came undefined: a reentrant checkpoint's unused input)
-            return None, None, None
-        if len(got) < len(grads):
-            zero = torch.zeros_like(grads[got[0]])
-            grads = tuple(zero if g is None else g for g in grads)
-        return torch.stack(grads, ctx.dim), None, None
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        if grad is None:  # (run all the same for an undefined one: a reentrant checkpoint's unused input)
+            return None, None, None, None
+        ctx.received.add(ctx.i)
+        return torch.ops.aten.select_backward(grad, list(ctx.shape), ctx.dim, ctx.i), None, None, None
 
 
 class _OwnGradients(torch.autograd.Function):
@@ -1244,7 +1253,7 @@ def _members(t: torch.Tensor, dim: int, n: int, copy: bool, received: _Received 
     """
     if copy:
         if received is not None and t.requires_grad and torch.is_grad_enabled():
-            return list(_Split.apply(t, dim, received))
+            return [_Split.apply(t, dim, i, received) for i in range(n)]
         return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
     if (_is_tracing() or t.requires_grad or _functorch_active() or _forward_ad._current_level >= 0
             or t.is_inference() or t._is_view()):  # (a compiler asks the first)

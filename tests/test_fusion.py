@@ -3319,3 +3319,50 @@ def test_lazy_branches_fuse_once_initialized_under_auto():
             out = block(x)
     assert fused_groups(block) == [["0", "1", "2"]]
     assert_close(out, torch.cat([b(x) for b in block], 1))
+
+
+def test_a_hook_on_a_head_the_loss_leaves_out_does_not_run():
+    # (A second review.) Before: one node split every member's output, so autograd ran the
+    # hooks of all of them, handing None to those without a gradient (AttributeError in a
+    # clipping hook); unfused, and with one node per member, they do not run.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)) for _ in range(3)],
+                     join=None, fuse=True)
+    out = block(torch.randn(5, 4))
+    assert fused_groups(block) == [["0", "1", "2"]]
+    seen = []
+    out[0].register_hook(lambda g: seen.append(g) or g.clamp(-1, 1))
+    out[1].sum().backward()
+    assert seen == []
+    assert block[1][0].weight.grad is not None and block[0][0].weight.grad is None
+
+
+def test_a_create_graph_pass_leaves_the_heads_it_does_not_reach_without_gradient():
+    # (The same review.) Before: the first create_graph pass (a Hessian-based optimizer's step)
+    # handed every member zeros, as later passes must (see the gradient penalty's test).
+    torch.manual_seed(0)
+    heads = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)) for _ in range(3)]
+    block = Parallel(*copy.deepcopy(heads), join=None, fuse=True)
+    x = torch.randn(5, 4)
+    block(x)[0].pow(2).mean().backward(create_graph=True)
+    heads[0](x).pow(2).mean().backward(create_graph=True)
+    for j in range(3):
+        for a, b in zip(block[j].parameters(), heads[j].parameters()):
+            assert (a.grad is None) == (b.grad is None) == (j != 0)
+            if b.grad is not None:
+                assert_close(a.grad, b.grad)
+
+
+def test_a_member_whose_layers_were_renamed_since_grouping_is_traced_unfused():
+    # (The same review.) Before: looking a member's bias up by its grouped name raised in the trace.
+    import collections
+
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(8, 6, bias=False), nn.ReLU()) for _ in range(3)],
+                     join="cat", fuse=True)
+    x = torch.randn(4, 8)
+    block(x)
+    m = block[2]
+    m._modules = collections.OrderedDict((("lin", m._modules["0"]), ("act", m._modules["1"])))
+    torch._dynamo.reset()
+    assert_same(torch.compile(block, fullgraph=True, backend="eager")(x), torch.cat([b(x) for b in block], 1))
