@@ -397,6 +397,7 @@ class _Unstack(torch.autograd.Function):
     def forward(ctx: Any, received: "_Received | None", stacked: torch.Tensor,  # type: ignore[override]
                 *params: torch.Tensor) -> torch.Tensor:
         ctx.received = received
+        ctx.params = params if received is not None else ()
         ctx.set_materialize_grads(False)
         return stacked.view_as(stacked)
 
@@ -418,7 +419,16 @@ class _Unstack(torch.autograd.Function):
         got = ctx.received.got() if ctx.received is not None else None
         if got is None:
             return (None, None, *grad.unbind(0))
-        return (None, None, *(g if i in got else None for i, g in enumerate(grad.unbind(0))))
+        # (A parameter's accumulator runs whatever it is handed, and its hooks with it: handed
+        # None, a hook of the user's on it would be called with None, where unfused it is not
+        # called at all. Such parameters get zeros, as before members were told apart.)
+        return (None, None, *(g if i in got or _hooked(p) else None
+                              for i, (g, p) in enumerate(zip(grad.unbind(0), ctx.params))))
+
+
+def _hooked(p: torch.Tensor) -> bool:
+    r"""Whether ``p`` has hooks of its own (``register_hook``, ``register_post_accumulate_grad_hook``)."""
+    return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
 class _Received:
@@ -459,27 +469,27 @@ class _Received:
 
 
 class _Split(torch.autograd.Function):
-    r"""Member ``i``'s slice of ``t`` along ``dim``, a copy of its own, whose backward tells ``received``
-    that it received a gradient (see :class:`_Unstack`).
+    r"""Member ``i``'s slice of the members' batched value (one of its ``unbind``), a copy of its own, whose
+    backward tells ``received`` that it received a gradient (see :class:`_Unstack`).
 
     One node per member, as autograd's own ``select`` makes: a member's output the
     backward pass leaves out runs nothing (its tensor hooks included), where
-    ``select`` would hand its members' parameters zeros all the same.
+    ``select`` would hand its members' parameters zeros all the same. Over the
+    slices of one ``unbind``, whose backward stacks the members' gradients once
+    (``select``'s would make a whole batched gradient for each member).
     """
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, dim: int, i: int,  # type: ignore[override]
-                received: _Received) -> torch.Tensor:
+    def forward(ctx: Any, part: torch.Tensor, i: int, received: _Received) -> torch.Tensor:  # type: ignore[override]
         ctx.set_materialize_grads(False)
-        ctx.shape, ctx.dim, ctx.i, ctx.received = t.shape, dim, i, received
-        return t.select(dim, i).clone(memory_format=torch.preserve_format)
+        ctx.i, ctx.received = i, received
+        return part.clone(memory_format=torch.preserve_format)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
-        if grad is None:  # (run all the same for an undefined one: a reentrant checkpoint's unused input)
-            return None, None, None, None
-        ctx.received.add(ctx.i)
-        return torch.ops.aten.select_backward(grad, list(ctx.shape), ctx.dim, ctx.i), None, None, None
+        if grad is not None:  # (run all the same for an undefined one: a reentrant checkpoint's unused input)
+            ctx.received.add(ctx.i)
+        return grad, None, None
 
 
 class _OwnGradients(torch.autograd.Function):
@@ -1253,7 +1263,7 @@ def _members(t: torch.Tensor, dim: int, n: int, copy: bool, received: _Received 
     """
     if copy:
         if received is not None and t.requires_grad and torch.is_grad_enabled():
-            return [_Split.apply(t, dim, i, received) for i in range(n)]
+            return [_Split.apply(part, i, received) for i, part in enumerate(t.unbind(dim))]
         return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
     if (_is_tracing() or t.requires_grad or _functorch_active() or _forward_ad._current_level >= 0
             or t.is_inference() or t._is_view()):  # (a compiler asks the first)

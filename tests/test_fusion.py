@@ -3366,3 +3366,22 @@ def test_a_member_whose_layers_were_renamed_since_grouping_is_traced_unfused():
     m._modules = collections.OrderedDict((("lin", m._modules["0"]), ("act", m._modules["1"])))
     torch._dynamo.reset()
     assert_same(torch.compile(block, fullgraph=True, backend="eager")(x), torch.cat([b(x) for b in block], 1))
+
+
+def test_a_hook_on_an_unused_members_parameter_is_not_handed_none():
+    # (A third review.) Every member's parameter is an input of the stacks' node, whose
+    # accumulators run whatever they are handed, hooks included: handed None, a clipping hook
+    # raised. A parameter with hooks gets zeros (as before members were told apart); the rest
+    # of the unused members' parameters stay without gradient.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(3)],
+                     join=None, fuse=True)
+    seen = []
+    block[1][0].weight.register_hook(lambda g: seen.append(g) or g.clamp(-1, 1))
+    out = block(torch.randn(5, 4))
+    assert fused_groups(block) == [["0", "1", "2"]]
+    out[0].sum().backward()
+    assert len(seen) == 1 and not seen[0].any()
+    assert not block[1][0].weight.grad.any()
+    assert block[1][0].bias.grad is None and all(p.grad is None for p in block[2].parameters())
+    assert all(p.grad is not None for p in block[0].parameters())
