@@ -317,7 +317,7 @@ def _recurrent_tail(stage: nn.Module) -> bool:
     # layer's too, whose hidden states the README asks to return batch-first. A compiled
     # module returns what the module it compiled does.)
     while True:
-        stage = getattr(stage, "_orig_mod", stage) if type(stage).__name__ == "OptimizedModule" else stage
+        stage = _uncompiled(stage)
         if not (isinstance(stage, nn.Sequential) and type(stage).forward in _SEQUENTIAL_FORWARDS and len(stage)):
             break
         stage = stage[-1]
@@ -327,10 +327,15 @@ def _recurrent_tail(stage: nn.Module) -> bool:
 _RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward))
 
 
+def _uncompiled(m: nn.Module) -> nn.Module:
+    r"""The module ``torch.compile(m)`` compiled (which returns what it returns), or ``m`` itself."""
+    return getattr(m, "_orig_mod", m) if type(m).__name__ == "OptimizedModule" else m
+
+
 def _recurrent_branches(stage: nn.Module) -> bool:
     r"""Whether ``stage`` is a ``Parallel`` returning its branches' outputs apart (a tuple or dict join)
     with a recurrent tail among them, whose hidden states hold the batch along dimension 1."""
-    stage = getattr(stage, "_orig_mod", stage) if type(stage).__name__ == "OptimizedModule" else stage
+    stage = _uncompiled(stage)
     return (isinstance(stage, Parallel) and type(stage).forward is Parallel.forward
             and stage.join in (None, "tuple", "dict") and any(_recurrent_tail(b) for b in stage))
 
