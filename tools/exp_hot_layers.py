@@ -1,12 +1,14 @@
 """Where a graphed module call's host time goes, layer by layer (dev tool, not shipped).
 
-Usage: ``PYTHONPATH=. python3 tools/exp_hot_layers.py [case ...]`` on the GPU machine (default mlp8 tiny8).
+Usage: ``PYTHONPATH=. python3 tools/exp_hot_layers.py [case ...]`` on the GPU machine (default mlp8 tiny8);
+``FUSE=auto`` (or ``1``) in the environment builds the blocks with ``fuse="auto"`` (``True``).
 Each figure: host microseconds to issue one call, 20 calls queued behind a spin kernel (the GPU never
 holds the host back), median of 30 rounds; the layers peel the call from the outside in:
 ``m(x)`` (``nn.Module.__call__``), ``m.forward(x)``, the graph cache's ``__call__``, ``_Graph.replay``,
 the launch alone; then the cache's checks, each timed after a launch and alone (whether a launch
 slows the Python after it, as the driver's code evicts the interpreter's from the CPU's caches).
 """
+import os
 import statistics
 import sys
 
@@ -20,13 +22,14 @@ from _timing import events_us, graph_by_hand  # tools/ is the script's directory
 
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = torch.device("cuda")
+FUSE = {"": False, "0": False, "1": True, "auto": "auto"}[os.environ.get("FUSE", "")]
 CALLS = 20
 
 for name in sys.argv[1:] or ["mlp8", "tiny8"]:
     case = CASES[name]
     x = case.make_input(case.batches[0], dev, torch.float32)
     with torch.no_grad():
-        m = Parallel(*case.branches(dev, torch.float32), cuda_graph=True).train(False)
+        m = Parallel(*case.branches(dev, torch.float32), cuda_graph=True, fuse=FUSE).train(False)
         for _ in range(30):
             m(x)
         c = m._graphs
