@@ -13,8 +13,9 @@ Outputs are dropped before the next call, in warm-up too, as inside a model:
 CUDA graphs (by hand, ``cuda_graph=True``, reduce-overhead) then return their
 own output buffers without a copy.
 The median and the interquartile range of ``--reps`` samples are reported.
-Cases whose calls take milliseconds use smaller groups and more samples, so
-that a sample lasts about 20 ms and every mode still sees 100 calls or more.
+Modes whose calls take milliseconds use smaller groups, and then every mode
+more samples, so that a sample lasts about 20 ms at most and every mode still
+sees 100 calls or more; each mode's group is sized by its own call.
 The floor of a case is its longest single branch captured alone in a CUDA
 graph: no schedule of the branches can beat it; its replay is sampled with
 the modes, round by round. Graphs captured by hand (the floor, *graph seq*)
@@ -469,25 +470,32 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
                 rewrite(fresh)
                 _check(name, fn(x), ref_fresh, dtype, not pipeline)
                 rewrite(values)
-        # Slow cases (a compute-bound call takes 20 ms) get fewer calls per
-        # sample and more samples, so that every mode still sees >= 100 calls
-        # and the whole suite stays within minutes.
+        replay = _floor(case, device, dtype, x) if cuda and not pipeline and not train else None
+        # Slow modes (a compute-bound call takes 20 ms) get fewer calls per
+        # sample, and every mode more samples, so that each still sees >= 100
+        # calls and the whole suite stays within minutes. Sized by each mode's
+        # own call, not the case's slowest: a sample starts from an idle GPU,
+        # which waits for the first call's host time, and that start weighs on
+        # a sample in proportion to its calls' time only where its length, not
+        # its number of calls, is fixed (graphed mlp16 timed in samples of 8
+        # calls, as its eager reference's 2.5 ms call made them, took 1.16-1.24x
+        # the floor, and 1.04-1.09x in samples of 20: tools/exp_bench_group.py).
+        groups = {name: group for name in modes}
         if cuda:
-            call = _sample(modes["eager seq"], x, 1, cuda)
-            group = max(1, min(group, round(_SAMPLE_S / call)))
-            reps = max(reps, -(-_MIN_RUNS // group))
+            for name, fn in (*modes.items(), *((("floor", replay),) if replay is not None else ())):
+                groups[name] = max(1, min(group, round(_SAMPLE_S / _sample(fn, x, 1, cuda))))
+            reps = max(reps, -(-_MIN_RUNS // min(groups.values())))
         samples: dict[str, list[float]] = {name: [] for name in modes}
         host: dict[str, list[float]] = {name: [] for name in modes}
         probes, floors = [], []
-        replay = _floor(case, device, dtype, x) if cuda and not pipeline and not train else None
         for _ in range(reps):  # interleaved: every mode, and the floor, see the same conditions
             probes.append(_host_probe())
             for name, fn in modes.items():
-                samples[name].append(_sample(fn, x, group, cuda, host[name]))
+                samples[name].append(_sample(fn, x, groups[name], cuda, host[name]))
             if replay is not None:
-                floors.append(_sample(replay, x, group, cuda))
+                floors.append(_sample(replay, x, groups["floor"], cuda))
         floor = statistics.median(floors) if floors else None
-        parts = _parts(case, device, dtype, x, group) if cuda and pipeline else {}
+        parts = _parts(case, device, dtype, x, groups["eager seq"]) if cuda and pipeline else {}
     result: dict[str, Any] = {"case": case.name, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
                               "shape": list(x.shape), "floor_us": floor and floor * 1e6, **parts,
                               **({"width": case.width} if pipeline and case.width is not None else {}),
@@ -498,7 +506,7 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
         med = statistics.median(s)
         schedules = _schedules(modes[name])
         result["modes"][name] = {
-            "median_us": med * 1e6, "iqr_us": (q[2] - q[0]) * 1e6, "runs": len(s) * group,
+            "median_us": med * 1e6, "iqr_us": (q[2] - q[0]) * 1e6, "runs": len(s) * groups[name],
             "speedup_vs_eager_seq": base / med, "x_floor": med / floor if floor else None, "check": checks[name],
             "host_median_us": statistics.median(host[name]) * 1e6 if host[name] else None,
             **({"schedules": schedules} if schedules else {}),
