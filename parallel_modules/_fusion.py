@@ -74,6 +74,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_stack
 
 from . import _batched_linear, _watch
+from ._inputs import _bounded_add
 from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _graph_task,
                        _is_tracing, _pool, _Writes)
 
@@ -458,9 +459,8 @@ class _Received:
             self.higher = task
         seen = self.passes.get(task)
         if seen is None:
-            if len(self.passes) >= 4:
-                self.passes.pop(next(iter(self.passes), None), None)
-            seen = self.passes[task] = set()
+            seen = set()
+            _bounded_add(self.passes, task, seen, limit=4)
         seen.add(member)
 
     def got(self) -> set[int] | None:

@@ -153,3 +153,14 @@ def _with_context(error: BaseException, context: str) -> BaseException:
     except (AttributeError, TypeError):  # (its attributes cannot be set: the user's exception matters more)
         pass
     return error
+
+
+# Schedules kept per block (one per input signature), and signatures seen unwritten.
+_MAX_PLANS = 1024
+
+
+def _bounded_add(seen: dict[Hashable, Any], key: Hashable, value: Any = None, limit: int = _MAX_PLANS) -> None:
+    r"""Set ``seen[key]``, dropping the oldest entry beyond ``limit`` (by signature: dynamic shapes make many)."""
+    if len(seen) >= limit:
+        seen.pop(next(iter(seen), None), None)  # (another thread may have dropped the same one)
+    seen[key] = value

@@ -20,7 +20,7 @@ from ._fusion import (_difference, _flat_layers, _functorch_active, _Fusion, _Gr
                       _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
-from ._inputs import _check_devices, _input_device, _signature, _with_context
+from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
@@ -54,8 +54,6 @@ _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 
 # Joins that read the outputs and return new tensors: a fork may run them itself.
 _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
-# Schedules kept per block (one per input signature), and signatures seen unwritten.
-_MAX_PLANS = 1024
 # Beyond any tensor's number of dimensions (torch allows 64 at most in places, fewer in
 # others); a ``dim`` outside it would reach torch as an index it cannot convert.
 _MAX_DIM = 1 << 16
@@ -1458,13 +1456,6 @@ class Parallel(nn.Module):
         if plan is not None and not (watch_first and plan is _CPU_FUSED):
             self._remember(key, plan)
         return plan
-
-
-def _bounded_add(seen: dict[Hashable, Any], key: Hashable, value: Any = None) -> None:
-    r"""Set ``seen[key]``, a dict by signature, dropping the oldest entry beyond ``_MAX_PLANS`` (dynamic shapes)."""
-    if len(seen) >= _MAX_PLANS:
-        seen.pop(next(iter(seen), None), None)  # (another thread may have dropped the same one)
-    seen[key] = value
 
 
 def _out_of_order(units: list[Any]) -> bool:
