@@ -314,14 +314,20 @@ def _recurrent_tail(stage: nn.Module) -> bool:
     result it returns: the layer itself, or the last of ``nn.Sequential`` containers (a nested
     pipeline too, which returns its recurrent tail's hidden states as the layer does)."""
     # (Not a subclass with a forward of its own, which may return anything: a recurrent
-    # layer's too, whose hidden states the README asks to return batch-first. A compiled
-    # module returns what the module it compiled does.)
+    # layer's too, whose hidden states the README asks to return batch-first.)
+    stage = _returning(stage)
+    return isinstance(stage, nn.RNNBase) and type(stage).forward in _RECURRENT_FORWARDS
+
+
+def _returning(stage: nn.Module) -> nn.Module:
+    r"""The module whose result ``stage`` returns: itself, or the last of the ``nn.Sequential``
+    containers it ends in (a nested pipeline too; a compiled module returns what the module it
+    compiled does)."""
     while True:
         stage = _uncompiled(stage)
         if not (isinstance(stage, nn.Sequential) and type(stage).forward in _SEQUENTIAL_FORWARDS and len(stage)):
-            break
+            return stage
         stage = stage[-1]
-    return isinstance(stage, nn.RNNBase) and type(stage).forward in _RECURRENT_FORWARDS
 
 
 _RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward))
@@ -332,12 +338,45 @@ def _uncompiled(m: nn.Module) -> nn.Module:
     return getattr(m, "_orig_mod", m) if type(m).__name__ == "OptimizedModule" else m
 
 
-def _recurrent_branches(stage: nn.Module) -> bool:
-    r"""Whether ``stage`` is a ``Parallel`` returning its branches' outputs apart (a tuple or dict join)
-    with a recurrent tail among them, whose hidden states hold the batch along dimension 1."""
-    stage = _uncompiled(stage)
-    return (isinstance(stage, Parallel) and type(stage).forward is Parallel.forward
-            and stage.join in (None, "tuple", "dict") and any(_recurrent_tail(b) for b in stage))
+def _hidden_layout(stage: nn.Module, outputs: list[Any]) -> tuple[int, int] | None:
+    r"""Where the final hidden states of a last ``stage`` returning a recurrent layer's result hold the batch.
+
+    ``(rank, dim)`` of ``h_n`` (and ``c_n``) in ``(output, h_n)`` or ``(output,
+    (h_n, c_n))``: ``(3, 1)`` for a recurrent layer, and for a ``Parallel`` of
+    such branches joined by ``"sum"``, ``"mean"`` or ``"cat"`` (which keep each
+    leaf's dimensions) or ``"stack"`` (which adds one before or after the
+    batch's); ``None`` for any other stage. A ``Parallel`` of such branches
+    that returns their results apart, or joins them with other branches, is
+    refused: its leaves hold the batch in different places. (A callable join
+    returns what it makes of them: hidden states, batch-first, as any custom
+    last stage's.) So is a ``Parallel`` stacking along dimension 0, which puts
+    its branches where the batch is (``outputs``: the micro-batches' results).
+    """
+    stage = _returning(stage)
+    if isinstance(stage, nn.RNNBase):
+        return (3, 1) if type(stage).forward in _RECURRENT_FORWARDS else None
+    if not (isinstance(stage, Parallel) and type(stage).forward is Parallel.forward):
+        return None
+    join, dim = stage.join, stage.dim
+    if join == "stack" and any(isinstance(t, torch.Tensor) and t.dim() and dim % t.dim() == 0
+                               for o in outputs[:1] for t in pytree.tree_leaves(o)):
+        raise TypeError(f"the last stage is a Parallel stacking its branches' outputs along dimension {dim}, "
+                        f"which is where the micro-batches' samples are: they cannot be joined into the whole "
+                        f"batch's (stack along another dimension, dim=1, or stack the pipeline's outputs)")
+    recurrent = [_recurrent_tail(b) for b in stage]
+    if not any(recurrent):
+        return None
+    apart = join in (None, "tuple", "dict")
+    if apart or not all(recurrent) and isinstance(join, str):
+        what = "returning its branches' outputs apart" if apart else f"joining by {join!r} branches that differ"
+        raise TypeError(f"the last stage is a Parallel {what}, some ending in a recurrent layer, whose hidden "
+                        f"states hold the batch along dimension 1: joined along dimension 0 they would be wrong "
+                        f"(end each such branch in a module returning them batch-first, h.transpose(0, 1))")
+    if not isinstance(join, str):
+        return None
+    if join != "stack":
+        return 3, 1
+    return 4, 1 if dim % 4 >= 2 else 2
 
 
 class ParallelSequential(nn.Sequential):
@@ -940,22 +979,19 @@ class ParallelSequential(nn.Sequential):
 
         try:
             stages = list(self._modules.values())
-            if stages and _recurrent_tail(stages[-1]) and all(
+            layout = _hidden_layout(stages[-1], outputs) if stages else None
+            if layout is not None and all(
                     type(o) is tuple and len(o) == 2 and isinstance(o[0], torch.Tensor) for o in outputs):
+                rank, dim = layout
                 hidden = [o[1] for o in outputs]
-                if all(isinstance(h, torch.Tensor) and h.dim() == 3 for h in hidden):
-                    return batched([o[0] for o in outputs]), batched(hidden, 1)
-                if all(type(h) is tuple and len(h) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 3
+                if all(isinstance(h, torch.Tensor) and h.dim() == rank for h in hidden):
+                    return batched([o[0] for o in outputs]), batched(hidden, dim)
+                if all(type(h) is tuple and len(h) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == rank
                                                                  for t in h) for h in hidden):
-                    return batched([o[0] for o in outputs]), tuple(batched(c, 1) for c in zip(*hidden))
+                    return batched([o[0] for o in outputs]), tuple(batched(c, dim) for c in zip(*hidden))
                 raise TypeError("the recurrent layer ending the last stage returned hidden states without a "
                                 "batch dimension: its input was unbatched (2-D), which micro-batches cut along "
                                 "its sequence")
-            if stages and _recurrent_branches(stages[-1]):
-                raise TypeError("the last stage is a Parallel returning its branches' outputs apart, one of "
-                                "them ending in a recurrent layer, whose hidden states hold the batch along "
-                                "dimension 1: joined along dimension 0 they would be wrong (end each such "
-                                "branch in a module returning them batch-first, h.transpose(0, 1))")
             if all(isinstance(o, torch.Tensor) for o in outputs):
                 first = outputs[0]
                 if all(o is first for o in outputs[1:]):

@@ -1469,6 +1469,67 @@ def test_a_parallel_of_recurrent_branches_returned_apart_is_refused_as_a_last_st
         ParallelSequential(nn.Identity(), heads, chunks=2)(torch.randn(2, 3, 4))
 
 
+@pytest.mark.parametrize("wrap", ["sequential", "pipeline"])
+def test_a_parallel_of_recurrent_branches_returned_apart_is_refused_behind_containers(wrap):
+    # Before: refused as the last stage itself, but not as the last of an nn.Sequential or of a
+    # nested pipeline: h_n came back (4, 1, 3) for (1, 4, 3), silently.
+    torch.manual_seed(0)
+    heads = Parallel(nn.LSTM(5, 3, batch_first=True), nn.LSTM(5, 3, batch_first=True), join=None)
+    tail = nn.Sequential(nn.Identity(), heads) if wrap == "sequential" else ParallelSequential(nn.Identity(), heads)
+    with pytest.raises(ValueError, match="(?s)a Parallel returning its branches' outputs apart.*recurrent"):
+        ParallelSequential(nn.Identity(), tail, chunks=4)(torch.randn(4, 2, 5))
+
+
+@pytest.mark.parametrize("join, dim", [("sum", 0), ("mean", 0), ("cat", -1), ("cat", 2), ("stack", 1), ("stack", 2),
+                                       ("stack", -1), ("stack", -3)])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_a_parallel_of_recurrent_branches_joined_keeps_their_hidden_states_batch(join, dim, cell):
+    # Before: a sum, mean, cat or stack of recurrent branches' results as the last stage had its
+    # hidden states joined along dimension 0: (4, 1, 3) for (1, 4, 3) in 4 chunks, silently.
+    torch.manual_seed(0)
+    heads = Parallel(cell(5, 3, batch_first=True), cell(5, 3, batch_first=True), join=join, dim=dim).double()
+    x = torch.randn(4, 2, 5, dtype=torch.float64)
+    expected = heads(x)
+    for chunks in (2, 4):
+        got = ParallelSequential(nn.Identity(), nn.Sequential(heads), chunks=chunks)(x)
+        assert [t.shape for t in pytree.tree_leaves(got)] == [t.shape for t in pytree.tree_leaves(expected)]
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("join, dim", [("cat", 0), ("cat", 1)])
+def test_a_parallel_of_recurrent_branches_joined_along_the_batch_is_refused(join, dim):
+    # A cat along the batch of the output (dim 0) or of the hidden states (dim 1): the whole
+    # batch's interleaves the branches' samples, which micro-batches cannot reproduce.
+    heads = Parallel(nn.GRU(5, 3, batch_first=True), nn.GRU(5, 3, batch_first=True), join=join, dim=dim)
+    with pytest.raises(ValueError, match="cannot concatenate the outputs of the last stage"):
+        ParallelSequential(nn.Identity(), heads, chunks=2)(torch.randn(4, 2, 5))
+
+
+def test_a_parallel_joining_recurrent_and_other_branches_is_refused_as_a_last_stage():
+    class _BatchFirstGRU(nn.GRU):  # (a forward of its own: not taken for a recurrent layer)
+        def forward(self, x):
+            out, h = super().forward(x)
+            return out, h.transpose(0, 1)
+
+    heads = Parallel(nn.GRU(5, 3, batch_first=True), _BatchFirstGRU(5, 3, batch_first=True), join="sum")
+    with pytest.raises(ValueError, match="(?s)a Parallel joining by 'sum' branches that differ.*recurrent"):
+        ParallelSequential(nn.Identity(), heads, chunks=2)(torch.randn(2, 2, 5))
+
+
+@pytest.mark.parametrize("dim", [0, -3])
+def test_a_parallel_stacking_along_the_batch_is_refused_as_a_last_stage(dim):
+    # Before: with micro-batches as large as the branches are many, each micro-batch's (2, 2, 3)
+    # stack looked batched and was joined along dimension 0: (4, 2, 3) for the whole batch's
+    # (2, 4, 3), silently.
+    heads = Parallel(nn.Linear(3, 3), nn.Linear(3, 3), join="stack", dim=dim)
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="stacking its branches' outputs along dimension"):
+        ParallelSequential(heads, chunks=2)(x)
+    assert ParallelSequential(heads, chunks=1)(x).shape == (2, 4, 3)  # one micro-batch: nothing to join
+    torch.testing.assert_close(ParallelSequential(Parallel(*heads, join="stack", dim=1), chunks=2)(x),
+                               torch.stack([b(x) for b in heads], 1))
+
+
 class _EvalProbs(nn.Module):
     r"""Logits in training, probabilities (a softmax whose dim resolves to 0 on 2-D rows) in eval."""
 
