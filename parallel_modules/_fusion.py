@@ -75,6 +75,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 
 from . import _batched_linear, _watch
 from ._inputs import _bounded_add
+from ._saved import _saved_storages
 from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _graph_task,
                        _is_tracing, _pool, _Writes)
 
@@ -596,6 +597,10 @@ class _Group:
         # And those saved whenever anything requires grad (_SAVES_WEIGHT): frozen, they are
         # saved for the input's gradient. (A layer of the user's, vmapped, may save none.)
         self.saved_always: set[str] = set()
+        # Buffers saved wherever their layer's output requires grad (a BatchNorm's running
+        # statistics, in eval). Others, read by vmapped layers, are watched where autograd
+        # saved their memory (see _watch_buffers).
+        self.buffers_saved: set[str] = set()
         self.ran = False  # whether the group ran batched once (see Parallel._run_group)
         # The batched steps, made at the first eager call (they read the layers' settings
         # then: see _run). Made once here for the two sets above, which depend on the
@@ -745,10 +750,12 @@ class _Group:
         return _watch._swapped(self.tensor_dicts, self.snapshots, self.scalars)
 
     def _stacked(self, qual: str, tracing: bool, watched: list | None = None,
-                 input_grad: bool = True, received: _Received | None = None) -> torch.Tensor | None:
+                 input_grad: bool = True, received: _Received | None = None,
+                 buffers: list[str] | None = None) -> torch.Tensor | None:
         r"""The stack of ``qual`` for this call (see :class:`_Unstack`, which ``received`` is handed); ``watched``
         collects those that carry gradients back and that autograd saves for backward (``input_grad``: the
-        step's input requires grad), with their members' versions now (see :func:`_refuse_changed_members`)."""
+        step's input requires grad), with their members' versions now (see :func:`_refuse_changed_members`);
+        ``buffers`` the floating-point buffers the step reads (see :meth:`_watch_buffers`)."""
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
             if _is_tracing() and any([_member_tensor(m, qual) is not None for m in self.members]):
@@ -791,10 +798,37 @@ class _Group:
             if (watched is not None and entry.attr != "bias" and qual not in self.never_saved and (
                     input_grad if qual in self.saved_with_input else
                     trained or input_grad if qual in self.saved_always else trained)):
-                watched.append((qual, self.indices, tensors, [t._version for t in tensors]))
+                watched.append((f"parameter {qual!r}", self.indices, tensors, [t._version for t in tensors]))
             if trained:
                 return _Unstack.apply(received, stacked, *tensors)
+        elif buffers is not None and entry.kind == "_buffers" and stacked.is_floating_point():
+            buffers.append(qual)
         return stacked
+
+    def _watch_buffers(self, watched: list, buffers: list[str], out: Any, before: torch.Tensor) -> None:
+        r"""Add to ``watched`` the ``buffers`` a step read (from ``before``, its input, to ``out``) that autograd saved.
+
+        A member's buffer, as its parameters, is a slice of its stack's memory
+        with a version counter of its own (see :func:`_refuse_changed_members`):
+        unfused, autograd refuses a backward through a buffer changed in place
+        since the forward (``reset_running_stats()`` on an eval BatchNorm whose
+        statistics a loss's gradient reads); fused it would silently read the
+        new values. Those of ``buffers_saved`` wherever the step's output
+        requires grad; others where autograd saved their stack's memory (a
+        vmapped ``x * self.scale`` saves it, ``x + self.shift`` does not), or
+        cannot be told (saved-tensor hooks).
+        """
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not leaves:
+            return
+        saved: set[int] | None = set()
+        if any(q not in self.buffers_saved for q in buffers):
+            saved = _saved_storages([t.grad_fn for t in leaves], [before.grad_fn] if before.grad_fn else ())
+        for qual in dict.fromkeys(buffers):
+            if (qual in self.buffers_saved or saved is None
+                    or self.stacks[qual].untyped_storage().data_ptr() in saved):
+                tensors = self._tensors(self.entries[qual])
+                watched.append((f"buffer {qual!r}", self.indices, tensors, [t._version for t in tensors]))
 
     # Running --------------------------------------------------------------
     def copies_biases(self, x: torch.Tensor) -> bool:
@@ -874,6 +908,7 @@ class _Group:
 
     def _run(self, x: torch.Tensor, tracing: bool, keep: bool = True) -> Any:
         watched: list | None = None
+        buffers: list[str] | None = None  # (read by the step running: see _watch_buffers)
         received: _Received | None = None
         input_grad = [True]  # whether the input of the step running requires grad
         if not tracing and not torch.is_grad_enabled():
@@ -885,7 +920,8 @@ class _Group:
             if (not tracing and _graph_task is not None and not _functorch_active()
                     and _forward_ad._current_level < 0):
                 received = _Received()
-            get = lambda qual: self._stacked(qual, tracing, watched, input_grad[0], received)  # noqa: E731
+            buffers = None if tracing else []
+            get = lambda qual: self._stacked(qual, tracing, watched, input_grad[0], received, buffers)  # noqa: E731
         # (Neither read nor kept by a compiler's trace: assigned there, it was a side effect
         # the compiler guarded on, and the block was compiled a second time; read, an eager
         # call that made it since failed the guard, and compiled the block again.)
@@ -901,7 +937,11 @@ class _Group:
                                 f"where the next layer expects a tensor")
             if watched is not None:
                 input_grad[0] = value.t.requires_grad
+            before = value.t
             value = step(value, get)
+            if buffers:
+                self._watch_buffers(watched, buffers, value, before)
+                buffers.clear()
         if watched and not x.requires_grad:
             # A member whose parameters are all frozen, on an input that requires no grad,
             # computes nothing autograd differentiates unfused: none of its weights is saved,
@@ -910,8 +950,8 @@ class _Group:
             frozen = {k for k, m in enumerate(self.members) if not any(p.requires_grad for p in m.parameters())}
             if frozen:
                 kept = [k for k in range(self.n) if k not in frozen]
-                watched = [(qual, [indices[k] for k in kept], [tensors[k] for k in kept], [versions[k] for k in kept])
-                           for qual, indices, tensors, versions in watched]
+                watched = [(what, [indices[k] for k in kept], [tensors[k] for k in kept], [versions[k] for k in kept])
+                           for what, indices, tensors, versions in watched]
         if watched:
             _refuse_changed_members(value, watched)
         if received is not None:
@@ -920,7 +960,7 @@ class _Group:
 
 
 def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]]) -> None:
-    r"""Make a backward through ``value`` refuse members' weights changed in place since this call.
+    r"""Make a backward through ``value`` refuse members' weights (and saved buffers) changed in place since this call.
 
     Autograd saves views of the stacks, whose version counter is the stack's:
     a member's parameter is a slice of its stack's memory (``.data =``, see
@@ -933,19 +973,21 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
     backward -- the members' versions are compared with this call's. Left
     out, as unfused autograd saves none of them and lets such a change pass:
     biases, a ``Linear``'s weight where the layer's input does not require
-    grad (a probe on frozen features) and an ``Embedding``'s weight.
+    grad (a probe on frozen features) and an ``Embedding``'s weight. Buffers
+    likewise, where saved (see :meth:`_Group._watch_buffers`).
     """
     def check(grad: torch.Tensor) -> None:
-        for qual, indices, tensors, versions in watched:
+        for what, indices, tensors, versions in watched:
             for i, (t, v) in enumerate(zip(tensors, versions)):
                 if t._version != v:
                     raise RuntimeError(
                         f"one of the variables needed for gradient computation has been modified by an "
-                        f"inplace operation: parameter {qual!r} of the branch at index {indices[i]} (fused with "
+                        f"inplace operation: {what} of the branch at index {indices[i]} (fused with "
                         f"the branches at {[k for k in indices if k != indices[i]]}) is at version {t._version}; "
-                        f"expected version {v} instead (changed after the forward pass, as by an optimizer.step() "
+                        f"expected version {v} instead (changed after the forward pass, as by "
+                        f"{'an optimizer.step()' if what.startswith('parameter') else 'a load_state_dict()'} "
                         f"between a backward(retain_graph=True) and another backward). Unfused, autograd refuses "
-                        f"this backward too: run every backward pass before changing the parameters, or compute "
+                        f"this backward too: run every backward pass before changing the branches, or compute "
                         f"the loss anew.")
 
     leaves = [value.t] if isinstance(value, _Value) else pytree.tree_leaves(value)
@@ -1514,6 +1556,8 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
 
     if isinstance(m, _BatchNorm):  # eval mode with running statistics (see _unfusable)
         names = [q(k) for k in ("running_mean", "running_var", "weight", "bias")]
+        if not group.buffers_saved.issuperset(names[:2]):  # (saved by its backward: the input's gradient reads them)
+            group.buffers_saved.update(names[:2])
         eps = m.eps
 
         def batch_norm(v: _Value, get: _Get) -> Any:

@@ -94,6 +94,7 @@ from . import _watch
 from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
 from ._inputs import _input_device, _signature, _value_key
+from ._saved import _saved_storages
 from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dispatch_modes, _graph_state,
                        _hidden_tensors, _in_backward, _is_tracing, _pools, _saved_hooks_recording, _use_count)
 
@@ -1961,53 +1962,14 @@ def _readable(graph: _Graph, tensors: list[torch.Tensor], outputs: list[torch.Te
 def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
     r"""Which of ``outputs`` share memory with a tensor saved for backward in their autograd graph.
 
-    Looked up on the graph's nodes (``_saved_*`` attributes, and a custom
-    ``Function``'s ``saved_tensors``), once per capture. A value that cannot be
-    read counts as saving every output: refusing a change in place is the safe
-    side.
+    Looked up on the graph's nodes (see :func:`._saved._saved_storages`), once
+    per capture. A graph whose saved values cannot be read counts as saving
+    every output: refusing a change in place is the safe side.
     """
-    storages = [o.untyped_storage().data_ptr() for o in outputs]
-    hit: set[int] = set()
-    seen: set[Any] = set()
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ in _HIDDEN_SAVES:
-            return [True] * len(outputs)
-        names = [n for n in dir(node) if n.startswith("_saved_")]
-        if hasattr(type(node), "saved_tensors"):  # (on the node, the property would unpack)
-            names.append("saved_tensors")
-        for name in names:
-            if _unpacked_by_hook(getattr(node, "_raw" + name if name[0] == "_" else "_raw_" + name, None)):
-                # Saved through saved-tensor hooks (``torch.utils.checkpoint(use_reentrant=False)``,
-                # ``save_on_cpu``): reading it would run the unpack hook -- a checkpoint's
-                # recomputation of its whole forward, whose activations it then keeps.
-                return [True] * len(outputs)
-            try:
-                value = getattr(node, name)
-            except Exception:
-                return [True] * len(outputs)
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    hit.add(t.untyped_storage().data_ptr())
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return [ptr in hit and o.numel() > 0 for ptr, o in zip(storages, outputs)]  # (all empty ones share 0)
-
-
-def _unpacked_by_hook(raw: Any) -> bool:
-    r"""Whether a node's raw saved value (``_raw_saved_*``: a ``SavedTensor`` or a sequence of them) has an unpack hook."""
-    for saved in raw if isinstance(raw, (tuple, list)) else (raw,):
-        if getattr(saved, "unpack_hook", None) is not None:
-            return True
-    return False
-
-
-# Nodes whose saved tensors Python cannot read: an in-place change of part of a tensor
-# (``CopySlices``, which holds the node of the change), a TorchScript function's.
-_HIDDEN_SAVES = frozenset({"CopySlices", "CppFunction"})
+    hit = _saved_storages([o.grad_fn for o in outputs])
+    if hit is None:
+        return [True] * len(outputs)
+    return [o.untyped_storage().data_ptr() in hit and o.numel() > 0 for o in outputs]  # (all empty ones share 0)
 
 
 def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:

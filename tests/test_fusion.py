@@ -2305,6 +2305,64 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
             assert_close(a, b)
 
 
+class _Scale(nn.Module):
+    r"""``x * s`` (autograd saves ``s``) or ``x + s`` (it saves nothing), with ``s`` a buffer."""
+
+    def __init__(self, shift: bool = False) -> None:
+        super().__init__()
+        self.shift = shift
+        self.register_buffer("s", torch.full((8,), 2.0))
+
+    def forward(self, x):
+        return x + self.s if self.shift else x * self.s
+
+
+@pytest.mark.parametrize("case", ["batch-norm", "batch-norm-frozen", "batch-norm-no-grad", "scale", "shift",
+                                  "scale-frozen"])
+def test_a_buffer_changed_in_place_before_backward_passes_or_fails_as_unfused(case):
+    # Before (a CPU hunt): only parameters were watched. Unfused, autograd refuses a backward
+    # through an eval BatchNorm's running statistics, or a buffer a product saved, changed since
+    # the forward (reset_running_stats(), a load_state_dict); fused, it silently read the new
+    # values (the input's gradient 0.62 off the forward's own).
+    torch.manual_seed(0)
+    layer = {"batch": lambda: nn.BatchNorm1d(8), "scale": _Scale, "shift": lambda: _Scale(shift=True)}
+    make = lambda: nn.Sequential(nn.Linear(8, 8), layer[case.split("-")[0]]()).eval()  # noqa: E731
+    x = torch.randn(5, 8, requires_grad=case != "batch-norm-no-grad")
+    fused = Parallel(*[make() for _ in range(3)], fuse=True).eval()
+    if case.endswith("frozen") or case == "batch-norm-no-grad":
+        fused.requires_grad_(False)  # (frozen: the input's gradient alone reads the buffer)
+    if case == "batch-norm-no-grad":
+        for b in fused:
+            b[1].weight.requires_grad_(True)  # (the weight's gradient reads the statistics too)
+    plain = copy.deepcopy(fused)
+    plain.fuse = False
+    outcomes = []
+    for block in (plain, fused):
+        loss = block(x).square().sum()
+        if not loss.requires_grad:  # (nothing requires grad: no backward either way)
+            outcomes.append([])
+            continue
+        with torch.no_grad():
+            block[1][1].reset_running_stats() if case.startswith("batch") else block[1][1].s.mul_(3)
+        outcomes.append(_backward_or_refused(loss, block))
+    refused = case != "shift"
+    assert (outcomes[0] is None) == (outcomes[1] is None) == refused
+    if outcomes[0] is not None:
+        for a, b in zip(*outcomes, strict=True):
+            assert_close(a, b)
+    if refused:
+        with pytest.raises(RuntimeError, match=r"buffer '1\.(running_mean|s)' of the branch at index 1"):
+            _refused_again(fused, x, case)
+
+
+def _refused_again(block: nn.Module, x: torch.Tensor, case: str) -> None:
+    r"""A backward after ``block``'s branch 1's buffer changed since the forward (see the test above)."""
+    loss = block(x).sum()
+    with torch.no_grad():
+        block[1][1].reset_running_stats() if case.startswith("batch") else block[1][1].s.mul_(3)
+    loss.backward()
+
+
 @pytest.mark.parametrize("input_grad", [False, True])
 def test_a_frozen_member_updated_before_backward_passes_or_fails_as_unfused(input_grad):
     # Before: an EMA teacher kept frozen beside its students and updated in place before their
