@@ -750,12 +750,16 @@ class _Group:
         return _watch._swapped(self.tensor_dicts, self.snapshots, self.scalars)
 
     def _stacked(self, qual: str, tracing: bool, watched: list | None = None,
-                 input_grad: bool = True, received: _Received | None = None,
-                 buffers: list[str] | None = None) -> torch.Tensor | None:
-        r"""The stack of ``qual`` for this call (see :class:`_Unstack`, which ``received`` is handed); ``watched``
-        collects those that carry gradients back and that autograd saves for backward (``input_grad``: the
-        step's input requires grad), with their members' versions now (see :func:`_refuse_changed_members`);
-        ``buffers`` the floating-point buffers the step reads (see :meth:`_watch_buffers`)."""
+                 flow: list[bool] | None = None, received: _Received | None = None,
+                 read: list[str] | None = None) -> torch.Tensor | None:
+        r"""The stack of ``qual`` for this call (see :class:`_Unstack`, which ``received`` is handed).
+
+        ``watched`` collects the members' tensors that autograd saves for
+        backward, with their versions now (see :func:`_refuse_changed_members`):
+        by ``flow``, whether each member's input to the step requires grad (see
+        :meth:`_run`). ``read`` collects the names of the parameters and
+        floating-point buffers the step reads (see :meth:`_after_step`).
+        """
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
             if _is_tracing() and any([_member_tensor(m, qual) is not None for m in self.members]):
@@ -791,21 +795,50 @@ class _Group:
         if torch.is_grad_enabled() and entry.kind == "_parameters" and (stacked.dtype.is_floating_point
                                                                          or stacked.dtype.is_complex):
             tensors = self._tensors(entry)
-            trained = any([t.requires_grad for t in tensors])  # (members may be frozen one by one)
-            # (See _refuse_changed_members. A frozen Linear's weight too where the step's input
-            # requires grad: autograd saves it all the same for the input's gradient; and a
-            # frozen weight of the layers whose backward saves it whatever requires grad.)
-            if (watched is not None and entry.attr != "bias" and qual not in self.never_saved and (
-                    input_grad if qual in self.saved_with_input else
-                    trained or input_grad if qual in self.saved_always else trained)):
-                watched.append((f"parameter {qual!r}", self.indices, tensors, [t._version for t in tensors]))
+            grads = [t.requires_grad for t in tensors]
+            trained = any(grads)  # (members may be frozen one by one)
+            if watched is not None and entry.attr != "bias" and qual not in self.never_saved:
+                # (See _refuse_changed_members.) Per member, as unfused: a Linear's weight where
+                # its input requires grad (autograd saves it for the input's gradient, frozen or
+                # not); the weight of the layers whose backward saves it whatever requires grad
+                # where either does; any other where a member trains.
+                if qual in self.saved_with_input:
+                    saved = flow
+                elif qual in self.saved_always:
+                    saved = [g or f for g, f in zip(grads, flow)]
+                else:
+                    saved = [trained] * self.n
+                _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors, saved)
+            if read is not None:
+                read.append(qual)
             if trained:
                 return _Unstack.apply(received, stacked, *tensors)
-        elif buffers is not None and entry.kind == "_buffers" and stacked.is_floating_point():
-            buffers.append(qual)
+        elif read is not None and entry.kind == "_buffers" and stacked.is_floating_point():
+            read.append(qual)
         return stacked
 
-    def _watch_buffers(self, watched: list, buffers: list[str], out: Any, before: torch.Tensor) -> None:
+    def _after_step(self, watched: list, read: list[str], out: Any, before: torch.Tensor, flow: list[bool]) -> None:
+        r"""Watch the buffers a step read that autograd saved (see :meth:`_watch_buffers`), and move ``flow`` on.
+
+        ``flow[k]``: whether member ``k``'s input to the next step requires grad
+        -- where its input to this one did, or a parameter of this step of its
+        own does (a member frozen up to a layer computes nothing autograd
+        differentiates before it, unfused).
+        """
+        buffers = [q for q in read if self.entries[q].kind == "_buffers"]
+        flowed = list(flow)
+        if not all(flow):
+            for qual in read:
+                entry = self.entries[qual]
+                if entry.kind == "_parameters":
+                    for k, t in enumerate(self._tensors(entry)):
+                        flowed[k] = flowed[k] or t.requires_grad
+        if buffers:
+            self._watch_buffers(watched, buffers, out, before, flowed)
+        flow[:] = flowed
+
+    def _watch_buffers(self, watched: list, buffers: list[str], out: Any, before: torch.Tensor,
+                       flowed: list[bool]) -> None:
         r"""Add to ``watched`` the ``buffers`` a step read (from ``before``, its input, to ``out``) that autograd saved.
 
         A member's buffer, as its parameters, is a slice of its stack's memory
@@ -813,10 +846,11 @@ class _Group:
         unfused, autograd refuses a backward through a buffer changed in place
         since the forward (``reset_running_stats()`` on an eval BatchNorm whose
         statistics a loss's gradient reads); fused it would silently read the
-        new values. Those of ``buffers_saved`` wherever the step's output
-        requires grad; others where autograd saved their stack's memory (a
-        vmapped ``x * self.scale`` saves it, ``x + self.shift`` does not), or
-        cannot be told (saved-tensor hooks).
+        new values. Those of ``buffers_saved`` wherever a member's output of
+        the step requires grad (``flowed``: its input did, or a parameter of the
+        step does); others where autograd saved their stack's memory (a vmapped
+        ``x * self.scale`` saves it, ``x + self.shift`` does not), or cannot be
+        told (saved-tensor hooks).
         """
         leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not leaves:
@@ -825,10 +859,11 @@ class _Group:
         if any(q not in self.buffers_saved for q in buffers):
             saved = _saved_storages([t.grad_fn for t in leaves], [before.grad_fn] if before.grad_fn else ())
         for qual in dict.fromkeys(buffers):
-            if (qual in self.buffers_saved or saved is None
-                    or self.stacks[qual].untyped_storage().data_ptr() in saved):
-                tensors = self._tensors(self.entries[qual])
-                watched.append((f"buffer {qual!r}", self.indices, tensors, [t._version for t in tensors]))
+            tensors = self._tensors(self.entries[qual])
+            if qual in self.buffers_saved:
+                _watch_saved(watched, f"buffer {qual!r}", self.indices, tensors, flowed)
+            elif saved is None or self.stacks[qual].untyped_storage().data_ptr() in saved:
+                _watch_saved(watched, f"buffer {qual!r}", self.indices, tensors, [True] * self.n)
 
     # Running --------------------------------------------------------------
     def copies_biases(self, x: torch.Tensor) -> bool:
@@ -908,11 +943,17 @@ class _Group:
 
     def _run(self, x: torch.Tensor, tracing: bool, keep: bool = True) -> Any:
         watched: list | None = None
-        buffers: list[str] | None = None  # (read by the step running: see _watch_buffers)
+        read: list[str] | None = None  # (by the step running: see _after_step)
         received: _Received | None = None
-        input_grad = [True]  # whether the input of the step running requires grad
+        # Whether each member's input to the step running requires grad (see _after_step).
+        flow = [x.requires_grad] * self.n
         if not tracing and not torch.is_grad_enabled():
             get: _Get = self.stacks.get  # nothing to differentiate: the stacks as they are
+        elif not tracing and getattr(torch.autograd.graph, "_allow_mutation_on_saved_tensors_enabled", False):
+            # Under torch.autograd.graph.allow_mutation_on_saved_tensors(), a tensor autograd
+            # saved is cloned before it is changed in place -- the stack, were a member's slice
+            # of it changed, is not: the members run unfused, each saving its own tensors.
+            raise _UnbatchedNow
         else:
             watched = None if tracing else []
             # (Told by the members' outputs' split: not under torch.func transforms or forward-mode
@@ -920,8 +961,8 @@ class _Group:
             if (not tracing and _graph_task is not None and not _functorch_active()
                     and _forward_ad._current_level < 0):
                 received = _Received()
-            buffers = None if tracing else []
-            get = lambda qual: self._stacked(qual, tracing, watched, input_grad[0], received, buffers)  # noqa: E731
+            read = None if tracing else []
+            get = lambda qual: self._stacked(qual, tracing, watched, flow, received, read)  # noqa: E731
         # (Neither read nor kept by a compiler's trace: assigned there, it was a side effect
         # the compiler guarded on, and the block was compiled a second time; read, an eager
         # call that made it since failed the guard, and compiled the block again.)
@@ -935,28 +976,41 @@ class _Group:
             if not isinstance(value, _Value):
                 raise TypeError(f"a layer of {type(self.template).__name__} returned a structured value "
                                 f"where the next layer expects a tensor")
-            if watched is not None:
-                input_grad[0] = value.t.requires_grad
             before = value.t
+            if watched is not None and not before.requires_grad and any(flow):
+                flow[:] = [False] * self.n  # (through an operation autograd does not differentiate)
             value = step(value, get)
-            if buffers:
-                self._watch_buffers(watched, buffers, value, before)
-                buffers.clear()
+            if read:
+                self._after_step(watched, read, value, before, flow)
+                read.clear()
         if watched and not x.requires_grad:
             # A member whose parameters are all frozen, on an input that requires no grad,
             # computes nothing autograd differentiates unfused: none of its weights is saved,
             # and a change in place to one (an EMA teacher's update before the students'
             # backward) passes. Fused, its share of the gradient is computed and dropped.
-            frozen = {k for k, m in enumerate(self.members) if not any(p.requires_grad for p in m.parameters())}
+            frozen = {i for i, m in zip(self.indices, self.members) if not any(p.requires_grad for p in m.parameters())}
             if frozen:
-                kept = [k for k in range(self.n) if k not in frozen]
-                watched = [(what, [indices[k] for k in kept], [tensors[k] for k in kept], [versions[k] for k in kept])
-                           for what, indices, tensors, versions in watched]
+                entries, watched = watched, []
+                for what, indices, tensors, versions in entries:
+                    kept = [k for k, i in enumerate(indices) if i not in frozen]  # (by branch: entries may hold some)
+                    if kept:
+                        watched.append((what, [indices[k] for k in kept], [tensors[k] for k in kept],
+                                        [versions[k] for k in kept]))
         if watched:
             _refuse_changed_members(value, watched)
         if received is not None:
             value = value._replace(received=received) if isinstance(value, _Value) else _Structured(value, received)
         return value
+
+
+def _watch_saved(watched: list, what: str, indices: list[int], tensors: list[torch.Tensor], saved: list[bool]) -> None:
+    r"""Add the members' ``tensors`` that autograd ``saved``, with their versions now, to ``watched``."""
+    if all(saved):
+        watched.append((what, indices, tensors, [t._version for t in tensors]))
+    elif any(saved):
+        kept = [k for k, s in enumerate(saved) if s]
+        watched.append((what, [indices[k] for k in kept], [tensors[k] for k in kept],
+                        [tensors[k]._version for k in kept]))
 
 
 def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]]) -> None:

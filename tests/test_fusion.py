@@ -2305,6 +2305,61 @@ def test_a_weight_changed_in_place_before_backward_passes_or_fails_as_unfused(ca
             assert_close(a, b)
 
 
+@pytest.mark.parametrize("frozen", ["first-layer", "first-layer-of-all", "second-layer"])
+def test_a_member_frozen_up_to_a_layer_is_watched_as_unfused(frozen):
+    # Before (a CPU hunt): the rule "a Linear's weight is saved where its input requires grad" was
+    # judged on the stacked input, which requires grad where any member trains: a member frozen up
+    # to its second layer, whose weight an optimizer then changed, was refused its backward fused
+    # (unfused autograd saved nothing of that layer's weight for it).
+    torch.manual_seed(0)
+    fused = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(4)], join="sum",
+                     fuse=True)
+    for k in ((0,) if frozen == "first-layer" else range(4)):
+        fused[k][0 if frozen != "second-layer" else 2].requires_grad_(False)
+    plain = copy.deepcopy(fused)
+    plain.fuse = False
+    x = torch.randn(5, 8)
+    outcomes = []
+    for block in (plain, fused):
+        loss = block(x).square().sum()
+        with torch.no_grad():
+            block[0][2].weight.mul_(0.9)  # (as an optimizer's step, between forward and backward)
+        outcomes.append(_backward_or_refused(loss, block))
+    # (Frozen itself, branch 0's second layer saves its weight for its input's gradient.)
+    assert (outcomes[0] is None) == (outcomes[1] is None) == (frozen == "second-layer")
+    if outcomes[0] is not None:
+        for a, b in zip(*outcomes, strict=True):
+            assert_close(a, b)
+    # Branch 1's second layer, whose input requires grad unless its first layer is frozen.
+    for block in (plain, fused):
+        loss = block(x).square().sum()
+        with torch.no_grad():
+            block[1][2].weight.mul_(0.9)
+        assert (_backward_or_refused(loss, block) is None) == (frozen != "first-layer-of-all")
+
+
+def test_fused_members_under_allow_mutation_on_saved_tensors_run_as_unfused():
+    # Before (a CPU hunt): refused ("modified by an inplace operation"), where under this context
+    # unfused autograd keeps a copy of what it saved and differentiates the forward's weights.
+    torch.manual_seed(0)
+    fused = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(4)], fuse=True)
+    plain = copy.deepcopy(fused)
+    plain.fuse = False
+    x = torch.randn(5, 8)
+    grads = []
+    for block in (plain, fused):
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            out = block(x)
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.mul_(0.5)
+            out.square().sum().backward()
+        grads.append([p.grad for p in block.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert_close(a, b)
+    assert_close(fused(x), plain(x))  # (and fused again after it)
+
+
 class _Scale(nn.Module):
     r"""``x * s`` (autograd saves ``s``) or ``x + s`` (it saves nothing), with ``s`` a buffer."""
 
