@@ -77,7 +77,7 @@ from . import _batched_linear, _watch
 from ._inputs import _bounded_add
 from ._saved import _saved_storages
 from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _graph_task,
-                       _is_tracing, _pool, _Writes)
+                       _is_tracing, _pool, _saved_hooks_recording, _Writes)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # (torch.export, strict or not)
@@ -813,7 +813,7 @@ class _Group:
                 read.append(qual)
             if trained:
                 return _Unstack.apply(received, stacked, *tensors)
-        elif read is not None and entry.kind == "_buffers" and stacked.is_floating_point():
+        elif read is not None and entry.kind == "_buffers":  # (an index or a mask too: saved, it counts)
             read.append(qual)
         return stacked
 
@@ -955,13 +955,16 @@ class _Group:
             # of it changed, is not: the members run unfused, each saving its own tensors.
             raise _UnbatchedNow
         else:
-            watched = None if tracing else []
+            # (Not under saved-tensor hooks -- checkpoint(use_reentrant=False), save_on_cpu --
+            # with which autograd checks no saved tensor's version: unfused, a change in place
+            # passes, the recomputation or the packed copy deciding what backward reads.)
+            watched = None if tracing or _saved_hooks_recording() else []
             # (Told by the members' outputs' split: not under torch.func transforms or forward-mode
             # AD, where they are split by torch's operations, see _members.)
             if (not tracing and _graph_task is not None and not _functorch_active()
                     and _forward_ad._current_level < 0):
                 received = _Received()
-            read = None if tracing else []
+            read = None if watched is None else []
             get = lambda qual: self._stacked(qual, tracing, watched, flow, received, read)  # noqa: E731
         # (Neither read nor kept by a compiler's trace: assigned there, it was a side effect
         # the compiler guarded on, and the block was compiled a second time; read, an eager
@@ -1038,11 +1041,13 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
                         f"one of the variables needed for gradient computation has been modified by an "
                         f"inplace operation: {what} of the branch at index {indices[i]} (fused with "
                         f"the branches at {[k for k in indices if k != indices[i]]}) is at version {t._version}; "
-                        f"expected version {v} instead (changed after the forward pass, as by "
-                        f"{'an optimizer.step()' if what.startswith('parameter') else 'a load_state_dict()'} "
-                        f"between a backward(retain_graph=True) and another backward). Unfused, autograd refuses "
-                        f"this backward too: run every backward pass before changing the branches, or compute "
-                        f"the loss anew.")
+                        f"expected version {v} instead ("
+                        + ("changed after the forward pass, as by an optimizer.step() between a "
+                           "backward(retain_graph=True) and another backward" if what.startswith("parameter") else
+                           "changed in place since the forward pass, as by reset_running_stats(), "
+                           "load_state_dict() or a call in training mode")
+                        + "). Unfused, autograd refuses this backward too: run every backward pass before "
+                          "changing the branches, or compute the loss anew.")
 
     leaves = [value.t] if isinstance(value, _Value) else pytree.tree_leaves(value)
     for leaf in leaves:

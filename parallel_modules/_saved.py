@@ -19,6 +19,8 @@ __all__: list[str] = []
 # Nodes whose saved tensors Python cannot read: an in-place change of part of a tensor
 # (``CopySlices``, which holds the node of the change), a TorchScript function's.
 _HIDDEN_SAVES = frozenset({"CopySlices", "CppFunction"})
+# Each node type's saved attributes: ``dir()`` of every node was most of a walk's time.
+_NAMES: dict[type, list[str]] = {}
 
 
 def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = ()) -> set[int] | None:
@@ -41,9 +43,12 @@ def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = ()) -> set[int] 
         seen.add(node)
         if type(node).__name__ in _HIDDEN_SAVES:
             return None
-        names = [n for n in dir(node) if n.startswith("_saved_")]
-        if hasattr(type(node), "saved_tensors"):  # (on the node, the property would unpack)
-            names.append("saved_tensors")
+        names = _NAMES.get(type(node))
+        if names is None:
+            names = [n for n in dir(node) if n.startswith("_saved_")]
+            if hasattr(type(node), "saved_tensors"):  # (on the node, the property would unpack)
+                names.append("saved_tensors")
+            _NAMES[type(node)] = names
         for name in names:
             if _unpacked_by_hook(getattr(node, "_raw" + name if name[0] == "_" else "_raw_" + name, None)):
                 return None

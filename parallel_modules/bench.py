@@ -483,7 +483,8 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
         groups = {name: group for name in modes}
         if cuda:
             for name, fn in (*modes.items(), *((("floor", replay),) if replay is not None else ())):
-                groups[name] = max(1, min(group, round(_SAMPLE_S / _sample(fn, x, 1, cuda))))
+                call = min(_sample(fn, x, 1, cuda) for _ in range(3))  # (one slow call would shrink it)
+                groups[name] = max(1, min(group, round(_SAMPLE_S / call)))
             reps = max(reps, -(-_MIN_RUNS // min(groups.values())))
         samples: dict[str, list[float]] = {name: [] for name in modes}
         host: dict[str, list[float]] = {name: [] for name in modes}

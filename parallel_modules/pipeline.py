@@ -342,41 +342,61 @@ def _hidden_layout(stage: nn.Module, outputs: list[Any]) -> tuple[int, int] | No
     r"""Where the final hidden states of a last ``stage`` returning a recurrent layer's result hold the batch.
 
     ``(rank, dim)`` of ``h_n`` (and ``c_n``) in ``(output, h_n)`` or ``(output,
-    (h_n, c_n))``: ``(3, 1)`` for a recurrent layer, and for a ``Parallel`` of
-    such branches joined by ``"sum"``, ``"mean"`` or ``"cat"`` (which keep each
-    leaf's dimensions) or ``"stack"`` (which adds one before or after the
-    batch's); ``None`` for any other stage. A ``Parallel`` of such branches
-    that returns their results apart, or joins them with other branches, is
-    refused: its leaves hold the batch in different places. (A callable join
-    returns what it makes of them: hidden states, batch-first, as any custom
-    last stage's.) So is a ``Parallel`` stacking along dimension 0, which puts
-    its branches where the batch is (``outputs``: the micro-batches' results).
+    (h_n, c_n))`` (see :func:`_layout`); ``None`` for any other stage. A
+    ``Parallel`` last stage stacking along dimension 0 is refused: it puts its
+    branches where the batch is (``outputs``: the micro-batches' results, by
+    which a negative ``dim`` resolves).
     """
-    stage = _returning(stage)
-    if isinstance(stage, nn.RNNBase):
-        return (3, 1) if type(stage).forward in _RECURRENT_FORWARDS else None
-    if not (isinstance(stage, Parallel) and type(stage).forward is Parallel.forward):
+    last = _returning(stage)
+    if (isinstance(last, Parallel) and type(last).forward is Parallel.forward and last.join == "stack"
+            and any(isinstance(t, torch.Tensor) and t.dim() and last.dim % t.dim() == 0
+                    for t in pytree.tree_leaves(outputs[0]))):
+        raise _stacked_along_batch(last.dim)
+    return _layout(stage)
+
+
+def _layout(m: nn.Module) -> tuple[int, int] | None:
+    r"""``(rank, dim)`` of the final hidden states ``m`` returns as a recurrent layer does (``None``: it does not).
+
+    ``(3, 1)`` for a recurrent layer, and for a ``Parallel`` of branches that
+    return them alike (recurrent layers, ``Parallel`` blocks of them) joined by
+    ``"sum"``, ``"mean"`` or ``"cat"``, which keep each leaf's dimensions; a
+    ``"stack"`` adds one, before or after the batch's. Such a ``Parallel``
+    returning its branches' results apart, or joining them with branches that
+    return them otherwise, is refused: its leaves hold the batch in different
+    places. So is one stacking along dimension 0 (see :func:`_hidden_layout`).
+    (A callable join returns what it makes of them: hidden states, batch-first,
+    as any custom last stage's.)
+    """
+    m = _returning(m)
+    if isinstance(m, nn.RNNBase):
+        return (3, 1) if type(m).forward in _RECURRENT_FORWARDS else None
+    if not (isinstance(m, Parallel) and type(m).forward is Parallel.forward):
         return None
-    join, dim = stage.join, stage.dim
-    if join == "stack" and any(isinstance(t, torch.Tensor) and t.dim() and dim % t.dim() == 0
-                               for o in outputs[:1] for t in pytree.tree_leaves(o)):
-        raise TypeError(f"the last stage is a Parallel stacking its branches' outputs along dimension {dim}, "
-                        f"which is where the micro-batches' samples are: they cannot be joined into the whole "
-                        f"batch's (stack along another dimension, dim=1, or stack the pipeline's outputs)")
-    recurrent = [_recurrent_tail(b) for b in stage]
-    if not any(recurrent):
-        return None
+    join, dim = m.join, m.dim
     apart = join in (None, "tuple", "dict")
-    if apart or not all(recurrent) and isinstance(join, str):
+    if not apart and not isinstance(join, str):
+        return None
+    if join == "stack" and dim == 0:
+        raise _stacked_along_batch(dim)
+    layouts = [_layout(b) for b in m]
+    if all(layout is None for layout in layouts):
+        return None
+    if apart or len(set(layouts)) > 1:
         what = "returning its branches' outputs apart" if apart else f"joining by {join!r} branches that differ"
         raise TypeError(f"the last stage is a Parallel {what}, some ending in a recurrent layer, whose hidden "
                         f"states hold the batch along dimension 1: joined along dimension 0 they would be wrong "
                         f"(end each such branch in a module returning them batch-first, h.transpose(0, 1))")
-    if not isinstance(join, str):
-        return None
+    rank, batch = layouts[0]
     if join != "stack":
-        return 3, 1
-    return 4, 1 if dim % 4 >= 2 else 2
+        return rank, batch
+    return rank + 1, batch + (dim % (rank + 1) <= batch)  # (the new dimension before the batch's, or after)
+
+
+def _stacked_along_batch(dim: int) -> TypeError:
+    return TypeError(f"the last stage is a Parallel stacking its branches' outputs along dimension {dim}, which "
+                     f"is where the micro-batches' samples are: they cannot be joined into the whole batch's "
+                     f"(stack along another dimension, dim=1, or stack the pipeline's outputs)")
 
 
 class ParallelSequential(nn.Sequential):

@@ -8,6 +8,7 @@ order than one product per branch, so fp32 results agree within ``TOL`` rather t
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import io
@@ -2372,35 +2373,53 @@ class _Scale(nn.Module):
         return x + self.s if self.shift else x * self.s
 
 
+class _Pick(nn.Module):
+    r"""``x.index_select(-1, idx)`` (autograd saves the integer buffer ``idx``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.arange(8).flip(0))
+
+    def forward(self, x):
+        return x.index_select(-1, self.s)
+
+
 @pytest.mark.parametrize("case", ["batch-norm", "batch-norm-frozen", "batch-norm-no-grad", "scale", "shift",
-                                  "scale-frozen"])
+                                  "scale-frozen", "pick", "batch-norm-member-frozen", "scale-save-on-cpu"])
 def test_a_buffer_changed_in_place_before_backward_passes_or_fails_as_unfused(case):
     # Before (a CPU hunt): only parameters were watched. Unfused, autograd refuses a backward
     # through an eval BatchNorm's running statistics, or a buffer a product saved, changed since
     # the forward (reset_running_stats(), a load_state_dict); fused, it silently read the new
     # values (the input's gradient 0.62 off the forward's own).
     torch.manual_seed(0)
-    layer = {"batch": lambda: nn.BatchNorm1d(8), "scale": _Scale, "shift": lambda: _Scale(shift=True)}
+    # (A review: an integer buffer autograd saves was left out; a member frozen up to the
+    # BatchNorm, on an input requiring no grad, saves nothing unfused; under saved-tensor hooks
+    # autograd checks no version, and unfused lets the change pass.)
+    layer = {"batch": lambda: nn.BatchNorm1d(8), "scale": _Scale, "shift": lambda: _Scale(shift=True), "pick": _Pick}
     make = lambda: nn.Sequential(nn.Linear(8, 8), layer[case.split("-")[0]]()).eval()  # noqa: E731
-    x = torch.randn(5, 8, requires_grad=case != "batch-norm-no-grad")
+    x = torch.randn(5, 8, requires_grad=case not in ("batch-norm-no-grad", "batch-norm-member-frozen"))
     fused = Parallel(*[make() for _ in range(3)], fuse=True).eval()
     if case.endswith("frozen") or case == "batch-norm-no-grad":
         fused.requires_grad_(False)  # (frozen: the input's gradient alone reads the buffer)
     if case == "batch-norm-no-grad":
         for b in fused:
             b[1].weight.requires_grad_(True)  # (the weight's gradient reads the statistics too)
+    if case == "batch-norm-member-frozen":
+        fused.requires_grad_(True)
+        fused[1].requires_grad_(False)  # (branch 1, whose statistics change, computes nothing to differentiate)
     plain = copy.deepcopy(fused)
     plain.fuse = False
     outcomes = []
     for block in (plain, fused):
-        loss = block(x).square().sum()
+        with torch.autograd.graph.save_on_cpu() if case.endswith("save-on-cpu") else contextlib.nullcontext():
+            loss = block(x).square().sum()
         if not loss.requires_grad:  # (nothing requires grad: no backward either way)
             outcomes.append([])
             continue
         with torch.no_grad():
-            block[1][1].reset_running_stats() if case.startswith("batch") else block[1][1].s.mul_(3)
+            _change_buffer(block[1][1], case)
         outcomes.append(_backward_or_refused(loss, block))
-    refused = case != "shift"
+    refused = case not in ("shift", "batch-norm-member-frozen", "scale-save-on-cpu")
     assert (outcomes[0] is None) == (outcomes[1] is None) == refused
     if outcomes[0] is not None:
         for a, b in zip(*outcomes, strict=True):
@@ -2414,8 +2433,17 @@ def _refused_again(block: nn.Module, x: torch.Tensor, case: str) -> None:
     r"""A backward after ``block``'s branch 1's buffer changed since the forward (see the test above)."""
     loss = block(x).sum()
     with torch.no_grad():
-        block[1][1].reset_running_stats() if case.startswith("batch") else block[1][1].s.mul_(3)
+        _change_buffer(block[1][1], case)
     loss.backward()
+
+
+def _change_buffer(layer: nn.Module, case: str) -> None:
+    if case.startswith("batch"):
+        layer.reset_running_stats()
+    elif case == "pick":
+        layer.s.copy_(torch.arange(8))
+    else:
+        layer.s.mul_(3)
 
 
 @pytest.mark.parametrize("input_grad", [False, True])

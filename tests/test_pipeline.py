@@ -1496,6 +1496,27 @@ def test_a_parallel_of_recurrent_branches_joined_keeps_their_hidden_states_batch
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("inner", ["sum", "stack"])
+def test_a_parallel_of_parallels_of_recurrent_branches_keeps_their_hidden_states_batch(inner):
+    # A review: the branches were asked whether they are recurrent layers, not whether they
+    # return a recurrent layer's result: a sum of sums of LSTMs had h_n joined along dimension 0.
+    torch.manual_seed(0)
+
+    def pair():
+        return Parallel(nn.LSTM(5, 3, batch_first=True), nn.LSTM(5, 3, batch_first=True), join=inner, dim=-1)
+
+    heads = Parallel(pair(), nn.Sequential(pair()), join="stack", dim=1).double()
+    x = torch.randn(4, 2, 5, dtype=torch.float64)
+    expected = heads(x)
+    got = ParallelSequential(nn.Identity(), heads, chunks=4)(x)
+    assert [t.shape for t in pytree.tree_leaves(got)] == [t.shape for t in pytree.tree_leaves(expected)]
+    torch.testing.assert_close(got, expected)
+    apart = Parallel(Parallel(nn.LSTM(5, 3, batch_first=True), nn.LSTM(5, 3, batch_first=True), join=None),
+                     Parallel(nn.LSTM(5, 3, batch_first=True), nn.LSTM(5, 3, batch_first=True), join=None), join="sum")
+    with pytest.raises(ValueError, match="(?s)a Parallel returning its branches' outputs apart.*recurrent"):
+        ParallelSequential(nn.Identity(), apart, chunks=4)(x.float())
+
+
 @pytest.mark.parametrize("join, dim", [("cat", 0), ("cat", 1)])
 def test_a_parallel_of_recurrent_branches_joined_along_the_batch_is_refused(join, dim):
     # A cat along the batch of the output (dim 0) or of the hidden states (dim 1): the whole
@@ -1526,6 +1547,10 @@ def test_a_parallel_stacking_along_the_batch_is_refused_as_a_last_stage(dim):
     with pytest.raises(ValueError, match="stacking its branches' outputs along dimension"):
         ParallelSequential(heads, chunks=2)(x)
     assert ParallelSequential(heads, chunks=1)(x).shape == (2, 4, 3)  # one micro-batch: nothing to join
+    with pytest.raises(ValueError, match="stacking its branches' outputs along dimension 0"):  # (a review: nested)
+        ParallelSequential(Parallel(Parallel(*heads, join="stack", dim=0), Parallel(*heads, join="stack", dim=0),
+                                    join="sum"),
+                           chunks=2)(x)
     torch.testing.assert_close(ParallelSequential(Parallel(*heads, join="stack", dim=1), chunks=2)(x),
                                torch.stack([b(x) for b in heads], 1))
 
