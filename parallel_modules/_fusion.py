@@ -807,8 +807,9 @@ class _Group:
                 elif qual in self.saved_always:
                     saved = [g or f for g, f in zip(grads, flow)]
                 else:
-                    saved = [trained] * self.n
-                _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors, saved)
+                    saved = None  # (a vmapped layer's: where autograd saved its stack, see _after_step)
+                if saved is not None:
+                    _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors, saved)
             if read is not None:
                 read.append(qual)
             if trained:
@@ -817,24 +818,33 @@ class _Group:
             read.append(qual)
         return stacked
 
-    def _after_step(self, watched: list, read: list[str], out: Any, before: torch.Tensor, flow: list[bool]) -> None:
-        r"""Watch the buffers a step read that autograd saved (see :meth:`_watch_buffers`), and move ``flow`` on.
+    def _after_step(self, watched: list, read: list[str], out: Any, before: torch.Tensor, flow: list[bool],
+                    vmapped: bool) -> None:
+        r"""Watch what a step read that autograd saved (see :meth:`_watch_buffers`), and move ``flow`` on.
 
         ``flow[k]``: whether member ``k``'s input to the next step requires grad
         -- where its input to this one did, or a parameter of this step of its
         own does (a member frozen up to a layer computes nothing autograd
-        differentiates before it, unfused).
+        differentiates before it, unfused); for every member where a
+        ``vmapped`` step's output requires grad (a layer of the user's may read
+        a tensor requiring grad from outside the member).
         """
-        buffers = [q for q in read if self.entries[q].kind == "_buffers"]
-        flowed = list(flow)
-        if not all(flow):
-            for qual in read:
-                entry = self.entries[qual]
-                if entry.kind == "_parameters":
-                    for k, t in enumerate(self._tensors(entry)):
-                        flowed[k] = flowed[k] or t.requires_grad
-        if buffers:
-            self._watch_buffers(watched, buffers, out, before, flowed)
+        # Buffers, and parameters of no rule of _program's (a vmapped layer's): where saved.
+        unruled = [q for q in read if self.entries[q].kind == "_buffers" or (
+            q not in self.saved_with_input and q not in self.saved_always and q not in self.never_saved
+            and self.entries[q].attr != "bias")]
+        if vmapped:
+            flowed = [True] * self.n
+        else:
+            flowed = list(flow)
+            if not all(flow):
+                for qual in read:
+                    entry = self.entries[qual]
+                    if entry.kind == "_parameters":
+                        for k, t in enumerate(self._tensors(entry)):
+                            flowed[k] = flowed[k] or t.requires_grad
+        if unruled:
+            self._watch_buffers(watched, unruled, out, before, flowed)
         flow[:] = flowed
 
     def _watch_buffers(self, watched: list, buffers: list[str], out: Any, before: torch.Tensor,
@@ -859,11 +869,10 @@ class _Group:
         if any(q not in self.buffers_saved for q in buffers):
             saved = _saved_storages([t.grad_fn for t in leaves], [before.grad_fn] if before.grad_fn else ())
         for qual in dict.fromkeys(buffers):
-            tensors = self._tensors(self.entries[qual])
-            if qual in self.buffers_saved:
-                _watch_saved(watched, f"buffer {qual!r}", self.indices, tensors, flowed)
-            elif saved is None or self.stacks[qual].untyped_storage().data_ptr() in saved:
-                _watch_saved(watched, f"buffer {qual!r}", self.indices, tensors, [True] * self.n)
+            entry = self.entries[qual]
+            if qual in self.buffers_saved or saved is None or self.stacks[qual].untyped_storage().data_ptr() in saved:
+                what = f"{'buffer' if entry.kind == '_buffers' else 'parameter'} {qual!r}"
+                _watch_saved(watched, what, self.indices, self._tensors(entry), flowed)
 
     # Running --------------------------------------------------------------
     def copies_biases(self, x: torch.Tensor) -> bool:
@@ -983,9 +992,12 @@ class _Group:
             if watched is not None and not before.requires_grad and any(flow):
                 flow[:] = [False] * self.n  # (through an operation autograd does not differentiate)
             value = step(value, get)
-            if read:
-                self._after_step(watched, read, value, before, flow)
-                read.clear()
+            if read is not None:
+                vmapped = getattr(step, "vmapped", False) and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
+                if read or vmapped:
+                    self._after_step(watched, read, value, before, flow, vmapped)
+                    read.clear()
         if watched and not x.requires_grad:
             # A member whose parameters are all frozen, on an input that requires no grad,
             # computes nothing autograd differentiates unfused: none of its weights is saved,
@@ -1000,7 +1012,7 @@ class _Group:
                         watched.append((what, [indices[k] for k in kept], [tensors[k] for k in kept],
                                         [versions[k] for k in kept]))
         if watched:
-            _refuse_changed_members(value, watched)
+            _refuse_changed_members(value, watched, received, self.indices)
         if received is not None:
             value = value._replace(received=received) if isinstance(value, _Value) else _Structured(value, received)
         return value
@@ -1016,7 +1028,8 @@ def _watch_saved(watched: list, what: str, indices: list[int], tensors: list[tor
                         [tensors[k]._version for k in kept]))
 
 
-def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]]) -> None:
+def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]],
+                             received: _Received | None = None, indices: Sequence[int] = ()) -> None:
     r"""Make a backward through ``value`` refuse members' weights (and saved buffers) changed in place since this call.
 
     Autograd saves views of the stacks, whose version counter is the stack's:
@@ -1031,16 +1044,21 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
     out, as unfused autograd saves none of them and lets such a change pass:
     biases, a ``Linear``'s weight where the layer's input does not require
     grad (a probe on frozen features) and an ``Embedding``'s weight. Buffers
-    likewise, where saved (see :meth:`_Group._watch_buffers`).
+    likewise, where saved (see :meth:`_Group._watch_buffers`). And members
+    whose outputs this backward pass leaves out (``received``, by position
+    among the group's branches ``indices``): unfused, a loss per head
+    differentiates only its own head's saved tensors.
     """
     def check(grad: torch.Tensor) -> None:
-        for what, indices, tensors, versions in watched:
+        got = received.got() if received is not None else None
+        used = None if got is None else {indices[k] for k in got}
+        for what, branches, tensors, versions in watched:
             for i, (t, v) in enumerate(zip(tensors, versions)):
-                if t._version != v:
+                if t._version != v and (used is None or branches[i] in used):
                     raise RuntimeError(
                         f"one of the variables needed for gradient computation has been modified by an "
-                        f"inplace operation: {what} of the branch at index {indices[i]} (fused with "
-                        f"the branches at {[k for k in indices if k != indices[i]]}) is at version {t._version}; "
+                        f"inplace operation: {what} of the branch at index {branches[i]} (fused with "
+                        f"the branches at {[k for k in indices or branches if k != branches[i]]}) is at version {t._version}; "
                         f"expected version {v} instead ("
                         + ("changed after the forward pass, as by an optimizer.step() between a "
                            "backward(retain_graph=True) and another backward" if what.startswith("parameter") else
@@ -1814,6 +1832,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 [next(tensors) if leaf is _TENSOR else leaf for leaf in leaves], spec)
         return out
 
+    step.vmapped = True  # type: ignore[attr-defined]  # (see _Group._after_step)
     return step
 
 

@@ -342,20 +342,14 @@ def _hidden_layout(stage: nn.Module, outputs: list[Any]) -> tuple[int, int] | No
     r"""Where the final hidden states of a last ``stage`` returning a recurrent layer's result hold the batch.
 
     ``(rank, dim)`` of ``h_n`` (and ``c_n``) in ``(output, h_n)`` or ``(output,
-    (h_n, c_n))`` (see :func:`_layout`); ``None`` for any other stage. A
-    ``Parallel`` last stage stacking along dimension 0 is refused: it puts its
-    branches where the batch is (``outputs``: the micro-batches' results, by
-    which a negative ``dim`` resolves).
+    (h_n, c_n))`` (see :func:`_layout`, which ``outputs``, the micro-batches'
+    results, tell the ranks of its leaves); ``None`` for any other stage.
     """
-    last = _returning(stage)
-    if (isinstance(last, Parallel) and type(last).forward is Parallel.forward and last.join == "stack"
-            and any(isinstance(t, torch.Tensor) and t.dim() and last.dim % t.dim() == 0
-                    for t in pytree.tree_leaves(outputs[0]))):
-        raise _stacked_along_batch(last.dim)
-    return _layout(stage)
+    ranks = {t.dim() for t in pytree.tree_leaves(outputs[0]) if isinstance(t, torch.Tensor)}
+    return _layout(stage, ranks)
 
 
-def _layout(m: nn.Module) -> tuple[int, int] | None:
+def _layout(m: nn.Module, ranks: set[int]) -> tuple[int, int] | None:
     r"""``(rank, dim)`` of the final hidden states ``m`` returns as a recurrent layer does (``None``: it does not).
 
     ``(3, 1)`` for a recurrent layer, and for a ``Parallel`` of branches that
@@ -364,9 +358,10 @@ def _layout(m: nn.Module) -> tuple[int, int] | None:
     ``"stack"`` adds one, before or after the batch's. Such a ``Parallel``
     returning its branches' results apart, or joining them with branches that
     return them otherwise, is refused: its leaves hold the batch in different
-    places. So is one stacking along dimension 0 (see :func:`_hidden_layout`).
-    (A callable join returns what it makes of them: hidden states, batch-first,
-    as any custom last stage's.)
+    places. So is any ``Parallel`` stacking its branches along dimension 0,
+    where the batch is, as ``dim`` resolves on the ranks of the leaves it
+    returns (``ranks``). (A callable join returns what it makes of them:
+    hidden states, batch-first, as any custom last stage's.)
     """
     m = _returning(m)
     if isinstance(m, nn.RNNBase):
@@ -377,9 +372,12 @@ def _layout(m: nn.Module) -> tuple[int, int] | None:
     apart = join in (None, "tuple", "dict")
     if not apart and not isinstance(join, str):
         return None
-    if join == "stack" and dim == 0:
-        raise _stacked_along_batch(dim)
-    layouts = [_layout(b) for b in m]
+    if join == "stack" and any(r > 0 and dim % r == 0 for r in ranks):
+        raise TypeError(f"the last stage is a Parallel stacking its branches' outputs along dimension {dim}, which "
+                        f"is where the micro-batches' samples are: they cannot be joined into the whole batch's "
+                        f"(stack along another dimension, dim=1, or stack the pipeline's outputs)")
+    inner = {r - 1 for r in ranks} if join == "stack" else ranks
+    layouts = [_layout(b, inner) for b in m]
     if all(layout is None for layout in layouts):
         return None
     if apart or len(set(layouts)) > 1:
@@ -391,12 +389,6 @@ def _layout(m: nn.Module) -> tuple[int, int] | None:
     if join != "stack":
         return rank, batch
     return rank + 1, batch + (dim % (rank + 1) <= batch)  # (the new dimension before the batch's, or after)
-
-
-def _stacked_along_batch(dim: int) -> TypeError:
-    return TypeError(f"the last stage is a Parallel stacking its branches' outputs along dimension {dim}, which "
-                     f"is where the micro-batches' samples are: they cannot be joined into the whole batch's "
-                     f"(stack along another dimension, dim=1, or stack the pipeline's outputs)")
 
 
 class ParallelSequential(nn.Sequential):

@@ -1814,6 +1814,121 @@ def test_functional_call_after_a_registration_elsewhere_leaves_the_swapped_tenso
     assert not p._fusion.units[0].swapped()  # and the group's own tensors are bound as before
 
 
+_GATE = nn.Parameter(torch.rand(6) + 0.5)  # (a tensor requiring grad that the branches read, held outside them)
+
+
+class _Gate(nn.Module):
+    def forward(self, x):
+        return x * _GATE
+
+
+class _TanhBlock(nn.Module):
+    r"""A block of the user's own (run through torch.vmap, fused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("case", ["outside-gate", "frozen-custom-block", "head-loss", "head-step-between"])
+def test_watched_as_unfused_after_a_review(case):
+    # A review of the per-member watch: a layer reading a tensor that requires grad from outside
+    # the member (a gate the model holds) made the next Linear's weight saved unfused, but not
+    # watched fused: the changed weight was differentiated silently (the gate's gradient off by 4);
+    # so was a frozen block of the user's on an input requiring grad (a saliency map's input
+    # gradient off by 0.83). And a loss reading one head of a tuple join was refused for another
+    # head's weight changed, which unfused it never visits.
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, requires_grad=case == "frozen-custom-block" or case.startswith("head"))
+    if case == "outside-gate":
+        fused = Parallel(*[nn.Sequential(_Gate(), nn.Linear(6, 6)) for _ in range(2)], join="sum", fuse=True)
+    elif case == "frozen-custom-block":
+        fused = Parallel(*[_TanhBlock() for _ in range(3)], join="sum", fuse=True).requires_grad_(False)
+    else:
+        fused = Parallel(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)) for _ in range(2)],
+                         join=None, fuse=True)
+    plain = copy.deepcopy(fused)
+    plain.fuse = False
+    outcomes = []
+    for block in (plain, fused):
+        out = block(x)
+        if case == "head-step-between":
+            out[0].square().sum().backward(retain_graph=True)
+            with torch.no_grad():
+                block[0][2].weight.mul_(0.5)  # (head 0 stepped after its own loss)
+            loss = out[1].square().sum()
+        else:
+            loss = out[0].square().sum() if case == "head-loss" else out.square().sum()
+            with torch.no_grad():
+                (block[1].fc if case == "frozen-custom-block" else block[1][-1]).weight.mul_(0.5)
+        outcomes.append(_backward_or_refused(loss, block))
+    assert (outcomes[0] is None) == (outcomes[1] is None) == (case in ("outside-gate", "frozen-custom-block"))
+
+
+class _AffineBuffer(nn.Module):
+    r"""``x * w + b``, ``b`` a buffer (run through vmap, fused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8))
+        self.register_buffer("b", torch.randn(8))
+
+    def forward(self, x):
+        return x * self.w + self.b
+
+
+def test_functional_call_with_buffers_or_another_models_parameters_after_a_registration():
+    # Before (a CPU hunt): after any module was built elsewhere, buffers swapped in by
+    # functional_call (plain tensors), or another model's Parameters, were taken for the branches'
+    # own: stacked into the group, the caller's tensors re-pointed at the stacks (``.data =``), and
+    # the buffers' gradients lost (None where unfused gives them).
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), _AffineBuffer()) for _ in range(3)], fuse=True)
+    plain = copy.deepcopy(p)
+    plain.fuse = False
+    x = torch.randn(4, 8)
+    p(x)
+    nn.CrossEntropyLoss()  # (registers a buffer: the count of registrations moves)
+    grads = []
+    for block in (plain, p):
+        buffers = {k: v.detach().clone().requires_grad_() for k, v in block.named_buffers()}
+        torch.func.functional_call(block, buffers, (x,)).square().sum().backward()
+        grads.append([buffers[k].grad for k in sorted(buffers)])
+    assert all(g is not None for g in grads[1])
+    for a, b in zip(*grads, strict=True):
+        assert_close(a, b)
+    other = copy.deepcopy(plain)
+    flat = torch.cat([q.detach().flatten() for q in other.parameters()])
+    offset = 0
+    for q in other.parameters():
+        q.data = flat[offset:offset + q.numel()].view_as(q)
+        offset += q.numel()
+    nn.Linear(2, 2)
+    assert_close(torch.func.functional_call(p, dict(other.named_parameters()), (x,)), other(x))
+    assert all(q.data_ptr() >= flat.data_ptr() and q.data_ptr() < flat.data_ptr() + flat.nbytes
+               for q in other.parameters())  # (not re-pointed at a stack of the group's)
+    assert not p._fusion.units[0].swapped()  # the group's own tensors are bound as before
+    assert_close(p(x), plain(x))
+
+
+def test_a_branch_moved_to_another_dtype_by_itself_is_stacked_anew():
+    # Its buffers, which module._apply writes into the dict (registering nothing), are a
+    # replacement, not tensors swapped in for a call (see _watch._swapped_in): bound anew.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).eval() for _ in range(3)], fuse=True).eval()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    p(x.float())
+    for b in p:
+        b.double()
+    nn.Linear(2, 2)
+    assert_close(p(x), torch.cat([b(x) for b in p], 1))
+    group = p._fusion.units[0]
+    assert not group.swapped() and all(t.dtype == torch.float64 for t in group.stacks.values() if t.is_floating_point())
+
+
 def test_functional_call_of_an_equal_one_element_parameter_reaches_it():
     # A tensor of one element, swapped in with the bound one's value, compared equal to it:
     # the group ran on its stacks, and the tensor passed in got no gradient.

@@ -1547,7 +1547,10 @@ def test_a_parallel_stacking_along_the_batch_is_refused_as_a_last_stage(dim):
     with pytest.raises(ValueError, match="stacking its branches' outputs along dimension"):
         ParallelSequential(heads, chunks=2)(x)
     assert ParallelSequential(heads, chunks=1)(x).shape == (2, 4, 3)  # one micro-batch: nothing to join
-    with pytest.raises(ValueError, match="stacking its branches' outputs along dimension 0"):  # (a review: nested)
+    nested = Parallel(Parallel(*heads, join="stack", dim=dim), Parallel(*heads, join="stack", dim=dim), join="sum")
+    with pytest.raises(ValueError, match="stacking its branches' outputs along dimension"):  # (reviews: nested)
+        ParallelSequential(nn.Sequential(nested), chunks=2)(x)
+    with pytest.raises(ValueError, match="stacking its branches' outputs along dimension 0"):
         ParallelSequential(Parallel(Parallel(*heads, join="stack", dim=0), Parallel(*heads, join="stack", dim=0),
                                     join="sum"),
                            chunks=2)(x)
