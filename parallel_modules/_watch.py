@@ -30,7 +30,6 @@ costs the H100 machine's CPU 20-30 us.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -46,45 +45,9 @@ _installed = False
 _install_lock = threading.Lock()
 
 
-# The tensor each module's parameter and buffer slots were last given by a registration (or
-# held when the module joined a watched tree): what ``torch.func.functional_call`` writes into
-# the slots for one call, registering nothing, is told apart by it (see _swapped_in).
-_registered: weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref]] = weakref.WeakKeyDictionary()
-
-
 def _count(*_: Any) -> None:
     global _changes
     _changes += 1
-
-
-def _count_tensor(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
-    _count()
-    _note(module, name, tensor)
-
-
-def _count_module(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-    _count()
-    if submodule is not None:  # (its tensors, held before it joined: its own)
-        _note_tree(submodule)
-
-
-def _note(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
-    try:
-        slots = _registered.get(module)
-        if slots is None:
-            slots = _registered[module] = {}
-        slots[name] = weakref.ref(tensor) if tensor is not None else None
-    except TypeError:  # (a module or tensor that takes no weak reference: not told apart)
-        pass
-
-
-def _note_tree(root: nn.Module) -> None:
-    r"""Note the tensors ``root``'s tree holds now as its own (see :data:`_registered`)."""
-    for m in root.modules():
-        for d in (m._parameters, m._buffers):
-            if isinstance(d, dict):  # (TorchScript modules keep theirs in C++)
-                for name, t in d.items():
-                    _note(m, name, t)
 
 
 def _install() -> None:
@@ -94,9 +57,9 @@ def _install() -> None:
     with _install_lock:
         if not _installed:
             hooks = nn.modules.module
-            hooks.register_module_module_registration_hook(_count_module)
-            hooks.register_module_parameter_registration_hook(_count_tensor)
-            hooks.register_module_buffer_registration_hook(_count_tensor)
+            hooks.register_module_module_registration_hook(_count)
+            hooks.register_module_parameter_registration_hook(_count)
+            hooks.register_module_buffer_registration_hook(_count)
             _installed = True
 
 
@@ -133,7 +96,6 @@ class _Tree:
 
     def __init__(self, root: nn.Module) -> None:
         _install()
-        _note_tree(root)  # (made where nothing is swapped in: its tensors are its own)
         # The count at the last walk that found the tree settled, and at the last walk (see same):
         # the next call walks once more.
         self.seen, self.walked = -1, _changes
@@ -200,38 +162,17 @@ def _reset_changed_below(root: nn.Module) -> None:
 
 
 def _swapped_in(modules: Any) -> bool:
-    r"""Whether a parameter or buffer slot of ``modules`` holds a tensor that was not registered there.
+    r"""Whether a parameter slot of ``modules`` holds a tensor that is not an ``nn.Parameter``.
 
-    ``torch.func.functional_call`` writes the tensors it is given (plain
-    tensors, functorch wrappers, dual tensors, another model's parameters)
-    into the modules' dicts for the call, registering nothing; registering a
-    parameter requires an ``nn.Parameter``. While they are there, a change
-    seen in the tree (another registration anywhere in the process moved the
-    count) is theirs: nothing learnt is reset for it, and they are not stacked
-    into fused groups, which would re-point the caller's tensors (with
-    ``.data =``) and drop their autograd and forward-mode state. Told by
-    layout from a tensor written into the dict to replace the registered one
-    (``module._apply`` writes new buffers so): laid out alike, with the
-    registered one still alive, it is taken for swapped in.
+    Registering a parameter requires one; ``torch.func.functional_call`` writes
+    the tensors it is given (plain tensors, functorch wrappers, dual tensors)
+    into the modules' dicts for the call, registering nothing. While they are
+    there, a change seen in the tree (another registration anywhere in the
+    process moved the count) is theirs: nothing learnt is reset for it, and
+    they are not stacked into fused groups, which would re-point the caller's
+    tensors and drop their autograd and forward-mode state.
     """
-    for m in modules:
-        slots = _registered.get(m)
-        for d in (m._parameters, m._buffers):
-            if not isinstance(d, dict):
-                continue
-            for name, t in d.items():
-                if t is None:
-                    continue
-                if d is m._parameters and not isinstance(t, nn.Parameter):
-                    return True
-                ref = slots.get(name) if slots is not None else None
-                own = ref() if ref is not None else None
-                # (In place of its own tensor, which the caller still holds, and laid out alike:
-                # a tensor the slot was given for another layout -- a buffer ``module.double()``
-                # wrote into the dict -- or after its own was dropped replaced it.)
-                if own is not None and own is not t and _layout(own) == _layout(t):
-                    return True
-    return False
+    return any(t is not None and not isinstance(t, nn.Parameter) for m in modules for t in m._parameters.values())
 
 
 def _swapped(dicts: list[dict], snapshot: list[dict], scalars: bool) -> bool:

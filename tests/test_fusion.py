@@ -1868,52 +1868,6 @@ def test_watched_as_unfused_after_a_review(case):
     assert (outcomes[0] is None) == (outcomes[1] is None) == (case in ("outside-gate", "frozen-custom-block"))
 
 
-class _AffineBuffer(nn.Module):
-    r"""``x * w + b``, ``b`` a buffer (run through vmap, fused)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(8))
-        self.register_buffer("b", torch.randn(8))
-
-    def forward(self, x):
-        return x * self.w + self.b
-
-
-def test_functional_call_with_buffers_or_another_models_parameters_after_a_registration():
-    # Before (a CPU hunt): after any module was built elsewhere, buffers swapped in by
-    # functional_call (plain tensors), or another model's Parameters, were taken for the branches'
-    # own: stacked into the group, the caller's tensors re-pointed at the stacks (``.data =``), and
-    # the buffers' gradients lost (None where unfused gives them).
-    torch.manual_seed(0)
-    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), _AffineBuffer()) for _ in range(3)], fuse=True)
-    plain = copy.deepcopy(p)
-    plain.fuse = False
-    x = torch.randn(4, 8)
-    p(x)
-    nn.CrossEntropyLoss()  # (registers a buffer: the count of registrations moves)
-    grads = []
-    for block in (plain, p):
-        buffers = {k: v.detach().clone().requires_grad_() for k, v in block.named_buffers()}
-        torch.func.functional_call(block, buffers, (x,)).square().sum().backward()
-        grads.append([buffers[k].grad for k in sorted(buffers)])
-    assert all(g is not None for g in grads[1])
-    for a, b in zip(*grads, strict=True):
-        assert_close(a, b)
-    other = copy.deepcopy(plain)
-    flat = torch.cat([q.detach().flatten() for q in other.parameters()])
-    offset = 0
-    for q in other.parameters():
-        q.data = flat[offset:offset + q.numel()].view_as(q)
-        offset += q.numel()
-    nn.Linear(2, 2)
-    assert_close(torch.func.functional_call(p, dict(other.named_parameters()), (x,)), other(x))
-    assert all(q.data_ptr() >= flat.data_ptr() and q.data_ptr() < flat.data_ptr() + flat.nbytes
-               for q in other.parameters())  # (not re-pointed at a stack of the group's)
-    assert not p._fusion.units[0].swapped()  # the group's own tensors are bound as before
-    assert_close(p(x), plain(x))
-
-
 def test_a_branch_moved_to_another_dtype_by_itself_is_stacked_anew():
     # Its buffers, which module._apply writes into the dict (registering nothing), are a
     # replacement, not tensors swapped in for a call (see _watch._swapped_in): bound anew.
