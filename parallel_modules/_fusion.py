@@ -758,7 +758,7 @@ class _Group:
         backward, with their versions now (see :func:`_refuse_changed_members`):
         by ``flow``, whether each member's input to the step requires grad (see
         :meth:`_run`). ``read`` collects the names of the parameters and
-        floating-point buffers the step reads (see :meth:`_after_step`).
+        buffers the step reads (see :meth:`_after_step`).
         """
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
@@ -797,19 +797,16 @@ class _Group:
             tensors = self._tensors(entry)
             grads = [t.requires_grad for t in tensors]
             trained = any(grads)  # (members may be frozen one by one)
-            if watched is not None and entry.attr != "bias" and qual not in self.never_saved:
+            if watched is not None and self._ruled(qual):
                 # (See _refuse_changed_members.) Per member, as unfused: a Linear's weight where
                 # its input requires grad (autograd saves it for the input's gradient, frozen or
                 # not); the weight of the layers whose backward saves it whatever requires grad
-                # where either does; any other where a member trains.
+                # where either does. (Others, a vmapped layer's: see _after_step.)
                 if qual in self.saved_with_input:
-                    saved = flow
+                    _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors, flow)
                 elif qual in self.saved_always:
-                    saved = [g or f for g, f in zip(grads, flow)]
-                else:
-                    saved = None  # (a vmapped layer's: where autograd saved its stack, see _after_step)
-                if saved is not None:
-                    _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors, saved)
+                    _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors,
+                                 [g or f for g, f in zip(grads, flow)])
             if read is not None:
                 read.append(qual)
             if trained:
@@ -817,6 +814,12 @@ class _Group:
         elif read is not None and entry.kind == "_buffers":  # (an index or a mask too: saved, it counts)
             read.append(qual)
         return stacked
+
+    def _ruled(self, qual: str) -> bool:
+        r"""Whether parameter ``qual`` is watched by a rule of :func:`_program`'s layers (a bias or an
+        ``Embedding``'s weight: never; see :meth:`_stacked`), not where a step saved it (see :meth:`_after_step`)."""
+        return (self.entries[qual].attr == "bias" or qual in self.never_saved or qual in self.saved_with_input
+                or qual in self.saved_always)
 
     def _after_step(self, watched: list, read: list[str], out: Any, before: torch.Tensor, flow: list[bool],
                     vmapped: bool) -> None:
@@ -830,9 +833,7 @@ class _Group:
         a tensor requiring grad from outside the member).
         """
         # Buffers, and parameters of no rule of _program's (a vmapped layer's): where saved.
-        unruled = [q for q in read if self.entries[q].kind == "_buffers" or (
-            q not in self.saved_with_input and q not in self.saved_always and q not in self.never_saved
-            and self.entries[q].attr != "bias")]
+        unruled = [q for q in read if self.entries[q].kind == "_buffers" or not self._ruled(q)]
         if vmapped:
             flowed = [True] * self.n
         else:
@@ -849,7 +850,8 @@ class _Group:
 
     def _watch_buffers(self, watched: list, buffers: list[str], out: Any, before: torch.Tensor,
                        flowed: list[bool]) -> None:
-        r"""Add to ``watched`` the ``buffers`` a step read (from ``before``, its input, to ``out``) that autograd saved.
+        r"""Add to ``watched`` the ``buffers`` a step read (from ``before``, its input, to ``out``) that autograd saved
+        (and a vmapped layer's parameters, judged alike: see :meth:`_after_step`).
 
         A member's buffer, as its parameters, is a slice of its stack's memory
         with a version counter of its own (see :func:`_refuse_changed_members`):

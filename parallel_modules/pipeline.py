@@ -309,16 +309,6 @@ def _batch_second(m: nn.Module) -> bool:
                            nn.Transformer)) and not getattr(m, "batch_first", True))
 
 
-def _recurrent_tail(stage: nn.Module) -> bool:
-    r"""Whether ``stage`` ends in a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) whose
-    result it returns: the layer itself, or the last of ``nn.Sequential`` containers (a nested
-    pipeline too, which returns its recurrent tail's hidden states as the layer does)."""
-    # (Not a subclass with a forward of its own, which may return anything: a recurrent
-    # layer's too, whose hidden states the README asks to return batch-first.)
-    stage = _returning(stage)
-    return isinstance(stage, nn.RNNBase) and type(stage).forward in _RECURRENT_FORWARDS
-
-
 def _returning(stage: nn.Module) -> nn.Module:
     r"""The module whose result ``stage`` returns: itself, or the last of the ``nn.Sequential``
     containers it ends in (a nested pipeline too; a compiled module returns what the module it
@@ -365,6 +355,8 @@ def _layout(m: nn.Module, ranks: set[int]) -> tuple[int, int] | None:
     """
     m = _returning(m)
     if isinstance(m, nn.RNNBase):
+        # (Not a subclass with a forward of its own, which may return anything: a recurrent
+        # layer's too, whose hidden states the README asks to return batch-first.)
         return (3, 1) if type(m).forward in _RECURRENT_FORWARDS else None
     if not (isinstance(m, Parallel) and type(m).forward is Parallel.forward):
         return None
@@ -1580,5 +1572,5 @@ def _to_device(value: Any, device: torch.device, non_blocking: bool, pinned: boo
     return pytree.tree_map(move, value)
 
 
-# The containers that return what their last stage returns (see _recurrent_tail).
+# The containers that return what their last stage returns (see _returning).
 _SEQUENTIAL_FORWARDS = frozenset((nn.Sequential.forward, ParallelSequential.forward))
