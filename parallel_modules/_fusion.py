@@ -1588,6 +1588,10 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         if type(m).forward is nn.modules.instancenorm._InstanceNorm.forward:
             if q("weight") not in group.never_saved:
                 group.never_saved.add(q("weight"))
+        elif type(m).forward is nn.RMSNorm.forward and not _rms_norm_saves_weight(m.weight):
+            # (The CPU's composite: a product, which saves the weight for the input's gradient.)
+            if q("weight") not in group.saved_with_input:
+                group.saved_with_input.add(q("weight"))
         elif isinstance(m, _SAVES_WEIGHT) and q("weight") not in group.saved_always:
             group.saved_always.add(q("weight"))
 
@@ -1761,6 +1765,40 @@ _FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Transformer
 # (Not a stock instance norm's, which saves a copy: see _program.)
 _SAVES_WEIGHT = (nn.modules.conv._ConvNd, _BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm,
                  nn.GroupNorm, nn.PReLU, nn.RMSNorm)
+
+
+# Whether ``F.rms_norm`` saves its weight whatever requires grad, by device type and dtype
+# (see _rms_norm_saves_weight).
+_RMS_SAVES: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _rms_norm_saves_weight(weight: torch.Tensor) -> bool:
+    r"""Whether ``F.rms_norm`` with ``weight``'s device and dtype saves the weight for backward
+    whenever anything requires grad, as :data:`_SAVES_WEIGHT` layers do.
+
+    Torch runs a fused kernel on some devices (CUDA's), whose backward reads the
+    weight for either gradient, and a composite elsewhere (the CPU's), whose
+    product saves the weight for the input's gradient alone: there a weight
+    changed in place before backward passes where the input needs no gradient.
+    Asked of autograd once, on a tiny call, rather than assumed: the choice
+    belongs to the build. Where it cannot be asked (a tracer's fake tensors),
+    the weight is taken to be saved, as by a fused kernel.
+    """
+    key = (weight.device.type, weight.dtype)
+    saves = _RMS_SAVES.get(key)
+    if saves is None:
+        if _is_tracing() or _functorch_active() or _dispatch_modes() or weight.is_cuda and _capture_underway():
+            return True  # (nothing to run a real call on, or one that would be recorded)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                w = torch.ones(2, device=weight.device, dtype=weight.dtype, requires_grad=True)
+                out = F.rms_norm(torch.ones(1, 2, device=weight.device, dtype=weight.dtype), (2,), w)
+                saved = _saved_storages([out.grad_fn])
+                saves = saved is None or out.grad_fn is None or w.untyped_storage().data_ptr() in saved
+        except Exception:
+            return True
+        _RMS_SAVES[key] = saves
+    return saves
 
 
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:

@@ -2538,6 +2538,36 @@ def test_a_frozen_member_updated_before_backward_passes_or_fails_as_unfused(inpu
             assert_close(a, b)
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_an_rms_norm_weight_stepped_before_backward_passes_or_fails_as_unfused(input_grad, device):
+    # Before: RMSNorm was taken to save its weight whatever requires grad, as CUDA's fused
+    # kernel does; the CPU's composite saves it for the input's gradient alone, so a weight
+    # stepped before backward on an input needing no gradient was refused fused and passed
+    # unfused (a GAN's discriminator stepped between the losses it takes part in).
+    torch.manual_seed(0)
+    heads = [nn.Sequential(nn.RMSNorm(8), nn.Linear(8, 4)).to(device) for _ in range(3)]
+    for h in heads:
+        nn.init.normal_(h[0].weight)
+    x = torch.randn(5, 8, device=device, requires_grad=input_grad)
+    outcomes = []
+    for fuse in (False, True):
+        block = Parallel(*copy.deepcopy(heads), fuse=fuse)
+        for h in block:
+            h[1].requires_grad_(False)  # (the Linear's weight, saved with the norm's output, is frozen)
+        loss = block(x).pow(2).mean()
+        if fuse:
+            assert fused_groups(block) == [["0", "1", "2"]]
+        with torch.no_grad():
+            block[1][0].weight.add_(1.0)
+        outcomes.append(_backward_or_refused(loss, block))
+    assert (outcomes[0] is None) == (outcomes[1] is None)
+    assert (outcomes[0] is None) == input_grad or device != "cpu"  # (CUDA's fused kernel refuses both)
+    if outcomes[0] is not None:
+        for a, b in zip(*outcomes, strict=True):
+            assert_close(a, b)
+
+
 @pytest.mark.parametrize("regroup", ["eval", "double", "deepcopy", "averaged"])
 def test_a_member_frozen_after_construction_survives_a_regrouping(regroup):
     # Before: freezing one member's layer worked until the branches were grouped anew (eval()
