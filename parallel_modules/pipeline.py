@@ -282,6 +282,49 @@ def _versions(output: Any) -> list[int | None]:
     return [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None for t in leaves]
 
 
+def _refuse_rewritten(outputs: list[Any], versions: list[list[int | None]]) -> None:
+    r"""Raise where a micro-batch's output was written after the micro-batch returned it (see
+    ``ParallelSequential._concat``; ``versions``: :func:`_versions` of each output as returned).
+
+    A stage that writes its output into a buffer it keeps and returns a view
+    of it (``self.buf[:n]``, an ``out=`` argument) returns a new view for each
+    micro-batch, all over the same memory: the next micro-batch overwrites
+    what the last returned before the outputs are joined. Views share their
+    base's version counter, so the write shows; where the later output lies
+    elsewhere in that memory, it is another micro-batch's own (views of the
+    input written in place: ``nn.ReLU(inplace=True)`` as the only stage).
+    (A tensor every micro-batch returned alike is judged in ``_concat``.)
+    """
+    flat = [[o] if isinstance(o, torch.Tensor) else pytree.tree_leaves(o) for o in outputs]
+    for m, (leaves, seen) in enumerate(zip(flat, versions)):
+        for i, (t, v) in enumerate(zip(leaves, seen)):
+            if (v is not None and isinstance(t, torch.Tensor) and t._version != v
+                    and not all(i < len(other) and other[i] is t for other in flat)
+                    and any(i < len(later) and _overlap(t, later[i]) for later in flat[m + 1:])):
+                raise TypeError(
+                    f"micro-batch {m}'s output (leaf {i}, {tuple(t.shape)}) was written after the stage returned "
+                    f"it, by a later micro-batch: the stage returns a view of memory it writes again at every "
+                    f"call (a buffer it keeps, an out= argument), so the micro-batches' outputs overwrite one "
+                    f"another. Return a new tensor from each call (e.g. .clone() it)")
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    r"""Whether tensors ``a`` and ``b`` may share memory: the spans of one storage they reach meet."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not a.numel() or not b.numel():
+        return False
+    if a.layout != torch.strided or b.layout != torch.strided:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.storage_offset() * t.element_size()
+        return start, start + (sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _signature_dims(input: Any) -> Hashable:
     r"""The numbers of dimensions of ``input``'s tensors, and its structure (which key holds which): what
     decides which dim a softmax layer reads."""
@@ -940,15 +983,20 @@ class ParallelSequential(nn.Sequential):
                    if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
 
-    def _concat(self, outputs: list[Any], pieces: list[Any], versions: list[int | None] | None = None) -> Any:
+    def _concat(self, outputs: list[Any], pieces: list[Any], versions: list[list[int | None]] | None = None
+                ) -> Any:
         r"""Join the micro-batch outputs of the last stage along dimension 0.
 
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
         passed on) is returned as it is, unless it was written again since the
-        first micro-batch returned it (``versions``: its leaves' then, see
-        :func:`_versions`), as an ``out=`` buffer is, which holds what the last
-        micro-batch wrote (a 0-dim total summed over the micro-batches is the
-        whole batch's: returned). Other tensors must be batched like the
+        first micro-batch returned it (``versions``: each micro-batch's output's
+        leaves' as it returned them, see :func:`_versions`), as an ``out=``
+        buffer is, which holds what the last micro-batch wrote (a 0-dim total
+        summed over the micro-batches is the whole batch's: returned). Nor is
+        a micro-batch's own tensor that a later micro-batch's output overlaps
+        and that was written since it returned it: a view of a buffer the stage
+        writes again for each micro-batch (see :func:`_refuse_rewritten`).
+        Other tensors must be batched like the
         micro-batches themselves: a value reduced over the batch (``x.mean(0)``)
         cannot be joined into the whole batch's. (Where such a value happens to
         have as many rows as every micro-batch has samples, it looks batched and
@@ -966,8 +1014,8 @@ class ParallelSequential(nn.Sequential):
 
         def shared(t: torch.Tensor, i: int) -> torch.Tensor:
             r"""``t``, leaf ``i`` of every micro-batch's output, unless written for each (see above)."""
-            if (versions is not None and i < len(versions) and versions[i] is not None
-                    and t._version != versions[i] and t.dim()):
+            if (versions is not None and i < len(versions[0]) and versions[0][i] is not None
+                    and t._version != versions[0][i] and t.dim()):
                 raise TypeError(
                     f"every micro-batch returned one tensor object (leaf {i} of the output, {tuple(t.shape)}), "
                     f"written again since micro-batch 0 returned it (an out= argument, a buffer updated in place "
@@ -982,6 +1030,8 @@ class ParallelSequential(nn.Sequential):
             return torch.cat(list(column), dim)
 
         try:
+            if versions is not None:
+                _refuse_rewritten(outputs, versions)
             stages = list(self._modules.values())
             layout = _hidden_layout(stages[-1], outputs) if stages else None
             if layout is not None and all(
@@ -1247,19 +1297,19 @@ class ParallelSequential(nn.Sequential):
             if copy_to is not None:
                 pieces = [_to_device(p, copy_to, non_blocking=False) for p in pieces]
             outputs = []
-            versions = None  # (a trace's tensors keep no versions to compare)
+            versions = None if tracing else []  # (a trace's tensors keep no versions to compare)
             for m, value in enumerate(pieces):
                 for s, (name, stage) in enumerate(stages):
                     value = self._call(s, name, stage, m, len(pieces), value)
-                if m == 0 and not tracing:
-                    versions = _versions(value)
+                if versions is not None:
+                    versions.append(_versions(value))
                 outputs.append(value)
             return self._concat(outputs, pieces, versions)
 
         target = copy_to if copy_to is not None else device
         assert target is not None
         ahead = copy_to is not None and _pinned(input)  # the copy lane issued whole, first
-        seen: list[list[int | None]] = []  # the first micro-batch's versions (see _concat)
+        seen: list[list[int | None]] = []  # each micro-batch's output's versions (see _concat)
         if target.index is not None and target.index != torch.cuda.current_device():
             with torch.cuda.device(target):
                 outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen)
@@ -1273,7 +1323,7 @@ class ParallelSequential(nn.Sequential):
             # (``x.to("cpu", non_blocking=True)``): the host would concatenate pieces the
             # lanes' copies have yet to write. The caller's stream has joined every lane.
             torch.cuda.current_stream(target).synchronize()
-        return self._concat(outputs, pieces, seen[0] if seen else None)
+        return self._concat(outputs, pieces, seen if len(seen) == len(outputs) else None)
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
         try:
@@ -1289,7 +1339,7 @@ class ParallelSequential(nn.Sequential):
     ) -> list[Any] | _Gather:
         r"""Run every piece of ``input`` through every lane on the side streams.
 
-        ``seen`` receives the versions of the first piece's output (see :meth:`_concat`).
+        ``seen`` receives the versions of each piece's output, in order (see :meth:`_concat`).
 
         Returns the outputs per piece, or, where the last lane concatenated
         them as they came (:class:`_Gather`), the concatenation.
@@ -1387,8 +1437,8 @@ class ParallelSequential(nn.Sequential):
                 _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
                 return
             values[m] = lanes[lane](m, values[m])
-            if m == 0 and seen is not None:
-                seen.append(_versions(values[0]))
+            if seen is not None:
+                seen.append(_versions(values[m]))
             if gather is not None and gather.add(m, values[m]):
                 # In its place in the result: let the piece go now. Its memory is
                 # reused sooner, and a graphed last stage (host input) sees its

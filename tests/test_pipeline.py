@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import warnings
@@ -791,6 +792,41 @@ def test_one_tensor_written_again_for_each_micro_batch_is_refused(batch, wrap) -
     # for as many rows as a micro-batch), is refused.
     with pytest.raises(ValueError, match=r"leaf 1 of the output, \(16, 4\)\), written again since micro-batch 0"):
         ParallelSequential(nn.Identity(), _PartlyWritten(), chunks=2)(torch.randn(10, 4))
+
+
+class _ViewOfBuffer(nn.Module):
+    r"""Writes each call's result into the first rows of one buffer it keeps, and returns a new view of them."""
+
+    def __init__(self, rows: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("buf", torch.zeros(rows, 3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.buf[:x.shape[0]].copy_(self.lin(x))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("grad", [False, True])
+def test_views_of_one_buffer_written_again_for_each_micro_batch_are_refused(device, grad) -> None:
+    # Before (a CPU hunt): a new view for each micro-batch was taken for its own output and
+    # concatenated after the next micro-batch had overwritten it: micro-batch 0's rows held
+    # micro-batch 1's values, silently.
+    model = ParallelSequential(nn.Identity(), _ViewOfBuffer(), chunks=2).to(device)
+    x = torch.randn(6, 4, device=device)
+    with torch.set_grad_enabled(grad), torch.no_grad() if not grad else contextlib.nullcontext(), pytest.raises(
+            ValueError, match=r"(?s)cannot concatenate the outputs of the last stage '1'.*micro-batch 0's output "
+                              r"\(leaf 0, \(3, 3\)\) was written after the stage returned it, by a later "
+                              r"micro-batch.*clone"):
+        model(x)
+    # With chunks=1 it is the plain module's (and the module still works).
+    model.chunks = 1
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model[1].lin(x), rtol=0, atol=0)
+    # Views of the input written in place, each micro-batch's own rows, are each micro-batch's.
+    relu = ParallelSequential(nn.ReLU(inplace=True), chunks=3).to(device)
+    with torch.no_grad():
+        assert torch.equal(relu(x.clone()), x.relu())
 
 
 class _PartlyWritten(nn.Module):
