@@ -852,8 +852,21 @@ class Parallel(nn.Module):
         # Run the members as ordinary branches: if they fail too, the input is at
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
-        outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
-        if isinstance(failure, _UnbatchedNow) or _out_of_memory(failure):
+        passing = isinstance(failure, _UnbatchedNow) or _out_of_memory(failure)
+        # With fuse=True the call raises whatever they do: a trial, whose updates of the
+        # members' buffers (a count of calls, running statistics) are put back.
+        trial = None
+        if self.fuse is True and not passing and not tracing:
+            with torch.no_grad():
+                trial = [(b, b.clone()) for name in names for b in self._modules[name].buffers()]
+        try:
+            outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
+        finally:
+            if trial:
+                with torch.no_grad():
+                    for b, saved in trial:
+                        b.copy_(saved)
+        if passing:
             # (This call only: the group is not at fault. Batched, the members' activations
             # are held at once, one after another each in turn: a large batch may fit only
             # unfused, and an allocation failure of the members too raises as it is.)

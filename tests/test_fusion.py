@@ -985,6 +985,37 @@ def test_vmap_failure_disables_group_once_and_says_why():
     assert_close(Parallel(*forced, fuse="auto")(x), reference(forced, x))
 
 
+class _CountedBranchy(nn.Module):
+    r"""Counts its calls in a buffer, then branches on its data (which vmap cannot batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        y = self.lin(x)
+        return y * 2 if y.sum() > 0 else y
+
+
+def test_fuse_true_refusing_a_group_leaves_the_members_buffers_as_they_were():
+    # Before (a CPU hunt): the members ran unfused once, to tell a fault of the input's
+    # from the group's, before the call raised: each refused call counted as a call.
+    block = Parallel(*[_CountedBranchy() for _ in range(3)], fuse=True)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="fuse=True, but branches"):
+            block(x)
+        assert [b.calls.item() for b in block] == [0.0, 0.0, 0.0]
+    block.fuse = "auto"  # (and the block still works, its buffers counting its calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block(x)
+        block(x)
+    assert [b.calls.item() for b in block] == [2.0, 2.0, 2.0]
+
+
 # ------------------------------------------------------------------ errors
 def test_fuse_true_names_the_differing_branch():
     with pytest.raises(ValueError) as e:
