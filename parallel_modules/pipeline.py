@@ -1325,6 +1325,31 @@ class ParallelSequential(nn.Sequential):
             torch.cuda.current_stream(target).synchronize()
         return self._concat(outputs, pieces, seen if len(seen) == len(outputs) else None)
 
+    def _handed(self, before: tuple[list, list] | None, value: Any, s: int, m: int) -> tuple[list, list]:
+        r"""Refuse stage ``s``'s output for piece ``m`` where it overwrote its output for piece ``m - 1``
+        (``before``: that output's tensors and their versions then), which the next stage may still
+        be reading on its own stream; return ``value``'s tensors and versions.
+
+        A stage that writes into a buffer it keeps and returns (a view of) it
+        works one micro-batch at a time, but not pipelined: the next stage
+        reads the buffer while this one writes the next piece into it. (Its
+        outputs' versions show the write: views share their base's.)
+        """
+        leaves = [value] if isinstance(value, torch.Tensor) else pytree.tree_leaves(value)
+        versions = _versions(value)
+        if before is not None:
+            for t, v in zip(*before):
+                if (v is not None and isinstance(t, torch.Tensor) and t._version != v
+                        and any(_overlap(t, u) for u in leaves)):
+                    name = list(self._modules)[s]
+                    raise RuntimeError(
+                        f"{type(self).__name__}: stage {name!r} (index {s}) wrote its output for micro-batch "
+                        f"{m} into the memory of its output for micro-batch {m - 1} ({tuple(t.shape)}), "
+                        f"which the next stage reads on its own CUDA stream at the same time: the stage "
+                        f"returns memory it keeps and writes again at every call (a buffer, an out= "
+                        f"argument). Return a new tensor from each call (e.g. .clone() it), or use chunks=1.")
+        return leaves, versions
+
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
         try:
             return stage(value)
@@ -1399,6 +1424,8 @@ class ParallelSequential(nn.Sequential):
         # The first slot of the blocks nested in each lane's stage (see _DevicePool.offset):
         # above those of the lanes issued before, the same for every piece of the lane.
         nested: list[int | None] = [None] * n_lanes
+        # What each lane handed the next for its last piece, and its versions (see _handed).
+        handed: list[tuple[list, list] | None] = [None] * n_lanes
 
         def issue(lane: int, m: int) -> None:
             r"""Enqueue lane ``lane``'s work on piece ``m`` on the lane's stream."""
@@ -1435,6 +1462,8 @@ class ParallelSequential(nn.Sequential):
                 finally:
                     _graph_state.crossing = crossing
                 _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
+                if count > 1 and lane >= copy:  # (a copy lane's outputs are new)
+                    handed[lane] = self._handed(handed[lane], values[m], lane - copy, m)
                 return
             values[m] = lanes[lane](m, values[m])
             if seen is not None:

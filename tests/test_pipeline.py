@@ -829,6 +829,26 @@ def test_views_of_one_buffer_written_again_for_each_micro_batch_are_refused(devi
         assert torch.equal(relu(x.clone()), x.relu())
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_a_stage_handing_on_views_of_one_buffer_is_refused_where_pipelined(device) -> None:
+    # The same stage before another: on the CPU the micro-batches run one after another and each
+    # is read before the next is written; on CUDA the next stage reads micro-batch m on its
+    # stream while this one writes micro-batch m + 1 into the same memory on its own.
+    torch.manual_seed(0)
+    model = ParallelSequential(_ViewOfBuffer(), nn.Linear(3, 2), chunks=2).to(device)
+    x = torch.randn(6, 4, device=device)
+    with torch.no_grad():
+        expected = model[1](model[0].lin(x))
+        if device == "cpu":
+            torch.testing.assert_close(model(x), expected)
+            return
+        with pytest.raises(RuntimeError, match=r"(?s)ParallelSequential: stage '0' \(index 0\) wrote its output for "
+                                               r"micro-batch 1 into the memory of its output for micro-batch 0.*clone"):
+            model(x)
+        model.chunks = 1  # (and the module still works)
+        torch.testing.assert_close(model(x), expected)
+
+
 class _PartlyWritten(nn.Module):
     def __init__(self) -> None:
         super().__init__()
