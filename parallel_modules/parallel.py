@@ -539,6 +539,40 @@ class Parallel(nn.Module):
             self.append(m)
         return self
 
+    def __iadd__(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> "Parallel":
+        return self.extend(modules)
+
+    def insert(self, index: int, module: nn.Module | Callable[..., Any]) -> "Parallel":
+        r"""Insert a branch before position ``index`` (as :meth:`nn.ModuleList.insert`); returns ``self``.
+
+        The branches after it move up by one, so they must be named by their
+        position, ``"0"``, ``"1"``, ... (not names given in an ``OrderedDict``
+        or kept through a slice of named branches).
+        """
+        owner, n = type(self).__name__, len(self._modules)
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}")
+        if not -n <= index <= n:
+            raise IndexError(f"{owner}: insert index {index} is out of range for {n} branches "
+                             f"(expected {-n} <= index <= {n})")
+        if list(self._modules) != [str(i) for i in range(n)]:
+            raise ValueError(f"{owner}: insert numbers the branches by position and needs them named "
+                             f"'0'..'{n - 1}', got {list(self._modules)} (given in an OrderedDict). Build a new "
+                             f"one with the branches in the order you want.")
+        index = index + n if index < 0 else index
+        branch = _own_mode(self, _as_branch(owner, str(index), module), module)
+        branches = list(self._modules.values())
+        branches.insert(index, branch)
+        self._modules = OrderedDict((str(i), m) for i, m in enumerate(branches))
+        self._reset()
+        return self
+
+    def pop(self, idx: int | slice) -> "nn.Module | Parallel":
+        r"""Remove the branch (or the slice of branches) at ``idx`` and return it, as :meth:`nn.ModuleList.pop`."""
+        value = self[idx]
+        del self[idx]
+        return value
+
     def extra_repr(self) -> str:
         join = getattr(self.join, "__qualname__", None) or repr(self.join)
         text = f"join={join}, dim={self.dim}, streams={self.streams!r}"

@@ -234,6 +234,43 @@ def test_append_and_extend_return_self():
     assert_same(p(x), torch.cat([a(x), b(x), torch.relu(x), c(x)], 1))
 
 
+@pytest.mark.parametrize("fuse", [False, "auto"])
+def test_insert_pop_and_iadd_behave_as_module_lists_do(fuse):
+    # Before (a CPU hunt): Parallel had append and extend but not nn.ModuleList's insert,
+    # pop and +=.
+    torch.manual_seed(0)
+    bs = [nn.Linear(4, 4) for _ in range(5)]
+    p, ref = Parallel(*bs[:2], fuse=fuse), nn.ModuleList(bs[:2])
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        p(x), p(x)  # (schedules and fused groups made before the changes)
+        for i, (index, module) in enumerate([(1, bs[2]), (-1, bs[3]), (0, bs[4])]):
+            assert p.insert(index, module) is p
+            ref.insert(index if index >= 0 else index + len(ref), module)
+            assert list(p) == list(ref) and list(p.state_dict()) == list(ref.state_dict())
+            assert_same(p(x), torch.cat([m(x) for m in ref], 1))
+        assert p.pop(1) is ref.pop(1)
+        assert list(p) == list(ref) and keys(p) == ["0", "1", "2", "3"]
+        assert_same(p(x), torch.cat([m(x) for m in ref], 1))
+        popped = p.pop(slice(0, 2))
+        assert isinstance(popped, Parallel) and list(popped) == list(ref[:2]) and list(p) == list(ref[2:])
+        more = [nn.Linear(4, 4), nn.Linear(4, 4)]
+        p += nn.Sequential(*more)
+        assert list(p) == [*ref[2:], *more] and keys(p) == ["0", "1", "2", "3"]
+        assert_same(p(x), torch.cat([m(x) for m in p], 1))
+    with pytest.raises(IndexError, match=r"insert index 9 is out of range for 4 branches"):
+        p.insert(9, nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"cannot be a branch|not a Module|callable"):
+        p.insert(0, 3)
+    assert len(p) == 4  # (refused, left as it was)
+    named = Parallel(OrderedDict(a=bs[0], b=bs[1]), join="dict")
+    with pytest.raises(ValueError, match=r"insert numbers the branches by position.*\['a', 'b'\]"):
+        named.insert(0, bs[2])
+    assert keys(named) == ["a", "b"]
+    with pytest.raises(ValueError, match="cannot delete every branch"):
+        Parallel(bs[0]).pop(0)
+
+
 def test_setitem_replaces_branch():
     a, b, c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
     p = Parallel(a, b, join="sum")
