@@ -73,6 +73,8 @@ class _Plan(NamedTuple):
     tied: frozenset[int]
     # Whether the softmax check is kept inside the softmax layers (see _SoftmaxDims.inside).
     scoped: bool
+    # The batch-first sequence layers among ``others`` (see _unbatched_refused).
+    sequences: tuple[tuple[int, str, nn.Module], ...] = ()
 
 
 # This thread's CUDA events, per device (an event may only be recorded on
@@ -346,6 +348,45 @@ def _batch_size(piece: Any) -> int | None:
     return next((t.shape[0] for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
+# Layers that read a batch-first 3-D input, or a 2-D one as a single unbatched sequence.
+_SEQUENCE_LAYERS = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                    nn.Transformer)
+
+
+@contextlib.contextmanager
+def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]]
+                       ) -> Iterator[None]:
+    r"""Refuse, while active (a pipeline's first call of an input signature), a sequence layer given an unbatched input.
+
+    A batch-first layer (``batch_first=False`` ones are refused whatever they
+    get: see ``_mixing_error``) reads a 2-D input as one sequence, its rows the
+    steps: micro-batches along dimension 0 would cut the sequence. Seen only
+    when the layer gets its input, by a pre-hook on this thread's calls.
+    """
+    thread = threading.get_ident()
+    where = {id(m): (i, qual) for i, qual, m in layers}
+
+    def check(m: nn.Module, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() != thread:
+            return
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(first, torch.Tensor) and first.dim() == 2:
+            i, qual = where[id(m)]
+            raise RuntimeError(
+                f"{type(owner).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
+                f"({type(m).__name__}, batch_first=True), given a 2-D input {tuple(first.shape)} (of a "
+                f"micro-batch): it reads one unbatched sequence, its rows the steps, which chunks={owner._chunks} "
+                f"cuts along dimension 0 into shorter sequences, and the result would differ from running the whole batch. Give it "
+                f"batched 3-D inputs (batch, sequence, features), or use chunks=1.")
+
+    handles = [m.register_forward_pre_hook(check, with_kwargs=True) for m in {id(m): m for _, _, m in layers}.values()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _batch_second(m: nn.Module) -> bool:
     r"""Whether ``m`` takes its batch along dimension 1 (``batch_first=False``): split along dimension 0, its input is split along its sequence."""
     return (isinstance(m, (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
@@ -614,7 +655,8 @@ class ParallelSequential(nn.Sequential):
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""
         self._plan: _Plan | None = None
         self._home: Any = _UNKNOWN
-        # Input dims and modes seen by softmax layers (see _SoftmaxDims).
+        # Input dims and modes seen by softmax layers (see _SoftmaxDims) and by sequence
+        # layers (see _unbatched_refused).
         self._softmax_checked: set[Hashable] = set()
         # Each stage's graphs for host inputs (``_stage_graphs``), by stage name.
         self._per_stage: dict[str, _CudaGraphs] = {}
@@ -746,7 +788,8 @@ class ParallelSequential(nn.Sequential):
         scoped = any(isinstance(m, _FAST_PATHS) for m in modules) and not any(
             isinstance(m, (Parallel, ParallelSequential)) or isinstance(getattr(m, "_orig_mod", None), nn.Module)
             for m in modules)
-        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped)
+        sequences = tuple(item for item in others if isinstance(item[2], _SEQUENCE_LAYERS))
+        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences)
 
     def _get_plan(self) -> _Plan:
         # (A compiler's trace makes its own: it would record the assignments as side effects
@@ -1179,32 +1222,48 @@ class ParallelSequential(nn.Sequential):
         if self._chunks > 1:
             plan = self._get_plan()
             # (A declared ``mixes_batch`` decides, as in _mixing_error.)
-            layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
-                      and (_softmax_dim(m) is None or _softmax_dim(m) < 0) and getattr(m, "mixes_batch", None) is None]
-            if layers:
-                # (The mode too: a stage may take another path in eval, logits in training and
-                # probabilities in eval.)
-                # (Every module's mode: a stage switched to eval alone may reach a layer it skipped.)
-                key = (_signature_dims(input), tuple([m.training for m in self.modules()]),
-                       tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
-                tracing = _is_tracing()
-                # (Under torch.func transforms the stages run on the whole input: see _forward.)
-                if tracing or key not in self._softmax_checked and not _functorch_active():
-                    smallest, batch = None, None
-                    if not (tracing and _symbolic_batch(input)):
-                        batch = _batch_size(input) or 0
-                        smallest = max(batch // self._chunks, 1)
-                    check = _SoftmaxDims(self, plan, layers, smallest)
-                    # A compiler traces the mode (which puts nothing in its graph) and would trace
-                    # hooks as side effects. Stages compiled with compile= run uncompiled under it:
-                    # compiled code guards on the mode, and would compile again for the next call.
-                    with check.inside() if plan.scoped and not tracing and self._compiler is None else check:
-                        output = self._forward(input, uncompiled=not tracing and self._compiler is not None)
-                    # (each trace checks: a tracer would record the add as a side effect. An empty
-                    # batch has no rows for the check to see: the next call of the signature checks.)
-                    if not tracing and batch:
+            sequences = [(i, q, m) for i, q, m in plan.sequences if getattr(m, "mixes_batch", None) is None]
+            if sequences and self._compiler is None and not _is_tracing() and not _functorch_active():
+                # (Eagerly: a compiler would trace the hooks as side effects.)
+                key = ("sequences", _signature_dims(input), tuple([m.training for m in self.modules()]),
+                       tuple(id(m) for _, _, m in sequences))
+                if key not in self._softmax_checked:
+                    with _unbatched_refused(self, plan, sequences):
+                        output = self._checked(plan, input)
+                    if _batch_size(input):  # (an empty batch: the next call of the signature checks)
                         self._softmax_checked.add(key)
                     return output
+            return self._checked(plan, input)
+        return self._forward(input)
+
+    def _checked(self, plan: _Plan, input: Any) -> Any:
+        r"""``_forward(input)`` in micro-batches, the first call of an input signature under the softmax check."""
+        layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
+                  and (_softmax_dim(m) is None or _softmax_dim(m) < 0) and getattr(m, "mixes_batch", None) is None]
+        if layers:
+            # (The mode too: a stage may take another path in eval, logits in training and
+            # probabilities in eval.)
+            # (Every module's mode: a stage switched to eval alone may reach a layer it skipped.)
+            key = (_signature_dims(input), tuple([m.training for m in self.modules()]),
+                   tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
+            tracing = _is_tracing()
+            # (Under torch.func transforms the stages run on the whole input: see _forward.)
+            if tracing or key not in self._softmax_checked and not _functorch_active():
+                smallest, batch = None, None
+                if not (tracing and _symbolic_batch(input)):
+                    batch = _batch_size(input) or 0
+                    smallest = max(batch // self._chunks, 1)
+                check = _SoftmaxDims(self, plan, layers, smallest)
+                # A compiler traces the mode (which puts nothing in its graph) and would trace
+                # hooks as side effects. Stages compiled with compile= run uncompiled under it:
+                # compiled code guards on the mode, and would compile again for the next call.
+                with check.inside() if plan.scoped and not tracing and self._compiler is None else check:
+                    output = self._forward(input, uncompiled=not tracing and self._compiler is not None)
+                # (each trace checks: a tracer would record the add as a side effect. An empty
+                # batch has no rows for the check to see: the next call of the signature checks.)
+                if not tracing and batch:
+                    self._softmax_checked.add(key)
+                return output
         return self._forward(input)
 
     def _in_order(self, calls: Any, input: Any) -> Any:

@@ -570,6 +570,17 @@ def test_batch_second_modules_refused_with_chunks(module: str) -> None:
     model = ParallelSequential(nn.Identity(), First(make(True)).eval(), chunks=2)
     with torch.no_grad():
         assert torch.allclose(model(x), nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
+        # Before (a CPU hunt): a batch-first layer given 2-D inputs reads one unbatched sequence,
+        # which micro-batches cut: silently off (0.2 for a GRU), where a last stage returning
+        # such a layer's hidden states was refused.
+        model = ParallelSequential(First(make(True)).eval(), nn.Linear(4, 2), chunks=2)
+        with pytest.raises(RuntimeError, match=r"(?s)stage '0' \(index 0\) contains '0\.inner(\.self_attn)?' "
+                                               r"\(\w+, batch_first=True\), given a 2-D input \(3, 4\).*unbatched "
+                                               r"sequence.*chunks=1"):
+            model(x[:, 0])
+        assert torch.allclose(model(x), nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)  # (and it still works)
+        model.chunks = 1
+        assert torch.allclose(model(x[:, 0]), nn.Sequential(*model)(x[:, 0]), rtol=RTOL, atol=ATOL)
 
 
 def test_in_place_first_operation_under_autograd() -> None:
@@ -1163,6 +1174,11 @@ def test_the_first_call_checking_softmax_dims_equals_every_later_call() -> None:
     assert torch.equal(first, expected) and torch.equal(second, expected)
     # The check itself still runs on the first call of a signature, and names the layer: an
     # unbatched (2-D) input reaches the softmax as (rows, features), normalized across the rows.
+    # (The encoder, given it first, is refused first: it reads it as one sequence.)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"contains '0' \(TransformerEncoderLayer, "
+                                                            r"batch_first=True\), given a 2-D input"):
+        model(torch.randn(8, 16))
+    encoder.mixes_batch = encoder.self_attn.mixes_batch = False
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"contains '1.1' \(Softmax\(dim=-2\)\).*dimension 0"):
         model(torch.randn(8, 16))
 
@@ -1229,7 +1245,13 @@ def test_a_recurrent_last_stage_joins_its_hidden_states_along_their_batch_dim(ma
     expected = nn.Sequential(rnn)(x)
     got = ParallelSequential(nn.Identity(), rnn, chunks=chunks)(x)
     torch.testing.assert_close(got, expected)
-    # Unbatched, a 2-D input would be cut along its sequence: refused.
+    # Unbatched, a 2-D input would be cut along its sequence: refused where the layer gets it,
+    # and, that check waived, where its hidden states are joined.
+    with pytest.raises(RuntimeError, match=r"contains '1(\.1)?' \((LSTM|GRU|RNN), batch_first=True\), given a 2-D"):
+        ParallelSequential(nn.Identity(), rnn, chunks=2)(torch.randn(6, 3))
+    for m in rnn.modules():
+        if isinstance(m, nn.RNNBase):
+            m.mixes_batch = False
     with pytest.raises(ValueError, match="(?s)cannot concatenate.*without a batch dimension"):
         ParallelSequential(nn.Identity(), rnn, chunks=2)(torch.randn(6, 3))
 
