@@ -73,7 +73,8 @@ class _Plan(NamedTuple):
     tied: frozenset[int]
     # Whether the softmax check is kept inside the softmax layers (see _SoftmaxDims.inside).
     scoped: bool
-    # The batch-first sequence layers among ``others`` (see _unbatched_refused).
+    # The batch-first sequence layers among ``others`` (see _unbatched_refused), where
+    # nothing in the stages reads hooks.
     sequences: tuple[tuple[int, str, nn.Module], ...] = ()
 
 
@@ -785,10 +786,10 @@ class ParallelSequential(nn.Sequential):
         # Hooks where a mode over the whole call would change a result (fast paths), and
         # where nothing below reads hooks: blocks of this library (fusion, graphs) and
         # compiled modules (dynamo would trace them) take hooks for the user's own.
-        scoped = any(isinstance(m, _FAST_PATHS) for m in modules) and not any(
-            isinstance(m, (Parallel, ParallelSequential)) or isinstance(getattr(m, "_orig_mod", None), nn.Module)
-            for m in modules)
-        sequences = tuple(item for item in others if isinstance(item[2], _SEQUENCE_LAYERS))
+        hooks_read = any(isinstance(m, (Parallel, ParallelSequential)) or isinstance(getattr(m, "_orig_mod", None),
+                                                                                     nn.Module) for m in modules)
+        scoped = any(isinstance(m, _FAST_PATHS) for m in modules) and not hooks_read
+        sequences = () if hooks_read else tuple(item for item in others if isinstance(item[2], _SEQUENCE_LAYERS))
         return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences)
 
     def _get_plan(self) -> _Plan:
