@@ -1069,8 +1069,11 @@ class ParallelSequential(nn.Sequential):
 
         def batched(column: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
             if any(t.dim() <= dim or t.shape[dim] != n for t, n in zip(column, sizes)):
-                raise TypeError(f"tensors not batched like the micro-batches (of {sizes} samples)"
-                                + (f" along dimension {dim}" if dim else ""))
+                rows = [t.shape[dim] if t.dim() > dim else None for t in column]
+                raise TypeError(f"tensors not batched like the micro-batches: {rows} rows along dimension {dim} "
+                                f"for micro-batches of {sizes} samples, where one row per sample is expected (a "
+                                f"reduction over the batch, or a reshape folding another dimension into the "
+                                f"batch's, cannot be joined into the whole batch's)")
             return torch.cat(list(column), dim)
 
         try:
@@ -1129,8 +1132,8 @@ class ParallelSequential(nn.Sequential):
             raise (RuntimeError if isinstance(e, RuntimeError) else ValueError)(
                 f"{type(self).__name__}: cannot concatenate the outputs of the last stage "
                 f"{names[-1]!r} (index {len(names) - 1}) along dimension 0 over {len(outputs)} "
-                f"micro-batches; expected tensors (or one structure of tensors) batched along "
-                f"dimension 0 that agree in every other dimension, got:\n{listing}\n"
+                f"micro-batches; expected tensors (or one structure of tensors) with one row per "
+                f"sample along dimension 0 that agree in every other dimension, got:\n{listing}\n"
                 f"Make the last stage return per-sample outputs, or use chunks=1. "
                 f"({type(e).__name__}: {e})"
             ) from e

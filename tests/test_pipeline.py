@@ -860,6 +860,18 @@ def test_a_stage_handing_on_views_of_one_buffer_is_refused_where_pipelined(devic
         torch.testing.assert_close(model(x), expected)
 
 
+def test_a_last_stage_folding_another_dimension_into_the_batch_is_refused_saying_so() -> None:
+    # Before (a CPU hunt): refused with "expected tensors batched along dimension 0 that agree in
+    # every other dimension", which the (15, 8) outputs listed under it seemed to be. (Joined,
+    # a fold that puts the batch anywhere but first would interleave the micro-batches' rows.)
+    model = ParallelSequential(nn.Sequential(nn.Linear(4, 8), nn.Flatten(0, 1)), chunks=2)
+    with pytest.raises(ValueError, match=r"(?s)one row per sample along dimension 0.*\[15, 15\] rows along "
+                                         r"dimension 0 for micro-batches of \[3, 3\] samples"):
+        model(torch.randn(6, 5, 4))
+    model.chunks = 1
+    assert model(torch.randn(6, 5, 4)).shape == (30, 8)
+
+
 class _PartlyWritten(nn.Module):
     def __init__(self) -> None:
         super().__init__()
