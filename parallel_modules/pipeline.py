@@ -315,8 +315,8 @@ def _overlap(a: Any, b: Any) -> bool:
     r"""Whether tensors ``a`` and ``b`` may share memory: the spans of one storage they reach meet."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not a.numel() or not b.numel():
         return False
-    if a.layout != torch.strided or b.layout != torch.strided:
-        return False
+    if a.layout != torch.strided or b.layout != torch.strided or a.is_nested or b.is_nested:
+        return False  # (no plain memory span to speak of)
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
 
