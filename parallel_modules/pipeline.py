@@ -76,6 +76,8 @@ class _Plan(NamedTuple):
     # The batch-first sequence layers among ``others`` (see _unbatched_refused), where
     # nothing in the stages reads hooks.
     sequences: tuple[tuple[int, str, nn.Module], ...] = ()
+    # Every module of the stages (see ParallelSequential._modes).
+    modules: tuple[nn.Module, ...] = ()
 
 
 # This thread's CUDA events, per device (an event may only be recorded on
@@ -276,34 +278,52 @@ class _SoftmaxDims(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _versions(output: Any) -> list[int | None]:
-    r"""The version of each leaf of a micro-batch's output, as it was returned (see ``ParallelSequential._concat``).
+class _Returned(NamedTuple):
+    r"""A value's tensors (its pytree leaves) and their versions, as a stage returned it (see :func:`_returned`)."""
+
+    leaves: list[Any]
+    versions: list[int | None]
+
+
+def _returned(output: Any) -> _Returned:
+    r"""``output``'s leaves and the version of each, as a stage returned it (see ``ParallelSequential._concat``).
 
     ``None`` for a leaf that is no tensor, or an inference tensor, which keeps no version.
     """
     leaves = [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
-    return [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None for t in leaves]
+    return _Returned(leaves, [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None
+                              for t in leaves])
 
 
-def _refuse_rewritten(outputs: list[Any], versions: list[list[int | None]]) -> None:
+def _rewritten(returned: _Returned) -> list[int]:
+    r"""The leaves of ``returned`` written in place since (their versions moved)."""
+    return [i for i, (t, v) in enumerate(zip(*returned)) if v is not None and t._version != v]
+
+
+def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
     r"""Raise where a micro-batch's output was written after the micro-batch returned it (see
-    ``ParallelSequential._concat``; ``versions``: :func:`_versions` of each output as returned).
+    ``ParallelSequential._concat``; ``returned``: :func:`_returned` of each output as returned).
 
     A stage that writes its output into a buffer it keeps and returns a view
     of it (``self.buf[:n]``, an ``out=`` argument) returns a new view for each
     micro-batch, all over the same memory: the next micro-batch overwrites
     what the last returned before the outputs are joined. Views share their
-    base's version counter, so the write shows; where the later output lies
-    elsewhere in that memory, it is another micro-batch's own (views of the
-    input written in place: ``nn.ReLU(inplace=True)`` as the only stage).
+    base's version counter, so the write shows. Where the later output lies
+    elsewhere in that memory, or in the memory of the input (``pieces``,
+    views of it: ``nn.ReLU(inplace=True)`` as the only stage, whose pieces
+    of a transposed input interleave), it is another micro-batch's own.
     (A tensor every micro-batch returned alike is judged in ``_concat``.)
     """
-    flat = [[o] if isinstance(o, torch.Tensor) else pytree.tree_leaves(o) for o in outputs]
-    for m, (leaves, seen) in enumerate(zip(flat, versions)):
-        for i, (t, v) in enumerate(zip(leaves, seen)):
-            if (v is not None and isinstance(t, torch.Tensor) and t._version != v
-                    and not all(i < len(other) and other[i] is t for other in flat)
-                    and any(i < len(later) and _overlap(t, later[i]) for later in flat[m + 1:])):
+    flat = [r.leaves for r in returned]
+    inputs = None
+    for m, r in enumerate(returned):
+        for i in _rewritten(r):
+            t = r.leaves[i]
+            if all(i < len(other) and other[i] is t for other in flat):
+                continue
+            if inputs is None:
+                inputs = _storages(pieces)
+            if _storage(t) not in inputs and any(i < len(later) and _overlap(t, later[i]) for later in flat[m + 1:]):
                 raise TypeError(
                     f"micro-batch {m}'s output (leaf {i}, {tuple(t.shape)}) was written after the stage returned "
                     f"it, by a later micro-batch: the stage returns a view of memory it writes again at every "
@@ -311,13 +331,27 @@ def _refuse_rewritten(outputs: list[Any], versions: list[list[int | None]]) -> N
                     f"another. Return a new tensor from each call (e.g. .clone() it)")
 
 
+def _storage(t: Any) -> int | None:
+    r"""Where ``t``'s memory starts; ``None`` where it has no plain memory (a wrapper subclass, a nested tensor)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _storages(value: Any) -> set[int | None]:
+    r"""The memory of ``value``'s tensors (see :func:`_storage`)."""
+    return {_storage(t) for t in pytree.tree_leaves(value)} - {None}
+
+
 def _overlap(a: Any, b: Any) -> bool:
     r"""Whether tensors ``a`` and ``b`` may share memory: the spans of one storage they reach meet."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not a.numel() or not b.numel():
         return False
-    if a.layout != torch.strided or b.layout != torch.strided or a.is_nested or b.is_nested:
-        return False  # (no plain memory span to speak of)
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    where = _storage(a)
+    if where is None or where != _storage(b):
         return False
 
     def span(t: torch.Tensor) -> tuple[int, int]:
@@ -355,23 +389,26 @@ _SEQUENCE_LAYERS = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLaye
 
 
 @contextlib.contextmanager
-def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]]
-                       ) -> Iterator[None]:
+def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]],
+                       batch: int) -> Iterator[None]:
     r"""Refuse, while active (a pipeline's first call of an input signature), a sequence layer given an unbatched input.
 
     A batch-first layer (``batch_first=False`` ones are refused whatever they
     get: see ``_mixing_error``) reads a 2-D input as one sequence, its rows the
     steps: micro-batches along dimension 0 would cut the sequence. Seen only
-    when the layer gets its input, by a pre-hook on this thread's calls.
+    when the layer gets its input, by a pre-hook on this thread's calls; only
+    an input with a micro-batch's rows (of the ``batch`` samples), which is
+    one: a stage may well call the layer on each sample's own sequence.
     """
     thread = threading.get_ident()
+    rows = {batch // owner._chunks + (batch % owner._chunks > 0), batch // owner._chunks}
     where = {id(m): (i, qual) for i, qual, m in layers}
 
     def check(m: nn.Module, args: tuple, kwargs: dict) -> None:
         if threading.get_ident() != thread:
             return
         first = args[0] if args else next(iter(kwargs.values()), None)
-        if isinstance(first, torch.Tensor) and first.dim() == 2:
+        if isinstance(first, torch.Tensor) and first.dim() == 2 and first.shape[0] in rows:
             i, qual = where[id(m)]
             raise RuntimeError(
                 f"{type(owner).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
@@ -790,7 +827,8 @@ class ParallelSequential(nn.Sequential):
                                                                                      nn.Module) for m in modules)
         scoped = any(isinstance(m, _FAST_PATHS) for m in modules) and not hooks_read
         sequences = () if hooks_read else tuple(item for item in others if isinstance(item[2], _SEQUENCE_LAYERS))
-        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences)
+        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences,
+                     tuple({id(m): m for m in modules}.values()))
 
     def _get_plan(self) -> _Plan:
         # (A compiler's trace makes its own: it would record the assignments as side effects
@@ -1027,14 +1065,13 @@ class ParallelSequential(nn.Sequential):
                    if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
 
-    def _concat(self, outputs: list[Any], pieces: list[Any], versions: list[list[int | None]] | None = None
-                ) -> Any:
+    def _concat(self, outputs: list[Any], pieces: list[Any], returned: list[_Returned] | None = None) -> Any:
         r"""Join the micro-batch outputs of the last stage along dimension 0.
 
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
         passed on) is returned as it is, unless it was written again since the
-        first micro-batch returned it (``versions``: each micro-batch's output's
-        leaves' as it returned them, see :func:`_versions`), as an ``out=``
+        first micro-batch returned it (``returned``: each micro-batch's output's
+        leaves and versions as it returned them, see :func:`_returned`), as an ``out=``
         buffer is, which holds what the last micro-batch wrote (a 0-dim total
         summed over the micro-batches is the whole batch's: returned). Nor is
         a micro-batch's own tensor that a later micro-batch's output overlaps
@@ -1058,8 +1095,8 @@ class ParallelSequential(nn.Sequential):
 
         def shared(t: torch.Tensor, i: int) -> torch.Tensor:
             r"""``t``, leaf ``i`` of every micro-batch's output, unless written for each (see above)."""
-            if (versions is not None and i < len(versions[0]) and versions[0][i] is not None
-                    and t._version != versions[0][i] and t.dim()):
+            seen = returned[0].versions if returned is not None else ()
+            if i < len(seen) and seen[i] is not None and t._version != seen[i] and t.dim():
                 raise TypeError(
                     f"every micro-batch returned one tensor object (leaf {i} of the output, {tuple(t.shape)}), "
                     f"written again since micro-batch 0 returned it (an out= argument, a buffer updated in place "
@@ -1069,16 +1106,16 @@ class ParallelSequential(nn.Sequential):
 
         def batched(column: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
             if any(t.dim() <= dim or t.shape[dim] != n for t, n in zip(column, sizes)):
-                rows = [t.shape[dim] if t.dim() > dim else None for t in column]
-                raise TypeError(f"tensors not batched like the micro-batches: {rows} rows along dimension {dim} "
+                rows = ", ".join(str(t.shape[dim]) if t.dim() > dim else f"{t.dim()}-D" for t in column)
+                raise TypeError(f"tensors not batched like the micro-batches: [{rows}] rows along dimension {dim} "
                                 f"for micro-batches of {sizes} samples, where one row per sample is expected (a "
                                 f"reduction over the batch, or a reshape folding another dimension into the "
                                 f"batch's, cannot be joined into the whole batch's)")
             return torch.cat(list(column), dim)
 
         try:
-            if versions is not None:
-                _refuse_rewritten(outputs, versions)
+            if returned is not None:
+                _refuse_rewritten(returned, pieces)
             stages = list(self._modules.values())
             layout = _hidden_layout(stages[-1], outputs) if stages else None
             if layout is not None and all(
@@ -1229,16 +1266,20 @@ class ParallelSequential(nn.Sequential):
             sequences = [(i, q, m) for i, q, m in plan.sequences if getattr(m, "mixes_batch", None) is None]
             if sequences and self._compiler is None and not _is_tracing() and not _functorch_active():
                 # (Eagerly: a compiler would trace the hooks as side effects.)
-                key = ("sequences", _signature_dims(input), tuple([m.training for m in self.modules()]),
-                       tuple(id(m) for _, _, m in sequences))
+                key = ("sequences", _signature_dims(input), self._modes(plan), tuple(id(m) for _, _, m in sequences))
                 if key not in self._softmax_checked:
-                    with _unbatched_refused(self, plan, sequences):
+                    with _unbatched_refused(self, plan, sequences, _batch_size(input) or 0):
                         output = self._checked(plan, input)
                     if _batch_size(input):  # (an empty batch: the next call of the signature checks)
                         self._softmax_checked.add(key)
                     return output
             return self._checked(plan, input)
         return self._forward(input)
+
+    def _modes(self, plan: _Plan) -> tuple[bool, ...]:
+        r"""The train/eval mode of the pipeline and of every module of its stages (the plan's: walking
+        ``modules()`` at every call cost 75 us on a 12-layer transformer encoder)."""
+        return (self.training, *[m.training for m in plan.modules])
 
     def _checked(self, plan: _Plan, input: Any) -> Any:
         r"""``_forward(input)`` in micro-batches, the first call of an input signature under the softmax check."""
@@ -1248,8 +1289,7 @@ class ParallelSequential(nn.Sequential):
             # (The mode too: a stage may take another path in eval, logits in training and
             # probabilities in eval.)
             # (Every module's mode: a stage switched to eval alone may reach a layer it skipped.)
-            key = (_signature_dims(input), tuple([m.training for m in self.modules()]),
-                   tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
+            key = (_signature_dims(input), self._modes(plan), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
             tracing = _is_tracing()
             # (Under torch.func transforms the stages run on the whole input: see _forward.)
             if tracing or key not in self._softmax_checked and not _functorch_active():
@@ -1360,19 +1400,19 @@ class ParallelSequential(nn.Sequential):
             if copy_to is not None:
                 pieces = [_to_device(p, copy_to, non_blocking=False) for p in pieces]
             outputs = []
-            versions = None if tracing else []  # (a trace's tensors keep no versions to compare)
+            returned = None if tracing else []  # (a trace's tensors keep no versions to compare)
             for m, value in enumerate(pieces):
                 for s, (name, stage) in enumerate(stages):
                     value = self._call(s, name, stage, m, len(pieces), value)
-                if versions is not None:
-                    versions.append(_versions(value))
+                if returned is not None:
+                    returned.append(_returned(value))
                 outputs.append(value)
-            return self._concat(outputs, pieces, versions)
+            return self._concat(outputs, pieces, returned)
 
         target = copy_to if copy_to is not None else device
         assert target is not None
         ahead = copy_to is not None and _pinned(input)  # the copy lane issued whole, first
-        seen: list[list[int | None]] = []  # each micro-batch's output's versions (see _concat)
+        seen: list[_Returned] = []  # each micro-batch's output's versions (see _concat)
         if target.index is not None and target.index != torch.cuda.current_device():
             with torch.cuda.device(target):
                 outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen)
@@ -1388,7 +1428,7 @@ class ParallelSequential(nn.Sequential):
             torch.cuda.current_stream(target).synchronize()
         return self._concat(outputs, pieces, seen if len(seen) == len(outputs) else None)
 
-    def _handed(self, before: tuple[list, list] | None, value: Any, s: int, m: int) -> tuple[list, list]:
+    def _handed(self, before: _Returned | None, value: Any, s: int, m: int, pieces: list[Any]) -> _Returned:
         r"""Refuse stage ``s``'s output for piece ``m`` where it overwrote its output for piece ``m - 1``
         (``before``: that output's tensors and their versions then), which the next stage may still
         be reading on its own stream; return ``value``'s tensors and versions.
@@ -1396,14 +1436,14 @@ class ParallelSequential(nn.Sequential):
         A stage that writes into a buffer it keeps and returns (a view of) it
         works one micro-batch at a time, but not pipelined: the next stage
         reads the buffer while this one writes the next piece into it. (Its
-        outputs' versions show the write: views share their base's.)
+        outputs' versions show the write: views share their base's. Views of
+        the input, ``pieces``, written in place are each piece's own.)
         """
-        leaves = [value] if isinstance(value, torch.Tensor) else pytree.tree_leaves(value)
-        versions = _versions(value)
+        now = _returned(value)
         if before is not None:
-            for t, v in zip(*before):
-                if (v is not None and isinstance(t, torch.Tensor) and t._version != v
-                        and any(_overlap(t, u) for u in leaves)):
+            for i in _rewritten(before):
+                t = before.leaves[i]
+                if any(_overlap(t, u) for u in now.leaves) and _storage(t) not in _storages(pieces):
                     name = list(self._modules)[s]
                     raise RuntimeError(
                         f"{type(self).__name__}: stage {name!r} (index {s}) wrote its output for micro-batch "
@@ -1411,7 +1451,7 @@ class ParallelSequential(nn.Sequential):
                         f"which the next stage reads on its own CUDA stream at the same time: the stage "
                         f"returns memory it keeps and writes again at every call (a buffer, an out= "
                         f"argument). Return a new tensor from each call (e.g. .clone() it), or use chunks=1.")
-        return leaves, versions
+        return now
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
         try:
@@ -1423,7 +1463,7 @@ class ParallelSequential(nn.Sequential):
 
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,
-        ahead: bool = False, seen: list[list[int | None]] | None = None,
+        ahead: bool = False, seen: list[_Returned] | None = None,
     ) -> list[Any] | _Gather:
         r"""Run every piece of ``input`` through every lane on the side streams.
 
@@ -1488,7 +1528,7 @@ class ParallelSequential(nn.Sequential):
         # above those of the lanes issued before, the same for every piece of the lane.
         nested: list[int | None] = [None] * n_lanes
         # What each lane handed the next for its last piece, and its versions (see _handed).
-        handed: list[tuple[list, list] | None] = [None] * n_lanes
+        handed: list[_Returned | None] = [None] * n_lanes
 
         def issue(lane: int, m: int) -> None:
             r"""Enqueue lane ``lane``'s work on piece ``m`` on the lane's stream."""
@@ -1526,11 +1566,11 @@ class ParallelSequential(nn.Sequential):
                     _graph_state.crossing = crossing
                 _record(events[e0 + m * n_lanes + lane], stream)  # the next lane waits on it
                 if count > 1 and lane >= copy:  # (a copy lane's outputs are new)
-                    handed[lane] = self._handed(handed[lane], values[m], lane - copy, m)
+                    handed[lane] = self._handed(handed[lane], values[m], lane - copy, m, pieces)
                 return
             values[m] = lanes[lane](m, values[m])
             if seen is not None:
-                seen.append(_versions(values[m]))
+                seen.append(_returned(values[m]))
             if gather is not None and gather.add(m, values[m]):
                 # In its place in the result: let the piece go now. Its memory is
                 # reused sooner, and a graphed last stage (host input) sees its
