@@ -1781,8 +1781,9 @@ def _rms_norm_saves_weight(weight: torch.Tensor) -> bool:
     product saves the weight for the input's gradient alone: there a weight
     changed in place before backward passes where the input needs no gradient.
     Asked of autograd once, on a tiny call, rather than assumed: the choice
-    belongs to the build. Where it cannot be asked (a tracer's fake tensors),
-    the weight is taken to be saved, as by a fused kernel.
+    belongs to the build. Where it cannot be asked (a tracer's fake tensors,
+    saved-tensor hooks that hide what autograd saved), the weight is taken to
+    be saved, as by a fused kernel, and asked again next time.
     """
     key = (weight.device.type, weight.dtype)
     saves = _RMS_SAVES.get(key)
@@ -1794,7 +1795,9 @@ def _rms_norm_saves_weight(weight: torch.Tensor) -> bool:
                 w = torch.ones(2, device=weight.device, dtype=weight.dtype, requires_grad=True)
                 out = F.rms_norm(torch.ones(1, 2, device=weight.device, dtype=weight.dtype), (2,), w)
                 saved = _saved_storages([out.grad_fn])
-                saves = saved is None or out.grad_fn is None or w.untyped_storage().data_ptr() in saved
+                if saved is None or out.grad_fn is None:
+                    return True  # (saved-tensor hooks hide what was saved: asked again next time)
+                saves = w.untyped_storage().data_ptr() in saved
         except Exception:
             return True
         _RMS_SAVES[key] = saves

@@ -3,6 +3,7 @@ r"""``Parallel``: independent branches on one input, run concurrently."""
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import OrderedDict
 import time
 import warnings
@@ -550,8 +551,10 @@ class Parallel(nn.Module):
         or kept through a slice of named branches).
         """
         owner, n = type(self).__name__, len(self._modules)
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}")
+        try:
+            index = operator.index(index)  # (a NumPy integer too)
+        except TypeError:
+            raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}") from None
         if not -n <= index <= n:
             raise IndexError(f"{owner}: insert index {index} is out of range for {n} branches "
                              f"(expected {-n} <= index <= {n})")
@@ -868,6 +871,8 @@ class Parallel(nn.Module):
             if kept:
                 with torch.no_grad():
                     for b, saved in kept:
+                        if b.shape != saved.shape:  # (grown in place: resize_)
+                            b.resize_(saved.shape)
                         b.copy_(saved)
             failure = e
         names = [list(self._modules)[i] for i in group.indices]
@@ -889,17 +894,24 @@ class Parallel(nn.Module):
         passing = isinstance(failure, _UnbatchedNow) or _out_of_memory(failure)
         # With fuse=True the call raises whatever they do: a trial, whose updates of the
         # members' buffers (a count of calls, running statistics) are put back.
+        # (Buffers assigned anew, ``self.n = self.n + 1``, get their tensor back.)
         trial = None
         if self.fuse is True and not passing and not tracing:
             with torch.no_grad():
-                trial = [(b, b.clone()) for name in names for b in self._modules[name].buffers()]
+                trial = [(m, key, b, b._version, b.clone()) for name in names
+                         for m in self._modules[name].modules() for key, b in m._buffers.items() if b is not None]
         try:
             outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
         finally:
             if trial:
                 with torch.no_grad():
-                    for b, saved in trial:
-                        b.copy_(saved)
+                    for m, key, b, version, saved in trial:
+                        if m._buffers.get(key) is not b:
+                            m._buffers[key] = b
+                        if b._version != version:
+                            if b.shape != saved.shape:  # (grown in place: resize_)
+                                b.resize_(saved.shape)
+                            b.copy_(saved)
         if passing:
             # (This call only: the group is not at fault. Batched, the members' activations
             # are held at once, one after another each in turn: a large batch may fit only

@@ -986,34 +986,47 @@ def test_vmap_failure_disables_group_once_and_says_why():
 
 
 class _CountedBranchy(nn.Module):
-    r"""Counts its calls in a buffer, then branches on its data (which vmap cannot batch)."""
+    r"""Counts its calls in a buffer (``update``: in place, assigned anew, or grown), then branches on
+    its data (which vmap cannot batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, update: str) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 4)
-        self.register_buffer("calls", torch.zeros(()))
+        self.lin, self.update = nn.Linear(8, 4), update
+        self.register_buffer("calls", torch.zeros(0 if update == "grown" else ()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.add_(1)
+        if self.update == "in place":
+            self.calls.add_(1)
+        elif self.update == "assigned":
+            self.calls = self.calls + 1
+        else:
+            self.calls.resize_(self.calls.numel() + 1).fill_(1)
         y = self.lin(x)
         return y * 2 if y.sum() > 0 else y
 
 
-def test_fuse_true_refusing_a_group_leaves_the_members_buffers_as_they_were():
+def _counted(block: nn.Module) -> list[float]:
+    return [b.calls.sum().item() if b.update != "grown" else float(b.calls.numel()) for b in block]
+
+
+@pytest.mark.parametrize("update", ["in place", "assigned", "grown"])
+def test_fuse_true_refusing_a_group_leaves_the_members_buffers_as_they_were(update):
     # Before (a CPU hunt): the members ran unfused once, to tell a fault of the input's
-    # from the group's, before the call raised: each refused call counted as a call.
-    block = Parallel(*[_CountedBranchy() for _ in range(3)], fuse=True)
+    # from the group's, before the call raised: each refused call counted as a call. (A
+    # review: a buffer assigned anew, or grown in place, too; the latter failed to be put
+    # back after the batched attempt, with an error of its own.)
+    block = Parallel(*[_CountedBranchy(update) for _ in range(3)], fuse=True)
     x = torch.randn(4, 8)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="fuse=True, but branches"):
             block(x)
-        assert [b.calls.item() for b in block] == [0.0, 0.0, 0.0]
+        assert _counted(block) == [0.0, 0.0, 0.0]
     block.fuse = "auto"  # (and the block still works, its buffers counting its calls)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         block(x)
         block(x)
-    assert [b.calls.item() for b in block] == [2.0, 2.0, 2.0]
+    assert _counted(block) == [2.0, 2.0, 2.0]
 
 
 # ------------------------------------------------------------------ errors
@@ -2598,6 +2611,19 @@ def test_an_rms_norm_weight_stepped_before_backward_passes_or_fails_as_unfused(i
     if outcomes[0] is not None:
         for a, b in zip(*outcomes, strict=True):
             assert_close(a, b)
+
+
+def test_the_rms_norm_probe_keeps_no_answer_it_could_not_read(monkeypatch):
+    # A review: a block first grouped under saved-tensor hooks (save_on_cpu) probed autograd
+    # there, could not read what it saved, and kept "saved" for the process.
+    from parallel_modules import _fusion
+
+    monkeypatch.setattr(_fusion, "_RMS_SAVES", {})
+    with torch.autograd.graph.save_on_cpu():
+        Parallel(*[nn.RMSNorm(8) for _ in range(2)], fuse=True)
+    assert ("cpu", torch.float32) not in _fusion._RMS_SAVES
+    Parallel(*[nn.RMSNorm(8) for _ in range(2)], fuse=True)
+    assert _fusion._RMS_SAVES[("cpu", torch.float32)] is False  # (the CPU's composite: saved with the input)
 
 
 @pytest.mark.parametrize("regroup", ["eval", "double", "deepcopy", "averaged"])
