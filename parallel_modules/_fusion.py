@@ -148,6 +148,9 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
     r"""How module ``b`` differs in structure from ``a``, or ``None`` if identical."""
     where = f"submodule {path!r}" if path else "the branch"
     if type(a) is not type(b):
+        if type(a).__name__ == type(b).__name__:  # (two classes of one name: a factory's, a notebook cell run again)
+            return (f"{where} is {_class_name(type(b))}, expected {_class_name(type(a))}: another class of the same "
+                    f"name (define the class once and make every branch from it)")
         return f"{where} is {type(b).__name__}, expected {type(a).__name__}"
     if a.training != b.training:
         return f"{where} is in {'training' if b.training else 'eval'} mode, expected {'training' if a.training else 'eval'}"
@@ -1765,6 +1768,11 @@ _FAST_PATHS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Transformer
 # (Not a stock instance norm's, which saves a copy: see _program.)
 _SAVES_WEIGHT = (nn.modules.conv._ConvNd, _BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm,
                  nn.GroupNorm, nn.PReLU, nn.RMSNorm)
+
+
+def _class_name(cls: type) -> str:
+    r"""``cls``'s module and qualified name, and where it was made if they are shared (a class made in a function)."""
+    return f"{cls.__module__}.{cls.__qualname__} (at {id(cls):#x})"
 
 
 # Whether ``F.rms_norm`` saves its weight whatever requires grad, by device type and dtype

@@ -1197,7 +1197,7 @@ class Parallel(nn.Module):
             # (Not for tensors swapped in by functional_call: see _swapped_in.)
             self._reset()
         if self.cuda_graph:
-            if self._param_moves != self._graph_moves and not tracing:
+            if not tracing and self._param_moves != self._graph_moves:  # (tracing first: see above)
                 # Fusion moved parameters to new memory: graphs read the old.
                 self._graphs.clear()
                 self._graph_moves = self._param_moves

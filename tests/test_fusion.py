@@ -1041,6 +1041,24 @@ def test_fuse_true_names_the_differing_branch():
         Parallel(nn.Linear(16, 8), nn.Linear(16, 8).double(), fuse=True)
 
 
+def test_fuse_true_says_two_classes_of_one_name_are_two_classes():
+    # Before (a CPU hunt): "the branch is Scale, expected Scale" for classes made by a factory.
+    def make() -> nn.Module:
+        class Scale(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(4))
+
+            def forward(self, x):
+                return x * self.w
+
+        return Scale()
+
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch is \S+make\.<locals>\.Scale "
+                                         r"\(at 0x[0-9a-f]+\), expected .*another class of the same name"):
+        Parallel(make(), make(), fuse=True)
+
+
 def test_bad_input_names_the_branch_and_module_recovers():
     p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True)
     with pytest.raises(RuntimeError) as e:

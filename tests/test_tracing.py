@@ -241,6 +241,30 @@ def test_compiled_fused_block_ignores_hooks_elsewhere():
 
 
 @pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_fused_graphed_block_compiled_between_eager_calls_is_traced_once(fuse):
+    # Before (a CPU hunt): forward compared the counts of fused parameters moved before it
+    # asked whether a compiler traced it, so dynamo guarded on them: every eager call that
+    # restacked the parameters (after a load_state_dict(assign=True)) recompiled the block,
+    # and fullgraph=True failed at the recompile limit.
+    import warnings
+
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = Parallel(_small_mlp(), _small_mlp(), _small_mlp(), join="cat", fuse=fuse, cuda_graph=True).eval()
+    x = torch.randn(5, 8)
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (cuda_graph=True without CUDA: warned once)
+        for _ in range(10):
+            assert_close(compiled(x), reference(model, x))
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+            model(x)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
 @pytest.mark.parametrize("mixed", [False, True], ids=["one-group", "mixed"])
 def test_a_fused_block_compiled_before_any_eager_call_is_traced_once(fuse, mixed):
     # Before: twice. The group's batched steps were made at its first call, in the first
