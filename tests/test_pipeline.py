@@ -583,6 +583,26 @@ def test_batch_second_modules_refused_with_chunks(module: str) -> None:
         assert torch.allclose(model(x[:, 0]), nn.Sequential(*model)(x[:, 0]), rtol=RTOL, atol=ATOL)
 
 
+class _PerSample(nn.Module):
+    r"""A batch-first GRU run on each sample's own sequence, one at a time (2-D inputs that are not micro-batches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(4, 6, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.gru(seq)[1][-1] for seq in x])
+
+
+def test_a_sequence_layer_run_on_each_sample_is_not_refused() -> None:
+    # A review of the unbatched-input refusal, which refused any 2-D input to such a layer.
+    torch.manual_seed(0)
+    model = ParallelSequential(_PerSample(), chunks=2)
+    x = torch.randn(8, 5, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model[0](x))
+
+
 def test_in_place_first_operation_under_autograd() -> None:
     # Micro-batches of one input share its version counter as views: an in-place first
     # operation on one would spoil what it saved for backward on another.
