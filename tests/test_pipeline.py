@@ -845,6 +845,12 @@ def test_views_of_one_buffer_written_again_for_each_micro_batch_are_refused(devi
     # micro-batch 1's values, silently.
     model = ParallelSequential(nn.Identity(), _ViewOfBuffer(), chunks=2).to(device)
     x = torch.randn(6, 4, device=device)
+    if device == "cuda" and not grad:
+        # There the last lane copies each micro-batch's output into the result as it comes,
+        # on its stream, before the next micro-batch writes the buffer: right, and kept.
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), model[1].lin(x), rtol=0, atol=0)
+        return
     with torch.set_grad_enabled(grad), torch.no_grad() if not grad else contextlib.nullcontext(), pytest.raises(
             ValueError, match=r"(?s)cannot concatenate the outputs of the last stage '1'.*micro-batch 0's output "
                               r"\(leaf 0, \(3, 3\)\) was written after the stage returned it, by a later "
