@@ -26,13 +26,50 @@ from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
                        _checkpoint_recording, _current_stream, _fork_join, _in_backward, _is_tracing, _jit_tracing,
-                       _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
+                       _run_forked, _storage_address, _tensor_leaves, _unversioned, _watched, _Writes)
 from . import _watch
 
 __all__ = ["Parallel"]
 
 Streams = Union[bool, Literal["auto"]]
 Fuse = Union[bool, Literal["auto"]]
+
+
+def _buffers_kept(roots: list[nn.Module]) -> Callable[[], None]:
+    r"""A function that puts back the buffers of ``roots`` and of every module below, as they are now.
+
+    For a trial run that must leave no trace: buffers written in place, through
+    ``.data``, grown (``resize_``), assigned anew (``self.n = self.n + 1``),
+    registered or replaced by a parameter get their tensors, values and
+    registrations back. (Parameters written in place are not put back.)
+    """
+    kept = []
+    with torch.no_grad():
+        for m in {id(m): m for root in roots for m in root.modules()}.values():
+            tensors = [(b, b.data, b.shape, b.clone()) for b in m._buffers.values() if b is not None]
+            kept.append((m, dict(m._buffers), dict(m._parameters), set(m._non_persistent_buffers_set), tensors))
+
+    def restore() -> None:
+        with torch.no_grad():
+            for m, buffers, parameters, non_persistent, tensors in kept:
+                for now, then in ((m._buffers, buffers), (m._parameters, parameters)):
+                    if now.keys() != then.keys() or any(now[k] is not v for k, v in then.items()):
+                        now.clear()
+                        now.update(then)
+                if m._non_persistent_buffers_set != non_persistent:
+                    m._non_persistent_buffers_set.clear()
+                    m._non_persistent_buffers_set.update(non_persistent)
+                for b, data, shape, values in tensors:
+                    if b.is_inference() and not torch.is_inference_mode_enabled():
+                        continue  # (not writable here, so not written by the trial either)
+                    if b.shape != shape or _storage_address(b) != _storage_address(data):
+                        b.data = data  # (re-pointed or grown: its own memory back)
+                        if b.shape != shape:
+                            b.resize_(shape)
+                    if not torch.equal(b, values):
+                        b.copy_(values)
+
+    return restore
 
 
 class _Schedule(NamedTuple):
@@ -894,24 +931,13 @@ class Parallel(nn.Module):
         passing = isinstance(failure, _UnbatchedNow) or _out_of_memory(failure)
         # With fuse=True the call raises whatever they do: a trial, whose updates of the
         # members' buffers (a count of calls, running statistics) are put back.
-        # (Buffers assigned anew, ``self.n = self.n + 1``, get their tensor back.)
-        trial = None
-        if self.fuse is True and not passing and not tracing:
-            with torch.no_grad():
-                trial = [(m, key, b, b._version, b.clone()) for name in names
-                         for m in self._modules[name].modules() for key, b in m._buffers.items() if b is not None]
+        restore = (_buffers_kept([self._modules[name] for name in names])
+                   if self.fuse is True and not passing and not tracing else None)
         try:
             outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
         finally:
-            if trial:
-                with torch.no_grad():
-                    for m, key, b, version, saved in trial:
-                        if m._buffers.get(key) is not b:
-                            m._buffers[key] = b
-                        if b._version != version:
-                            if b.shape != saved.shape:  # (grown in place: resize_)
-                                b.resize_(saved.shape)
-                            b.copy_(saved)
+            if restore is not None:
+                restore()
         if passing:
             # (This call only: the group is not at fault. Batched, the members' activations
             # are held at once, one after another each in turn: a large batch may fit only

@@ -76,8 +76,6 @@ class _Plan(NamedTuple):
     # The batch-first sequence layers among ``others`` (see _unbatched_refused), where
     # nothing in the stages reads hooks.
     sequences: tuple[tuple[int, str, nn.Module], ...] = ()
-    # Every module of the stages (see ParallelSequential._modes).
-    modules: tuple[nn.Module, ...] = ()
 
 
 # This thread's CUDA events, per device (an event may only be recorded on
@@ -308,22 +306,21 @@ def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
     of it (``self.buf[:n]``, an ``out=`` argument) returns a new view for each
     micro-batch, all over the same memory: the next micro-batch overwrites
     what the last returned before the outputs are joined. Views share their
-    base's version counter, so the write shows. Where the later output lies
-    elsewhere in that memory, or in the memory of the input (``pieces``,
-    views of it: ``nn.ReLU(inplace=True)`` as the only stage, whose pieces
-    of a transposed input interleave), it is another micro-batch's own.
-    (A tensor every micro-batch returned alike is judged in ``_concat``.)
+    base's version counter, so the write shows. Where the later output holds
+    other elements of that memory, or each is its own micro-batch's piece of
+    the input (``nn.ReLU(inplace=True)`` as the only stage), it is another
+    micro-batch's own. (A tensor every micro-batch returned alike is judged
+    in ``_concat``.)
     """
     flat = [r.leaves for r in returned]
-    inputs = None
     for m, r in enumerate(returned):
         for i in _rewritten(r):
             t = r.leaves[i]
             if all(i < len(other) and other[i] is t for other in flat):
                 continue
-            if inputs is None:
-                inputs = _storages(pieces)
-            if _storage(t) not in inputs and any(i < len(later) and _overlap(t, later[i]) for later in flat[m + 1:]):
+            mine = _is_piece(t, pieces[m])
+            if any(i < len(flat[k]) and not (mine and _is_piece(flat[k][i], pieces[k])) and _overlap(t, flat[k][i])
+                   for k in range(m + 1, len(flat))):
                 raise TypeError(
                     f"micro-batch {m}'s output (leaf {i}, {tuple(t.shape)}) was written after the stage returned "
                     f"it, by a later micro-batch: the stage returns a view of memory it writes again at every "
@@ -341,13 +338,28 @@ def _storage(t: Any) -> int | None:
         return None
 
 
-def _storages(value: Any) -> set[int | None]:
-    r"""The memory of ``value``'s tensors (see :func:`_storage`)."""
-    return {_storage(t) for t in pytree.tree_leaves(value)} - {None}
+def _is_piece(t: Any, piece: Any) -> bool:
+    r"""Whether ``t`` is (a view of exactly) a tensor of the micro-batch ``piece`` of the input."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    where = _storage(t)
+    return where is not None and any(
+        isinstance(p, torch.Tensor) and _storage(p) == where and p.storage_offset() == t.storage_offset()
+        and p.shape == t.shape and p.stride() == t.stride() for p in pytree.tree_leaves(piece))
+
+
+# Above this many elements, tensors whose spans of memory meet are taken to share some
+# (the exact test builds their elements' offsets).
+_EXACT_OVERLAP = 1 << 22
 
 
 def _overlap(a: Any, b: Any) -> bool:
-    r"""Whether tensors ``a`` and ``b`` may share memory: the spans of one storage they reach meet."""
+    r"""Whether tensors ``a`` and ``b`` share memory: an element of one storage that both reach.
+
+    Run only where a version moved (a write): spans that meet are tested
+    element by element (pieces of a transposed tensor interleave without
+    sharing any), up to :data:`_EXACT_OVERLAP` elements.
+    """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not a.numel() or not b.numel():
         return False
     where = _storage(a)
@@ -359,7 +371,19 @@ def _overlap(a: Any, b: Any) -> bool:
         return start, start + (sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
     (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+    if not (a0 < b1 and b0 < a1):
+        return False
+    if a.element_size() != b.element_size() or a.numel() + b.numel() > _EXACT_OVERLAP:
+        return True
+    return bool(torch.isin(_offsets(a), _offsets(b)).any())
+
+
+def _offsets(t: torch.Tensor) -> torch.Tensor:
+    r"""The storage offset of every element of ``t`` (on the CPU)."""
+    offsets = torch.tensor(t.storage_offset(), dtype=torch.int64)
+    for n, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+    return offsets.flatten()
 
 
 def _signature_dims(input: Any) -> Hashable:
@@ -415,7 +439,8 @@ def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tu
                 f"({type(m).__name__}, batch_first=True), given a 2-D input {tuple(first.shape)} (of a "
                 f"micro-batch): it reads one unbatched sequence, its rows the steps, which chunks={owner._chunks} "
                 f"cuts along dimension 0 into shorter sequences, and the result would differ from running the whole batch. Give it "
-                f"batched 3-D inputs (batch, sequence, features), or use chunks=1.")
+                f"batched 3-D inputs (batch, sequence, features), or use chunks=1; if the stage runs it on "
+                f"each sample's own sequence, say so with `model.get_submodule({qual!r}).mixes_batch = False`.")
 
     handles = [m.register_forward_pre_hook(check, with_kwargs=True) for m in {id(m): m for _, _, m in layers}.values()]
     try:
@@ -827,8 +852,7 @@ class ParallelSequential(nn.Sequential):
                                                                                      nn.Module) for m in modules)
         scoped = any(isinstance(m, _FAST_PATHS) for m in modules) and not hooks_read
         sequences = () if hooks_read else tuple(item for item in others if isinstance(item[2], _SEQUENCE_LAYERS))
-        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences,
-                     tuple({id(m): m for m in modules}.values()))
+        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences)
 
     def _get_plan(self) -> _Plan:
         # (A compiler's trace makes its own: it would record the assignments as side effects
@@ -1266,7 +1290,7 @@ class ParallelSequential(nn.Sequential):
             sequences = [(i, q, m) for i, q, m in plan.sequences if getattr(m, "mixes_batch", None) is None]
             if sequences and self._compiler is None and not _is_tracing() and not _functorch_active():
                 # (Eagerly: a compiler would trace the hooks as side effects.)
-                key = ("sequences", _signature_dims(input), self._modes(plan), tuple(id(m) for _, _, m in sequences))
+                key = ("sequences", _signature_dims(input), self._modes(), tuple(id(m) for _, _, m in sequences))
                 if key not in self._softmax_checked:
                     with _unbatched_refused(self, plan, sequences, _batch_size(input) or 0):
                         output = self._checked(plan, input)
@@ -1276,10 +1300,20 @@ class ParallelSequential(nn.Sequential):
             return self._checked(plan, input)
         return self._forward(input)
 
-    def _modes(self, plan: _Plan) -> tuple[bool, ...]:
-        r"""The train/eval mode of the pipeline and of every module of its stages (the plan's: walking
-        ``modules()`` at every call cost 75 us on a 12-layer transformer encoder)."""
-        return (self.training, *[m.training for m in plan.modules])
+    def _modes(self) -> tuple[bool, ...]:
+        r"""The train/eval mode of the pipeline and of every module below it, found as they are now (a
+        module put in by writing a container's dict registers nothing), without ``modules()``'s names
+        and repeats (which cost 75 us a call on a 12-layer transformer encoder)."""
+        modes = [self.training]
+        seen = {id(self)}
+        stack = list(self._modules.values())
+        while stack:
+            m = stack.pop()
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
+                modes.append(m.training)
+                stack.extend(m._modules.values())
+        return tuple(modes)
 
     def _checked(self, plan: _Plan, input: Any) -> Any:
         r"""``_forward(input)`` in micro-batches, the first call of an input signature under the softmax check."""
@@ -1289,7 +1323,7 @@ class ParallelSequential(nn.Sequential):
             # (The mode too: a stage may take another path in eval, logits in training and
             # probabilities in eval.)
             # (Every module's mode: a stage switched to eval alone may reach a layer it skipped.)
-            key = (_signature_dims(input), self._modes(plan), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
+            key = (_signature_dims(input), self._modes(), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
             tracing = _is_tracing()
             # (Under torch.func transforms the stages run on the whole input: see _forward.)
             if tracing or key not in self._softmax_checked and not _functorch_active():
@@ -1436,14 +1470,15 @@ class ParallelSequential(nn.Sequential):
         A stage that writes into a buffer it keeps and returns (a view of) it
         works one micro-batch at a time, but not pipelined: the next stage
         reads the buffer while this one writes the next piece into it. (Its
-        outputs' versions show the write: views share their base's. Views of
-        the input, ``pieces``, written in place are each piece's own.)
+        outputs' versions show the write: views share their base's. Pieces of
+        the input, ``pieces``, written in place are each their own.)
         """
         now = _returned(value)
         if before is not None:
             for i in _rewritten(before):
                 t = before.leaves[i]
-                if any(_overlap(t, u) for u in now.leaves) and _storage(t) not in _storages(pieces):
+                mine = _is_piece(t, pieces[m - 1])
+                if any(not (mine and _is_piece(u, pieces[m])) and _overlap(t, u) for u in now.leaves):
                     name = list(self._modules)[s]
                     raise RuntimeError(
                         f"{type(self).__name__}: stage {name!r} (index {s}) wrote its output for micro-batch "

@@ -999,17 +999,35 @@ class _CountedBranchy(nn.Module):
             self.calls.add_(1)
         elif self.update == "assigned":
             self.calls = self.calls + 1
+        elif self.update == "through .data":
+            self.calls.data.add_(1)  # (no version moves)
+        elif self.update == "made a parameter":
+            self.calls = nn.Parameter(self.calls + 1, requires_grad=False)
+        elif self.update == "registered":
+            self.register_buffer(f"seen{int(self.calls.sum().item())}", torch.ones(1))
+            self.calls.add_(1)
         else:
             self.calls.resize_(self.calls.numel() + 1).fill_(1)
         y = self.lin(x)
         return y * 2 if y.sum() > 0 else y
 
 
+def test_fuse_true_refusing_a_group_in_inference_mode_leaves_its_buffers_as_they_were():
+    # A second review: the restore read the version of inference-tensor buffers, which raised.
+    with torch.inference_mode():
+        block = Parallel(*[_CountedBranchy("in place") for _ in range(3)], fuse=True)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="fuse=True, but branches"):
+                block(torch.randn(4, 8))
+        assert _counted(block) == [0.0, 0.0, 0.0]
+
+
 def _counted(block: nn.Module) -> list[float]:
     return [b.calls.sum().item() if b.update != "grown" else float(b.calls.numel()) for b in block]
 
 
-@pytest.mark.parametrize("update", ["in place", "assigned", "grown"])
+@pytest.mark.parametrize("update", ["in place", "assigned", "grown", "through .data", "made a parameter",
+                                    "registered"])
 def test_fuse_true_refusing_a_group_leaves_the_members_buffers_as_they_were(update):
     # Before (a CPU hunt): the members ran unfused once, to tell a fault of the input's
     # from the group's, before the call raised: each refused call counted as a call. (A
@@ -1017,10 +1035,14 @@ def test_fuse_true_refusing_a_group_leaves_the_members_buffers_as_they_were(upda
     # back after the batched attempt, with an error of its own.)
     block = Parallel(*[_CountedBranchy(update) for _ in range(3)], fuse=True)
     x = torch.randn(4, 8)
+    state = [(k, v.clone()) for k, v in block.state_dict().items()]
     for _ in range(2):
         with pytest.raises(RuntimeError, match="fuse=True, but branches"):
             block(x)
         assert _counted(block) == [0.0, 0.0, 0.0]
+        assert [k for k, _ in state] == list(block.state_dict())  # (what is registered, and as what)
+        assert all(torch.equal(v, block.state_dict()[k]) for k, v in state)
+        assert [n for n, _ in block.named_parameters()] == [f"{i}.lin.{w}" for i in range(3) for w in ("weight", "bias")]
     block.fuse = "auto"  # (and the block still works, its buffers counting its calls)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

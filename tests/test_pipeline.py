@@ -825,6 +825,19 @@ def test_one_tensor_written_again_for_each_micro_batch_is_refused(batch, wrap) -
         ParallelSequential(nn.Identity(), _PartlyWritten(), chunks=2)(torch.randn(10, 4))
 
 
+class _FirstPieceKept(nn.Module):
+    r"""Keeps the first input it gets as its workspace, and writes each call's result into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ws is None:
+            self.ws = x
+        return torch.mul(x, 2, out=self.ws[:x.shape[0]])
+
+
 class _ViewOfBuffer(nn.Module):
     r"""Writes each call's result into the first rows of one buffer it keeps, and returns a new view of them."""
 
@@ -860,6 +873,12 @@ def test_views_of_one_buffer_written_again_for_each_micro_batch_are_refused(devi
     model.chunks = 1
     with torch.no_grad():
         torch.testing.assert_close(model(x), model[1].lin(x), rtol=0, atol=0)
+    # Memory of the input's that a stage keeps and writes again is not (a second review: outputs
+    # in the input's memory were all taken for the micro-batches' own).
+    if device == "cpu":
+        kept = ParallelSequential(_FirstPieceKept(), chunks=2)
+        with torch.no_grad(), pytest.raises(ValueError, match="was written after the stage returned it"):
+            kept(torch.arange(16.0).reshape(8, 2))
     # Views of the input written in place, each micro-batch's own rows, are each micro-batch's:
     # a transposed input's too, whose pieces' spans of memory interleave (a review: refused).
     for stages in ([nn.ReLU(inplace=True)], [nn.Identity(), nn.ReLU(inplace=True)]):
