@@ -26,7 +26,7 @@ from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
                        _checkpoint_recording, _current_stream, _fork_join, _in_backward, _is_tracing, _jit_tracing,
-                       _run_forked, _storage_address, _tensor_leaves, _unversioned, _watched, _Writes)
+                       _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
 from . import _watch
 
 __all__ = ["Parallel"]
@@ -39,34 +39,43 @@ def _buffers_kept(roots: list[nn.Module]) -> Callable[[], None]:
     r"""A function that puts back the buffers of ``roots`` and of every module below, as they are now.
 
     For a trial run that must leave no trace: buffers written in place, through
-    ``.data``, grown (``resize_``), assigned anew (``self.n = self.n + 1``),
-    registered or replaced by a parameter get their tensors, values and
-    registrations back. (Parameters written in place are not put back.)
+    ``.data`` (re-pointed, viewed anew, grown by ``resize_``), assigned anew
+    (``self.n = self.n + 1``), registered or replaced by a parameter, and
+    submodules registered, get their tensors, values and registrations back.
+    (Parameters written in place are not put back.)
     """
     kept = []
     with torch.no_grad():
         for m in {id(m): m for root in roots for m in root.modules()}.values():
-            tensors = [(b, b.data, b.shape, b.clone()) for b in m._buffers.values() if b is not None]
-            kept.append((m, dict(m._buffers), dict(m._parameters), set(m._non_persistent_buffers_set), tensors))
+            tensors = [(b, b.data, None if b.is_meta else b.clone()) for b in m._buffers.values() if b is not None]
+            dicts = [(d, dict(d)) for d in (m._buffers, m._parameters, m._modules)]
+            kept.append((m, dicts, set(getattr(m, "_non_persistent_buffers_set", ())), tensors))
 
     def restore() -> None:
         with torch.no_grad():
-            for m, buffers, parameters, non_persistent, tensors in kept:
-                for now, then in ((m._buffers, buffers), (m._parameters, parameters)):
-                    if now.keys() != then.keys() or any(now[k] is not v for k, v in then.items()):
-                        now.clear()
-                        now.update(then)
-                if m._non_persistent_buffers_set != non_persistent:
-                    m._non_persistent_buffers_set.clear()
-                    m._non_persistent_buffers_set.update(non_persistent)
-                for b, data, shape, values in tensors:
+            for m, dicts, non_persistent, tensors in kept:
+                for now, then in dicts:
+                    current = dict(now)  # (TorchScript modules keep theirs behind a wrapper)
+                    for k in current.keys() - then.keys():
+                        del now[k]
+                    for k, v in then.items():
+                        if current.get(k, now) is not v:
+                            now[k] = v
+                persistent = getattr(m, "_non_persistent_buffers_set", None)
+                if persistent is not None and persistent != non_persistent:
+                    persistent.clear()
+                    persistent.update(non_persistent)
+                for b, data, values in tensors:
                     if b.is_inference() and not torch.is_inference_mode_enabled():
                         continue  # (not writable here, so not written by the trial either)
-                    if b.shape != shape or _storage_address(b) != _storage_address(data):
-                        b.data = data  # (re-pointed or grown: its own memory back)
-                        if b.shape != shape:
-                            b.resize_(shape)
-                    if not torch.equal(b, values):
+                    b.data = data  # (its own memory, offset, strides, dtype and shape: O(1))
+                    if values is None:
+                        continue  # (a meta tensor holds no values)
+                    try:
+                        same = torch.equal(b, values)
+                    except (RuntimeError, NotImplementedError):  # (no kernel: sparse)
+                        same = False
+                    if not same:
                         b.copy_(values)
 
     return restore

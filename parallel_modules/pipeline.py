@@ -19,6 +19,7 @@ which, through that chain of events, follows every piece of every lane.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import operator
 import threading
@@ -348,17 +349,12 @@ def _is_piece(t: Any, piece: Any) -> bool:
         and p.shape == t.shape and p.stride() == t.stride() for p in pytree.tree_leaves(piece))
 
 
-# Above this many elements, tensors whose spans of memory meet are taken to share some
-# (the exact test builds their elements' offsets).
-_EXACT_OVERLAP = 1 << 22
-
-
 def _overlap(a: Any, b: Any) -> bool:
     r"""Whether tensors ``a`` and ``b`` share memory: an element of one storage that both reach.
 
-    Run only where a version moved (a write): spans that meet are tested
-    element by element (pieces of a transposed tensor interleave without
-    sharing any), up to :data:`_EXACT_OVERLAP` elements.
+    Run only where a version moved (a write). Spans that meet are tested
+    exactly (pieces of a transposed tensor interleave without sharing any
+    element), from their layouts alone (see :func:`_layouts_meet`).
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not a.numel() or not b.numel():
         return False
@@ -373,17 +369,51 @@ def _overlap(a: Any, b: Any) -> bool:
     (a0, a1), (b0, b1) = span(a), span(b)
     if not (a0 < b1 and b0 < a1):
         return False
-    if a.element_size() != b.element_size() or a.numel() + b.numel() > _EXACT_OVERLAP:
-        return True
-    return bool(torch.isin(_offsets(a), _offsets(b)).any())
+    if a.element_size() != b.element_size():
+        return True  # (views of one memory as two dtypes: taken to share)
+    # Element i of ``a`` and j of ``b`` lie at one offset where the offsets' difference
+    # is sum(j_d * stride_d) over b's dims minus sum(i_d * stride_d) over a's.
+    steps: dict[int, list[int]] = {}
+    for shape, strides, sign in ((a.shape, a.stride(), -1), (b.shape, b.stride(), 1)):
+        for n, stride in zip(shape, strides):
+            if n > 1 and stride:
+                low, high = steps.setdefault(stride, [0, 0])
+                steps[stride] = [low + min(0, sign * (n - 1)), high + max(0, sign * (n - 1))]
+    dims = tuple(sorted(((st, lo, hi) for st, (lo, hi) in steps.items()), reverse=True))
+    return _layouts_meet(a.storage_offset() - b.storage_offset(), dims)
 
 
-def _offsets(t: torch.Tensor) -> torch.Tensor:
-    r"""The storage offset of every element of ``t`` (on the CPU)."""
-    offsets = torch.tensor(t.storage_offset(), dtype=torch.int64)
-    for n, stride in zip(t.shape, t.stride()):
-        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
-    return offsets.flatten()
+@functools.lru_cache(maxsize=1024)
+def _layouts_meet(difference: int, dims: tuple[tuple[int, int, int], ...], budget: int = 4096) -> bool:
+    r"""Whether ``difference == sum(k * stride)`` for some ``lo <= k <= hi`` per ``(stride, lo, hi)`` of
+    ``dims`` (largest stride first): whether two layouts reach one element (see :func:`_overlap`).
+
+    A search from the largest stride down, each step trying the multiples the
+    smaller strides can still make up: one or two for the layouts of views of
+    one tensor. Past ``budget`` steps the layouts are taken to meet. The same
+    layouts come back at every call of a pipeline: answers are kept.
+    """
+    # (An explicit stack, with the reach of the smaller strides at each level.)
+    reach = [0] * (len(dims) + 1)
+    for level in range(len(dims) - 1, -1, -1):
+        stride, low, high = dims[level]
+        reach[level] = reach[level + 1] + stride * max(-low, high)
+    stack = [(0, difference)]
+    while stack:
+        level, rest = stack.pop()
+        if level == len(dims):
+            if rest == 0:
+                return True
+            continue
+        budget -= 1
+        if budget < 0:
+            return True
+        stride, low, high = dims[level]
+        below = reach[level + 1]
+        first = max(low, -((below - rest) // stride))  # ceil((rest - below) / stride)
+        last = min(high, (rest + below) // stride)
+        stack.extend((level + 1, rest - k * stride) for k in range(first, last + 1))
+    return False
 
 
 def _signature_dims(input: Any) -> Hashable:

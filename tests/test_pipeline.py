@@ -921,6 +921,22 @@ def test_a_last_stage_folding_another_dimension_into_the_batch_is_refused_saying
     assert model(torch.randn(6, 5, 4)).shape == (30, 8)
 
 
+class _Transposed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+def test_views_of_pieces_of_a_large_transposed_input_written_in_place_are_each_micro_batch_s() -> None:
+    # A third review: past a size cap, views of the pieces (not the pieces themselves) whose
+    # spans of memory meet were taken to share memory, and refused; below it, each call built
+    # the elements' offsets (0.5-1.5 s a call). The layouts are compared by their strides now.
+    x = torch.randn(64, 256, 260).transpose(0, 1)  # (4.3M elements; the batch not outermost)
+    model = ParallelSequential(nn.ReLU(inplace=True), _Transposed(), chunks=2)
+    with torch.no_grad():
+        expected = x.relu().transpose(1, 2)
+        assert torch.equal(model(x.clone()), expected)
+
+
 class _PartlyWritten(nn.Module):
     def __init__(self) -> None:
         super().__init__()
