@@ -1888,7 +1888,8 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
 
 
 def _own_dicts(m: nn.Module) -> nn.Module:
-    r"""``m`` with parameter, buffer and submodule dicts of its own (and so its submodules), all else shared.
+    r"""``m`` with parameter, buffer and submodule dicts (and set of non-persistent buffers) of its own, and so
+    its submodules; all else shared.
 
     ``torch.func.functional_call`` writes the stacks into the dicts of the module
     it runs for the call: those of the template layer -- the first member's own
@@ -1901,6 +1902,8 @@ def _own_dicts(m: nn.Module) -> nn.Module:
     runner = copy.copy(m)
     d = runner.__dict__
     d["_parameters"], d["_buffers"] = dict(m._parameters), dict(m._buffers)
+    if "_non_persistent_buffers_set" in d:  # (register_buffer(..., persistent=...) in forward writes it)
+        d["_non_persistent_buffers_set"] = set(d["_non_persistent_buffers_set"])
     d["_modules"] = {name: None if c is None else _own_dicts(c) for name, c in m._modules.items()}
     return runner
 

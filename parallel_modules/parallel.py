@@ -35,48 +35,64 @@ Streams = Union[bool, Literal["auto"]]
 Fuse = Union[bool, Literal["auto"]]
 
 
-def _buffers_kept(roots: list[nn.Module]) -> Callable[[], None]:
+def _buffers_kept(roots: list[nn.Module]) -> Callable[[], list[BaseException]] | None:
     r"""A function that puts back the buffers of ``roots`` and of every module below, as they are now.
 
     For a trial run that must leave no trace: buffers written in place, through
     ``.data`` (re-pointed, viewed anew, grown by ``resize_``), assigned anew
-    (``self.n = self.n + 1``), registered or replaced by a parameter, and
-    submodules registered, get their tensors, values and registrations back.
-    (Parameters written in place are not put back.)
+    (``self.n = self.n + 1``), made to require grad, registered or replaced by
+    a parameter, and submodules registered, get their tensors, values and
+    registrations back, in their order. (Parameters written in place are not
+    put back.) The function returns what it failed to put back, having put
+    back the rest; ``None`` where the buffers could not be copied (memory).
     """
     kept = []
-    with torch.no_grad():
-        for m in {id(m): m for root in roots for m in root.modules()}.values():
-            tensors = [(b, b.data, None if b.is_meta else b.clone()) for b in m._buffers.values() if b is not None]
-            dicts = [(d, dict(d)) for d in (m._buffers, m._parameters, m._modules)]
-            kept.append((m, dicts, set(getattr(m, "_non_persistent_buffers_set", ())), tensors))
+    try:
+        with torch.no_grad():
+            for m in {id(m): m for root in roots for m in root.modules()}.values():
+                tensors = [(b, b.data, b.requires_grad, None if b.is_meta else b.clone())
+                           for b in m._buffers.values() if b is not None]
+                dicts = [(d, list(d.items())) for d in (m._buffers, m._parameters, m._modules)]
+                kept.append((m, dicts, set(getattr(m, "_non_persistent_buffers_set", ())), tensors))
+    except (RuntimeError, MemoryError):
+        return None
 
-    def restore() -> None:
+    def restore() -> list[BaseException]:
+        failures: list[BaseException] = []
         with torch.no_grad():
             for m, dicts, non_persistent, tensors in kept:
                 for now, then in dicts:
-                    current = dict(now)  # (TorchScript modules keep theirs behind a wrapper)
-                    for k in current.keys() - then.keys():
-                        del now[k]
-                    for k, v in then.items():
-                        if current.get(k, now) is not v:
-                            now[k] = v
+                    try:
+                        items = list(now.items())
+                        if len(items) != len(then) or any(a[0] != b[0] or a[1] is not b[1] for a, b in zip(items, then)):
+                            for k, _ in items:  # (TorchScript modules keep theirs behind a wrapper: per key)
+                                del now[k]
+                            for k, v in then:
+                                now[k] = v
+                    except Exception as e:
+                        failures.append(e)
                 persistent = getattr(m, "_non_persistent_buffers_set", None)
                 if persistent is not None and persistent != non_persistent:
                     persistent.clear()
                     persistent.update(non_persistent)
-                for b, data, values in tensors:
+                for b, data, requires_grad, values in tensors:
                     if b.is_inference() and not torch.is_inference_mode_enabled():
                         continue  # (not writable here, so not written by the trial either)
-                    b.data = data  # (its own memory, offset, strides, dtype and shape: O(1))
-                    if values is None:
-                        continue  # (a meta tensor holds no values)
                     try:
-                        same = torch.equal(b, values)
-                    except (RuntimeError, NotImplementedError):  # (no kernel: sparse)
-                        same = False
-                    if not same:
-                        b.copy_(values)
+                        if b.requires_grad != requires_grad and b.is_leaf:
+                            b.requires_grad_(requires_grad)
+                        b.data = data  # (its own memory, offset, strides, dtype and shape: O(1))
+                        if values is None:
+                            continue  # (a meta tensor holds no values)
+                        try:
+                            same = torch.equal(b, values)
+                        except (RuntimeError, NotImplementedError):  # (no kernel: sparse)
+                            same = False
+                        if not same:
+                            b.copy_(values)
+                    except Exception as e:
+                        failures.append(e)
+        return failures
 
     return restore
 
@@ -944,20 +960,25 @@ class Parallel(nn.Module):
                    if self.fuse is True and not passing and not tracing else None)
         try:
             outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
-        finally:
-            if restore is not None:
-                restore()
+        except BaseException as e:
+            for failure in restore() if restore is not None else ():
+                _with_context(e, f"(and putting back the members' buffers after their trial failed: {failure!r})")
+            raise
+        failures = restore() if restore is not None else []
         if passing:
             # (This call only: the group is not at fault. Batched, the members' activations
             # are held at once, one after another each in turn: a large batch may fit only
             # unfused, and an allocation failure of the members too raises as it is.)
             return outputs
         if self.fuse is True:
-            raise RuntimeError(
+            error = RuntimeError(
                 f"{type(self).__name__}: fuse=True, but branches {names} failed to run batched, while "
                 f"each runs on its own: {type(failure).__name__}: {failure}\nPass fuse='auto' to run such "
                 "branches unfused, or fuse=False."
-            ) from failure
+            )
+            for f in failures:
+                _with_context(error, f"(and putting back the members' buffers after their trial failed: {f!r})")
+            raise error from failure
         fusion.disable(group, failure)
         # Signatures planned with the group fused are planned anew at their next call, with the
         # groups left (and explain() says what runs).

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import importlib
 import operator
 import threading
@@ -388,31 +389,57 @@ def _layouts_meet(difference: int, dims: tuple[tuple[int, int, int], ...], budge
     r"""Whether ``difference == sum(k * stride)`` for some ``lo <= k <= hi`` per ``(stride, lo, hi)`` of
     ``dims`` (largest stride first): whether two layouts reach one element (see :func:`_overlap`).
 
-    A search from the largest stride down, each step trying the multiples the
-    smaller strides can still make up: one or two for the layouts of views of
-    one tensor. Past ``budget`` steps the layouts are taken to meet. The same
-    layouts come back at every call of a pipeline: answers are kept.
+    A depth-first search from the largest stride down, each level trying only
+    the multiples that the smaller strides can still make up: within the
+    range they reach, and in the one residue class modulo their greatest
+    common divisor that can (views of one tensor take a step or two; two
+    layouts of different parities none). Past ``budget`` multiples tried the
+    layouts are taken to meet. The same layouts come back at every call of
+    a pipeline: answers are kept (ints only).
     """
-    # (An explicit stack, with the reach of the smaller strides at each level.)
-    reach = [0] * (len(dims) + 1)
-    for level in range(len(dims) - 1, -1, -1):
-        stride, low, high = dims[level]
-        reach[level] = reach[level + 1] + stride * max(-low, high)
-    stack = [(0, difference)]
+    n = len(dims)
+    if not n:
+        return difference == 0
+    # Below each level: the least and greatest sums the smaller strides reach, and their gcd.
+    low, high, divisor = [0] * (n + 1), [0] * (n + 1), [0] * (n + 1)
+    for level in range(n - 1, -1, -1):
+        stride, lo, hi = dims[level]
+        low[level], high[level] = low[level + 1] + stride * lo, high[level + 1] + stride * hi
+        divisor[level] = math.gcd(divisor[level + 1], stride)
+    if difference % divisor[0] or not low[0] <= difference <= high[0]:
+        return False
+
+    def multiples(level: int, rest: int) -> Iterator[int]:
+        stride, lo, hi = dims[level]
+        first = max(lo, -((high[level + 1] - rest) // stride))  # ceil((rest - high) / stride)
+        last = min(hi, (rest - low[level + 1]) // stride)
+        below = divisor[level + 1]
+        if not below:
+            return iter(range(last, first - 1, -1))
+        common = math.gcd(stride, below)
+        if rest % common:
+            return iter(())
+        step = below // common  # k * stride = rest (mod below): k in one class modulo step
+        k0 = (rest // common) * pow(stride // common, -1, step) % step if step > 1 else 0
+        last -= (last - k0) % step
+        return iter(range(last, first - 1, -step))
+
+    stack = [(0, difference, multiples(0, difference))]
     while stack:
-        level, rest = stack.pop()
-        if level == len(dims):
-            if rest == 0:
-                return True
+        level, rest, ks = stack[-1]
+        k = next(ks, None)
+        if k is None:
+            stack.pop()
             continue
         budget -= 1
         if budget < 0:
             return True
-        stride, low, high = dims[level]
-        below = reach[level + 1]
-        first = max(low, -((below - rest) // stride))  # ceil((rest - below) / stride)
-        last = min(high, (rest + below) // stride)
-        stack.extend((level + 1, rest - k * stride) for k in range(first, last + 1))
+        left = rest - k * dims[level][0]
+        if level + 1 == n:
+            if left == 0:
+                return True
+        else:
+            stack.append((level + 1, left, multiples(level + 1, left)))
     return False
 
 

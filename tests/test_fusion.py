@@ -993,6 +993,8 @@ class _CountedBranchy(nn.Module):
         super().__init__()
         self.lin, self.update = nn.Linear(8, 4), update
         self.register_buffer("calls", torch.zeros(0 if update == "grown" else ()))
+        self.register_buffer("other", torch.zeros(1), persistent=False)
+        self.register_buffer("last", torch.zeros(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.update == "in place":
@@ -1003,6 +1005,10 @@ class _CountedBranchy(nn.Module):
             self.calls.data.add_(1)  # (no version moves)
         elif self.update == "viewed anew":
             self.calls.data = self.calls.data.view(torch.int32)  # (the same memory, read as another dtype)
+        elif self.update == "made to require grad":
+            self.calls.requires_grad_(True)
+        elif self.update == "made persistent":
+            self.register_buffer("other", self.other + 1, persistent=True)
         elif self.update == "made a submodule":
             self.extra = nn.Linear(1, 1)
             self.calls.add_(1)
@@ -1032,7 +1038,8 @@ def _counted(block: nn.Module) -> list[float]:
 
 
 @pytest.mark.parametrize("update", ["in place", "assigned", "grown", "through .data", "viewed anew",
-                                    "made a parameter", "registered", "made a submodule"])
+                                    "made a parameter", "made to require grad", "made persistent", "registered",
+                                    "made a submodule"])
 def test_fuse_true_refusing_a_group_leaves_the_members_buffers_as_they_were(update):
     # Before (a CPU hunt): the members ran unfused once, to tell a fault of the input's
     # from the group's, before the call raised: each refused call counted as a call. (A
@@ -1047,13 +1054,15 @@ def test_fuse_true_refusing_a_group_leaves_the_members_buffers_as_they_were(upda
         assert _counted(block) == [0.0, 0.0, 0.0]
         assert [k for k, _ in state] == list(block.state_dict())  # (what is registered, and as what)
         assert all(torch.equal(v, block.state_dict()[k]) and v.dtype == block.state_dict()[k].dtype for k, v in state)
+        assert [list(b._buffers) for b in block] == [["calls", "other", "last"]] * 3  # (in their order too)
+        assert not any(t.requires_grad for t in block.buffers())
         assert [n for n, _ in block.named_parameters()] == [f"{i}.lin.{w}" for i in range(3) for w in ("weight", "bias")]
     block.fuse = "auto"  # (and the block still works, its buffers counting its calls)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         block(x)
         block(x)
-    assert _counted(block) == [2.0, 2.0, 2.0] or update == "viewed anew"  # (which counts nothing)
+    assert _counted(block) == [2.0, 2.0, 2.0] or update in ("viewed anew", "made to require grad", "made persistent")
 
 
 # ------------------------------------------------------------------ errors
