@@ -97,6 +97,13 @@ def _buffers_kept(roots: list[nn.Module]) -> Callable[[], list[BaseException]] |
     return restore
 
 
+def _note_failures(error: BaseException, failures: list[BaseException]) -> BaseException:
+    r"""``error``, with a note for each failure of :func:`_buffers_kept`'s function to put a buffer back."""
+    for failure in failures:
+        _with_context(error, f"(and putting back the members' buffers after their trial failed: {failure!r})")
+    return error
+
+
 class _Schedule(NamedTuple):
     r"""How a call runs: groups of identical branches batched or not, units on side streams or not."""
 
@@ -961,8 +968,7 @@ class Parallel(nn.Module):
         try:
             outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
         except BaseException as e:
-            for failure in restore() if restore is not None else ():
-                _with_context(e, f"(and putting back the members' buffers after their trial failed: {failure!r})")
+            _note_failures(e, restore() if restore is not None else [])
             raise
         failures = restore() if restore is not None else []
         if passing:
@@ -976,9 +982,7 @@ class Parallel(nn.Module):
                 f"each runs on its own: {type(failure).__name__}: {failure}\nPass fuse='auto' to run such "
                 "branches unfused, or fuse=False."
             )
-            for f in failures:
-                _with_context(error, f"(and putting back the members' buffers after their trial failed: {f!r})")
-            raise error from failure
+            raise _note_failures(error, failures) from failure
         fusion.disable(group, failure)
         # Signatures planned with the group fused are planned anew at their next call, with the
         # groups left (and explain() says what runs).

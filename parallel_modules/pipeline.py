@@ -320,8 +320,7 @@ def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
             t = r.leaves[i]
             if all(i < len(other) and other[i] is t for other in flat):
                 continue
-            mine = _is_piece(t, pieces[m])
-            if any(i < len(flat[k]) and not (mine and _is_piece(flat[k][i], pieces[k])) and _overlap(t, flat[k][i])
+            if any(i < len(flat[k]) and _overwrites(flat[k][i], pieces[k], t, pieces[m])
                    for k in range(m + 1, len(flat))):
                 raise TypeError(
                     f"micro-batch {m}'s output (leaf {i}, {tuple(t.shape)}) was written after the stage returned "
@@ -338,6 +337,13 @@ def _storage(t: Any) -> int | None:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _overwrites(later: Any, later_piece: Any, earlier: Any, earlier_piece: Any) -> bool:
+    r"""Whether ``later``, a later micro-batch's output (of the input piece ``later_piece``), lies in
+    memory of ``earlier``'s, an earlier one's: not where each is its own piece of the input."""
+    return (not (_is_piece(earlier, earlier_piece) and _is_piece(later, later_piece))
+            and _overlap(earlier, later))
 
 
 def _is_piece(t: Any, piece: Any) -> bool:
@@ -464,7 +470,8 @@ def _batch_size(piece: Any) -> int | None:
     return next((t.shape[0] for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
-# Layers that read a batch-first 3-D input, or a 2-D one as a single unbatched sequence.
+# Sequence layers: batch-first, they read a 3-D input as a batch and a 2-D one as one unbatched
+# sequence; batch-second (``batch_first=False``), dimension 0 as the sequence.
 _SEQUENCE_LAYERS = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
                     nn.Transformer)
 
@@ -495,8 +502,9 @@ def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tu
                 f"{type(owner).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
                 f"({type(m).__name__}, batch_first=True), given a 2-D input {tuple(first.shape)} (of a "
                 f"micro-batch): it reads one unbatched sequence, its rows the steps, which chunks={owner._chunks} "
-                f"cuts along dimension 0 into shorter sequences, and the result would differ from running the whole batch. Give it "
-                f"batched 3-D inputs (batch, sequence, features), or use chunks=1; if the stage runs it on "
+                f"cuts along dimension 0 into shorter sequences, and the result would differ from running the "
+                f"whole batch. Give it batched 3-D inputs (batch, sequence, features), or use chunks=1; if the "
+                f"stage runs it on "
                 f"each sample's own sequence, say so with `model.get_submodule({qual!r}).mixes_batch = False`.")
 
     handles = [m.register_forward_pre_hook(check, with_kwargs=True) for m in {id(m): m for _, _, m in layers}.values()]
@@ -509,8 +517,7 @@ def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tu
 
 def _batch_second(m: nn.Module) -> bool:
     r"""Whether ``m`` takes its batch along dimension 1 (``batch_first=False``): split along dimension 0, its input is split along its sequence."""
-    return (isinstance(m, (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
-                           nn.Transformer)) and not getattr(m, "batch_first", True))
+    return isinstance(m, _SEQUENCE_LAYERS) and not getattr(m, "batch_first", True)
 
 
 def _returning(stage: nn.Module) -> nn.Module:
@@ -1349,9 +1356,10 @@ class ParallelSequential(nn.Sequential):
                 # (Eagerly: a compiler would trace the hooks as side effects.)
                 key = ("sequences", _signature_dims(input), self._modes(), tuple(id(m) for _, _, m in sequences))
                 if key not in self._softmax_checked:
-                    with _unbatched_refused(self, plan, sequences, _batch_size(input) or 0):
+                    batch = _batch_size(input) or 0
+                    with _unbatched_refused(self, plan, sequences, batch):
                         output = self._checked(plan, input)
-                    if _batch_size(input):  # (an empty batch: the next call of the signature checks)
+                    if batch:  # (an empty batch: the next call of the signature checks)
                         self._softmax_checked.add(key)
                     return output
             return self._checked(plan, input)
@@ -1534,8 +1542,7 @@ class ParallelSequential(nn.Sequential):
         if before is not None:
             for i in _rewritten(before):
                 t = before.leaves[i]
-                mine = _is_piece(t, pieces[m - 1])
-                if any(not (mine and _is_piece(u, pieces[m])) and _overlap(t, u) for u in now.leaves):
+                if any(_overwrites(u, pieces[m], t, pieces[m - 1]) for u in now.leaves):
                     name = list(self._modules)[s]
                     raise RuntimeError(
                         f"{type(self).__name__}: stage {name!r} (index {s}) wrote its output for micro-batch "
