@@ -137,6 +137,15 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+def _attribute_value(value: Any) -> str:
+    r"""An attribute's value (see :func:`_hyperparameters`), for a message."""
+    if isinstance(value, torch.Tensor):
+        # (Not its values: ``prune`` and the hook-based ``weight_norm`` keep the weight so.)
+        return f"a tensor that is not a parameter or buffer, {_describe_tensor(value)}"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _describe_tensor(t: torch.Tensor | None) -> str:
     if t is None:
         return "None"
@@ -159,9 +168,15 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
     ha, hb = _hyperparameters(a), _hyperparameters(b)
     for k in sorted(set(ha) | set(hb)):
         if k not in ha or k not in hb or not _same_value(ha[k], hb[k]):
-            return f"{where} has {k}={hb.get(k, '<missing>')!r}, expected {ha.get(k, '<missing>')!r}"
+            got = f"{k}={_attribute_value(hb[k])}" if k in hb else f"no attribute {k!r}"
+            expected = (f"no attribute {k!r}" if k not in ha else _attribute_value(ha[k]) if k in hb
+                        else f"{k}={_attribute_value(ha[k])}")
+            return f"{where} has {got}, expected {expected}"
     for kind, ta, tb in (("parameter", a._parameters, b._parameters), ("buffer", a._buffers, b._buffers)):
-        if list(ta) != list(tb):
+        # (By name, not in registration order: ``prune.remove``, ``remove_weight_norm`` and
+        # ``remove_parametrizations`` register the weight anew, after the bias. The groups
+        # look members' tensors up by name.)
+        if sorted(ta) != sorted(tb):
             return f"{where} has {kind}s {list(tb)}, expected {list(ta)}"
         for name in ta:
             x, y = ta[name], tb[name]
@@ -773,15 +788,19 @@ class _Group:
         if tracing:
             tensors = self._tensors(entry)
             first = tensors[0]
-            if any([(t is None) != (first is None) or t is not None and (
-                    t.shape != first.shape or t.dtype != first.dtype) for t in tensors[1:]]):
+            differs = [i for i, t in enumerate(tensors) if (t is None) != (first is None) or t is not None and (
+                t.shape != first.shape or t.dtype != first.dtype)]
+            if differs:
                 # The members differ since the group was found (one's bias removed, a weight of
                 # another shape given), which registers nothing. A trace cannot find the groups
                 # again (see Parallel._traced_fusion): they are traced unfused. Eagerly (their
                 # tensors stacked as they are), the group fails, and "auto" unfuses it for good.
                 if _is_tracing():
                     raise _UnbatchedNow
-                raise RuntimeError(f"the branches are no longer identical: {qual} differs between members")
+                i = differs[0]
+                raise RuntimeError(
+                    f"the branches are no longer identical: {qual} of branch {self.indices[i]} is "
+                    f"{_describe_tensor(tensors[i])}, of branch {self.indices[0]} {_describe_tensor(first)}")
             if first is None:
                 return None
             stacked = torch.stack(tensors)

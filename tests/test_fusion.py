@@ -19,6 +19,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -1093,6 +1094,66 @@ def test_fuse_true_says_two_classes_of_one_name_are_two_classes():
     with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch is \S+make\.<locals>\.Scale "
                                          r"\(at 0x[0-9a-f]+\), expected .*another class of the same name"):
         Parallel(make(), make(), fuse=True)
+
+
+@pytest.mark.parametrize("undo", ["prune", "weight_norm", "parametrization"])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_weight_registered_again_after_the_bias_still_fuses(undo, fuse):
+    # Before (a CPU hunt): removing a pruning or weight norm registers the weight after the
+    # bias, and the parameters compared in registration order made the branch "differ":
+    # fuse=True failed every later call, "auto" stopped fusing the branch without a word.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)) for _ in range(3)], fuse=fuse)
+    x = torch.randn(6, 8)
+    p(x)
+    layer = p[0][0]
+    if undo == "prune":
+        prune.l1_unstructured(layer, "weight", amount=0.5)
+        prune.remove(layer, "weight")
+    elif undo == "weight_norm":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (the hook-based weight_norm is deprecated)
+            nn.utils.weight_norm(layer)
+        nn.utils.remove_weight_norm(layer)
+    else:
+        nn.utils.parametrizations.weight_norm(layer)
+        nn.utils.parametrize.remove_parametrizations(layer, "weight")
+    assert list(layer._parameters) == ["bias", "weight"]  # (what the test is about)
+    x = torch.randn(6, 8, requires_grad=True)
+    out = p(x)
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+    ref = reference(p, x)
+    assert_close(out, ref)
+    grads = torch.autograd.grad(out.sum(), [x, layer.weight])
+    assert_close(grads, torch.autograd.grad(ref.sum(), [x, layer.weight]))
+
+
+def test_fuse_true_describes_a_tensor_attribute_without_its_values():
+    # Before (a CPU hunt): a pruned layer's weight, a plain tensor attribute, was printed whole
+    # into the refusal, once per other branch, as "branch '1' has weight='<missing>'".
+    p = Parallel(*[nn.Linear(64, 64) for _ in range(3)], fuse=True)
+    x = torch.randn(2, 64)
+    p(x)
+    prune.l1_unstructured(p[0], "weight", amount=0.5)
+    with pytest.raises(ValueError) as e:
+        p(x)
+    msg = str(e.value)
+    assert ("branch '1' differs from branch '0': the branch has no attribute 'weight', expected weight=a tensor "
+            "that is not a parameter or buffer, (64, 64) float32 on cpu") in msg, msg
+    assert "tensor([" not in msg and len(msg) < 1000, msg
+    prune.remove(p[0], "weight")
+    assert_close(p(x), reference(p, x))  # (and the block works again)
+
+
+def test_fuse_true_names_the_member_whose_bias_was_set_to_none():
+    p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True)
+    x = torch.randn(5, 16)
+    p(x)
+    p[1].bias = None  # (registers nothing: the groups stand as they were found)
+    with pytest.raises(RuntimeError, match=r"bias of branch 1 is None, of branch 0 \(8,\) float32"):
+        p(x)
+    p[1].bias = nn.Parameter(torch.zeros(8))
+    assert_close(p(x), reference(p, x))
 
 
 def test_bad_input_names_the_branch_and_module_recovers():
