@@ -135,8 +135,12 @@ def _check_setting(owner: str, name: str, value: Any) -> Any:
     if name == "join":
         return _check_join(owner, value)
     if name == "dim":
-        if not isinstance(value, int) or isinstance(value, bool):
+        if isinstance(value, bool):
             raise TypeError(f"{owner}: dim must be an int, got {type(value).__name__} ({value!r}).")
+        try:
+            value = operator.index(value)  # (a NumPy integer, as torch.cat takes it)
+        except TypeError:
+            raise TypeError(f"{owner}: dim must be an int, got {type(value).__name__} ({value!r}).") from None
         if not -_MAX_DIM <= value < _MAX_DIM:  # (torch cannot even take it as an index: no message of ours)
             raise ValueError(f"{owner}: dim={value} is out of range for any tensor; pass the dimension of the "
                              f"branch outputs to join along, e.g. dim=1 or dim=-1.")
@@ -714,13 +718,18 @@ class Parallel(nn.Module):
 
     def _fusion_for(self, args: tuple, kwargs: dict, thorough: bool = False, regroup: bool = True
                     ) -> _Fusion | None:
-        r"""The fused groups that apply to this call, or ``None`` (fusion off, nothing to fuse, not one tensor).
+        r"""The fused groups that apply to this call, or ``None`` (fusion off, nothing to fuse, not one
+        dense tensor).
 
         ``thorough``: a schedule is being chosen or a graph captured, which
         may also look at what costs too much to look at on every call.
         ``regroup``: find groups out of date anew; else ``None`` for them.
         """
-        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        if (kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].layout is not torch.strided
+                or args[0].is_nested):
+            # (Sparse and nested inputs run unfused for the call: the batched steps view and
+            # expand their input, which those layouts refuse; failing there, "auto" would
+            # unfuse the group for every later call, and fuse=True refuse the call.)
             return None
         fusion = self._fusion
         if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):

@@ -1156,6 +1156,33 @@ def test_fuse_true_names_the_member_whose_bias_was_set_to_none():
     assert_close(p(x), reference(p, x))
 
 
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("join", ["cat", "sum", None])
+def test_sparse_and_nested_inputs_run_unfused_for_the_call(fuse, join):
+    # Before (a CPU hunt): the batched steps view and expand their input, which sparse and
+    # nested layouts refuse: fuse=True refused such calls (which unfused branches run), and
+    # "auto" unfused the group for good after one of them, dense calls included.
+    def dense(t):
+        if isinstance(t, (tuple, list)):
+            return [dense(u) for u in t]
+        return torch.cat(t.unbind()) if t.is_nested else t.to_dense()
+
+    torch.manual_seed(0)
+    p = Parallel(nn.Linear(8, 4), nn.Linear(8, 4), join=join, fuse=fuse)
+    unfused = Parallel(*p, join=join, fuse=False)
+    sparse = torch.randn(4, 8).relu().to_sparse()
+    nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=torch.jagged)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # ("auto" warned that the group runs unfused from now on)
+        p(x)
+        for odd in ([sparse] if join == "cat" else [sparse, nested]):  # (nested outputs do not cat along dim 1)
+            for _ in range(3):
+                assert_same(dense(p(odd)), dense(unfused(odd)))
+        assert p.explain()["fused"] == [["0", "1"]]
+        assert_close(p(x), unfused(x))
+
+
 def test_bad_input_names_the_branch_and_module_recovers():
     p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True)
     with pytest.raises(RuntimeError) as e:
