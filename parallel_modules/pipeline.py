@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from ._children import _check_name, _check_stage, _child_key
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._joins import _describe, _out_of_memory
+from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
@@ -1112,6 +1112,15 @@ class ParallelSequential(nn.Sequential):
             )
         batch = tensors[0].shape[0]
         if any(t.shape[0] != batch for t in tensors[1:]):
+            packed = pytree.tree_flatten(input, is_leaf=lambda v: isinstance(v, nn.utils.rnn.PackedSequence))[0]
+            if any(isinstance(v, nn.utils.rnn.PackedSequence) for v in packed):
+                # (Its tensors are time steps' rows and their counts, not samples.)
+                raise ValueError(
+                    f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
+                    f"but it holds a PackedSequence, whose data has no batch dimension to split. Use "
+                    f"chunks=1 for such inputs, or pass the padded batch (nn.utils.rnn.pad_packed_sequence) "
+                    f"and pack it inside the first stage."
+                )
             paths = pytree.tree_flatten_with_path(input)[0]
             listing = ", ".join(
                 f"input{pytree.keystr(p)}: {t.shape[0]}" for p, t in paths if isinstance(t, torch.Tensor) and t.dim()
@@ -1223,7 +1232,8 @@ class ParallelSequential(nn.Sequential):
                 if all(o is first for o in outputs[1:]):
                     return shared(first, 0)  # the same tensor from every micro-batch, as in a structure below
                 return batched(outputs)
-            flat = [pytree.tree_flatten(o) for o in outputs]
+            # (Dicts of the same keys in another order are the same structure, as for nn.Sequential.)
+            flat = [pytree.tree_flatten(_in_order_of(o, outputs[0]) if i else o) for i, o in enumerate(outputs)]
             spec = flat[0][1]
             if any(s != spec for _, s in flat):
                 raise TypeError("the micro-batches returned different structures")
@@ -1556,9 +1566,12 @@ class ParallelSequential(nn.Sequential):
         try:
             return stage(value)
         except Exception as e:
-            raise self._stage_error(
-                e, f"(raised in stage {name!r} (index {s}) on micro-batch {m} of {count} of {type(self).__name__})"
-            )
+            context = f"(raised in stage {name!r} (index {s}) on micro-batch {m} of {count} of {type(self).__name__}"
+            if s == 0 and isinstance(value, torch.Tensor) and value.dim() == 1:
+                # (A 1-D batch -- token ids for an embedding -- is cut so too; one unbatched sample is not.)
+                context += (f"; the input is 1-D, cut into micro-batches along its only dimension: for one "
+                            f"unbatched sample, use chunks=1")
+            raise self._stage_error(e, context + ")")
 
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,

@@ -271,12 +271,43 @@ def test_mismatched_batch_sizes(device: str) -> None:
     assert torch.equal(model((a, b)), a + b.sum(1, keepdim=True))
 
 
+def test_a_packed_sequence_is_refused_for_what_it_is() -> None:
+    # Before (a CPU hunt): "every tensor of the input must have the same batch size ...
+    # input.data: 10, input.batch_sizes: 5. Pass tensors of one batch", which cannot be done.
+    class Last(nn.Module):
+        def forward(self, out_h):
+            return out_h[1][-1]
+
+    torch.manual_seed(0)
+    padded, lengths = torch.randn(3, 5, 4), torch.tensor([5, 3, 2])
+    packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True)
+    model = ParallelSequential(nn.GRU(4, 6, batch_first=True), Last(), chunks=2)
+    for given in (packed, (packed,)):
+        with pytest.raises(ValueError, match=r"holds a PackedSequence, whose data has no batch dimension.*chunks=1"):
+            model(given)
+    model.chunks = 1
+    assert torch.equal(model(packed), nn.Sequential(*model)(packed))
+
+
 def test_unbatched_input() -> None:
     model = ParallelSequential(nn.Identity(), chunks=2)
     with pytest.raises(ValueError, match="batched along dimension 0; got Tensor"):
         model(torch.tensor(1.0))
     with pytest.raises(ValueError, match="batched along dimension 0.*or use chunks=1"):
         model((1, 2))
+    # One unbatched sample, 1-D, is cut along its features, where nn.Sequential takes it whole:
+    # the layer's own error says so. (A 1-D batch, token ids, is cut as any batch.)
+    linear = ParallelSequential(nn.Linear(8, 4), chunks=2)
+    with pytest.raises(RuntimeError, match=r"stage '0' \(index 0\) on micro-batch 0 of 2 .*the input is 1-D, cut "
+                                           r"into micro-batches along its only dimension: for one unbatched sample, "
+                                           r"use chunks=1"):
+        linear(torch.randn(8))
+    linear.chunks = 1
+    x = torch.randn(8)
+    assert torch.equal(linear(x), linear[0](x))
+    ids = torch.tensor([1, 2, 3])
+    embed = ParallelSequential(nn.Embedding(4, 2), chunks=3)
+    assert torch.equal(embed(ids), embed[0](ids))
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -647,6 +678,34 @@ def test_none_and_scalars_in_structures() -> None:
     x, t = torch.randn(6, 4), torch.tensor(2.0)
     out, nothing = model((x, t))  # the 0-dim temperature goes to every micro-batch
     assert nothing is None and torch.equal(out, x / t)
+
+
+def test_dicts_of_one_keys_in_another_order_concatenate() -> None:
+    # Before (a CPU hunt): refused as "different structures", where nn.Sequential returns the
+    # dict and Parallel's joins accept the same keys in another order.
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"a": y, "b": 2 * y} if x.shape[0] % 2 else {"b": 2 * y, "a": y}
+
+    torch.manual_seed(0)
+    model = ParallelSequential(Heads(), chunks=2)
+    x = torch.randn(9, 8)  # micro-batches of 5 and 4 rows: keys a, b then b, a
+    out = model(x)
+    assert list(out) == ["a", "b"]  # (the first micro-batch's order)
+    assert torch.equal(out["a"], torch.cat([model[0].lin(x[:5]), model[0].lin(x[5:])]))
+    assert torch.equal(out["b"], 2 * out["a"])
+    with pytest.raises(ValueError, match="different structures"):
+        ParallelSequential(nn.Identity(), _KeysBySize(), chunks=2)(x)
+
+
+class _KeysBySize(nn.Module):
+    def forward(self, x):  # other keys for each micro-batch size: no order makes them one structure
+        return {"five" if x.shape[0] == 5 else "four": x}
 
 
 # -------------------------------------------------------------------- tracing
