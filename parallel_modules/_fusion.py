@@ -168,6 +168,11 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
     ha, hb = _hyperparameters(a), _hyperparameters(b)
     for k in sorted(set(ha) | set(hb)):
         if k not in ha or k not in hb or not _same_value(ha[k], hb[k]):
+            if isinstance(ha.get(k), torch.Tensor) and isinstance(hb.get(k), torch.Tensor):
+                # (Told apart by value, which a tensor of many elements cannot be compared by.)
+                return (f"{where} holds {k!r}, a tensor that is not a parameter or buffer "
+                        f"({_describe_tensor(hb[k])}), which fusion cannot stack for each branch: register it "
+                        f"with register_buffer (or as a parameter)")
             got = f"{k}={_attribute_value(hb[k])}" if k in hb else f"no attribute {k!r}"
             expected = (f"no attribute {k!r}" if k not in ha else _attribute_value(ha[k]) if k in hb
                         else f"{k}={_attribute_value(ha[k])}")
@@ -562,8 +567,11 @@ class _Structured(NamedTuple):
 class _Group:
     r"""One group of identical branches, evaluated as one batched computation."""
 
-    def __init__(self, indices: list[int], members: list[nn.Module], others: Sequence[nn.Module] = ()) -> None:
+    def __init__(self, indices: list[int], members: list[nn.Module], others: Sequence[nn.Module] = (),
+                 names: Sequence[str] | None = None) -> None:
         self.indices = indices
+        # (What messages call the members: the block's names of them.)
+        self.names = list(names) if names is not None else [str(i) for i in indices]
         self.members = members
         self.others = others  # the block's other branches (see _refuse_ties)
         self.n = len(members)
@@ -655,17 +663,17 @@ class _Group:
         ``_groups`` left such branches out; ``.data =`` and ``set_()`` tie tensors
         since, registering nothing, and stacking would copy them apart.
         """
-        for i, member in zip(self.indices, self.members):
+        for name, member in zip(self.names, self.members):
             tied = _tied_within(member)
             if tied is not None:
-                raise RuntimeError(f"{tied[0]} and {tied[1]} of branch {i} share memory now: stacked, they would no "
+                raise RuntimeError(f"{tied[0]} and {tied[1]} of branch {name!r} share memory now: stacked, they would no "
                                    f"longer share it")
         tied = _tied_in_memory([_tensors(m) for m in (*self.members, *self.others)])
         k = next((k for k in range(self.n) if k in tied), None)
         if k is not None:
             other = tied[k]
-            with_ = (f"branch {self.indices[other]}" if other < self.n else "another branch of the block")
-            raise RuntimeError(f"branch {self.indices[k]} shares memory with {with_} now, through another parameter "
+            with_ = (f"branch {self.names[other]!r}" if other < self.n else "another branch of the block")
+            raise RuntimeError(f"branch {self.names[k]!r} shares memory with {with_} now, through another parameter "
                                f"or buffer object: stacked, they would no longer share it")
 
     def bind(self) -> bool:
@@ -701,8 +709,8 @@ class _Group:
                     if (t is None) != (first is None) or (t is not None and (
                             t.shape != first.shape or t.dtype != first.dtype or t.device != first.device)):
                         raise RuntimeError(
-                            f"the branches are no longer identical: {qual} of branch {self.indices[i]} is "
-                            f"{_describe_tensor(t)}, of branch {self.indices[0]} {_describe_tensor(first)}")
+                            f"the branches are no longer identical: {qual} of branch {self.names[i]!r} is "
+                            f"{_describe_tensor(t)}, of branch {self.names[0]!r} {_describe_tensor(first)}")
                 if first is None:
                     continue
                 stacked = _adopt(tensors)
@@ -799,8 +807,8 @@ class _Group:
                     raise _UnbatchedNow
                 i = differs[0]
                 raise RuntimeError(
-                    f"the branches are no longer identical: {qual} of branch {self.indices[i]} is "
-                    f"{_describe_tensor(tensors[i])}, of branch {self.indices[0]} {_describe_tensor(first)}")
+                    f"the branches are no longer identical: {qual} of branch {self.names[i]!r} is "
+                    f"{_describe_tensor(tensors[i])}, of branch {self.names[0]!r} {_describe_tensor(first)}")
             if first is None:
                 return None
             stacked = torch.stack(tensors)
@@ -1976,8 +1984,8 @@ class _Fusion:
         # (One branch, or none, is identical to itself: it runs as it is.)
         if required and len(branches) > 1 and (len(groups) != 1 or len(groups[0]) != len(branches)):
             raise ValueError(_required_error(owner, names, branches, self.reasons))
-        self.groups = [_Group(g, [branches[i] for i in g], [b for i, b in enumerate(branches) if i not in g])
-                       for g in groups]
+        self.groups = [_Group(g, [branches[i] for i in g], [b for i, b in enumerate(branches) if i not in g],
+                              [names[i] for i in g]) for g in groups]
         # Grouping depended on these submodules' train/eval modes (BatchNorm,
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.

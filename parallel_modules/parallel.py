@@ -3,6 +3,7 @@ r"""``Parallel``: independent branches on one input, run concurrently."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 import operator
 from collections import OrderedDict
 import time
@@ -135,12 +136,11 @@ def _check_setting(owner: str, name: str, value: Any) -> Any:
     if name == "join":
         return _check_join(owner, value)
     if name == "dim":
-        if isinstance(value, bool):
+        # (A NumPy integer is one, as torch.cat takes it; not a bool, nor a tensor or an array,
+        # which ``__index__`` would take.)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{owner}: dim must be an int, got {type(value).__name__} ({value!r}).")
-        try:
-            value = operator.index(value)  # (a NumPy integer, as torch.cat takes it)
-        except TypeError:
-            raise TypeError(f"{owner}: dim must be an int, got {type(value).__name__} ({value!r}).") from None
+        value = operator.index(value)
         if not -_MAX_DIM <= value < _MAX_DIM:  # (torch cannot even take it as an index: no message of ours)
             raise ValueError(f"{owner}: dim={value} is out of range for any tensor; pass the dimension of the "
                              f"branch outputs to join along, e.g. dim=1 or dim=-1.")

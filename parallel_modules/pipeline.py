@@ -318,10 +318,11 @@ def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
     for m, r in enumerate(returned):
         for i in _rewritten(r):
             t = r.leaves[i]
-            if all(i < len(other) and other[i] is t for other in flat):
+            # (Any leaf of the others, not their leaf i alone: dicts of the same keys may come in
+            # another order, see _concat.)
+            if all(any([u is t for u in other]) for other in flat):
                 continue
-            if any(i < len(flat[k]) and _overwrites(flat[k][i], pieces[k], t, pieces[m])
-                   for k in range(m + 1, len(flat))):
+            if any(_overwrites(u, pieces[k], t, pieces[m]) for k in range(m + 1, len(flat)) for u in flat[k]):
                 raise TypeError(
                     f"micro-batch {m}'s output (leaf {i}, {tuple(t.shape)}) was written after the stage returned "
                     f"it, by a later micro-batch: the stage returns a view of memory it writes again at every "
@@ -1110,17 +1111,18 @@ class ParallelSequential(nn.Sequential):
                 f"but it holds {kind} ({_describe(t)}), which cannot be sliced into views along it. "
                 f"Use chunks=1 for such inputs, or make them dense (.to_dense(), or pad nested ones)."
             )
+        if spec is not None and any(isinstance(v, nn.utils.rnn.PackedSequence) for v in pytree.tree_flatten(
+                input, is_leaf=lambda v: isinstance(v, nn.utils.rnn.PackedSequence))[0]):
+            # (Its tensors are time steps' rows and their counts, not samples; refused whatever their
+            # sizes: one sequence has as many rows of data as counts.)
+            raise ValueError(
+                f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
+                f"but it holds a PackedSequence, whose data has no batch dimension to split. Use "
+                f"chunks=1 for such inputs, or pass the padded batch (nn.utils.rnn.pad_packed_sequence) "
+                f"and pack it inside the first stage."
+            )
         batch = tensors[0].shape[0]
         if any(t.shape[0] != batch for t in tensors[1:]):
-            packed = pytree.tree_flatten(input, is_leaf=lambda v: isinstance(v, nn.utils.rnn.PackedSequence))[0]
-            if any(isinstance(v, nn.utils.rnn.PackedSequence) for v in packed):
-                # (Its tensors are time steps' rows and their counts, not samples.)
-                raise ValueError(
-                    f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
-                    f"but it holds a PackedSequence, whose data has no batch dimension to split. Use "
-                    f"chunks=1 for such inputs, or pass the padded batch (nn.utils.rnn.pad_packed_sequence) "
-                    f"and pack it inside the first stage."
-                )
             paths = pytree.tree_flatten_with_path(input)[0]
             listing = ", ".join(
                 f"input{pytree.keystr(p)}: {t.shape[0]}" for p, t in paths if isinstance(t, torch.Tensor) and t.dim()
@@ -1567,10 +1569,12 @@ class ParallelSequential(nn.Sequential):
             return stage(value)
         except Exception as e:
             context = f"(raised in stage {name!r} (index {s}) on micro-batch {m} of {count} of {type(self).__name__}"
-            if s == 0 and isinstance(value, torch.Tensor) and value.dim() == 1:
-                # (A 1-D batch -- token ids for an embedding -- is cut so too; one unbatched sample is not.)
-                context += (f"; the input is 1-D, cut into micro-batches along its only dimension: for one "
-                            f"unbatched sample, use chunks=1")
+            if s == 0 and count > 1 and isinstance(e, RuntimeError) and isinstance(value, torch.Tensor) \
+                    and value.dim() == 1:
+                # (A 1-D batch -- token ids for an embedding -- is cut so too, rightly; one unbatched
+                # sample is not. Shape errors are RuntimeErrors; an id out of range, an IndexError, is not.)
+                context += (f"; the input is 1-D, cut into micro-batches along its only dimension: if it is one "
+                            f"unbatched sample rather than a batch, use chunks=1")
             raise self._stage_error(e, context + ")")
 
     def _pipeline(

@@ -1144,15 +1144,31 @@ def test_fuse_true_describes_a_tensor_attribute_without_its_values():
     prune.remove(p[0], "weight")
     assert_close(p(x), reference(p, x))  # (and the block works again)
 
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.scale = torch.ones(4)  # (neither a parameter nor a buffer)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    # Alike in every branch, such tensors are told apart by value, which they cannot be compared
+    # by: the message said "has scale=<a tensor>, expected <the same description>".
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch holds 'scale', a tensor that "
+                                         r"is not a parameter or buffer \(\(4,\) float32 on cpu\), which fusion cannot "
+                                         r"stack for each branch: register it with register_buffer"):
+        Parallel(Scaled(), Scaled(), fuse=True)
+
 
 def test_fuse_true_names_the_member_whose_bias_was_set_to_none():
-    p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True)
+    p = Parallel(collections.OrderedDict((name, nn.Linear(16, 8)) for name in ("left", "mid", "right")), fuse=True)
     x = torch.randn(5, 16)
     p(x)
-    p[1].bias = None  # (registers nothing: the groups stand as they were found)
-    with pytest.raises(RuntimeError, match=r"bias of branch 1 is None, of branch 0 \(8,\) float32"):
+    p.mid.bias = None  # (registers nothing: the groups stand as they were found)
+    with pytest.raises(RuntimeError, match=r"bias of branch 'mid' is None, of branch 'left' \(8,\) float32"):
         p(x)
-    p[1].bias = nn.Parameter(torch.zeros(8))
+    p.mid.bias = nn.Parameter(torch.zeros(8))
     assert_close(p(x), reference(p, x))
 
 
@@ -2877,10 +2893,10 @@ def _tie_across_entries(m: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("tie, message", [
-    (_tie_first_members, "branch 0 shares memory with branch 1 now"),
-    (_tie_to_the_unfused_branch, "branch 0 shares memory with another branch of the block now"),
-    (_tie_within_a_member, "0.weight and 2.weight of branch 0 share memory now"),
-    (_tie_across_entries, "branch 0 shares memory with branch 1 now"),
+    (_tie_first_members, "branch '0' shares memory with branch '1' now"),
+    (_tie_to_the_unfused_branch, "branch '0' shares memory with another branch of the block now"),
+    (_tie_within_a_member, "0.weight and 2.weight of branch '0' share memory now"),
+    (_tie_across_entries, "branch '0' shares memory with branch '1' now"),
 ], ids=["members", "unfused-branch", "within-member", "across-entries"])
 def test_members_tied_in_memory_after_the_first_call_run_unfused(tie, message):
     # Before: stacked anew at the next call, and so untied (0.10-0.26 off plain modules after two

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import numbers
 import pickle
 import warnings
 from collections import OrderedDict
@@ -698,26 +699,6 @@ def test_bad_settings_set_later_are_refused_and_change_nothing():
         p.fuse = True
     assert (p.join, p.dim, p.streams, p.max_graphs, p.fuse) == ("cat", 1, "auto", 8, False)
     assert_same(p(x), expected)
-
-
-def test_dim_takes_an_integer_of_another_type_as_torch_cat_does():
-    # Before (a CPU hunt): a NumPy integer was refused as "dim must be an int".
-    class Integer:  # (as numpy.int64: an integer through __index__)
-        def __init__(self, value: int) -> None:
-            self.value = value
-
-        def __index__(self) -> int:
-            return self.value
-
-    p = Parallel(nn.Linear(8, 8), nn.Linear(8, 4), dim=Integer(-1))
-    x = torch.randn(4, 8)
-    assert p.dim == -1 and type(p.dim) is int
-    assert_same(p(x), reference(p, x))
-    p.dim = Integer(1)
-    assert p.dim == 1 and type(p.dim) is int
-    assert_same(p(x), reference(p, x))
-    with pytest.raises(TypeError, match=r"Parallel: dim must be an int, got float"):
-        p.dim = 1.0
     # Graph settings reach the graph cache.
     with pytest.raises(TypeError, match=r"Parallel: static_outputs must be True or False, got str \('False'\)"):
         p.static_outputs = "False"  # (bool("False") is True)
@@ -727,6 +708,30 @@ def test_dim_takes_an_integer_of_another_type_as_torch_cat_does():
     assert "max_graphs" not in repr(p)  # (shown with cuda_graph=True only)
     p.cuda_graph = True
     assert "max_graphs=2, static_outputs=True, graph_fallback=True" in repr(p)
+
+
+def test_dim_takes_an_integer_of_another_type_as_torch_cat_does():
+    # Before (a CPU hunt): a NumPy integer was refused as "dim must be an int".
+    class Integer:  # (as numpy.int64: an integer through __index__, registered as one)
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __index__(self) -> int:
+            return self.value
+
+    numbers.Integral.register(Integer)
+
+    p = Parallel(nn.Linear(8, 8), nn.Linear(8, 4), dim=Integer(-1))
+    x = torch.randn(4, 8)
+    assert p.dim == -1 and type(p.dim) is int
+    assert_same(p(x), reference(p, x))
+    p.dim = Integer(1)
+    assert p.dim == 1 and type(p.dim) is int
+    assert_same(p(x), reference(p, x))
+    for wrong in (1.0, torch.tensor(True), torch.tensor([1])):  # (torch.cat refuses these too)
+        with pytest.raises(TypeError, match=r"Parallel: dim must be an int, got (float|Tensor)"):
+            p.dim = wrong
+    assert p.dim == 1
 
 
 class _Scaled(nn.Module):

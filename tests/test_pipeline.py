@@ -282,7 +282,8 @@ def test_a_packed_sequence_is_refused_for_what_it_is() -> None:
     padded, lengths = torch.randn(3, 5, 4), torch.tensor([5, 3, 2])
     packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True)
     model = ParallelSequential(nn.GRU(4, 6, batch_first=True), Last(), chunks=2)
-    for given in (packed, (packed,)):
+    one = nn.utils.rnn.pack_padded_sequence(padded[:1], lengths[:1], batch_first=True)  # (5 rows, 5 counts)
+    for given in (packed, (packed,), one):
         with pytest.raises(ValueError, match=r"holds a PackedSequence, whose data has no batch dimension.*chunks=1"):
             model(given)
     model.chunks = 1
@@ -299,9 +300,12 @@ def test_unbatched_input() -> None:
     # the layer's own error says so. (A 1-D batch, token ids, is cut as any batch.)
     linear = ParallelSequential(nn.Linear(8, 4), chunks=2)
     with pytest.raises(RuntimeError, match=r"stage '0' \(index 0\) on micro-batch 0 of 2 .*the input is 1-D, cut "
-                                           r"into micro-batches along its only dimension: for one unbatched sample, "
-                                           r"use chunks=1"):
+                                           r"into micro-batches along its only dimension: if it is one unbatched "
+                                           r"sample rather than a batch, use chunks=1"):
         linear(torch.randn(8))
+    with pytest.raises(RuntimeError) as e:  # (an empty input runs whole: nothing was cut)
+        linear(torch.randn(0))
+    assert "1-D" not in str(e.value)
     linear.chunks = 1
     x = torch.randn(8)
     assert torch.equal(linear(x), linear[0](x))
@@ -909,6 +913,14 @@ class _ViewOfBuffer(nn.Module):
         return self.buf[:x.shape[0]].copy_(self.lin(x))
 
 
+class _ViewInDictOfSwappingKeys(_ViewOfBuffer):
+    r""":class:`_ViewOfBuffer`'s view and a new tensor, in a dict whose key order is the batch's parity."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        kept, new = super().forward(x), self.lin(x) + 1
+        return {"kept": kept, "new": new} if x.shape[0] % 2 else {"new": new, "kept": kept}
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("grad", [False, True])
 def test_views_of_one_buffer_written_again_for_each_micro_batch_are_refused(device, grad) -> None:
@@ -932,6 +944,12 @@ def test_views_of_one_buffer_written_again_for_each_micro_batch_are_refused(devi
     model.chunks = 1
     with torch.no_grad():
         torch.testing.assert_close(model(x), model[1].lin(x), rtol=0, atol=0)
+    # Nor when the view comes in a dict whose keys change order between micro-batches (a review:
+    # compared leaf by leaf in each one's own order, the view was taken for another's).
+    if device == "cpu":
+        swapping = ParallelSequential(_ViewInDictOfSwappingKeys(), chunks=2)
+        with torch.no_grad(), pytest.raises(ValueError, match="was written after the stage returned it"):
+            swapping(torch.arange(36.0).reshape(9, 4))
     # Memory of the input's that a stage keeps and writes again is not (a second review: outputs
     # in the input's memory were all taken for the micro-batches' own).
     if device == "cpu":
