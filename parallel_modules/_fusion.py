@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -676,6 +677,29 @@ class _Group:
             raise RuntimeError(f"branch {self.names[k]!r} shares memory with {with_} now, through another parameter "
                                f"or buffer object: stacked, they would no longer share it")
 
+    def _refuse_shared(self, qual: str, tensors: list[torch.Tensor]) -> None:
+        r"""Refuse to stack anew members that another block's fused group holds in its stacks.
+
+        A module that is a branch of two fused blocks is pointed into the stacks
+        of the one that called last: each would find it moved at its next call
+        and copy its whole group anew (8 members of 4 layers: 4-7x the call's
+        time on the CPU), every call. (Members found in stacks of no group of
+        ours this block made before: ``bind`` comes here only for a group bound
+        already, and finding the groups anew makes new ones, which adopt
+        their stacks.)
+        """
+        for i, t in enumerate(tensors):
+            owner = _STACK_OWNERS.get(_storage_address(t))
+            group = owner() if owner is not None else None
+            if group is not None and group is not self and any(
+                    _storage_address(s) == _storage_address(t) for s in group.stacks.values()):
+                raise RuntimeError(
+                    f"branch {self.names[i]!r} is a member of a fused group of another block too, which stacked "
+                    f"it since this block's last call (its {qual} is a slice of that group's): each block would "
+                    f"copy its group's "
+                    f"parameters anew at every call. Make it a branch of one fused block only (a copy for the "
+                    f"other: copy.deepcopy), or pass fuse=False to one of them")
+
     def bind(self) -> bool:
         r"""Stack each parameter and buffer of the members; point the members at their slices.
 
@@ -718,6 +742,8 @@ class _Group:
                     if not checked:
                         self._refuse_ties()
                         checked = True
+                    if self.stacks:  # (bound before: moved since)
+                        self._refuse_shared(qual, tensors)
                     # (Inference tensors, made under inference_mode, keep no version.)
                     versions = [None if t.is_inference() else t._version for t in tensors]
                     old = [t.detach() for t in tensors]
@@ -759,6 +785,12 @@ class _Group:
         # seen by the next call, and stacked anew.
         ptrs = [stacks[q][i].data_ptr() for q, tensors in bound.items() for i in range(len(tensors))]
         self.stacks, self.bound, self.joint = stacks, bound, joint
+        me = weakref.ref(self)
+        for t in (*stacks.values(), *(together for together, _ in joint.values())):
+            _STACK_OWNERS[_storage_address(t)] = me
+        if len(_STACK_OWNERS) > 4096:  # (groups gone since)
+            for address in [a for a, owner in _STACK_OWNERS.items() if owner() is None]:
+                del _STACK_OWNERS[address]
         self.kernel_shapes = {}
         self.snapshots = [d.copy() for d in self.tensor_dicts]
         self.scalars = _watch._has_scalars(self.tensor_dicts)
@@ -1771,6 +1803,20 @@ _structure = threading.local()
 _TENSOR = object()
 
 
+# The group that made each stack, by the stack's memory (see _Group._refuse_shared).
+_STACK_OWNERS: dict[int, weakref.ref] = {}
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Running(threading.local):
+    r"""Per thread: whether a vmapped step is running its members' call (see :func:`_vmapped_step`)."""
+
+    now = False
+
+
 class _UnbatchedNow(Exception):
     r"""Raised by a vmapped step that cannot batch this call: the group's members run unfused for it.
 
@@ -1850,6 +1896,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     tracing = _is_tracing()
     runner = m if tracing else _own_dicts(m)
     lock = contextlib.nullcontext() if tracing else threading.Lock()
+    running = None if tracing else _Running()  # whether this thread is inside this step's call (see step)
 
     def call(state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
         given = dict(state)
@@ -1889,15 +1936,27 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         if (fast_paths and torch.is_grad_enabled() and not all(sub.training for sub in fast_paths)
                 and (v.t.requires_grad or any(t.requires_grad for t in state.values()))):
             raise _UnbatchedNow
-        _structure.value = None
         tracing = _is_tracing()
+        guard = None if tracing else running
+        if guard is not None and guard.now:
+            # A member calling the block it is a member of (recursion on a smaller input) reaches
+            # this step again inside its own call, which holds the lock and the runner's dicts:
+            # the inner call runs the members unfused (waiting on the lock, it would wait forever).
+            raise _UnbatchedNow
+        _structure.value = None
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
-            if v.layout == _SHARED and state:
-                out = shared(state, v.t)
-            else:
-                # (Without parameters or buffers nothing else is batched, and vmap needs a batched
-                # input: the members' common input is read as N stacked copies, without copying.)
-                out = stacked(state, _to_stacked(v, group.n))
+            if guard is not None:
+                guard.now = True
+            try:
+                if v.layout == _SHARED and state:
+                    out = shared(state, v.t)
+                else:
+                    # (Without parameters or buffers nothing else is batched, and vmap needs a batched
+                    # input: the members' common input is read as N stacked copies, without copying.)
+                    out = stacked(state, _to_stacked(v, group.n))
+            finally:
+                if guard is not None:
+                    guard.now = False
         if state and not tracing:  # (traced, the stacks are made in the graph: nothing to alias)
             out = _own_memory(out, state)
         if isinstance(out, torch.Tensor):

@@ -1199,6 +1199,82 @@ def test_sparse_and_nested_inputs_run_unfused_for_the_call(fuse, join):
         assert_close(p(x), unfused(x))
 
 
+class _Recursive(nn.Module):
+    r"""A layer of its own (fused through vmap) calling the block it is a branch of, on half its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        object.__setattr__(self, "block", None)  # (a plain reference: not registered)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y + self.block(x[:x.shape[0] // 2]).sum() if x.shape[0] > 1 else y
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_member_calling_its_own_block_runs_the_inner_call_unfused(fuse):
+    # Before (a CPU hunt): the inner call waited for the vmapped step's lock, which the outer
+    # call holds in the same thread: the process hung, without an error.
+    torch.manual_seed(0)
+    members = [_Recursive() for _ in range(2)]
+    p = Parallel(*members, join="sum", fuse=fuse)
+    plain = copy.deepcopy(p)
+    plain.fuse = False
+    for block in (p, plain):
+        for m in block:
+            object.__setattr__(m, "block", block)
+    results = {}
+
+    def run() -> None:
+        for call in range(2):
+            x = torch.randn(4, 4, requires_grad=True)
+            out, expected = p(x), plain(x)
+            results[call] = (out, expected, torch.autograd.grad(out.sum(), [x, p[0].lin.weight]),
+                             torch.autograd.grad(expected.sum(), [x, plain[0].lin.weight]))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "the call hung"
+    assert len(results) == 2
+    for out, expected, grads, expected_grads in results.values():
+        assert_close(out, expected)
+        assert_close(grads, expected_grads)
+    assert fused_groups(p) == [["0", "1"]]
+
+
+def test_a_member_of_two_fused_blocks_is_left_to_one():
+    # Before (a CPU hunt): each block pointed the shared member into its own stacks, and the
+    # other found it moved at its next call and copied its whole group again: every call, 4-7x
+    # slower, silently.
+    torch.manual_seed(0)
+    shared = mlp(8)
+    b1 = Parallel(*[mlp(8) for _ in range(3)], shared, fuse="auto")
+    b2 = Parallel(shared, *[mlp(8) for _ in range(3)], fuse="auto")
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            moves = (b1._param_moves, b2._param_moves)
+            assert_close(b1(x), reference(b1, x))
+            assert_close(b2(x), reference(b2, x))
+    assert (b1._param_moves, b2._param_moves) == moves  # (no longer moved at every call)
+    reasons = [str(w.message) for w in caught if "another block" in str(w.message)]
+    assert len(reasons) == 1 and "branch '3' is a member of a fused group of another block too" in reasons[0]
+    assert fused_groups(b1) == [] and "another block" in b1.explain()["unfused"]["3"]
+    assert fused_groups(b2) == [["0", "1", "2", "3"]]
+    # Told to fuse, a block refuses such a call, and works once the member is its own.
+    b3 = Parallel(*[mlp(8) for _ in range(3)], shared, fuse=True)
+    b3(x)
+    b4 = Parallel(shared, *[mlp(8) for _ in range(3)], fuse="auto")
+    b4(x)  # (whose first call takes the member)
+    with pytest.raises(RuntimeError, match="branch '3' is a member of a fused group of another block too"):
+        b3(x)
+    b3[3] = copy.deepcopy(shared)
+    assert_close(b3(x), reference(b3, x))
+
+
 def test_bad_input_names_the_branch_and_module_recovers():
     p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True)
     with pytest.raises(RuntimeError) as e:
