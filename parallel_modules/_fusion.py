@@ -61,7 +61,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import weakref
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -677,29 +676,6 @@ class _Group:
             raise RuntimeError(f"branch {self.names[k]!r} shares memory with {with_} now, through another parameter "
                                f"or buffer object: stacked, they would no longer share it")
 
-    def _refuse_shared(self, qual: str, tensors: list[torch.Tensor]) -> None:
-        r"""Refuse to stack anew members that another block's fused group holds in its stacks.
-
-        A module that is a branch of two fused blocks is pointed into the stacks
-        of the one that called last: each would find it moved at its next call
-        and copy its whole group anew (8 members of 4 layers: 4-7x the call's
-        time on the CPU), every call. (Members found in stacks of no group of
-        ours this block made before: ``bind`` comes here only for a group bound
-        already, and finding the groups anew makes new ones, which adopt
-        their stacks.)
-        """
-        for i, t in enumerate(tensors):
-            owner = _STACK_OWNERS.get(_storage_address(t))
-            group = owner() if owner is not None else None
-            if group is not None and group is not self and any(
-                    _storage_address(s) == _storage_address(t) for s in group.stacks.values()):
-                raise RuntimeError(
-                    f"branch {self.names[i]!r} is a member of a fused group of another block too, which stacked "
-                    f"it since this block's last call (its {qual} is a slice of that group's): each block would "
-                    f"copy its group's "
-                    f"parameters anew at every call. Make it a branch of one fused block only (a copy for the "
-                    f"other: copy.deepcopy), or pass fuse=False to one of them")
-
     def bind(self) -> bool:
         r"""Stack each parameter and buffer of the members; point the members at their slices.
 
@@ -742,8 +718,6 @@ class _Group:
                     if not checked:
                         self._refuse_ties()
                         checked = True
-                    if self.stacks:  # (bound before: moved since)
-                        self._refuse_shared(qual, tensors)
                     # (Inference tensors, made under inference_mode, keep no version.)
                     versions = [None if t.is_inference() else t._version for t in tensors]
                     old = [t.detach() for t in tensors]
@@ -785,12 +759,6 @@ class _Group:
         # seen by the next call, and stacked anew.
         ptrs = [stacks[q][i].data_ptr() for q, tensors in bound.items() for i in range(len(tensors))]
         self.stacks, self.bound, self.joint = stacks, bound, joint
-        me = weakref.ref(self)
-        for t in (*stacks.values(), *(together for together, _ in joint.values())):
-            _STACK_OWNERS[_storage_address(t)] = me
-        if len(_STACK_OWNERS) > 4096:  # (groups gone since)
-            for address in [a for a, owner in _STACK_OWNERS.items() if owner() is None]:
-                del _STACK_OWNERS[address]
         self.kernel_shapes = {}
         self.snapshots = [d.copy() for d in self.tensor_dicts]
         self.scalars = _watch._has_scalars(self.tensor_dicts)
@@ -1803,14 +1771,6 @@ _structure = threading.local()
 _TENSOR = object()
 
 
-# The group that made each stack, by the stack's memory (see _Group._refuse_shared).
-_STACK_OWNERS: dict[int, weakref.ref] = {}
-
-
-def _storage_address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 class _Running(threading.local):
     r"""Per thread: whether a vmapped step is running its members' call (see :func:`_vmapped_step`)."""
 
@@ -1909,6 +1869,9 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             raise RuntimeError(
                 f"{type(m).__name__} assigns a new tensor to {changed[0]!r} in forward, which a batched "
                 f"call cannot hand back to each branch")
+        # (Set by every call, not only where leaves are no tensors: a member calling its own
+        # block runs other steps inside this one's call, which may have set it.)
+        _structure.value = None
         if isinstance(out, torch.Tensor):
             return out
         leaves, spec = pytree.tree_flatten(out)

@@ -283,6 +283,7 @@ class _Returned(NamedTuple):
 
     leaves: list[Any]
     versions: list[int | None]
+    spec: Any  # the value's structure; ``None`` for a tensor
 
 
 def _returned(output: Any) -> _Returned:
@@ -290,14 +291,28 @@ def _returned(output: Any) -> _Returned:
 
     ``None`` for a leaf that is no tensor, or an inference tensor, which keeps no version.
     """
-    leaves = [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
+    leaves, spec = ([output], None) if isinstance(output, torch.Tensor) else pytree.tree_flatten(output)
     return _Returned(leaves, [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None
-                              for t in leaves])
+                              for t in leaves], spec)
+
+
+def _aligned(other: _Returned, template: _Returned) -> list[Any] | None:
+    r"""``other``'s leaves in the order of ``template``'s: by position where their structures are the
+    same, after putting its dicts' keys in ``template``'s order where only that differs (see
+    ``ParallelSequential._concat``); ``None`` where the structures differ otherwise."""
+    if other.spec == template.spec:
+        return other.leaves
+    if other.spec is None or template.spec is None:
+        return None
+    value = _in_order_of(pytree.tree_unflatten(other.leaves, other.spec),
+                         pytree.tree_unflatten(template.leaves, template.spec))
+    leaves, spec = pytree.tree_flatten(value)
+    return leaves if spec == template.spec else None
 
 
 def _rewritten(returned: _Returned) -> list[int]:
     r"""The leaves of ``returned`` written in place since (their versions moved)."""
-    return [i for i, (t, v) in enumerate(zip(*returned)) if v is not None and t._version != v]
+    return [i for i, (t, v) in enumerate(zip(returned.leaves, returned.versions)) if v is not None and t._version != v]
 
 
 def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
@@ -314,15 +329,19 @@ def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
     micro-batch's own. (A tensor every micro-batch returned alike is judged
     in ``_concat``.)
     """
-    flat = [r.leaves for r in returned]
     for m, r in enumerate(returned):
-        for i in _rewritten(r):
+        rewritten = _rewritten(r)
+        if not rewritten:
+            continue
+        # (Leaf i of each, in this one's order: dicts of the same keys may come in another order.
+        # Structures that differ otherwise are refused by _concat.)
+        flat = [_aligned(other, r) for other in returned]
+        for i in rewritten:
             t = r.leaves[i]
-            # (Any leaf of the others, not their leaf i alone: dicts of the same keys may come in
-            # another order, see _concat.)
-            if all(any([u is t for u in other]) for other in flat):
+            if all(other is not None and other[i] is t for other in flat):
                 continue
-            if any(_overwrites(u, pieces[k], t, pieces[m]) for k in range(m + 1, len(flat)) for u in flat[k]):
+            if any(flat[k] is not None and _overwrites(flat[k][i], pieces[k], t, pieces[m])
+                   for k in range(m + 1, len(flat))):
                 raise TypeError(
                     f"micro-batch {m}'s output (leaf {i}, {tuple(t.shape)}) was written after the stage returned "
                     f"it, by a later micro-batch: the stage returns a view of memory it writes again at every "

@@ -1244,35 +1244,27 @@ def test_a_member_calling_its_own_block_runs_the_inner_call_unfused(fuse):
     assert fused_groups(p) == [["0", "1"]]
 
 
-def test_a_member_of_two_fused_blocks_is_left_to_one():
-    # Before (a CPU hunt): each block pointed the shared member into its own stacks, and the
-    # other found it moved at its next call and copied its whole group again: every call, 4-7x
-    # slower, silently.
+def test_a_member_of_two_fused_blocks_stays_right_in_both():
+    # Each block points the shared member into its own stacks, and the other finds it moved at
+    # its next call and stacks its group again (the README's known limit: slow, not wrong).
     torch.manual_seed(0)
     shared = mlp(8)
     b1 = Parallel(*[mlp(8) for _ in range(3)], shared, fuse="auto")
     b2 = Parallel(shared, *[mlp(8) for _ in range(3)], fuse="auto")
-    x = torch.randn(4, 8)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            moves = (b1._param_moves, b2._param_moves)
-            assert_close(b1(x), reference(b1, x))
-            assert_close(b2(x), reference(b2, x))
-    assert (b1._param_moves, b2._param_moves) == moves  # (no longer moved at every call)
-    reasons = [str(w.message) for w in caught if "another block" in str(w.message)]
-    assert len(reasons) == 1 and "branch '3' is a member of a fused group of another block too" in reasons[0]
-    assert fused_groups(b1) == [] and "another block" in b1.explain()["unfused"]["3"]
-    assert fused_groups(b2) == [["0", "1", "2", "3"]]
-    # Told to fuse, a block refuses such a call, and works once the member is its own.
-    b3 = Parallel(*[mlp(8) for _ in range(3)], shared, fuse=True)
-    b3(x)
-    b4 = Parallel(shared, *[mlp(8) for _ in range(3)], fuse="auto")
-    b4(x)  # (whose first call takes the member)
-    with pytest.raises(RuntimeError, match="branch '3' is a member of a fused group of another block too"):
-        b3(x)
-    b3[3] = copy.deepcopy(shared)
-    assert_close(b3(x), reference(b3, x))
+    plain1, plain2 = copy.deepcopy(nn.ModuleList([b1, b2]))
+    plain1.fuse = plain2.fuse = False
+    opt = torch.optim.SGD(nn.ModuleList([b1, b2]).parameters(), lr=0.1)  # (the shared ones once)
+    plain_opt = torch.optim.SGD(nn.ModuleList([plain1, plain2]).parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for blocks, o in (((b1, b2), opt), ((plain1, plain2), plain_opt)):
+            o.zero_grad()
+            (blocks[0](x).square().sum() + blocks[1](x).sum()).backward()
+            o.step()
+        assert_close(b1(x), plain1(x))
+        assert_close(b2(x), plain2(x))
+    assert fused_groups(b1) == [["0", "1", "2", "3"]] and fused_groups(b2) == [["0", "1", "2", "3"]]
+    assert_close(shared[0].weight, plain2[0][0].weight)
 
 
 def test_bad_input_names_the_branch_and_module_recovers():
