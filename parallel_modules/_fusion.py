@@ -567,11 +567,10 @@ class _Structured(NamedTuple):
 class _Group:
     r"""One group of identical branches, evaluated as one batched computation."""
 
-    def __init__(self, indices: list[int], members: list[nn.Module], others: Sequence[nn.Module] = (),
-                 names: Sequence[str] | None = None) -> None:
+    def __init__(self, indices: list[int], names: list[str], members: list[nn.Module],
+                 others: Sequence[nn.Module] = ()) -> None:
         self.indices = indices
-        # (What messages call the members: the block's names of them.)
-        self.names = list(names) if names is not None else [str(i) for i in indices]
+        self.names = names  # the block's names of the members, for messages
         self.members = members
         self.others = others  # the block's other branches (see _refuse_ties)
         self.n = len(members)
@@ -657,6 +656,12 @@ class _Group:
         r"""The stacks of the members' buffers (after :meth:`bind`)."""
         return [t for t in (self.stacks.get(q) for q in self.buffers) if t is not None]
 
+    def _no_longer_identical(self, qual: str, tensors: list[torch.Tensor | None], i: int) -> RuntimeError:
+        r"""The error for member ``i``'s ``qual`` (of ``tensors``, the members') changed since the group was found."""
+        return RuntimeError(f"the branches are no longer identical: {qual} of branch {self.names[i]!r} is "
+                            f"{_describe_tensor(tensors[i])}, of branch {self.names[0]!r} "
+                            f"{_describe_tensor(tensors[0])}")
+
     def _refuse_ties(self) -> None:
         r"""Refuse to stack members that share memory with other tensors of the block (see :func:`_tied_in_memory`).
 
@@ -708,9 +713,7 @@ class _Group:
                     # would drop it (``None``) or convert it (``torch.stack`` promotes dtypes).
                     if (t is None) != (first is None) or (t is not None and (
                             t.shape != first.shape or t.dtype != first.dtype or t.device != first.device)):
-                        raise RuntimeError(
-                            f"the branches are no longer identical: {qual} of branch {self.names[i]!r} is "
-                            f"{_describe_tensor(t)}, of branch {self.names[0]!r} {_describe_tensor(first)}")
+                        raise self._no_longer_identical(qual, tensors, i)
                 if first is None:
                     continue
                 stacked = _adopt(tensors)
@@ -805,10 +808,7 @@ class _Group:
                 # tensors stacked as they are), the group fails, and "auto" unfuses it for good.
                 if _is_tracing():
                     raise _UnbatchedNow
-                i = differs[0]
-                raise RuntimeError(
-                    f"the branches are no longer identical: {qual} of branch {self.names[i]!r} is "
-                    f"{_describe_tensor(tensors[i])}, of branch {self.names[0]!r} {_describe_tensor(first)}")
+                raise self._no_longer_identical(qual, tensors, differs[0])
             if first is None:
                 return None
             stacked = torch.stack(tensors)
@@ -2006,8 +2006,8 @@ class _Fusion:
         # (One branch, or none, is identical to itself: it runs as it is.)
         if required and len(branches) > 1 and (len(groups) != 1 or len(groups[0]) != len(branches)):
             raise ValueError(_required_error(owner, names, branches, self.reasons))
-        self.groups = [_Group(g, [branches[i] for i in g], [b for i, b in enumerate(branches) if i not in g],
-                              [names[i] for i in g]) for g in groups]
+        self.groups = [_Group(g, [names[i] for i in g], [branches[i] for i in g],
+                              [b for i, b in enumerate(branches) if i not in g]) for g in groups]
         # Grouping depended on these submodules' train/eval modes (BatchNorm,
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.

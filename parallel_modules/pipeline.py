@@ -1112,7 +1112,17 @@ class ParallelSequential(nn.Sequential):
         if isinstance(input, torch.Tensor):
             leaves, spec = [input], None
         else:
-            leaves, spec = pytree.tree_flatten(input)
+            # (A PackedSequence kept whole, as a leaf: see below.)
+            leaves, spec = pytree.tree_flatten(input, is_leaf=lambda v: isinstance(v, nn.utils.rnn.PackedSequence))
+            if any(isinstance(v, nn.utils.rnn.PackedSequence) for v in leaves):
+                # (Its tensors are time steps' rows and their counts, not samples; refused whatever
+                # their sizes: one sequence has as many rows of data as counts.)
+                raise ValueError(
+                    f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
+                    f"but it holds a PackedSequence, whose data has no batch dimension to split. Use "
+                    f"chunks=1 for such inputs, or pass the padded batch (nn.utils.rnn.pad_packed_sequence) "
+                    f"and pack it inside the first stage."
+                )
         # (0-dim tensors in a structure, a temperature say, go to every piece as they are.)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
         if not tensors:
@@ -1129,16 +1139,6 @@ class ParallelSequential(nn.Sequential):
                 f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
                 f"but it holds {kind} ({_describe(t)}), which cannot be sliced into views along it. "
                 f"Use chunks=1 for such inputs, or make them dense (.to_dense(), or pad nested ones)."
-            )
-        if spec is not None and any(isinstance(v, nn.utils.rnn.PackedSequence) for v in pytree.tree_flatten(
-                input, is_leaf=lambda v: isinstance(v, nn.utils.rnn.PackedSequence))[0]):
-            # (Its tensors are time steps' rows and their counts, not samples; refused whatever their
-            # sizes: one sequence has as many rows of data as counts.)
-            raise ValueError(
-                f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
-                f"but it holds a PackedSequence, whose data has no batch dimension to split. Use "
-                f"chunks=1 for such inputs, or pass the padded batch (nn.utils.rnn.pad_packed_sequence) "
-                f"and pack it inside the first stage."
             )
         batch = tensors[0].shape[0]
         if any(t.shape[0] != batch for t in tensors[1:]):
@@ -1592,8 +1592,8 @@ class ParallelSequential(nn.Sequential):
                     and value.dim() == 1:
                 # (A 1-D batch -- token ids for an embedding -- is cut so too, rightly; one unbatched
                 # sample is not. Shape errors are RuntimeErrors; an id out of range, an IndexError, is not.)
-                context += (f"; the input is 1-D, cut into micro-batches along its only dimension: if it is one "
-                            f"unbatched sample rather than a batch, use chunks=1")
+                context += ("; the input is 1-D, cut into micro-batches along its only dimension: if it is one "
+                            "unbatched sample rather than a batch, use chunks=1")
             raise self._stage_error(e, context + ")")
 
     def _pipeline(
