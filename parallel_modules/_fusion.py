@@ -969,18 +969,18 @@ class _Group:
         # own launch path a layer costs the host more than cuBLAS's two launches.)
         kernels = not tracing and (captured or self.paired and _launches_fast(x)) and self.kernel_layers(x)
         call = _call
-        before = call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels
+        before = call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels, call.chained
         if tracing and not any(before):
             # A compiler's trace decides all of them off, as they are: set, they would be a side
             # effect of the traced forward (dynamo warns of it under a strict torch.export).
             return self._run(x, True, keep=False)
-        call.fewer_kernels, call.kernels, call.lone_kernels = fewer, kernels, kernels and captured
+        call.fewer_kernels, call.kernels, call.lone_kernels, call.chained = fewer, kernels, kernels and captured, False
         call.prefill = _Prefill(x, side_bias, self.joint) if fewer and not kernels else None
         call.cat_joined = cat_joined and not tracing
         try:
             return self._run(x, tracing or restack, keep=not tracing)
         finally:
-            call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels = before
+            call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels, call.chained = before
 
     def _run(self, x: torch.Tensor, tracing: bool, keep: bool = True) -> Any:
         watched: list | None = None
@@ -1144,13 +1144,14 @@ class _CallState(threading.local):
     # on the replay's path where a batched product needs two (the bias copied in); not
     # eagerly, where that product is one operation too, and the kernel saves the host nothing.
     lone_kernels = False
+    chained = False  # a kernel layer of this call was launched (see _batched_linear.linear's ``chained``)
 
     def __init__(self) -> None:
         # Set on each thread's instance, not read off the class: torch.compile guards on the
         # instance's attributes, which a first call writing them would change (a guard failing
         # on the frame that made it, at the second call).
         self.fewer_kernels, self.prefill, self.cat_joined, self.kernels = False, None, False, False
-        self.lone_kernels = False
+        self.lone_kernels = self.chained = False
 
 
 class _Prefill:
@@ -1483,11 +1484,15 @@ def _kernel_linear(v: _Value, w: torch.Tensor, b: torch.Tensor | None, n: int, c
     else:
         out = x.new_empty((n, rows, width))
         result = _Value(out, _STACKED)
+    call = _call
     if (w.dtype != x.dtype or w.device != x.device  # (torch's layers refuse these as they would unfused)
             or b is not None and (b.dtype != x.dtype or b.device != x.device)
-            or _batched_linear.linear(x, w, b, out, code) is None):
+            or _batched_linear.linear(x, w, b, out, code, chained=call.chained) is None):
         y = torch.bmm(x, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), x, w.mT)
         out.copy_(y if activation is None else activation(y))
+    # The layers after the call's first may load their weights while the one before
+    # runs: nothing the call launches writes a parameter (no grad: see kernel_layers).
+    call.chained = True
     return result
 
 

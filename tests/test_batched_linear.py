@@ -83,9 +83,14 @@ def stand_in_triton(monkeypatch):
     compute the layer by torch and log ``("jit" | "direct", grid, stream)``; returns the log."""
     import types
 
-    log: list[tuple] = []
+    class Log(list):
+        flags: list[tuple[bool, bool]]  # each launch's (WAIT, TRIGGER)
+
+    log = Log()
+    log.flags = []
 
     def compute(args):
+        log.flags.append(tuple(args[-2:]))
         x, w, b, out = args[:4]
         has_bias, act = args[17:19]
         reference_linear(x, w, b if has_bias else None, out, act)
@@ -100,7 +105,8 @@ def stand_in_triton(monkeypatch):
 
     class Kernel:
         def __getitem__(self, grid):
-            def launch(*args, num_warps, num_stages):
+            def launch(*args, num_warps, num_stages, **options):
+                assert options == ({"launch_pdl": True} if args[-2] else {})  # (chained: WAIT)
                 log.append(("jit", grid, None))
                 compute(args)
                 return Compiled()
@@ -141,6 +147,20 @@ def test_launches_after_a_specializations_first_go_to_its_compiled_kernel(stand_
     _batched_linear.linear(x, w, b, out, _batched_linear._GELU, dot=False)
     torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out), _batched_linear._GELU))
     assert log[-1][:2] == ("jit", (log[0][1][0], 4))
+
+
+def test_chained_layers_are_launched_dependent_where_the_device_allows(stand_in_triton, monkeypatch):
+    # A chained launch waits for the kernel before (WAIT) where programmatic dependent launch
+    # exists; every launch there signals its dependents (TRIGGER). Each is its own specialization.
+    log, _ = stand_in_triton
+    for pdl in (False, True):
+        monkeypatch.setattr(_batched_linear, "_pdl", lambda device: pdl)
+        for chained in (False, True, True):
+            x, w, b, out = layer(seed=len(log))
+            assert _batched_linear.linear(x, w, b, out, _batched_linear._RELU, dot=False, chained=chained) is out
+            torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out), _batched_linear._RELU))
+    assert log.flags == [(False, False)] * 3 + [(False, True), (True, True), (True, True)]
+    assert [kind for kind, *_ in log] == ["jit", "direct", "direct", "jit", "jit", "direct"]
 
 
 def test_launches_under_a_launch_hook_go_through_triton(stand_in_triton):
@@ -232,7 +252,7 @@ def eager_kernels(monkeypatch):
     for it with the reference; returns the activation code of each launch."""
     launched: list[int] = []
 
-    def stand_in(x, weight, bias, out, act=0, dot=None):
+    def stand_in(x, weight, bias, out, act=0, dot=None, chained=False):
         launched.append(act)
         return reference_linear(x, weight, bias, out, act)
 
@@ -340,14 +360,24 @@ def test_kernel_layers_write_what_the_join_reads_and_copy_no_bias(monkeypatch, j
 
     monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)
     monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
-    monkeypatch.setattr(_batched_linear, "linear", reference_linear)
+    chains = []
+
+    def stand_in(x, weight, bias, out, act=0, dot=None, chained=False):
+        chains.append(chained)
+        return reference_linear(x, weight, bias, out, act)
+
+    monkeypatch.setattr(_batched_linear, "linear", stand_in)
     p = Parallel(*[nn.Sequential(mlp(), nn.Linear(32, 5), nn.ReLU()) for _ in range(3)], fuse=True, join=join).eval()
     group = group_of(p)  # (a call with autograd on: the products' usual layouts)
     monkeypatch.setattr(_fusion, "_Prefill", no_prefill)
     with torch.no_grad():
         x = torch.randn(4, 32)
+        chains.clear()
         value = group.run(x, cat_joined=join == "cat")
+        # Each layer after the call's first follows the one before on the stream: chained.
+        assert chains == [False, True, True, True]
         torch.testing.assert_close(p(x), reference(p, x), rtol=1e-5, atol=1e-5)
+        assert chains[4:] == [False, True, True, True]  # (each call's first layer anew)
     if join == "cat":
         assert value.layout == _fusion._CHANNELS and value.t.shape == (4, 15)
     else:
@@ -372,7 +402,7 @@ def test_a_kernel_that_fails_leaves_the_layer_to_torch(monkeypatch, join):
     monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)
     monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
     calls = []
-    monkeypatch.setattr(_batched_linear, "linear", lambda *args: calls.append(args[-1]))
+    monkeypatch.setattr(_batched_linear, "linear", lambda *args, chained: calls.append(args[-1]))
     p = Parallel(*[mlp(act=nn.SiLU) for _ in range(4)], fuse=True, join=join).eval()
     with torch.no_grad():
         x = torch.randn(5, 32)
@@ -413,6 +443,54 @@ def test_kernel_reads_and_writes_any_strides():
         _batched_linear.linear(xs, w, b, out, _batched_linear._GELU, dot)
         want = reference_linear(xs, w, b, torch.empty(n, rows, width, device="cuda"), _batched_linear._GELU)
         torch.testing.assert_close(joined, want.transpose(0, 1).flatten(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@needs_kernel
+@pytest.mark.parametrize("dot", [False, True])
+@pytest.mark.parametrize("captured", [False, True])
+def test_chained_layers_read_what_the_layer_before_wrote(dot, captured):
+    # A chain of layers launched back to back, each after the first chained (on an sm90 GPU,
+    # each one's launch and weight loads overlap the layer before), its weights written in place
+    # on the stream just before the chain's first layer: every layer reads the weights written and
+    # the output of the layer before, eagerly and replayed, the host running ahead of the GPU.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n, rows, width, depth = 8, 8, 512, 4
+    ws = [torch.randn(n, width, width, device="cuda") / width ** 0.5 for _ in range(depth)]
+    bs = [torch.randn(n, width, device="cuda") for _ in range(depth)]
+    x = torch.randn(rows, width, device="cuda")
+    new = [torch.empty_like(w) for w in ws]
+
+    def chain():
+        for w, fresh in zip(ws, new):
+            w.copy_(fresh)
+        h = x.expand(n, rows, width)
+        for i, (w, b) in enumerate(zip(ws, bs)):
+            h = _batched_linear.linear(h, w, b, torch.empty(n, rows, width, device="cuda"), _batched_linear._GELU,
+                                       dot, chained=i > 0)
+            assert h is not None
+        return h
+
+    def want():
+        h = x.expand(n, rows, width)
+        for w, b in zip(ws, bs):
+            h = reference_linear(h, w, b, torch.empty(n, rows, width, device="cuda"), _batched_linear._GELU)
+        return h
+
+    run = chain
+    if captured:
+        chain()  # (every specialization launched before the capture)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static = chain()
+        run = lambda: (g.replay(), static)[1]  # noqa: E731
+    for _ in range(5):
+        for fresh in new:
+            fresh.normal_(0, width ** -0.5)
+        x.normal_()
+        torch.cuda._sleep(2_000_000)  # (what follows is queued behind it, launched together)
+        out = run().clone()
+        torch.testing.assert_close(out, want(), rtol=1e-5, atol=1e-5)
 
 
 def kernel_names(fn) -> list[str]:

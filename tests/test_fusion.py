@@ -126,8 +126,9 @@ def layouts(request, monkeypatch):
     if request.param == "kernels":
         kernel = _batched_linear.linear
         monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
-        monkeypatch.setattr(_batched_linear, "linear", lambda x, *args: (
-            kernel(x, *args) if x.is_cuda and _batched_linear.unavailable() is None else reference_linear(x, *args)))
+        monkeypatch.setattr(_batched_linear, "linear", lambda x, *args, chained=False: (
+            kernel(x, *args, chained=chained) if x.is_cuda and _batched_linear.unavailable() is None
+            else reference_linear(x, *args)))
     return request.param
 
 
