@@ -974,7 +974,10 @@ class _Group:
             # A compiler's trace decides all of them off, as they are: set, they would be a side
             # effect of the traced forward (dynamo warns of it under a strict torch.export).
             return self._run(x, True, keep=False)
-        call.fewer_kernels, call.kernels, call.lone_kernels, call.chained = fewer, kernels, kernels and captured, False
+        # (Restacked, each layer's weights are stacked anew just before it, on the stream the
+        # layers run on: its kernel must not read them before the stack has ended.)
+        call.fewer_kernels, call.kernels, call.lone_kernels = fewer, kernels, kernels and captured
+        call.chained = None if restack else False
         call.prefill = _Prefill(x, side_bias, self.joint) if fewer and not kernels else None
         call.cat_joined = cat_joined and not tracing
         try:
@@ -1144,7 +1147,9 @@ class _CallState(threading.local):
     # on the replay's path where a batched product needs two (the bias copied in); not
     # eagerly, where that product is one operation too, and the kernel saves the host nothing.
     lone_kernels = False
-    chained = False  # a kernel layer of this call was launched (see _batched_linear.linear's ``chained``)
+    # A kernel layer of this call was launched (see _batched_linear.linear's ``chained``);
+    # ``None``: the call restacks its weights before each layer, which no layer may overtake.
+    chained: bool | None = False
 
     def __init__(self) -> None:
         # Set on each thread's instance, not read off the class: torch.compile guards on the
@@ -1487,12 +1492,14 @@ def _kernel_linear(v: _Value, w: torch.Tensor, b: torch.Tensor | None, n: int, c
     call = _call
     if (w.dtype != x.dtype or w.device != x.device  # (torch's layers refuse these as they would unfused)
             or b is not None and (b.dtype != x.dtype or b.device != x.device)
-            or _batched_linear.linear(x, w, b, out, code, chained=call.chained) is None):
+            or _batched_linear.linear(x, w, b, out, code, chained=bool(call.chained)) is None):
         y = torch.bmm(x, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), x, w.mT)
         out.copy_(y if activation is None else activation(y))
-    # The layers after the call's first may load their weights while the one before
-    # runs: nothing the call launches writes a parameter (no grad: see kernel_layers).
-    call.chained = True
+    if call.chained is not None:
+        # The layers after the call's first may load their weights while the one before
+        # runs: nothing the call launches writes a parameter (no grad: see kernel_layers;
+        # the members' fused stacks as bound, unless restacked for the call: see _Group.run).
+        call.chained = True
     return result
 
 

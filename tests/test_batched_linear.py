@@ -7,6 +7,7 @@ agrees within ``1e-5``); where it applies is checked on the CPU with the kernel 
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -98,8 +99,12 @@ def stand_in_triton(monkeypatch):
     class Compiled:
         function, packed_metadata = object(), object()
 
+        def __init__(self, options):
+            self.options = options  # (Triton's own compile options, launch_pdl among them)
+
         def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit, *args):
             assert (function, metadata) == (self.function, self.packed_metadata) and g2 == 1
+            assert self.options.get("launch_pdl", False) == args[-2]  # (a WAIT kernel launched dependent)
             log.append(("direct", (g0, g1), stream))
             compute(args)
 
@@ -109,7 +114,7 @@ def stand_in_triton(monkeypatch):
                 assert options == ({"launch_pdl": True} if args[-2] else {})  # (chained: WAIT)
                 log.append(("jit", grid, None))
                 compute(args)
-                return Compiled()
+                return Compiled(options)
             return launch
 
     triton = types.ModuleType("triton")
@@ -154,13 +159,44 @@ def test_chained_layers_are_launched_dependent_where_the_device_allows(stand_in_
     # exists; every launch there signals its dependents (TRIGGER). Each is its own specialization.
     log, _ = stand_in_triton
     for pdl in (False, True):
-        monkeypatch.setattr(_batched_linear, "_pdl", lambda device: pdl)
+        monkeypatch.setattr(_batched_linear, "_pdl", lambda index: pdl)
         for chained in (False, True, True):
             x, w, b, out = layer(seed=len(log))
             assert _batched_linear.linear(x, w, b, out, _batched_linear._RELU, dot=False, chained=chained) is out
             torch.testing.assert_close(out, reference_linear(x, w, b, torch.empty_like(out), _batched_linear._RELU))
     assert log.flags == [(False, False)] * 3 + [(False, True), (True, True), (True, True)]
     assert [kind for kind, *_ in log] == ["jit", "direct", "direct", "jit", "jit", "direct"]
+
+
+@pytest.mark.parametrize("capability, option, gdc, pdl", [
+    ((9, 0), True, True, True), ((10, 0), True, True, True),
+    ((8, 0), True, True, False),  # (programmatic dependent launch: sm90 and later)
+    ((9, 0), False, True, False), ((9, 0), True, False, False),  # (a Triton without it)
+])
+def test_dependent_launches_where_device_and_triton_have_them(monkeypatch, capability, option, gdc, pdl):
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class CUDAOptions:
+        num_warps: int = 4
+
+    if option:
+        CUDAOptions = dataclasses.make_dataclass("CUDAOptions", [("launch_pdl", bool, False)], bases=(CUDAOptions,))
+    compiler = types.ModuleType("triton.backends.nvidia.compiler")
+    compiler.CUDAOptions = CUDAOptions
+    extra = types.ModuleType("triton.language.extra.cuda")
+    if gdc:
+        extra.gdc_wait = extra.gdc_launch_dependents = lambda: None
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.compiler", compiler)
+    monkeypatch.setitem(sys.modules, "triton.language.extra.cuda", extra)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    _batched_linear._pdl.cache_clear()
+    try:
+        assert _batched_linear._pdl(0) is pdl
+        assert _batched_linear._pdl(None) is False  # (a CPU tensor's device)
+    finally:
+        _batched_linear._pdl.cache_clear()
 
 
 def test_launches_under_a_launch_hook_go_through_triton(stand_in_triton):
@@ -288,6 +324,36 @@ def test_eager_calls_launch_the_kernel_for_paired_layers_only(eager_kernels, bra
     eager_kernels.clear()
     assert_close(p(x), reference(p, x), atol=1e-5)  # autograd records: torch's layers, which have a backward
     assert eager_kernels == []
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_layers_restacked_for_the_call_are_never_chained(monkeypatch, captured):
+    # Under torch.func.functional_call the members' tensors are stacked anew before each
+    # layer, on the stream the layers run on: no layer may load its weights before that
+    # stack has ended, which only a launch that is not chained waits for.
+    chains = []
+
+    def stand_in(x, weight, bias, out, act=0, dot=None, chained=False):
+        chains.append(chained)
+        return reference_linear(x, weight, bias, out, act)
+
+    monkeypatch.setattr(_fusion, "_launches_fast", lambda x: True)
+    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: captured)
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: True)
+    monkeypatch.setattr(_batched_linear, "linear", stand_in)
+    p = Parallel(*[mlp() for _ in range(3)], fuse=True).eval()
+    with torch.no_grad():
+        x = torch.randn(4, 32)
+        p(x)
+        assert chains == [False, True, True]
+        chains.clear()
+        params = {k: v * 2 for k, v in p.named_parameters()}
+        out = torch.func.functional_call(p, params, (x,))
+        assert chains == [False, False, False]
+        doubled = copy.deepcopy(p)
+        for name, value in params.items():
+            doubled.get_parameter(name).copy_(value)
+        torch.testing.assert_close(out, reference(doubled, x), rtol=1e-5, atol=1e-5)
 
 
 def test_eager_kernels_refuse_what_torch_refuses(eager_kernels):
@@ -462,7 +528,7 @@ def test_chained_layers_read_what_the_layer_before_wrote(dot, captured):
     new = [torch.empty_like(w) for w in ws]
 
     def chain():
-        for w, fresh in zip(ws, new):
+        for w, fresh in reversed(list(zip(ws, new))):  # (the first layer's last, just before it)
             w.copy_(fresh)
         h = x.expand(n, rows, width)
         for i, (w, b) in enumerate(zip(ws, bs)):
