@@ -21,9 +21,11 @@ weight tiles (one round trip to memory per ``BLOCK_K`` of the reduction),
 multiplies with CUDA-core FMAs and sums in float32, whatever the dtype. The
 grid spreads members times output tiles over the SMs. One kernel per layer:
 mlp8's replay takes 4 kernels and 16-17 us, below the single branch's 20 us
-(``tools/exp_triton_linear.py``). It reads and writes any strides, so it
-takes the shared input of a group's first layer as it lies (member stride
-0) and writes a ``cat`` join's layout directly.
+(``tools/exp_triton_linear.py``); 12 us where each layer after the first is
+launched while the one before runs (``chained``, see :func:`linear`). It
+reads and writes any strides, so it takes the shared input of a group's
+first layer as it lies (member stride 0) and writes a ``cat`` join's layout
+directly.
 
 Only where it is known to win: on a CUDA device whose Triton compiles it,
 for inference (no autograd: there is no backward), on rows few enough that
@@ -309,8 +311,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     # 32 bits), so that a key launched before names a kernel compiled and loaded; and
     # everything the grid and the constants are made of (the members, which no stride
     # need show), which its launcher is bound to.
-    key = (ints, weight.shape[0], act, bias is not None, dot, wait, trigger, index, x.dtype, weight.dtype, b.dtype, out.dtype,
-           x.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+    key = (ints, weight.shape[0], act, bias is not None, dot, wait, trigger, index, x.dtype, weight.dtype, b.dtype,
+           out.dtype, x.data_ptr() % 16 == 0, weight.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0,
+           out.data_ptr() % 16 == 0)
     launch = _launchers.get(key)
     # Triton launches on the current device's current stream: the capture's, or the caller's.
     other_device = x.is_cuda and index != torch.cuda.current_device()
