@@ -10,7 +10,8 @@ weights (which no kernel in flight writes) and only then waits (``griddepcontrol
 layer before to end and flush before it reads that layer's output. The first layer of a chain is
 launched as usual (whatever came before it, an optimizer step writing the weights included, has
 ended before it starts). Times, interleaved, the GPU time per replay of the chain captured with:
-the kernel as shipped, the variant without PDL, and with PDL, in several tile shapes.
+the kernel as the library launches it, chained and not, and launched by hand without PDL, with it, and
+with it in several tile shapes.
 """
 import sys
 
@@ -23,63 +24,11 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
-def make_kernel():
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    @triton.jit
-    def mac(acc, x, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
-        if DOT:
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-        return acc
-
-    @triton.jit
-    def linear_act_pdl(x_ptr, w_ptr, b_ptr, y_ptr, M, K, OUT,
-                       sxn, sxm, sxk, swn, swo, swk, sbn, syn, sym, syo,
-                       HAS_BIAS: tl.constexpr, ACT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr, EARLY: tl.constexpr):
-        pid_o = tl.program_id(0)
-        n = tl.program_id(1)
-        rm = tl.arange(0, BLOCK_M)
-        ro = pid_o * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_base = x_ptr + n * sxn + rm[:, None] * sxm
-        w_base = w_ptr + n * swn + ro[None, :] * swo
-        # What no kernel in flight writes: the first chunk of weights, the bias.
-        w = tl.load(w_base + rk[:, None] * swk, mask=(rk[:, None] < K) & (ro[None, :] < OUT), other=0.0)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + n * sbn + ro, mask=ro < OUT, other=0.0).to(tl.float32)
-        if PDL:
-            gdc_wait()  # the layer before has ended and its output is visible
-        if EARLY:
-            gdc_launch_dependents()
-        x = tl.load(x_base + rk[None, :] * sxk, mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        acc = mac(acc, x, w, DOT, PRECISION)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(x_base + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            w = tl.load(w_base + kk[:, None] * swk, mask=(kk[:, None] < K) & (ro[None, :] < OUT), other=0.0)
-            acc = mac(acc, x, w, DOT, PRECISION)
-        if HAS_BIAS:
-            acc += bias[None, :]
-        if ACT == 1:  # GELU: x * Phi(x)
-            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-        tl.store(y_ptr + n * syn + rm[:, None] * sym + ro[None, :] * syo, acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (ro[None, :] < OUT))
-
-    return linear_act_pdl
-
-
 def main() -> None:
     import triton
 
     print(f"torch {torch.__version__}  triton {triton.__version__}  {torch.cuda.get_device_name()}", flush=True)
-    kernel = make_kernel()
+    kernel = _batched_linear._kernel()  # (its WAIT and TRIGGER constants: the variants below)
     for n in [int(a) for a in sys.argv[1:]] or [8, 16]:
         branches, x, seq, ref, W, Bs = mlp_stacks(n)
         depth = len(W)
@@ -89,6 +38,7 @@ def main() -> None:
         def layer(h, w, b, out, pdl, early, dot, block_n, warps, block_m=bm, block_k=bk, st=stages):
             ints = (h.shape[1], w.shape[2], w.shape[1], *h.stride(), *w.stride(), b.stride(0), *out.stride())
             grid = (-(-w.shape[1] // block_n), n)
+            # (WAIT = launched dependent, TRIGGER = signals its dependents after that point.)
             kernel[grid](h, w, b, out, *ints, True, 1, dot, "tf32x3", block_m, block_n, block_k, pdl, early,
                          num_warps=warps, num_stages=st, launch_pdl=pdl)
             return out
