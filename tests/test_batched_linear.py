@@ -172,6 +172,7 @@ def test_chained_layers_are_launched_dependent_where_the_device_allows(stand_in_
     ((9, 0), True, True, True), ((10, 0), True, True, True),
     ((8, 0), True, True, False),  # (programmatic dependent launch: sm90 and later)
     ((9, 0), False, True, False), ((9, 0), True, False, False),  # (a Triton without it)
+    ((9, 0), True, None, False), ((9, 0), None, True, False),  # (without the modules at all)
 ])
 def test_dependent_launches_where_device_and_triton_have_them(monkeypatch, capability, option, gdc, pdl):
     import dataclasses
@@ -188,6 +189,8 @@ def test_dependent_launches_where_device_and_triton_have_them(monkeypatch, capab
     extra = types.ModuleType("triton.language.extra.cuda")
     if gdc:
         extra.gdc_wait = extra.gdc_launch_dependents = lambda: None
+    # (None in sys.modules: the import raises ImportError.)
+    compiler, extra = (None if flag is None else module for flag, module in ((option, compiler), (gdc, extra)))
     monkeypatch.setitem(sys.modules, "triton.backends.nvidia.compiler", compiler)
     monkeypatch.setitem(sys.modules, "triton.language.extra.cuda", extra)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
@@ -346,10 +349,12 @@ def test_layers_restacked_for_the_call_are_never_chained(monkeypatch, captured):
         x = torch.randn(4, 32)
         p(x)
         assert chains == [False, True, True]
+        assert _fusion._call.chained is False  # (put back as it was before the call)
         chains.clear()
         params = {k: v * 2 for k, v in p.named_parameters()}
         out = torch.func.functional_call(p, params, (x,))
         assert chains == [False, False, False]
+        assert _fusion._call.chained is False
         doubled = copy.deepcopy(p)
         for name, value in params.items():
             doubled.get_parameter(name).copy_(value)
@@ -557,6 +562,16 @@ def test_chained_layers_read_what_the_layer_before_wrote(dot, captured):
         torch.cuda._sleep(2_000_000)  # (what follows is queued behind it, launched together)
         out = run().clone()
         torch.testing.assert_close(out, want(), rtol=1e-5, atol=1e-5)
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    if (torch.cuda.get_device_capability() >= (9, 0)
+            and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})):
+        # Where dependent launch exists, the chained layers were launched so: their launchers'
+        # kernels are built with launch_pdl, the others' without (key[5]: the launch's WAIT).
+        assert _batched_linear._pdl(torch.cuda.current_device())
+        launched = {k[5]: launch.compiled.metadata.launch_pdl for k, launch in _batched_linear._launchers.items()
+                    if launch is not None and k[1] == n and k[0][2] == width}
+        assert launched == {False: False, True: True}
 
 
 def kernel_names(fn) -> list[str]:
