@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ._joins import _NAMED_JOINS
+
 __all__: list[str] = []
 
 
@@ -31,8 +33,11 @@ class _Function(nn.Module):
         return getattr(self.fn, "__qualname__", None) or repr(self.fn)
 
 
-def _unfit(owner: str, kind: str, name: str, child: Any) -> str | None:
-    r"""Why ``child`` cannot be a ``kind`` of ``owner`` whatever it is called, or ``None``."""
+def _unfit(owner: str, kind: str, name: str, child: Any, constructing: bool = False) -> str | None:
+    r"""Why ``child`` cannot be a ``kind`` of ``owner`` whatever it is called, or ``None``.
+
+    ``constructing``: ``child`` was passed to ``owner``'s constructor, by position.
+    """
     if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and type(child).forward is nn.Module.forward:
         # (A subclass that defines ``forward`` is an ordinary module.)
         plural = "branches" if kind == "branch" else "stages"
@@ -47,12 +52,19 @@ def _unfit(owner: str, kind: str, name: str, child: Any) -> str | None:
     if isinstance(child, type) and issubclass(child, nn.Module):
         return (f"{owner}: {kind} {name!r} is the class {child.__name__}, not a module; pass an instance, "
                 f"e.g. {child.__name__}(...).")
+    # A setting passed by position: every setting is keyword-only.
+    setting = None if not constructing else (
+        "join" if kind == "branch" and isinstance(child, str) and child in _NAMED_JOINS else
+        ("chunks" if kind == "stage" else "dim") if type(child) is int else None)
+    if setting is not None:
+        return (f"{owner}: {kind} {name!r} is the {type(child).__name__} {child!r}, not a module. Settings are "
+                f"keyword-only: {owner}(..., {setting}={child!r}).")
     return None
 
 
-def _as_branch(owner: str, name: str, branch: Any) -> nn.Module:
+def _as_branch(owner: str, name: str, branch: Any, constructing: bool = False) -> nn.Module:
     r"""``branch`` as a module: itself, or a plain callable held by :class:`_Function`."""
-    why = _unfit(owner, "branch", name, branch)
+    why = _unfit(owner, "branch", name, branch, constructing)
     if why:
         raise TypeError(why)
     if isinstance(branch, nn.Module):
@@ -65,8 +77,8 @@ def _as_branch(owner: str, name: str, branch: Any) -> nn.Module:
     )
 
 
-def _check_stage(owner: str, name: str, stage: Any) -> None:
-    why = _unfit(owner, "stage", name, stage)
+def _check_stage(owner: str, name: str, stage: Any, constructing: bool = False) -> None:
+    why = _unfit(owner, "stage", name, stage, constructing)
     if why:
         raise TypeError(why)
     if not isinstance(stage, nn.Module):

@@ -423,7 +423,7 @@ class Parallel(nn.Module):
         self.direct_grads = direct_grads  # the graph cache is made by _reset, below
         self._compiler = _compiler(owner, "branch", compile, compile_options, compile_fallback)
         for name, branch in items:
-            self.add_module(name, _as_branch(owner, name, branch))
+            self.add_module(name, _as_branch(owner, name, branch, constructing=True))
         self._param_moves = self._graph_moves = 0
         # fuse=True: say now, not at the first call, which branch keeps them from fusing.
         self._reset(strict=True)
@@ -954,8 +954,10 @@ class Parallel(nn.Module):
                         b.copy_(saved)
             failure = e
         names = [list(self._modules)[i] for i in group.indices]
-        if version is not None and x._version != version:
+        if version is not None and x._version != version and not _clamps_its_input(group):
             # Called in turn now, the members would read what the batched attempt wrote.
+            # (Not where they only clamp it first, which each of them in turn would do
+            # again to the same effect: run so, the member at fault names the input's error.)
             if self.fuse is not True:
                 fusion.disable(group, failure)
                 self._forget_plans(lambda plan: plan.fused)

@@ -750,7 +750,7 @@ class ParallelSequential(nn.Sequential):
             )
         for name, stage in items:
             _check_name(type(self), "stage", name, _PIPELINE_SETTINGS)
-            _check_stage(owner, name, stage)
+            _check_stage(owner, name, stage, constructing=True)
         super().__init__(OrderedDict(items))
         self.chunks = chunks
         # (Each setting is checked by __setattr__.)

@@ -1845,6 +1845,25 @@ def test_fuse_true_refuses_a_call_in_which_members_write_the_shared_input():
     assert list(block.explain()["schedules"].values()) == ["fused, sequential"]
 
 
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_bad_input_to_members_clamping_it_first_is_named_as_unfused(fuse):
+    # Before: with fuse=True, members beginning with ReLU(inplace=True) given an input of the
+    # wrong width were refused as "changed their input in place while running batched", the
+    # stacked shapes (16x64) in the message and fusion blamed; the clamp, done again by each
+    # member in turn, changes nothing: they run unfused and the first names the mismatch.
+    heads = [nn.Sequential(nn.ReLU(inplace=True), nn.Linear(16, 16)) for _ in range(4)]
+    block = Parallel(*heads, fuse=fuse)
+    x = torch.randn(4, 16)
+    assert_close(block(x.clone()), torch.cat([h(x.clone()) for h in heads], 1))
+    with pytest.raises(RuntimeError, match=r"\(4x8 and 16x16\)[\s\S]*branch '0'") as info:
+        block(torch.randn(4, 8))
+    assert "in place" not in str(info.value)
+    for _ in range(2):  # (as before: "auto" saw the write on its first call, made in turn, and keeps them so)
+        x = torch.randn(4, 16)
+        assert_close(block(x.clone()), torch.cat([h(x.clone()) for h in heads], 1))
+    assert list(block.explain()["schedules"].values())[0].startswith("fused" if fuse is True else "unfused")
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("first", ["stock", "custom"])
 def test_fuse_true_refuses_members_writing_a_shared_inference_tensor(device, first):

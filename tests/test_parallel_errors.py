@@ -457,6 +457,26 @@ def test_branches_passed_in_one_list_or_dict_are_refused_with_the_fix(container)
         ParallelSequential(given)
 
 
+def test_a_setting_passed_by_position_is_refused_with_its_keyword():
+    # Before: "branch '2' must be an nn.Module or a callable, got str ('sum')" -- the join was
+    # meant, passed by position; every setting is keyword-only.
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"Parallel: branch '2' is the str 'sum', not a module\. Settings are keyword-only: "
+                                        r"Parallel\(\.\.\., join='sum'\)"):
+        Parallel(a, b, "sum")
+    with pytest.raises(TypeError, match=r"branch '1' is the int 0, not a module.*Parallel\(\.\.\., dim=0\)"):
+        Parallel(a, 0)
+    with pytest.raises(TypeError, match=r"ParallelSequential: stage '1' is the int 4, not a module.*"
+                                        r"ParallelSequential\(\.\.\., chunks=4\)"):
+        ParallelSequential(a, 4)
+    with pytest.raises(TypeError, match=r"branch '1' must be an nn.Module or a callable, got str \('foo'\)"):
+        Parallel(a, "foo")  # (no setting of that value)
+    block = Parallel(a, b)
+    with pytest.raises(TypeError, match=r"branch '2' must be an nn.Module or a callable, got str \('sum'\)"):
+        block.append("sum")  # (not a constructor's argument: no setting meant)
+    assert len(block) == 2
+
+
 # --------------------------------------------------- found by a review of errors
 @pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
 def test_named_joins_of_no_tensor_at_all_are_refused(join):
