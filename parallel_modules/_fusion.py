@@ -93,6 +93,9 @@ _POINTWISE = (
     nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Softplus, nn.Softsign, nn.Tanhshrink,
     nn.LogSigmoid, nn.Identity,
 )
+# Dropout layers whose forward is torch's own: the identity in eval or with p=0.
+_STOCK_DROPOUT = frozenset(c.forward for c in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+                                               nn.AlphaDropout, nn.FeatureAlphaDropout))
 # Pooling works channel by channel, so it applies in the shared and channels layouts.
 _POOLING = (
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
@@ -150,7 +153,8 @@ def _describe_tensor(t: torch.Tensor | None) -> str:
     if t is None:
         return "None"
     grad = ", requires_grad" if t.requires_grad else ""
-    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}{grad}"
+    made = ", an inference tensor (made under torch.inference_mode)" if t.is_inference() else ""
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}{grad}{made}"
 
 
 def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
@@ -189,8 +193,10 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
             # stacks carrying gradients back to those that take them (see _Group._stacked);
             # compared, freezing a member made every later regrouping -- ``eval()``,
             # ``.to()``, a deep copy -- refuse the block.)
-            same = (x is None) == (y is None) and (
-                x is None or (x.shape == y.shape and x.dtype == y.dtype and x.device == y.device))
+            # (Inference tensors or not, alike: one stack is one kind, see _stack.)
+            same = (x is None) == (y is None) and (x is None or (
+                x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+                and x.is_inference() == y.is_inference()))
             if not same:
                 return f"{kind} {_join(path, name)!r} is {_describe_tensor(y)}, expected {_describe_tensor(x)}"
     if list(a._modules) != list(b._modules):
@@ -703,7 +709,8 @@ class _Group:
         tensors_bound: list[torch.Tensor] = []
         # (Not inference tensors, where the group is first run under inference_mode:
         # the members' parameters become views of the stacks, and training them
-        # later would fail with "Inference tensors cannot be saved for backward".)
+        # later would fail with "Inference tensors cannot be saved for backward".
+        # Unless the members' own are: see _stack.)
         with torch.no_grad(), torch.inference_mode(False):
             for qual, entry in self.entries.items():
                 tensors = self._tensors(entry)
@@ -712,7 +719,8 @@ class _Group:
                     # A member's tensor replaced or removed since the group was found: stacking
                     # would drop it (``None``) or convert it (``torch.stack`` promotes dtypes).
                     if (t is None) != (first is None) or (t is not None and (
-                            t.shape != first.shape or t.dtype != first.dtype or t.device != first.device)):
+                            t.shape != first.shape or t.dtype != first.dtype or t.device != first.device
+                            or t.is_inference() != first.is_inference())):
                         raise self._no_longer_identical(qual, tensors, i)
                 if first is None:
                     continue
@@ -724,7 +732,7 @@ class _Group:
                     # (Inference tensors, made under inference_mode, keep no version.)
                     versions = [None if t.is_inference() else t._version for t in tensors]
                     old = [t.detach() for t in tensors]
-                    stacked = torch.stack(old)
+                    stacked = _stack(old)
                     moved = True
                     for i, t in enumerate(tensors):
                         if versions[i] is not None and t._version != versions[i]:
@@ -750,7 +758,7 @@ class _Group:
                 if together is None:
                     # One tensor for the class: each layer's stack (and so each member's
                     # bias, still contiguous) becomes a slice of it.
-                    together = torch.stack(parts)
+                    together = _stack(parts)
                     moved = True
                     for k, q in enumerate(quals):
                         for i, t in enumerate(bound[q]):
@@ -1263,6 +1271,18 @@ def _python_same_addresses(tensors: list[torch.Tensor], ptrs: list[int], indices
 _same_addresses = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None) or _python_same_addresses
 
 
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    r"""``torch.stack(tensors)``, an inference tensor where they are (members made under ``inference_mode``).
+
+    Their ``.data`` becomes a view of the stack: a tensor made outside
+    inference mode would leave an inference parameter half of each kind,
+    refused by its own layer's next call ("Inference tensors do not track
+    version counter"). (A group's tensors are all of one kind: see ``_bind``.)
+    """
+    with torch.inference_mode(tensors[0].is_inference()):
+        return torch.stack(tensors)
+
+
 def _adopt(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     r"""The stack ``tensors`` already are (consecutive contiguous slices of one storage), or ``None``."""
     first = tensors[0]
@@ -1637,7 +1657,9 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         elif isinstance(m, _SAVES_WEIGHT) and q("weight") not in group.saved_always:
             group.saved_always.add(q("weight"))
 
-    if type(m) in _POINTWISE or isinstance(m, _DropoutNd):  # dropout: only in eval or with p=0 (see _unfusable)
+    # (Dropout: only in eval or with p=0, see _unfusable; and only torch's own forward: a
+    # subclass's, an MC dropout drawing its masks in eval, is vmapped as any module.)
+    if type(m) in _POINTWISE or type(m).forward in _STOCK_DROPOUT:
         # ``forward`` itself: fused members have no hooks (see _unfusable), and
         # ``Module.__call__`` costs as much CPU as the launch it wraps.
         forward = m.forward
@@ -1679,7 +1701,8 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
 
         return [convolution]
 
-    if isinstance(m, _BatchNorm):  # eval mode with running statistics (see _unfusable)
+    if type(m).forward is _BatchNorm.forward:  # eval mode with running statistics (see _unfusable)
+        # (torch's own forward: a subclass's of its own is vmapped as any module.)
         names = [q(k) for k in ("running_mean", "running_var", "weight", "bias")]
         if not group.buffers_saved.issuperset(names[:2]):  # (saved by its backward: the input's gradient reads them)
             group.buffers_saved.update(names[:2])
@@ -2044,13 +2067,18 @@ class _Fusion:
         self._rebuild()
 
     def forward_replaced(self) -> bool:
-        r"""Whether a fused member's ``forward`` was replaced on its instance since grouping.
+        r"""Whether a fused member's ``forward`` was replaced on its instance, or a member no longer matches
+        its group's first (a hyperparameter set in place: ``branch[1].negative_slope = 0.5``), since grouping.
 
         Looked at when a call's schedule is chosen and when a graph is
-        captured, not on every call: for eight 4-layer MLPs it costs about 2 us
-        on the development machine's CPU, a measurable part of a fused call.
+        captured, not on every call: for eight 4-layer MLPs the first costs about
+        2 us on the development machine's CPU, a measurable part of a fused call,
+        and comparing the members' layers far more. So a setting changed between
+        the block's construction and its first call is seen, one changed later
+        only by the calls of an input signature not scheduled yet.
         """
-        return any(["forward" in d for d in self.instances])
+        return any(["forward" in d for d in self.instances]) or any(
+            _difference(g.template, member) is not None for g in self.groups for member in g.members[1:])
 
     def current(self) -> bool:
         r"""Whether the grouping still holds: no submodule's train/eval mode changed, no hook registered on

@@ -926,11 +926,12 @@ class Parallel(nn.Module):
             if not tracing and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
             # (``tracing`` first: a compiler would guard on ``group.ran``, which an eager call sets.)
-            if not tracing and group.buffers and (self.training or not group.ran) and not _functorch_active():
+            if (not tracing and group.buffers and (self.training or not group.ran or _writes_buffers(group))
+                    and not _functorch_active()):
                 # Layers that ran batched before one failed may have updated buffers (an
                 # InstanceNorm's running statistics): put back before the members run unfused.
-                # (In eval mode stock layers update none; a module of the user's may, and is
-                # seen failing -- data-dependent control flow -- at its first batched call.)
+                # (In eval mode stock norms update none; a module of the user's holding buffers
+                # may, a count of its calls, and a later layer fail on some calls only.)
                 kept = [(b, b.clone()) for b in group.buffer_stacks()]
             # Tensors swapped in without registration (torch.func.functional_call), or
             # functorch transforms, which need the members' tensors as they are: stacked

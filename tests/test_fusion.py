@@ -1845,6 +1845,139 @@ def test_fuse_true_refuses_a_call_in_which_members_write_the_shared_input():
     assert list(block.explain()["schedules"].values()) == ["fused, sequential"]
 
 
+class _ShiftedNorm(nn.BatchNorm2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2 + 1
+
+
+class _MonteCarloDropout(nn.Dropout):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, self.p, training=True)  # (masks drawn in eval too)
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_subclasses_of_batch_norm_and_dropout_with_a_forward_of_their_own_run_it(fuse):
+    # Before: torch's batched rule for BatchNorm (eval) and Dropout (the identity in eval) was
+    # chosen by isinstance, so a subclass's own forward was dropped (off by 3.0), and an MC
+    # dropout ran once on the shared input: one mask for every member.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Conv2d(3, 4, 1), _ShiftedNorm(4)).eval() for _ in range(3)]
+    block = Parallel(*branches, fuse=fuse)
+    for _ in range(2):
+        x = torch.randn(2, 3, 5, 5)
+        assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+    linear = nn.Linear(8, 8)  # (the members alike but for their masks)
+    block = Parallel(*[nn.Sequential(_MonteCarloDropout(0.5), copy.deepcopy(linear)).eval() for _ in range(3)],
+                     fuse="auto", join=None)
+    a, b, c = block(torch.ones(4, 8))
+    assert not (torch.equal(a, b) and torch.equal(b, c))
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_members_made_under_inference_mode_keep_working_fused(fuse):
+    # Before: their inference parameters were rebound to views of a stack made outside
+    # inference mode, half of each kind: each member's own next call raised "Inference tensors
+    # do not track version counter", and so did the block after a .data = on one of them.
+    with torch.inference_mode():
+        branches = [nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)) for _ in range(3)]
+        block = Parallel(*branches, fuse=fuse)
+        x = torch.randn(4, 8)
+        assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+        assert block.explain()["fused"] == [["0", "1", "2"]]
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            x = torch.randn(4, 8)
+            assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+            if mode is torch.inference_mode:  # (an inference tensor is written in inference mode only)
+                branches[1][0].weight.mul_(2)
+            assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+    with torch.inference_mode():
+        branches[2][2].weight.data = torch.randn(4, 8)
+        x = torch.randn(4, 8)
+        assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+    # One member made under inference mode, the others not: not one kind, not stacked together.
+    with torch.inference_mode():
+        odd = nn.Linear(8, 4)
+    mixed = [odd, nn.Linear(8, 4), nn.Linear(8, 4)]
+    if fuse is True:
+        with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': parameter 'weight' is .*, "
+                                             r"expected .*an inference tensor \(made under torch.inference_mode\)"):
+            Parallel(*mixed, fuse=True)
+    else:
+        block = Parallel(*mixed, fuse="auto")
+        with torch.no_grad():
+            x = torch.randn(4, 8)
+            assert_close(block(x), torch.cat([b(x) for b in mixed], 1))
+        assert block.explain()["fused"] == [["1", "2"]]
+
+
+class _CountsCalls(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_buffer_written_in_eval_before_a_later_layer_fails_batched_counts_once(fuse):
+    # Before: buffers were put back after a failed batched attempt only in training or on a
+    # group's first call; in eval a module of the user's counting its calls, before a layer
+    # that runs batched without grad but not with it, counted those calls twice (8 against 5).
+    torch.manual_seed(0)
+    branches = [nn.Sequential(_CountsCalls(), nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True))
+                .eval() for _ in range(3)]
+    ref = copy.deepcopy(branches)  # (made before: a module built since a call makes the groups anew)
+    block = Parallel(*branches, fuse=fuse).eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            block(x)
+            [b(x) for b in ref]
+    for calls in (3.0, 4.0, 5.0):
+        x = torch.randn(2, 5, 8, requires_grad=True)
+        assert_close(block(x), torch.cat([b(x) for b in ref], 1))
+        assert [b[0].calls.item() for b in branches] == [calls] * 3
+
+
+class _TimesK(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.k = nn.Linear(4, 4), 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.k
+
+
+def test_a_hyperparameter_set_before_the_first_call_is_seen():
+    # Before: the groups found at construction held for the first call, a member's setting
+    # changed in place since ignored: every member ran the first one's (off by 2.3).
+    branches = [_TimesK() for _ in range(3)]
+    block = Parallel(*branches, fuse="auto")
+    branches[1].k = 3.0
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+    assert block.explain()["fused"] == [["0", "2"]]
+    leaky = [nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU()) for _ in range(3)]
+    block = Parallel(*leaky, fuse="auto")
+    leaky[2][1].negative_slope = 0.5
+    x = torch.randn(2, 4)
+    assert_close(block(x), torch.cat([b(x) for b in leaky], 1))
+    assert block.explain()["fused"] == [["0", "1"]]
+    branches = [_TimesK() for _ in range(3)]
+    block = Parallel(*branches, fuse=True)
+    branches[2].k = 0.5
+    with pytest.raises(ValueError, match=r"branch '2' differs from branch '0': the branch has k=0.5, expected 1.0"):
+        block(torch.randn(2, 4))
+    branches[2].k = 1.0  # (made alike again: fused)
+    x = torch.randn(2, 4)
+    assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_a_bad_input_to_members_clamping_it_first_is_named_as_unfused(fuse):
     # Before: with fuse=True, members beginning with ReLU(inplace=True) given an input of the
