@@ -157,8 +157,11 @@ def _describe_tensor(t: torch.Tensor | None) -> str:
     return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}{grad}{made}"
 
 
-def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
-    r"""How module ``b`` differs in structure from ``a``, or ``None`` if identical."""
+def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True) -> str | None:
+    r"""How module ``b`` differs in structure from ``a``, or ``None`` if identical.
+
+    ``tensors=False``: attributes holding tensors (not parameters or buffers) are not compared.
+    """
     where = f"submodule {path!r}" if path else "the branch"
     if type(a) is not type(b):
         if type(a).__name__ == type(b).__name__:  # (two classes of one name: a factory's, a notebook cell run again)
@@ -171,6 +174,8 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
         return f"{where} is {type(b).__name__}({b.extra_repr()}), expected {type(a).__name__}({a.extra_repr()})"
     ha, hb = _hyperparameters(a), _hyperparameters(b)
     for k in sorted(set(ha) | set(hb)):
+        if not tensors and (isinstance(ha.get(k), torch.Tensor) or isinstance(hb.get(k), torch.Tensor)):
+            continue
         if k not in ha or k not in hb or not _same_value(ha[k], hb[k]):
             if isinstance(ha.get(k), torch.Tensor) and isinstance(hb.get(k), torch.Tensor):
                 # (Told apart by value, which a tensor of many elements cannot be compared by.)
@@ -206,7 +211,7 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "") -> str | None:
         if (ca is None) != (cb is None):
             return f"submodule {_join(path, name)!r} is {cb!r}, expected {ca!r}"
         if ca is not None:
-            diff = _difference(ca, cb, _join(path, name))
+            diff = _difference(ca, cb, _join(path, name), tensors)
             if diff is not None:
                 return diff
     return None
@@ -268,9 +273,11 @@ def _unfusable(branch: nn.Module) -> str | None:
             return f"{where} is a recurrent layer, which is not batched across branches"
         if _is_block(m):
             return f"{where} is a block of its own; set fuse= on it to fuse its branches"
-        if isinstance(m, (_DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.training and m.p > 0:
-            return (f"{where} draws random masks in training mode; fused, its masks could not match the "
-                    f"unfused module's")
+        if isinstance(m, (_DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.p > 0 and (
+                m.training or type(m).forward not in _STOCK_DROPOUT):
+            # (A subclass's forward of its own may draw masks in eval too: Monte Carlo dropout.)
+            return (f"{where} draws random masks{' in training mode' if m.training else ''}; fused, its masks "
+                    f"could not match the unfused module's")
         for kind, tensors in (("parameter", m._parameters), ("buffer", m._buffers)):
             for name, t in tensors.items():
                 if t is not None and (type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided):
@@ -633,6 +640,9 @@ class _Group:
         # saved their memory (see _watch_buffers).
         self.buffers_saved: set[str] = set()
         self.ran = False  # whether the group ran batched once (see Parallel._run_group)
+        # Whether its first eager batched call in eval wrote buffers (None: not judged; the same).
+        self.wrote_buffers: bool | None = None
+        self._writes_buffers: bool | None = None  # (see writes_buffers)
         # The batched steps, made at the first eager call (they read the layers' settings
         # then: see _run). Made once here for the two sets above, which depend on the
         # layers' types alone.
@@ -657,6 +667,14 @@ class _Group:
                     return False
             self.registrations = _watch._changes
         return _same_addresses(*self.expected)
+
+    def writes_buffers(self, judge: Callable[[_Group], bool]) -> bool:
+        r"""``judge(self)``, asked once: whether the members may write their buffers (see
+        ``parallel._writes_buffers``). (Their train/eval modes change it, and a change of mode
+        makes the groups anew: see :meth:`_Fusion.current`.)"""
+        if self._writes_buffers is None:
+            self._writes_buffers = judge(self)
+        return self._writes_buffers
 
     def buffer_stacks(self) -> list[torch.Tensor]:
         r"""The stacks of the members' buffers (after :meth:`bind`)."""
@@ -752,7 +770,8 @@ class _Group:
                 parts = [stacks.get(q) for q in quals]
                 # (One width and dtype per class: the stacks' shapes agree. A bias tied to
                 # another of the class would have two places in the tensor.)
-                if any(t is None for t in parts) or len({t.data_ptr() for t in parts}) != len(parts):
+                if (any(t is None for t in parts) or len({t.data_ptr() for t in parts}) != len(parts)
+                        or len({t.is_inference() for t in parts}) > 1):  # (one tensor is of one kind: _stack)
                     continue
                 together = _adopt(parts)
                 if together is None:
@@ -2064,21 +2083,27 @@ class _Fusion:
         # The instance dicts of the fused members' modules, where a ``forward`` replaced
         # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows.
         self.instances = [vars(m) for _, modules in self.trees for m in modules]
+        self.differ: bool | None = None  # the members compared again, at the first call (see forward_replaced)
         self._rebuild()
 
     def forward_replaced(self) -> bool:
-        r"""Whether a fused member's ``forward`` was replaced on its instance, or a member no longer matches
-        its group's first (a hyperparameter set in place: ``branch[1].negative_slope = 0.5``), since grouping.
+        r"""Whether a fused member's ``forward`` was replaced on its instance since grouping, or, the first
+        time this is asked, whether a member no longer matches its group's first (a hyperparameter set in
+        place between the block's construction and its first call: ``branch[1].negative_slope = 0.5``).
 
         Looked at when a call's schedule is chosen and when a graph is
         captured, not on every call: for eight 4-layer MLPs the first costs about
         2 us on the development machine's CPU, a measurable part of a fused call,
-        and comparing the members' layers far more. So a setting changed between
-        the block's construction and its first call is seen, one changed later
-        only by the calls of an input signature not scheduled yet.
+        and comparing the members' layers 0.6 ms. (Not their tensor attributes,
+        which a ``forward`` may set for itself -- a cache of rotary tables --
+        and which no member has yet before its first call.)
         """
-        return any(["forward" in d for d in self.instances]) or any(
-            _difference(g.template, member) is not None for g in self.groups for member in g.members[1:])
+        if any(["forward" in d for d in self.instances]):
+            return True
+        if self.differ is None:  # (kept: asked again under the lock, the answer must hold)
+            self.differ = any(_difference(g.template, member, tensors=False) is not None
+                              for g in self.groups for member in g.members[1:])
+        return self.differ
 
     def current(self) -> bool:
         r"""Whether the grouping still holds: no submodule's train/eval mode changed, no hook registered on

@@ -18,8 +18,8 @@ from torch.utils import _pytree as pytree
 from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import (_difference, _flat_layers, _functorch_active, _Fusion, _Group, _iter_layers, _Joined,
-                      _UnbatchedNow, _Unfused)
+from ._fusion import (_STOCK_DROPOUT, _difference, _flat_layers, _functorch_active, _Fusion, _Group, _iter_layers,
+                      _Joined, _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _with_context
@@ -400,7 +400,8 @@ class Parallel(nn.Module):
                  compile_fallback: bool = False) -> None:
         super().__init__()
         owner = type(self).__name__
-        if len(branches) == 1 and isinstance(branches[0], OrderedDict):
+        named = len(branches) == 1 and isinstance(branches[0], OrderedDict)
+        if named:
             items = list(branches[0].items())
         else:
             items = [(str(i), b) for i, b in enumerate(branches)]
@@ -423,7 +424,8 @@ class Parallel(nn.Module):
         self.direct_grads = direct_grads  # the graph cache is made by _reset, below
         self._compiler = _compiler(owner, "branch", compile, compile_options, compile_fallback)
         for name, branch in items:
-            self.add_module(name, _as_branch(owner, name, branch, constructing=True))
+            # (``constructing``: given by position, where a setting may have been meant.)
+            self.add_module(name, _as_branch(owner, name, branch, constructing=not named))
         self._param_moves = self._graph_moves = 0
         # fuse=True: say now, not at the first call, which branch keeps them from fusing.
         self._reset(strict=True)
@@ -926,12 +928,18 @@ class Parallel(nn.Module):
             if not tracing and group.bind():  # a parameter was replaced: stacked anew
                 self._param_moves += 1
             # (``tracing`` first: a compiler would guard on ``group.ran``, which an eager call sets.)
-            if (not tracing and group.buffers and (self.training or not group.ran or _writes_buffers(group))
-                    and not _functorch_active()):
-                # Layers that ran batched before one failed may have updated buffers (an
-                # InstanceNorm's running statistics): put back before the members run unfused.
-                # (In eval mode stock norms update none; a module of the user's holding buffers
-                # may, a count of its calls, and a later layer fail on some calls only.)
+            # Layers that ran batched before one failed may have updated buffers (an
+            # InstanceNorm's running statistics): put back before the members run unfused.
+            # In eval mode stock norms update none; a module of the user's holding buffers
+            # may (a count of its calls, test-time statistics), and a later layer fail on
+            # some calls only: kept while such a group is judged, and for good if its first
+            # eager call in eval wrote them (not otherwise: a constant table or mask would
+            # be copied on every call). (Judged by value: a layer vmapped writes its
+            # buffers' stacks without moving their versions.)
+            judging = (not tracing and not self.training and group.wrote_buffers is None
+                       and not (x.is_cuda and _capture_underway()) and group.writes_buffers(_writes_buffers))
+            if (not tracing and group.buffers and not _functorch_active()
+                    and (self.training or not group.ran or group.wrote_buffers or judging)):
                 kept = [(b, b.clone()) for b in group.buffer_stacks()]
             # Tensors swapped in without registration (torch.func.functional_call), or
             # functorch transforms, which need the members' tensors as they are: stacked
@@ -942,6 +950,8 @@ class Parallel(nn.Module):
                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
             if not tracing:
                 group.ran = True
+                if judging and kept is not None:
+                    group.wrote_buffers = any([not torch.equal(b, saved) for b, saved in kept])
             return out
         except Exception as e:
             if not isinstance(e, _UnbatchedNow) and (_is_tracing() or isinstance(e, _StopRecomputation)):
@@ -1623,7 +1633,7 @@ def _writes_its_input(group: _Group) -> bool:
     of it). A module of the user's writing its input is seen by eager calls only.
     """
     for m in _iter_layers(group.template):  # (the first few: inference calls with fuse=True ask on every call)
-        if isinstance(m, nn.modules.dropout._DropoutNd):  # (fused in eval, or with p=0: it returns its input)
+        if type(m).forward in _STOCK_DROPOUT:  # (fused in eval, or with p=0: it returns its input)
             continue
         if m.__dict__.get("inplace") is True:  # (not getattr: a module without one raises inside, slowly)
             return not _clamps_its_input(group)
@@ -1633,12 +1643,17 @@ def _writes_its_input(group: _Group) -> bool:
 
 
 def _writes_buffers(group: _Group) -> bool:
-    r"""Whether a group's members may write their buffers: held by a layer in training, or by other than a norm."""
+    r"""Whether a group's members may write their buffers: held by a layer in training, or by other than a
+    norm with torch's own ``forward`` (a subclass's may update its statistics in eval: test-time adaptation)."""
     for qual in group.buffers:
         owners = group.entries[qual].owners
-        if any(o.training for o in owners) or not isinstance(owners[0], nn.modules.batchnorm._NormBase):
+        if any(o.training for o in owners) or type(owners[0]).forward not in _STOCK_NORM_FORWARDS:
             return True
     return False
+
+
+_STOCK_NORM_FORWARDS = frozenset({nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward,
+                                  nn.modules.instancenorm._InstanceNorm.forward})
 
 
 # Layers writing their input in place to a clamp of it: one clamp after another is a clamp.

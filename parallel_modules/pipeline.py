@@ -739,7 +739,8 @@ class ParallelSequential(nn.Sequential):
                  compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
                  compile_fallback: bool = False) -> None:
         owner = type(self).__name__
-        if len(stages) == 1 and isinstance(stages[0], OrderedDict):
+        named = len(stages) == 1 and isinstance(stages[0], OrderedDict)
+        if named:
             items = list(stages[0].items())
         else:
             items = [(str(i), s) for i, s in enumerate(stages)]
@@ -750,7 +751,7 @@ class ParallelSequential(nn.Sequential):
             )
         for name, stage in items:
             _check_name(type(self), "stage", name, _PIPELINE_SETTINGS)
-            _check_stage(owner, name, stage, constructing=True)
+            _check_stage(owner, name, stage, constructing=not named)  # (by position: a setting meant?)
         super().__init__(OrderedDict(items))
         self.chunks = chunks
         # (Each setting is checked by __setattr__.)

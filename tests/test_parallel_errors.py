@@ -475,6 +475,10 @@ def test_a_setting_passed_by_position_is_refused_with_its_keyword():
     with pytest.raises(TypeError, match=r"branch '2' must be an nn.Module or a callable, got str \('sum'\)"):
         block.append("sum")  # (not a constructor's argument: no setting meant)
     assert len(block) == 2
+    with pytest.raises(TypeError, match=r"branch 'b' must be an nn.Module or a callable, got int \(2\)"):
+        Parallel(OrderedDict(a=a, b=2))  # (named: no setting meant)
+    with pytest.raises(TypeError, match=r"stage 'b' must be an nn.Module, got int \(2\)"):
+        ParallelSequential(OrderedDict(a=a, b=2))
 
 
 # --------------------------------------------------- found by a review of errors
