@@ -641,8 +641,9 @@ class _Group:
         self.buffers_saved: set[str] = set()
         self.ran = False  # whether the group ran batched once (see Parallel._run_group)
         # Whether its first eager batched call in eval wrote buffers (None: not judged; the same).
+        # (Judged once: a change of the members' train/eval modes makes the groups anew, see
+        # _Fusion.current.)
         self.wrote_buffers: bool | None = None
-        self._writes_buffers: bool | None = None  # (see writes_buffers)
         # The batched steps, made at the first eager call (they read the layers' settings
         # then: see _run). Made once here for the two sets above, which depend on the
         # layers' types alone.
@@ -667,14 +668,6 @@ class _Group:
                     return False
             self.registrations = _watch._changes
         return _same_addresses(*self.expected)
-
-    def writes_buffers(self, judge: Callable[[_Group], bool]) -> bool:
-        r"""``judge(self)``, asked once: whether the members may write their buffers (see
-        ``parallel._writes_buffers``). (Their train/eval modes change it, and a change of mode
-        makes the groups anew: see :meth:`_Fusion.current`.)"""
-        if self._writes_buffers is None:
-            self._writes_buffers = judge(self)
-        return self._writes_buffers
 
     def buffer_stacks(self) -> list[torch.Tensor]:
         r"""The stacks of the members' buffers (after :meth:`bind`)."""

@@ -936,8 +936,12 @@ class Parallel(nn.Module):
             # eager call in eval wrote them (not otherwise: a constant table or mask would
             # be copied on every call). (Judged by value: a layer vmapped writes its
             # buffers' stacks without moving their versions.)
-            judging = (not tracing and not self.training and group.wrote_buffers is None
-                       and not (x.is_cuda and _capture_underway()) and group.writes_buffers(_writes_buffers))
+            judging = False
+            if (not tracing and not self.training and group.wrote_buffers is None
+                    and not (x.is_cuda and _capture_underway())):
+                judging = _writes_buffers(group)
+                if not judging:  # (stock norms' alone, or none: nothing to judge)
+                    group.wrote_buffers = False
             if (not tracing and group.buffers and not _functorch_active()
                     and (self.training or not group.ran or group.wrote_buffers or judging)):
                 kept = [(b, b.clone()) for b in group.buffer_stacks()]
