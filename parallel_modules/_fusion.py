@@ -654,8 +654,10 @@ class _Group:
             pass  # (made again at the first call, which raises it with the group's context)
 
     # Stacks ---------------------------------------------------------------
-    def _tensors(self, entry: _Entry) -> list[torch.Tensor]:
-        return [getattr(o, entry.kind)[entry.attr] for o in entry.owners]
+    def _tensors(self, entry: _Entry) -> list[torch.Tensor | None]:
+        # (``None`` for a tensor gone from its dict: ``del module.weight`` registers
+        # nothing, and a plain tensor set in its place is an attribute, not a parameter.)
+        return [getattr(o, entry.kind).get(entry.attr) for o in entry.owners]
 
     def _bound(self) -> bool:
         r"""Whether every member's parameters and buffers still point into the stacks."""
@@ -675,6 +677,17 @@ class _Group:
 
     def _no_longer_identical(self, qual: str, tensors: list[torch.Tensor | None], i: int) -> RuntimeError:
         r"""The error for member ``i``'s ``qual`` (of ``tensors``, the members') changed since the group was found."""
+        if (tensors[i] is None) != (tensors[0] is None):
+            # Gone from some members: name those, not the first member against the others.
+            entry = self.entries[qual]
+            kind = "parameter" if entry.kind == "_parameters" else "buffer"
+            kept = next(name for name, t in zip(self.names, tensors) if t is not None)
+            gone = [f"{qual} of branch {name!r} is None" if entry.attr in getattr(owner, entry.kind) else
+                    f"branch {name!r} has no {kind} {qual!r} any more (deleted, or replaced by a plain tensor "
+                    f"attribute, which is not a {kind})"
+                    for name, owner, t in zip(self.names, entry.owners, tensors) if t is None]
+            return RuntimeError(f"the branches are no longer identical: {'; '.join(gone)}, where branch {kept!r} "
+                                f"has {_describe_tensor(tensors[self.names.index(kept)])}")
         return RuntimeError(f"the branches are no longer identical: {qual} of branch {self.names[i]!r} is "
                             f"{_describe_tensor(tensors[i])}, of branch {self.names[0]!r} "
                             f"{_describe_tensor(tensors[0])}")

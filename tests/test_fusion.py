@@ -805,6 +805,33 @@ def test_member_bias_removed_without_registration():
             assert_close(p(x), reference(p, x))
 
 
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_member_parameter_replaced_by_a_plain_tensor(grad):
+    # ``del m.weight; m.weight = tensor`` registers nothing, and the tensor is a plain
+    # attribute: the members are no longer identical, said so (it was a bare KeyError).
+    for fuse in ("auto", True):
+        torch.manual_seed(0)
+        p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=fuse)
+        x = torch.randn(5, 16)
+        with torch.set_grad_enabled(grad):
+            p(x)
+            weight = p[1].weight.detach() * 2
+            del p[1].weight
+            p[1].weight = weight
+            expected = torch.cat([branch(x) for branch in p], 1)
+            if fuse == "auto":
+                with pytest.warns(UserWarning, match="branch '1' has no parameter 'weight' any more"):
+                    assert_close(p(x), expected)
+                assert_close(p(x), expected)
+                assert "'weight'" in p.explain()["unfused"]["1"]
+            else:
+                with pytest.raises(RuntimeError, match=r"fuse=True.*branch '1' has no parameter 'weight' any more.*"
+                                                       r"where branch '0' has \(8, 16\) float32"):
+                    p(x)
+                # Nothing was changed by the refused call: the branches still give their own outputs.
+                assert_close(torch.cat([branch(x) for branch in p], 1), expected)
+
 def test_torch_func_functional_call_grad_and_vmap():
     torch.manual_seed(0)
     p = Parallel(*[mlp() for _ in range(3)], fuse=True)
@@ -1167,7 +1194,7 @@ def test_fuse_true_names_the_member_whose_bias_was_set_to_none():
     x = torch.randn(5, 16)
     p(x)
     p.mid.bias = None  # (registers nothing: the groups stand as they were found)
-    with pytest.raises(RuntimeError, match=r"bias of branch 'mid' is None, of branch 'left' \(8,\) float32"):
+    with pytest.raises(RuntimeError, match=r"bias of branch 'mid' is None, where branch 'left' has \(8,\) float32"):
         p(x)
     p.mid.bias = nn.Parameter(torch.zeros(8))
     assert_close(p(x), reference(p, x))
