@@ -180,6 +180,9 @@ _INLINE_BIAS = "bias in line"
 
 _CPU = _Schedule(False, False, False)
 _CPU_FUSED = _Schedule(True, False, False)
+# ``_CPU`` kept by ``fuse="auto"`` because a branch wrote the shared input on the first
+# call: the same schedule, told apart by identity so that ``explain()`` can say why.
+_CPU_IN_TURN = _Schedule(False, False, False)
 
 
 class Parallel(nn.Module):
@@ -669,12 +672,14 @@ class Parallel(nn.Module):
     def explain(self) -> dict[str, Any]:
         r"""How this module runs its branches, for inspection.
 
-        Returns a dict with ``"fused"``: the groups of branch names run as one
-        batched computation (with ``fuse=True`` or ``"auto"``); ``"unfused"``:
-        every other branch with the reason it is not fused; ``"schedules"``:
-        for each input signature seen so far, the schedule in use
+        Returns a dict with ``"fused"``: the groups of identical branch names
+        that may run as one batched computation (with ``fuse=True`` or
+        ``"auto"``); ``"unfused"``: every other branch with the reason it is
+        not fused; ``"schedules"``: for each input signature seen so far, the
+        schedule in use, which says whether its calls run those groups batched
         (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
-        chosen by ``"auto"`` or forced; for a CUDA graph with ``compile=``,
+        chosen by ``"auto"`` or forced, and why ``"auto"`` keeps the groups
+        unfused where timing did not decide it; for a CUDA graph with ``compile=``,
         also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
         compiled as one, one stream"``, whichever replayed fastest; ``"(input
         read in place)"``: a graph also reads inputs found where the first
@@ -692,7 +697,16 @@ class Parallel(nn.Module):
             report = fusion.report()
             fused, unfused = report["fused"], report["unfused"]
         # (A copy: calls in other threads add schedules as this describes them.)
-        schedules = {_describe_signature(k): _describe_schedule(p) + _describe_costs(self._tuner.costs.get(k))
+        # Why "auto" runs the groups unfused, where no timing chose it (see _fuse_choices).
+        why = ""
+        if fused and self._auto_unfused():
+            why = " (fuse='auto' keeps identical branches unfused while deterministic algorithms are on)"
+        elif fused and self._in_order and self.fuse == "auto":
+            why = " (a branch changed its input in place on an earlier call: the branches run one after another)"
+        in_turn = " (a branch changed its input in place on the first call: the branches run one after another)"
+        schedules = {_describe_signature(k): _describe_schedule(p) + ("" if p.fused else in_turn if p is _CPU_IN_TURN
+                                                                      else why)
+                     + _describe_costs(self._tuner.costs.get(k))
                      for k, p in self._plans.copy().items()}  # (one C call: other threads add plans)
         if self.cuda_graph:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
@@ -1431,7 +1445,7 @@ class Parallel(nn.Module):
                 # that fails sees nothing, and the next call looks again.)
                 outputs, wrote = self._run_watched(args, kwargs, None)
                 if wrote:
-                    self._remember(key, _CPU)
+                    self._remember(key, _CPU_IN_TURN)
                 elif key not in self._plans:
                     self._remember(key, _CPU_FUSED)
                 return outputs

@@ -652,7 +652,10 @@ class ParallelSequential(nn.Sequential):
     with the results of the stages applied to each micro-batch (equal to the
     whole batch's up to rounding: a smaller batch may pick another kernel, or
     sum in another order). Indexing, slicing (which keeps ``chunks``),
-    ``append`` and the state dict are those of :class:`torch.nn.Sequential`.
+    ``append`` and the state dict are those of :class:`torch.nn.Sequential`,
+    except that appending where the next index names a stage kept (a slice
+    keeps its stages' names) raises, where ``nn.Sequential`` replaces that
+    stage.
 
     Args:
         *stages: modules to run in order, or a single ``OrderedDict`` mapping

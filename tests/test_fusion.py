@@ -2512,8 +2512,35 @@ def test_fuse_auto_on_the_cpu_keeps_branches_unfused_under_deterministic_algorit
     try:
         p = Parallel(*copy.deepcopy(branches), fuse="auto").eval()
         assert torch.equal(p(x), torch.cat([b(x) for b in branches], 1))
+        # explain() lists the group as fusable, and its schedule says why its calls run it unfused.
+        info = p.explain()
+        assert info["fused"] == [["0", "1", "2", "3"]]
+        assert list(info["schedules"].values()) == [
+            "unfused, sequential (fuse='auto' keeps identical branches unfused while deterministic algorithms are on)"]
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_explain_says_why_auto_runs_branches_writing_their_input_in_turn():
+    # On the CPU "auto" watches the first call of a signature: branches beginning with an
+    # in-place ReLU write the shared input, and run one after another from then on.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 4)) for _ in range(3)], fuse="auto")
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = torch.cat([b(x.clone()) for b in p], 1)
+        for _ in range(2):
+            assert torch.equal(p(x.clone()), expected)
+    info = p.explain()
+    assert info["fused"] == [["0", "1", "2"]]
+    assert list(info["schedules"].values()) == [
+        "unfused, sequential (a branch changed its input in place on the first call: the branches run one after "
+        "another)"]
+    # A signature whose first call wrote nothing runs fused, and says no such reason.
+    q = Parallel(*[nn.Sequential(nn.ReLU(), nn.Linear(8, 4)) for _ in range(3)], fuse="auto")
+    with torch.no_grad():
+        q(x)
+    assert all("changed its input" not in s for s in q.explain()["schedules"].values())
 
 
 @pytest.mark.parametrize("fuse", [False, True, "auto"])
@@ -3500,7 +3527,9 @@ def test_fuse_auto_sees_the_members_of_one_group_write_the_input(first):
                 continue
             assert_same(out, _in_order(block, x.clone()))
     assert refused == (0 if first else 1)
-    assert list(block.explain()["schedules"].values()) == ["unfused, sequential"]
+    when = "the first call" if first else "an earlier call"
+    assert list(block.explain()["schedules"].values()) == [
+        f"unfused, sequential (a branch changed its input in place on {when}: the branches run one after another)"]
 
 
 def test_fuse_auto_lets_a_write_by_the_last_branch_through():
@@ -3796,7 +3825,9 @@ def test_saved_tensor_hooks_and_a_group_writing_its_input_on_the_first_call(hook
             out = block(w * 1)
         out.sum().backward()
         assert_same(out, expected)
-        assert list(block.explain()["schedules"].values()) == ["unfused, sequential"]
+        assert list(block.explain()["schedules"].values()) == [
+            "unfused, sequential (a branch changed its input in place on the first call: the branches run one after "
+            "another)"]
     else:
         with pytest.raises(RuntimeError, match="runs the members of a fused group together, on one input"):
             checkpoint(block, w * 1, use_reentrant=False)
