@@ -18,8 +18,8 @@ from torch.utils import _pytree as pytree
 from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import (_STOCK_DROPOUT, _difference, _flat_layers, _functorch_active, _Fusion, _Group, _iter_layers,
-                      _Joined, _UnbatchedNow, _Unfused)
+from ._fusion import (_GLOBAL_HOOKS, _STOCK_DROPOUT, _difference, _flat_layers, _functorch_active, _Fusion, _Group,
+                      _iter_layers, _Joined, _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _with_context
@@ -749,7 +749,11 @@ class Parallel(nn.Module):
             return None
         fusion = self._fusion
         if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
-            if not regroup:
+            if not regroup or fusion is not None and any(_GLOBAL_HOOKS):
+                # Module hooks registered for the whole process -- FlopCounterMode's and
+                # ModuleTracker's, for as long as they are entered -- must see each branch
+                # called: the branches run unfused meanwhile, the groups kept for the calls
+                # after. (Grouped anew, every group would be lost to them, and fuse=True refuse.)
                 return None
             with _fusion_lock:  # (looked at again once held: another thread may have grouped)
                 fusion = self._fusion
@@ -1424,6 +1428,11 @@ class Parallel(nn.Module):
                 self._remember(key, plan._replace(forked=False))
             return outputs
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
+        if plan is None and fusion is None and self._fusion is not None and self._fusion.groups and any(_GLOBAL_HOOKS):
+            # Module hooks registered for the whole process hold the groups back for now (see
+            # _fusion_for): this call runs the branches in turn, and the signature is planned
+            # at its first call once they are gone -- planned now, it would stay unfused.
+            return self._run(args, kwargs)
         # torch.utils.checkpoint recomputes the forward pass in backward and refuses a
         # recomputation that saves other tensors than the forward did: a call it may
         # recompute runs the schedule of the next call too (see _checkpointed).

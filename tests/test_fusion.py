@@ -765,11 +765,67 @@ def test_hooks_registered_after_construction_run(hook):
         calls.clear()
         assert_close(out, reference(p, x))
         assert calls or hook == "full_backward"  # (the reference ran the hooks too)
-        assert fused_groups(p) == ([] if hook == "global" else [["0", "2"]])
+        # (A global hook leaves the groups as they are: the calls run unfused while it is there.)
+        assert fused_groups(p) == ([["0", "1", "2"]] if hook == "global" else [["0", "2"]])
     finally:
         handle.remove()
     assert_close(p(x), reference(p, x))
     assert fused_groups(p) == [["0", "1", "2"]]  # grouped anew once the hook is gone
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("tool", ["FlopCounterMode", "ModuleTracker"])
+def test_flop_counter_and_module_tracker_see_each_branch(tool, fuse, device, monkeypatch):
+    # Before: their process-wide module hooks made fuse=True raise on every call ("module hooks
+    # are registered globally"), and "auto" unfuse the groups until found anew.
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.module_tracker import ModuleTracker
+
+    from parallel_modules._fusion import _Group
+
+    batched = []
+    run = _Group.run
+    monkeypatch.setattr(_Group, "run", lambda self, *a, **k: batched.append(self.names) or run(self, *a, **k))
+    torch.manual_seed(0)
+    p = Parallel(*[mlp() for _ in range(3)], fuse=fuse).to(device)
+    x = torch.randn(5, 16, device=device)
+    for _ in range(3):  # ("auto" runs a signature's first calls in turn, to watch them, or times them)
+        p(x)
+    timed = fuse == "auto" and device == "cuda"  # ("auto" may keep a signature unfused there, timed)
+    assert batched or timed
+    batched.clear()
+    expected = reference(p, x)
+    fresh = torch.randn(7, 16, device=device)  # a signature first seen under the tool
+    if tool == "FlopCounterMode":
+        with FlopCounterMode(display=False) as counter:
+            out = p(x)
+        with FlopCounterMode(display=False):
+            assert_close(p(fresh), reference(p, fresh))
+        # Each branch's layers counted as the unfused block's: 3 branches x 2 x Linear(16, 16) on 5 rows.
+        assert counter.get_total_flops() == 3 * 2 * (2 * 5 * 16 * 16)
+        assert {name for name in counter.get_flop_counts() if name.count(".") == 1} == {
+            "Parallel.0", "Parallel.1", "Parallel.2"}
+    else:
+        seen = []
+        with ModuleTracker() as tracker, monkeypatch.context() as patch:
+            patch.setattr(nn.Linear, "forward", lambda self, i: seen.append(frozenset(tracker.parents))
+                          or nn.functional.linear(i, self.weight, self.bias))
+            out = p(x)
+        assert {"Parallel.0.0", "Parallel.1.0", "Parallel.2.0"} <= set().union(*seen)
+        with ModuleTracker():
+            assert_close(p(fresh), reference(p, fresh))
+    assert not batched
+    assert_close(out, expected)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    # Once the tool is gone, the group runs batched again, for the signature planned before it
+    # and for the one first seen under it (not planned unfused for good there).
+    assert_close(p(x), expected)
+    assert batched or timed
+    for _ in range(3):
+        batched.clear()
+        assert_close(p(fresh), reference(p, fresh))
+    assert batched or timed
 
 
 def test_submodules_replaced_or_added_after_the_first_call():
