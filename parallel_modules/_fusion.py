@@ -238,8 +238,6 @@ def _join(path: str, name: str) -> str:
 
 def _unfusable(branch: nn.Module) -> str | None:
     r"""Why ``branch`` cannot run batched with identical branches, or ``None``."""
-    if any(_GLOBAL_HOOKS):
-        return "module hooks are registered globally, which a batched call would not run once per branch"
     for path, m in branch.named_modules():
         where = f"submodule {path!r} ({type(m).__name__})" if path else f"the branch ({type(m).__name__})"
         if isinstance(m, torch.jit.ScriptModule):
@@ -655,9 +653,19 @@ class _Group:
 
     # Stacks ---------------------------------------------------------------
     def _tensors(self, entry: _Entry) -> list[torch.Tensor | None]:
-        # (``None`` for a tensor gone from its dict: ``del module.weight`` registers
-        # nothing, and a plain tensor set in its place is an attribute, not a parameter.)
-        return [getattr(o, entry.kind).get(entry.attr) for o in entry.owners]
+        dicts = [getattr(o, entry.kind) for o in entry.owners]
+        if any([entry.attr not in d for d in dicts]):
+            # ``del module.weight`` registers nothing, and a plain tensor set in its place is an
+            # attribute, which no stack reads: the members are no longer what was grouped, even
+            # where every one of them changed alike. (A compiler traces them unfused: _stacked.)
+            kind = "parameter" if entry.kind == "_parameters" else "buffer"
+            gone = [name for name, d in zip(self.names, dicts) if entry.attr not in d]
+            raise RuntimeError(
+                f"the branches are no longer identical: branch{'es' if len(gone) > 1 else ''} "
+                f"{', '.join(map(repr, gone))} no longer {'have' if len(gone) > 1 else 'has'} the {kind} "
+                f"{entry.attr!r} of {type(entry.owners[0]).__name__} they were grouped with (deleted, or replaced "
+                f"by a plain tensor attribute, which is not a {kind})")
+        return [d[entry.attr] for d in dicts]
 
     def _bound(self) -> bool:
         r"""Whether every member's parameters and buffers still point into the stacks."""
@@ -677,20 +685,11 @@ class _Group:
 
     def _no_longer_identical(self, qual: str, tensors: list[torch.Tensor | None], i: int) -> RuntimeError:
         r"""The error for member ``i``'s ``qual`` (of ``tensors``, the members') changed since the group was found."""
-        if (tensors[i] is None) != (tensors[0] is None):
-            # Gone from some members: name those, not the first member against the others.
-            entry = self.entries[qual]
-            kind = "parameter" if entry.kind == "_parameters" else "buffer"
-            kept = next(name for name, t in zip(self.names, tensors) if t is not None)
-            gone = [f"{qual} of branch {name!r} is None" if entry.attr in getattr(owner, entry.kind) else
-                    f"branch {name!r} has no {kind} {qual!r} any more (deleted, or replaced by a plain tensor "
-                    f"attribute, which is not a {kind})"
-                    for name, owner, t in zip(self.names, entry.owners, tensors) if t is None]
-            return RuntimeError(f"the branches are no longer identical: {'; '.join(gone)}, where branch {kept!r} "
-                                f"has {_describe_tensor(tensors[self.names.index(kept)])}")
-        return RuntimeError(f"the branches are no longer identical: {qual} of branch {self.names[i]!r} is "
-                            f"{_describe_tensor(tensors[i])}, of branch {self.names[0]!r} "
-                            f"{_describe_tensor(tensors[0])}")
+        # (The first member set to None against another: named, rather than the others against it.)
+        odd, ref = (0, i) if tensors[0] is None and tensors[i] is not None else (i, 0)
+        return RuntimeError(f"the branches are no longer identical: {qual} of branch {self.names[odd]!r} is "
+                            f"{_describe_tensor(tensors[odd])}, where branch {self.names[ref]!r} has "
+                            f"{_describe_tensor(tensors[ref])}")
 
     def _refuse_ties(self) -> None:
         r"""Refuse to stack members that share memory with other tensors of the block (see :func:`_tied_in_memory`).
@@ -830,7 +829,12 @@ class _Group:
                 raise _UnbatchedNow
             return None
         if tracing:
-            tensors = self._tensors(entry)
+            try:
+                tensors = self._tensors(entry)
+            except RuntimeError:  # (a tensor gone from its dict)
+                if _is_tracing():  # (as below)
+                    raise _UnbatchedNow from None
+                raise
             first = tensors[0]
             differs = [i for i, t in enumerate(tensors) if (t is None) != (first is None) or t is not None and (
                 t.shape != first.shape or t.dtype != first.dtype)]
@@ -2073,14 +2077,15 @@ class _Fusion:
         # (``branch.train()`` called directly) finds the groups anew.
         self.modes = [(m, m.training) for branch in branches for m in branch.modules() if type(m) not in _MODE_FREE]
         # Hooks registered on a fused member after grouping would not run: the hook
-        # dicts of every module of every fused member (and the global ones), which
-        # must stay empty. (About 2 us a call for eight 4-layer MLPs.)
-        self.hooks = [d for g in self.groups for member in g.members for d in _hook_dicts(member)] + list(
-            _GLOBAL_HOOKS) if self.groups else []
+        # dicts of every module of every fused member, which must stay empty. (About
+        # 2 us a call for eight 4-layer MLPs. Hooks registered for the whole process
+        # leave the groups as they are: calls run them unfused while they are there,
+        # see Parallel._fusion_for.)
+        self.hooks = [d for g in self.groups for member in g.members for d in _hook_dicts(member)]
         self.handles = handles  # the hook dicts are looked at when it moves
-        # Branches left out for their hooks (or for global ones; an uninitialized lazy layer's own
-        # initializing one too): grouped anew once they are gone.
-        self.hooked = [_hook_dicts(branches[i]) + list(_GLOBAL_HOOKS) for i, why in self.reasons.items()
+        # Branches left out for their hooks (an uninitialized lazy layer's own initializing one
+        # too): grouped anew once they are gone.
+        self.hooked = [_hook_dicts(branches[i]) for i, why in self.reasons.items()
                        if "hooks" in why or "uninitialized lazy" in why]
         # The fused members' module trees: a layer replaced since (``block[0][1] = nn.ReLU()``,
         # as adapter and quantization tools do) is seen eagerly by ``_watch``'s count of

@@ -277,9 +277,12 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
 def _out_of_memory(e: BaseException) -> bool:
     r"""Whether ``e`` is an allocation failure, which is not a mismatch of the outputs and keeps its
     type (a caller may catch :class:`torch.OutOfMemoryError` to retry with a smaller batch)."""
-    text = str(e)
-    return (isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
-            or "can't allocate memory" in text)
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    # (Allocators that raise a plain RuntimeError: the CPU's "can't allocate memory", other
+    # backends'. Not another type that says so, a user's ValueError about a cache server.)
+    text = str(e) if isinstance(e, RuntimeError) else ""
+    return "out of memory" in text or "not enough memory" in text or "can't allocate memory" in text
 
 
 _ONE_DEVICE = "all outputs on one device (move them in the branches, e.g. .to(x.device))"

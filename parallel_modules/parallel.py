@@ -696,18 +696,29 @@ class Parallel(nn.Module):
         else:
             report = fusion.report()
             fused, unfused = report["fused"], report["unfused"]
-        # (A copy: calls in other threads add schedules as this describes them.)
-        # Why "auto" runs the groups unfused, where no timing chose it (see _fuse_choices).
-        why = ""
-        if fused and self._auto_unfused():
-            why = " (fuse='auto' keeps identical branches unfused while deterministic algorithms are on)"
-        elif fused and self._in_order and self.fuse == "auto":
-            why = " (a branch changed its input in place on an earlier call: the branches run one after another)"
-        in_turn = " (a branch changed its input in place on the first call: the branches run one after another)"
-        schedules = {_describe_signature(k): _describe_schedule(p) + ("" if p.fused else in_turn if p is _CPU_IN_TURN
-                                                                      else why)
-                     + _describe_costs(self._tuner.costs.get(k))
-                     for k, p in self._plans.copy().items()}  # (one C call: other threads add plans)
+        # Why the groups run unfused where no timing chose it, for the signatures of one dense
+        # tensor, the calls groups may run (see _fusion_for): for now (hooks registered for the
+        # whole process, deterministic algorithms), or for good (a write to the shared input).
+        now = ""
+        if fused and any(_GLOBAL_HOOKS):
+            now = " (while module hooks are registered for the whole process: FlopCounterMode, ModuleTracker)"
+        elif fused and self._auto_unfused():
+            now = " (fuse='auto' keeps identical branches unfused while deterministic algorithms are on)"
+        wrote = " (a branch changed its input in place on {}: the branches run one after another)"
+
+        def describe(key: Hashable, plan: _Schedule) -> str:
+            why = ""
+            if fused and isinstance(key[0], torch.Size):
+                if plan is _CPU_IN_TURN:
+                    why = wrote.format("the first call")
+                elif now:
+                    why, plan = now, plan._replace(fused=False)
+                elif not plan.fused and self._in_order and self.fuse == "auto":
+                    why = wrote.format("an earlier call")
+            return _describe_schedule(plan) + why + _describe_costs(self._tuner.costs.get(key))
+
+        # (A copy: calls in other threads add schedules as this describes them; one C call.)
+        schedules = {_describe_signature(k): describe(k, p) for k, p in self._plans.copy().items()}
         if self.cuda_graph:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
             for k, (variant, reads) in self._graphs.schedules().items():
@@ -747,13 +758,15 @@ class Parallel(nn.Module):
             # expand their input, which those layouts refuse; failing there, "auto" would
             # unfuse the group for every later call, and fuse=True refuse the call.)
             return None
+        if any(_GLOBAL_HOOKS):
+            # Module hooks registered for the whole process -- FlopCounterMode's and
+            # ModuleTracker's, for as long as they are entered -- must see each branch
+            # called: the branches run unfused meanwhile, and the groups, found as if
+            # the hooks were not there, batched again once they are gone.
+            return None
         fusion = self._fusion
         if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
-            if not regroup or fusion is not None and any(_GLOBAL_HOOKS):
-                # Module hooks registered for the whole process -- FlopCounterMode's and
-                # ModuleTracker's, for as long as they are entered -- must see each branch
-                # called: the branches run unfused meanwhile, the groups kept for the calls
-                # after. (Grouped anew, every group would be lost to them, and fuse=True refuse.)
+            if not regroup:
                 return None
             with _fusion_lock:  # (looked at again once held: another thread may have grouped)
                 fusion = self._fusion
@@ -979,13 +992,13 @@ class Parallel(nn.Module):
             if not isinstance(e, _UnbatchedNow) and (_is_tracing() or isinstance(e, _StopRecomputation)):
                 # (Checkpoint's early stop of a recomputation is control flow, not a failure.)
                 raise
-            if kept:
-                with torch.no_grad():
-                    for b, saved in kept:
-                        if b.shape != saved.shape:  # (grown in place: resize_)
-                            b.resize_(saved.shape)
-                        b.copy_(saved)
+            _put_back(kept)
             failure = e
+        except BaseException:
+            # (KeyboardInterrupt, SystemExit: the call ends here, without what the batched
+            # attempt wrote into every member's buffers at once.)
+            _put_back(kept)
+            raise
         names = [list(self._modules)[i] for i in group.indices]
         if version is not None and x._version != version and not _clamps_its_input(group):
             # Called in turn now, the members would read what the batched attempt wrote.
@@ -1428,7 +1441,8 @@ class Parallel(nn.Module):
                 self._remember(key, plan._replace(forked=False))
             return outputs
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
-        if plan is None and fusion is None and self._fusion is not None and self._fusion.groups and any(_GLOBAL_HOOKS):
+        grouped = self._fusion  # (read once: another thread's train() may set it to None)
+        if plan is None and fusion is None and grouped is not None and grouped.groups and any(_GLOBAL_HOOKS):
             # Module hooks registered for the whole process hold the groups back for now (see
             # _fusion_for): this call runs the branches in turn, and the signature is planned
             # at its first call once they are gone -- planned now, it would stay unfused.
@@ -1724,6 +1738,16 @@ def _records(outputs: Any) -> bool:
 def _all_identical(branches: list[nn.Module]) -> bool:
     r"""Whether every branch is structurally identical to the first (nothing to put first)."""
     return all(_difference(branches[0], b) is None for b in branches[1:])
+
+
+def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    r"""Write each buffer's copy back into it (``kept``: pairs of a buffer and its copy, or ``None``)."""
+    if kept:
+        with torch.no_grad():
+            for b, saved in kept:
+                if b.shape != saved.shape:  # (grown in place: resize_)
+                    b.resize_(saved.shape)
+                b.copy_(saved)
 
 
 def _describe_schedule(plan: _Schedule) -> str:

@@ -936,3 +936,47 @@ def test_a_refused_fork_of_a_nested_block_is_noted_by_that_block_alone(inner_str
     notes = [n for n in ei.value.__notes__ if "streams='auto' had forked it" in n]
     assert len(notes) == (1 if inner_streams == "auto" else 0)
     assert all("of Parallel; streams" in n for n in notes) and not outer._in_order
+
+
+class _CountsThenRaises(nn.Module):
+    r"""Counts its calls in a buffer, then raises ``self.raises`` when it is set."""
+
+    raises: type[BaseException] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        if self.raises is not None:
+            raise self.raises("injected")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("fuse", ["auto", True])
+def test_a_keyboard_interrupt_in_a_fused_group_leaves_no_batched_buffer_writes(fuse, monkeypatch):
+    # Before (a fault-injection hunt): only an Exception put back what the batched attempt wrote
+    # into every member's buffers; a KeyboardInterrupt left each member counting a call ([2, 2, 2]).
+    block = Parallel(*[_CountsThenRaises() for _ in range(3)], join="sum", fuse=fuse).eval()
+    x = torch.randn(2, 4)
+    block(x)
+    monkeypatch.setattr(_CountsThenRaises, "raises", KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        block(x)
+    assert [int(b.calls) for b in block] == [1, 1, 1]
+    monkeypatch.setattr(_CountsThenRaises, "raises", None)
+    torch.testing.assert_close(block(x), sum(b.lin(x) for b in block))  # (fused: summed in another order)
+    assert [int(b.calls) for b in block] == [2, 2, 2]
+
+
+def test_only_allocation_failures_count_as_out_of_memory():
+    from parallel_modules._joins import _out_of_memory
+
+    assert _out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert _out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory"))
+    assert _out_of_memory(MemoryError())
+    # A user's error of another type that happens to say so is theirs (a fused group's failure under
+    # fuse=True then raises as any other, not as an allocation failure retried unfused).
+    assert not _out_of_memory(ValueError("the cache server is out of memory"))
