@@ -708,10 +708,10 @@ class Parallel(nn.Module):
 
         def describe(key: Hashable, plan: _Schedule) -> str:
             why = ""
-            if fused and isinstance(key[0], torch.Size):
-                if plan is _CPU_IN_TURN:
-                    why = wrote.format("the first call")
-                elif now:
+            if plan is _CPU_IN_TURN:
+                why = wrote.format("the first call")
+            elif fused and _one_tensor(key):
+                if now:
                     why, plan = now, plan._replace(fused=False)
                 elif not plan.fused and self._in_order and self.fuse == "auto":
                     why = wrote.format("an earlier call")
@@ -1441,11 +1441,11 @@ class Parallel(nn.Module):
                 self._remember(key, plan._replace(forked=False))
             return outputs
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
-        grouped = self._fusion  # (read once: another thread's train() may set it to None)
-        if plan is None and fusion is None and grouped is not None and grouped.groups and any(_GLOBAL_HOOKS):
+        if plan is None and self.fuse is not False and any(_GLOBAL_HOOKS):
             # Module hooks registered for the whole process hold the groups back for now (see
             # _fusion_for): this call runs the branches in turn, and the signature is planned
-            # at its first call once they are gone -- planned now, it would stay unfused.
+            # at its first call once they are gone -- planned now, it would stay unfused (and
+            # fuse=True, with branches that no longer match, would not say so).
             return self._run(args, kwargs)
         # torch.utils.checkpoint recomputes the forward pass in backward and refuses a
         # recomputation that saves other tensors than the forward did: a call it may
@@ -1738,6 +1738,19 @@ def _records(outputs: Any) -> bool:
 def _all_identical(branches: list[nn.Module]) -> bool:
     r"""Whether every branch is structurally identical to the first (nothing to put first)."""
     return all(_difference(branches[0], b) is None for b in branches[1:])
+
+
+def _one_tensor(key: Hashable) -> bool:
+    r"""Whether the signature ``key`` (see ``_inputs._signature``) is of a call of one dense tensor, the calls
+    fused groups run (see :meth:`Parallel._fusion_for`): a plain one, or a subclass's."""
+    if isinstance(key[0], torch.Size):
+        return True
+    leaves = key[3:]
+    return (key[0] == _ONE_ARGUMENT and len(leaves) == 1 and isinstance(leaves[0], tuple)
+            and isinstance(leaves[0][0], torch.Size))
+
+
+_ONE_ARGUMENT = pytree.tree_structure(((0,), {}))  # (args, kwargs) of a call of one positional argument
 
 
 def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:

@@ -830,6 +830,38 @@ def test_flop_counter_and_module_tracker_see_each_branch(tool, fuse, device, mon
     assert batched or timed
 
 
+def test_fuse_true_still_refuses_branches_changed_apart_after_a_call_under_module_tracker():
+    # (A review: the call under the tracker planned the signature unfused, and fuse=True then
+    # ran the mismatched branches unfused for good, never saying so.)
+    from torch.utils.module_tracker import ModuleTracker
+
+    x = torch.randn(5, 16)
+    p = Parallel(*[mlp() for _ in range(3)], fuse=True)
+    p(x)
+    p[1][1] = nn.Tanh()
+    with ModuleTracker():
+        assert_close(p(x), reference(p, x))  # (the hooks see each branch: run one after another)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="fuse=True needs every branch to be structurally identical"):
+            p(x)
+
+
+def test_explain_under_module_hooks_for_a_tensor_subclass_input():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Sub(torch.Tensor):
+        pass
+
+    p = Parallel(*[mlp() for _ in range(3)], fuse="auto").eval()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        for t in (x, x.as_subclass(Sub), x.as_subclass(Sub)):
+            p(t)
+        with FlopCounterMode(display=False):
+            schedules = p.explain()["schedules"]
+    assert len(schedules) == 2 and all(s.startswith("unfused, sequential (while module hooks are registered")
+                                       for s in schedules.values()), schedules
+
 def test_submodules_replaced_or_added_after_the_first_call():
     # Adapters and quantizers replace layers in place; a branch may be added by add_module.
     torch.manual_seed(0)
@@ -897,6 +929,42 @@ def test_member_parameter_replaced_by_a_plain_tensor(grad, name, members):
             # A compiler traces such members unfused.
             if fuse is True:
                 assert_close(torch.compile(p, fullgraph=True, backend="eager")(x), expected)
+
+
+def test_torch_func_functional_call_grad_and_vmap():
+    torch.manual_seed(0)
+    p = Parallel(*[mlp() for _ in range(3)], fuse=True)
+    x = torch.randn(5, 16)
+    params = {k: torch.randn_like(v) for k, v in p.named_parameters()}
+    # The parameters passed are the ones used (the module's own stay as they are).
+    out = torch.func.functional_call(p, params, (x,))
+    plain = Parallel(*[mlp() for _ in range(3)])
+    assert_close(out, torch.func.functional_call(plain, params, (x,)))
+    assert_close(p(x), reference(p, x))
+    # Gradients with respect to the parameters passed, by torch.func.grad and by autograd.
+    loss = lambda ps: torch.func.functional_call(p, ps, (x,)).square().sum()  # noqa: E731
+    expected = torch.func.grad(lambda ps: torch.func.functional_call(plain, ps, (x,)).square().sum())(params)
+    for k, g in torch.func.grad(loss)(params).items():
+        assert_close(g, expected[k])
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    grads = torch.autograd.grad(loss(leaves), list(leaves.values()))
+    for g, k in zip(grads, leaves):
+        assert_close(g, expected[k])
+    # vmap over a batch of inputs.
+    xs = torch.randn(4, 5, 16)
+    assert_close(torch.vmap(p)(xs), torch.stack([reference(p, xi) for xi in xs]))
+    assert fused_groups(p) == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_autograd_grad_of_parameters(device):
+    p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True).to(device)
+    x = torch.randn(5, 16, device=device)
+    params = list(p.parameters())
+    grads = torch.autograd.grad(p(x).sum(), params)
+    expected = torch.autograd.grad(reference(p, x).sum(), params)
+    for g, e in zip(grads, expected):
+        assert_close(g, e)
 
 
 def test_state_dict_unchanged_by_fusion():
