@@ -743,14 +743,15 @@ class Parallel(nn.Module):
             info["not compiled as one"] = self._compiler.whole_failure
         return info
 
-    def _fusion_for(self, args: tuple, kwargs: dict, thorough: bool = False, regroup: bool = True
-                    ) -> _Fusion | None:
+    def _fusion_for(self, args: tuple, kwargs: dict, thorough: bool = False, regroup: bool = True,
+                    held: bool | None = None) -> _Fusion | None:
         r"""The fused groups that apply to this call, or ``None`` (fusion off, nothing to fuse, not one
         dense tensor).
 
         ``thorough``: a schedule is being chosen or a graph captured, which
         may also look at what costs too much to look at on every call.
         ``regroup``: find groups out of date anew; else ``None`` for them.
+        ``held``: :func:`_held_by_hooks`, where the caller has read it.
         """
         if (kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].layout is not torch.strided
                 or args[0].is_nested):
@@ -758,11 +759,7 @@ class Parallel(nn.Module):
             # expand their input, which those layouts refuse; failing there, "auto" would
             # unfuse the group for every later call, and fuse=True refuse the call.)
             return None
-        if any(_GLOBAL_HOOKS):
-            # Module hooks registered for the whole process -- FlopCounterMode's and
-            # ModuleTracker's, for as long as they are entered -- must see each branch
-            # called: the branches run unfused meanwhile, and the groups, found as if
-            # the hooks were not there, batched again once they are gone.
+        if _held_by_hooks() if held is None else held:
             return None
         fusion = self._fusion
         if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
@@ -1440,13 +1437,18 @@ class Parallel(nn.Module):
                 # choose to fork again, call after call.
                 self._remember(key, plan._replace(forked=False))
             return outputs
-        fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True)
-        if plan is None and self.fuse is not False and any(_GLOBAL_HOOKS):
+        held = self.fuse is not False and _held_by_hooks()  # (read once: another thread may enter or leave)
+        grouped = self._fusion  # (read once: another thread's train() may set it to None)
+        if plan is None and held and (self.fuse is True or grouped is not None and bool(grouped.groups)):
             # Module hooks registered for the whole process hold the groups back for now (see
-            # _fusion_for): this call runs the branches in turn, and the signature is planned
+            # _held_by_hooks): this call runs the branches in turn, and the signature is planned
             # at its first call once they are gone -- planned now, it would stay unfused (and
             # fuse=True, with branches that no longer match, would not say so).
+            device = _input_device(args, kwargs)
+            if device is not None:
+                _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
             return self._run(args, kwargs)
+        fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True, held=held)
         # torch.utils.checkpoint recomputes the forward pass in backward and refuses a
         # recomputation that saves other tensors than the forward did: a call it may
         # recompute runs the schedule of the next call too (see _checkpointed).
@@ -1747,10 +1749,24 @@ def _one_tensor(key: Hashable) -> bool:
         return True
     leaves = key[3:]
     return (key[0] == _ONE_ARGUMENT and len(leaves) == 1 and isinstance(leaves[0], tuple)
-            and isinstance(leaves[0][0], torch.Size))
+            and isinstance(leaves[0][0], torch.Size)
+            and all(isinstance(n, int) for n in leaves[0][1]))  # (strides: not a sparse layout's (layout, nnz))
 
 
 _ONE_ARGUMENT = pytree.tree_structure(((0,), {}))  # (args, kwargs) of a call of one positional argument
+
+
+def _held_by_hooks() -> bool:
+    r"""Whether fused groups run unfused on this call, for module hooks registered for the whole process.
+
+    FlopCounterMode and ModuleTracker register them for as long as they are
+    entered: they must see each branch called. The groups, found as if the
+    hooks were not there, run batched again once they are gone. Not for a call
+    that ``torch.utils.checkpoint`` records or recomputes, which must run the
+    same way both times, whichever of the two the hooks see.
+    """
+    # (A compiler's trace does not ask: it runs the checkpointed forward as traced, both times.)
+    return any(_GLOBAL_HOOKS) and (_is_tracing() or not (_checkpoint_recording() or _in_backward()))
 
 
 def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:

@@ -846,6 +846,33 @@ def test_fuse_true_still_refuses_branches_changed_apart_after_a_call_under_modul
             p(x)
 
 
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("counted", ["forward", "backward"])
+def test_checkpoint_across_the_flop_counter(counted, fuse):
+    # (A review: the forward and its recomputation ran one fused and one unfused, whichever the
+    # hooks saw, and checkpoint refused the recomputation: 15 tensors saved against 5.)
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    p = Parallel(*[mlp() for _ in range(3)], fuse=fuse)
+    x = torch.randn(5, 16, requires_grad=True)
+    with FlopCounterMode(display=False) if counted == "forward" else contextlib.nullcontext():
+        y = checkpoint(p, x, use_reentrant=False)
+    with FlopCounterMode(display=False) if counted == "backward" else contextlib.nullcontext():
+        y.sum().backward()
+    expected = torch.autograd.grad(reference(p, x).sum(), x)[0]
+    assert_close(x.grad, expected)
+
+
+def test_module_hooks_leave_the_device_check_in_place():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    p = Parallel(*[nn.Linear(4, 4, device="meta") for _ in range(2)], fuse="auto")
+    with FlopCounterMode(display=False), pytest.raises(RuntimeError, match="the input is on cpu but branch '0' has "
+                                                                             "parameters on meta"):
+        p(torch.randn(2, 4))
+
 def test_explain_under_module_hooks_for_a_tensor_subclass_input():
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -861,6 +888,14 @@ def test_explain_under_module_hooks_for_a_tensor_subclass_input():
             schedules = p.explain()["schedules"]
     assert len(schedules) == 2 and all(s.startswith("unfused, sequential (while module hooks are registered")
                                        for s in schedules.values()), schedules
+    # A sparse input, which groups never run batched, is given no such reason.
+    from parallel_modules.parallel import _one_tensor
+    from parallel_modules._inputs import _signature
+
+    assert _one_tensor(_signature((x.as_subclass(Sub),), {}, False))
+    assert not _one_tensor(_signature((x.to_sparse(),), {}, False))
+    assert not _one_tensor(_signature((x, x), {}, False))
+    assert not _one_tensor(_signature((), {"x": x}, False))
 
 def test_submodules_replaced_or_added_after_the_first_call():
     # Adapters and quantizers replace layers in place; a branch may be added by add_module.
