@@ -1766,7 +1766,7 @@ def _held_by_hooks() -> bool:
     same way both times, whichever of the two the hooks see.
     """
     # (A compiler's trace does not ask: it runs the checkpointed forward as traced, both times.)
-    return any(_GLOBAL_HOOKS) and (_is_tracing() or not (_checkpoint_recording() or _in_backward()))
+    return any(_GLOBAL_HOOKS) and (_is_tracing() or not _checkpoint_recording())
 
 
 def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
