@@ -654,18 +654,20 @@ class _Group:
     # Stacks ---------------------------------------------------------------
     def _tensors(self, entry: _Entry) -> list[torch.Tensor | None]:
         dicts = [getattr(o, entry.kind) for o in entry.owners]
-        if any([entry.attr not in d for d in dicts]):
-            # ``del module.weight`` registers nothing, and a plain tensor set in its place is an
-            # attribute, which no stack reads: the members are no longer what was grouped, even
-            # where every one of them changed alike. (A compiler traces them unfused: _stacked.)
-            kind = "parameter" if entry.kind == "_parameters" else "buffer"
-            gone = [name for name, d in zip(self.names, dicts) if entry.attr not in d]
-            raise RuntimeError(
-                f"the branches are no longer identical: branch{'es' if len(gone) > 1 else ''} "
-                f"{', '.join(map(repr, gone))} no longer {'have' if len(gone) > 1 else 'has'} the {kind} "
-                f"{entry.attr!r} of {type(entry.owners[0]).__name__} they were grouped with (deleted, or replaced "
-                f"by a plain tensor attribute, which is not a {kind})")
-        return [d[entry.attr] for d in dicts]
+        try:
+            return [d[entry.attr] for d in dicts]
+        except KeyError:
+            pass
+        # ``del module.weight`` registers nothing, and a plain tensor set in its place is an
+        # attribute, which no stack reads: the members are no longer what was grouped, even
+        # where every one of them changed alike. (A compiler traces them unfused: _stacked.)
+        kind = "parameter" if entry.kind == "_parameters" else "buffer"
+        gone = [name for name, d in zip(self.names, dicts) if entry.attr not in d]
+        raise RuntimeError(
+            f"the branches are no longer identical: branch{'es' if len(gone) > 1 else ''} "
+            f"{', '.join(map(repr, gone))} no longer {'have' if len(gone) > 1 else 'has'} the {kind} "
+            f"{entry.attr!r} of {type(entry.owners[0]).__name__} they were grouped with (deleted, or replaced "
+            f"by a plain tensor attribute, which is not a {kind})")
 
     def _bound(self) -> bool:
         r"""Whether every member's parameters and buffers still point into the stacks."""
@@ -2080,7 +2082,7 @@ class _Fusion:
         # dicts of every module of every fused member, which must stay empty. (About
         # 2 us a call for eight 4-layer MLPs. Hooks registered for the whole process
         # leave the groups as they are: calls run them unfused while they are there,
-        # see Parallel._fusion_for.)
+        # see parallel._held_by_hooks.)
         self.hooks = [d for g in self.groups for member in g.members for d in _hook_dicts(member)]
         self.handles = handles  # the hook dicts are looked at when it moves
         # Branches left out for their hooks (an uninitialized lazy layer's own initializing one

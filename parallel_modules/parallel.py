@@ -700,7 +700,7 @@ class Parallel(nn.Module):
         # tensor, the calls groups may run (see _fusion_for): for now (hooks registered for the
         # whole process, deterministic algorithms), or for good (a write to the shared input).
         now = ""
-        if fused and any(_GLOBAL_HOOKS):
+        if fused and _held_by_hooks():
             now = " (while module hooks are registered for the whole process: FlopCounterMode, ModuleTracker)"
         elif fused and self._auto_unfused():
             now = " (fuse='auto' keeps identical branches unfused while deterministic algorithms are on)"
@@ -1444,9 +1444,7 @@ class Parallel(nn.Module):
             # _held_by_hooks): this call runs the branches in turn, and the signature is planned
             # at its first call once they are gone -- planned now, it would stay unfused (and
             # fuse=True, with branches that no longer match, would not say so).
-            device = _input_device(args, kwargs)
-            if device is not None:
-                _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
+            self._checked_device(args, kwargs)
             return self._run(args, kwargs)
         fusion = None if self.fuse is False else self._fusion_for(args, kwargs, thorough=True, held=held)
         # torch.utils.checkpoint recomputes the forward pass in backward and refuses a
@@ -1622,15 +1620,20 @@ class Parallel(nn.Module):
     def _remember(self, key: Hashable, plan: _Schedule) -> None:
         _bounded_add(self._plans, key, plan)
 
+    def _checked_device(self, args: tuple, kwargs: dict) -> torch.device | None:
+        r"""The device of the call's tensors, once the branches' parameters are seen to live there."""
+        device = _input_device(args, kwargs)
+        if device is not None:
+            _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
+        return device
+
     def _plan(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None,
               watch_first: bool = False) -> _Schedule | None:
         r"""First call with this signature: check devices, choose how to schedule (``None``: tune).
 
         ``watch_first``: a fused CPU plan is the caller's to remember, once a call in turn saw
         whether a branch writes its input."""
-        device = _input_device(args, kwargs)
-        if device is not None:
-            _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
+        device = self._checked_device(args, kwargs)
         if device is None or device.type != "cuda":
             # No streams on the CPU; fusion ("auto" too) always pays there: fewer, larger operations.
             plan: _Schedule | None = _CPU_FUSED if self._fuse_choices(fusion)[-1] else _CPU
