@@ -663,7 +663,7 @@ class _Group:
         # where every one of them changed alike. (A compiler traces them unfused: _stacked.)
         kind = "parameter" if entry.kind == "_parameters" else "buffer"
         gone = [name for name, d in zip(self.names, dicts) if entry.attr not in d]
-        raise RuntimeError(
+        raise _MembersChanged(
             f"the branches are no longer identical: branch{'es' if len(gone) > 1 else ''} "
             f"{', '.join(map(repr, gone))} no longer {'have' if len(gone) > 1 else 'has'} the {kind} "
             f"{entry.attr!r} of {type(entry.owners[0]).__name__} they were grouped with (deleted, or replaced "
@@ -689,7 +689,7 @@ class _Group:
         r"""The error for member ``i``'s ``qual`` (of ``tensors``, the members') changed since the group was found."""
         # (The first member set to None against another: named, rather than the others against it.)
         odd, ref = (0, i) if tensors[0] is None and tensors[i] is not None else (i, 0)
-        return RuntimeError(f"the branches are no longer identical: {qual} of branch {self.names[odd]!r} is "
+        return _MembersChanged(f"the branches are no longer identical: {qual} of branch {self.names[odd]!r} is "
                             f"{_describe_tensor(tensors[odd])}, where branch {self.names[ref]!r} has "
                             f"{_describe_tensor(tensors[ref])}")
 
@@ -1756,6 +1756,11 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             w, b = get(w_name), get(b_name)
             if w is None and b is None:
                 return _Value(F.layer_norm(x, shape, None, None, eps), _SHARED if v.layout == _SHARED else _STACKED)
+            if not _layer_norm_dtypes(x, w, b):
+                # Dtypes layer_norm refuses, which the product below would promote: its own error,
+                # from one row.
+                F.layer_norm(x.new_zeros(shape), shape, None if w is None else w[0], None if b is None else b[0], eps)
+                return fallback(v, get)
             # The affine part per member: weights [N, *shape] broadcast over the batch dimensions.
             # In float32 and rounded once to layer_norm's output dtype, as layer_norm does it:
             # half-precision members normalize in float32, and under autocast float32
@@ -1843,6 +1848,14 @@ class _Running(threading.local):
     now = False
 
 
+class _MembersChanged(RuntimeError):
+    r"""A member's parameter or buffer no longer matches the others' since the group was found.
+
+    Set to ``None`` (``module.bias = None``) or deleted, which registers nothing
+    (see ``_watch``): the block groups its branches anew from its next call.
+    """
+
+
 class _UnbatchedNow(Exception):
     r"""Raised by a vmapped step that cannot batch this call: the group's members run unfused for it.
 
@@ -1877,6 +1890,18 @@ def _class_name(cls: type) -> str:
 # Whether ``F.rms_norm`` saves its weight whatever requires grad, by device type and dtype
 # (see _rms_norm_saves_weight).
 _RMS_SAVES: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _layer_norm_dtypes(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    r"""Whether ``F.layer_norm`` takes ``x`` with weight ``w`` and bias ``b`` as their dtypes are.
+
+    The same dtype, or (mixed) a half-precision input with float32 affine
+    parameters; under autocast, which casts all three to float32, any.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        return True
+    dtypes = {t.dtype for t in (w, b) if t is not None}
+    return dtypes == {x.dtype} or dtypes == {torch.float32} and x.dtype in (torch.float16, torch.bfloat16)
 
 
 def _rms_norm_saves_weight(weight: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import (_GLOBAL_HOOKS, _STOCK_DROPOUT, _difference, _flat_layers, _functorch_active, _Fusion, _Group,
-                      _iter_layers, _Joined, _UnbatchedNow, _Unfused)
+                      _iter_layers, _Joined, _MembersChanged, _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _with_context
@@ -1015,6 +1015,18 @@ class Parallel(nn.Module):
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
         passing = isinstance(failure, _UnbatchedNow) or _out_of_memory(failure)
+        if isinstance(failure, _MembersChanged) and not tracing:
+            # A member's parameter or buffer set to None or deleted since the groups were
+            # found, which registers nothing: counted as a change, so that every block
+            # (this one too) looks at its branches again at its next call and groups them
+            # anew, as after a layer replaced. With "auto" this call runs them unfused.
+            _watch._count()
+            if self.fuse is True:
+                raise RuntimeError(
+                    f"{type(self).__name__}: fuse=True, but {failure} (since the branches were grouped). Make "
+                    "them identical again, or pass fuse='auto' to fuse the identical ones, or fuse=False."
+                ) from None
+            passing = True
         # With fuse=True the call raises whatever they do: a trial, whose updates of the
         # members' buffers (a count of calls, running statistics) are put back.
         restore = (_buffers_kept([self._modules[name] for name in names])

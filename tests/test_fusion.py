@@ -13,6 +13,7 @@ import copy
 import functools
 import io
 import pickle
+import re
 import threading
 import warnings
 
@@ -916,18 +917,31 @@ def test_submodules_replaced_or_added_after_the_first_call():
 
 
 def test_member_bias_removed_without_registration():
-    # ``m.bias = None`` registers nothing: the group must still see it (no stale stacked bias).
+    # ``m.bias = None`` registers nothing: the group must still see it (no stale stacked bias),
+    # and group the branches anew, as after a layer replaced. (Before, a CPU hunt: "auto"
+    # warned that the branches "are identical but cannot run batched" and ran the whole
+    # group unfused for good.)
     torch.manual_seed(0)
     for removed in (0, 1):
         p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse="auto").eval()
         x = torch.randn(5, 16)
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
             p(x)
             p[removed].bias = None
-            with pytest.warns(UserWarning, match="no longer identical"):
-                out = p(x)
-            assert_close(out, reference(p, x))
-            assert_close(p(x), reference(p, x))
+            for _ in range(3):
+                assert_close(p(x), reference(p, x))
+        assert p.explain()["fused"] == [[name for name in ("0", "1", "2") if name != str(removed)]]
+    p = Parallel(*[nn.Linear(16, 8) for _ in range(3)], fuse=True)
+    p(x)
+    p[1].bias = None
+    with pytest.raises(RuntimeError, match=r"fuse=True, but the branches are no longer identical: bias of branch "
+                                           r"'1' is None, where branch '0' has \(8,\) float32"):
+        p(x)
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0'"):  # (grouped anew)
+        p(x)
+    p[1].bias = nn.Parameter(torch.zeros(8))
+    assert_close(p(x), reference(p, x))
 
 
 
@@ -951,11 +965,12 @@ def test_member_parameter_replaced_by_a_plain_tensor(grad, name, members):
             expected = torch.cat([branch(x) for branch in p], 1)
             said = (f"branch '1' no longer has the parameter '{name}'" if members == [1] else
                     f"branches '0', '1', '2' no longer have the parameter '{name}'")
-            if fuse == "auto":
-                with pytest.warns(UserWarning, match=said):
-                    assert_close(p(x), expected)
-                assert_close(p(x), expected)
-                assert f"'{name}'" in p.explain()["unfused"]["1"]
+            if fuse == "auto":  # (grouped anew: those members are left out)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    for _ in range(3):
+                        assert_close(p(x), expected)
+                assert "1" in p.explain()["unfused"]
             else:
                 with pytest.raises(RuntimeError, match=f"fuse=True.*{said}"):
                     p(x)
@@ -4014,6 +4029,31 @@ def test_fused_embeddings_refuse_the_index_dtypes_the_layer_refuses():
     torch.testing.assert_close(block(idx), torch.cat([b(idx) for b in block], 1))
     assert block.explain()["fused"] == [["0", "1", "2"]]
 
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_fused_layer_norms_refuse_the_dtypes_the_layer_refuses(fuse):
+    # (A CPU hunt.) Fused, a LayerNorm normalized without its weights, then multiplied and
+    # added them, which promoted a float32 input to the float64 members' dtype: a block
+    # half converted with .double() returned a result where each branch raises.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.LayerNorm(16), nn.GELU()) for _ in range(3)], fuse=fuse)
+    x = torch.randn(4, 16)
+    block(x)
+    block(x)
+    for branch in block:  # (each branch converted on its own: the block sees no .to() of its own)
+        branch.double()
+    with pytest.raises(RuntimeError) as raised:
+        block[0](x)
+    with pytest.raises(RuntimeError, match=re.escape(str(raised.value)) + r"(.|\n)*branch '0'"):
+        block(x)
+    x = x.double()
+    torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
+    assert block.explain()["fused"] == [["0", "1", "2"]]
+    # Half-precision inputs with float32 weights: layer_norm's mixed dtypes, fused as before.
+    block.float()
+    half = x.to(torch.bfloat16)
+    torch.testing.assert_close(block(half), torch.cat([b(half) for b in block], 1))
+    assert block(half).dtype == torch.bfloat16
 
 def test_fuse_true_under_vmap_refuses_members_writing_the_shared_input():
     # Before: torch.func's wrapped inputs keep no version, and the members ran batched on one
