@@ -71,8 +71,10 @@ class _Plan(NamedTuple):
     mixers: tuple[tuple[int, str, nn.Module], ...]
     # Every other module, whose instance may declare ``mixes_batch`` at any time.
     others: tuple[tuple[int, str, nn.Module], ...]
-    # The ids of the embeddings whose weight another module of the stages reads (tied).
-    tied: frozenset[int]
+    # The embeddings whose weight another module of the stages reads (tied). (The modules,
+    # not their ids: a compiler guards on every id() it traces, which would compile a
+    # pipeline again for each instance of it -- regional compilation, one per block.)
+    tied: tuple[nn.Module, ...]
     # Whether the softmax check is kept inside the softmax layers (see _SoftmaxDims.inside).
     scoped: bool
     # The batch-first sequence layers among ``others`` (see _unbatched_refused), where
@@ -111,6 +113,28 @@ def _take_events(device: torch.device, count: int) -> tuple[list[torch.cuda.Even
 # piece of that lane could overwrite it while the reader is still queued. With
 # ``record_stream`` the block is reused only after ``stream`` has passed this point.
 _mark = _record_on
+
+
+# TorchScript modules (``torch.jit.script``, ``torch.jit.trace``) are of another class than
+# the one they were made from, whose name they keep: the norm layers among them, by that name.
+_NORMS_BY_NAME = {cls.__name__: cls for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                                               nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)}
+
+
+def _norm_class(m: nn.Module) -> type | None:
+    r"""The norm layer class ``m`` is (``_NormBase``'s), or was made from as a TorchScript module; else ``None``."""
+    if isinstance(m, _NormBase):
+        return type(m)
+    if isinstance(m, torch.jit.ScriptModule):
+        return _NORMS_BY_NAME.get(getattr(m, "original_name", None))
+    return None
+
+
+def _class_name(m: nn.Module) -> str:
+    r"""``m``'s class name, for a TorchScript module the one it was made from."""
+    if isinstance(m, torch.jit.ScriptModule) and getattr(m, "original_name", None):
+        return f"{m.original_name}, TorchScript"
+    return type(m).__name__
 
 
 # Stock layers that mix samples across the batch depending on their settings: a softmax
@@ -159,13 +183,13 @@ def _spectral_norm(m: nn.Module) -> bool:
 def _read_elsewhere(m: nn.Module, modules: Sequence[nn.Module]) -> bool:
     r"""Whether embedding ``m``'s weight is read by another of ``modules`` (tied, or ``m`` held twice).
 
-    ``modules``: every module of the pipeline, itself included; each counted
-    once, whatever number of stages list it, and each of its slots holding ``m``
-    (a head keeping the embedding whose weight it reads, in the same stage).
+    ``modules``: every module of the pipeline, itself included, each once
+    (``modules()``), whatever number of stages list it; each of its slots
+    holding ``m`` counts (a head keeping the embedding whose weight it reads,
+    in the same stage).
     """
-    unique = {id(x): x for x in modules}.values()
-    held = sum(c is m for x in unique for c in x._modules.values())
-    return held > 1 or any(x is not m and any(p is m.weight for p in x._parameters.values()) for x in unique)
+    held = sum(c is m for x in modules for c in x._modules.values())
+    return held > 1 or any(x is not m and any(p is m.weight for p in x._parameters.values()) for x in modules)
 
 
 def _softmax_dim(m: nn.Module) -> int | None:
@@ -344,8 +368,9 @@ def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
                    for k in range(m + 1, len(flat))):
                 raise TypeError(
                     f"micro-batch {m}'s output (leaf {i}, {tuple(t.shape)}) was written after the stage returned "
-                    f"it, by a later micro-batch: the stage returns a view of memory it writes again at every "
-                    f"call (a buffer it keeps, an out= argument), so the micro-batches' outputs overwrite one "
+                    f"it, by a later micro-batch: the stage (or a stage before it, whose output it passes on "
+                    f"as it is) returns a view of memory it writes again at every call (a buffer it keeps, an "
+                    f"out= argument), so the micro-batches' outputs overwrite one "
                     f"another. Return a new tensor from each call (e.g. .clone() it)")
 
 
@@ -867,6 +892,8 @@ class ParallelSequential(nn.Sequential):
             for i, module in enumerate(other):
                 _check_stage(type(self).__name__, str(len(self) + i), module)
             self._check_free(len(other))
+            # (Listed first: ``pipe += pipe`` would add to the stages it iterates, half done.)
+            other = nn.Sequential(*other)
         return super().__iadd__(other)
 
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
@@ -904,6 +931,9 @@ class ParallelSequential(nn.Sequential):
         state.pop("_per_stage", None)
         state.pop("_tree", None)
         state.pop("_placed", None)
+        # (Keys by the modules' ids, stale in a copy, and by pytree specs, which torch warns
+        # of deep-copying: the copy checks its first calls again.)
+        state.pop("_softmax_checked", None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -922,7 +952,7 @@ class ParallelSequential(nn.Sequential):
             for d in devices[i]:
                 placement.setdefault(d, i)
             for qual, m in stage.named_modules(prefix=name):
-                if (isinstance(m, _NormBase) or hasattr(type(m), "mixes_batch") or _batch_second(m)
+                if (_norm_class(m) is not None or hasattr(type(m), "mixes_batch") or _batch_second(m)
                         or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m) or _quantizes_on_the_batch(m)):
                     mixers.append((i, qual, m))
                 else:
@@ -931,8 +961,9 @@ class ParallelSequential(nn.Sequential):
         # (Here, not at each call: a weight tied or untied later changes the tree, which makes
         # the plan anew.)
         modules = [m for _, _, m in (*mixers, *others)]
-        tied = frozenset(id(m) for _, _, m in mixers
-                         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and _read_elsewhere(m, [self, *modules]))
+        embeddings = [m for _, _, m in mixers if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+        everything = list(self.modules()) if embeddings else []
+        tied = tuple(m for m in embeddings if _read_elsewhere(m, everything))
         # Hooks where a mode over the whole call would change a result (fast paths), and
         # where nothing below reads hooks: blocks of this library (fusion, graphs) and
         # compiled modules (dynamo would trace them) take hooks for the user's own.
@@ -1048,7 +1079,7 @@ class ParallelSequential(nn.Sequential):
                 mixes = m.training
                 why = "updates its spectral norm's power-iteration estimate at every call in training mode"
                 fix = "call .eval() on it if you are not training it, or use chunks=1."
-            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None and id(m) in plan.tied:
+            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None and any(t is m for t in plan.tied):
                 # Renormalized rows are the same whichever micro-batch looks them up
                 # first, unless another layer reads the weight itself (a tied output
                 # head) between two micro-batches' lookups.
@@ -1064,15 +1095,15 @@ class ParallelSequential(nn.Sequential):
                 why = ("scales its gradient by each index's frequency in the batch (scale_grad_by_freq=True) "
                        "in training mode")
                 fix = "use chunks=1 to train it, or construct it with scale_grad_by_freq=False."
-            elif not isinstance(m, _NormBase):
+            elif _norm_class(m) is None:
                 continue  # (a class attribute mixes_batch = None: not declared)
-            elif not isinstance(m, _BatchNorm):  # instance norms: per sample, but running statistics
-                mixes = m.training and m.track_running_stats
+            elif not issubclass(_norm_class(m), _BatchNorm):  # instance norms: per sample, but running statistics
+                mixes = m.training and getattr(m, "running_mean", None) is not None
                 why = "averages its running statistics over the batch in training mode"
                 fix = ("call .eval() on it if you are not training it, use chunks=1, or construct it "
                        "with track_running_stats=False.")
             else:  # batch statistics in training mode, or always without running stats
-                stats = m.running_mean is not None or m.running_var is not None
+                stats = getattr(m, "running_mean", None) is not None or getattr(m, "running_var", None) is not None
                 mixes = m.training or not stats
                 why = ("normalizes with batch statistics" + (" in training mode" if m.training else "")
                        + ": it mixes samples across the batch")
@@ -1084,9 +1115,9 @@ class ParallelSequential(nn.Sequential):
             if mixes:
                 return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
-                    f"({type(m).__name__}), which {why}, so with "
+                    f"({_class_name(m)}), which {why}, so with "
                     f"chunks={self._chunks} each micro-batch would be treated on its own and the "
-                    f"result{' (and its running statistics)' if isinstance(m, _NormBase) else ''} would "
+                    f"result{' (and its running statistics)' if _norm_class(m) is not None else ''} would "
                     f"differ from running the whole batch. "
                     f"To fix it, {fix}"
                 )
@@ -1423,8 +1454,11 @@ class ParallelSequential(nn.Sequential):
             # (The mode too: a stage may take another path in eval, logits in training and
             # probabilities in eval.)
             # (Every module's mode: a stage switched to eval alone may reach a layer it skipped.)
-            key = (_signature_dims(input), self._modes(), tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
+            # (Not while tracing, which checks at every trace: a compiler guards on each id()
+            # it traces, and would compile the pipeline again for every instance of it.)
             tracing = _is_tracing()
+            key = None if tracing else (_signature_dims(input), self._modes(),
+                                        tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
             # (Under torch.func transforms the stages run on the whole input: see _forward.)
             if tracing or key not in self._softmax_checked and not _functorch_active():
                 smallest, batch = None, None

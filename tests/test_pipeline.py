@@ -159,6 +159,24 @@ def test_pickle_and_deepcopy() -> None:
         assert torch.equal(clone(x), out)
 
 
+
+class _AddKeys(nn.Module):
+    def forward(self, d):
+        return d["a"] * 2 + d["b"]
+
+
+def test_copies_after_a_checked_call_of_structured_inputs_warn_nothing() -> None:
+    # Before (a CPU hunt): the softmax check's record of the first calls, keyed by pytree
+    # specs, went into copies and pickles, and deep-copying those specs made torch warn.
+    model = ParallelSequential(_AddKeys(), nn.Softmax(-1), chunks=2)
+    x = {"a": torch.randn(4, 3), "b": torch.randn(4, 3)}
+    out = model(x)
+    assert model._softmax_checked  # (what the copies leave out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert torch.equal(clone(x), out)
+
 # ------------------------------------------------------------------ semantics
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("chunks", [1, 2, 3, 5, 13])
@@ -450,6 +468,32 @@ def test_batchnorm_without_running_stats_refused_in_eval() -> None:
     model = ParallelSequential(nn.BatchNorm1d(4, track_running_stats=False), chunks=2).eval()
     with pytest.raises(RuntimeError, match="batch statistics"):
         model(torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("compile", ["script", "trace"])
+def test_torchscript_norms_refused_in_training_eval_works(compile: str) -> None:
+    # Before (a CPU hunt): norm layers were found by their Python class, which a TorchScript
+    # module is not: a scripted BatchNorm in training ran on each micro-batch alone, its
+    # result and running statistics silently those of the micro-batches.
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 3) * 3 + 1
+    for norm, why in ((nn.BatchNorm1d(4), "normalizes with batch statistics"),
+                      (nn.InstanceNorm1d(4, track_running_stats=True), "averages its running statistics")):
+        plain = nn.Sequential(nn.Linear(3, 3), norm)
+        stage = torch.jit.script(plain) if compile == "script" else torch.jit.trace(plain, (x,))
+        model = ParallelSequential(stage, chunks=2)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        name = type(norm).__name__
+        with pytest.raises(RuntimeError, match=rf"(?s)'0\.1' \({name}, TorchScript\), which {why}.*\.eval\(\)"):
+            model(x)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        if compile == "trace":  # (a trace keeps the mode it was traced in: traced anew in eval)
+            stage = torch.jit.trace(plain.eval(), (x,))
+            model = ParallelSequential(stage, chunks=2)
+        model.eval()
+        torch.testing.assert_close(model(x), stage(x), rtol=RTOL, atol=ATOL)
+    unstats = torch.jit.script(nn.InstanceNorm1d(4))  # per sample, without running statistics: runs
+    assert torch.equal(ParallelSequential(unstats, chunks=2)(x), unstats(x))
 
 
 def test_sync_batchnorm_and_declared_mixers_refused() -> None:
@@ -1620,6 +1664,17 @@ def test_stages_added_with_iadd_are_checked() -> None:
         pipe += nn.Sequential(nn.ModuleList([nn.ReLU()]))
     assert len(pipe) == 1
     pipe += nn.Sequential(nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
+
+
+def test_a_pipeline_added_to_itself_doubles() -> None:
+    # Before (a CPU hunt): nn.Sequential's += iterated the stages it added to, and raised
+    # "dictionary changed size during iteration" with the pipeline half extended.
+    torch.manual_seed(0)
+    pipe = ParallelSequential(nn.Linear(4, 4), nn.Tanh(), chunks=2)
+    pipe += pipe
+    assert [type(m) for m in pipe] == [nn.Linear, nn.Tanh] * 2 and pipe[0] is pipe[2]
     x = torch.randn(4, 4)
     torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
 

@@ -312,6 +312,30 @@ def test_an_eager_call_between_compiled_calls_compiles_nothing_again(make):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("make, tokens", [
+    (lambda: ParallelSequential(nn.Linear(8, 8), nn.Softmax(dim=-1), nn.Linear(8, 8), chunks=2), False),
+    (lambda: ParallelSequential(nn.Embedding(16, 8), nn.Linear(8, 8), chunks=2), True),
+    (lambda: Parallel(nn.Sequential(nn.Linear(8, 8), nn.Softmax(dim=-1)), nn.Linear(8, 8), join="sum"), False),
+], ids=["pipeline-softmax", "pipeline-embedding", "parallel-softmax"])
+def test_blocks_compiled_one_by_one_are_traced_once_for_all(make, tokens):
+    # Regional compilation: each block of a model compiled alone, as PyTorch recommends
+    # for repeated blocks. Before (a CPU hunt): the pipeline's softmax check and its plan's
+    # tied embeddings took id()s of its modules while traced, dynamo guarded on them, and
+    # every block compiled anew, until fullgraph=True failed at the recompile limit (8).
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    blocks = [make().eval() for _ in range(10)]
+    counter = CompileCounter()
+    for block in blocks:
+        block.compile(backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for block in blocks:
+            x = torch.randint(0, 16, (6,)) if tokens else torch.randn(6, 8)
+            plain = reference(block, x) if isinstance(block, Parallel) else nn.Sequential(*block)(x)
+            assert_close(block(x), plain)
+    assert counter.frame_count == 1
+
 @pytest.mark.parametrize("join, second", [
     ("stack", lambda: nn.Linear(8, 3)),
     ("cat", lambda: nn.Sequential(nn.Linear(8, 4), nn.Flatten(0))),
