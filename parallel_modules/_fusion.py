@@ -1895,13 +1895,16 @@ _RMS_SAVES: dict[tuple[str, torch.dtype], bool] = {}
 def _layer_norm_dtypes(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     r"""Whether ``F.layer_norm`` takes ``x`` with weight ``w`` and bias ``b`` as their dtypes are.
 
-    The same dtype, or (mixed) a half-precision input with float32 affine
-    parameters; under autocast, which casts all three to float32, any.
+    The same dtype; on the CPU also a half-precision input with float32 affine
+    parameters (its kernels' mixed dtypes). CUDA's autocast runs layer_norm in
+    float32, casting every tensor but float64 ones first; the CPU's leaves it alone.
     """
-    if torch.is_autocast_enabled(x.device.type):
-        return True
-    dtypes = {t.dtype for t in (w, b) if t is not None}
-    return dtypes == {x.dtype} or dtypes == {torch.float32} and x.dtype in (torch.float16, torch.bfloat16)
+    dtypes = [t.dtype for t in (x, w, b) if t is not None]
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        dtypes = [d if d == torch.float64 else torch.float32 for d in dtypes]
+    rest = set(dtypes[1:])
+    return rest == {dtypes[0]} or (x.device.type == "cpu" and dtypes[0] in (torch.float16, torch.bfloat16)
+                                   and rest == {torch.float32})
 
 
 def _rms_norm_saves_weight(weight: torch.Tensor) -> bool:

@@ -104,6 +104,10 @@ class _Tree:
         # Without walking the tree again (whether any is trained, on a hot path).
         self.parameters = tuple(root.parameters())
 
+    def forget(self) -> None:
+        r"""Take the tree as changed at the next look: a change found otherwise, which registered nothing."""
+        self.seen, self.members = -1, ()
+
     def same(self, root: nn.Module) -> bool:
         r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered).
 

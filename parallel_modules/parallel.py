@@ -125,6 +125,8 @@ _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 
 # Joins that read the outputs and return new tensors: a fork may run them itself.
 _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
+# How many times a block groups its branches anew after a member's tensor changed unseen.
+_REGROUPS = 8
 # Beyond any tensor's number of dimensions (torch allows 64 at most in places, fewer in
 # others); a ``dim`` outside it would reach torch as an index it cannot convert.
 _MAX_DIM = 1 << 16
@@ -379,8 +381,10 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_in_order", "_placement", "_plans", "_revision", "_tree", "_tuner", "_unwritten",
-                           "_watched_fused"})
+                           "_in_order", "_placement", "_plans", "_regroups", "_revision", "_tree", "_tuner",
+                           "_unwritten", "_watched_fused"})
+    # Groups found anew after a member's tensor changed unseen (see _run_group): a bounded number.
+    _regroups = 0
 
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
@@ -1015,12 +1019,15 @@ class Parallel(nn.Module):
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
         passing = isinstance(failure, _UnbatchedNow) or _out_of_memory(failure)
-        if isinstance(failure, _MembersChanged) and not tracing:
-            # A member's parameter or buffer set to None or deleted since the groups were
-            # found, which registers nothing: counted as a change, so that every block
-            # (this one too) looks at its branches again at its next call and groups them
-            # anew, as after a layer replaced. With "auto" this call runs them unfused.
-            _watch._count()
+        if isinstance(failure, _MembersChanged) and not tracing and self._regroups < _REGROUPS:
+            # A member's parameter or buffer changed since the groups were found in a way
+            # that registers nothing (set to None, deleted, given another shape or dtype
+            # through ``.data``): the block takes its tree as changed, and at its next call
+            # forgets what it learnt and groups its branches anew, as after a layer
+            # replaced. With "auto" this call runs them unfused. (A bounded number of
+            # times: groups found anew that fail so again are disabled, as any failing group.)
+            self._regroups += 1
+            self._tree.forget()
             if self.fuse is True:
                 raise RuntimeError(
                     f"{type(self).__name__}: fuse=True, but {failure} (since the branches were grouped). Make "

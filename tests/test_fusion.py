@@ -944,6 +944,28 @@ def test_member_bias_removed_without_registration():
     assert_close(p(x), reference(p, x))
 
 
+def test_member_weight_given_another_shape_through_data_is_grouped_anew():
+    # ``w.data = ...`` of another shape registers nothing, and leaves the module tree the same
+    # objects. (A review: counted as a registration anywhere, every call of the block failed
+    # its batched attempt again, and made every other block walk its tree.)
+    from parallel_modules import _watch
+
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Embedding(10, 8) for _ in range(3)], join=None, fuse="auto").eval()
+    x = torch.randint(0, 10, (5,))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p(x)
+        w = p[1].weight
+        w.data = torch.cat([w.data, torch.zeros(2, 8)])
+        changes = _watch._changes
+        for _ in range(3):
+            for out, branch in zip(p(x), p):
+                assert torch.equal(out, branch(x))
+    assert _watch._changes == changes
+    assert p.explain()["fused"] == [["0", "2"]]
+
+
 
 @pytest.mark.parametrize("members", [[1], [0, 1, 2]], ids=["one", "every"])
 @pytest.mark.parametrize("name", ["weight", "bias"])
@@ -4049,7 +4071,10 @@ def test_fused_layer_norms_refuse_the_dtypes_the_layer_refuses(fuse):
     x = x.double()
     torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
     assert block.explain()["fused"] == [["0", "1", "2"]]
-    # Half-precision inputs with float32 weights: layer_norm's mixed dtypes, fused as before.
+    # Under the CPU's autocast, which leaves layer_norm alone, as without it (a review).
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="branch '0'"):
+        block(x.float())
+    # Half-precision inputs with float32 weights: the CPU's mixed dtypes, fused as before.
     block.float()
     half = x.to(torch.bfloat16)
     torch.testing.assert_close(block(half), torch.cat([b(half) for b in block], 1))
