@@ -1112,6 +1112,10 @@ class ParallelSequential(nn.Sequential):
                        "use chunks=1, or replace it with a per-sample normalization such as nn.GroupNorm "
                        "or nn.LayerNorm (without running statistics it uses batch statistics in eval "
                        "mode too).")
+            if mixes and isinstance(m, torch.jit.ScriptModule) and declared is None:
+                # (Known by the name of the class it was made from: maybe a module of the user's.)
+                fix += (" If it is not a norm layer, but a module of a class of that name, say so with "
+                        f"`model.get_submodule({qual!r}).mixes_batch = False`.")
             if mixes:
                 return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "

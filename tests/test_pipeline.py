@@ -494,6 +494,16 @@ def test_torchscript_norms_refused_in_training_eval_works(compile: str) -> None:
         torch.testing.assert_close(model(x), stage(x), rtol=RTOL, atol=ATOL)
     unstats = torch.jit.script(nn.InstanceNorm1d(4))  # per sample, without running statistics: runs
     assert torch.equal(ParallelSequential(unstats, chunks=2)(x), unstats(x))
+    # Known by the name of its class: a module of the user's of that name says so.
+    class BatchNorm1d(nn.Module):
+        def forward(self, t):
+            return t * 2
+
+    mine = torch.jit.script(BatchNorm1d()) if compile == "script" else torch.jit.trace(BatchNorm1d(), (x,))
+    with pytest.raises(RuntimeError, match=r"not a norm layer.*get_submodule\('0'\)\.mixes_batch = False"):
+        ParallelSequential(mine, chunks=2)(x)
+    mine.mixes_batch = False
+    assert torch.equal(ParallelSequential(mine, chunks=2)(x), x * 2)
 
 
 def test_sync_batchnorm_and_declared_mixers_refused() -> None:
