@@ -381,8 +381,8 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_in_order", "_placement", "_plans", "_regroups", "_revision", "_tree", "_tuner",
-                           "_unwritten", "_watched_fused"})
+                           "_in_order", "_placement", "_plans", "_regroups", "_revision", "_saw_write", "_tree",
+                           "_tuner", "_unwritten", "_watched_fused"})
     # Groups found anew after a member's tensor changed unseen (see _run_group): a bounded number.
     _regroups = 0
 
@@ -483,6 +483,9 @@ class Parallel(nn.Module):
         # A branch wrote the shared input on a call after "auto" had forked or fused out of
         # branch order: schedules keep the branches in order (see _keep_in_order).
         self._in_order = False
+        # An eager call saw a branch change the shared input in place: compilers trace no
+        # fused group (see _traced_fusion).
+        self._saw_write = False
         self._fusion: _Fusion | None = None
         self._placement: Any = _UNPLACED  # which device each branch runs on: _placement.py
         if self.__dict__.get("_graphs") is None:  # constructed, unpickled or deep-copied: graphs never are copied
@@ -787,6 +790,18 @@ class Parallel(nn.Module):
         """
         if self.fuse is False or self._auto_unfused():
             return None
+        if self._saw_write or self._in_order:
+            # An eager call saw a branch change the shared input in place, which members run
+            # together on one input would not all see; compiled code cannot look at each call.
+            # (Read here, the compiler guards on it: a write seen later compiles anew.)
+            if self.fuse is True:
+                raise RuntimeError(
+                    f"{type(self).__name__}: fuse=True, but an eager call saw a branch change the shared input in "
+                    "place: the members of a fused group, run together on one input, would not all see the "
+                    "change, and compiled code cannot look for it at each call. Make the branch's first "
+                    "operation out of place (inplace=False, x = x + 1), or pass fuse='auto' (traced unfused "
+                    "then) or fuse=False.")
+            return None
         fusion = self._fusion_for(args, kwargs, regroup=False)
         if self.fuse == "auto" and fusion is not None and _out_of_order(fusion.units):
             # Eagerly, such groups run fused only while the calls show no branch writing the
@@ -1044,6 +1059,8 @@ class Parallel(nn.Module):
             _note_failures(e, restore() if restore is not None else [])
             raise
         failures = restore() if restore is not None else []
+        if version is not None and x._version != version:
+            self._saw_write = True  # (run in turn, the members wrote the shared input: see _traced_fusion)
         if passing:
             # (This call only: the group is not at fault. Batched, the members' activations
             # are held at once, one after another each in turn: a large batch may fit only
@@ -1283,6 +1300,7 @@ class Parallel(nn.Module):
         r"""The error of a fused call in which the branches ``wrote`` (one, or a group's members) changed
         the shared input in place out of branch order; with ``fuse="auto"`` the block is kept in order
         from then on. ``before``: refused before they ran, from their layers (``fuse=True``)."""
+        self._saw_write = True
         names = list(self._modules)
         which = [names[j] for j in wrote]
         how = ("runs fused groups out of branch order" if len(which) == 1 else
@@ -1487,6 +1505,7 @@ class Parallel(nn.Module):
                 # that fails sees nothing, and the next call looks again.)
                 outputs, wrote = self._run_watched(args, kwargs, None)
                 if wrote:
+                    self._saw_write = True
                     self._remember(key, _CPU_IN_TURN)
                 elif key not in self._plans:
                     self._remember(key, _CPU_FUSED)

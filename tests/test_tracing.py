@@ -312,6 +312,35 @@ def test_an_eager_call_between_compiled_calls_compiles_nothing_again(make):
     assert counter.frame_count == 1
 
 
+class _AddsOneInPlace(nn.Module):
+    def forward(self, x):
+        x += 1
+        return x
+
+
+def test_a_write_of_the_input_seen_eagerly_keeps_traces_unfused():
+    # (A CPU hunt.) A layer of the user's writing its input is seen by eager calls only; the
+    # traces took no notice of what they saw, and fused the group: compiled, 2.3 off the
+    # branches called in turn, silently; exported, a program that raised at every call (vmap
+    # refuses the write), inside vmap's levels, which the exception left open.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(_AddsOneInPlace(), nn.Linear(8, 8)) for _ in range(3)], fuse="auto").eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        xs = x.clone()
+        in_turn = torch.cat([branch(xs) for branch in block], 1)
+        assert torch.equal(block(x.clone()), in_turn)
+        assert torch.equal(torch.compile(block, fullgraph=True, backend="aot_eager")(x.clone()), in_turn)
+        program = torch.export.export(block, (x.clone(),)).module()
+        assert torch.equal(program(x.clone()), in_turn)
+    strict = Parallel(*[nn.Sequential(_AddsOneInPlace(), nn.Linear(8, 8)) for _ in range(3)], fuse=True).eval()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="fuse=True"):
+            strict(x.clone())
+        with pytest.raises(Exception, match="fuse=True, but an eager call saw a branch change the shared input"):
+            torch.compile(strict, fullgraph=True, backend="eager")(x.clone())
+
+
 @pytest.mark.parametrize("make, tokens", [
     (lambda: ParallelSequential(nn.Linear(8, 8), nn.Softmax(dim=-1), nn.Linear(8, 8), chunks=2), False),
     (lambda: ParallelSequential(nn.Embedding(16, 8), nn.Linear(8, 8), chunks=2), True),
