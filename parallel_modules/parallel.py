@@ -8,6 +8,7 @@ import operator
 from collections import OrderedDict
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, NamedTuple, Union, overload
 
 import torch
@@ -125,8 +126,6 @@ _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 
 # Joins that read the outputs and return new tensors: a fork may run them itself.
 _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
-# How many times a block groups its branches anew after a member's tensor changed unseen.
-_REGROUPS = 8
 # Beyond any tensor's number of dimensions (torch allows 64 at most in places, fewer in
 # others); a ``dim`` outside it would reach torch as an index it cannot convert.
 _MAX_DIM = 1 << 16
@@ -381,10 +380,8 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_in_order", "_placement", "_plans", "_regroups", "_revision", "_saw_write", "_tree",
+                           "_in_order", "_placement", "_plans", "_regroup_cause", "_revision", "_saw_write", "_tree",
                            "_tuner", "_unwritten", "_watched_fused"})
-    # Groups found anew after a member's tensor changed unseen (see _run_group): a bounded number.
-    _regroups = 0
 
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
@@ -532,6 +529,7 @@ class Parallel(nn.Module):
         state.pop("_graphs", None)
         state.pop("_fusion", None)
         state.pop("_tree", None)
+        state.pop("_regroup_cause", None)
         state.pop("_placed", None)
         return state
 
@@ -792,15 +790,10 @@ class Parallel(nn.Module):
             return None
         if self._saw_write or self._in_order:
             # An eager call saw a branch change the shared input in place, which members run
-            # together on one input would not all see; compiled code cannot look at each call.
-            # (Read here, the compiler guards on it: a write seen later compiles anew.)
-            if self.fuse is True:
-                raise RuntimeError(
-                    f"{type(self).__name__}: fuse=True, but an eager call saw a branch change the shared input in "
-                    "place: the members of a fused group, run together on one input, would not all see the "
-                    "change, and compiled code cannot look for it at each call. Make the branch's first "
-                    "operation out of place (inplace=False, x = x + 1), or pass fuse='auto' (traced unfused "
-                    "then) or fuse=False.")
+            # together on one input would not all see; compiled code cannot look at each call:
+            # traced unfused, as groups out of date are (fuse=True too, whose eager calls refuse
+            # such writes; the branch may have been replaced since, which only an eager call
+            # sees). (Read here, the compiler guards on it: a write seen later compiles anew.)
             return None
         fusion = self._fusion_for(args, kwargs, regroup=False)
         if self.fuse == "auto" and fusion is not None and _out_of_order(fusion.units):
@@ -1034,15 +1027,24 @@ class Parallel(nn.Module):
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
         passing = isinstance(failure, _UnbatchedNow) or _out_of_memory(failure)
-        if isinstance(failure, _MembersChanged) and not tracing and self._regroups < _REGROUPS:
+        regroup = False
+        if isinstance(failure, _MembersChanged) and not tracing:
             # A member's parameter or buffer changed since the groups were found in a way
             # that registers nothing (set to None, deleted, given another shape or dtype
             # through ``.data``): the block takes its tree as changed, and at its next call
             # forgets what it learnt and groups its branches anew, as after a layer
-            # replaced. With "auto" this call runs them unfused. (A bounded number of
-            # times: groups found anew that fail so again are disabled, as any failing group.)
-            self._regroups += 1
+            # replaced. With "auto" this call runs them unfused. (Unless groups found anew
+            # since fail alike before ever running batched, which would loop: disabled then,
+            # as any failing group. The same failure in another call, of the groups found
+            # before, is the same change.)
+            cause = (tuple(names), str(failure))
+            last = self.__dict__.get("_regroup_cause")
+            regroup = (last is None or last[0] is self._tree or last[1]() is fusion or last[2] != cause
+                       or group.ran)
+        if regroup:
             self._tree.forget()
+            # (The groups by a weak reference: their stacks are freed once found anew.)
+            self._regroup_cause = (self._tree, weakref.ref(fusion), cause)
             if self.fuse is True:
                 raise RuntimeError(
                     f"{type(self).__name__}: fuse=True, but {failure} (since the branches were grouped). Make "
@@ -1059,7 +1061,7 @@ class Parallel(nn.Module):
             _note_failures(e, restore() if restore is not None else [])
             raise
         failures = restore() if restore is not None else []
-        if version is not None and x._version != version:
+        if version is not None and x._version != version and not _clamps_its_input(group):
             self._saw_write = True  # (run in turn, the members wrote the shared input: see _traced_fusion)
         if passing:
             # (This call only: the group is not at fault. Batched, the members' activations
