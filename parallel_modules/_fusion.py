@@ -1803,7 +1803,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         # the H100, and not the same from one run to the next). The indices are the
         # members' own: one out of range is out of range of the whole table for the
         # last member (too large) or the first (negative), and raises as unfused.
-        w_name, padding_idx, rows = q("weight"), m.padding_idx, m.num_embeddings
+        w_name, padding_idx = q("weight"), m.padding_idx
         if w_name not in group.never_saved:
             group.never_saved.add(w_name)
 
@@ -1815,6 +1815,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
                 # of a dtype the layer refuses, which the offsets' int64 would promote.)
                 return fallback(v, get)
             idx, w = v.t, get(w_name)
+            rows = w.shape[1]  # (the tables' own: resized through .data alike, a setting would be stale)
             offsets = torch.arange(0, n * rows, rows, device=idx.device).view(n, *(1,) * idx.dim())
             out = F.embedding(idx + offsets, w.flatten(0, 1))
             if padding_idx is not None and out.requires_grad:

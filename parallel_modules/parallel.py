@@ -8,7 +8,6 @@ import operator
 from collections import OrderedDict
 import time
 import warnings
-import weakref
 from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, NamedTuple, Union, overload
 
 import torch
@@ -380,7 +379,7 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_in_order", "_placement", "_plans", "_regroup_cause", "_revision", "_saw_write", "_tree",
+                           "_in_order", "_placement", "_plans", "_revision", "_saw_write", "_tree",
                            "_tuner", "_unwritten", "_watched_fused"})
 
     @overload
@@ -529,7 +528,6 @@ class Parallel(nn.Module):
         state.pop("_graphs", None)
         state.pop("_fusion", None)
         state.pop("_tree", None)
-        state.pop("_regroup_cause", None)
         state.pop("_placed", None)
         return state
 
@@ -1027,24 +1025,14 @@ class Parallel(nn.Module):
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
         passing = isinstance(failure, _UnbatchedNow) or _out_of_memory(failure)
-        regroup = False
         if isinstance(failure, _MembersChanged) and not tracing:
             # A member's parameter or buffer changed since the groups were found in a way
             # that registers nothing (set to None, deleted, given another shape or dtype
             # through ``.data``): the block takes its tree as changed, and at its next call
             # forgets what it learnt and groups its branches anew, as after a layer
-            # replaced. With "auto" this call runs them unfused. (Unless groups found anew
-            # since fail alike before ever running batched, which would loop: disabled then,
-            # as any failing group. The same failure in another call, of the groups found
-            # before, is the same change.)
-            cause = (tuple(names), str(failure))
-            last = self.__dict__.get("_regroup_cause")
-            regroup = (last is None or last[0] is self._tree or last[1]() is fusion or last[2] != cause
-                       or group.ran)
-        if regroup:
+            # replaced. With "auto" this call runs them unfused. (Grouping compares what the
+            # stacking checks, the members' tensors as they are: the groups found anew hold.)
             self._tree.forget()
-            # (The groups by a weak reference: their stacks are freed once found anew.)
-            self._regroup_cause = (self._tree, weakref.ref(fusion), cause)
             if self.fuse is True:
                 raise RuntimeError(
                     f"{type(self).__name__}: fuse=True, but {failure} (since the branches were grouped). Make "

@@ -944,6 +944,27 @@ def test_member_bias_removed_without_registration():
     assert_close(p(x), reference(p, x))
 
 
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_fused_embeddings_resized_alike_through_data_look_up_their_own_rows(fuse):
+    # (A review.) The batched lookup offset each member's indices by the row count the layer
+    # had when its program was made: tables resized alike (which restacks them) read other
+    # members' rows, 2.5-3.2 off the branches called one by one.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Embedding(10, 8) for _ in range(3)], join=None, fuse=fuse).eval()
+    x = torch.randint(0, 10, (5,))
+    with torch.no_grad():
+        p(x)
+        p(x)
+        for branch in p:
+            branch.weight.data = torch.cat([branch.weight.data, torch.randn(2, 8)])
+            branch.num_embeddings = 12
+        x = torch.tensor([0, 4, 9, 10, 11])
+        for _ in range(3):
+            for out, branch in zip(p(x), p):
+                assert torch.equal(out, branch(x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 def test_member_weight_given_another_shape_through_data_is_grouped_anew():
     # ``w.data = ...`` of another shape registers nothing, and leaves the module tree the same
     # objects. (A review: counted as a registration anywhere, every call of the block failed
