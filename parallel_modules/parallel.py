@@ -1031,8 +1031,11 @@ class Parallel(nn.Module):
             # through ``.data``): the block takes its tree as changed, and at its next call
             # forgets what it learnt and groups its branches anew, as after a layer
             # replaced. With "auto" this call runs them unfused. (Grouping compares what the
-            # stacking checks, the members' tensors as they are: the groups found anew hold.)
-            self._tree.forget()
+            # stacking checks, the members' tensors as they are: the groups found anew hold.
+            # Not for tensors swapped in for one call, torch.func.functional_call's, which the
+            # block's next call would not find: this call alone runs unfused.)
+            if not _watch._swapped_in(self.modules()):
+                self._tree.forget()
             if self.fuse is True:
                 raise RuntimeError(
                     f"{type(self).__name__}: fuse=True, but {failure} (since the branches were grouped). Make "

@@ -944,6 +944,29 @@ def test_member_bias_removed_without_registration():
     assert_close(p(x), reference(p, x))
 
 
+def test_a_member_tensor_of_another_shape_swapped_in_for_one_call_changes_nothing_after_it():
+    # (A review.) torch.func.functional_call swaps a tensor in for one call, registering
+    # nothing: the call runs the group unfused, and the block, which would find its
+    # members as grouped at its next call, keeps what it learnt (before: reset after every
+    # such call; before that, the group disabled for good with a warning).
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(3)], fuse="auto").eval()
+    x = torch.randn(4, 8)
+    swapped = {"1.2.bias": torch.zeros(1)}  # (broadcast: each branch alone runs)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p(x)
+        p(x)
+        tree = p._tree
+        for _ in range(3):
+            out = torch.func.functional_call(p, swapped, (x,))
+            assert_close(out, torch.cat([torch.func.functional_call(b, {"2.bias": torch.zeros(1)}, (x,)) if i == 1
+                                         else b(x) for i, b in enumerate(p)], 1))
+            assert_close(p(x), reference(p, x))
+        assert p._tree is tree
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_fused_embeddings_resized_alike_through_data_look_up_their_own_rows(fuse):
     # (A review.) The batched lookup offset each member's indices by the row count the layer
