@@ -833,7 +833,7 @@ class _Group:
         if tracing:
             try:
                 tensors = self._tensors(entry)
-            except RuntimeError:  # (a tensor gone from its dict)
+            except _MembersChanged:  # (a tensor gone from its dict)
                 if _is_tracing():  # (as below)
                     raise _UnbatchedNow from None
                 raise

@@ -786,7 +786,7 @@ class Parallel(nn.Module):
         """
         if self.fuse is False or self._auto_unfused():
             return None
-        if self._saw_write or self._in_order:
+        if self._saw_write:  # (set too where the block was kept in order: see _keep_in_order)
             # An eager call saw a branch change the shared input in place, which members run
             # together on one input would not all see; compiled code cannot look at each call:
             # traced unfused, as groups out of date are (fuse=True too, whose eager calls refuse
@@ -1090,7 +1090,7 @@ class Parallel(nn.Module):
         need not show, nor a signature first seen later. Setting ``streams``
         or ``fuse`` again times them anew.
         """
-        self._in_order = True
+        self._in_order = self._saw_write = True
         for key, plan in self._plans.copy().items():
             if plan.forked or plan.fused:
                 self._plans[key] = plan._replace(forked=False, fused=False)

@@ -130,7 +130,7 @@ def _norm_class(m: nn.Module) -> type | None:
     return None
 
 
-def _class_name(m: nn.Module) -> str:
+def _layer_name(m: nn.Module) -> str:
     r"""``m``'s class name, for a TorchScript module the one it was made from."""
     if isinstance(m, torch.jit.ScriptModule) and getattr(m, "original_name", None):
         return f"{m.original_name}, TorchScript"
@@ -1043,6 +1043,7 @@ class ParallelSequential(nn.Sequential):
         declaring = [(i, qual, m) for i, qual, m in plan.others if m.__dict__.get("mixes_batch") is not None]
         for i, qual, m in (*plan.mixers, *declaring):
             declared = getattr(m, "mixes_batch", None)
+            norm = _norm_class(m)
             if declared is not None:
                 mixes, why = bool(declared), "declares mixes_batch = True: it mixes samples across the batch"
                 fix = ("use chunks=1, or, if it does not mix samples after all, say so with "
@@ -1095,9 +1096,9 @@ class ParallelSequential(nn.Sequential):
                 why = ("scales its gradient by each index's frequency in the batch (scale_grad_by_freq=True) "
                        "in training mode")
                 fix = "use chunks=1 to train it, or construct it with scale_grad_by_freq=False."
-            elif _norm_class(m) is None:
+            elif norm is None:
                 continue  # (a class attribute mixes_batch = None: not declared)
-            elif not issubclass(_norm_class(m), _BatchNorm):  # instance norms: per sample, but running statistics
+            elif not issubclass(norm, _BatchNorm):  # instance norms: per sample, but running statistics
                 mixes = m.training and getattr(m, "running_mean", None) is not None
                 why = "averages its running statistics over the batch in training mode"
                 fix = ("call .eval() on it if you are not training it, use chunks=1, or construct it "
@@ -1119,9 +1120,9 @@ class ParallelSequential(nn.Sequential):
             if mixes:
                 return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
-                    f"({_class_name(m)}), which {why}, so with "
+                    f"({_layer_name(m)}), which {why}, so with "
                     f"chunks={self._chunks} each micro-batch would be treated on its own and the "
-                    f"result{' (and its running statistics)' if _norm_class(m) is not None else ''} would "
+                    f"result{' (and its running statistics)' if norm is not None else ''} would "
                     f"differ from running the whole batch. "
                     f"To fix it, {fix}"
                 )
