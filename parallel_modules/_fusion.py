@@ -368,6 +368,7 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
     ids: dict[int, set[int]] = {}  # each fusable branch's parameters and buffers
     sharers: dict[int, list[int]] = {}  # branch -> the identical ones left out for sharing its tensors
     tied = _tied_in_memory([_tensors(branch) for branch in branches])
+    unfusable: list[int] = []
     for i, branch in enumerate(branches):
         why = _unfusable(branch)
         if why is None and i in tied:
@@ -375,6 +376,7 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
                    f"(a tied weight, or views of one tensor): stacked, they would no longer share it")
         if why is not None:
             reasons[i] = why
+            unfusable.append(i)
             continue
         ids[i] = _tensor_ids(branch)
         for group in groups:
@@ -396,9 +398,14 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
     for group in groups:
         if len(group) == 1:
             left = sharers.get(group[0])
-            reasons[group[0]] = ("no other branch is identical to it" if not left else
-                                 f"the branches identical to it (index {', '.join(map(str, left))}) share its "
-                                 f"parameters or buffers (the same module, or tied weights)")
+            if left:
+                reasons[group[0]] = (f"the branches identical to it (index {', '.join(map(str, left))}) share its "
+                                     f"parameters or buffers (the same module, or tied weights)")
+                continue
+            # (Identical ones that cannot be fused themselves: a hook on one, say.)
+            alike = [j for j in unfusable if _difference(branches[j], branches[group[0]]) is None]
+            reasons[group[0]] = "no other branch is identical to it" + (
+                f" but index {', '.join(map(str, alike))}, which cannot be fused (see there)" if alike else "")
             continue
         members = []
         for i in group:
@@ -527,6 +534,20 @@ class _Split(torch.autograd.Function):
         return grad, None, None
 
 
+
+class _SplitDual(_Split):
+    r"""A :class:`_Split` under forward-mode AD, whose tangent is a slice of its own too.
+
+    (Apart, as Dynamo traces no ``autograd.Function`` with a ``jvp``.)
+    """
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor | None, *_: Any) -> torch.Tensor | None:  # type: ignore[override]
+        # (Through ``_Split`` again: a backward through the tangent -- reverse over forward --
+        # tells ``received`` too.)
+        return None if tangent is None else _Split.apply(tangent, ctx.i, ctx.received)
+
+
 class _OwnGradients(torch.autograd.Function):
     r"""The identity, whose backward hands the members' gradients memory of their own (see :class:`_Unstack`).
 
@@ -545,6 +566,15 @@ class _OwnGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return grad.clone(memory_format=torch.contiguous_format) if grad.dim() and grad.stride(0) == 0 else grad
+
+
+
+class _OwnGradientsDual(_OwnGradients):
+    r"""An :class:`_OwnGradients` under forward-mode AD (apart, as Dynamo traces no ``jvp``)."""
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return tangent.view_as(tangent)  # (the identity's)
 
 
 # One thread at a time stacks the members' tensors and re-points them at their slices
@@ -638,6 +668,9 @@ class _Group:
         # saved their memory (see _watch_buffers).
         self.buffers_saved: set[str] = set()
         self.ran = False  # whether the group ran batched once (see Parallel._run_group)
+        # Why its last eager call ran the members unfused, that call only (None: it ran batched):
+        # explain() says so, where the groups alone would say fused.
+        self.unbatched: str | None = None
         # Whether its first eager batched call in eval wrote buffers (None: not judged; the same).
         # (Judged once: a change of the members' train/eval modes makes the groups anew, see
         # _Fusion.current.)
@@ -803,6 +836,22 @@ class _Group:
         self.registrations = _watch._changes
         return moved
 
+    def changed(self) -> bool:
+        r"""Whether a member's parameter or buffer was set to ``None``, deleted, or given another shape
+        or dtype than the others' since the group was found (what registers nothing, and a call finds:
+        see :class:`_MembersChanged`)."""
+        for entry in self.entries.values():
+            try:
+                tensors = self._tensors(entry)
+            except _MembersChanged:
+                return True
+            first = tensors[0]
+            for t in tensors:
+                if (t is None) != (first is None) or t is not None and (
+                        t.shape != first.shape or t.dtype != first.dtype):
+                    return True
+        return False
+
     def swapped(self) -> bool:
         r"""Whether a member's parameter or buffer is not the tensor bound, though nothing was registered.
 
@@ -828,14 +877,14 @@ class _Group:
             if _is_tracing() and any([_member_tensor(m, qual) is not None for m in self.members]):
                 # Given to a member since the group was found (eagerly, that registration makes
                 # the groups anew): traced unfused, as below.
-                raise _UnbatchedNow
+                raise _UnbatchedNow("traced while a member has a parameter or buffer the others lack")
             return None
         if tracing:
             try:
                 tensors = self._tensors(entry)
             except _MembersChanged:  # (a tensor gone from its dict)
                 if _is_tracing():  # (as below)
-                    raise _UnbatchedNow from None
+                    raise _UnbatchedNow("traced while a member's tensor is gone from its dict") from None
                 raise
             first = tensors[0]
             differs = [i for i, t in enumerate(tensors) if (t is None) != (first is None) or t is not None and (
@@ -846,7 +895,7 @@ class _Group:
                 # again (see Parallel._traced_fusion): they are traced unfused. Eagerly (their
                 # tensors stacked as they are), the group fails, and "auto" unfuses it for good.
                 if _is_tracing():
-                    raise _UnbatchedNow
+                    raise _UnbatchedNow("traced while the members' tensors differ")
                 raise self._no_longer_identical(qual, tensors, differs[0])
             if first is None:
                 return None
@@ -856,6 +905,8 @@ class _Group:
             # its forward with grad off, cutting the parameters from the gradient, and a non-strict
             # one keeps the forward alone.)
             if stacked.requires_grad and not _functorch_active() and not _is_exporting():
+                if _forward_ad._current_level >= 0 and not _is_tracing():  # (dual parameters swapped in)
+                    return _OwnGradientsDual.apply(stacked)
                 return _OwnGradients.apply(stacked)
             return stacked
         stacked = self.stacks.get(qual)
@@ -880,8 +931,16 @@ class _Group:
                 read.append(qual)
             if trained:
                 return _Unstack.apply(received, stacked, *tensors)
-        elif read is not None and entry.kind == "_buffers":  # (an index or a mask too: saved, it counts)
-            read.append(qual)
+        elif entry.kind == "_buffers":
+            if read is not None:  # (an index or a mask too: saved, it counts)
+                read.append(qual)
+            if torch.is_grad_enabled() and (stacked.dtype.is_floating_point or stacked.dtype.is_complex):
+                # A buffer made to require grad (``requires_grad_()``, which registers nothing):
+                # autograd gives each member's its gradient, as unfused. (The stack itself,
+                # made under no_grad, is no function of them.)
+                tensors = self._tensors(entry)
+                if any([t.requires_grad for t in tensors]):
+                    return _Unstack.apply(received, stacked, *tensors)
         return stacked
 
     def _ruled(self, qual: str) -> bool:
@@ -1036,16 +1095,16 @@ class _Group:
             # Under torch.autograd.graph.allow_mutation_on_saved_tensors(), a tensor autograd
             # saved is cloned before it is changed in place -- the stack, were a member's slice
             # of it changed, is not: the members run unfused, each saving its own tensors.
-            raise _UnbatchedNow
+            raise _UnbatchedNow("under torch.autograd.graph.allow_mutation_on_saved_tensors(), whose "
+                                "clones of saved tensors a stack would escape")
         else:
             # (Not under saved-tensor hooks -- checkpoint(use_reentrant=False), save_on_cpu --
             # with which autograd checks no saved tensor's version: unfused, a change in place
             # passes, the recomputation or the packed copy deciding what backward reads.)
             watched = None if tracing or _saved_hooks_recording() else []
-            # (Told by the members' outputs' split: not under torch.func transforms or forward-mode
-            # AD, where they are split by torch's operations, see _members.)
-            if (not tracing and _graph_task is not None and not _functorch_active()
-                    and _forward_ad._current_level < 0):
+            # (Told by the members' outputs' split: not under torch.func transforms, where they
+            # are split by torch's operations, see _members.)
+            if not tracing and _graph_task is not None and not _functorch_active():
                 received = _Received()
             read = None if watched is None else []
             get = lambda qual: self._stacked(qual, tracing, watched, flow, received, read)  # noqa: E731
@@ -1471,7 +1530,8 @@ def _members(t: torch.Tensor, dim: int, n: int, copy: bool, received: _Received 
     """
     if copy:
         if received is not None and t.requires_grad and torch.is_grad_enabled():
-            return [_Split.apply(part, i, received) for i, part in enumerate(t.unbind(dim))]
+            split = _SplitDual if _forward_ad._current_level >= 0 else _Split
+            return [split.apply(part, i, received) for i, part in enumerate(t.unbind(dim))]
         return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
     if (_is_tracing() or t.requires_grad or _functorch_active() or _forward_ad._current_level >= 0
             or t.is_inference() or t._is_view()):  # (a compiler asks the first)
@@ -1983,24 +2043,27 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
 
     def step(v: _Value, get: _Get) -> Any:
         if torch.is_autocast_enabled(v.t.device.type):
-            raise _UnbatchedNow
+            raise _UnbatchedNow("autocast is on: batched, layers would return another dtype than each "
+                                "member's own call")
         state = {k: t for k, t in ((k, get(q)) for k, q in local) if t is not None}
         if mixed_kernel and v.t.is_floating_point() and any(
                 t.is_floating_point() and t.dtype != v.t.dtype for t in state.values()):
             # A group or instance norm kept in float32 under bfloat16 activations: ATen's kernel
             # returns the input's dtype, where vmap's decomposition promotes to the weights'.
             # (See _UnbatchedNow. Other layers promote as vmap does, or refuse alike.)
-            raise _UnbatchedNow
+            raise _UnbatchedNow("a group or instance norm with weights of another dtype than its input: "
+                                "batched, it would return another dtype")
         if (fast_paths and torch.is_grad_enabled() and not all(sub.training for sub in fast_paths)
                 and (v.t.requires_grad or any(t.requires_grad for t in state.values()))):
-            raise _UnbatchedNow
+            raise _UnbatchedNow("an attention layer in eval() with grad enabled: batched, it would take its "
+                                "inference fast path, which autograd cannot differentiate")
         tracing = _is_tracing()
         guard = None if tracing else running
         if guard is not None and guard.now:
             # A member calling the block it is a member of (recursion on a smaller input) reaches
             # this step again inside its own call, which holds the lock and the runner's dicts:
             # the inner call runs the members unfused (waiting on the lock, it would wait forever).
-            raise _UnbatchedNow
+            raise _UnbatchedNow("a member called the block again inside its own call")
         _structure.value = None
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if guard is not None:
@@ -2220,7 +2283,7 @@ class _Fusion:
 def _required_error(owner: str, names: list[str], branches: list[nn.Module], reasons: dict[int, str]) -> str:
     first = 0
     lines = []
-    if first in reasons and reasons[first] != "no other branch is identical to it":
+    if first in reasons and not reasons[first].startswith("no other branch is identical to it"):
         lines.append(f"branch {names[first]!r} cannot be fused: {reasons[first]}")
     for i, b in enumerate(branches[1:], 1):
         why = _unfusable(b)

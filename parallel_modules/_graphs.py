@@ -1342,12 +1342,15 @@ class _CudaGraphs:
             torch.is_inference_mode_enabled(),
             _autocast_state(),
             tuple(map(_requires_grad, params)) if grad else None,
+            grad and any(map(_requires_grad, self._float_buffers)),  # (see _lookup)
             _kernel_settings(),  # (kernels are chosen when captured)
         )
 
     def _look(self, owner: nn.Module) -> list[nn.Parameter]:
         r"""Note what the graphs of ``owner`` will read by address or have baked in; returns its parameters."""
         params = list(owner.parameters())
+        # Buffers that may be made to require grad (``requires_grad_()`` registers nothing).
+        self._float_buffers = [b for b in owner.buffers() if b.is_floating_point() or b.is_complex()]
         # Submodules whose behaviour may depend on their own train/eval mode, which a
         # user may set apart from the owner's (a frozen BatchNorm in a training model).
         self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
@@ -1571,6 +1574,17 @@ class _CudaGraphs:
             elif graph is not None:
                 self._graphs.move_to_end(key)
                 self._recent.append(False)
+            elif key[5]:  # (_key's: a buffer requires grad, with grad enabled)
+                # A graph's backward differentiates the parameters and the inputs alone: such a
+                # buffer would get no gradient. Eager for this signature, as unfused.
+                names = [n for n, b in owner.named_buffers() if b.requires_grad]
+                self._failed[key] = None
+                if len(self._failed) > _MAX_FAILED:
+                    self._failed.popitem(last=False)
+                self._warn_once("buffer-grad", f"{self.name}: cuda_graph=True, but buffers {names} require grad, "
+                                               f"which a graph's backward would not give them: calls with grad "
+                                               f"enabled run eagerly while they do (make them parameters to "
+                                               f"capture them).")
             else:
                 needs_grad = grad and (any(t.requires_grad for t in tensors) or any(p.requires_grad for p in params))
                 try:

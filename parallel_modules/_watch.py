@@ -29,10 +29,12 @@ costs the H100 machine's CPU 20-30 us.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable
 
 import torch
+import torch.nn.utils.stateless
 from torch import nn
 
 from ._streams import _storage_address
@@ -166,17 +168,39 @@ def _reset_changed_below(root: nn.Module) -> None:
 
 
 def _swapped_in(modules: Any) -> bool:
-    r"""Whether a parameter slot of ``modules`` holds a tensor that is not an ``nn.Parameter``.
+    r"""Whether tensors may be swapped into ``modules`` for one call: a parameter slot holds a tensor that is
+    not an ``nn.Parameter``, or the call runs inside ``torch.func.functional_call``.
 
     Registering a parameter requires one; ``torch.func.functional_call`` writes
-    the tensors it is given (plain tensors, functorch wrappers, dual tensors)
-    into the modules' dicts for the call, registering nothing. While they are
-    there, a change seen in the tree (another registration anywhere in the
-    process moved the count) is theirs: nothing learnt is reset for it, and
-    they are not stacked into fused groups, which would re-point the caller's
-    tensors and drop their autograd and forward-mode state.
+    the tensors it is given (plain tensors, functorch wrappers, dual tensors,
+    another model's parameters, buffers) into the modules' dicts for the call,
+    registering nothing. While they are there, a change seen in the tree
+    (another registration anywhere in the process moved the count) is theirs:
+    nothing learnt is reset for it, and they are not stacked into fused
+    groups, which would re-point the caller's tensors and drop their autograd
+    and forward-mode state.
     """
-    return any(t is not None and not isinstance(t, nn.Parameter) for m in modules for t in m._parameters.values())
+    return any(t is not None and not isinstance(t, nn.Parameter)
+               for m in modules for t in m._parameters.values()) or _in_functional_call()
+
+
+# The frame every ``functional_call`` (``torch.func``'s, ``nn.utils.stateless``'s) runs the module from.
+_FUNCTIONAL_CALL = getattr(getattr(torch.nn.utils.stateless, "_functional_call", None), "__code__", None)
+
+
+def _in_functional_call() -> bool:
+    r"""Whether the caller runs inside ``torch.func.functional_call``.
+
+    It swaps ``nn.Parameter``s and buffers in as they are, which look like the
+    module's own: only the stack tells. (Asked where a block's tree is seen to
+    differ, not on every call.)
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _FUNCTIONAL_CALL:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _swapped(dicts: list[dict], snapshot: list[dict], scalars: bool) -> bool:

@@ -379,7 +379,7 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_in_order", "_placement", "_plans", "_revision", "_saw_write", "_tree",
+                           "_in_order", "_placement", "_plans", "_reproducible", "_revision", "_saw_write", "_tree",
                            "_tuner", "_unwritten", "_watched_fused"})
 
     @overload
@@ -472,6 +472,9 @@ class Parallel(nn.Module):
         tree = _watch._Tree(self)
         self._tuner = _ScheduleTuner()
         self._plans: dict[Hashable, _Schedule] = {}
+        # Signatures planned unfused while "auto" kept the groups so for deterministic
+        # algorithms: planned anew once those are off (see _replan_reproducible).
+        self._reproducible: dict[Hashable, None] = {}
         # Signatures with inference-tensor inputs whose first call saw no branch write to them.
         self._unwritten: dict[Hashable, None] = {}
         # The same, for fuse=True: signatures whose first call was watched (see _first_inference_fused).
@@ -525,6 +528,7 @@ class Parallel(nn.Module):
         state = self.__dict__.copy()
         state.pop("_tuner", None)
         state.pop("_plans", None)
+        state.pop("_reproducible", None)
         state.pop("_graphs", None)
         state.pop("_fusion", None)
         state.pop("_tree", None)
@@ -686,11 +690,31 @@ class Parallel(nn.Module):
         also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
         compiled as one, one stream"``, whichever replayed fastest; ``"(input
         read in place)"``: a graph also reads inputs found where the first
-        call's lay without copying them in); and, if the
-        block could not be compiled (or captured) as one program,
+        call's lay without copying them in); if a group's last eager call
+        ran its members unfused for that call alone (under autocast, or an
+        attention layer in ``eval()`` with grad enabled), ``"last call
+        unfused"``: for each such group, a tuple of its names, why; and, if
+        the block could not be compiled (or captured) as one program,
         ``"not compiled as one"``: why.
+
+        It says what the next call will find: after a change to the branches
+        (a layer replaced, a hook registered on one), the groups as they are
+        now, and only the schedules that call keeps.
         """
-        fusion = self._fusion
+        fusion = held = self._fusion
+        # What the next calls will find (as ``forward``, ``_fusion_for`` and the groups look): the
+        # branches changed since they were grouped -- every schedule is then chosen anew -- or
+        # a hook registered on a member, a member's mode switched, a member's tensor set to
+        # None: grouped anew, not stacked here.
+        changed = (self._tree.seen != _watch._changes and not self._tree.same(self)
+                   and not _watch._swapped_in(self.modules()))
+        if self.fuse is not False and (changed or fusion is None or not fusion.current()
+                                       or any([group.changed() for group in fusion.groups])):
+            try:
+                fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
+                                 required=self.fuse is True)
+            except ValueError:
+                fusion = None
         if self.fuse is False:
             fused, unfused = [], {name: "fuse=False" for name in self._modules}
         elif fusion is None:  # fuse=True, and a change to the branches left them not all identical
@@ -699,6 +723,8 @@ class Parallel(nn.Module):
         else:
             report = fusion.report()
             fused, unfused = report["fused"], report["unfused"]
+        # (Plans of the old groups fused are chosen anew at the next call: see _fusion_for.)
+        regrouped = fusion is not held and (fusion is None or held is None or _grouping(fusion) != _grouping(held))
         # Why the groups run unfused where no timing chose it, for the signatures of one dense
         # tensor, the calls groups may run (see _fusion_for): for now (hooks registered for the
         # whole process, deterministic algorithms), or for good (a write to the shared input).
@@ -707,6 +733,7 @@ class Parallel(nn.Module):
             now = " (while module hooks are registered for the whole process: FlopCounterMode, ModuleTracker)"
         elif fused and self._auto_unfused():
             now = " (fuse='auto' keeps identical branches unfused while deterministic algorithms are on)"
+        replanned = self._reproducible and not torch.are_deterministic_algorithms_enabled()
         wrote = " (a branch changed its input in place on {}: the branches run one after another)"
 
         def describe(key: Hashable, plan: _Schedule) -> str:
@@ -718,11 +745,14 @@ class Parallel(nn.Module):
                     why, plan = now, plan._replace(fused=False)
                 elif not plan.fused and self._in_order and self.fuse == "auto":
                     why = wrote.format("an earlier call")
+                elif replanned and key in self._reproducible:
+                    why = " (chosen while deterministic algorithms were on: chosen anew at its next call)"
             return _describe_schedule(plan) + why + _describe_costs(self._tuner.costs.get(key))
 
         # (A copy: calls in other threads add schedules as this describes them; one C call.)
-        schedules = {_describe_signature(k): describe(k, p) for k, p in self._plans.copy().items()}
-        if self.cuda_graph:
+        schedules = {_describe_signature(k): describe(k, p) for k, p in self._plans.copy().items()
+                     if not changed and not (regrouped and p.fused)}
+        if self.cuda_graph and not changed:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
             for k, (variant, reads) in self._graphs.schedules().items():
                 if variant is not None and _WHOLE in variant:
@@ -742,6 +772,11 @@ class Parallel(nn.Module):
                     f", launched in the order {[names[i] for i in v.order]}"
                     for v in variant or () if isinstance(v, _Order))
         info = {"fused": fused, "unfused": unfused, "schedules": schedules}
+        if fusion is held and fusion is not None:
+            last = {tuple(fusion.names[i] for i in g.indices): g.unbatched
+                    for g in fusion.groups if g.unbatched is not None}
+            if last:
+                info["last call unfused"] = last
         if self._compiler is not None and self._compiler.whole_failure is not None:
             info["not compiled as one"] = self._compiler.whole_failure
         return info
@@ -768,10 +803,16 @@ class Parallel(nn.Module):
         if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
             if not regroup:
                 return None
+            regrouped = False
             with _fusion_lock:  # (looked at again once held: another thread may have grouped)
-                fusion = self._fusion
+                fusion = old = self._fusion
                 if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
                     fusion = self._fusion = self._new_fusion()
+                    regrouped = old is not None and _grouping(old) != _grouping(fusion)
+            if regrouped:
+                # (A hook registered on a member, a member's mode switched: the schedules
+                # chosen with the old groups fused are chosen anew, with these.)
+                self._forget_plans(lambda plan: plan.fused)
         return fusion if fusion.groups else None
 
     def _traced_fusion(self, args: tuple, kwargs: dict) -> _Fusion | None:
@@ -848,7 +889,7 @@ class Parallel(nn.Module):
             if self._fusion is not fusion:  # (another thread found them)
                 return True
             self._fusion = self._new_fusion()
-            self._tuner, self._plans = _ScheduleTuner(), {}
+            self._tuner, self._plans, self._reproducible = _ScheduleTuner(), {}, {}
         return True
 
     def _graph_variants(self, args: tuple, kwargs: dict, first_only: bool = False) -> list[tuple[Any, ...] | None]:
@@ -992,6 +1033,7 @@ class Parallel(nn.Module):
                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
             if not tracing:
                 group.ran = True
+                group.unbatched = None
                 if judging and kept is not None:
                     group.wrote_buffers = any([not torch.equal(b, saved) for b, saved in kept])
             return out
@@ -1055,6 +1097,10 @@ class Parallel(nn.Module):
         if version is not None and x._version != version and not _clamps_its_input(group):
             self._saw_write = True  # (run in turn, the members wrote the shared input: see _traced_fusion)
         if passing:
+            if not tracing:
+                why = str(failure).strip().splitlines()  # (an allocation failure's message runs on)
+                group.unbatched = (why[0] if isinstance(failure, _UnbatchedNow) and why else
+                                   f"{type(failure).__name__}: {why[0] if why else ''}")
             # (This call only: the group is not at fault. Batched, the members' activations
             # are held at once, one after another each in turn: a large batch may fit only
             # unfused, and an allocation failure of the members too raises as it is.)
@@ -1357,7 +1403,8 @@ class Parallel(nn.Module):
             plan = self._plans.get(key)
             if plan is not None and self._compiler is None and not (plan.cuda and _capture_underway()):
                 if plan.forked and self.streams == "auto" and torch.is_grad_enabled() or plan.fused and (
-                        self._auto_unfused()):
+                        self._auto_unfused()) or self._reproducible and not plan.fused and (
+                        not torch.are_deterministic_algorithms_enabled()):
                     # (``_outputs`` sees whether the plan still holds.)
                     return self._joined(self._outputs(args, kwargs, (key, plan)))
                 fusion = self._fusion
@@ -1447,6 +1494,9 @@ class Parallel(nn.Module):
             plan = self._plans.get(key)
         else:
             key, plan = looked_up
+        if self._reproducible and not torch.are_deterministic_algorithms_enabled():
+            self._replan_reproducible()
+            plan = self._plans.get(key)
         if plan is not None and (not plan.fused and self._regrouped() or plan.fused and self._auto_unfused()):
             # (Deterministic algorithms asked for since "auto" fused: see _auto_unfused.)
             self._plans.pop(key, None)
@@ -1649,7 +1699,22 @@ class Parallel(nn.Module):
         return candidates
 
     def _remember(self, key: Hashable, plan: _Schedule) -> None:
+        if not plan.fused and self._auto_unfused():
+            _bounded_add(self._reproducible, key)
         _bounded_add(self._plans, key, plan)
+
+    def _replan_reproducible(self) -> None:
+        r"""Plan anew the signatures planned unfused while deterministic algorithms were asked for.
+
+        ``"auto"`` keeps the groups unfused while they are (:meth:`_auto_unfused`),
+        without timing; turned off, the groups may run fused again, as for a
+        signature first seen then. (Its fused plans were dropped as they were
+        turned on.)
+        """
+        for key in list(self._reproducible):  # (a copy: another thread may plan meanwhile)
+            self._reproducible.pop(key, None)
+            self._plans.pop(key, None)
+            self._tuner.forget(key)
 
     def _checked_device(self, args: tuple, kwargs: dict) -> torch.device | None:
         r"""The device of the call's tensors, once the branches' parameters are seen to live there."""
@@ -1674,6 +1739,11 @@ class Parallel(nn.Module):
         if plan is not None and not (watch_first and plan is _CPU_FUSED):
             self._remember(key, plan)
         return plan
+
+
+def _grouping(fusion: _Fusion) -> list[list[int]]:
+    r"""Which branches ``fusion`` runs as one, group by group."""
+    return [group.indices for group in fusion.groups]
 
 
 def _out_of_order(units: list[Any]) -> bool:
@@ -1861,7 +1931,9 @@ def _describe_leaf(item: Any) -> str:
         shape, stride, dtype, device, requires_grad = item[:5]
         kind = item[5].__name__ if len(item) == 6 else "Tensor"  # (a subclass: see _signature)
         text = f"{kind}{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
-        if stride != torch.empty(shape, device="meta").stride():  # (contiguous strides, no memory)
+        if isinstance(stride, tuple) and stride and isinstance(stride[0], torch.layout):  # (layout, nnz)
+            text += f" {str(stride[0]).replace('torch.', '')} with {stride[1]} stored values"
+        elif stride != torch.empty(shape, device="meta").stride():  # (contiguous strides, no memory)
             text += f" strides {tuple(stride)}"
         return text + (" requires_grad" if requires_grad else "")
     if isinstance(item, tuple) and item and isinstance(item[0], str) and item[0] == "nested":
@@ -1869,7 +1941,9 @@ def _describe_leaf(item: Any) -> str:
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type) and issubclass(item[0], float):
         return str(float.fromhex(item[1]))  # (keyed by its exact bits: see _value_key)
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
-        return str(item[1]).replace("torch.", "")  # a number, string, dtype or device
+        # A number, string, dtype or device: a string quoted, as "cpu" and "float16" are
+        # keyed apart from the device and the dtype.
+        return repr(item[1]) if isinstance(item[1], str) else str(item[1]).replace("torch.", "")
     if isinstance(item, type):
         return item.__name__
     return repr(item)

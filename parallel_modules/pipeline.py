@@ -1369,7 +1369,8 @@ class ParallelSequential(nn.Sequential):
         activations the previous one's backward needs.
         """
         if torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters()) or any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(input))):
+                isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(input))
+                or any(b.requires_grad for b in self.buffers())):  # (requires_grad_() on a buffer)
             self._graphs._warn_once(
                 "host-training", f"{type(self).__name__}: cuda_graph=True with a CPU input graphs each "
                 f"stage per micro-batch, which training cannot use (each micro-batch's forward would "

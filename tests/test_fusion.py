@@ -2547,6 +2547,92 @@ def test_functional_call_after_a_registration_elsewhere_leaves_the_swapped_tenso
     assert not p._fusion.units[0].swapped()  # and the group's own tensors are bound as before
 
 
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("calls", [1, 2])
+def test_functional_call_of_another_models_parameters_and_buffers_leaves_them_where_they_are(fuse, calls):
+    # Before (a hunt): nn.Parameters swapped in look like the branches' own; on a call that walked
+    # the tree (one call after construction, or a registration anywhere since), the block took
+    # them for its own, stacked them and re-pointed the caller's; under torch.func.grad that
+    # raised. And another model's buffers got no gradient.
+    def head() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 5), _ScaleBy(5), nn.Tanh(), nn.Linear(5, 3))
+
+    torch.manual_seed(0)
+    p = Parallel(head(), head(), head(), fuse=fuse)
+    x = torch.randn(2, 4)
+    for _ in range(calls):
+        p(x)
+    other = nn.ModuleList([head() for _ in range(3)])  # (built since: a registration)
+    for b in other:
+        b[1].s.requires_grad_()
+    where = [t.data_ptr() for t in (*other.parameters(), *other.buffers())]
+    state = {**dict(other.named_parameters()), **dict(other.named_buffers())}
+    out = torch.func.functional_call(p, state, (x,))
+    assert [t.data_ptr() for t in (*other.parameters(), *other.buffers())] == where
+    out.sum().backward()
+    got = {k: v.grad.clone() for k, v in state.items()}
+    other.zero_grad(set_to_none=True)
+    for b in other:
+        b[1].s.grad = None
+    expected = torch.cat([b(x) for b in other], 1)
+    assert_close(out, expected)
+    expected.sum().backward()
+    for k, v in state.items():
+        assert_close(got[k], v.grad)
+    params = {k: v.detach().clone() for k, v in other.named_parameters()}
+    grads = torch.func.grad(lambda ps: torch.func.functional_call(p, ps, (x,)).sum())(params)
+    unfused = Parallel(*copy.deepcopy(list(p)))
+    expected = torch.func.grad(lambda ps: torch.func.functional_call(unfused, ps, (x,)).sum())(params)
+    for k in expected:
+        assert_close(grads[k], expected[k])
+    assert_close(p(x), reference(p, x))  # (its own tensors, still fused)
+    assert p.explain()["fused"] == [["0", "1", "2"]] and not p._fusion.units[0].swapped()
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_forward_ad_through_parameters_swapped_in_as_dual_tensors(fuse):
+    # Before (a hunt): the stack of the members' dual parameters went through a Function
+    # without a jvp: fuse=True raised, "auto" unfused the group for good.
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)) for _ in range(3)], fuse=fuse)
+    unfused = Parallel(*copy.deepcopy(list(p)))
+    x = torch.randn(2, 4)
+    p(x)
+    params = dict(p.named_parameters())  # (requiring grad, as in PyTorch's forward-AD docs)
+    tangents = {k: torch.randn_like(v) for k, v in params.items()}
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(torch.func.functional_call(
+            p, {k: fwAD.make_dual(v, tangents[k]) for k, v in params.items()}, (x,)))
+        expected = fwAD.unpack_dual(torch.func.functional_call(
+            unfused, {k: fwAD.make_dual(v, tangents[k]) for k, v in unfused.named_parameters()}, (x,)))
+    assert_close(got.primal, expected.primal)
+    assert_close(got.tangent, expected.tangent)
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
+def test_reverse_over_forward_ad_leaves_unused_members_without_gradients():
+    # Before (a hunt): a backward through the tangent of one member's output gave the other
+    # members zeros, where unfused their .grad stays None (optimizers skip them).
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)) for _ in range(3)],
+                 join=None, fuse=True)
+    unfused = Parallel(*copy.deepcopy(list(p)), join=None)
+    x, t = torch.randn(3, 4), torch.randn(3, 4)
+    for block in (p, unfused):
+        with fwAD.dual_level():
+            tangent = fwAD.unpack_dual(block(fwAD.make_dual(x, t))[0]).tangent
+        tangent.pow(2).sum().backward()
+    assert p[1][0].weight.grad is None and p[2][2].bias.grad is None
+    for a, b in zip(p.parameters(), unfused.parameters()):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            assert_close(a.grad, b.grad)
+
+
 _GATE = nn.Parameter(torch.rand(6) + 0.5)  # (a tensor requiring grad that the branches read, held outside them)
 
 
@@ -2748,6 +2834,192 @@ def test_fuse_auto_on_the_cpu_keeps_branches_unfused_under_deterministic_algorit
         assert list(pair.explain()["schedules"].values()) == ["unfused, sequential"]
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def _batched_calls(monkeypatch) -> list:
+    from parallel_modules._fusion import _Group
+
+    batched: list = []
+    run = _Group.run
+
+    def counted(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)  # (a call that falls back raises inside: not counted)
+        batched.append(tuple(self.names))
+        return out
+
+    monkeypatch.setattr(_Group, "run", counted)
+    return batched
+
+
+def test_fuse_auto_fuses_again_once_deterministic_algorithms_are_off(monkeypatch):
+    # Before (a hunt): a signature first seen while they were on kept its unfused plan for good.
+    batched = _batched_calls(monkeypatch)
+    torch.manual_seed(0)
+    p = Parallel(mlp(), mlp(), fuse="auto")
+    x = torch.randn(4, 16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            assert torch.equal(p(x), reference(p, x))
+        assert batched == []
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert list(p.explain()["schedules"].values()) == [
+        "unfused, sequential (chosen while deterministic algorithms were on: chosen anew at its next call)"]
+    for _ in range(3):  # (the first call of a signature planned anew runs in turn, watched: see README)
+        assert_close(p(x), reference(p, x))
+    assert batched == [("0", "1")] * 2
+    assert list(p.explain()["schedules"].values()) == ["fused, sequential"]
+    # On again: unfused again (its fused plan dropped), and off again: fused again.
+    torch.use_deterministic_algorithms(True)
+    try:
+        p(x)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    batched.clear()
+    for _ in range(3):
+        p(x)
+    assert batched == [("0", "1")] * 2
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_explain_after_a_hook_on_a_member_says_what_the_next_call_finds(fuse, monkeypatch):
+    # Before (a hunt): fuse=True went on listing the group fused while every call raised; "auto"
+    # listed no group but kept the signature's schedule "fused".
+    batched = _batched_calls(monkeypatch)
+    torch.manual_seed(0)
+    p = Parallel(mlp(), mlp(), fuse=fuse)
+    x = torch.randn(4, 16)
+    for _ in range(3):
+        p(x)
+    assert batched and p.explain()["fused"] == [["0", "1"]]
+    handle = p[0][0].register_forward_hook(lambda m, i, o: None)
+    info = p.explain()  # (before any call)
+    assert info["fused"] == [] and not any("fused," in s and "unfused" not in s for s in info["schedules"].values())
+    if fuse is True:
+        assert "no longer all identical" in info["unfused"]["0"]
+        with pytest.raises(ValueError, match="has hooks"):
+            p(x)
+    else:
+        assert "has hooks" in info["unfused"]["0"]
+        assert info["unfused"]["1"] == "no other branch is identical to it but index 0, which cannot be fused (see there)"
+        batched.clear()
+        for _ in range(3):
+            assert torch.equal(p(x), reference(p, x))
+        assert batched == [] and list(p.explain()["schedules"].values()) == ["unfused, sequential"]
+    handle.remove()
+    assert p.explain()["fused"] == [["0", "1"]]
+    batched.clear()
+    for _ in range(3):
+        assert_close(p(x), reference(p, x))
+    assert batched
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_explain_right_after_a_member_change_that_registers_nothing(fuse):
+    # Before: explain() listed the old group until the second call after the change.
+    torch.manual_seed(0)
+    p = Parallel(mlp(), mlp(), fuse=fuse)
+    x = torch.randn(4, 16)
+    p(x)
+    p[0][2].bias = None
+    info = p.explain()
+    assert info["fused"] == [] and info["schedules"] == {}
+    assert ("no longer all identical" if fuse is True else "no other branch") in info["unfused"]["0"]
+
+
+def test_explain_says_which_group_ran_its_last_call_unfused_and_why(monkeypatch):
+    # A group norm kept in float32 under bfloat16 activations runs every call unfused (before,
+    # explain() said fused and nothing else); under autocast only those calls.
+    batched = _batched_calls(monkeypatch)
+
+    def head(dtype: torch.dtype) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 8, dtype=dtype), nn.GroupNorm(2, 8))
+
+    torch.manual_seed(0)
+    p = Parallel(head(torch.bfloat16), head(torch.bfloat16), fuse="auto")
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    for _ in range(3):
+        assert torch.equal(p(x), reference(p, x))
+    assert batched == [] and p.explain()["fused"] == [["0", "1"]]
+    assert "group or instance norm with weights of another dtype" in p.explain()["last call unfused"][("0", "1")]
+    q = Parallel(*[nn.Sequential(nn.Linear(16, 16), nn.Softmax(-1)) for _ in range(2)], nn.Linear(16, 16),
+                 fuse="auto")
+    y = torch.randn(4, 16)
+    for _ in range(2):
+        q(y)
+    assert "last call unfused" not in q.explain()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q(y)
+    assert q.explain()["last call unfused"] == {
+        ("0", "1"): "autocast is on: batched, layers would return another dtype than each member's own call"}
+    batched.clear()
+    q(y)
+    assert batched == [("0", "1")] and "last call unfused" not in q.explain()
+
+
+def test_explain_keeps_signatures_apart_that_differ_in_an_arguments_type():
+    # Before (a hunt): "cpu" and torch.device("cpu") read alike, and explain() listed one of them.
+    class Tagged(nn.Module):
+        def forward(self, x, tag=None):
+            return x * 2
+
+    p = Parallel(Tagged(), Tagged())
+    x = torch.randn(2, 3)
+    tags = ["cpu", torch.device("cpu"), "float16", torch.float16, True, "True", 1, "1"]
+    for tag in tags:
+        p(x, tag)
+    assert len(p.explain()["schedules"]) == len(tags)
+    assert "Tensor(2, 3) float32 on cpu, 'cpu', training" in p.explain()["schedules"]
+    s = Parallel(nn.Identity(), nn.Identity(), join="tuple")
+    s(torch.eye(3).to_sparse())
+    assert list(s.explain()["schedules"]) == ["Tensor(3, 3) float32 on cpu sparse_coo with 3 stored values, training"]
+
+
+class _ScaleBy(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_buffer_made_to_require_grad_gets_each_members_gradient(device, fuse, frozen, monkeypatch):
+    # Before (a hunt): fused, the buffer's stack was no function of the members' buffers, which
+    # got no gradient; with the parameters frozen, the output did not even require grad.
+    batched = _batched_calls(monkeypatch)
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 16), _ScaleBy(16), nn.Linear(16, 4)) for _ in range(3)],
+                 fuse=fuse).to(device).requires_grad_(not frozen)
+    x = torch.randn(5, 8, device=device)
+    for _ in range(3):
+        p(x)
+    for b in p:
+        b[1].s.requires_grad_()
+    batched.clear()
+    out = p(x)
+    assert batched == [("0", "1", "2")] and out.requires_grad
+    out.sum().backward()
+    got = [b[1].s.grad.clone() for b in p]
+    for b in p:
+        b[1].s.grad = None
+    reference(p, x).sum().backward()
+    for g, b in zip(got, p):
+        assert_close(g, b[1].s.grad)
+    # A buffer assigned anew, requiring grad, alike.
+    for b in p:
+        b[1].s = torch.randn(16, device=device, requires_grad=True)
+    p(x).sum().backward()
+    got = [b[1].s.grad.clone() for b in p]
+    for b in p:
+        b[1].s.grad = None
+    reference(p, x).sum().backward()
+    for g, b in zip(got, p):
+        assert_close(g, b[1].s.grad)
 
 
 def test_explain_says_why_auto_runs_branches_writing_their_input_in_turn():

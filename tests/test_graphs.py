@@ -1314,6 +1314,47 @@ def test_batchnorm_buffers_match_eager(grad):
     assert block._graphs.captures == 1
 
 
+class _Scale(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s
+
+
+@cuda
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_buffer_made_to_require_grad_gets_its_gradient_eagerly(fuse):
+    # Before (a hunt): a graph's backward gave gradients to parameters and inputs alone, so such a
+    # buffer silently got none (and with the parameters frozen the output did not require grad).
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(16, 16), _Scale(16)) for _ in range(3)]
+    block = Parallel(*copy.deepcopy(branches), cuda_graph=True, fuse=fuse).cuda().requires_grad_(False)
+    x = torch.randn(8, 16, device="cuda")
+    with torch.no_grad():
+        block(x)
+    assert block._graphs.captures == 1
+    for b in block:
+        b[1].s.requires_grad_()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = block(x)
+            assert out.requires_grad
+            out.sum().backward()
+    assert any("require grad" in m for m in _graph_warnings(record))
+    got = [b[1].s.grad.clone() for b in block]
+    for b in block:
+        b[1].s.grad = None
+    _reference(list(block), x).sum().backward()
+    for g, b in zip(got, block):
+        torch.testing.assert_close(g, 2 * b[1].s.grad)
+    with torch.no_grad():  # (without grad, the graph captured before)
+        torch.testing.assert_close(block(x), _reference(list(block), x))
+    assert block._graphs.captures == 1
+
+
 @cuda
 def test_new_signature_captures_and_cache_is_bounded():
     block = _graphed(_mlp(4), max_graphs=2)
