@@ -648,6 +648,9 @@ class _Group:
         self.tensor_dicts = [d for o in owners for d in (o._parameters, o._buffers) if d]
         self.owners = list(owners)
         self.snapshots: list[dict[str, Any]] = []
+        # The members' floating-point buffers as bound, which ``requires_grad_()`` may make
+        # differentiable without registering anything (see _stacked).
+        self.float_buffers: list[torch.Tensor] = []
         self.scalars = False  # a member tensor of one element (see _watch._swapped)
         self.registrations = -1
         # Whether the kernel takes every Linear layer, by (rows, dtype, device) of the input:
@@ -753,10 +756,12 @@ class _Group:
         already laid out as consecutive slices of one storage (by an earlier
         bind) are adopted as they are, so finding the groups anew moves nothing.
         """
-        if self.stacks and (self._bound() or _watch._swapped_in(self.owners)):
-            return False  # (swapped in: stacked for the call only, see _Group.run)
+        # (Swapped in -- a group found inside functional_call too, which holds no stacks yet --
+        # stacked for the call only, see _Group.run, and bound at a call outside.)
+        if self.stacks and self._bound() or _watch._swapped_in(self.owners):
+            return False
         with _lock:  # (see _lock; looked at again once held: another thread may have stacked)
-            if self.stacks and (self._bound() or _watch._swapped_in(self.owners)):
+            if self.stacks and self._bound() or _watch._swapped_in(self.owners):
                 return False
             return self._bind()
 
@@ -829,6 +834,8 @@ class _Group:
         # seen by the next call, and stacked anew.
         ptrs = [stacks[q][i].data_ptr() for q, tensors in bound.items() for i in range(len(tensors))]
         self.stacks, self.bound, self.joint = stacks, bound, joint
+        self.float_buffers = [t for q, tensors in bound.items() if self.entries[q].kind == "_buffers"
+                              for t in tensors if t.is_floating_point() or t.is_complex()]
         self.kernel_shapes = {}
         self.snapshots = [d.copy() for d in self.tensor_dicts]
         self.scalars = _watch._has_scalars(self.tensor_dicts)
@@ -863,14 +870,15 @@ class _Group:
 
     def _stacked(self, qual: str, tracing: bool, watched: list | None = None,
                  flow: list[bool] | None = None, received: _Received | None = None,
-                 read: list[str] | None = None) -> torch.Tensor | None:
+                 read: list[str] | None = None, buffers_grad: bool = False) -> torch.Tensor | None:
         r"""The stack of ``qual`` for this call (see :class:`_Unstack`, which ``received`` is handed).
 
         ``watched`` collects the members' tensors that autograd saves for
         backward, with their versions now (see :func:`_refuse_changed_members`):
         by ``flow``, whether each member's input to the step requires grad (see
         :meth:`_run`). ``read`` collects the names of the parameters and
-        buffers the step reads (see :meth:`_after_step`).
+        buffers the step reads (see :meth:`_after_step`). ``buffers_grad``: a
+        member's floating-point buffer requires grad.
         """
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
@@ -905,7 +913,7 @@ class _Group:
             # its forward with grad off, cutting the parameters from the gradient, and a non-strict
             # one keeps the forward alone.)
             if stacked.requires_grad and not _functorch_active() and not _is_exporting():
-                if _forward_ad._current_level >= 0 and not _is_tracing():  # (dual parameters swapped in)
+                if not _is_tracing() and _forward_ad._current_level >= 0:  # (dual parameters swapped in)
                     return _OwnGradientsDual.apply(stacked)
                 return _OwnGradients.apply(stacked)
             return stacked
@@ -934,7 +942,7 @@ class _Group:
         elif entry.kind == "_buffers":
             if read is not None:  # (an index or a mask too: saved, it counts)
                 read.append(qual)
-            if torch.is_grad_enabled() and (stacked.dtype.is_floating_point or stacked.dtype.is_complex):
+            if buffers_grad and (stacked.dtype.is_floating_point or stacked.dtype.is_complex):
                 # A buffer made to require grad (``requires_grad_()``, which registers nothing):
                 # autograd gives each member's its gradient, as unfused. (The stack itself,
                 # made under no_grad, is no function of them.)
@@ -1107,7 +1115,9 @@ class _Group:
             if not tracing and _graph_task is not None and not _functorch_active():
                 received = _Received()
             read = None if watched is None else []
-            get = lambda qual: self._stacked(qual, tracing, watched, flow, received, read)  # noqa: E731
+            # (Once per call, not per buffer read: see _stacked.)
+            buffers_grad = not tracing and any([t.requires_grad for t in self.float_buffers])
+            get = lambda qual: self._stacked(qual, tracing, watched, flow, received, read, buffers_grad)  # noqa: E731
         # (Neither read nor kept by a compiler's trace: assigned there, it was a side effect
         # the compiler guarded on, and the block was compiled a second time; read, an eager
         # call that made it since failed the guard, and compiled the block again.)

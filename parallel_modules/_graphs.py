@@ -1341,16 +1341,16 @@ class _CudaGraphs:
             extra,
             torch.is_inference_mode_enabled(),
             _autocast_state(),
-            tuple(map(_requires_grad, params)) if grad else None,
-            grad and any(map(_requires_grad, self._float_buffers)),  # (see _lookup)
+            # (And of the buffers that may be made to require grad, which _lookup refuses to capture.)
+            tuple(map(_requires_grad, self._differentiable)) if grad else None,
             _kernel_settings(),  # (kernels are chosen when captured)
         )
 
     def _look(self, owner: nn.Module) -> list[nn.Parameter]:
         r"""Note what the graphs of ``owner`` will read by address or have baked in; returns its parameters."""
         params = list(owner.parameters())
-        # Buffers that may be made to require grad (``requires_grad_()`` registers nothing).
-        self._float_buffers = [b for b in owner.buffers() if b.is_floating_point() or b.is_complex()]
+        # With the buffers that may be made to require grad (``requires_grad_()`` registers nothing).
+        self._differentiable = params + [b for b in owner.buffers() if b.is_floating_point() or b.is_complex()]
         # Submodules whose behaviour may depend on their own train/eval mode, which a
         # user may set apart from the owner's (a frozen BatchNorm in a training model).
         self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
@@ -1574,7 +1574,7 @@ class _CudaGraphs:
             elif graph is not None:
                 self._graphs.move_to_end(key)
                 self._recent.append(False)
-            elif key[5]:  # (_key's: a buffer requires grad, with grad enabled)
+            elif grad and any(map(_requires_grad, self._differentiable[len(params):])):
                 # A graph's backward differentiates the parameters and the inputs alone: such a
                 # buffer would get no gradient. Eager for this signature, as unfused.
                 names = [n for n, b in owner.named_buffers() if b.requires_grad]

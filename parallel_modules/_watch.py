@@ -168,39 +168,46 @@ def _reset_changed_below(root: nn.Module) -> None:
 
 
 def _swapped_in(modules: Any) -> bool:
-    r"""Whether tensors may be swapped into ``modules`` for one call: a parameter slot holds a tensor that is
-    not an ``nn.Parameter``, or the call runs inside ``torch.func.functional_call``.
+    r"""Whether ``modules`` hold tensors swapped in for one call: a parameter slot holds a tensor that is not an
+    ``nn.Parameter``, or a slot holds a tensor given to an enclosing ``torch.func.functional_call``.
 
     Registering a parameter requires one; ``torch.func.functional_call`` writes
     the tensors it is given (plain tensors, functorch wrappers, dual tensors,
-    another model's parameters, buffers) into the modules' dicts for the call,
-    registering nothing. While they are there, a change seen in the tree
+    another model's parameters and buffers) into the modules' dicts for the
+    call, registering nothing. While they are there, a change seen in the tree
     (another registration anywhere in the process moved the count) is theirs:
     nothing learnt is reset for it, and they are not stacked into fused
     groups, which would re-point the caller's tensors and drop their autograd
     and forward-mode state.
     """
-    return any(t is not None and not isinstance(t, nn.Parameter)
-               for m in modules for t in m._parameters.values()) or _in_functional_call()
+    modules = tuple(modules)
+    if any(t is not None and not isinstance(t, nn.Parameter) for m in modules for t in m._parameters.values()):
+        return True
+    given = _given_to_functional_call()
+    return bool(given) and any(id(t) in given for m in modules for d in (m._parameters, m._buffers)
+                               for t in d.values() if t is not None)
 
 
 # The frame every ``functional_call`` (``torch.func``'s, ``nn.utils.stateless``'s) runs the module from.
 _FUNCTIONAL_CALL = getattr(getattr(torch.nn.utils.stateless, "_functional_call", None), "__code__", None)
 
 
-def _in_functional_call() -> bool:
-    r"""Whether the caller runs inside ``torch.func.functional_call``.
+def _given_to_functional_call() -> set[int]:
+    r"""The ids of the tensors the enclosing ``torch.func.functional_call``\ s swap in (none outside one).
 
-    It swaps ``nn.Parameter``s and buffers in as they are, which look like the
-    module's own: only the stack tells. (Asked where a block's tree is seen to
-    differ, not on every call.)
+    ``nn.Parameter``\ s and buffers swapped in look like the module's own:
+    only the call's own argument tells. (Asked where a block's tree or a
+    group's stacks are seen to differ, not on every call; the stack is walked.)
     """
+    ids: set[int] = set()
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _FUNCTIONAL_CALL:
-            return True
+            given = frame.f_locals.get("parameters_and_buffers")
+            if isinstance(given, dict):
+                ids.update(id(t) for t in given.values())
         frame = frame.f_back
-    return False
+    return ids
 
 
 def _swapped(dicts: list[dict], snapshot: list[dict], scalars: bool) -> bool:

@@ -2589,6 +2589,41 @@ def test_functional_call_of_another_models_parameters_and_buffers_leaves_them_wh
     assert p.explain()["fused"] == [["0", "1", "2"]] and not p._fusion.units[0].swapped()
 
 
+@pytest.mark.parametrize("change", ["layer replaced", ".data", "mode switched"])
+def test_a_block_inside_an_outer_functional_call_sees_its_own_changes(change):
+    # (A review.) Only the tensors functional_call was given count as swapped in: a block whose
+    # own tensors an outer model's functional_call leaves alone sees its changes as in any call,
+    # and a group found anew inside one stacks no tensor the caller gave.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(4, 5), _ScaleBy(5), nn.Linear(5, 3)) for _ in range(2)], fuse=True)
+    outer = nn.Sequential(block, nn.Linear(6, 2))
+    x = torch.randn(3, 4)
+    outer(x)
+    if change == "layer replaced":
+        block[0][0] = nn.Linear(4, 5)
+    elif change == ".data":
+        block[0][0].weight.data = torch.randn(5, 4)
+    else:
+        for b in block:
+            b[1].eval()  # (the next call finds the groups anew)
+    bias = torch.randn(2)
+    for _ in range(2):
+        got = torch.func.functional_call(outer, {"1.bias": bias}, (x,))
+        assert_close(got, nn.functional.linear(reference(block, x), outer[1].weight, bias))
+    assert_close(outer(x), outer[1](reference(block, x)))
+    if change == "mode switched":  # found anew inside functional_call, of the other model's tensors
+        other = nn.ModuleList([nn.Sequential(nn.Linear(4, 5), _ScaleBy(5), nn.Linear(5, 3)) for _ in range(2)])
+        for b in block:
+            b[1].train()
+        where = [t.data_ptr() for t in other.parameters()]
+        out = torch.func.functional_call(block, {**dict(other.named_parameters()), **dict(other.named_buffers())},
+                                         (x,))
+        assert [t.data_ptr() for t in other.parameters()] == where
+        assert_close(out, torch.cat([b(x) for b in other], 1))
+        assert_close(block(x), reference(block, x))
+        assert all(g._bound() for g in block._fusion.groups)
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_forward_ad_through_parameters_swapped_in_as_dual_tensors(fuse):
     # Before (a hunt): the stack of the members' dual parameters went through a Function
@@ -3002,7 +3037,8 @@ def test_a_buffer_made_to_require_grad_gets_each_members_gradient(device, fuse, 
         b[1].s.requires_grad_()
     batched.clear()
     out = p(x)
-    assert batched == [("0", "1", "2")] and out.requires_grad
+    assert out.requires_grad
+    assert batched == [("0", "1", "2")] or fuse == "auto" and device == "cuda"  # (which may time it unfused)
     out.sum().backward()
     got = [b[1].s.grad.clone() for b in p]
     for b in p:

@@ -1325,34 +1325,40 @@ class _Scale(nn.Module):
 
 @cuda
 @pytest.mark.parametrize("fuse", [False, True])
-def test_a_buffer_made_to_require_grad_gets_its_gradient_eagerly(fuse):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_buffer_made_to_require_grad_gets_its_gradient_eagerly(fuse, frozen):
     # Before (a hunt): a graph's backward gave gradients to parameters and inputs alone, so such a
     # buffer silently got none (and with the parameters frozen the output did not require grad).
     torch.manual_seed(0)
     branches = [nn.Sequential(nn.Linear(16, 16), _Scale(16)) for _ in range(3)]
-    block = Parallel(*copy.deepcopy(branches), cuda_graph=True, fuse=fuse).cuda().requires_grad_(False)
+    block = Parallel(*copy.deepcopy(branches), cuda_graph=True, fuse=fuse).cuda().requires_grad_(not frozen)
     x = torch.randn(8, 16, device="cuda")
     with torch.no_grad():
         block(x)
-    assert block._graphs.captures == 1
+    if not frozen:  # (training graphs as ever while no buffer requires grad: a review)
+        block(x).sum().backward()
+        assert block._graphs.captures == 2
+    captures = block._graphs.captures
     for b in block:
         b[1].s.requires_grad_()
+    tensors = [*block.parameters(), *(b[1].s for b in block)]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        for _ in range(2):
-            out = block(x)
-            assert out.requires_grad
-            out.sum().backward()
+        for t in tensors:
+            t.grad = None
+        out = block(x)
+        assert out.requires_grad
+        out.sum().backward()
     assert any("require grad" in m for m in _graph_warnings(record))
-    got = [b[1].s.grad.clone() for b in block]
-    for b in block:
-        b[1].s.grad = None
+    got = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
     _reference(list(block), x).sum().backward()
-    for g, b in zip(got, block):
-        torch.testing.assert_close(g, 2 * b[1].s.grad)
+    for g, t in zip(got, tensors):
+        torch.testing.assert_close(g, t.grad)
     with torch.no_grad():  # (without grad, the graph captured before)
         torch.testing.assert_close(block(x), _reference(list(block), x))
-    assert block._graphs.captures == 1
+    assert block._graphs.captures == captures
 
 
 @cuda

@@ -240,6 +240,23 @@ def test_compiled_fused_block_ignores_hooks_elsewhere():
     assert counter.frame_count == 1
 
 
+def test_compiled_fused_block_in_training_is_not_traced_anew_under_a_dual_level():
+    # (A review.) The fused stacks' forward-AD Function is chosen by the dual level only
+    # outside a trace: a compiler must not guard on it.
+    import torch.autograd.forward_ad as fwAD
+    from torch._dynamo.testing import CompileCounter
+
+    model = Parallel(_small_mlp(), _small_mlp(), join="cat", fuse=True)
+    x = torch.randn(5, 8)
+    model(x)
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    compiled(x).sum().backward()
+    with fwAD.dual_level():
+        assert_close(compiled(x), reference(model, x))
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_a_fused_graphed_block_compiled_between_eager_calls_is_traced_once(fuse):
     # Before (a CPU hunt): forward compared the counts of fused parameters moved before it
