@@ -748,20 +748,23 @@ class _Group:
             raise RuntimeError(f"branch {self.names[k]!r} shares memory with {with_} now, through another parameter "
                                f"or buffer object: stacked, they would no longer share it")
 
-    def bind(self) -> bool:
+    def bind(self) -> bool | None:
         r"""Stack each parameter and buffer of the members; point the members at their slices.
 
         Returns whether any tensor moved to new memory (which invalidates CUDA
-        graphs that read the old memory by address). Idempotent: tensors
-        already laid out as consecutive slices of one storage (by an earlier
-        bind) are adopted as they are, so finding the groups anew moves nothing.
+        graphs that read the old memory by address), or ``None`` where the
+        members hold tensors swapped in for the call (``torch.func.functional_call``:
+        left as they are, the call stacks what it finds, see :meth:`run`; bound at
+        a call outside). Idempotent: tensors already laid out as consecutive
+        slices of one storage (by an earlier bind) are adopted as they are, so
+        finding the groups anew moves nothing.
         """
-        # (Swapped in -- a group found inside functional_call too, which holds no stacks yet --
-        # stacked for the call only, see _Group.run, and bound at a call outside.)
-        if self.stacks and self._bound() or _watch._swapped_in(self.owners):
+        if not self.entries or self.stacks and self._bound():  # (no tensors: nothing to stack)
             return False
+        if _watch._swapped_in(self.owners):
+            return None
         with _lock:  # (see _lock; looked at again once held: another thread may have stacked)
-            if self.stacks and self._bound() or _watch._swapped_in(self.owners):
+            if self.stacks and self._bound():
                 return False
             return self._bind()
 

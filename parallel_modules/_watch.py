@@ -94,7 +94,7 @@ def _storage(t: torch.Tensor) -> int:
 class _Tree:
     r"""The submodules, parameters and buffers of ``root`` when it was last looked at."""
 
-    __slots__ = ("seen", "walked", "members", "buffers", "parameters")
+    __slots__ = ("seen", "walked", "members", "buffers", "parameters", "modules")
 
     def __init__(self, root: nn.Module) -> None:
         _install()
@@ -103,12 +103,26 @@ class _Tree:
         self.seen, self.walked = -1, _changes
         # Held (not only their ids), so that an id is not reused by a new object while compared.
         self.members, self.buffers = _members(root)
+        self.modules = tuple(root.modules())
         # Without walking the tree again (whether any is trained, on a hot path).
         self.parameters = tuple(root.parameters())
 
     def forget(self) -> None:
         r"""Take the tree as changed at the next look: a change found otherwise, which registered nothing."""
-        self.seen, self.members = -1, ()
+        self.seen, self.members, self.modules = -1, (), ()
+
+    def changed(self, root: nn.Module) -> bool:
+        r"""Whether ``root``'s tree changed since it was looked at last, not by tensors swapped in for one call.
+
+        ``torch.func.functional_call`` swaps tensors, never modules: a module
+        replaced or added counts inside one too (see :func:`_swapped_in`).
+        """
+        if self.seen == _changes or self.same(root):  # (callers on hot paths ask the first themselves)
+            return False
+        now = tuple(root.modules())
+        if len(now) != len(self.modules) or any([a is not b for a, b in zip(now, self.modules)]):
+            return True
+        return not _swapped_in(now)
 
     def same(self, root: nn.Module) -> bool:
         r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered).
@@ -181,11 +195,13 @@ def _swapped_in(modules: Any) -> bool:
     and forward-mode state.
     """
     modules = tuple(modules)
-    if any(t is not None and not isinstance(t, nn.Parameter) for m in modules for t in m._parameters.values()):
+    held = [t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+    if not held:
+        return False
+    if any(not isinstance(t, nn.Parameter) for m in modules for t in m._parameters.values() if t is not None):
         return True
     given = _given_to_functional_call()
-    return bool(given) and any(id(t) in given for m in modules for d in (m._parameters, m._buffers)
-                               for t in d.values() if t is not None)
+    return bool(given) and any(id(t) in given for t in held)
 
 
 # The frame every ``functional_call`` (``torch.func``'s, ``nn.utils.stateless``'s) runs the module from.

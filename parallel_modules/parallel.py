@@ -690,10 +690,12 @@ class Parallel(nn.Module):
         also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
         compiled as one, one stream"``, whichever replayed fastest; ``"(input
         read in place)"``: a graph also reads inputs found where the first
-        call's lay without copying them in); if a group's last eager call
-        ran its members unfused for that call alone (under autocast, or an
-        attention layer in ``eval()`` with grad enabled), ``"last call
-        unfused"``: for each such group, a tuple of its names, why; and, if
+        call's lay without copying them in); if the latest eager call that ran
+        a group fused fell back to its members unfused for that call alone
+        (under autocast, or an attention layer in ``eval()`` with grad
+        enabled), ``"fallback"``: for each such group, a tuple of its names,
+        why (calls that run the group unfused by their schedule do not
+        change it); and, if
         the block could not be compiled (or captured) as one program,
         ``"not compiled as one"``: why.
 
@@ -706,8 +708,7 @@ class Parallel(nn.Module):
         # branches changed since they were grouped -- every schedule is then chosen anew -- or
         # a hook registered on a member, a member's mode switched, a member's tensor set to
         # None: grouped anew, not stacked here.
-        changed = (self._tree.seen != _watch._changes and not self._tree.same(self)
-                   and not _watch._swapped_in(self.modules()))
+        changed = self._tree.seen != _watch._changes and self._tree.changed(self)
         if self.fuse is not False and (changed or fusion is None or not fusion.current()
                                        or any([group.changed() for group in fusion.groups])):
             try:
@@ -776,7 +777,7 @@ class Parallel(nn.Module):
             last = {tuple(fusion.names[i] for i in g.indices): g.unbatched
                     for g in fusion.groups if g.unbatched is not None}
             if last:
-                info["last call unfused"] = last
+                info["fallback"] = last
         if self._compiler is not None and self._compiler.whole_failure is not None:
             info["not compiled as one"] = self._compiler.whole_failure
         return info
@@ -1004,7 +1005,9 @@ class Parallel(nn.Module):
         # (Whether the batched attempt wrote the members' input before failing: see below.)
         version = x._version if not tracing and type(x) is torch.Tensor and not x.is_inference() else None
         try:
-            if not tracing and group.bind():  # a parameter was replaced: stacked anew
+            # (None: tensors swapped in for this call, left unbound -- the call stacks them.)
+            moved = group.bind() if not tracing else False
+            if moved:  # a parameter was replaced: stacked anew
                 self._param_moves += 1
             # (``tracing`` first: a compiler would guard on ``group.ran``, which an eager call sets.)
             # Layers that ran batched before one failed may have updated buffers (an
@@ -1027,7 +1030,7 @@ class Parallel(nn.Module):
             # Tensors swapped in without registration (torch.func.functional_call), or
             # functorch transforms, which need the members' tensors as they are: stacked
             # for this call.
-            restack = not tracing and (group.swapped() or _functorch_active())
+            restack = not tracing and (moved is None or group.swapped() or _functorch_active())
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
             out = group.run(args[0], self._cat_joined(fusion), eager,
                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
@@ -1380,11 +1383,10 @@ class Parallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
         tracing = _is_tracing()  # (first: a compiler must not read, and guard on, the count of changes)
-        if (not tracing and self._tree.seen != _watch._changes and not self._tree.same(self)
-                and not _watch._swapped_in(self.modules())):
+        if not tracing and self._tree.seen != _watch._changes and self._tree.changed(self):
             # A submodule, parameter or buffer below was replaced or added since the
             # groups, schedules and graphs were made (see _watch): make them anew.
-            # (Not for tensors swapped in by functional_call: see _swapped_in.)
+            # (Not for tensors swapped in by functional_call: see _Tree.changed.)
             self._reset()
         if self.cuda_graph:
             if not tracing and self._param_moves != self._graph_moves:  # (tracing first: see above)
@@ -1941,9 +1943,15 @@ def _describe_leaf(item: Any) -> str:
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type) and issubclass(item[0], float):
         return str(float.fromhex(item[1]))  # (keyed by its exact bits: see _value_key)
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
-        # A number, string, dtype or device: a string quoted, as "cpu" and "float16" are
-        # keyed apart from the device and the dtype.
-        return repr(item[1]) if isinstance(item[1], str) else str(item[1]).replace("torch.", "")
+        # A number, string, dtype or device, as keyed: by type and value. A string quoted, as
+        # "cpu" and "float16" are keyed apart from the device and the dtype; a number of another
+        # type than Python's named with it (an IntEnum, numpy's), as keyed apart from ``1``.
+        kind, value = item
+        if kind is str:
+            return repr(value)
+        if kind in (int, bool) or isinstance(value, (torch.dtype, torch.device)):
+            return str(value).replace("torch.", "")
+        return f"{kind.__qualname__}({value})"
     if isinstance(item, type):
         return item.__name__
     return repr(item)

@@ -1338,8 +1338,7 @@ class ParallelSequential(nn.Sequential):
     def forward(self, input: Any) -> Any:
         r"""Run the stages on ``input``, micro-batch by micro-batch, and concatenate the outputs."""
         # (Tracing first: a compiler must not read, and guard on, the count of changes.)
-        if (not _is_tracing() and self._tree.seen != _watch._changes and not self._tree.same(self)
-                and not _watch._swapped_in(self.modules())):
+        if not _is_tracing() and self._tree.seen != _watch._changes and self._tree.changed(self):
             # A stage or a submodule below it replaced or added (see _watch): its plan
             # (batch-mixing modules, devices) and its graphs are made anew.
             self._reset()

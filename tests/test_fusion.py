@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import enum
 import functools
 import io
 import pickle
@@ -2624,6 +2625,43 @@ def test_a_block_inside_an_outer_functional_call_sees_its_own_changes(change):
         assert all(g._bound() for g in block._fusion.groups)
 
 
+@pytest.mark.parametrize("given", ["own parameters", "other tensors"])
+@pytest.mark.parametrize("change", ["layer replaced", ".data"])
+def test_changes_are_seen_by_a_functional_call_that_swaps_the_blocks_tensors(given, change):
+    # (A second review.) functional_call swaps tensors, never modules: a layer replaced is seen
+    # inside one too; and a member's .data changed while its own tensors are given is stacked anew.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)) for _ in range(2)], fuse=True)
+    x = torch.randn(2, 4)
+    p(x)
+    p(x)
+    if change == "layer replaced":
+        p[0][0] = nn.Linear(4, 5)
+    else:
+        p[0][0].weight.data = torch.randn(5, 4)
+    params = (dict(p.named_parameters()) if given == "own parameters"
+              else {k: v.detach() * 2 for k, v in p.named_parameters()})
+    for _ in range(2):
+        got = torch.func.functional_call(p, params, (x,))
+        assert_close(got, torch.func.functional_call(Parallel(*list(p)), params, (x,)))
+    assert_close(p(x), reference(p, x))
+
+
+def test_a_group_without_tensors_looks_for_no_functional_call(monkeypatch):
+    # (A second review.) Its members hold nothing to stack: every call asked whether tensors
+    # were swapped in, walking the Python stack.
+    from parallel_modules import _watch
+
+    walks = []
+    walk = _watch._given_to_functional_call
+    monkeypatch.setattr(_watch, "_given_to_functional_call", lambda: walks.append(1) or walk())
+    p = Parallel(*[nn.Sequential(nn.GELU(), nn.Softmax(-1)) for _ in range(3)], fuse=True)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]] and walks == []
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_forward_ad_through_parameters_swapped_in_as_dual_tensors(fuse):
     # Before (a hunt): the stack of the members' dual parameters went through a Function
@@ -2937,7 +2975,8 @@ def test_explain_after_a_hook_on_a_member_says_what_the_next_call_finds(fuse, mo
             p(x)
     else:
         assert "has hooks" in info["unfused"]["0"]
-        assert info["unfused"]["1"] == "no other branch is identical to it but index 0, which cannot be fused (see there)"
+        assert info["unfused"]["1"] == ("no other branch is identical to it but index 0, which cannot be fused "
+                                        "(see there)")
         batched.clear()
         for _ in range(3):
             assert torch.equal(p(x), reference(p, x))
@@ -2977,20 +3016,20 @@ def test_explain_says_which_group_ran_its_last_call_unfused_and_why(monkeypatch)
     for _ in range(3):
         assert torch.equal(p(x), reference(p, x))
     assert batched == [] and p.explain()["fused"] == [["0", "1"]]
-    assert "group or instance norm with weights of another dtype" in p.explain()["last call unfused"][("0", "1")]
+    assert "group or instance norm with weights of another dtype" in p.explain()["fallback"][("0", "1")]
     q = Parallel(*[nn.Sequential(nn.Linear(16, 16), nn.Softmax(-1)) for _ in range(2)], nn.Linear(16, 16),
                  fuse="auto")
     y = torch.randn(4, 16)
     for _ in range(2):
         q(y)
-    assert "last call unfused" not in q.explain()
+    assert "fallback" not in q.explain()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         q(y)
-    assert q.explain()["last call unfused"] == {
+    assert q.explain()["fallback"] == {
         ("0", "1"): "autocast is on: batched, layers would return another dtype than each member's own call"}
     batched.clear()
     q(y)
-    assert batched == [("0", "1")] and "last call unfused" not in q.explain()
+    assert batched == [("0", "1")] and "fallback" not in q.explain()
 
 
 def test_explain_keeps_signatures_apart_that_differ_in_an_arguments_type():
@@ -3001,7 +3040,10 @@ def test_explain_keeps_signatures_apart_that_differ_in_an_arguments_type():
 
     p = Parallel(Tagged(), Tagged())
     x = torch.randn(2, 3)
-    tags = ["cpu", torch.device("cpu"), "float16", torch.float16, True, "True", 1, "1"]
+    class Mode(enum.IntEnum):
+        A = 1
+
+    tags = ["cpu", torch.device("cpu"), "float16", torch.float16, True, "True", 1, "1", Mode.A]
     for tag in tags:
         p(x, tag)
     assert len(p.explain()["schedules"]) == len(tags)
