@@ -873,7 +873,8 @@ class _Group:
 
     def _stacked(self, qual: str, tracing: bool, watched: list | None = None,
                  flow: list[bool] | None = None, received: _Received | None = None,
-                 read: list[str] | None = None, buffers_grad: bool = False) -> torch.Tensor | None:
+                 read: list[str] | None = None, buffers_grad: bool = False,
+                 written: list | None = None) -> torch.Tensor | None:
         r"""The stack of ``qual`` for this call (see :class:`_Unstack`, which ``received`` is handed).
 
         ``watched`` collects the members' tensors that autograd saves for
@@ -881,7 +882,9 @@ class _Group:
         by ``flow``, whether each member's input to the step requires grad (see
         :meth:`_run`). ``read`` collects the names of the parameters and
         buffers the step reads (see :meth:`_after_step`). ``buffers_grad``: a
-        member's floating-point buffer requires grad.
+        member's floating-point buffer requires grad. ``written`` collects a
+        restacked buffer's stack, its members' tensors and its version (see
+        :meth:`_run`).
         """
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
@@ -911,6 +914,8 @@ class _Group:
             if first is None:
                 return None
             stacked = torch.stack(tensors)
+            if written is not None and entry.kind == "_buffers":
+                written.append((stacked, tensors, stacked._version))
             # (Not under torch.func transforms, which hand gradients back, accumulating none. Nor
             # under torch.export, whose programs hold no autograd.Function: a strict export runs
             # its forward with grad off, cutting the parameters from the gradient, and a non-strict
@@ -1087,15 +1092,19 @@ class _Group:
         # layers run on: its kernel must not read them before the stack has ended.)
         call.fewer_kernels, call.kernels, call.lone_kernels = fewer, kernels, kernels and captured
         call.chained = None if restack else False
-        call.prefill = _Prefill(x, side_bias, self.joint) if fewer and not kernels else None
+        # (Restacked: the biases this call stacked, not the bound ones stored together.)
+        call.prefill = _Prefill(x, side_bias, {} if restack else self.joint) if fewer and not kernels else None
         call.cat_joined = cat_joined and not tracing
         try:
-            return self._run(x, tracing or restack, keep=not tracing)
+            return self._run(x, tracing or restack, keep=not tracing, restacked=restack and not tracing)
         finally:
             call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels, call.chained = before
 
-    def _run(self, x: torch.Tensor, tracing: bool, keep: bool = True) -> Any:
+    def _run(self, x: torch.Tensor, tracing: bool, keep: bool = True, restacked: bool = False) -> Any:
         watched: list | None = None
+        # Restacked eagerly (tensors swapped in, or changed since bound): the buffers' stacks made
+        # for the call, with their versions, which a layer writing its buffers moves (see below).
+        written: list | None = [] if restacked and not _functorch_active() else None
         read: list[str] | None = None  # (by the step running: see _after_step)
         received: _Received | None = None
         # Whether each member's input to the step running requires grad (see _after_step).
@@ -1120,7 +1129,8 @@ class _Group:
             read = None if watched is None else []
             # (Once per call, not per buffer read: see _stacked.)
             buffers_grad = not tracing and any([t.requires_grad for t in self.float_buffers])
-            get = lambda qual: self._stacked(qual, tracing, watched, flow, received, read, buffers_grad)  # noqa: E731
+            get = lambda qual: self._stacked(qual, tracing, watched, flow, received, read,  # noqa: E731
+                                             buffers_grad, written)
         # (Neither read nor kept by a compiler's trace: assigned there, it was a side effect
         # the compiler guarded on, and the block was compiled a second time; read, an eager
         # call that made it since failed the guard, and compiled the block again.)
@@ -1161,6 +1171,14 @@ class _Group:
             _refuse_changed_members(value, watched, received, self.indices)
         if received is not None:
             value = value._replace(received=received) if isinstance(value, _Value) else _Structured(value, received)
+        if written:
+            # What the layers wrote into the stacks made for the call (a count of calls, test-time
+            # statistics) goes back into the members' buffers, as their own calls write them.
+            with torch.no_grad():
+                for stacked, tensors, version in written:
+                    if stacked._version != version:
+                        for t, row in zip(tensors, stacked.unbind(0)):
+                            t.copy_(row)
         return value
 
 

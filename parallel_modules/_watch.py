@@ -91,6 +91,11 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
+# What _Tree.changed returns for modules changed while tensors are swapped in for the call: the
+# caller runs its children one after another, as they are, learning nothing.
+_WHILE_SWAPPED = "while swapped"
+
+
 class _Tree:
     r"""The submodules, parameters and buffers of ``root`` when it was last looked at."""
 
@@ -111,18 +116,23 @@ class _Tree:
         r"""Take the tree as changed at the next look: a change found otherwise, which registered nothing."""
         self.seen, self.members, self.modules = -1, (), ()
 
-    def changed(self, root: nn.Module) -> bool:
+    def changed(self, root: nn.Module) -> bool | str:
         r"""Whether ``root``'s tree changed since it was looked at last, not by tensors swapped in for one call.
 
         ``torch.func.functional_call`` swaps tensors, never modules: a module
-        replaced or added counts inside one too (see :func:`_swapped_in`).
+        replaced or added counts inside one too (see :func:`_swapped_in`), as
+        :data:`_WHILE_SWAPPED`. What was learnt is then made anew at a call
+        outside one, not in it: a snapshot of the tree taken in it would hold
+        the tensors swapped in (the caller's, with their autograd graph;
+        functorch's, which have no memory to look at).
         """
         if self.seen == _changes or self.same(root):  # (callers on hot paths ask the first themselves)
             return False
         now = tuple(root.modules())
+        swapped = _swapped_in(now)
         if len(now) != len(self.modules) or any([a is not b for a, b in zip(now, self.modules)]):
-            return True
-        return not _swapped_in(now)
+            return _WHILE_SWAPPED if swapped else True
+        return not swapped
 
     def same(self, root: nn.Module) -> bool:
         r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered).

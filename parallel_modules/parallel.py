@@ -1383,11 +1383,15 @@ class Parallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
         tracing = _is_tracing()  # (first: a compiler must not read, and guard on, the count of changes)
-        if not tracing and self._tree.seen != _watch._changes and self._tree.changed(self):
-            # A submodule, parameter or buffer below was replaced or added since the
-            # groups, schedules and graphs were made (see _watch): make them anew.
-            # (Not for tensors swapped in by functional_call: see _Tree.changed.)
-            self._reset()
+        if not tracing and self._tree.seen != _watch._changes:
+            changed = self._tree.changed(self)
+            if changed is _watch._WHILE_SWAPPED:  # (see there: made anew at a call outside)
+                return self._joined(self._run(args, kwargs, None, None))
+            if changed:
+                # A submodule, parameter or buffer below was replaced or added since the
+                # groups, schedules and graphs were made (see _watch): make them anew.
+                # (Not for tensors swapped in by functional_call: see _Tree.changed.)
+                self._reset()
         if self.cuda_graph:
             if not tracing and self._param_moves != self._graph_moves:  # (tracing first: see above)
                 # Fusion moved parameters to new memory: graphs read the old.
@@ -1941,7 +1945,8 @@ def _describe_leaf(item: Any) -> str:
     if isinstance(item, tuple) and item and isinstance(item[0], str) and item[0] == "nested":
         return f"nested Tensor{list(map(tuple, item[2]))} {str(item[3]).replace('torch.', '')} on {item[4]}"
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type) and issubclass(item[0], float):
-        return str(float.fromhex(item[1]))  # (keyed by its exact bits: see _value_key)
+        value = str(float.fromhex(item[1]))  # (keyed by its exact bits: see _value_key)
+        return value if item[0] is float else f"{item[0].__name__}({value})"
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
         # A number, string, dtype or device, as keyed: by type and value. A string quoted, as
         # "cpu" and "float16" are keyed apart from the device and the dtype; a number of another
@@ -1949,9 +1954,10 @@ def _describe_leaf(item: Any) -> str:
         kind, value = item
         if kind is str:
             return repr(value)
-        if kind in (int, bool) or isinstance(value, (torch.dtype, torch.device)):
+        if kind in (int, bool, complex, type(None)) or isinstance(
+                value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return str(value).replace("torch.", "")
-        return f"{kind.__qualname__}({value})"
+        return f"{kind.__name__}({value})"
     if isinstance(item, type):
         return item.__name__
     return repr(item)

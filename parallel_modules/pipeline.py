@@ -1338,10 +1338,14 @@ class ParallelSequential(nn.Sequential):
     def forward(self, input: Any) -> Any:
         r"""Run the stages on ``input``, micro-batch by micro-batch, and concatenate the outputs."""
         # (Tracing first: a compiler must not read, and guard on, the count of changes.)
-        if not _is_tracing() and self._tree.seen != _watch._changes and self._tree.changed(self):
-            # A stage or a submodule below it replaced or added (see _watch): its plan
-            # (batch-mixing modules, devices) and its graphs are made anew.
-            self._reset()
+        if not _is_tracing() and self._tree.seen != _watch._changes:
+            changed = self._tree.changed(self)
+            if changed is _watch._WHILE_SWAPPED:  # (see there: the plan made anew at a call outside)
+                return self._in_order(self._stages(), input)
+            if changed:
+                # A stage or a submodule below it replaced or added (see _watch): its plan
+                # (batch-mixing modules, devices) and its graphs are made anew.
+                self._reset()
         if self.cuda_graph and not self._host_input(input):
             return self._graphs(self._eager, (input,), {})
         return self._eager(input)

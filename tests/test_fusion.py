@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel_modules import Parallel
+from parallel_modules import Parallel, ParallelSequential
 from tests._helpers import Queries, cpu_and_cuda
 from tests._reference import assert_same, reference
 
@@ -2647,6 +2647,73 @@ def test_changes_are_seen_by_a_functional_call_that_swaps_the_blocks_tensors(giv
     assert_close(p(x), reference(p, x))
 
 
+def test_a_layer_replaced_then_transforms_over_functional_call(monkeypatch):
+    # (A third review.) A module changed while tensors are swapped in runs that call's branches in
+    # turn and makes what was learnt anew at the next call outside: made inside, under vmap, it
+    # read functorch's tensors, which have no memory (a crash), and held the caller's tensors.
+    resets = []
+    reset = Parallel._reset
+    monkeypatch.setattr(Parallel, "_reset", lambda self, *a, **k: resets.append(1) or reset(self, *a, **k))
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)) for _ in range(3)], fuse=True)
+    x = torch.randn(2, 4)
+    p(x)
+    p[0][0] = nn.Linear(4, 5)
+    plain = Parallel(*list(p))
+    resets.clear()
+    ensemble = {k: torch.stack([v.detach(), 2 * v.detach()]) for k, v in p.named_parameters()}
+    run = lambda module: torch.vmap(lambda ps: torch.func.functional_call(module, ps, (x,)))(ensemble)  # noqa: E731
+    assert_close(run(p), run(plain))
+    params = {k: v.detach() for k, v in p.named_parameters()}
+    grads = torch.func.grad(lambda ps: torch.func.functional_call(p, ps, (x,)).sum())(params)
+    expected = torch.func.grad(lambda ps: torch.func.functional_call(plain, ps, (x,)).sum())(params)
+    for k in expected:
+        assert_close(grads[k], expected[k])
+    assert resets == [] and not any(t is v for t in p._tree.parameters for v in params.values())
+    assert_close(p(x), reference(p, x))
+    assert resets == [1] and p.explain()["fused"] == [["0", "1", "2"]]
+    pipe = ParallelSequential(nn.Sequential(nn.Linear(4, 5), nn.Tanh()), nn.Linear(5, 3), chunks=2)
+    pipe(x)
+    pipe[0][0] = nn.Linear(4, 5)
+    stacked = {k: torch.stack([v.detach(), 2 * v.detach()]) for k, v in pipe.named_parameters()}
+    got = torch.vmap(lambda ps: torch.func.functional_call(pipe, ps, (x,)))(stacked)
+    expected = torch.vmap(lambda ps: torch.func.functional_call(nn.Sequential(*list(pipe)), ps, (x,)))(stacked)
+    assert_close(got, expected)
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x
+
+
+@pytest.mark.parametrize("given", ["own tensors, .data changed", "other buffers"])
+def test_a_restacked_call_writes_the_members_buffers(given):
+    # (A third review.) Restacked for the call, a layer's write into its buffer went into the
+    # stack made for the call, not into the members' buffers.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 4), _Counter()) for _ in range(2)], fuse=True)
+    x = torch.randn(8, 4)
+    p(x)
+    p(x)
+    q = Parallel(*copy.deepcopy(list(p)))
+    tensors = []
+    for m in (p, q):
+        state = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+        if given == "other buffers":
+            state = {k: v.clone() if k.endswith("calls") else v for k, v in state.items()}
+        else:
+            m[1][0].weight.data = torch.ones(4, 4)
+        tensors.append(state)
+    assert_close(torch.func.functional_call(p, tensors[0], (x,)), torch.func.functional_call(q, tensors[1], (x,)))
+    assert [tensors[0][f"{i}.1.calls"].item() for i in range(2)] == [3.0, 3.0]
+    assert [tensors[1][f"{i}.1.calls"].item() for i in range(2)] == [3.0, 3.0]
+
+
 def test_a_group_without_tensors_looks_for_no_functional_call(monkeypatch):
     # (A second review.) Its members hold nothing to stack: every call asked whether tensors
     # were swapped in, walking the Python stack.
@@ -3043,11 +3110,14 @@ def test_explain_keeps_signatures_apart_that_differ_in_an_arguments_type():
     class Mode(enum.IntEnum):
         A = 1
 
-    tags = ["cpu", torch.device("cpu"), "float16", torch.float16, True, "True", 1, "1", Mode.A]
+    tags = ["cpu", torch.device("cpu"), "float16", torch.float16, True, "True", 1, "1", Mode.A, None,
+            torch.strided, 1 + 2j]
     for tag in tags:
         p(x, tag)
     assert len(p.explain()["schedules"]) == len(tags)
-    assert "Tensor(2, 3) float32 on cpu, 'cpu', training" in p.explain()["schedules"]
+    assert {"Tensor(2, 3) float32 on cpu, 'cpu', training", "Tensor(2, 3) float32 on cpu, Mode(1), training",
+            "Tensor(2, 3) float32 on cpu, None, training", "Tensor(2, 3) float32 on cpu, strided, training",
+            "Tensor(2, 3) float32 on cpu, (1+2j), training"} <= set(p.explain()["schedules"])
     s = Parallel(nn.Identity(), nn.Identity(), join="tuple")
     s(torch.eye(3).to_sparse())
     assert list(s.explain()["schedules"]) == ["Tensor(3, 3) float32 on cpu sparse_coo with 3 stored values, training"]
