@@ -888,10 +888,11 @@ class _Group:
         """
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
-            if _is_tracing() and any([_member_tensor(m, qual) is not None for m in self.members]):
+            if tracing and any([_member_tensor(m, qual) is not None for m in self.members]):
                 # Given to a member since the group was found (eagerly, that registration makes
-                # the groups anew): traced unfused, as below.
-                raise _UnbatchedNow("traced while a member has a parameter or buffer the others lack")
+                # the groups anew, at a call outside functional_call): traced, or restacked for
+                # tensors swapped in, unfused, as below.
+                raise _UnbatchedNow("a member has a parameter or buffer the others lack since grouped")
             return None
         if tracing:
             try:
@@ -913,9 +914,14 @@ class _Group:
                 raise self._no_longer_identical(qual, tensors, differs[0])
             if first is None:
                 return None
+            if written is not None and entry.kind == "_buffers" and len(set(map(id, tensors))) < len(tensors):
+                # One buffer given to several members (functional_call): each writes it in turn
+                # unfused, which stacked copies would not add up to.
+                raise _UnbatchedNow("members were given one buffer")
             stacked = torch.stack(tensors)
             if written is not None and entry.kind == "_buffers":
-                written.append((stacked, tensors, stacked._version))
+                # (An inference tensor keeps no version: its rows compared instead, see _run.)
+                written.append((stacked, tensors, None if stacked.is_inference() else stacked._version))
             # (Not under torch.func transforms, which hand gradients back, accumulating none. Nor
             # under torch.export, whose programs hold no autograd.Function: a strict export runs
             # its forward with grad off, cutting the parameters from the gradient, and a non-strict
@@ -1176,9 +1182,10 @@ class _Group:
             # statistics) goes back into the members' buffers, as their own calls write them.
             with torch.no_grad():
                 for stacked, tensors, version in written:
-                    if stacked._version != version:
+                    if version is None or stacked._version != version:
                         for t, row in zip(tensors, stacked.unbind(0)):
-                            t.copy_(row)
+                            if version is not None or not torch.equal(t, row):
+                                t.copy_(row)
         return value
 
 

@@ -1386,7 +1386,9 @@ class Parallel(nn.Module):
         if not tracing and self._tree.seen != _watch._changes:
             changed = self._tree.changed(self)
             if changed is _watch._WHILE_SWAPPED:  # (see there: made anew at a call outside)
-                return self._joined(self._run(args, kwargs, None, None))
+                placement = _place(self)  # (branches on several devices: each on its own)
+                return self._joined(placement.run(self, args, kwargs) if placement is not None
+                                    else self._run(args, kwargs, None, None))
             if changed:
                 # A submodule, parameter or buffer below was replaced or added since the
                 # groups, schedules and graphs were made (see _watch): make them anew.

@@ -2714,6 +2714,51 @@ def test_a_restacked_call_writes_the_members_buffers(given):
     assert [tensors[1][f"{i}.1.calls"].item() for i in range(2)] == [3.0, 3.0]
 
 
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_functional_call_under_inference_mode_with_buffers_stays_fused(fuse):
+    # (A fourth review.) The stacks made for such a call are inference tensors, which keep no
+    # version: reading one to see whether a layer wrote it raised, and "auto" unfused for good.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval() for _ in range(3)], fuse=fuse)
+    x = torch.randn(5, 4)
+    with torch.inference_mode():
+        p(x)
+        p(x)
+        state = {k: v.clone() for k, v in {**dict(p.named_parameters()), **dict(p.named_buffers())}.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = torch.func.functional_call(p, state, (x,))
+        assert_close(got, torch.func.functional_call(Parallel(*copy.deepcopy(list(p))), state, (x,)))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
+def test_functional_call_of_one_buffer_for_several_members_counts_each_write():
+    # (A fourth review.) Stacked, the members wrote copies of the one buffer: it counted one call.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 4), _Counter()) for _ in range(2)], fuse=True)
+    x = torch.randn(8, 4)
+    p(x)
+    shared = torch.zeros(())
+    state = {**dict(p.named_parameters()), "0.1.calls": shared, "1.1.calls": shared}
+    assert_close(torch.func.functional_call(p, state, (x,)), reference(p, x))
+    assert shared.item() == 2.0
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_functional_call_after_a_parameter_given_to_one_member(fuse):
+    # (A fourth review.) Registered on one member, it changes the tree only at a call outside
+    # functional_call; inside one the group ran without it.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Linear(4, 5, bias=False) for _ in range(3)], fuse=fuse)
+    x = torch.randn(2, 4)
+    p(x)
+    p(x)
+    p[0].bias = nn.Parameter(torch.full((5,), 100.0))
+    params = {k: v.detach().clone() for k, v in p.named_parameters()}
+    got = torch.func.functional_call(p, params, (x,))
+    assert_close(got, torch.func.functional_call(Parallel(*copy.deepcopy(list(p))), params, (x,)))
+
+
 def test_a_group_without_tensors_looks_for_no_functional_call(monkeypatch):
     # (A second review.) Its members hold nothing to stack: every call asked whether tensors
     # were swapped in, walking the Python stack.
