@@ -31,6 +31,17 @@ def mlp(i: int = 16, o: int = 8) -> nn.Sequential:
     return nn.Sequential(nn.Linear(i, 16), nn.GELU(), nn.Linear(16, o))
 
 
+class ScaleBy(nn.Module):
+    r"""Multiplies by a random buffer of ``width`` (which a test may make require grad)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s
+
+
 class Steps(nn.Module):
     r"""Counts its calls in a buffer it assigns anew at each one (``self.steps = self.steps + 1``)."""
 

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import Queries, cpu_and_cuda
+from tests._helpers import Queries, ScaleBy, cpu_and_cuda
 from tests._reference import assert_same, reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -2556,7 +2556,7 @@ def test_functional_call_of_another_models_parameters_and_buffers_leaves_them_wh
     # them for its own, stacked them and re-pointed the caller's; under torch.func.grad that
     # raised. And another model's buffers got no gradient.
     def head() -> nn.Sequential:
-        return nn.Sequential(nn.Linear(4, 5), _ScaleBy(5), nn.Tanh(), nn.Linear(5, 3))
+        return nn.Sequential(nn.Linear(4, 5), ScaleBy(5), nn.Tanh(), nn.Linear(5, 3))
 
     torch.manual_seed(0)
     p = Parallel(head(), head(), head(), fuse=fuse)
@@ -2596,7 +2596,7 @@ def test_a_block_inside_an_outer_functional_call_sees_its_own_changes(change):
     # own tensors an outer model's functional_call leaves alone sees its changes as in any call,
     # and a group found anew inside one stacks no tensor the caller gave.
     torch.manual_seed(0)
-    block = Parallel(*[nn.Sequential(nn.Linear(4, 5), _ScaleBy(5), nn.Linear(5, 3)) for _ in range(2)], fuse=True)
+    block = Parallel(*[nn.Sequential(nn.Linear(4, 5), ScaleBy(5), nn.Linear(5, 3)) for _ in range(2)], fuse=True)
     outer = nn.Sequential(block, nn.Linear(6, 2))
     x = torch.randn(3, 4)
     outer(x)
@@ -2613,7 +2613,7 @@ def test_a_block_inside_an_outer_functional_call_sees_its_own_changes(change):
         assert_close(got, nn.functional.linear(reference(block, x), outer[1].weight, bias))
     assert_close(outer(x), outer[1](reference(block, x)))
     if change == "mode switched":  # found anew inside functional_call, of the other model's tensors
-        other = nn.ModuleList([nn.Sequential(nn.Linear(4, 5), _ScaleBy(5), nn.Linear(5, 3)) for _ in range(2)])
+        other = nn.ModuleList([nn.Sequential(nn.Linear(4, 5), ScaleBy(5), nn.Linear(5, 3)) for _ in range(2)])
         for b in block:
             b[1].train()
         where = [t.data_ptr() for t in other.parameters()]
@@ -3168,15 +3168,6 @@ def test_explain_keeps_signatures_apart_that_differ_in_an_arguments_type():
     assert list(s.explain()["schedules"]) == ["Tensor(3, 3) float32 on cpu sparse_coo with 3 stored values, training"]
 
 
-class _ScaleBy(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.register_buffer("s", torch.randn(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.s
-
-
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("fuse", [True, "auto"])
 @pytest.mark.parametrize("frozen", [False, True])
@@ -3185,7 +3176,7 @@ def test_a_buffer_made_to_require_grad_gets_each_members_gradient(device, fuse, 
     # got no gradient; with the parameters frozen, the output did not even require grad.
     batched = _batched_calls(monkeypatch)
     torch.manual_seed(0)
-    p = Parallel(*[nn.Sequential(nn.Linear(8, 16), _ScaleBy(16), nn.Linear(16, 4)) for _ in range(3)],
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 16), ScaleBy(16), nn.Linear(16, 4)) for _ in range(3)],
                  fuse=fuse).to(device).requires_grad_(not frozen)
     x = torch.randn(5, 8, device=device)
     for _ in range(3):
@@ -3196,23 +3187,20 @@ def test_a_buffer_made_to_require_grad_gets_each_members_gradient(device, fuse, 
     out = p(x)
     assert out.requires_grad
     assert batched == [("0", "1", "2")] or fuse == "auto" and device == "cuda"  # (which may time it unfused)
-    out.sum().backward()
-    got = [b[1].s.grad.clone() for b in p]
-    for b in p:
-        b[1].s.grad = None
-    reference(p, x).sum().backward()
-    for g, b in zip(got, p):
-        assert_close(g, b[1].s.grad)
-    # A buffer assigned anew, requiring grad, alike.
-    for b in p:
+
+    def check(out: torch.Tensor) -> None:
+        out.sum().backward()
+        got = [b[1].s.grad.clone() for b in p]
+        for b in p:
+            b[1].s.grad = None
+        reference(p, x).sum().backward()
+        for g, b in zip(got, p):
+            assert_close(g, b[1].s.grad)
+
+    check(out)
+    for b in p:  # a buffer assigned anew, requiring grad, alike
         b[1].s = torch.randn(16, device=device, requires_grad=True)
-    p(x).sum().backward()
-    got = [b[1].s.grad.clone() for b in p]
-    for b in p:
-        b[1].s.grad = None
-    reference(p, x).sum().backward()
-    for g, b in zip(got, p):
-        assert_close(g, b[1].s.grad)
+    check(p(x))
 
 
 def test_explain_says_why_auto_runs_branches_writing_their_input_in_turn():

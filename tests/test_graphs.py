@@ -27,7 +27,7 @@ from torch import nn
 
 from parallel_modules import Parallel
 from parallel_modules._cases import inception_branches, mlp_branches
-from tests._helpers import Steps
+from tests._helpers import ScaleBy, Steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 cuda = pytest.mark.cuda
@@ -1314,15 +1314,6 @@ def test_batchnorm_buffers_match_eager(grad):
     assert block._graphs.captures == 1
 
 
-class _Scale(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.register_buffer("s", torch.randn(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.s
-
-
 @cuda
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("frozen", [False, True])
@@ -1330,7 +1321,7 @@ def test_a_buffer_made_to_require_grad_gets_its_gradient_eagerly(fuse, frozen):
     # Before (a hunt): a graph's backward gave gradients to parameters and inputs alone, so such a
     # buffer silently got none (and with the parameters frozen the output did not require grad).
     torch.manual_seed(0)
-    branches = [nn.Sequential(nn.Linear(16, 16), _Scale(16)) for _ in range(3)]
+    branches = [nn.Sequential(nn.Linear(16, 16), ScaleBy(16)) for _ in range(3)]
     block = Parallel(*copy.deepcopy(branches), cuda_graph=True, fuse=fuse).cuda().requires_grad_(not frozen)
     x = torch.randn(8, 16, device="cuda")
     with torch.no_grad():
