@@ -322,6 +322,13 @@ def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     return address, start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
+def _share_memory(tensors: list[torch.Tensor]) -> bool:
+    r"""Whether two of ``tensors`` are one, or lie in one storage (views of one buffer)."""
+    storages = [_watch._storage(t) for t in tensors]
+    held = [p for p in storages if p != -1]  # (-1: no memory of its own to share)
+    return len(set(map(id, tensors))) < len(tensors) or len(set(held)) < len(held)
+
+
 def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
     r"""The branches (by index, in ``held``: each one's tensors) that share memory with another branch through
     distinct tensor objects, each with one such other branch.
@@ -914,9 +921,9 @@ class _Group:
                 raise self._no_longer_identical(qual, tensors, differs[0])
             if first is None:
                 return None
-            if written is not None and entry.kind == "_buffers" and len(set(map(id, tensors))) < len(tensors):
-                # One buffer given to several members (functional_call): each writes it in turn
-                # unfused, which stacked copies would not add up to.
+            if written is not None and entry.kind == "_buffers" and _share_memory(tensors):
+                # One buffer given to several members (functional_call; or views of one): each
+                # writes it in turn unfused, which stacked copies would not add up to.
                 raise _UnbatchedNow("members were given one buffer")
             stacked = torch.stack(tensors)
             if written is not None and entry.kind == "_buffers":
@@ -1182,10 +1189,11 @@ class _Group:
             # statistics) goes back into the members' buffers, as their own calls write them.
             with torch.no_grad():
                 for stacked, tensors, version in written:
-                    if version is None or stacked._version != version:
+                    # (An inference tensor's compared whole: on CUDA each comparison waits for the GPU.)
+                    if (stacked._version != version if version is not None
+                            else not torch.equal(stacked, torch.stack(tensors))):
                         for t, row in zip(tensors, stacked.unbind(0)):
-                            if version is not None or not torch.equal(t, row):
-                                t.copy_(row)
+                            t.copy_(row)
         return value
 
 

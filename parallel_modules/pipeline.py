@@ -1341,9 +1341,12 @@ class ParallelSequential(nn.Sequential):
         if not _is_tracing() and self._tree.seen != _watch._changes:
             changed = self._tree.changed(self)
             if changed is _watch._WHILE_SWAPPED:  # (see there: the plan made anew at a call outside)
-                home = next((t.device for t in self.parameters()), None)
-                if isinstance(input, torch.Tensor) and input.device.type == "cpu" and home is not None:
-                    input = input.to(home)  # (a host input, as _forward copies it in)
+                homes = {t.device for t in (*self.parameters(), *self.buffers())}
+                device = _input_device((input,), {})
+                if len(homes) == 1 and device is not None and device.type == "cpu":
+                    (home,) = homes
+                    if home.type == "cuda":  # (a host input, copied in as _forward copies it)
+                        input = _to_device(input, home, non_blocking=False)
                 return self._in_order(self._stages(), input)
             if changed:
                 # A stage or a submodule below it replaced or added (see _watch): its plan

@@ -2679,6 +2679,10 @@ def test_a_layer_replaced_then_transforms_over_functional_call(monkeypatch):
     got = torch.vmap(lambda ps: torch.func.functional_call(pipe, ps, (x,)))(stacked)
     expected = torch.vmap(lambda ps: torch.func.functional_call(nn.Sequential(*list(pipe)), ps, (x,)))(stacked)
     assert_close(got, expected)
+    # A host input with the tensors given elsewhere than one CUDA device is not copied there (it
+    # was copied to the first one's device: meta tensors gave a meta output; a fifth review).
+    with pytest.raises(RuntimeError, match="meta"):
+        torch.func.functional_call(pipe, {k: v.detach().to("meta") for k, v in pipe.named_parameters()}, (x,))
 
 
 class _Counter(nn.Module):
@@ -2741,6 +2745,10 @@ def test_functional_call_of_one_buffer_for_several_members_counts_each_write():
     shared = torch.zeros(())
     state = {**dict(p.named_parameters()), "0.1.calls": shared, "1.1.calls": shared}
     assert_close(torch.func.functional_call(p, state, (x,)), reference(p, x))
+    assert shared.item() == 2.0
+    shared = torch.zeros(1)  # (two views of one: a fifth review)
+    state = {**dict(p.named_parameters()), "0.1.calls": shared[0], "1.1.calls": shared.view(())}
+    torch.func.functional_call(p, state, (x,))
     assert shared.item() == 2.0
 
 
