@@ -695,9 +695,8 @@ class Parallel(nn.Module):
         (under autocast, or an attention layer in ``eval()`` with grad
         enabled), ``"fallback"``: for each such group, a tuple of its names,
         why (calls that run the group unfused by their schedule do not
-        change it); and, if
-        the block could not be compiled (or captured) as one program,
-        ``"not compiled as one"``: why.
+        change it); and, if the block could not be compiled (or captured) as
+        one program, ``"not compiled as one"``: why.
 
         It says what the next call will find: after a change to the branches
         (a layer replaced, a hook registered on one), the groups as they are
