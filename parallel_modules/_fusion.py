@@ -323,10 +323,14 @@ def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 
 def _share_memory(tensors: list[torch.Tensor]) -> bool:
-    r"""Whether two of ``tensors`` are one, or lie in one storage (views of one buffer)."""
-    storages = [_watch._storage(t) for t in tensors]
-    held = [p for p in storages if p != -1]  # (-1: no memory of its own to share)
-    return len(set(map(id, tensors))) < len(tensors) or len(set(held)) < len(held)
+    r"""Whether two of ``tensors`` are one, or read overlapping bytes (views of one buffer).
+
+    (Not merely one storage: the members' own buffers, bound, are slices of one stack.)
+    """
+    if len(set(map(id, tensors))) < len(tensors):
+        return True
+    spans = sorted(s for s in map(_span, tensors) if s is not None)
+    return any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
 
 
 def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
@@ -541,7 +545,6 @@ class _Split(torch.autograd.Function):
         return grad, None, None
 
 
-
 class _SplitDual(_Split):
     r"""A :class:`_Split` under forward-mode AD, whose tangent is a slice of its own too.
 
@@ -573,7 +576,6 @@ class _OwnGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return grad.clone(memory_format=torch.contiguous_format) if grad.dim() and grad.stride(0) == 0 else grad
-
 
 
 class _OwnGradientsDual(_OwnGradients):
@@ -759,10 +761,11 @@ class _Group:
         r"""Stack each parameter and buffer of the members; point the members at their slices.
 
         Returns whether any tensor moved to new memory (which invalidates CUDA
-        graphs that read the old memory by address), or ``None`` where the
-        members hold tensors swapped in for the call (``torch.func.functional_call``:
-        left as they are, the call stacks what it finds, see :meth:`run`; bound at
-        a call outside). Idempotent: tensors already laid out as consecutive
+        graphs that read the old memory by address), or ``None`` where it would
+        stack but the members hold tensors swapped in for the call
+        (``torch.func.functional_call``: left as they are, the call stacks what
+        it finds, see :meth:`run`; bound at a call outside). (Swapped in over
+        bound tensors, they leave the group bound: :meth:`swapped` tells.) Idempotent: tensors already laid out as consecutive
         slices of one storage (by an earlier bind) are adopted as they are, so
         finding the groups anew moves nothing.
         """
@@ -925,10 +928,14 @@ class _Group:
                 # One buffer given to several members (functional_call; or views of one): each
                 # writes it in turn unfused, which stacked copies would not add up to.
                 raise _UnbatchedNow("members were given one buffer")
-            stacked = torch.stack(tensors)
             if written is not None and entry.kind == "_buffers":
-                # (An inference tensor keeps no version: its rows compared instead, see _run.)
-                written.append((stacked, tensors, None if stacked.is_inference() else stacked._version))
+                # Made outside inference mode, the stack keeps a version, which a layer's write
+                # moves under inference mode too (see _run).
+                with torch.inference_mode(False):
+                    stacked = torch.stack(tensors)
+                written.append((stacked, tensors, stacked._version))
+            else:
+                stacked = torch.stack(tensors)
             # (Not under torch.func transforms, which hand gradients back, accumulating none. Nor
             # under torch.export, whose programs hold no autograd.Function: a strict export runs
             # its forward with grad off, cutting the parameters from the gradient, and a non-strict
@@ -1189,9 +1196,7 @@ class _Group:
             # statistics) goes back into the members' buffers, as their own calls write them.
             with torch.no_grad():
                 for stacked, tensors, version in written:
-                    # (An inference tensor's compared whole: on CUDA each comparison waits for the GPU.)
-                    if (stacked._version != version if version is not None
-                            else not torch.equal(stacked, torch.stack(tensors))):
+                    if stacked._version != version:
                         for t, row in zip(tensors, stacked.unbind(0)):
                             t.copy_(row)
         return value

@@ -750,8 +750,9 @@ class Parallel(nn.Module):
             return _describe_schedule(plan) + why + _describe_costs(self._tuner.costs.get(key))
 
         # (A copy: calls in other threads add schedules as this describes them; one C call.)
+        # (A block regrouped from no groups chooses every schedule anew: see _regrouped.)
         schedules = {_describe_signature(k): describe(k, p) for k, p in self._plans.copy().items()
-                     if not changed and not (regrouped and p.fused)}
+                     if not changed and not (regrouped and (p.fused or held is not None and not held.groups))}
         if self.cuda_graph and not changed:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
             for k, (variant, reads) in self._graphs.schedules().items():
@@ -1008,6 +1009,11 @@ class Parallel(nn.Module):
             moved = group.bind() if not tracing else False
             if moved:  # a parameter was replaced: stacked anew
                 self._param_moves += 1
+            # Tensors swapped in without registration (torch.func.functional_call), or
+            # functorch transforms, which need the members' tensors as they are: stacked
+            # for this call (its layers write those stacks, not the bound ones: nothing
+            # of those to judge or keep below).
+            restack = not tracing and (moved is None or group.swapped() or _functorch_active())
             # (``tracing`` first: a compiler would guard on ``group.ran``, which an eager call sets.)
             # Layers that ran batched before one failed may have updated buffers (an
             # InstanceNorm's running statistics): put back before the members run unfused.
@@ -1018,18 +1024,14 @@ class Parallel(nn.Module):
             # be copied on every call). (Judged by value: a layer vmapped writes its
             # buffers' stacks without moving their versions.)
             judging = False
-            if (not tracing and not self.training and group.wrote_buffers is None
+            if (not tracing and not restack and not self.training and group.wrote_buffers is None
                     and not (x.is_cuda and _capture_underway())):
                 judging = _writes_buffers(group)
                 if not judging:  # (stock norms' alone, or none: nothing to judge)
                     group.wrote_buffers = False
-            if (not tracing and group.buffers and not _functorch_active()
+            if (not tracing and not restack and group.buffers
                     and (self.training or not group.ran or group.wrote_buffers or judging)):
                 kept = [(b, b.clone()) for b in group.buffer_stacks()]
-            # Tensors swapped in without registration (torch.func.functional_call), or
-            # functorch transforms, which need the members' tensors as they are: stacked
-            # for this call.
-            restack = not tracing and (moved is None or group.swapped() or _functorch_active())
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
             out = group.run(args[0], self._cat_joined(fusion), eager,
                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
@@ -1706,7 +1708,7 @@ class Parallel(nn.Module):
         return candidates
 
     def _remember(self, key: Hashable, plan: _Schedule) -> None:
-        if not plan.fused and self._auto_unfused():
+        if not plan.fused and self._auto_unfused() and self._fusion is not None and self._fusion.groups:
             _bounded_add(self._reproducible, key)
         _bounded_add(self._plans, key, plan)
 

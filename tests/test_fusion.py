@@ -2736,6 +2736,21 @@ def test_functional_call_under_inference_mode_with_buffers_stays_fused(fuse):
     assert p.explain()["fused"] == [["0", "1", "2"]]
 
 
+def test_functional_call_of_parameters_alone_keeps_a_group_with_buffers_fused(monkeypatch):
+    # (A sixth review.) The members' own buffers, bound, lie in one stack: taken for one buffer
+    # given to several members, every such call ran unfused.
+    batched = _batched_calls(monkeypatch)
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval() for _ in range(3)], fuse=True)
+    x = torch.randn(5, 4)
+    p(x)
+    batched.clear()
+    params = {k: v.detach().clone() for k, v in p.named_parameters()}
+    assert_close(torch.func.functional_call(p, params, (x,)),
+                 torch.func.functional_call(Parallel(*copy.deepcopy(list(p))), params, (x,)))
+    assert batched == [("0", "1", "2")] and "fallback" not in p.explain()
+
+
 def test_functional_call_of_one_buffer_for_several_members_counts_each_write():
     # (A fourth review.) Stacked, the members wrote copies of the one buffer: it counted one call.
     torch.manual_seed(0)
@@ -3063,6 +3078,14 @@ def test_fuse_auto_fuses_again_once_deterministic_algorithms_are_off(monkeypatch
         assert_close(p(x), reference(p, x))
     assert batched == [("0", "1")] * 2
     assert list(p.explain()["schedules"].values()) == ["fused, sequential"]
+    # A block with nothing to fuse keeps its plans (a sixth review: they were made anew).
+    q = Parallel(mlp(), nn.Linear(16, 16), fuse="auto")
+    torch.use_deterministic_algorithms(True)
+    try:
+        q(x)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not q._reproducible
     # On again: unfused again (its fused plan dropped), and off again: fused again.
     torch.use_deterministic_algorithms(True)
     try:
@@ -3073,6 +3096,18 @@ def test_fuse_auto_fuses_again_once_deterministic_algorithms_are_off(monkeypatch
     for _ in range(3):
         p(x)
     assert batched == [("0", "1")] * 2
+
+
+def test_explain_after_hooks_are_removed_lists_no_schedule_the_next_call_drops():
+    # (A sixth review.) Groups found again after none were: every schedule is chosen anew.
+    p = Parallel(mlp(), mlp(), mlp(), fuse="auto")
+    handles = [b.register_forward_hook(lambda m, i, o: None) for b in p]
+    x = torch.randn(2, 16)
+    p(x)
+    assert list(p.explain()["schedules"].values()) == ["unfused, sequential"]
+    for h in handles:
+        h.remove()
+    assert p.explain()["fused"] == [["0", "1", "2"]] and p.explain()["schedules"] == {}
 
 
 @pytest.mark.parametrize("fuse", [True, "auto"])
