@@ -802,7 +802,9 @@ class Parallel(nn.Module):
             return None
         fusion = self._fusion
         if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
-            if not regroup:
+            if not regroup or _watch._swapped_in(self.modules()):
+                # (Inside functional_call the groups would be found from the tensors swapped in,
+                # tied or unlike as they may be, and kept: unfused, found at a call outside.)
                 return None
             regrouped = False
             with _fusion_lock:  # (looked at again once held: another thread may have grouped)
@@ -884,8 +886,8 @@ class Parallel(nn.Module):
         the groups are found anew and every schedule is chosen again.
         """
         fusion = self._fusion
-        if fusion is None or fusion.groups or fusion.current():
-            return False
+        if fusion is None or fusion.groups or fusion.current() or _watch._swapped_in(self.modules()):
+            return False  # (inside functional_call: found at a call outside, see _fusion_for)
         with _fusion_lock:
             if self._fusion is not fusion:  # (another thread found them)
                 return True

@@ -2751,6 +2751,34 @@ def test_functional_call_of_parameters_alone_keeps_a_group_with_buffers_fused(mo
     assert batched == [("0", "1", "2")] and "fallback" not in p.explain()
 
 
+@pytest.mark.parametrize("given", ["one buffer for every member", "one member wider"])
+def test_groups_out_of_date_are_not_found_anew_inside_functional_call(given):
+    # (A CPU hunt.) The first call after a hook on a member was removed regrouped from the tensors
+    # functional_call swapped in (tied, or unlike) and kept those groups: unfused for good.
+    def branch() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+
+    torch.manual_seed(0)
+    p = Parallel(branch(), branch(), branch(), fuse="auto").eval()
+    unfused = Parallel(*copy.deepcopy(list(p))).eval()
+    x = torch.randn(5, 8)
+    p(x)
+    handle = p[0].register_forward_hook(lambda *a: None)
+    p(x)
+    handle.remove()
+    state = {k: v.detach() for k, v in p.named_parameters()}
+    if given == "one buffer for every member":
+        mean = torch.randn(8)
+        state.update({f"{i}.1.running_mean": mean for i in range(3)})
+    else:
+        state.update({"1.0.weight": torch.randn(16, 8), "1.0.bias": torch.randn(16), "1.1.weight": torch.ones(16),
+                      "1.1.bias": torch.zeros(16), "1.1.running_mean": torch.zeros(16),
+                      "1.1.running_var": torch.ones(16), "1.2.weight": torch.randn(4, 16)})
+    assert_close(torch.func.functional_call(p, state, (x,)), torch.func.functional_call(unfused, state, (x,)))
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 def test_functional_call_of_one_buffer_for_several_members_counts_each_write():
     # (A fourth review.) Stacked, the members wrote copies of the one buffer: it counted one call.
     torch.manual_seed(0)
