@@ -2240,6 +2240,7 @@ class _Fusion:
         # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows.
         self.instances = [vars(m) for _, modules in self.trees for m in modules]
         self.differ: bool | None = None  # the members compared again, at the first call (see forward_replaced)
+        self.while_swapped = False  # found from tensors swapped in for a call (see Parallel._new_fusion)
         self._rebuild()
 
     def forward_replaced(self) -> bool:

@@ -514,6 +514,9 @@ class Parallel(nn.Module):
         r"""Group the branches as they are now; outside tracing, stack the groups' parameters."""
         fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
                          required=self.fuse is True)
+        # Found inside functional_call, from the tensors it swapped in (tied or unlike as they may
+        # be; nothing stacked then): found again at the first call outside (see _fusion_for).
+        fusion.while_swapped = not _is_tracing() and _watch._swapped_in(self.modules())
         if not _is_tracing() and any([group.bind() for group in fusion.groups]):
             self._param_moves += 1
         return fusion
@@ -801,15 +804,15 @@ class Parallel(nn.Module):
         if _held_by_hooks() if held is None else held:
             return None
         fusion = self._fusion
-        if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
-            if not regroup or _watch._swapped_in(self.modules()):
-                # (Inside functional_call the groups would be found from the tensors swapped in,
-                # tied or unlike as they may be, and kept: unfused, found at a call outside.)
+        if (fusion is None or not fusion.current() or (thorough and fusion.forward_replaced())
+                or fusion.while_swapped and not _watch._swapped_in(self.modules())):
+            if not regroup:
                 return None
             regrouped = False
             with _fusion_lock:  # (looked at again once held: another thread may have grouped)
                 fusion = old = self._fusion
-                if fusion is None or not fusion.current() or (thorough and fusion.forward_replaced()):
+                if (fusion is None or not fusion.current() or (thorough and fusion.forward_replaced())
+                        or fusion.while_swapped and not _watch._swapped_in(self.modules())):
                     fusion = self._fusion = self._new_fusion()
                     regrouped = old is not None and _grouping(old) != _grouping(fusion)
             if regrouped:
@@ -886,8 +889,9 @@ class Parallel(nn.Module):
         the groups are found anew and every schedule is chosen again.
         """
         fusion = self._fusion
-        if fusion is None or fusion.groups or fusion.current() or _watch._swapped_in(self.modules()):
-            return False  # (inside functional_call: found at a call outside, see _fusion_for)
+        if fusion is None or fusion.groups or fusion.current() and not (
+                fusion.while_swapped and not _watch._swapped_in(self.modules())):  # (see _new_fusion)
+            return False
         with _fusion_lock:
             if self._fusion is not fusion:  # (another thread found them)
                 return True
