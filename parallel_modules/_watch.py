@@ -223,7 +223,8 @@ def _given_to_functional_call() -> set[int]:
 
     ``nn.Parameter``\ s and buffers swapped in look like the module's own:
     only the call's own argument tells. (Asked where a block's tree or a
-    group's stacks are seen to differ, not on every call; the stack is walked.)
+    group's stacks are seen to differ, and while groups found inside one
+    are kept, not on every call; the stack is walked.)
     """
     ids: set[int] = set()
     frame = sys._getframe(1)

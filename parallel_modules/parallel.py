@@ -805,14 +805,15 @@ class Parallel(nn.Module):
             return None
         fusion = self._fusion
         if (fusion is None or not fusion.current() or (thorough and fusion.forward_replaced())
-                or fusion.while_swapped and not _watch._swapped_in(self.modules())):
+                or fusion.while_swapped and (_is_tracing() or not _watch._swapped_in(self.modules()))):
+            # (Found inside functional_call: traced unfused, found again at an eager call outside.)
             if not regroup:
                 return None
             regrouped = False
             with _fusion_lock:  # (looked at again once held: another thread may have grouped)
                 fusion = old = self._fusion
                 if (fusion is None or not fusion.current() or (thorough and fusion.forward_replaced())
-                        or fusion.while_swapped and not _watch._swapped_in(self.modules())):
+                        or fusion.while_swapped and (_is_tracing() or not _watch._swapped_in(self.modules()))):
                     fusion = self._fusion = self._new_fusion()
                     regrouped = old is not None and _grouping(old) != _grouping(fusion)
             if regrouped:

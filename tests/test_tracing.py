@@ -240,6 +240,19 @@ def test_compiled_fused_block_ignores_hooks_elsewhere():
     assert counter.frame_count == 1
 
 
+def test_a_block_compiles_whole_after_its_groups_were_found_inside_functional_call():
+    # (An eighth review.) Groups found inside functional_call are found again at an eager call
+    # outside; a trace asked whether one still runs, walking the Python stack, which Dynamo cannot.
+    model = Parallel(_small_mlp(), _small_mlp(), _small_mlp(), join="cat", fuse="auto")
+    x = torch.randn(5, 8)
+    model(x)
+    model[0].register_forward_hook(lambda *a: None)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    torch.func.functional_call(model, params, (x,))
+    assert_close(torch.compile(model, fullgraph=True, backend="eager")(x), reference(model, x))
+    assert_close(model(x), reference(model, x))
+
+
 def test_compiled_fused_block_in_training_is_not_traced_anew_under_a_dual_level():
     # (A review.) The fused stacks' forward-AD Function is chosen by the dual level only
     # outside a trace: a compiler must not guard on it.
