@@ -322,17 +322,6 @@ def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     return address, start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _share_memory(tensors: list[torch.Tensor]) -> bool:
-    r"""Whether two of ``tensors`` are one, or read overlapping bytes (views of one buffer).
-
-    (Not merely one storage: the members' own buffers, bound, are slices of one stack.)
-    """
-    if len(set(map(id, tensors))) < len(tensors):
-        return True
-    spans = sorted(s for s in map(_span, tensors) if s is not None)
-    return any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
-
-
 def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
     r"""The branches (by index, in ``held``: each one's tensors) that share memory with another branch through
     distinct tensor objects, each with one such other branch.
@@ -359,6 +348,22 @@ def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
                 tied.setdefault(j, i)
         open_spans.append((end, i, ident))
     return tied
+
+
+def _share_memory(tensors: list[torch.Tensor]) -> bool:
+    r"""Whether two of ``tensors`` are one, or read overlapping bytes (views of one buffer).
+
+    (Not merely one storage: the members' own buffers, bound, are slices of one stack.)
+    """
+    return len(set(map(id, tensors))) < len(tensors) or bool(_tied_in_memory([[t] for t in tensors]))
+
+
+def _unlike(tensors: list[torch.Tensor | None]) -> int | None:
+    r"""The first of ``tensors`` that is ``None`` where the first is not (or the reverse), or of another
+    shape or dtype; ``None`` where they are all alike (members' tensors, see :class:`_MembersChanged`)."""
+    first = tensors[0]
+    return next((i for i, t in enumerate(tensors) if (t is None) != (first is None) or t is not None and (
+        t.shape != first.shape or t.dtype != first.dtype)), None)
 
 
 def _tied_within(branch: nn.Module) -> tuple[str, str] | None:
@@ -765,9 +770,10 @@ class _Group:
         stack but the members hold tensors swapped in for the call
         (``torch.func.functional_call``: left as they are, the call stacks what
         it finds, see :meth:`run`; bound at a call outside). (Swapped in over
-        bound tensors, they leave the group bound: :meth:`swapped` tells.) Idempotent: tensors already laid out as consecutive
-        slices of one storage (by an earlier bind) are adopted as they are, so
-        finding the groups anew moves nothing.
+        bound tensors, they leave the group bound: :meth:`swapped` tells.)
+        Idempotent: tensors already laid out as consecutive slices of one
+        storage (by an earlier bind) are adopted as they are, so finding the
+        groups anew moves nothing.
         """
         if not self.entries or self.stacks and self._bound():  # (no tensors: nothing to stack)
             return False
@@ -862,14 +868,10 @@ class _Group:
         see :class:`_MembersChanged`)."""
         for entry in self.entries.values():
             try:
-                tensors = self._tensors(entry)
+                if _unlike(self._tensors(entry)) is not None:
+                    return True
             except _MembersChanged:
                 return True
-            first = tensors[0]
-            for t in tensors:
-                if (t is None) != (first is None) or t is not None and (
-                        t.shape != first.shape or t.dtype != first.dtype):
-                    return True
         return False
 
     def swapped(self) -> bool:
@@ -911,24 +913,22 @@ class _Group:
                 if _is_tracing():  # (as below)
                     raise _UnbatchedNow("traced while a member's tensor is gone from its dict") from None
                 raise
-            first = tensors[0]
-            differs = [i for i, t in enumerate(tensors) if (t is None) != (first is None) or t is not None and (
-                t.shape != first.shape or t.dtype != first.dtype)]
-            if differs:
+            differs = _unlike(tensors)
+            if differs is not None:
                 # The members differ since the group was found (one's bias removed, a weight of
                 # another shape given), which registers nothing. A trace cannot find the groups
                 # again (see Parallel._traced_fusion): they are traced unfused. Eagerly (their
                 # tensors stacked as they are), the group fails, and "auto" unfuses it for good.
                 if _is_tracing():
                     raise _UnbatchedNow("traced while the members' tensors differ")
-                raise self._no_longer_identical(qual, tensors, differs[0])
-            if first is None:
+                raise self._no_longer_identical(qual, tensors, differs)
+            if tensors[0] is None:
                 return None
-            if written is not None and entry.kind == "_buffers" and _share_memory(tensors):
-                # One buffer given to several members (functional_call; or views of one): each
-                # writes it in turn unfused, which stacked copies would not add up to.
-                raise _UnbatchedNow("members were given one buffer")
             if written is not None and entry.kind == "_buffers":
+                if _share_memory(tensors):
+                    # One buffer given to several members (functional_call; or views of one): each
+                    # writes it in turn unfused, which stacked copies would not add up to.
+                    raise _UnbatchedNow("members were given one buffer")
                 # Made outside inference mode, the stack keeps a version, which a layer's write
                 # moves under inference mode too (see _run).
                 with torch.inference_mode(False):

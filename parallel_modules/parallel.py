@@ -510,10 +510,14 @@ class Parallel(nn.Module):
                 raise
             # fuse=True and the branches no longer all match: the next call says so.
 
+    def _grouped(self) -> _Fusion:
+        r"""The branches grouped as they are now, nothing stacked (raises for ``fuse=True`` if they differ)."""
+        return _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
+                       required=self.fuse is True)
+
     def _new_fusion(self) -> _Fusion:
         r"""Group the branches as they are now; outside tracing, stack the groups' parameters."""
-        fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
-                         required=self.fuse is True)
+        fusion = self._grouped()
         # Found inside functional_call, from the tensors it swapped in (tied or unlike as they may
         # be; nothing stacked then): found again at the first call outside (see _fusion_for).
         fusion.while_swapped = not _is_tracing() and _watch._swapped_in(self.modules())
@@ -710,12 +714,11 @@ class Parallel(nn.Module):
         # branches changed since they were grouped -- every schedule is then chosen anew -- or
         # a hook registered on a member, a member's mode switched, a member's tensor set to
         # None: grouped anew, not stacked here.
-        changed = self._tree.seen != _watch._changes and self._tree.changed(self)
+        changed = self._tree.changed(self)
         if self.fuse is not False and (changed or fusion is None or not fusion.current()
                                        or any([group.changed() for group in fusion.groups])):
             try:
-                fusion = _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
-                                 required=self.fuse is True)
+                fusion = self._grouped()
             except ValueError:
                 fusion = None
         if self.fuse is False:
@@ -804,16 +807,13 @@ class Parallel(nn.Module):
         if _held_by_hooks() if held is None else held:
             return None
         fusion = self._fusion
-        if (fusion is None or not fusion.current() or (thorough and fusion.forward_replaced())
-                or fusion.while_swapped and (_is_tracing() or not _watch._swapped_in(self.modules()))):
-            # (Found inside functional_call: traced unfused, found again at an eager call outside.)
+        if fusion is None or self._out_of_date(fusion, thorough):
             if not regroup:
                 return None
             regrouped = False
             with _fusion_lock:  # (looked at again once held: another thread may have grouped)
                 fusion = old = self._fusion
-                if (fusion is None or not fusion.current() or (thorough and fusion.forward_replaced())
-                        or fusion.while_swapped and (_is_tracing() or not _watch._swapped_in(self.modules()))):
+                if fusion is None or self._out_of_date(fusion, thorough):
                     fusion = self._fusion = self._new_fusion()
                     regrouped = old is not None and _grouping(old) != _grouping(fusion)
             if regrouped:
@@ -821,6 +821,18 @@ class Parallel(nn.Module):
                 # chosen with the old groups fused are chosen anew, with these.)
                 self._forget_plans(lambda plan: plan.fused)
         return fusion if fusion.groups else None
+
+    def _out_of_date(self, fusion: _Fusion, thorough: bool = False) -> bool:
+        r"""Whether ``fusion``'s groups must be found anew (see :meth:`_Fusion.current`); ``thorough``: also
+        whether a member's ``forward`` was replaced (see :meth:`_Fusion.forward_replaced`).
+
+        Groups found inside ``torch.func.functional_call``, from the tensors it
+        swapped in (see :meth:`_new_fusion`), hold for calls inside one; a trace
+        takes them as out of date (it runs the branches unfused), as it cannot
+        look for the call.
+        """
+        return (not fusion.current() or (thorough and fusion.forward_replaced())
+                or fusion.while_swapped and (_is_tracing() or not _watch._swapped_in(self.modules())))
 
     def _traced_fusion(self, args: tuple, kwargs: dict) -> _Fusion | None:
         r"""The fused groups a compiler traces: those eager calls run, where they are current.
@@ -890,8 +902,7 @@ class Parallel(nn.Module):
         the groups are found anew and every schedule is chosen again.
         """
         fusion = self._fusion
-        if fusion is None or fusion.groups or fusion.current() and not (
-                fusion.while_swapped and not _watch._swapped_in(self.modules())):  # (see _new_fusion)
+        if fusion is None or fusion.groups or not self._out_of_date(fusion):
             return False
         with _fusion_lock:
             if self._fusion is not fusion:  # (another thread found them)

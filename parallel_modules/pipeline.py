@@ -1080,7 +1080,8 @@ class ParallelSequential(nn.Sequential):
                 mixes = m.training
                 why = "updates its spectral norm's power-iteration estimate at every call in training mode"
                 fix = "call .eval() on it if you are not training it, or use chunks=1."
-            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None and any(t is m for t in plan.tied):
+            elif (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+                  and any(t is m for t in plan.tied)):
                 # Renormalized rows are the same whichever micro-batch looks them up
                 # first, unless another layer reads the weight itself (a tied output
                 # head) between two micro-batches' lookups.
@@ -1341,7 +1342,7 @@ class ParallelSequential(nn.Sequential):
         if not _is_tracing() and self._tree.seen != _watch._changes:
             changed = self._tree.changed(self)
             if changed is _watch._WHILE_SWAPPED:  # (see there: the plan made anew at a call outside)
-                homes = {t.device for t in (*self.parameters(), *self.buffers())}
+                homes = _module_devices(self)
                 device = _input_device((input,), {})
                 if len(homes) == 1 and device is not None and device.type == "cpu":
                     (home,) = homes
