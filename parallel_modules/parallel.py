@@ -132,6 +132,12 @@ _MAX_DIM = 1 << 16
 _SETTINGS = frozenset({"join", "dim", "streams", "fuse"}) | _GRAPH_SETTINGS
 
 
+def _slice_text(idx: slice) -> str:
+    r"""``idx`` as written in brackets: ``5:``, ``0:0``, ``::2``."""
+    text = ":".join("" if v is None else str(v) for v in (idx.start, idx.stop))
+    return text if idx.step is None else f"{text}:{idx.step}"
+
+
 def _check_setting(owner: str, name: str, value: Any) -> Any:
     if name == "join":
         return _check_join(owner, value)
@@ -574,6 +580,14 @@ class Parallel(nn.Module):
         if isinstance(idx, slice):
             items = list(self._modules.items())
             chosen = items[idx]
+            if not chosen:
+                # (nn.ModuleList would return an empty one; a block needs a branch, and the
+                # constructor's "got none" would name no slice.)
+                raise ValueError(
+                    f"{type(self).__name__}: the slice [{_slice_text(idx)}] selects none of the {len(items)} "
+                    f"branches, and a {type(self).__name__} needs at least one. Choose a slice that keeps "
+                    f"one (e.g. block[:1]), or check len(block) first."
+                )
             if all(k == str(i) for i, (k, _) in enumerate(items)):
                 # Numbered anew, as nn.ModuleList's slices are (and ``del block[i]`` numbers
                 # them): keys "0", "1", ... as a ModuleList of those branches has, and room
@@ -614,7 +628,11 @@ class Parallel(nn.Module):
         r"""Append a branch at the end; returns ``self``."""
         key = str(len(self._modules))
         if key in self._modules:
-            raise ValueError(f"{type(self).__name__}: a branch named {key!r} already exists; use an OrderedDict.")
+            # (Names kept by an OrderedDict or ``del block.name``: "0", "2".)
+            owner = type(self).__name__
+            raise ValueError(f"{owner}: a branch named {key!r} already exists ({list(self._modules)}); append "
+                             f"names the new branch by its index, {key!r}. Build a new block, "
+                             f"{owner}(*block, module), or name the branches in an OrderedDict.")
         self.add_module(key, _own_mode(self, _as_branch(type(self).__name__, key, module), module))
         self._reset()
         return self
@@ -634,6 +652,20 @@ class Parallel(nn.Module):
 
     def __iadd__(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> "Parallel":
         return self.extend(modules)
+
+    def __add__(self, other: Iterable[nn.Module | Callable[..., Any]]) -> "Parallel":
+        r"""A new block with this one's settings and the branches of both, numbered anew.
+
+        As :class:`nn.ModuleList`'s ``+``: the branches are shared, not copied, and
+        neither operand changes.
+        """
+        owner = type(self).__name__
+        try:
+            others = list(other)
+        except TypeError:
+            raise TypeError(f"{owner}: + takes an iterable of branches (another {owner}, a list), got "
+                            f"{type(other).__name__}. To add one branch, write block + [module].") from None
+        return self.__class__(*self._modules.values(), *others, **self._settings())
 
     def insert(self, index: int, module: nn.Module | Callable[..., Any]) -> "Parallel":
         r"""Insert a branch before position ``index`` (as :meth:`nn.ModuleList.insert`); returns ``self``.

@@ -272,6 +272,31 @@ def test_insert_pop_and_iadd_behave_as_module_lists_do(fuse):
         Parallel(bs[0]).pop(0)
 
 
+@pytest.mark.parametrize("fuse", [False, "auto"])
+def test_add_makes_a_new_block_as_module_lists_do(fuse):
+    # Before (a CPU hunt): += worked as on nn.ModuleList, + raised TypeError.
+    torch.manual_seed(0)
+    bs = [nn.Linear(4, 4) for _ in range(3)]
+    p = Parallel(OrderedDict(a=bs[0], b=bs[1]), join="sum", fuse=fuse)
+    q = Parallel(bs[2], torch.tanh)
+    x = torch.randn(2, 4)
+    same = assert_same if fuse is False else torch.testing.assert_close  # (fused: summed in another order)
+    with torch.no_grad():
+        p(x)  # (a schedule and fused groups made before)
+        r = p + q
+        assert isinstance(r, Parallel) and r is not p
+        assert list(r) == [*p, *q] and r[0] is bs[0] and r[2] is bs[2]  # shared, not copied
+        assert list(r.state_dict()) == list(nn.ModuleList([*p, *q]).state_dict())  # numbered anew
+        assert r.join == "sum" and r.fuse == fuse  # p's settings
+        same(r(x), bs[0](x) + bs[1](x) + bs[2](x) + torch.tanh(x))
+        assert list(p._modules) == ["a", "b"] and len(q) == 2  # operands unchanged
+        same(p(x), bs[0](x) + bs[1](x))
+        same((p + [nn.Identity()])(x), bs[0](x) + bs[1](x) + x)
+    with pytest.raises(TypeError, match=r"Parallel: \+ takes an iterable of branches .*got Linear\. To add one "
+                                        r"branch, write block \+ \[module\]"):
+        p + bs[2]
+
+
 def test_setitem_replaces_branch():
     a, b, c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
     p = Parallel(a, b, join="sum")

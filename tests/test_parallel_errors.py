@@ -586,6 +586,36 @@ def test_extend_onto_a_name_already_taken_leaves_the_block_as_it_was():
     assert_same(p(x), torch.cat([p[0](x), p[1](x)], 1))
 
 
+def test_a_slice_selecting_no_branch_names_the_slice():
+    # Before: the constructor's "expected at least one branch, got none. Pass modules, e.g.
+    # Parallel(nn.Linear(8, 8), ...)", which named no slice.
+    a, b, c = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 3)
+    p = Parallel(a, b, c, join="sum")
+    for idx, text in ((slice(5, None), r"\[5:\]"), (slice(0, 0), r"\[0:0\]"), (slice(0, 3, -1), r"\[0:3:-1\]")):
+        with pytest.raises(ValueError, match=rf"Parallel: the slice {text} selects none of the 3 branches, and a "
+                                             r"Parallel needs at least one\. Choose a slice that keeps one"):
+            p[idx]
+    assert list(p) == [a, b, c]
+    x = torch.randn(2, 4)
+    assert_same(p(x), a(x) + b(x) + c(x))
+    assert list(p[1:]) == [b, c]
+
+
+def test_append_onto_a_name_already_taken_says_why_and_how():
+    # Before: "a branch named '2' already exists; use an OrderedDict.", which append cannot take.
+    a, b, c = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 3)
+    p = Parallel(a, b, c)
+    delattr(p, "1")  # (names kept: "0", "2")
+    with pytest.raises(ValueError, match=r"Parallel: a branch named '2' already exists \(\['0', '2'\]\); append "
+                                         r"names the new branch by its index, '2'\. Build a new block, "
+                                         r"Parallel\(\*block, module\), or name the branches in an OrderedDict"):
+        p.append(nn.Identity())
+    assert list(p._modules) == ["0", "2"]
+    x = torch.randn(2, 4)
+    assert_same(p(x), torch.cat([a(x), c(x)], 1))
+    assert_same(Parallel(*p, nn.Identity())(x), torch.cat([a(x), c(x), x], 1))
+
+
 def test_extend_with_a_bad_module_appends_none():
     p = Parallel(nn.Identity(), nn.Identity())
     with pytest.raises(TypeError, match="branch '3' must be an nn.Module or a callable, got NoneType"):
