@@ -643,7 +643,7 @@ class Parallel(nn.Module):
         # All checked before any is appended: a bad one leaves the block as it was.
         branches = [_own_mode(self, _as_branch(owner, str(n + i), m), m) for i, m in enumerate(modules)]
         taken = [str(n + i) for i in range(len(branches)) if str(n + i) in self._modules]
-        if taken:  # (named branches kept after a slice or a deletion: "1", "3")
+        if taken:  # (names kept by a slice of named branches or `del block.name`: "1", "3")
             raise ValueError(f"{owner}: a branch named {taken[0]!r} already exists; extend appends branches "
                              f"named by their index. Use an OrderedDict to name them.")
         for m in branches:

@@ -869,7 +869,7 @@ class ParallelSequential(nn.Sequential):
         taken = [str(len(self) + i) for i in range(count) if str(len(self) + i) in self._modules]
         if taken:
             raise ValueError(f"{type(self).__name__}: a stage named {taken[0]!r} already exists (the stages keep "
-                             f"their names through a slice or a deletion: {list(self._modules)}), and appending "
+                             f"their names through a slice or a `del pipe.name`: {list(self._modules)}), and appending "
                              f"names stages by their index. Build a new one, "
                              f"{type(self).__name__}(*pipe, new_stage), or name them with an OrderedDict.")
 
