@@ -151,18 +151,33 @@ try:
     from torch.ao.nn.quantized import dynamic as _dynamic
     from torch.ao.quantization import FakeQuantizeBase as _FakeQuantize
     from torch.ao.quantization.observer import FixedQParamsObserver as _FixedQParams
+    from torch.ao.quantization.observer import (HistogramObserver, MovingAverageMinMaxObserver,
+                                                MovingAveragePerChannelMinMaxObserver)
 except ImportError:  # pragma: no cover - a torch without them
-    _DYNAMIC_QUANTIZED, _FakeQuantize, _FixedQParams = (), (), ()
+    _DYNAMIC_QUANTIZED, _FakeQuantize, _FixedQParams, _BATCH_OBSERVERS = (), (), (), ()
 else:
+    # Post-training calibration's observers (``torch.ao.quantization.prepare``) whose state
+    # depends on how the batch is cut: a moving average moves once per call, a histogram is
+    # binned anew on each call's range. (Not MinMaxObserver's: a min of the micro-batches'
+    # mins is the batch's.) One inside a fake quantizer is judged with it, by the quantizer.
+    _BATCH_OBSERVERS = (MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver, HistogramObserver)
     _DYNAMIC_QUANTIZED = tuple(c for c in vars(_dynamic).values() if isinstance(c, type) and issubclass(c, nn.Module))
 
 
-def _quantizes_on_the_batch(m: nn.Module) -> bool:
+def _quantizes_on_the_batch(m: nn.Module, owned: frozenset[int] | set[int] = frozenset()) -> bool:
     # (A weight's fake quantizer too: the default QAT one keeps a moving average of what it
     # observes, which each micro-batch would move again once the weight changes. Not one
-    # of fixed scale, after a sigmoid or softmax.)
+    # of fixed scale, after a sigmoid or softmax. ``owned``: ids of the observers of fake
+    # quantizers, judged with them.)
     return isinstance(m, _DYNAMIC_QUANTIZED) or isinstance(m, _FakeQuantize) and not isinstance(
-        getattr(m, "activation_post_process", None), _FixedQParams)
+        getattr(m, "activation_post_process", None), _FixedQParams) or (
+        isinstance(m, _BATCH_OBSERVERS) and id(m) not in owned)
+
+
+def _observers_of_fake_quantizers(stage: nn.Module) -> set[int]:
+    r"""The ids of the observers that fake quantizers below ``stage`` hold (see :func:`_quantizes_on_the_batch`)."""
+    return {id(q.activation_post_process) for q in stage.modules()
+            if isinstance(q, _FakeQuantize) and isinstance(getattr(q, "activation_post_process", None), nn.Module)}
 
 
 _SpectralNorm = getattr(torch.nn.utils.parametrizations, "_SpectralNorm", ())
@@ -951,9 +966,10 @@ class ParallelSequential(nn.Sequential):
         for i, (name, stage) in enumerate(zip(names, stages)):
             for d in devices[i]:
                 placement.setdefault(d, i)
+            owned = _observers_of_fake_quantizers(stage) if _FakeQuantize else set()
             for qual, m in stage.named_modules(prefix=name):
                 if (_norm_class(m) is not None or hasattr(type(m), "mixes_batch") or _batch_second(m)
-                        or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m) or _quantizes_on_the_batch(m)):
+                        or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m) or _quantizes_on_the_batch(m, owned)):
                     mixers.append((i, qual, m))
                 else:
                     others.append((i, qual, m))
@@ -1069,6 +1085,14 @@ class ParallelSequential(nn.Sequential):
                        "from the whole input at every call")
                 fix = ("use chunks=1 (or pipeline the float model, and quantize it statically: a fixed scale "
                        "treats every sample alike).")
+            elif isinstance(m, _BATCH_OBSERVERS) and not isinstance(m, _FakeQuantize):
+                mixes = True  # (one of a fake quantizer's is not listed: see _make_plan)
+                why = ("observes the range of its inputs for post-training quantization, in state that "
+                       "depends on how the batch is cut (a moving average moved once per call, a histogram "
+                       "binned on each call's range)")
+                fix = ("use chunks=1 while calibrating; once calibrated, convert the model first "
+                       "(torch.ao.quantization.convert), or, if its statistics no longer matter, say so with "
+                       f"`model.get_submodule({qual!r}).mixes_batch = False`.")
             elif _quantizes_on_the_batch(m):
                 # (Whether its observer runs is a tensor, maybe on the GPU: not read at every call.)
                 mixes, why = True, "sets its quantization scale from the inputs it observes"
@@ -1093,10 +1117,13 @@ class ParallelSequential(nn.Sequential):
                        "the other holders only look rows up, never reading the weight itself, say so with "
                        f"`model.get_submodule({qual!r}).mixes_batch = False`.")
             elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-                mixes = m.scale_grad_by_freq and m.training and m.weight.requires_grad and torch.is_grad_enabled()
+                # (In eval mode too: F.embedding scales the gradient whatever the module's mode,
+                # wherever autograd records for the weight.)
+                mixes = m.scale_grad_by_freq and m.weight.requires_grad and torch.is_grad_enabled()
                 why = ("scales its gradient by each index's frequency in the batch (scale_grad_by_freq=True) "
-                       "in training mode")
-                fix = "use chunks=1 to train it, or construct it with scale_grad_by_freq=False."
+                       "while autograd records for its weight (in eval mode too)")
+                fix = ("use chunks=1 to take its gradient, run the call under torch.no_grad(), freeze its weight "
+                       "(requires_grad_(False)), or construct it with scale_grad_by_freq=False.")
             elif norm is None:
                 continue  # (a class attribute mixes_batch = None: not declared)
             elif not issubclass(norm, _BatchNorm):  # instance norms: per sample, but running statistics

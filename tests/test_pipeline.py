@@ -1576,6 +1576,35 @@ def test_a_fake_quantizer_is_refused_unless_declared_idle() -> None:
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
 
 
+def test_a_calibrating_observer_whose_state_depends_on_the_cut_is_refused() -> None:
+    # Post-training quantization's moving-average observers moved once per micro-batch: their
+    # scale silently differed from the whole batch's. A MinMaxObserver (the min of the
+    # micro-batches' mins is the batch's) is not refused, nor the observer a fake quantizer
+    # holds, judged with it (declared idle below).
+    pytest.importorskip("torch.ao.quantization")
+    observer = torch.ao.quantization.observer
+    torch.manual_seed(0)
+    x = torch.randn(8, 16) * torch.linspace(0.1, 5, 8)[:, None]
+    for make in (observer.MovingAverageMinMaxObserver, observer.HistogramObserver):
+        with pytest.raises(RuntimeError, match=rf"contains '1' \({make.__name__}\), which observes"):
+            with torch.no_grad():
+                ParallelSequential(nn.Linear(16, 16), make(), chunks=4).eval()(x)
+    prepared = nn.Sequential(nn.Linear(16, 16))
+    prepared.qconfig = torch.ao.quantization.QConfig(activation=observer.MovingAverageMinMaxObserver,
+                                                     weight=observer.default_weight_observer)
+    torch.ao.quantization.prepare(prepared, inplace=True)
+    with pytest.raises(RuntimeError, match=r"contains '0.0.activation_post_process'"):
+        ParallelSequential(prepared, chunks=2)(x)
+    stages = [nn.Linear(16, 16), observer.MinMaxObserver()]
+    model, reference = ParallelSequential(*copy.deepcopy(stages), chunks=4), nn.Sequential(*stages)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    torch.testing.assert_close(model[1].calculate_qparams(), reference[1].calculate_qparams())
+    quantizer = torch.ao.quantization.FakeQuantize()
+    quantizer.mixes_batch = False
+    ParallelSequential(nn.Linear(16, 16), quantizer, chunks=2)(x)
+
+
 def test_per_sample_gradients_through_vmap_of_grad() -> None:
     # Before: vmap(grad(...)) sees one sample at a time, and chunks=4 refused a batch of one.
     torch.manual_seed(0)
@@ -1664,7 +1693,25 @@ def test_stock_layers_mixing_samples_by_their_settings_are_refused() -> None:
     with torch.no_grad():  # nothing to scale: allowed
         torch.testing.assert_close(model(tokens), emb(tokens).flatten(1))
     model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), emb(tokens).flatten(1))
+
+
+def test_an_embedding_scaling_its_gradient_by_frequency_is_refused_in_eval_mode_too() -> None:
+    # F.embedding scales the weight's gradient by each index's frequency in the batch
+    # whatever the module's mode: in eval mode (dropout off while fine-tuning, gradients
+    # for attribution) the pipeline let it through, and the weight's gradient silently
+    # differed from nn.Sequential's on the whole batch (2 for index 1 where it is 1).
+    tokens = torch.tensor([[1, 2], [1, 3], [1, 4], [1, 5]])
+    emb = nn.Embedding(10, 4, scale_grad_by_freq=True)
+    model = ParallelSequential(emb, nn.Flatten(1), chunks=2).eval()
+    with pytest.raises(RuntimeError, match=r"(?s)Embedding.*scale_grad_by_freq=False"):
+        model(tokens)
+    emb.weight.requires_grad_(False)  # nothing to scale: allowed
     torch.testing.assert_close(model(tokens), emb(tokens).flatten(1))
+    bag = nn.EmbeddingBag(10, 4, mode="sum", scale_grad_by_freq=True)
+    with pytest.raises(RuntimeError, match=r"(?s)EmbeddingBag.*scale_grad_by_freq=False"):
+        ParallelSequential(bag, chunks=2).eval()(tokens)
 
 
 def test_stages_added_with_iadd_are_checked() -> None:
