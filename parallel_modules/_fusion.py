@@ -541,7 +541,7 @@ class _Split(torch.autograd.Function):
     def forward(ctx: Any, part: torch.Tensor, i: int, received: _Received) -> torch.Tensor:  # type: ignore[override]
         ctx.set_materialize_grads(False)
         ctx.i, ctx.received = i, received
-        return part.clone(memory_format=torch.preserve_format)
+        return _dense_clone(part)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
@@ -1512,7 +1512,16 @@ class _Joined:
             return None
         if how == "cat":
             d = dim + t.dim() - 1 if dim < 0 else dim  # in a member's output, which lacks dim 0 of t
-            return t.movedim(0, d).flatten(d, d + 1) if 0 <= d < t.dim() - 1 else None
+            if not 0 <= d < t.dim() - 1:
+                return None
+            joined = t.movedim(0, d).flatten(d, d + 1)  # (a copy, dense, unless a dimension has size 1)
+            if joined.is_contiguous():
+                return joined
+            # Dense, as torch.cat's: across a dimension of size 1 ``flatten`` returns a strided
+            # view, [B, N, 1, C] to [B, N, C], which ``.view()`` would refuse.
+            member = t.select(0, 0)
+            channels_last = member.dim() == 4 and member.is_contiguous(memory_format=torch.channels_last)
+            return joined.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
         if how == "stack":
             d = dim + t.dim() if dim < 0 else dim  # in the stacked result, which has t's dims
             # (Dense, as torch.stack's: a layer's batched rule may leave the stack strided, a
@@ -1542,7 +1551,9 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
         if type(v) is _Structured:
             v, received = v
         leaves, spec = pytree.tree_flatten(v)
-        columns = [_members(leaf, 0, n, recording and leaf.requires_grad, received)
+        # (vmap may leave a leaf's member dimension anywhere in memory, a batch norm's output
+        # [B, N, C]: then copied, as for the stacked layout below.)
+        columns = [_members(leaf, 0, n, recording and leaf.requires_grad or not _dense_members(leaf), received)
                    if isinstance(leaf, torch.Tensor) else (leaf,) * n for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
     t = v.t
@@ -1551,10 +1562,7 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
     if v.layout == _STACKED:
         # (A member's slice is dense unless a layer's batched rule left the stack strided, a
         # Flatten of the channels layout: then copied, as unfused it would be dense.)
-        member = t.select(0, 0) if t.dim() else t
-        dense = member.is_contiguous() or member.dim() == 4 and member.is_contiguous(
-            memory_format=torch.channels_last)
-        return _members(t, 0, n, recording and t.requires_grad or not dense, v.received)
+        return _members(t, 0, n, recording and t.requires_grad or not _dense_members(t), v.received)
     # The channels layout, [B, N * C, ...]: a member's channels are a strided slice of
     # every sample, where unfused it gets a dense tensor (``.view()`` works on it). One
     # copy gives every member a dense block; an input in another memory format
@@ -1563,6 +1571,24 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
     if recording and t.requires_grad or not t.is_contiguous():
         return _members(t, 1, n, True, v.received)
     return _members(t.movedim(1, 0).contiguous(), 0, n, False)
+
+
+def _dense_members(t: torch.Tensor) -> bool:
+    r"""Whether each member's slice of stacked ``t`` (members along dimension 0) is dense, as a
+    tensor a branch returns unfused is (contiguous, or channels-last)."""
+    member = t.select(0, 0) if t.dim() else t
+    return member.is_contiguous() or member.dim() == 4 and member.is_contiguous(memory_format=torch.channels_last)
+
+
+def _dense_clone(part: torch.Tensor) -> torch.Tensor:
+    r"""A copy of a member's slice, dense as a branch's own output would be: in the slice's memory format
+    where it has one (channels-last), contiguous otherwise (``preserve_format`` keeps the strides of a
+    slice that is dense but permuted -- an embedding looking up transposed indices -- which a branch
+    called on its own would not return)."""
+    out = part.clone(memory_format=torch.preserve_format)
+    if out.is_contiguous() or out.dim() == 4 and out.is_contiguous(memory_format=torch.channels_last):
+        return out
+    return out.contiguous()
 
 
 def _members(t: torch.Tensor, dim: int, n: int, copy: bool, received: _Received | None = None) -> list[torch.Tensor]:
@@ -1583,7 +1609,7 @@ def _members(t: torch.Tensor, dim: int, n: int, copy: bool, received: _Received 
         if received is not None and t.requires_grad and torch.is_grad_enabled():
             split = _SplitDual if _forward_ad._current_level >= 0 else _Split
             return [split.apply(part, i, received) for i, part in enumerate(t.unbind(dim))]
-        return [t.select(dim, i).clone(memory_format=torch.preserve_format) for i in range(n)]
+        return [_dense_clone(t.select(dim, i)) for i in range(n)]
     if (_is_tracing() or t.requires_grad or _functorch_active() or _forward_ad._current_level >= 0
             or t.is_inference() or t._is_view()):  # (a compiler asks the first)
         return [t.select(dim, i) for i in range(n)]

@@ -237,6 +237,60 @@ def test_fused_convolutions_hand_each_branch_a_dense_output(device, channels_las
     assert all(q.grad is not None for q in p.parameters())
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("grad", [False, True])
+def test_fused_cat_of_a_size_one_dim_is_dense(device, grad):
+    # Moved and flattened, the members' outputs [N, B, 1, C] are a strided view [B, N, C]
+    # (flatten makes no copy across a dimension of size 1), where torch.cat returns a dense tensor.
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 3), nn.Tanh()) for _ in range(2)], join="cat", dim=1,
+                 fuse=True).to(device)
+    x = torch.randn(8, 1, 4, device=device)
+    with torch.set_grad_enabled(grad):
+        out, expected = p(x), reference(p, x)
+    assert out.stride() == expected.stride()
+    assert_close(out, expected)
+    out.view(-1)
+
+
+class TwoHeadsNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.body(x)
+        return y, y[:, 0]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_vmapped_structured_outputs_are_dense(device):
+    # vmap leaves an eval batch norm's output [B, N, C] in memory: each member's slice of it is
+    # strided, where the branch called on its own returns a dense tensor.
+    p = Parallel(*[TwoHeadsNorm().eval() for _ in range(2)], join=None, fuse=True).to(device)
+    x = torch.randn(4, 4, device=device)
+    with torch.no_grad():
+        outs, expected = p(x), reference(p, x)
+    assert_close(outs, expected)
+    for (o, _), (e, _) in zip(outs, expected):
+        assert o.stride() == e.stride()
+        o.view(-1)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("grad", [False, True])
+def test_fused_embeddings_of_transposed_indices_are_dense(device, grad):
+    # Transposed indices give the stacked lookups permuted strides (through the padding row's
+    # ``torch.where``), which a copy in ``preserve_format`` kept; nn.Embedding returns a dense tensor.
+    p = Parallel(*[nn.Embedding(7, 4, padding_idx=0) for _ in range(3)], join=None, fuse=True).to(device)
+    idx = torch.randint(0, 7, (4, 5), device=device).t()
+    with torch.set_grad_enabled(grad):
+        outs, expected = p(idx), reference(p, idx)
+    for o, e in zip(outs, expected):
+        assert o.stride() == e.stride()
+        assert_close(o, e)
+        o.view(-1)
+
+
 def test_layer_norm_keeps_float64():
     p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(3)], fuse=True).double()
     x = torch.randn(4, 8, dtype=torch.float64)
