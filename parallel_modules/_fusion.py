@@ -1519,9 +1519,9 @@ class _Joined:
                 return joined
             # Dense, as torch.cat's: across a dimension of size 1 ``flatten`` returns a strided
             # view, [B, N, 1, C] to [B, N, C], which ``.view()`` would refuse.
-            member = t.select(0, 0)
-            channels_last = member.dim() == 4 and member.is_contiguous(memory_format=torch.channels_last)
-            return joined.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+            # (In the format torch.cat would pick from the members' strides: channels-last ones
+            # where they are ordered so, which a size-1 dimension leaves ambiguous.)
+            return joined.contiguous(memory_format=_suggest_memory_format(t.select(0, 0)))
         if how == "stack":
             d = dim + t.dim() if dim < 0 else dim  # in the stacked result, which has t's dims
             # (Dense, as torch.stack's: a layer's batched rule may leave the stack strided, a
@@ -1553,7 +1553,10 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
         leaves, spec = pytree.tree_flatten(v)
         # (vmap may leave a leaf's member dimension anywhere in memory, a batch norm's output
         # [B, N, C]: then copied, as for the stacked layout below.)
-        columns = [_members(leaf, 0, n, recording and leaf.requires_grad or not _dense_members(leaf), received)
+        # Not a leaf vmap expanded (stride 0 along the members: an output the members share, their
+        # input returned): unfused each returns that tensor itself, strides and storage.
+        columns = [_members(leaf, 0, n, recording and leaf.requires_grad or not (
+                        leaf.dim() and leaf.stride(0) == 0) and not _dense_members(leaf), received)
                    if isinstance(leaf, torch.Tensor) else (leaf,) * n for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
     t = v.t
@@ -1576,8 +1579,24 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
 def _dense_members(t: torch.Tensor) -> bool:
     r"""Whether each member's slice of stacked ``t`` (members along dimension 0) is dense, as a
     tensor a branch returns unfused is (contiguous, or channels-last)."""
-    member = t.select(0, 0) if t.dim() else t
-    return member.is_contiguous() or member.dim() == 4 and member.is_contiguous(memory_format=torch.channels_last)
+    return _is_dense(t.select(0, 0) if t.dim() else t)
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    r"""Whether ``t`` is contiguous in a memory format (contiguous, channels-last, channels-last 3-D)."""
+    return t.is_contiguous() or t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) or (
+        t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+try:  # (torch.cat's and ``preserve_format``'s choice, from the strides)
+    from torch._prims_common import suggest_memory_format as _suggest_memory_format
+except ImportError:  # pragma: no cover - an older torch
+    def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+        if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+        return torch.contiguous_format
 
 
 def _dense_clone(part: torch.Tensor) -> torch.Tensor:
@@ -1585,10 +1604,10 @@ def _dense_clone(part: torch.Tensor) -> torch.Tensor:
     where it has one (channels-last), contiguous otherwise (``preserve_format`` keeps the strides of a
     slice that is dense but permuted -- an embedding looking up transposed indices -- which a branch
     called on its own would not return)."""
-    out = part.clone(memory_format=torch.preserve_format)
-    if out.is_contiguous() or out.dim() == 4 and out.is_contiguous(memory_format=torch.channels_last):
-        return out
-    return out.contiguous()
+    # (One copy, its format decided first; channels-last 3-D too, a Conv3d's.)
+    if _is_dense(part):
+        return part.clone(memory_format=torch.preserve_format)
+    return part.clone(memory_format=_suggest_memory_format(part))
 
 
 def _members(t: torch.Tensor, dim: int, n: int, copy: bool, received: _Received | None = None) -> list[torch.Tensor]:

@@ -152,15 +152,18 @@ try:
     from torch.ao.quantization import FakeQuantizeBase as _FakeQuantize
     from torch.ao.quantization.observer import FixedQParamsObserver as _FixedQParams
     from torch.ao.quantization.observer import (HistogramObserver, MovingAverageMinMaxObserver,
-                                                MovingAveragePerChannelMinMaxObserver)
+                                                MovingAveragePerChannelMinMaxObserver, PerChannelMinMaxObserver)
 except ImportError:  # pragma: no cover - a torch without them
-    _DYNAMIC_QUANTIZED, _FakeQuantize, _FixedQParams, _BATCH_OBSERVERS = (), (), (), ()
+    _DYNAMIC_QUANTIZED, _FakeQuantize, _FixedQParams, _BATCH_OBSERVERS, _PerChannel = (), (), (), (), ()
 else:
     # Post-training calibration's observers (``torch.ao.quantization.prepare``) whose state
     # depends on how the batch is cut: a moving average moves once per call, a histogram is
     # binned anew on each call's range. (Not MinMaxObserver's: a min of the micro-batches'
-    # mins is the batch's.) One inside a fake quantizer is judged with it, by the quantizer.
+    # mins is the batch's; but a per-channel one along dim 0, the batch's, keeps one range per
+    # sample of a call: see _batch_observer.) One inside a fake quantizer is judged with it, by
+    # the quantizer.
     _BATCH_OBSERVERS = (MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver, HistogramObserver)
+    _PerChannel = PerChannelMinMaxObserver
     _DYNAMIC_QUANTIZED = tuple(c for c in vars(_dynamic).values() if isinstance(c, type) and issubclass(c, nn.Module))
 
 
@@ -170,8 +173,12 @@ def _quantizes_on_the_batch(m: nn.Module, owned: frozenset[int] | set[int] = fro
     # of fixed scale, after a sigmoid or softmax. ``owned``: ids of the observers of fake
     # quantizers, judged with them.)
     return isinstance(m, _DYNAMIC_QUANTIZED) or isinstance(m, _FakeQuantize) and not isinstance(
-        getattr(m, "activation_post_process", None), _FixedQParams) or (
-        isinstance(m, _BATCH_OBSERVERS) and id(m) not in owned)
+        getattr(m, "activation_post_process", None), _FixedQParams) or _batch_observer(m) and id(m) not in owned
+
+
+def _batch_observer(m: nn.Module) -> bool:
+    r"""Whether ``m`` is a calibration observer whose state depends on how the batch is cut."""
+    return isinstance(m, _BATCH_OBSERVERS) or isinstance(m, _PerChannel) and getattr(m, "ch_axis", None) == 0
 
 
 def _observers_of_fake_quantizers(stage: nn.Module) -> set[int]:
@@ -1085,11 +1092,11 @@ class ParallelSequential(nn.Sequential):
                        "from the whole input at every call")
                 fix = ("use chunks=1 (or pipeline the float model, and quantize it statically: a fixed scale "
                        "treats every sample alike).")
-            elif isinstance(m, _BATCH_OBSERVERS) and not isinstance(m, _FakeQuantize):
+            elif _batch_observer(m) and not isinstance(m, _FakeQuantize):
                 mixes = True  # (one of a fake quantizer's is not listed: see _make_plan)
                 why = ("observes the range of its inputs for post-training quantization, in state that "
                        "depends on how the batch is cut (a moving average moved once per call, a histogram "
-                       "binned on each call's range)")
+                       "binned on each call's range, ranges per channel along dim 0, the batch's)")
                 fix = ("use chunks=1 while calibrating; once calibrated, convert the model first "
                        "(torch.ao.quantization.convert), or, if its statistics no longer matter, say so with "
                        f"`model.get_submodule({qual!r}).mixes_batch = False`.")

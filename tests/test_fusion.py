@@ -291,6 +291,72 @@ def test_fused_embeddings_of_transposed_indices_are_dense(device, grad):
         o.view(-1)
 
 
+class LinearAndInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), x
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_a_fused_member_returning_its_strided_input_returns_it_uncopied(device):
+    # vmap expands the input a member returns (stride 0 along the members): unfused the branch
+    # returns x itself, strides and storage, which a copy to a dense tensor would lose.
+    p = Parallel(*[LinearAndInput() for _ in range(2)], join=None, fuse=True).to(device)
+    x = torch.randn(4, 4, device=device).t()
+    with torch.no_grad():
+        outs = p(x)
+    for _, o in outs:
+        assert o.stride() == x.stride() and o.data_ptr() == x.data_ptr()
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("shape, dim", [((2, 1, 1, 3), 1), ((2, 5, 1, 3), 2)])
+def test_fused_cat_of_4d_outputs_with_a_size_one_dim_is_contiguous(device, shape, dim):
+    # A member [B, 1, 1, C] is contiguous and channels-last at once: torch.cat returns a
+    # contiguous tensor, and so must the fused join (not a channels-last one .view() refuses).
+    p = Parallel(*[nn.Sequential(nn.Linear(3, 4 if shape[1] == 1 else 1), nn.GELU()) for _ in range(3)],
+                 join="cat", dim=dim, fuse=True).to(device)
+    x = torch.randn(*shape, device=device)
+    with torch.no_grad():
+        out, expected = p(x), reference(p, x)
+    assert_close(out, expected)
+    assert out.is_contiguous() == expected.is_contiguous()
+    out.view(-1)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("grad", [False, True])
+def test_fused_conv3d_outputs_keep_channels_last_3d(device, grad):
+    p = Parallel(*[nn.Sequential(nn.Conv3d(3, 4, 1), nn.ReLU()) for _ in range(3)], join=None, fuse=True).to(device)
+    x = torch.randn(2, 3, 4, 5, 6, device=device).contiguous(memory_format=torch.channels_last_3d)
+    with torch.set_grad_enabled(grad):
+        outs, expected = p(x), reference(p, x)
+    for o, e in zip(outs, expected):
+        assert_close(o, e)
+        assert o.is_contiguous(memory_format=torch.channels_last_3d) == e.is_contiguous(
+            memory_format=torch.channels_last_3d)
+
+
+def test_a_permuted_member_slice_is_copied_once():
+    class Clones(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.contiguous, torch.ops.aten.copy_):
+                Clones.count += 1
+            return func(*args, **(kwargs or {}))
+
+    p = Parallel(*[nn.Embedding(7, 4, padding_idx=0) for _ in range(3)], join=None, fuse=True)
+    idx = torch.randint(0, 7, (4, 5)).t()
+    p(idx)
+    with Clones():
+        outs = p(idx)
+    assert Clones.count == 3 and all(o.is_contiguous() for o in outs)
+
+
 def test_layer_norm_keeps_float64():
     p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(3)], fuse=True).double()
     x = torch.randn(4, 8, dtype=torch.float64)

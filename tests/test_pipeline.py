@@ -1595,11 +1595,15 @@ def test_a_calibrating_observer_whose_state_depends_on_the_cut_is_refused() -> N
     torch.ao.quantization.prepare(prepared, inplace=True)
     with pytest.raises(RuntimeError, match=r"contains '0.0.activation_post_process'"):
         ParallelSequential(prepared, chunks=2)(x)
-    stages = [nn.Linear(16, 16), observer.MinMaxObserver()]
-    model, reference = ParallelSequential(*copy.deepcopy(stages), chunks=4), nn.Sequential(*stages)
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), reference(x))
-    torch.testing.assert_close(model[1].calculate_qparams(), reference[1].calculate_qparams())
+    with pytest.raises(RuntimeError, match=r"contains '1' \(PerChannelMinMaxObserver\), which observes"):
+        with torch.no_grad():  # (ranges per channel along dim 0: one per sample of a call)
+            ParallelSequential(nn.Linear(16, 16), observer.PerChannelMinMaxObserver(ch_axis=0), chunks=4)(x)
+    for stages in ([nn.Linear(16, 16), observer.MinMaxObserver()],
+                   [nn.Linear(16, 16), observer.PerChannelMinMaxObserver(ch_axis=1)]):
+        model, reference = ParallelSequential(*copy.deepcopy(stages), chunks=4), nn.Sequential(*stages)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), reference(x))
+        torch.testing.assert_close(model[1].calculate_qparams(), reference[1].calculate_qparams())
     quantizer = torch.ao.quantization.FakeQuantize()
     quantizer.mixes_batch = False
     ParallelSequential(nn.Linear(16, 16), quantizer, chunks=2)(x)
