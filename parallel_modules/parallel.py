@@ -644,8 +644,9 @@ class Parallel(nn.Module):
         branches = [_own_mode(self, _as_branch(owner, str(n + i), m), m) for i, m in enumerate(modules)]
         taken = [str(n + i) for i in range(len(branches)) if str(n + i) in self._modules]
         if taken:  # (names kept by a slice of named branches or `del block.name`: "1", "3")
-            raise ValueError(f"{owner}: a branch named {taken[0]!r} already exists; extend appends branches "
-                             f"named by their index. Use an OrderedDict to name them.")
+            raise ValueError(f"{owner}: a branch named {taken[0]!r} already exists ({list(self._modules)}); "
+                             f"extend names the new branches by their index. Build a new block, "
+                             f"{owner}(*block, *modules), or name the branches in an OrderedDict.")
         for m in branches:
             self.append(m)
         return self

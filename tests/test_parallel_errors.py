@@ -579,7 +579,8 @@ def test_assigning_to_a_slice_of_branches_says_how():
 def test_extend_onto_a_name_already_taken_leaves_the_block_as_it_was():
     # Before: the first new branch ("2") was appended, then "3" raised, a partly extended block.
     p = Parallel(OrderedDict((k, nn.Linear(4, 4)) for k in ("1", "3")))  # (as kept by a deletion of named branches)
-    with pytest.raises(ValueError, match=r"Parallel: a branch named '3' already exists; extend appends branches"):
+    with pytest.raises(ValueError, match=r"Parallel: a branch named '3' already exists \(\[.*\]\); extend names the new "
+                                         r"branches by their index\. Build a new block, Parallel\(\*block, \*modules\)"):
         p.extend([nn.Linear(4, 4), nn.Linear(4, 4)])
     assert list(p._modules) == ["1", "3"]
     x = torch.randn(2, 4)
