@@ -2096,6 +2096,19 @@ def _rms_norm_saves_weight(weight: torch.Tensor) -> bool:
     return saves
 
 
+def _one_sample_contiguous(t: torch.Tensor, batch: int) -> torch.Tensor:
+    r"""``t`` made contiguous where it is a channels-last batch of one sample (dimension ``batch``).
+
+    Under vmap, such a sample reaches a member's layers with a batch stride that is neither
+    layout's, which ATen's batch norm backward on the CPU misreads: the members' gradients came
+    out wrong, silently (torch 2.13; with the strides ``(8, 1, 28, 4)`` of a ``(1, 4, 4, 7)``
+    input and a contiguous incoming gradient, unbatched too). A copy of one sample avoids it.
+    """
+    if t.dim() - batch in (4, 5) and t.shape[batch] == 1 and not t.is_contiguous():
+        return t.contiguous()
+    return t
+
+
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     r"""Any other module: :func:`torch.vmap` of :func:`torch.func.functional_call` over the stacks."""
     quals = [q for q in group.entries if q.startswith(prefix + ".")] if prefix else list(group.entries)
@@ -2166,11 +2179,11 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 guard.now = True
             try:
                 if v.layout == _SHARED and state:
-                    out = shared(state, v.t)
+                    out = shared(state, _one_sample_contiguous(v.t, 0))
                 else:
                     # (Without parameters or buffers nothing else is batched, and vmap needs a batched
                     # input: the members' common input is read as N stacked copies, without copying.)
-                    out = stacked(state, _to_stacked(v, group.n))
+                    out = stacked(state, _one_sample_contiguous(_to_stacked(v, group.n), 1))
             finally:
                 if guard is not None:
                     guard.now = False

@@ -263,6 +263,37 @@ class TwoHeadsNorm(nn.Module):
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("batch", [1, 2])
+def test_vmapped_members_get_their_gradients_on_a_channels_last_batch_of_one(device, batch):
+    # Before (a CPU differential fuzz): a channels-last sample of a batch of one reached the
+    # members' batch norm under vmap with a batch stride of neither layout, which ATen's batch
+    # norm backward on the CPU misreads: every member's gradient was wrong (off by up to 20),
+    # the values right.
+    torch.manual_seed(0)
+    members = [TwoHeadsConv().eval() for _ in range(3)]
+    p = Parallel(*copy.deepcopy(members), join=None, fuse=True).to(device).eval()
+    reference = [m.to(device).eval() for m in members]
+    x = torch.randn(batch, 3, 4, 7, device=device).contiguous(memory_format=torch.channels_last)
+    outs, expected = p(x), [m(x) for m in reference]
+    assert_close(outs, expected)
+    weights = [torch.randn(t.shape, device=device) for t in pytree.tree_leaves(expected)]
+    sum((t * w).sum() for t, w in zip(pytree.tree_leaves(outs), weights)).backward()
+    sum((t * w).sum() for t, w in zip(pytree.tree_leaves(expected), weights)).backward()
+    for q, r in zip(p.parameters(), (q for m in reference for q in m.parameters())):
+        assert_close(q.grad, r.grad)
+
+
+class TwoHeadsConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.body(x)
+        return y, y[..., 0] * 0.5
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
 def test_vmapped_structured_outputs_are_dense(device):
     # vmap leaves an eval batch norm's output [B, N, C] in memory: each member's slice of it is
     # strided, where the branch called on its own returns a dense tensor.
