@@ -97,24 +97,18 @@ class ScaleShift(nn.Module):  # a custom module: vmapped when fused
         return x * self.s + self.shift
 
 
-class TupleOut(nn.Module):
-    def __init__(self, inner):
+# What a structured branch returns of its tensor ``y``.
+STRUCTURES = {"tuple": lambda y: (y, y[..., 0] * 0.5), "dict": lambda y: {"y": y, "s": torch.tanh(y).mean(-1)}}
+
+
+class Structured(nn.Module):  # a branch returning a tuple or a dict: run through vmap when fused
+    def __init__(self, inner, how):
         super().__init__()
         self.inner = inner
+        self.how = how
 
     def forward(self, x):
-        y = self.inner(x)
-        return (y, y[..., 0] * 0.5)
-
-
-class DictOut(nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        y = self.inner(x)
-        return {"y": y, "s": torch.tanh(y).mean(-1)}
+        return STRUCTURES[self.how](self.inner(x))
 
 
 class FnModule(nn.Module):
@@ -205,27 +199,20 @@ def make_arch(kind, rng, F, H, C, no_dropout=False):
             lambda: nn.Embedding(C, H, padding_idx=0),
             lambda: nn.Sequential(nn.Embedding(C, H), nn.LayerNorm(H), act()),
         ]
-    elif kind == "img1d":
+    else:  # img1d, img2d: the same layers in one or two dimensions
+        one = kind == "img1d"
+        Conv, Norm = (nn.Conv1d, nn.BatchNorm1d) if one else (nn.Conv2d, nn.BatchNorm2d)
+        MaxPool, AvgPool = (nn.MaxPool1d, nn.AvgPool1d) if one else (nn.MaxPool2d, nn.AvgPool2d)
         g = rng.choice([g for g in (1, 2, 3) if F % g == 0 and H % g == 0])
         opts = [
-            lambda: nn.Conv1d(F, H, 3, padding=1, bias=bias),
-            lambda: nn.Sequential(nn.Conv1d(F, H, 3, padding=1), nn.BatchNorm1d(H), act()),
-            lambda: nn.Sequential(nn.Conv1d(F, H, 3, padding=1), nn.MaxPool1d(3, 1, 1)),
-            lambda: nn.Sequential(nn.AvgPool1d(3, 1, 1), nn.Conv1d(F, H, 1)),
-            lambda: nn.Conv1d(F, H, 3, padding=1, groups=g),
-            lambda: nn.Sequential(nn.BatchNorm1d(F), nn.Conv1d(F, H, 1), act()),
-            lambda: nn.Sequential(nn.Conv1d(F, M, 1), act(), nn.Conv1d(M, H, 3, padding="same", groups=1)),
-        ]
-    else:  # img2d
-        g = rng.choice([g for g in (1, 2, 3) if F % g == 0 and H % g == 0])
-        opts = [
-            lambda: nn.Conv2d(F, H, 3, padding=1, bias=bias),
-            lambda: nn.Sequential(nn.Conv2d(F, H, 3, padding=1), nn.BatchNorm2d(H), act()),
-            lambda: nn.Sequential(nn.Conv2d(F, H, 3, padding=1), nn.MaxPool2d(3, 1, 1)),
-            lambda: nn.Sequential(nn.AvgPool2d(3, 1, 1), nn.Conv2d(F, H, 1)),
-            lambda: nn.Conv2d(F, H, 3, padding=1, groups=g),
-            lambda: nn.Sequential(nn.BatchNorm2d(F), nn.Conv2d(F, H, 1), act()),
-            lambda: nn.Sequential(nn.Conv2d(F, M, 1), act(), nn.Dropout(p), nn.Conv2d(M, H, 3, padding=1)),
+            lambda: Conv(F, H, 3, padding=1, bias=bias),
+            lambda: nn.Sequential(Conv(F, H, 3, padding=1), Norm(H), act()),
+            lambda: nn.Sequential(Conv(F, H, 3, padding=1), MaxPool(3, 1, 1)),
+            lambda: nn.Sequential(AvgPool(3, 1, 1), Conv(F, H, 1)),
+            lambda: Conv(F, H, 3, padding=1, groups=g),
+            lambda: nn.Sequential(Norm(F), Conv(F, H, 1), act()),
+            (lambda: nn.Sequential(Conv(F, M, 1), act(), Conv(M, H, 3, padding="same", groups=1))) if one else
+            (lambda: nn.Sequential(Conv(F, M, 1), act(), nn.Dropout(p), Conv(M, H, 3, padding=1))),
         ]
     return opts[a % len(opts)], a % len(opts)
 
@@ -311,9 +298,65 @@ class Checker:
     r"""Comparisons shared by both case kinds: ``self.dtype`` and ``self.exact()`` decide the tolerance."""
 
     dtype = torch.float32
+    # Calls a case makes (graphed, not), and how likely a mutation is after each (graphed, not).
+    CALLS = ([4, 5, 6, 8], [2, 3, 4, 6])
+    P_MUTATE = (0.3, 0.7)
+
+    def __init__(self, seed, dev):
+        self.seed = seed
+        self.dev = dev
+        self.rng = random.Random(seed)  # (every draw of the case: the seed alone decides it)
+        torch.manual_seed(seed)
 
     def exact(self):
         return False
+
+    def run(self, log):
+        graphed = 0 if self.cuda_graph else 1
+        for step in range(self.rng.choice(self.CALLS[graphed])):
+            try:
+                self.call(step)
+            finally:
+                log.append(f"call{step} {self.last}")
+            self.resync()
+            if self.rng.random() < self.P_MUTATE[graphed]:
+                log.append(f"mutate: {self.mutate()}")
+
+    def step_and_zero(self, module):
+        r"""After a backward: an optimizer step (often), then ``zero_grad`` (mostly; to None or zeros) on both
+        ``module`` and the reference alike."""
+        if self.opts is not None and self.rng.random() < 0.7:
+            for o in self.opts:
+                o.step()
+        if self.rng.random() < 0.8:
+            to_none = self.rng.random() < 0.5
+            module.zero_grad(set_to_none=to_none)
+            self.ref.zero_grad(set_to_none=to_none)
+
+    def raised(self, who, err_b, err_r):
+        r"""Skip a call both raised for; fail one that only one of them raised for."""
+        if err_b is not None and err_r is not None:
+            raise Skip(f"both raised: {type(err_b).__name__}: {str(err_b).splitlines()[0][:120]}")
+        if err_b is not None:
+            raise AssertionError(f"{who} raised, reference did not: {type(err_b).__name__}: {err_b}") from err_b
+        if err_r is not None:
+            raise AssertionError(f"reference raised, {who} did not: {type(err_r).__name__}: {err_r}")
+
+    @staticmethod
+    def none_or_zeros(k, pb, pr, step, who):
+        r"""Whether one of two parameters' gradients is ``None`` and the other zeros, made zeros on both (an
+        optimizer then steps both alike: with momentum or Adam's count, a step on zeros is not a step
+        skipped); fails where the other is not zeros."""
+        if (pb.grad is None) == (pr.grad is None):
+            return False
+        other = pb.grad if pb.grad is not None else pr.grad
+        if other.abs().max() != 0:
+            raise AssertionError(f"step{step} grad {k}: {who} {pb.grad is None and 'None' or 'tensor'} "
+                                 f"vs ref {pr.grad is None and 'None' or 'tensor'}")
+        for p_ in (pb, pr):
+            if p_.grad is None:
+                p_.grad = torch.zeros_like(p_)
+        return True
 
     def tol(self, grad=False):
         if self.dtype in LOW_PRECISION:
@@ -376,11 +419,8 @@ def random_weights(ts, seed):
 # ------------------------------------------------------------------------------ Parallel cases
 class Case(Checker):
     def __init__(self, seed, dev):
-        self.seed = seed
-        self.dev = dev
-        cuda = is_cuda_dev(dev)
-        rng = self.rng = random.Random(seed)
-        torch.manual_seed(seed)
+        super().__init__(seed, dev)
+        cuda, rng = is_cuda_dev(dev), self.rng
         self.kind = rng.choice(["vec", "vec", "seq", "int", "img1d", "img2d"])
         dtypes = [torch.float32, torch.float32, torch.float32, torch.float64, torch.bfloat16]
         if cuda:
@@ -485,18 +525,11 @@ class Case(Checker):
                          torch.optim.Adam(list(rp.values()), lr=0.01, eps=1.0)]
 
     def wrap(self, m):
-        if self.struct == "tuple":
-            return TupleOut(m)
-        if self.struct == "dict":
-            return DictOut(m)
-        return m
+        return m if self.struct is None else Structured(m, self.struct)
 
     def wrap_fn(self, f):
-        if self.struct == "tuple":
-            return lambda x: (lambda y: (y, y[..., 0] * 0.5))(f(x))
-        if self.struct == "dict":
-            return lambda x: (lambda y: {"y": y, "s": torch.tanh(y).mean(-1)})(f(x))
-        return f
+        structure = STRUCTURES.get(self.struct)
+        return f if structure is None else lambda x: structure(f(x))
 
     def exact(self):
         return self.block.fuse is False and not any(isinstance(m, Parallel) and m.fuse is not False
@@ -539,14 +572,9 @@ class Case(Checker):
                 yr = ref_join([m(xr) for m in self.ref._modules.values()], self.block.join, self.block.dim, names)
             except Exception as e:  # noqa
                 err_r = e
-        if err_r is not None and err_b is not None:
-            raise Skip(f"both raised: {type(err_b).__name__}: {str(err_b).splitlines()[0][:120]}")
-        if err_b is not None and self.block.fuse is True and "fuse=True" in str(err_b):
+        if err_b is not None and err_r is None and self.block.fuse is True and "fuse=True" in str(err_b):
             raise Skip("fuse=True refused")
-        if err_b is not None:
-            raise AssertionError(f"block raised, reference did not: {type(err_b).__name__}: {err_b}") from err_b
-        if err_r is not None:
-            raise AssertionError(f"reference raised, block did not: {type(err_r).__name__}: {err_r}")
+        self.raised("block", err_b, err_r)
         self.check(f"step{step} output", yb, yr)
         lb = [t for t in pytree.tree_flatten(yb)[0] if isinstance(t, torch.Tensor)]
         lr = [t for t in pytree.tree_flatten(yr)[0] if isinstance(t, torch.Tensor)]
@@ -595,13 +623,7 @@ class Case(Checker):
                 if xgrad:
                     floor = max(grad_floor(self.ref.parameters()), grad_floor([br]))
                     self.check(f"step{step} input grad", bb.grad, br.grad, True, floor)
-                if self.opts is not None and rng.random() < 0.7:
-                    for o in self.opts:
-                        o.step()
-                if rng.random() < 0.8:
-                    sn = rng.random() < 0.5
-                    self.block.zero_grad(set_to_none=sn)
-                    self.ref.zero_grad(set_to_none=sn)
+                self.step_and_zero(self.block)
         self.compare_state(step)
         # layouts of the outputs
         for i, (a, b) in enumerate(zip(lb, lr)):
@@ -641,18 +663,9 @@ class Case(Checker):
         floor = grad_floor(rp.values())
         for k in bp:
             gb, gr = bp[k].grad, rp[k].grad
-            if (gb is None) != (gr is None):
-                # zeros vs None is documented for some paths (graphs, fused traced code); only flag nonzero
-                other = gb if gb is not None else gr
-                if other.abs().max() == 0:
-                    # The same zeros on the other side: an optimizer then steps both alike (with
-                    # momentum or Adam's count, a step on zeros is not a step skipped).
-                    for p_ in (bp[k], rp[k]):
-                        if p_.grad is None:
-                            p_.grad = torch.zeros_like(p_)
-                    continue
-                raise AssertionError(f"step{step} grad {k}: block {gb is None and 'None' or 'tensor'} "
-                                     f"vs ref {gr is None and 'None' or 'tensor'}")
+            # (Zeros against None is documented for some paths: graphs, fused traced code.)
+            if self.none_or_zeros(k, bp[k], rp[k], step, "block"):
+                continue
             if gb is not None:
                 self.check(f"step{step} grad {k}", gb, gr, True, floor)
 
@@ -898,17 +911,6 @@ class Case(Checker):
                 f"n={len(self.block)} arch={self.arch_desc} train={self.training} opt={self.opt_kind} "
                 f"caller_stream={self.side is not None}")
 
-    def run(self, log):
-        ncalls = self.rng.choice([4, 5, 6, 8] if self.cuda_graph else [2, 3, 4, 6])
-        p_mutate = 0.3 if self.cuda_graph else 0.7
-        for step in range(ncalls):
-            try:
-                self.call(step)
-            finally:
-                log.append(f"call{step} {self.last}")
-            self.resync()
-            if self.rng.random() < p_mutate:
-                log.append(f"mutate: {self.mutate()}")
 
 
 # --------------------------------------------------------------------- ParallelSequential cases
@@ -964,12 +966,12 @@ def batchnorms_eval(m):
 
 
 class PipeCase(Checker):
+    CALLS = ([4, 5, 6, 7], [2, 3, 4, 5])
+    P_MUTATE = (0.25, 0.5)
+
     def __init__(self, seed, dev):
-        self.seed = seed
-        self.dev = dev
-        cuda = is_cuda_dev(dev)
-        rng = self.rng = random.Random(seed)
-        torch.manual_seed(seed)
+        super().__init__(seed, dev)
+        cuda, rng = is_cuda_dev(dev), self.rng
         self.kind = rng.choice(["vec", "vec", "seq", "img2d"])
         self.dtype = rng.choice([torch.float32] * 4 + [torch.float64, torch.bfloat16])
         self.F = rng.choice([2, 3, 4, 6])
@@ -1083,12 +1085,7 @@ class PipeCase(Checker):
                 yr = self.ref(xr if homeless else xr.to(self.dev))
             except Exception as e:  # noqa
                 err_r = e
-        if err_b is not None and err_r is not None:
-            raise Skip(f"both raised: {type(err_b).__name__}: {str(err_b).splitlines()[0][:120]}")
-        if err_b is not None:
-            raise AssertionError(f"pipeline raised, reference did not: {type(err_b).__name__}: {err_b}") from err_b
-        if err_r is not None:
-            raise AssertionError(f"reference raised, pipeline did not: {type(err_r).__name__}: {err_r}")
+        self.raised("pipeline", err_b, err_r)
         if yb.device != yr.device:
             raise AssertionError(f"step{step} output on {yb.device}, reference on {yr.device}")
         self.check(f"step{step} output", yb, yr)
@@ -1101,15 +1098,8 @@ class PipeCase(Checker):
             (yr.float() * wt.float()).sum().backward()
             floor = grad_floor(self.ref.parameters())
             for (k, pb), pr in zip(self.pipe.named_parameters(), self.ref.parameters()):
-                if (pb.grad is None) != (pr.grad is None):
-                    other = pb.grad if pb.grad is not None else pr.grad
-                    if other.abs().max() == 0:  # (zeros on the other side too: see Case.compare_grads)
-                        for p_ in (pb, pr):
-                            if p_.grad is None:
-                                p_.grad = torch.zeros_like(p_)
-                        continue
-                    raise AssertionError(f"step{step} grad {k}: pipeline {pb.grad is None and 'None' or 'tensor'} "
-                                         f"vs ref {pr.grad is None and 'None' or 'tensor'}")
+                if self.none_or_zeros(k, pb, pr, step, "pipeline"):
+                    continue
                 if pb.grad is not None:
                     self.check(f"step{step} grad {k}", pb.grad, pr.grad, True, floor)
             if xgrad:
@@ -1117,13 +1107,7 @@ class PipeCase(Checker):
                     raise AssertionError(f"step{step} input grad {None if xb.grad is None else xb.grad.device} "
                                          f"for an input on {xb.device}")
                 self.check(f"step{step} input grad", xb.grad, xr.grad, True, floor)
-            if self.opts is not None and rng.random() < 0.7:
-                for o in self.opts:
-                    o.step()
-            if rng.random() < 0.8:
-                sn = rng.random() < 0.5
-                self.pipe.zero_grad(set_to_none=sn)
-                self.ref.zero_grad(set_to_none=sn)
+            self.step_and_zero(self.pipe)
         for (k, b), rb in zip(self.pipe.named_buffers(), self.ref.buffers()):
             self.check(f"step{step} buffer {k}", b, rb, True)
         if stream is not None:
@@ -1155,17 +1139,6 @@ class PipeCase(Checker):
         self.resync()
         return "params *= 0.9"
 
-    def run(self, log):
-        ncalls = self.rng.choice([4, 5, 6, 7] if self.cuda_graph else [2, 3, 4, 5])
-        p_mutate = 0.25 if self.cuda_graph else 0.5
-        for step in range(ncalls):
-            try:
-                self.call(step)
-            finally:
-                log.append(f"call{step} {self.last}")
-            self.resync()
-            if self.rng.random() < p_mutate:
-                log.append(f"mutate: {self.mutate()}")
 
 
 # -------------------------------------------------------------------------------------- driver
