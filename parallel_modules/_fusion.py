@@ -868,9 +868,12 @@ class _Group:
         see :class:`_MembersChanged`)."""
         for entry in self.entries.values():
             try:
-                if _unlike(self._tensors(entry)) is not None:
-                    return True
+                tensors = self._tensors(entry)
             except _MembersChanged:
+                return True
+            # (Every member's set to None is alike too, but the group has a stack for it: an
+            # entry is a tensor the members had when grouped.)
+            if tensors[0] is None or _unlike(tensors) is not None:
                 return True
         return False
 
@@ -923,6 +926,12 @@ class _Group:
                     raise _UnbatchedNow("traced while the members' tensors differ")
                 raise self._no_longer_identical(qual, tensors, differs)
             if tensors[0] is None:
+                if not _is_tracing():
+                    # Every member's set to None since grouped (``m.bias = None`` on each: alike, and
+                    # registering nothing). Restacked at every call from then on, the group would
+                    # never be found anew, nor its saved weights watched: it fails as above.
+                    raise _MembersChanged(f"the branches are no longer what was grouped: {qual} of every branch "
+                                          f"was set to None")
                 return None
             if written is not None and entry.kind == "_buffers":
                 if _share_memory(tensors):

@@ -1096,6 +1096,38 @@ def test_member_bias_removed_without_registration():
     assert_close(p(x), reference(p, x))
 
 
+def test_every_member_bias_removed_without_registration_groups_them_anew():
+    # Every member's ``bias = None``: alike, so nothing failed, but the group kept its bias
+    # stack and found its members unbound at every call -- restacking them for good, slower
+    # and without watching the weights autograd saved (a backward after an in-place change,
+    # which unfused autograd refuses, ran). (From a CPU differential fuzz.)
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 6)) for _ in range(2)], join="sum", fuse="auto")
+    idx = torch.randint(0, 5, (5, 3))
+    p(idx)
+    for branch in p:
+        branch[1].bias = None
+    for _ in range(3):
+        assert_close(p(idx), reference(p, idx))
+    group = p._fusion.groups[0]
+    assert p.explain()["fused"] == [["0", "1"]] and "1.bias" not in group.stacks and not group.swapped()
+    out = p(idx)
+    with torch.no_grad():
+        p[0][1].weight.mul_(1.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    p = Parallel(*[nn.Linear(16, 8) for _ in range(2)], fuse=True)
+    x = torch.randn(5, 16)
+    p(x)
+    for branch in p:
+        branch.bias = None
+    with pytest.raises(RuntimeError, match=r"fuse=True, but the branches are no longer what was grouped: bias of "
+                                           r"every branch was set to None"):
+        p(x)
+    assert_close(p(x), reference(p, x))  # (grouped anew)
+    assert "bias" not in p._fusion.groups[0].stacks
+
+
 def test_a_member_tensor_of_another_shape_swapped_in_for_one_call_changes_nothing_after_it():
     # (A review.) torch.func.functional_call swaps a tensor in for one call, registering
     # nothing: the call runs the group unfused, and the block, which would find its
