@@ -93,7 +93,7 @@ from ._compile import _WHOLE
 from . import _watch
 from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
-from ._inputs import _input_device, _signature, _value_key
+from ._inputs import _bounded_add, _input_device, _signature, _value_key
 from ._saved import _saved_storages
 from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dispatch_modes, _graph_state,
                        _hidden_tensors, _in_backward, _is_tracing, _pools, _saved_hooks_recording, _use_count)
@@ -1578,9 +1578,7 @@ class _CudaGraphs:
                 # A graph's backward differentiates the parameters and the inputs alone: such a
                 # buffer would get no gradient. Eager for this signature, as unfused.
                 names = [n for n, b in owner.named_buffers() if b.requires_grad]
-                self._failed[key] = None
-                if len(self._failed) > _MAX_FAILED:
-                    self._failed.popitem(last=False)
+                _bounded_add(self._failed, key, limit=_MAX_FAILED)
                 self._warn_once("buffer-grad", f"{self.name}: cuda_graph=True, but buffers {names} require grad, "
                                                f"which a graph's backward would not give them: calls with grad "
                                                f"enabled run eagerly while they do (make them parameters to "
@@ -1602,9 +1600,7 @@ class _CudaGraphs:
                 except _CaptureError as e:
                     if not self.fallback:
                         raise
-                    self._failed[key] = None
-                    if len(self._failed) > _MAX_FAILED:
-                        self._failed.popitem(last=False)
+                    _bounded_add(self._failed, key, limit=_MAX_FAILED)
                     self._warn_once("fallback", f"{e}\ngraph_fallback=True: this input signature runs "
                                                 f"eagerly from now on.")
                 else:

@@ -77,6 +77,13 @@ def assert_close(a, b):
     torch.testing.assert_close(a, b, **TOL)
 
 
+def assert_dense_as_unfused(out: torch.Tensor, expected: torch.Tensor) -> None:
+    r"""``out`` close to the unfused ``expected``, with its strides: as dense, so ``.view()`` takes it too."""
+    assert out.stride() == expected.stride()
+    assert_close(out, expected)
+    out.view(-1)
+
+
 class AddY(nn.Module):
     r"""A branch with a keyword argument: ``lin(x) + y``."""
 
@@ -247,9 +254,7 @@ def test_fused_cat_of_a_size_one_dim_is_dense(device, grad):
     x = torch.randn(8, 1, 4, device=device)
     with torch.set_grad_enabled(grad):
         out, expected = p(x), reference(p, x)
-    assert out.stride() == expected.stride()
-    assert_close(out, expected)
-    out.view(-1)
+    assert_dense_as_unfused(out, expected)
 
 
 class TwoHeadsNorm(nn.Module):
@@ -263,24 +268,16 @@ class TwoHeadsNorm(nn.Module):
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
-@pytest.mark.parametrize("batch", [1, 2])
-def test_vmapped_members_get_their_gradients_on_a_channels_last_batch_of_one(device, batch):
-    # Before (a CPU differential fuzz): a channels-last sample of a batch of one reached the
-    # members' batch norm under vmap with a batch stride of neither layout, which ATen's batch
-    # norm backward on the CPU misreads: every member's gradient was wrong (off by up to 20),
-    # the values right.
-    torch.manual_seed(0)
-    members = [TwoHeadsConv().eval() for _ in range(3)]
-    p = Parallel(*copy.deepcopy(members), join=None, fuse=True).to(device).eval()
-    reference = [m.to(device).eval() for m in members]
-    x = torch.randn(batch, 3, 4, 7, device=device).contiguous(memory_format=torch.channels_last)
-    outs, expected = p(x), [m(x) for m in reference]
+def test_vmapped_structured_outputs_are_dense(device):
+    # vmap leaves an eval batch norm's output [B, N, C] in memory: each member's slice of it is
+    # strided, where the branch called on its own returns a dense tensor.
+    p = Parallel(*[TwoHeadsNorm().eval() for _ in range(2)], join=None, fuse=True).to(device)
+    x = torch.randn(4, 4, device=device)
+    with torch.no_grad():
+        outs, expected = p(x), reference(p, x)
     assert_close(outs, expected)
-    weights = [torch.randn(t.shape, device=device) for t in pytree.tree_leaves(expected)]
-    sum((t * w).sum() for t, w in zip(pytree.tree_leaves(outs), weights)).backward()
-    sum((t * w).sum() for t, w in zip(pytree.tree_leaves(expected), weights)).backward()
-    for q, r in zip(p.parameters(), (q for m in reference for q in m.parameters())):
-        assert_close(q.grad, r.grad)
+    for (o, _), (e, _) in zip(outs, expected):
+        assert_dense_as_unfused(o, e)
 
 
 class TwoHeadsConv(nn.Module):
@@ -294,17 +291,24 @@ class TwoHeadsConv(nn.Module):
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
-def test_vmapped_structured_outputs_are_dense(device):
-    # vmap leaves an eval batch norm's output [B, N, C] in memory: each member's slice of it is
-    # strided, where the branch called on its own returns a dense tensor.
-    p = Parallel(*[TwoHeadsNorm().eval() for _ in range(2)], join=None, fuse=True).to(device)
-    x = torch.randn(4, 4, device=device)
-    with torch.no_grad():
-        outs, expected = p(x), reference(p, x)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_vmapped_members_get_their_gradients_on_a_channels_last_batch_of_one(device, batch):
+    # Before (a CPU differential fuzz): a channels-last sample of a batch of one reached the
+    # members' batch norm under vmap with a batch stride of neither layout, which ATen's batch
+    # norm backward on the CPU misreads: every member's gradient was wrong (off by up to 20),
+    # the values right.
+    torch.manual_seed(0)
+    members = [TwoHeadsConv().eval() for _ in range(3)]
+    p = Parallel(*copy.deepcopy(members), join=None, fuse=True).to(device).eval()
+    plain = [m.to(device).eval() for m in members]
+    x = torch.randn(batch, 3, 4, 7, device=device).contiguous(memory_format=torch.channels_last)
+    outs, expected = p(x), [m(x) for m in plain]
     assert_close(outs, expected)
-    for (o, _), (e, _) in zip(outs, expected):
-        assert o.stride() == e.stride()
-        o.view(-1)
+    weights = [torch.randn(t.shape, device=device) for t in pytree.tree_leaves(expected)]
+    sum((t * w).sum() for t, w in zip(pytree.tree_leaves(outs), weights)).backward()
+    sum((t * w).sum() for t, w in zip(pytree.tree_leaves(expected), weights)).backward()
+    for q, r in zip(p.parameters(), (q for m in plain for q in m.parameters())):
+        assert_close(q.grad, r.grad)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -317,9 +321,7 @@ def test_fused_embeddings_of_transposed_indices_are_dense(device, grad):
     with torch.set_grad_enabled(grad):
         outs, expected = p(idx), reference(p, idx)
     for o, e in zip(outs, expected):
-        assert o.stride() == e.stride()
-        assert_close(o, e)
-        o.view(-1)
+        assert_dense_as_unfused(o, e)
 
 
 class LinearAndInput(nn.Module):
