@@ -2105,17 +2105,24 @@ def _rms_norm_saves_weight(weight: torch.Tensor) -> bool:
     return saves
 
 
-def _one_sample_contiguous(t: torch.Tensor, batch: int) -> torch.Tensor:
-    r"""``t`` made contiguous where it is a channels-last batch of one sample (dimension ``batch``).
+def _vmappable_layout(t: torch.Tensor, batch: int) -> torch.Tensor:
+    r"""``t`` with each member's sample contiguous where it is an image batch of another layout
+    (channels last, say); ``batch``: 0 for the members' common input, 1 for a stack of theirs.
 
-    Under vmap, such a sample reaches a member's layers with a batch stride that is neither
-    layout's, which ATen's batch norm backward on the CPU misreads: the members' gradients came
-    out wrong, silently (torch 2.13; with the strides ``(8, 1, 28, 4)`` of a ``(1, 4, 4, 7)``
-    input and a contiguous incoming gradient, unbatched too). A copy of one sample avoids it.
+    Under vmap such a sample reaches the members' layers with strides no unbatched tensor has.
+    On CUDA, batch norm asks whether its input is channels last, which vmap cannot answer
+    (torch 2.11: "NYI: querying is_contiguous inside of vmap"), and the group would run
+    unfused for good over the layout of one call. On the CPU, ATen's batch norm backward
+    misreads a batch of one so laid out (torch 2.13, strides ``(8, 1, 28, 4)`` of a
+    ``(1, 4, 4, 7)`` input): the members' gradients came out wrong, silently. A copy of the
+    input avoids both; a stack read as N copies of one sample stays so.
     """
-    if t.dim() - batch in (4, 5) and t.shape[batch] == 1 and not t.is_contiguous():
-        return t.contiguous()
-    return t
+    sample = t if batch == 0 else t[0]
+    if sample.dim() not in (4, 5) or sample.is_contiguous():
+        return t
+    if batch and t.stride(0) == 0:
+        return sample.contiguous().expand(t.shape)
+    return t.contiguous()
 
 
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
@@ -2188,11 +2195,11 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 guard.now = True
             try:
                 if v.layout == _SHARED and state:
-                    out = shared(state, _one_sample_contiguous(v.t, 0))
+                    out = shared(state, _vmappable_layout(v.t, 0))
                 else:
                     # (Without parameters or buffers nothing else is batched, and vmap needs a batched
                     # input: the members' common input is read as N stacked copies, without copying.)
-                    out = stacked(state, _one_sample_contiguous(_to_stacked(v, group.n), 1))
+                    out = stacked(state, _vmappable_layout(_to_stacked(v, group.n), 1))
             finally:
                 if guard is not None:
                     guard.now = False

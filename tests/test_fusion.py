@@ -292,11 +292,12 @@ class TwoHeadsConv(nn.Module):
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("batch", [1, 2])
-def test_vmapped_members_get_their_gradients_on_a_channels_last_batch_of_one(device, batch):
+def test_vmapped_members_run_batched_on_a_channels_last_batch(device, batch):
     # Before (a CPU differential fuzz): a channels-last sample of a batch of one reached the
     # members' batch norm under vmap with a batch stride of neither layout, which ATen's batch
     # norm backward on the CPU misreads: every member's gradient was wrong (off by up to 20),
-    # the values right.
+    # the values right. On CUDA (the GPU suite), batch norm asks vmap whether its input is
+    # channels last, which it cannot answer: fuse=True raised on a batch of two.
     torch.manual_seed(0)
     members = [TwoHeadsConv().eval() for _ in range(3)]
     p = Parallel(*copy.deepcopy(members), join=None, fuse=True).to(device).eval()
