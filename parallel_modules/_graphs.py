@@ -134,9 +134,9 @@ _LEND_AFTER = 2
 _WATCH = 16
 # How many bytes the outputs of a graph reading its inputs in place may exceed the inputs
 # by: its output buffers are memory held beside the first graph's, and a call copying its
-# input in copies the first graph's outputs into them; and the alignment its inputs must
-# have, that of the static buffers, which the caching allocator aligns to 512 bytes (cuBLAS
-# and cuDNN pick kernels by alignment).
+# input in copies the first graph's outputs into them; and the alignment (the allocator's)
+# modulo which the static inputs lie where the capturing call's inputs did, and a reader's
+# inputs must too (cuBLAS and cuDNN pick kernels by alignment).
 _IN_PLACE_SPARE_BYTES = 4 << 20
 _IN_PLACE_ALIGNMENT = 512
 # Calls in a row copying their inputs in, after which a signature drops its reader: its
@@ -301,6 +301,62 @@ def _tf32() -> Hashable:
 def _addresses(tensors: Sequence[torch.Tensor]) -> Any:
     r"""Where ``tensors`` lie: the data pointer of one, a tuple of several's (see ``_Graph.reader``)."""
     return tensors[0].data_ptr() if len(tensors) == 1 else tuple([t.data_ptr() for t in tensors])
+
+
+def _alignment(args: tuple, kwargs: dict) -> Hashable:
+    r"""Where the tensor inputs lie modulo 16 bytes, the alignment PyTorch asks of cuBLAS and
+    cuDNN kernels: a graph captured for inputs at one runs the kernels chosen for it, which
+    may round otherwise than eager on inputs at another (its static inputs lie as the
+    capturing call's did: see :func:`_static_like`)."""
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor and args[0].layout == torch.strided:
+        return args[0].data_ptr() & 15
+    try:
+        return tuple([t.data_ptr() & 15 for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested])
+    except RuntimeError:  # (a wrapper subclass without storage: what its own operations make of it)
+        return None
+
+
+def _static_like(t: torch.Tensor) -> torch.Tensor:
+    r"""A tensor of ``t``'s values laid out as ``t``: its strides, and its address modulo
+    ``_IN_PLACE_ALIGNMENT``.
+
+    Kernels pick their paths by both (contiguity, vectorized loads, cuBLAS and cuDNN
+    heuristics): a graph reading a dense copy of an expanded, sliced or offset input
+    rounded otherwise than eager on the input itself (a last-bit difference of a Conv1d
+    on an expanded input, a training BatchNorm1d on a sliced one). The strides are part
+    of the signature, so every call of the graph copies in a tensor so laid out. (Its
+    memory spans what ``t``'s does, the gaps of a slice included.)
+    """
+    size = t.element_size()
+    offset = (t.data_ptr() % _IN_PLACE_ALIGNMENT) // size if t.data_ptr() % size == 0 else 0
+    span = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    memory = torch.empty(offset + span, dtype=t.dtype, device=t.device).untyped_storage()
+    # (Set, not viewed: a leaf of its own, as a clone would be, no view of a base.)
+    static = torch.empty(0, dtype=t.dtype, device=t.device).set_(memory, offset, t.shape, t.stride())
+    _copy_into(static, t)
+    return static
+
+
+def _writable(static: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    r"""``static`` and ``others`` narrowed to one element along the dimensions ``static`` is
+    expanded in (stride 0), where a copy would write each element many times (and ``copy_``
+    refuses to); their elements are alike along them. (Overlaps of other strides, an
+    ``unfold``'s, ``copy_`` lets through: the elements that share memory in ``static``
+    share it in the source, which has its strides, and are written alike.)"""
+    dims = [d for d, (n, st) in enumerate(zip(static.shape, static.stride())) if st == 0 and n > 1]
+    if not dims:
+        return (static, *others)
+    views = [static, *others]
+    for d in dims:
+        views = [v.narrow(d, 0, 1) for v in views]
+    return tuple(views)
+
+
+def _copy_into(static: torch.Tensor, t: torch.Tensor) -> None:
+    r"""``static.copy_(t)``, where ``static`` may be expanded (see :func:`_static_like`)."""
+    into, source = _writable(static, t)
+    into.copy_(source)
 
 
 def _flipped(tensors: Sequence[torch.Tensor]) -> bool:
@@ -521,6 +577,7 @@ class _Graph:
         self.variant: Any = None  # how the owner ran while captured (``_graph_variants``)
         self.pool = torch.cuda.graph_pool_handle()
         self.inputs: list[torch.Tensor] = []
+        self.expanded = False  # whether an input has a stride 0, which the copy in writes once (_copy_into)
         self.outputs: list[torch.Tensor] = []
         self.out_flat: list[Any] = []  # output leaves; tensors at out_idx are replaced per call
         self.out_idx: list[int] = []
@@ -716,7 +773,10 @@ class _Graph:
     def _copy_in(self, tensors: Any) -> None:
         for static, t in zip(self.inputs, tensors):
             if static.data_ptr() != t.data_ptr():
-                static.copy_(t)
+                if self.expanded:
+                    _copy_into(static, t)
+                else:
+                    static.copy_(t)
 
     def replay(self, tensors: Sequence[torch.Tensor], static_outputs: bool) -> Any:
         r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
@@ -752,9 +812,12 @@ class _Graph:
                     _launch(reader)
                     self.misses = 0
                 else:
-                    for static, t in zip(self.inputs, tensors):
-                        if static.data_ptr() != t.data_ptr():
-                            static.copy_(t)
+                    if self.expanded:
+                        self._copy_in(tensors)
+                    else:
+                        for static, t in zip(self.inputs, tensors):
+                            if static.data_ptr() != t.data_ptr():
+                                static.copy_(t)
                     _launch(self.fwd)
                     if reader is not None:
                         # The first graph wrote its own buffers; the call's outputs are the reader's.
@@ -1344,6 +1407,7 @@ class _CudaGraphs:
             # (And of the buffers that may be made to require grad, which _lookup refuses to capture.)
             tuple(map(_requires_grad, self._differentiable)) if grad else None,
             _kernel_settings(),  # (kernels are chosen when captured)
+            _alignment(args, kwargs),
         )
 
     def _look(self, owner: nn.Module) -> list[nn.Parameter]:
@@ -1684,8 +1748,9 @@ class _CudaGraphs:
                             with torch.inference_mode(False):
                                 # (Not inference tensors, which keep no version: warm-up and capture
                                 # fork on these, and the fork sees a branch write to its input by it.)
-                                graph.inputs = [t.detach().clone().requires_grad_(t.requires_grad and needs_grad)
+                                graph.inputs = [_static_like(t.detach()).requires_grad_(t.requires_grad and needs_grad)
                                                 for t in tensors]
+                                graph.expanded = any(0 in s.stride() for s in graph.inputs)
                                 graph.input_versions = [s._version for s in graph.inputs]
                             graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
                             graph.param_ids = frozenset(map(id, graph.params))
@@ -1949,7 +2014,7 @@ def _readable(graph: _Graph, tensors: list[torch.Tensor], outputs: list[torch.Te
     r"""Whether inference ``graph`` may also be captured reading its inputs in place (see ``_CudaGraphs._reader``).
 
     Where the caller's tensors are laid out and aligned as the static buffers
-    (an overlapping or gapped tensor is cloned dense), carry no conjugate or
+    (which the call that captured them set: see :func:`_static_like`), carry no conjugate or
     negative bit (which the copy resolves), and were not written in place by
     warm-up or capture (the static buffers keep such writes from the caller's
     tensors); where no output is an input (the reader would return, and hold,
@@ -1960,7 +2025,8 @@ def _readable(graph: _Graph, tensors: list[torch.Tensor], outputs: list[torch.Te
     """
     try:
         inputs = {s.untyped_storage().data_ptr() for s in graph.inputs}
-        return (all(t.layout == torch.strided and s.stride() == t.stride() and t.data_ptr() % _IN_PLACE_ALIGNMENT == 0
+        return (all(t.layout == torch.strided and s.stride() == t.stride()
+                    and t.data_ptr() % _IN_PLACE_ALIGNMENT == s.data_ptr() % _IN_PLACE_ALIGNMENT
                     for s, t in zip(graph.inputs, tensors))
                 and not _flipped(tensors) and [s._version for s in graph.inputs] == graph.input_versions
                 and all(o.untyped_storage().data_ptr() not in inputs for o in outputs)

@@ -1652,6 +1652,64 @@ def test_inputs_elsewhere_are_copied_in_and_replay_equal(kept_readers):
     assert _only_graph(block).reader_at == a.data_ptr()
 
 
+def _laid_out(layout: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    r"""A (8, 6, 5) input of ``layout``: a view whose strides or address a dense copy would not keep."""
+    make = {"expanded": lambda: torch.randn(8, 1, 5).expand(8, 6, 5),
+            "sliced": lambda: torch.randn(16, 6, 5)[::2],
+            "offset": lambda: torch.randn(8, 6, 6)[..., 1:],  # (4 bytes in: no longer 16-byte aligned)
+            "transposed": lambda: torch.randn(5, 6, 8).transpose(0, 2)}[layout]
+    return _moved(make(), device, dtype)
+
+
+def _moved(t: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    r"""``t`` on ``device``, with its strides and storage offset (``.to`` makes a view dense)."""
+    base = t._base if t._base is not None else t
+    return base.to(device, dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+@pytest.mark.parametrize("layout", ["expanded", "sliced", "offset", "transposed"])
+def test_static_inputs_keep_the_callers_strides_and_values(layout):
+    from parallel_modules._graphs import _copy_into, _static_like
+
+    x = _laid_out(layout)
+    static = _static_like(x)
+    assert static.stride() == x.stride() and torch.equal(static, x)
+    assert static.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    fresh = _laid_out(layout)
+    _copy_into(static, fresh)  # (an expanded one is written once per element: copy_ refuses it whole)
+    assert torch.equal(static, fresh) and static.stride() == x.stride()
+
+
+@cuda
+@pytest.mark.parametrize("layout", ["expanded", "sliced", "offset", "transposed"])
+@pytest.mark.parametrize("training", [False, True])
+def test_graphs_read_inputs_laid_out_as_the_callers(layout, training):
+    # Before (a GPU differential fuzz): the static inputs were dense copies, whose kernels
+    # (a Conv1d on an expanded input, a training BatchNorm1d on a sliced one) rounded the
+    # last bit otherwise than eager on the caller's own tensor.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Conv1d(6, 3, 3, padding=1), nn.BatchNorm1d(3), nn.Sigmoid()),
+                nn.Sequential(nn.AvgPool1d(3, 1, 1), nn.Conv1d(6, 3, 1)),
+                nn.Sequential(nn.Flatten(), nn.Linear(30, 4))]
+    plain = [copy.deepcopy(b).cuda().train(training) for b in branches]
+    block = _graphed(branches, join=None).train(training)
+    for i in range(5):
+        x = _laid_out(layout, "cuda")
+        leaf = (x._base if x._base is not None else x).detach()
+        xb, xr = (leaf.clone().requires_grad_(training).as_strided(x.shape, x.stride(), x.storage_offset())
+                  for _ in range(2))
+        out, expected = block(xb), [m(xr) for m in plain]
+        for o, e in zip(out, expected):
+            assert torch.equal(o, e), (layout, i)
+        if training:
+            weights = [torch.randn_like(e) for e in expected]
+            sum((o * w).sum() for o, w in zip(out, weights)).backward()
+            sum((e * w).sum() for e, w in zip(expected, weights)).backward()
+            for p, q in zip(block.parameters(), (q for m in plain for q in m.parameters())):
+                torch.testing.assert_close(p.grad, q.grad)
+    assert _only_graph(block).inputs[0].stride() == x.stride()
+
+
 @cuda
 def test_inference_tensors_are_read_in_place(kept_readers):
     block = _graphed(_mlp(4))
@@ -1743,25 +1801,40 @@ def test_a_stage_writing_its_input_in_place_keeps_copying_it():
 
 
 @cuda
-def test_no_reader_for_outgrown_or_aliased_outputs_or_unaligned_inputs():
+def test_no_reader_for_outgrown_or_aliased_outputs():
     from parallel_modules import _graphs
 
     # Outputs of 8 rows of floats: 4 KiB more than the spare bytes; the input 2 KiB.
     wide = Parallel(nn.Linear(64, _graphs._IN_PLACE_SPARE_BYTES // 32 + 128), cuda_graph=True).cuda()
     # An identity branch returns the input: a reader would return (and hold) the caller's tensor.
     tupled = Parallel(nn.Identity(), nn.Linear(64, 64), join=None, cuda_graph=True).cuda()
-    plain = _graphed(_mlp(2))
     x = torch.randn(8, 64, device="cuda")
-    unaligned = torch.randn(8 * 64 + 1, device="cuda")[1:].view(8, 64)
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(wide(x), wide[0](x))
             same, out = tupled(x)
             assert torch.equal(same, x) and same.data_ptr() != x.data_ptr() and torch.equal(out, tupled[1](x))
-            assert torch.equal(plain(unaligned), _reference(plain, unaligned))
-    for block in (wide, tupled, plain):
+    for block in (wide, tupled):
         graph = _only_graph(block)
         assert not graph.readable and graph.reader is None
+
+
+@cuda
+def test_inputs_aligned_otherwise_get_graphs_of_their_own(kept_readers):
+    # cuBLAS and cuDNN kernels are chosen by the inputs' alignment, which a graph bakes in: a
+    # graph captured for aligned inputs must not replay for an input 4 bytes off (nor the
+    # other way round), and the static input of each lies as its callers' do.
+    block = _graphed(_mlp(2))
+    memory = torch.empty(8 * 64 + 1, device="cuda")
+    aligned, unaligned = memory[:-1].view(8, 64), memory[1:].view(8, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            for x in (aligned, unaligned):
+                x.normal_()
+                assert torch.equal(block(x), _reference(block, x))
+    assert block._graphs.captures == 2
+    residues = sorted(g.inputs[0].data_ptr() % 16 for g in block._graphs._graphs.values())
+    assert residues == [0, 4]
 
 
 @cuda
