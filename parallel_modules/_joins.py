@@ -19,6 +19,7 @@ from torch.fx import _symbolic_trace
 from torch.utils import _pytree as pytree
 
 from ._inputs import _with_context
+from ._streams import _hold_fanned_gradients, _is_tracing
 
 __all__: list[str] = []
 
@@ -105,6 +106,8 @@ def _leaf_join(how: str, dim: int, leaves: list[torch.Tensor]) -> torch.Tensor:
     if how == "stack":
         return torch.stack(leaves, dim)
     total = functools.reduce(torch.add, leaves)
+    if total.grad_fn is not None and total.is_cuda and not _is_tracing():
+        _hold_fanned_gradients(total, len(leaves) - 1)  # (branches on several streams read one gradient)
     return total / len(leaves) if how == "mean" else total
 
 

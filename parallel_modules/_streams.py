@@ -23,6 +23,16 @@ Stream order, in one place:
   of it. The engine makes the caller wait for such side streams only at the
   end of ``backward()``; :func:`_join_backward` makes it wait as soon as the
   gradient of the block's input is complete;
+  One gradient handed to branches on two streams -- a ``sum`` or ``mean``
+  join's, which ``add``'s backward passes to every branch as one tensor --
+  must stay referenced until the backward pass ends: the engine sums a
+  node's incoming gradients into one of them in place once it holds the last
+  reference to it (and frees it once nothing does), on the consumer's
+  stream, while the other stream's kernels may still be queued to read it --
+  their node ran and let go of it. Seen on the H200 machine: wrong gradients
+  for a fused group's parameters beside a side branch, with the side
+  branch's backward delayed, and on every call under a CUDA graph. The
+  join's nodes hold them (:func:`_hold_fanned_gradients`);
 * **memory** -- a tensor allocated on a side stream and handed to the caller
   is marked with :meth:`torch.Tensor.record_stream`, so the caching allocator
   does not give its block to another side-stream allocation while the
@@ -506,6 +516,28 @@ class _BackwardJoin:
         for stream in self.streams:
             if stream != current:
                 current.wait_stream(stream)
+
+
+def _hold_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:
+    r"""Post-hook of a join's node: its gradients stay referenced until the backward pass ends (see the module
+    docstring, backward)."""
+    if torch.compiler.is_compiling():  # (compiled autograd traces hooks: its graph holds what it needs)
+        return
+    held = [g for g in grad_inputs if g is not None]
+    if held:
+        # (Run by the engine once every node of the pass has run, on the thread that ran it.)
+        torch.autograd.Variable._execution_engine.queue_callback(held.clear)
+
+
+def _hold_fanned_gradients(total: torch.Tensor, adds: int) -> None:
+    r"""Hook the ``adds`` nodes that summed ``total`` (``reduce(torch.add, leaves)``, the last first), whose
+    backward hands one gradient to every leaf, with :func:`_hold_gradients`."""
+    node = total.grad_fn
+    for _ in range(adds):
+        if node is None:  # (the leaves before are constants: no node summed them)
+            return
+        node.register_hook(_hold_gradients)
+        node = node.next_functions[0][0]
 
 
 # Each input's hook, while the input lives: kept beside the tensor rather than on it, where

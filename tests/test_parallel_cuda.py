@@ -358,6 +358,50 @@ def test_gradients_bit_exact_over_iterations(use_backward):
         assert_same(q, r)
 
 
+class _TwoHeads(nn.Module):
+    r"""``inner``'s output and a scaled column of it: the output's node sums two gradients."""
+
+    def __init__(self, inner: nn.Module, slow: bool = False) -> None:
+        super().__init__()
+        self.inner, self.slow = inner, slow
+
+    def forward(self, x):
+        y = self.inner(x)
+        heads = (y, y[..., 0] * 0.5)
+        return tuple(sleep_in_backward(h, SLEEP // 4) for h in heads) if self.slow else heads
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("join", ["mean", "sum"])
+def test_a_join_gradient_read_on_two_streams_is_not_summed_into(cuda_graph, join):
+    # Before (a GPU differential fuzz): a mean join's backward hands one gradient to every
+    # branch; a fused group on the caller's stream and a side branch read it, and the engine
+    # summed another gradient into it in place while the other stream's reads were queued --
+    # the group's parameters got wrong gradients (off by up to 2, float64), every time under
+    # a CUDA graph, and eagerly with the side branch's backward delayed.
+    torch.manual_seed(0)
+
+    def head(pooled: bool, slow: bool = False) -> nn.Module:
+        conv = nn.Conv2d(4, 4, 3, padding=1)
+        return _TwoHeads(nn.Sequential(conv, nn.ReLU()) if pooled else conv, slow)
+
+    branches = [head(True), head(False, slow=not cuda_graph), head(True)]
+    plain = [copy.deepcopy(b).to(DEV, torch.float64) for b in branches]
+    block = Parallel(*branches, join=join, fuse="auto", streams=True, cuda_graph=cuda_graph).to(DEV, torch.float64)
+    for _ in range(3):
+        x = torch.randn(2, 4, 3, 4, device=DEV, dtype=torch.float64)
+        out, outs = block(x), [m(x) for m in plain]
+        expected = [sum(o[i] for o in outs) / (3 if join == "mean" else 1) for i in range(2)]
+        weights = [torch.randn_like(e) for e in expected]
+        for module in (block, *plain):
+            module.zero_grad(set_to_none=True)
+        sum((o * w).sum() for o, w in zip(out, weights)).backward()
+        sum((e * w).sum() for e, w in zip(expected, weights)).backward()
+        for (name, q), r in zip(block.named_parameters(), (r for m in plain for r in m.parameters())):
+            torch.testing.assert_close(q.grad, r.grad, msg=name)
+    assert block._fusion is not None and block._fusion.groups  # (the heads of branches 0 and 2 ran fused)
+
+
 # --------------------------------------------------------- 7. memory and streams
 def _settled_memory() -> int:
     torch.cuda.synchronize()

@@ -269,3 +269,32 @@ def test_an_output_held_only_by_the_forks_list_is_told_from_one_held_elsewhere()
     assert _streams._references(outputs, 1) == _streams._OWN_REFERENCES + 1
     del stash
     assert _streams._references(outputs, 1) == _streams._OWN_REFERENCES
+
+
+def test_a_join_keeps_its_gradients_until_the_backward_pass_ends():
+    # (See the module docstring, backward: a gradient the join hands to branches on two streams
+    # must not be summed into in place while one of them may still read it.)
+    import functools
+    import weakref
+
+    from parallel_modules._streams import _hold_fanned_gradients
+
+    leaves = [torch.randn(3, requires_grad=True) for _ in range(4)]
+    # (Each branch's output scaled: its node makes a gradient of its own, and the adds' is
+    # referenced by nothing else once those nodes ran.)
+    total = functools.reduce(torch.add, [t * 3.0 for t in leaves])
+    _hold_fanned_gradients(total, 3)
+    handed: list[weakref.ref] = []
+    seen_alive: list[bool] = []
+    node = total.grad_fn
+    for _ in range(3):  # the three adds, and only they, are hooked
+        assert type(node).__name__ == "AddBackward0"
+        node.register_hook(lambda grads, _: handed.extend(weakref.ref(g) for g in grads if g is not None))
+        node = node.next_functions[0][0]
+    assert type(node).__name__ == "MulBackward0"  # (the first branch's, not hooked)
+    for t in leaves:  # (the last of them to get its gradient looks)
+        t.register_hook(lambda g: seen_alive.append(all(r() is not None for r in handed)))
+    (total * 2).sum().backward()
+    assert all(torch.equal(t.grad, torch.full((3,), 6.0)) for t in leaves)
+    assert len(seen_alive) == 4 and seen_alive[-1]  # (the adds' gradients still held when the last leaf's came)
+    assert all(r() is None for r in handed)  # let go once the pass ended
