@@ -106,7 +106,7 @@ def _leaf_join(how: str, dim: int, leaves: list[torch.Tensor]) -> torch.Tensor:
     if how == "stack":
         return torch.stack(leaves, dim)
     total = functools.reduce(torch.add, leaves)
-    if total.grad_fn is not None and total.is_cuda and not _is_tracing():
+    if not _is_tracing() and total.grad_fn is not None and total.is_cuda:  # (a compiler traces no grad_fn)
         _hold_fanned_gradients(total, len(leaves) - 1)  # (branches on several streams read one gradient)
     return total / len(leaves) if how == "mean" else total
 
