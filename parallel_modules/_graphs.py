@@ -328,6 +328,8 @@ def _static_like(t: torch.Tensor) -> torch.Tensor:
     of the signature, so every call of the graph copies in a tensor so laid out. (Its
     memory spans what ``t``'s does, the gaps of a slice included.)
     """
+    if t.layout != torch.strided or t.is_nested:  # (no strides to keep: a copy of its own)
+        return t.clone()
     size = t.element_size()
     offset = (t.data_ptr() % _IN_PLACE_ALIGNMENT) // size if t.data_ptr() % size == 0 else 0
     span = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
@@ -1750,7 +1752,8 @@ class _CudaGraphs:
                                 # fork on these, and the fork sees a branch write to its input by it.)
                                 graph.inputs = [_static_like(t.detach()).requires_grad_(t.requires_grad and needs_grad)
                                                 for t in tensors]
-                                graph.expanded = any(0 in s.stride() for s in graph.inputs)
+                                graph.expanded = any(s.layout == torch.strided and not s.is_nested and 0 in s.stride()
+                                                     for s in graph.inputs)
                                 graph.input_versions = [s._version for s in graph.inputs]
                             graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
                             graph.param_ids = frozenset(map(id, graph.params))

@@ -1680,6 +1680,18 @@ def test_static_inputs_keep_the_callers_strides_and_values(layout):
     assert torch.equal(static, fresh) and static.stride() == x.stride()
 
 
+def test_static_inputs_without_strides_are_copies():
+    from parallel_modules._graphs import _static_like
+
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(3, 3)])
+    for t in (sparse, nested):
+        static = _static_like(t)
+        assert static.layout == t.layout and static.is_nested == t.is_nested
+        assert all(torch.equal(a, b) for a, b in zip(static.unbind(), t.unbind())) if t.is_nested else (
+            torch.equal(static.to_dense(), t.to_dense()))
+
+
 @cuda
 @pytest.mark.parametrize("layout", ["expanded", "sliced", "offset", "transposed"])
 @pytest.mark.parametrize("training", [False, True])
