@@ -317,6 +317,11 @@ def _alignment(args: tuple, kwargs: dict) -> Hashable:
         return None
 
 
+# How many times its elements' count a static input's memory may span to keep its input's layout
+# (a slice of every other row spans 2; see _static_like).
+_MAX_SPAN = 4
+
+
 def _static_like(t: torch.Tensor) -> torch.Tensor:
     r"""A tensor of ``t``'s values laid out as ``t``: its strides, and its address modulo
     ``_IN_PLACE_ALIGNMENT``.
@@ -326,13 +331,22 @@ def _static_like(t: torch.Tensor) -> torch.Tensor:
     rounded otherwise than eager on the input itself (a last-bit difference of a Conv1d
     on an expanded input, a training BatchNorm1d on a sliced one). The strides are part
     of the signature, so every call of the graph copies in a tensor so laid out. (Its
-    memory spans what ``t``'s does, the gaps of a slice included.)
+    memory spans what ``t``'s does, the gaps of a slice included, up to ``_MAX_SPAN`` times
+    its elements.)
     """
-    if t.layout != torch.strided or t.is_nested:  # (no strides to keep: a copy of its own)
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
+        # (No strides to keep, or a subclass, whose type a copy keeps -- its own operations
+        # then run at capture, as eagerly -- and whose memory may not be its own: a wrapper's.)
         return t.clone()
     size = t.element_size()
     offset = (t.data_ptr() % _IN_PLACE_ALIGNMENT) // size if t.data_ptr() % size == 0 else 0
     span = 0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    if span > _MAX_SPAN * t.numel():
+        # A few elements of a large tensor (the last token's features of every sequence): the
+        # buffer would hold as much memory as the tensor they are read from, for as long as the
+        # graph lives. Copied dense, as before graphs kept layouts (eager may then round the
+        # last bit otherwise, see above).
+        return t.clone(memory_format=torch.contiguous_format)
     memory = torch.empty(offset + span, dtype=t.dtype, device=t.device).untyped_storage()
     # (Set, not viewed: a leaf of its own, as a clone would be, no view of a base.)
     static = torch.empty(0, dtype=t.dtype, device=t.device).set_(memory, offset, t.shape, t.stride())

@@ -19,7 +19,7 @@ from torch.fx import _symbolic_trace
 from torch.utils import _pytree as pytree
 
 from ._inputs import _with_context
-from ._streams import _hold_fanned_gradients, _is_tracing
+from ._streams import _graph_state, _hold_join_gradients, _is_tracing
 
 __all__: list[str] = []
 
@@ -106,8 +106,6 @@ def _leaf_join(how: str, dim: int, leaves: list[torch.Tensor]) -> torch.Tensor:
     if how == "stack":
         return torch.stack(leaves, dim)
     total = functools.reduce(torch.add, leaves)
-    if not _is_tracing() and total.grad_fn is not None and total.is_cuda:  # (a compiler traces no grad_fn)
-        _hold_fanned_gradients(total, len(leaves) - 1)  # (branches on several streams read one gradient)
     return total / len(leaves) if how == "mean" else total
 
 
@@ -197,6 +195,19 @@ def _join_outputs(
     owner: str, how: str | Callable[[list], Any], dim: int, names: Iterable[str], outputs: list[Any]
 ) -> Any:
     r"""Combine ``outputs`` (one per branch, in branch order) as ``how`` says."""
+    # (Grad mode first: an inference call asks nothing more; a compiler reads no thread-local.)
+    if not torch.is_grad_enabled() or _is_tracing() or not _graph_state.forked:
+        return _join(owner, how, dim, names, outputs)
+    # Branches that autograd recorded on several streams: a sum hands them one gradient, which
+    # its nodes hold until the backward pass ends (see _streams, backward).
+    _graph_state.forked = False
+    result = _join(owner, how, dim, names, outputs)
+    if how in ("sum", "mean") or callable(how):
+        _hold_join_gradients(result, outputs)
+    return result
+
+
+def _join(owner: str, how: str | Callable[[list], Any], dim: int, names: Iterable[str], outputs: list[Any]) -> Any:
     # (Callables first, and the type of outputs looked at rather than an exception caught:
     # torch.compile cannot compare a builtin such as ``sum`` with a string, nor trace an
     # exception raised by torch.cat.)

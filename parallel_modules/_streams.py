@@ -32,7 +32,7 @@ Stream order, in one place:
   their node ran and let go of it. Seen on the H200 machine: wrong gradients
   for a fused group's parameters beside a side branch, with the side
   branch's backward delayed, and on every call under a CUDA graph. The
-  join's nodes hold them (:func:`_hold_fanned_gradients`);
+  join's nodes hold them (:func:`_hold_join_gradients`);
 * **memory** -- a tensor allocated on a side stream and handed to the caller
   is marked with :meth:`torch.Tensor.record_stream`, so the caching allocator
   does not give its block to another side-stream allocation while the
@@ -333,6 +333,9 @@ class _GraphState(threading.local):
     # next replay on that stream does not wait for: graphs must not lend them.
     crossing = False
     variant: Any = None  # (module, variant) being warmed up or captured: see _graphs._graph_variant
+    # Autograd recorded branches on side streams since the last join read this: the join holds the
+    # gradient it hands them (see the module docstring, backward; _joins._join_outputs resets it).
+    forked = False
 
 
 _graph_state = _GraphState()
@@ -529,15 +532,30 @@ def _hold_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(held.clear)
 
 
-def _hold_fanned_gradients(total: torch.Tensor, adds: int) -> None:
-    r"""Hook the ``adds`` nodes that summed ``total`` (``reduce(torch.add, leaves)``, the last first), whose
-    backward hands one gradient to every leaf, with :func:`_hold_gradients`."""
-    node = total.grad_fn
-    for _ in range(adds):
-        if node is None:  # (the leaves before are constants: no node summed them)
-            return
+def _hold_join_gradients(result: Any, outputs: list[Any]) -> None:
+    r"""Hook the nodes between a join's ``result`` and the branches' ``outputs`` with :func:`_hold_gradients`.
+
+    For a ``sum`` or ``mean`` join, or a join of the user's, of branches that ran
+    forked (``_graph_state.forked``): ``add``'s backward hands one gradient to
+    both its sides. Held, the gradients outlive their last reader by the rest of
+    the backward pass, one join-sized tensor per block: memory a block on one
+    stream need not spend, nor a ``cat`` or ``stack``, whose branches get slices
+    of their own. (At most ``_MAX_HELD_NODES`` nodes: a join reading tensors
+    made before the block is not followed through the model.)
+    """
+    ends = {id(t.grad_fn) for t in _tensor_leaves(outputs) if t.grad_fn is not None}
+    todo = [t.grad_fn for t in _tensor_leaves(result) if t.grad_fn is not None]
+    seen: set[int] = set()
+    while todo and len(seen) < _MAX_HELD_NODES:
+        node = todo.pop()
+        if node is None or id(node) in ends or id(node) in seen:
+            continue
+        seen.add(id(node))
         node.register_hook(_hold_gradients)
-        node = node.next_functions[0][0]
+        todo.extend(n for n, _ in node.next_functions)
+
+
+_MAX_HELD_NODES = 256
 
 
 # Each input's hook, while the input lives: kept beside the tensor rather than on it, where
@@ -770,6 +788,7 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
             _wait(joins[i], caller)
     if torch.is_grad_enabled() and _recording(outputs):
         _join_backward((*args, *kwargs.values()), streams)
+        _graph_state.forked = True
     return _join_and_release(outputs, join, caller, fork, streams)
 
 
@@ -874,8 +893,10 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
         # Join: every launched side stream, whatever happened.
         for slot in range(launched):
             _wait(joins[slot], caller)
-    if inputs and not capturing and torch.is_grad_enabled() and _recording(outputs):
-        _join_backward(inputs, streams)
+    if launched and torch.is_grad_enabled() and _recording(outputs):
+        _graph_state.forked = True
+        if inputs and not capturing:
+            _join_backward(inputs, streams)
     if join is None or capturing or _use_count is None or order is not None:
         # (Under capture the side streams must end joined into the caller's:
         # no wait may fork them again after the join. Orders are given under

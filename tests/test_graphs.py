@@ -1692,6 +1692,33 @@ def test_static_inputs_without_strides_are_copies():
             torch.equal(static.to_dense(), t.to_dense()))
 
 
+def test_static_inputs_of_subclasses_keep_their_type_and_values():
+    # A plain buffer set to a subclass's strides dropped its type (its operations would not
+    # run at capture) and, for a wrapper subclass, its values (its memory is not its own).
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from parallel_modules._graphs import _static_like
+
+    tagged = torch.randn(8, 1).expand(8, 4).as_subclass(_Tagged)
+    pair = TwoTensor(torch.randn(3, 4), torch.randn(3, 4))
+    static = _static_like(tagged)
+    assert type(static) is _Tagged
+    assert torch.equal(static.as_subclass(torch.Tensor), tagged.as_subclass(torch.Tensor))
+    static = _static_like(pair)
+    assert type(static) is TwoTensor and torch.equal(static.a, pair.a) and torch.equal(static.b, pair.b)
+
+
+def test_a_few_elements_of_a_large_input_get_a_dense_static_input():
+    from parallel_modules._graphs import _MAX_SPAN, _static_like
+
+    last = torch.randn(8, 64, 16)[:, -1]  # (the last token's features: 16 of every 1024)
+    static = _static_like(last)
+    assert torch.equal(static, last) and static.is_contiguous()
+    assert static.untyped_storage().nbytes() == last.numel() * last.element_size()
+    every_other = torch.randn(16, 6)[::2]  # (a span of 2: kept as it is)
+    assert _static_like(every_other).stride() == every_other.stride() and _MAX_SPAN >= 2
+
+
 @cuda
 @pytest.mark.parametrize("layout", ["expanded", "sliced", "offset", "transposed"])
 @pytest.mark.parametrize("training", [False, True])

@@ -371,8 +371,12 @@ class _TwoHeads(nn.Module):
         return tuple(sleep_in_backward(h, SLEEP // 4) for h in heads) if self.slow else heads
 
 
+def _mean_of_heads(outputs: list) -> tuple:
+    return tuple(sum(o[i] for o in outputs) / 3 for i in range(2))
+
+
 @pytest.mark.parametrize("cuda_graph", [False, True])
-@pytest.mark.parametrize("join", ["mean", "sum"])
+@pytest.mark.parametrize("join", ["mean", "sum", _mean_of_heads], ids=["mean", "sum", "callable"])
 def test_a_join_gradient_read_on_two_streams_is_not_summed_into(cuda_graph, join):
     # Before (a GPU differential fuzz): a mean join's backward hands one gradient to every
     # branch; a fused group on the caller's stream and a side branch read it, and the engine
@@ -391,7 +395,7 @@ def test_a_join_gradient_read_on_two_streams_is_not_summed_into(cuda_graph, join
     for _ in range(3):
         x = torch.randn(2, 4, 3, 4, device=DEV, dtype=torch.float64)
         out, outs = block(x), [m(x) for m in plain]
-        expected = [sum(o[i] for o in outs) / (3 if join == "mean" else 1) for i in range(2)]
+        expected = [sum(o[i] for o in outs) / (1 if join == "sum" else 3) for i in range(2)]
         weights = [torch.randn_like(e) for e in expected]
         for module in (block, *plain):
             module.zero_grad(set_to_none=True)

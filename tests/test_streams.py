@@ -271,30 +271,55 @@ def test_an_output_held_only_by_the_forks_list_is_told_from_one_held_elsewhere()
     assert _streams._references(outputs, 1) == _streams._OWN_REFERENCES
 
 
-def test_a_join_keeps_its_gradients_until_the_backward_pass_ends():
+@pytest.mark.parametrize("join", ["sum", "weighted"])
+def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join):
     # (See the module docstring, backward: a gradient the join hands to branches on two streams
     # must not be summed into in place while one of them may still read it.)
     import functools
     import weakref
 
-    from parallel_modules._streams import _hold_fanned_gradients
+    from parallel_modules._streams import _hold_join_gradients
 
     leaves = [torch.randn(3, requires_grad=True) for _ in range(4)]
-    # (Each branch's output scaled: its node makes a gradient of its own, and the adds' is
+    # (Each branch's output scaled: its node makes a gradient of its own, and the join's is
     # referenced by nothing else once those nodes ran.)
-    total = functools.reduce(torch.add, [t * 3.0 for t in leaves])
-    _hold_fanned_gradients(total, 3)
+    outputs = [t * 3.0 for t in leaves]
+    total = (functools.reduce(torch.add, outputs) if join == "sum" else
+             functools.reduce(torch.add, [o * w for o, w in zip(outputs, (1.0, 0.5, 0.25, 2.0))]))
+    _hold_join_gradients(total, outputs)
     handed: list[weakref.ref] = []
     seen_alive: list[bool] = []
-    node = total.grad_fn
-    for _ in range(3):  # the three adds, and only they, are hooked
-        assert type(node).__name__ == "AddBackward0"
-        node.register_hook(lambda grads, _: handed.extend(weakref.ref(g) for g in grads if g is not None))
-        node = node.next_functions[0][0]
-    assert type(node).__name__ == "MulBackward0"  # (the first branch's, not hooked)
+    ends = {o.grad_fn for o in outputs}
+    todo, joined = [total.grad_fn], []
+    while todo:  # the join's own nodes: hooked, and watched here
+        node = todo.pop()
+        if node is not None and node not in ends and node not in joined:
+            joined.append(node)
+            node.register_hook(lambda grads, _: handed.extend(weakref.ref(g) for g in grads if g is not None))
+            todo.extend(n for n, _ in node.next_functions)
+    assert len(joined) == (3 if join == "sum" else 7)
     for t in leaves:  # (the last of them to get its gradient looks)
         t.register_hook(lambda g: seen_alive.append(all(r() is not None for r in handed)))
     (total * 2).sum().backward()
-    assert all(torch.equal(t.grad, torch.full((3,), 6.0)) for t in leaves)
-    assert len(seen_alive) == 4 and seen_alive[-1]  # (the adds' gradients still held when the last leaf's came)
+    scale = (1.0, 1.0, 1.0, 1.0) if join == "sum" else (1.0, 0.5, 0.25, 2.0)
+    assert all(torch.equal(t.grad, torch.full((3,), 6.0 * w)) for t, w in zip(leaves, scale))
+    assert len(seen_alive) == 4 and seen_alive[-1]  # (the join's gradients still held when the last leaf's came)
     assert all(r() is None for r in handed)  # let go once the pass ended
+
+
+def test_a_join_after_a_recorded_fork_resets_what_the_fork_noted():
+    # A fork of branches that autograd records notes it for the join that follows (whose sums
+    # then hold the gradient they hand the branches): read by that join only, not by the next.
+    from parallel_modules._joins import _join_outputs
+    from parallel_modules._streams import _graph_state
+
+    xs = [torch.randn(3, requires_grad=True) for _ in range(2)]
+    try:
+        _graph_state.forked = True
+        with torch.no_grad():
+            _join_outputs("Parallel", "sum", 0, ["a", "b"], [x.detach() for x in xs])
+        assert _graph_state.forked  # (nothing recorded: nothing to hold, nothing read)
+        total = _join_outputs("Parallel", "mean", 0, ["a", "b"], xs)
+        assert not _graph_state.forked and torch.equal(total, (xs[0] + xs[1]) / 2)
+    finally:
+        _graph_state.forked = False
