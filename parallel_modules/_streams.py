@@ -540,22 +540,25 @@ def _hold_join_gradients(result: Any, outputs: list[Any]) -> None:
     both its sides. Held, the gradients outlive their last reader by the rest of
     the backward pass, one join-sized tensor per block: memory a block on one
     stream need not spend, nor a ``cat`` or ``stack``, whose branches get slices
-    of their own. (At most ``_MAX_HELD_NODES`` nodes: a join reading tensors
-    made before the block is not followed through the model.)
+    of their own. Only the join's own nodes, made after every output's (autograd
+    numbers a thread's nodes in order; a parameter's accumulator, which a
+    weighted join reaches, holds nothing): a join reading a tensor made before
+    the block (a residual) is not followed into the model, whose gradients would
+    all be held.
     """
-    ends = {id(t.grad_fn) for t in _tensor_leaves(outputs) if t.grad_fn is not None}
+    made = [t.grad_fn._sequence_nr() for t in _tensor_leaves(outputs) if t.grad_fn is not None]
+    if not made:  # (no branch output has a node: none is handed a gradient by another)
+        return
+    last = max(made)
     todo = [t.grad_fn for t in _tensor_leaves(result) if t.grad_fn is not None]
     seen: set[int] = set()
-    while todo and len(seen) < _MAX_HELD_NODES:
+    while todo:
         node = todo.pop()
-        if node is None or id(node) in ends or id(node) in seen:
+        if node is None or id(node) in seen or node._sequence_nr() <= last:
             continue
         seen.add(id(node))
         node.register_hook(_hold_gradients)
         todo.extend(n for n, _ in node.next_functions)
-
-
-_MAX_HELD_NODES = 256
 
 
 # Each input's hook, while the input lives: kept beside the tensor rather than on it, where

@@ -271,8 +271,8 @@ def test_an_output_held_only_by_the_forks_list_is_told_from_one_held_elsewhere()
     assert _streams._references(outputs, 1) == _streams._OWN_REFERENCES
 
 
-@pytest.mark.parametrize("join", ["sum", "weighted"])
-def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join):
+@pytest.mark.parametrize("join", ["sum", "weighted", "residual"])
+def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join, monkeypatch):
     # (See the module docstring, backward: a gradient the join hands to branches on two streams
     # must not be summed into in place while one of them may still read it.)
     import functools
@@ -281,15 +281,27 @@ def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join):
     from parallel_modules._streams import _hold_join_gradients
 
     leaves = [torch.randn(3, requires_grad=True) for _ in range(4)]
+    before = torch.randn(3, requires_grad=True)
+    residual = before.exp()  # (made before the block: its node is the model's, not the join's)
     # (Each branch's output scaled: its node makes a gradient of its own, and the join's is
     # referenced by nothing else once those nodes ran.)
     outputs = [t * 3.0 for t in leaves]
-    total = (functools.reduce(torch.add, outputs) if join == "sum" else
-             functools.reduce(torch.add, [o * w for o, w in zip(outputs, (1.0, 0.5, 0.25, 2.0))]))
+    total = (functools.reduce(torch.add, [o * w for o, w in zip(outputs, (1.0, 0.5, 0.25, 2.0))]) if join == "weighted"
+             else functools.reduce(torch.add, outputs))
+    if join == "residual":
+        total = total + residual
+    hooked = []
+
+    def counted(grad_inputs, grad_outputs):
+        hooked.append(len(grad_inputs))
+        return _streams._hold_gradients(grad_inputs, grad_outputs)
+
+    monkeypatch.setattr(_streams, "_hold_gradients", counted)
     _hold_join_gradients(total, outputs)
+    monkeypatch.undo()
     handed: list[weakref.ref] = []
     seen_alive: list[bool] = []
-    ends = {o.grad_fn for o in outputs}
+    ends = {o.grad_fn for o in outputs} | {residual.grad_fn}
     todo, joined = [total.grad_fn], []
     while todo:  # the join's own nodes: hooked, and watched here
         node = todo.pop()
@@ -297,14 +309,15 @@ def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join):
             joined.append(node)
             node.register_hook(lambda grads, _: handed.extend(weakref.ref(g) for g in grads if g is not None))
             todo.extend(n for n, _ in node.next_functions)
-    assert len(joined) == (3 if join == "sum" else 7)
+    assert len(joined) == {"sum": 3, "weighted": 7, "residual": 4}[join]
     for t in leaves:  # (the last of them to get its gradient looks)
         t.register_hook(lambda g: seen_alive.append(all(r() is not None for r in handed)))
     (total * 2).sum().backward()
-    scale = (1.0, 1.0, 1.0, 1.0) if join == "sum" else (1.0, 0.5, 0.25, 2.0)
+    scale = (1.0, 0.5, 0.25, 2.0) if join == "weighted" else (1.0, 1.0, 1.0, 1.0)
     assert all(torch.equal(t.grad, torch.full((3,), 6.0 * w)) for t, w in zip(leaves, scale))
     assert len(seen_alive) == 4 and seen_alive[-1]  # (the join's gradients still held when the last leaf's came)
     assert all(r() is None for r in handed)  # let go once the pass ended
+    assert len(hooked) == len(joined)  # the join's nodes only: not the residual's, made before the block
 
 
 def test_a_join_after_a_recorded_fork_resets_what_the_fork_noted():
