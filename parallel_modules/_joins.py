@@ -19,7 +19,7 @@ from torch.fx import _symbolic_trace
 from torch.utils import _pytree as pytree
 
 from ._inputs import _with_context
-from ._streams import _graph_state, _hold_join_gradients, _is_tracing
+from ._streams import _graph_state, _hold_join_gradients, _is_tracing, _last_node
 
 __all__: list[str] = []
 
@@ -201,9 +201,10 @@ def _join_outputs(
     # Branches that autograd recorded on several streams: a sum hands them one gradient, which
     # its nodes hold until the backward pass ends (see _streams, backward).
     _graph_state.forked = False
+    last = _last_node(outputs) if how in ("sum", "mean") or callable(how) else None
     result = _join(owner, how, dim, names, outputs)
-    if how in ("sum", "mean") or callable(how):
-        _hold_join_gradients(result, outputs)
+    if last is not None:
+        _hold_join_gradients(result, last)
     return result
 
 

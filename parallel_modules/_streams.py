@@ -532,29 +532,38 @@ def _hold_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(held.clear)
 
 
-def _hold_join_gradients(result: Any, outputs: list[Any]) -> None:
-    r"""Hook the nodes between a join's ``result`` and the branches' ``outputs`` with :func:`_hold_gradients`.
+def _last_node(outputs: list[Any]) -> int | None:
+    r"""The greatest number autograd gave the nodes of the branches' ``outputs`` (``None``: none has one).
+
+    Read before the join runs: an in-place join (``x += o``) gives its first output a node of its own.
+    """
+    leaves = outputs if all(type(o) is torch.Tensor for o in outputs) else _tensor_leaves(outputs)
+    made = [t.grad_fn._sequence_nr() for t in leaves if t.grad_fn is not None]
+    return max(made) if made else None
+
+
+def _hold_join_gradients(result: Any, last: int) -> None:
+    r"""Hook the join's own nodes, from its ``result`` back to the branches' outputs, with :func:`_hold_gradients`.
 
     For a ``sum`` or ``mean`` join, or a join of the user's, of branches that ran
     forked (``_graph_state.forked``): ``add``'s backward hands one gradient to
     both its sides. Held, the gradients outlive their last reader by the rest of
     the backward pass, one join-sized tensor per block: memory a block on one
     stream need not spend, nor a ``cat`` or ``stack``, whose branches get slices
-    of their own. Only the join's own nodes, made after every output's (autograd
-    numbers a thread's nodes in order; a parameter's accumulator, which a
-    weighted join reaches, holds nothing): a join reading a tensor made before
-    the block (a residual) is not followed into the model, whose gradients would
-    all be held.
+    of their own. The join's own nodes are those autograd numbered after every
+    output's (``last``, :func:`_last_node`; it numbers a thread's nodes in order,
+    and the branches run on the caller's thread): a join reading a tensor made
+    before the block (a residual) is not followed into the model, whose
+    gradients would all be held. (Nor a parameter's accumulator, which a
+    weighted join reaches, numbered last of all: it hands nothing on, and a hook
+    on it would stay for as long as something keeps it, DDP's reducer.)
     """
-    made = [t.grad_fn._sequence_nr() for t in _tensor_leaves(outputs) if t.grad_fn is not None]
-    if not made:  # (no branch output has a node: none is handed a gradient by another)
-        return
-    last = max(made)
-    todo = [t.grad_fn for t in _tensor_leaves(result) if t.grad_fn is not None]
+    leaves = (result,) if isinstance(result, torch.Tensor) else _tensor_leaves(result)
+    todo = [t.grad_fn for t in leaves if t.grad_fn is not None]
     seen: set[int] = set()
     while todo:
         node = todo.pop()
-        if node is None or id(node) in seen or node._sequence_nr() <= last:
+        if node is None or id(node) in seen or node._sequence_nr() <= last or not node.next_functions:
             continue
         seen.add(id(node))
         node.register_hook(_hold_gradients)

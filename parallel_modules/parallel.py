@@ -26,8 +26,8 @@ from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _w
 from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
-                       _checkpoint_recording, _current_stream, _fork_join, _in_backward, _is_tracing, _jit_tracing,
-                       _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
+                       _checkpoint_recording, _current_stream, _fork_join, _graph_state, _in_backward, _is_tracing,
+                       _jit_tracing, _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
 from . import _watch
 
 __all__ = ["Parallel"]
@@ -1426,6 +1426,7 @@ class Parallel(nn.Module):
         # structured outputs.)
         if (type(self.join) is str and self.join == "cat" and outputs and isinstance(outputs[0], torch.Tensor)
                 and not torch.compiler.is_compiling()):  # (which cannot catch what torch.cat raises: see _joins)
+            _graph_state.forked = False  # (a cat hands each branch a slice of its own: nothing to hold)
             try:
                 return torch.cat(outputs, self.dim)
             except Exception:

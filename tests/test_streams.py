@@ -271,14 +271,14 @@ def test_an_output_held_only_by_the_forks_list_is_told_from_one_held_elsewhere()
     assert _streams._references(outputs, 1) == _streams._OWN_REFERENCES
 
 
-@pytest.mark.parametrize("join", ["sum", "weighted", "residual"])
+@pytest.mark.parametrize("join", ["sum", "weighted", "residual", "in place"])
 def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join, monkeypatch):
     # (See the module docstring, backward: a gradient the join hands to branches on two streams
     # must not be summed into in place while one of them may still read it.)
     import functools
     import weakref
 
-    from parallel_modules._streams import _hold_join_gradients
+    from parallel_modules._streams import _hold_join_gradients, _last_node
 
     leaves = [torch.randn(3, requires_grad=True) for _ in range(4)]
     before = torch.randn(3, requires_grad=True)
@@ -286,8 +286,15 @@ def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join, monkeypat
     # (Each branch's output scaled: its node makes a gradient of its own, and the join's is
     # referenced by nothing else once those nodes ran.)
     outputs = [t * 3.0 for t in leaves]
-    total = (functools.reduce(torch.add, [o * w for o, w in zip(outputs, (1.0, 0.5, 0.25, 2.0))]) if join == "weighted"
-             else functools.reduce(torch.add, outputs))
+    weights = torch.tensor([1.0, 0.5, 0.25, 2.0], requires_grad=True)  # (a join's parameter: its accumulator)
+    last = _last_node(outputs)  # (before the join: an in-place one gives the first output a node of its own)
+    if join == "in place":
+        total = outputs[0]
+        for o in outputs[1:]:
+            total += o
+    else:
+        total = (functools.reduce(torch.add, [o * w for o, w in zip(outputs, weights)]) if join == "weighted"
+                 else functools.reduce(torch.add, outputs))
     if join == "residual":
         total = total + residual
     hooked = []
@@ -297,19 +304,21 @@ def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join, monkeypat
         return _streams._hold_gradients(grad_inputs, grad_outputs)
 
     monkeypatch.setattr(_streams, "_hold_gradients", counted)
-    _hold_join_gradients(total, outputs)
+    _hold_join_gradients(total, last)
     monkeypatch.undo()
     handed: list[weakref.ref] = []
     seen_alive: list[bool] = []
-    ends = {o.grad_fn for o in outputs} | {residual.grad_fn}
+    ends = {leaf.grad_fn for leaf in leaves} | {residual.grad_fn}
     todo, joined = [total.grad_fn], []
     while todo:  # the join's own nodes: hooked, and watched here
         node = todo.pop()
-        if node is not None and node not in ends and node not in joined:
+        if (node is not None and node not in ends and node not in joined and node._sequence_nr() > last
+                and node.next_functions):
             joined.append(node)
             node.register_hook(lambda grads, _: handed.extend(weakref.ref(g) for g in grads if g is not None))
             todo.extend(n for n, _ in node.next_functions)
-    assert len(joined) == {"sum": 3, "weighted": 7, "residual": 4}[join]
+    # (Weighted: 4 products, 3 sums and the weights' unbind.)
+    assert len(joined) == {"sum": 3, "weighted": 8, "residual": 4, "in place": 3}[join]
     for t in leaves:  # (the last of them to get its gradient looks)
         t.register_hook(lambda g: seen_alive.append(all(r() is not None for r in handed)))
     (total * 2).sum().backward()
@@ -336,3 +345,28 @@ def test_a_join_after_a_recorded_fork_resets_what_the_fork_noted():
         assert not _graph_state.forked and torch.equal(total, (xs[0] + xs[1]) / 2)
     finally:
         _graph_state.forked = False
+
+
+def test_an_in_place_join_after_a_fork_holds_its_gradients(monkeypatch):
+    # (A join of the user's summing in place gives the first output a node of its own: the
+    # outputs' nodes are numbered before the join runs, or its sum would be taken for theirs.)
+    from parallel_modules._joins import _join_outputs
+    from parallel_modules._streams import _graph_state
+
+    def in_place(outputs):
+        total = outputs[0]
+        for o in outputs[1:]:
+            total += o
+        return total
+
+    hooked = []
+    monkeypatch.setattr(_streams, "_hold_gradients", lambda grads, _: hooked.append(len(grads)))
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    try:
+        _graph_state.forked = True
+        total = _join_outputs("Parallel", in_place, 0, ["a", "b", "c"], [x * 1.0 for x in xs])
+    finally:
+        _graph_state.forked = False
+    total.sum().backward()
+    assert hooked == [2, 2]  # (the two in-place sums, each handing one gradient to both sides)
+    assert all(torch.equal(x.grad, torch.ones(3)) for x in xs)
