@@ -95,8 +95,8 @@ from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
 from ._inputs import _bounded_add, _input_device, _signature, _value_key
 from ._saved import _saved_storages
-from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dispatch_modes, _graph_state,
-                       _hidden_tensors, _in_backward, _is_tracing, _pools, _saved_hooks_recording, _use_count)
+from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dense, _dispatch_modes,
+                       _graph_state, _hidden_tensors, _in_backward, _is_tracing, _pools, _saved_hooks_recording, _use_count)
 
 __all__: list[str] = []
 
@@ -312,7 +312,7 @@ def _alignment(args: tuple, kwargs: dict) -> Hashable:
         return args[0].data_ptr() & 15
     try:
         return tuple([t.data_ptr() & 15 for t in pytree.tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested])
+                      if isinstance(t, torch.Tensor) and _dense(t)])
     except RuntimeError:  # (a wrapper subclass without storage: what its own operations make of it)
         return None
 
@@ -334,7 +334,7 @@ def _static_like(t: torch.Tensor) -> torch.Tensor:
     memory spans what ``t``'s does, the gaps of a slice included, up to ``_MAX_SPAN`` times
     its elements.)
     """
-    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested:
+    if type(t) is not torch.Tensor or not _dense(t):
         # (No strides to keep, or a subclass, whose type a copy keeps -- its own operations
         # then run at capture, as eagerly -- and whose memory may not be its own: a wrapper's.)
         return t.clone()
@@ -354,25 +354,19 @@ def _static_like(t: torch.Tensor) -> torch.Tensor:
     return static
 
 
-def _writable(static: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    r"""``static`` and ``others`` narrowed to one element along the dimensions ``static`` is
-    expanded in (stride 0), where a copy would write each element many times (and ``copy_``
-    refuses to); their elements are alike along them. (Overlaps of other strides, an
-    ``unfold``'s, ``copy_`` lets through: the elements that share memory in ``static``
-    share it in the source, which has its strides, and are written alike.)"""
-    dims = [d for d, (n, st) in enumerate(zip(static.shape, static.stride())) if st == 0 and n > 1]
-    if not dims:
-        return (static, *others)
-    views = [static, *others]
-    for d in dims:
-        views = [v.narrow(d, 0, 1) for v in views]
-    return tuple(views)
-
-
 def _copy_into(static: torch.Tensor, t: torch.Tensor) -> None:
-    r"""``static.copy_(t)``, where ``static`` may be expanded (see :func:`_static_like`)."""
-    into, source = _writable(static, t)
-    into.copy_(source)
+    r"""``static.copy_(t)``, where ``static`` may be expanded (see :func:`_static_like`).
+
+    Both are narrowed to one element along the dimensions ``static`` is expanded in
+    (stride 0), where a copy would write each element many times (and ``copy_`` refuses
+    to); their elements are alike along them. (Overlaps of other strides, an
+    ``unfold``'s, ``copy_`` lets through: the elements that share memory in ``static``
+    share it in the source, which has its strides, and are written alike.)
+    """
+    for d, (n, stride) in enumerate(zip(static.shape, static.stride())):
+        if stride == 0 and n > 1:  # (narrowed, a dimension keeps its index)
+            static, t = static.narrow(d, 0, 1), t.narrow(d, 0, 1)
+    static.copy_(t)
 
 
 def _flipped(tensors: Sequence[torch.Tensor]) -> bool:
@@ -1766,8 +1760,7 @@ class _CudaGraphs:
                                 # fork on these, and the fork sees a branch write to its input by it.)
                                 graph.inputs = [_static_like(t.detach()).requires_grad_(t.requires_grad and needs_grad)
                                                 for t in tensors]
-                                graph.expanded = any(s.layout == torch.strided and not s.is_nested and 0 in s.stride()
-                                                     for s in graph.inputs)
+                                graph.expanded = any(_dense(s) and 0 in s.stride() for s in graph.inputs)
                                 graph.input_versions = [s._version for s in graph.inputs]
                             graph.params = tuple(p for p in params if p.requires_grad) if needs_grad else ()
                             graph.param_ids = frozenset(map(id, graph.params))
