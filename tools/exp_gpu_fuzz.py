@@ -652,6 +652,12 @@ class Case(Checker):
                         raise AssertionError(f"step{step} in-place on output {i}: block {ea!r} ref {eb!r}")
                     if eb is not None and ea is None:  # (a graph's outputs are its own dense copies: allowed)
                         skipped = True
+                    # (Both refused, for different reasons: an inference tensor is written *before* its
+                    # version bump raises, an expanded one is refused before the write. A graph's dense
+                    # copy of an expanded output, made in inference mode, is changed while the reference's
+                    # expanded one is not: seed 256.)
+                    if ea is not None and eb is not None and str(ea) != str(eb):
+                        skipped = True
                 if not skipped:
                     self.check(f"step{step} outputs after in-place", lb, lr)
         self.block.explain()
