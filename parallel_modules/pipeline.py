@@ -877,8 +877,9 @@ class ParallelSequential(nn.Sequential):
     # ``__setitem__`` register the stage, which ``forward`` notices; ``insert`` writes
     # ``_modules`` directly and ``__delitem__`` deletes, which registers nothing.)
     def __setitem__(self, idx: int, module: nn.Module) -> None:
-        _child_key(type(self).__name__, list(self._modules), idx, "stage", slices=False)
-        _check_stage(type(self).__name__, str(idx), module)
+        # (Named as the stage it replaces, "dec" or "1", not as the index given: -1.)
+        key = _child_key(type(self).__name__, list(self._modules), idx, "stage", slices=False)
+        _check_stage(type(self).__name__, key, module)
         super().__setitem__(idx, module)
 
     def _check_free(self, count: int) -> None:
@@ -919,7 +920,10 @@ class ParallelSequential(nn.Sequential):
         return super().__iadd__(other)
 
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
-        _check_stage(type(self).__name__, str(index), module)
+        # (Named by the position it would take, as the inserted stage is: -1 of 2 stages is "1".)
+        n = len(self)
+        position = index + n if isinstance(index, int) and -n <= index < 0 else index
+        _check_stage(type(self).__name__, str(position), module)
         if list(self._modules) != [str(i) for i in range(len(self))]:
             # (nn.Sequential's insert moves stages "0".."n-1" up by one: on names kept through a
             # slice, or given, it replaced or dropped a stage, or failed half done.)

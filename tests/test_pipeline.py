@@ -2062,3 +2062,22 @@ def test_appending_to_a_slice_whose_stages_kept_their_names_is_refused_not_overw
     # Named by their index from 0, a slice grows as before.
     whole = pipe[:2].append(nn.ReLU())
     assert list(whole._modules) == ["0", "1", "2"] and isinstance(whole[2], nn.ReLU)
+
+
+@pytest.mark.parametrize("idx", [-1, 1])
+def test_a_stage_refused_by_setitem_is_named_as_the_one_it_replaces(idx) -> None:
+    # Before: named by the index given ("stage '-1'"), though the stage is "dec".
+    pipe = ParallelSequential(OrderedDict(enc=nn.Linear(2, 2), dec=nn.Linear(2, 2)), chunks=2)
+    with pytest.raises(TypeError, match="stage 'dec' must be an nn.Module"):
+        pipe[idx] = torch.relu
+    assert isinstance(pipe.dec, nn.Linear) and pipe(torch.randn(4, 2)).shape == (4, 2)
+    numbered = ParallelSequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="stage '1' must be an nn.Module"):
+        numbered[idx] = torch.relu
+
+
+def test_a_stage_refused_by_insert_is_named_by_the_position_it_would_take() -> None:
+    pipe = ParallelSequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="stage '1' must be an nn.Module"):  # (before: '-1')
+        pipe.insert(-1, torch.relu)
+    assert len(pipe) == 2
