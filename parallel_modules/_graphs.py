@@ -334,9 +334,10 @@ def _static_like(t: torch.Tensor) -> torch.Tensor:
     memory spans what ``t``'s does, the gaps of a slice included, up to ``_MAX_SPAN`` times
     its elements.)
     """
-    if type(t) is not torch.Tensor or not _dense(t):
+    if type(t) is not torch.Tensor or not _dense(t) or t.is_quantized:
         # (No strides to keep, or a subclass, whose type a copy keeps -- its own operations
-        # then run at capture, as eagerly -- and whose memory may not be its own: a wrapper's.)
+        # then run at capture, as eagerly -- and whose memory may not be its own: a wrapper's;
+        # or a quantized tensor, whose scale and zero point an empty one of its dtype lacks.)
         return t.clone()
     size = t.element_size()
     offset = (t.data_ptr() % _IN_PLACE_ALIGNMENT) // size if t.data_ptr() % size == 0 else 0

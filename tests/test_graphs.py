@@ -1692,6 +1692,16 @@ def test_static_inputs_without_strides_are_copies():
             torch.equal(static.to_dense(), t.to_dense()))
 
 
+
+def test_a_quantized_static_input_is_a_copy_with_its_quantizer():
+    # (An empty tensor of a quantized dtype has no scale nor zero point: a copy into it failed.)
+    from parallel_modules._graphs import _static_like
+
+    q = torch.quantize_per_tensor(torch.randn(8, 6), 0.1, 3, torch.quint8)[::2]
+    static = _static_like(q)
+    assert static.is_quantized and static.q_scale() == q.q_scale() and static.q_zero_point() == q.q_zero_point()
+    assert torch.equal(static.int_repr(), q.int_repr())
+
 def test_static_inputs_of_subclasses_keep_their_type_and_values():
     # A plain buffer set to a subclass's strides dropped its type (its operations would not
     # run at capture) and, for a wrapper subclass, its values (its memory is not its own).
