@@ -19,7 +19,7 @@ from torch.fx import _symbolic_trace
 from torch.utils import _pytree as pytree
 
 from ._inputs import _with_context
-from ._streams import _graph_state, _hold_join_gradients, _is_tracing, _last_node
+from ._streams import _graph_state, _hold_join_gradients, _is_tracing, _last_node, _next_node
 
 __all__: list[str] = []
 
@@ -202,9 +202,11 @@ def _join_outputs(
     # its nodes hold until the backward pass ends (see _streams, backward).
     _graph_state.forked = False
     last = _last_node(outputs) if how in ("sum", "mean") or callable(how) else None
+    # (This thread's nodes from here are the join's: an output may have been made on another.)
+    first = _next_node()
     result = _join(owner, how, dim, names, outputs)
     if last is not None:
-        _hold_join_gradients(result, last)
+        _hold_join_gradients(result, last if first is None else first - 1, first is not None)
     return result
 
 

@@ -532,6 +532,15 @@ def _hold_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(held.clear)
 
 
+# The number autograd gives the next node this thread makes: numbers are the thread's own.
+_sequence_nr = getattr(torch.autograd, "_get_sequence_nr", None)
+
+
+def _next_node() -> int | None:
+    r"""The number autograd gives the next node made on this thread (``None``: a torch without the binding)."""
+    return _sequence_nr() if _sequence_nr is not None else None
+
+
 def _last_node(outputs: list[Any]) -> int | None:
     r"""The greatest number autograd gave the nodes of the branches' ``outputs`` (``None``: none has one).
 
@@ -542,7 +551,7 @@ def _last_node(outputs: list[Any]) -> int | None:
     return max(made) if made else None
 
 
-def _hold_join_gradients(result: Any, last: int) -> None:
+def _hold_join_gradients(result: Any, last: int, bounded: bool = False) -> None:
     r"""Hook the join's own nodes, from its ``result`` back to the branches' outputs, with :func:`_hold_gradients`.
 
     For a ``sum`` or ``mean`` join, or a join of the user's, of branches that ran
@@ -557,17 +566,30 @@ def _hold_join_gradients(result: Any, last: int) -> None:
     gradients would all be held. (Nor a parameter's accumulator, which a
     weighted join reaches, numbered last of all: it hands nothing on, and a hook
     on it would stay for as long as something keeps it, DDP's reducer.)
+
+    Numbers are a thread's own: a node made on another thread (a tensor the
+    join reads, or a branch returns, made there) may be numbered anything.
+    ``bounded`` (``last``: the thread's number before the join ran): the join's
+    nodes are also numbered below the thread's next number, and each below the
+    node that reads it, as one thread numbers them; elsewhere another thread's
+    whole graph would be held, and hooked again at every call while it lives.
     """
     leaves = (result,) if isinstance(result, torch.Tensor) else _tensor_leaves(result)
-    todo = [t.grad_fn for t in leaves if t.grad_fn is not None]
+    roots = [t.grad_fn for t in leaves if t.grad_fn is not None]
+    # (Read once the roots were: a view's node is made anew when read after its base changed in place.)
+    end = _next_node() if bounded else None
+    todo = [(node, end) for node in roots]
     seen: set[int] = set()
     while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen or node._sequence_nr() <= last or not node.next_functions:
+        node, below = todo.pop()
+        if node is None or id(node) in seen or not node.next_functions:
+            continue
+        number = node._sequence_nr()
+        if number <= last or below is not None and number >= below:
             continue
         seen.add(id(node))
         node.register_hook(_hold_gradients)
-        todo.extend(n for n, _ in node.next_functions)
+        todo.extend((n, number) for n, _ in node.next_functions)
 
 
 # Each input's hook, while the input lives: kept beside the tensor rather than on it, where

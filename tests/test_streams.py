@@ -370,3 +370,47 @@ def test_an_in_place_join_after_a_fork_holds_its_gradients(monkeypatch):
     total.sum().backward()
     assert hooked == [2, 2]  # (the two in-place sums, each handing one gradient to both sides)
     assert all(torch.equal(x.grad, torch.ones(3)) for x in xs)
+
+
+def test_a_join_holds_its_own_nodes_only_whatever_thread_made_what_it_reads(monkeypatch):
+    # (Autograd numbers each thread's nodes apart: a tensor made on another thread may be
+    # numbered above the join's nodes, or its outputs' above them.)
+    import threading
+
+    from parallel_modules._joins import _join_outputs
+    from parallel_modules._streams import _graph_state
+
+    def on_thread(fn):
+        made = []
+        t = threading.Thread(target=lambda: made.append(fn()))
+        t.start()
+        t.join()
+        return made[0]
+
+    def deep(t):  # nodes numbered up to 49 on a fresh thread
+        for _ in range(50):
+            t = t * 1.01
+        return t
+
+    hooked = []
+    monkeypatch.setattr(_streams, "_hold_gradients", lambda grads, _: hooked.append(len(grads)))
+
+    def joined(how, outputs):
+        try:
+            _graph_state.forked = True
+            return _join_outputs("Parallel", how, 0, ["a", "b"], outputs)
+        finally:
+            _graph_state.forked = False
+
+    x = torch.randn(3, requires_grad=True)
+    context = on_thread(lambda: deep(torch.randn(3, requires_grad=True)))
+    for _ in range(2):  # (the context's graph lives on: nothing hooked on it, call after call)
+        hooked.clear()
+        joined(lambda outputs: outputs[0] + outputs[1] + context, [x * 2.0, x * 3.0]).sum().backward(
+            retain_graph=True)
+        assert hooked == [2, 2]  # the join's two sums, not the other thread's 50 products
+    hooked.clear()
+    x.grad = None
+    joined("sum", [x * 2.0, on_thread(lambda: deep(x))]).sum().backward()
+    assert hooked == [2]  # the sum's node, numbered below the other thread's output
+    assert torch.allclose(x.grad, torch.full((3,), 2.0 + 1.01 ** 50))
