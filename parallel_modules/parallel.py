@@ -539,6 +539,10 @@ class Parallel(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        # Its own dict of branches, of the same modules (as a slice has): ``copy.copy`` hands
+        # the copy this state as it is, and a branche deleted from a dict both share
+        # would leave the other block's groups, plans and graphs running it, unseen.
+        state["_modules"] = self._modules.copy()
         state.pop("_tuner", None)
         state.pop("_plans", None)
         state.pop("_reproducible", None)

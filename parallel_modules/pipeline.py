@@ -951,6 +951,10 @@ class ParallelSequential(nn.Sequential):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        # Its own dict of stages, of the same modules (as a slice has): ``copy.copy`` hands
+        # the copy this state as it is, and a stage deleted from a dict both share
+        # would leave the other block's groups, plans and graphs running it, unseen.
+        state["_modules"] = self._modules.copy()
         state.pop("_plan", None)
         state.pop("_home", None)
         state.pop("_graphs", None)

@@ -474,6 +474,34 @@ def test_deepcopy_and_pickle(device):
         assert_same(r(x2), p(x2))
 
 
+
+@pytest.mark.parametrize("fuse", [False, True, "auto"])
+@pytest.mark.parametrize("how", ["del", "pop", "delattr", "append", "insert"])
+def test_a_shallow_copy_has_branches_of_its_own(fuse, how):
+    # Before (a CPU hunt): copy.copy shared the block's dict of branches, and a branch deleted
+    # from the copy left the block's fused group running it, unseen: 9 columns from 2 branches.
+    torch.manual_seed(0)
+    branch = lambda: nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 3))
+    p = Parallel(*[branch() for _ in range(3)], fuse=fuse)
+    x = torch.randn(5, 8)
+    out = p(x)
+    q = copy.copy(p)
+    assert type(q) is Parallel and q.extra_repr() == p.extra_repr() and all(a is b for a, b in zip(q, p))
+    if how == "del":
+        del q[0]
+    elif how == "pop":
+        q.pop(0)
+    elif how == "delattr":
+        delattr(q, "0")
+    elif how == "append":
+        q.append(branch())
+    else:
+        q.insert(0, branch())
+    assert len(q) == (2 if how in ("del", "pop", "delattr") else 4)
+    torch.testing.assert_close(q(x), torch.cat([b(x) for b in q], 1))
+    assert len(p) == 3 and list(p._modules) == ["0", "1", "2"]
+    torch.testing.assert_close(p(x), out)
+
 def _torch_roundtrip(module):
     buf = io.BytesIO()
     torch.save(module, buf)

@@ -160,6 +160,27 @@ def test_pickle_and_deepcopy() -> None:
 
 
 
+@pytest.mark.parametrize("how", ["del", "pop", "append", "insert"])
+def test_a_shallow_copy_has_stages_of_its_own(how) -> None:
+    # (As a slice has: copy.copy shared the dict of stages, and a change to the copy's was the block's.)
+    model = ParallelSequential(*_stages(), chunks=3)
+    x = torch.randn(7, 16)
+    out = model(x)
+    other = copy.copy(model)
+    assert other.chunks == 3 and all(a is b for a, b in zip(other, model))
+    if how == "del":
+        del other[-1]
+    elif how == "pop":
+        other.pop(-1)
+    elif how == "append":
+        other.append(nn.ReLU())
+    else:
+        other.insert(0, nn.Identity())
+    assert len(other) == len(model) + (1 if how in ("append", "insert") else -1)
+    assert torch.equal(other(x), nn.Sequential(*other)(x))
+    assert torch.equal(model(x), out)
+
+
 class _AddKeys(nn.Module):
     def forward(self, d):
         return d["a"] * 2 + d["b"]
