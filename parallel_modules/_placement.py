@@ -90,8 +90,8 @@ from torch.utils import _pytree as pytree
 
 from ._graphs import _CaptureError
 from ._inputs import _input_device, _module_devices
-from ._streams import (_capture_underway, _changed, _changed_in_place, _current_stream, _is_tracing, _join_backward,
-                       _pool, _record_on, _run_forked, _set_stream, _watched)
+from ._streams import (_capture_underway, _changed, _changed_in_place, _current_stream, _graph_state, _is_tracing,
+                       _join_backward, _pool, _record_on, _recording, _run_forked, _set_stream, _watched)
 
 if TYPE_CHECKING:
     from .parallel import Parallel
@@ -379,6 +379,11 @@ class _Placement:
         # Remote parameters' gradients are summed on the remote streams. (Never
         # under a capture: placement refuses it above.)
         _join_backward((*args, *kwargs.values()), [s for i in launched for s in (work[i][1], work[i][3])])
+        if torch.is_grad_enabled() and _recording(outputs):
+            # The remote outputs' copies read the join's gradient on the lanes, beside the local
+            # branches on the caller's stream: the join holds it (see _streams, backward), as after
+            # any fork -- with one local branch or none, _run_forked did not note one.
+            _graph_state.forked = True
         return outputs
 
     def _run_local(self, module: "Parallel", device: torch.device, branches: list[Any], local: list[int],

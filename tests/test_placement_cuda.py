@@ -282,6 +282,31 @@ def test_gradients_across_devices_with_delay_in_remote_backward():
     assert all(s == torch.cuda.default_stream(D1) for s in ref_streams)
 
 
+
+@pytest.mark.parametrize("join", ["sum", "mean"])
+def test_a_join_of_remote_branches_holds_its_gradients(join, monkeypatch):
+    # Before: with one branch on the input's device or none, the call ran no fork of
+    # _streams' own and noted none, so the join's gradient -- read on the lanes by the
+    # remote outputs' copies beside the local branch on the caller's stream -- was not held.
+    held = []
+    hold = _streams._hold_gradients
+    monkeypatch.setattr(_streams, "_hold_gradients", lambda grads, outs: (held.append(len(grads)),
+                                                                          hold(grads, outs)))
+    torch.manual_seed(0)
+    block = Parallel(OrderedDict(a=mlp().to(D0), b=mlp().to(D1), c=mlp().to(D1)), join=join, streams=True)
+    ref = copy.deepcopy(block)
+    x = torch.randn(8, 32, device=D0)
+    out = block(x)
+    outs = [ref.a(x), ref.b(x.to(D1)).to(D0), ref.c(x.to(D1)).to(D0)]
+    expected = sum(outs) / (1 if join == "sum" else 3)
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (expected * w).sum().backward()
+    assert held  # (the join's own nodes: its adds, each handing its gradient to both sides)
+    for (name, q), r in zip(block.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(q.grad, r.grad, msg=name)
+
+
 # ------------------------------------------------------------ two GPUs: errors
 def test_exception_in_remote_branch_names_it_and_module_keeps_working():
     class Flaky(nn.Module):
