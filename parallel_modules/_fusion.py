@@ -290,6 +290,16 @@ def _unfusable(branch: nn.Module) -> str | None:
     return None
 
 
+def _fusable_settings(m: nn.Module) -> tuple | None:
+    r"""The settings of ``m`` that :func:`_unfusable` reads, which a user may set in place after grouping
+    (``None`` for a layer without any): a dropout's rate, an embedding's ``sparse`` and ``max_norm``."""
+    if isinstance(m, (_DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)):
+        return (m.p,)
+    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+        return (m.sparse, m.max_norm)
+    return None
+
+
 def _quantized(m: nn.Module) -> bool:
     r"""Whether ``m`` is a quantized layer (its weights packed, not parameters); not a float reference one."""
     where = type(m).__module__
@@ -2295,6 +2305,12 @@ class _Fusion:
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.
         self.modes = [(m, m.training) for branch in branches for m in branch.modules() if type(m) not in _MODE_FREE]
+        # And on settings that decide whether a fused member's layer may run batched at all
+        # (see _unfusable): a dropout's ``p`` raised from 0 (a dropout schedule), an embedding
+        # given a ``max_norm`` or made sparse. Set in place, they register nothing; batched,
+        # the members would share one dropout mask, or skip the renormalization.
+        self.settings = [(m, s) for g in self.groups for member in g.members for m in member.modules()
+                         for s in (_fusable_settings(m),) if s is not None]
         # Hooks registered on a fused member after grouping would not run: the hook
         # dicts of every module of every fused member, which must stay empty. (About
         # 2 us a call for eight 4-layer MLPs. Hooks registered for the whole process
@@ -2353,7 +2369,8 @@ class _Fusion:
                 if any(self.hooks):
                     return False
                 self.handles = handles
-        return all(m.training == mode for m, mode in self.modes) and all(map(any, self.hooked))
+        return (all(m.training == mode for m, mode in self.modes) and all(map(any, self.hooked))
+                and (not self.settings or all([_fusable_settings(m) == s for m, s in self.settings])))
 
     def _same_trees(self) -> bool:
         r"""Whether every fused member holds the modules it held when grouped."""

@@ -5172,3 +5172,39 @@ def test_a_hook_on_an_unused_members_parameter_is_not_handed_none():
     assert not block[1][0].weight.grad.any()
     assert block[1][0].bias.grad is None and all(p.grad is None for p in block[2].parameters())
     assert all(p.grad is not None for p in block[0].parameters())
+
+
+def test_a_dropout_rate_raised_after_grouping_unfuses_its_members():
+    # Before: dropout with p=0 in training fused, and a schedule raising p in place later
+    # (registering nothing) left the group fused: the members shared one dropout mask (the
+    # shared input dropped once for all), fuse=True did not refuse it, explain() said fused;
+    # so too an embedding given a max_norm, whose rows were then never renormalized.
+    torch.manual_seed(0)
+    heads = [nn.Sequential(nn.Dropout(0.0), nn.Linear(8, 8, bias=False)) for _ in range(4)]
+    block = Parallel(*heads, join="stack", dim=0, fuse="auto")
+    x = torch.ones(64, 8)
+    block(x)
+    assert fused_groups(block) == [["0", "1", "2", "3"]]
+    for head in heads:
+        head[0].p = 0.5
+    with torch.no_grad():
+        out = block(x)
+        # Each member's dropped inputs, recovered from its output: its own mask, not one for all.
+        masks = [torch.linalg.solve(h[1].weight, out[i].T).T.abs() > 1e-3 for i, h in enumerate(heads)]
+    assert not all(torch.equal(masks[0], m) for m in masks[1:])
+    assert fused_groups(block) == []
+    strict = Parallel(*[nn.Sequential(nn.Dropout(0.0), nn.Linear(8, 8)) for _ in range(2)], fuse=True)
+    strict(x)
+    strict[1][0].p = strict[0][0].p = 0.1
+    with pytest.raises(ValueError, match=r"draws random masks in training mode"):
+        strict(x)
+    tables = [nn.Embedding(10, 4) for _ in range(3)]
+    lookup = Parallel(*tables, join="stack", dim=0, fuse="auto")
+    idx = torch.tensor([[1, 2], [3, 4]])
+    with torch.no_grad():
+        lookup(idx)
+        for t in tables:
+            t.max_norm = 0.5
+        out = lookup(idx)
+    assert out.norm(dim=-1).max() <= 0.5 + 1e-6
+    torch.testing.assert_close(out, torch.stack([t(idx) for t in tables]))
