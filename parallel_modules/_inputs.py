@@ -43,6 +43,9 @@ def _input_device(args: tuple, kwargs: dict) -> torch.device | None:
     return first
 
 
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def _signature(args: tuple, kwargs: dict, training: bool, floats: bool = True) -> Hashable:
     r"""A hashable key for everything about a call that may change how it runs.
 
@@ -71,7 +74,9 @@ def _signature(args: tuple, kwargs: dict, training: bool, floats: bool = True) -
             parts.append(("nested", leaf.layout, tuple(t.shape for t in leaf.unbind()), leaf.dtype, leaf.device,
                           leaf.requires_grad))
         elif isinstance(leaf, torch.Tensor):
-            layout = leaf.stride() if leaf.layout == torch.strided else (leaf.layout, leaf._nnz())
+            # (A sparse layout by its count of stored values; others without strides, MKL-DNN's, by layout.)
+            layout = (leaf.stride() if leaf.layout == torch.strided else (leaf.layout, leaf._nnz())
+                      if leaf.layout in _SPARSE_LAYOUTS else (leaf.layout,))
             key = (leaf.shape, layout, leaf.dtype, leaf.device, leaf.requires_grad)
             # A subclass (a parameter, a __torch_function__ wrapper) may run other code
             # and return its own type: a graph captured for plain tensors must not replay for it.

@@ -1996,8 +1996,9 @@ def _describe_leaf(item: Any) -> str:
         shape, stride, dtype, device, requires_grad = item[:5]
         kind = item[5].__name__ if len(item) == 6 else "Tensor"  # (a subclass: see _signature)
         text = f"{kind}{tuple(shape)} {str(dtype).replace('torch.', '')} on {device}"
-        if isinstance(stride, tuple) and stride and isinstance(stride[0], torch.layout):  # (layout, nnz)
-            text += f" {str(stride[0]).replace('torch.', '')} with {stride[1]} stored values"
+        if isinstance(stride, tuple) and stride and isinstance(stride[0], torch.layout):  # (layout, nnz) or (layout,)
+            text += f" {str(stride[0]).replace('torch.', '')}" + (
+                f" with {stride[1]} stored values" if len(stride) > 1 else "")
         elif stride != torch.empty(shape, device="meta").stride():  # (contiguous strides, no memory)
             text += f" strides {tuple(stride)}"
         return text + (" requires_grad" if requires_grad else "")

@@ -419,6 +419,21 @@ def test_sparse_csr_inputs_are_keyed_by_layout():
     assert_same(p(x.to_sparse_csr()).to_dense(), x * 2 + x * 3)
 
 
+def test_mkldnn_inputs_are_keyed_by_layout():
+    # Before: the signature read ``_nnz()`` of every tensor that is not strided, which an
+    # MKL-DNN tensor (no strides, no stored-value count) refuses: every call raised
+    # NotImplementedError before any branch ran, where the branches called by hand work.
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("PyTorch built without MKL-DNN")
+    x = torch.randn(2, 4)
+    p = Parallel(lambda t: t.to_dense() * 2, lambda t: t.to_dense() * 3, fuse="auto")
+    for _ in range(2):
+        assert_same(p(x.to_mkldnn()), torch.cat([x * 2, x * 3], 1))
+    assert list(p.explain()["schedules"]) == ["Tensor(2, 4) float32 on cpu _mkldnn, training"]
+    q = Parallel(lambda t: t[0].to_dense(), lambda t: t[0].to_dense() + 1, join="sum")
+    assert_same(q([x.to_mkldnn()]), x + (x + 1))  # (a list of one: the general path)
+
+
 def test_signatures_tell_apart_values_that_compare_equal():
     from parallel_modules._inputs import _signature
 
