@@ -570,26 +570,29 @@ def _hold_join_gradients(result: Any, last: int, bounded: bool = False) -> None:
     Numbers are a thread's own: a node made on another thread (a tensor the
     join reads, or a branch returns, made there) may be numbered anything.
     ``bounded`` (``last``: the thread's number before the join ran): the join's
-    nodes are also numbered below the thread's next number, and each below the
-    node that reads it, as one thread numbers them; elsewhere another thread's
-    whole graph would be held, and hooked again at every call while it lives.
+    nodes are also numbered below the thread's next number once the roots were
+    read; elsewhere another thread's whole graph would be held, and hooked again
+    at every call while it lives. (Not each below the node reading it: an
+    operation reading a view whose base changed in place since makes its own
+    node first, then the view's anew, numbered above it -- the join's nodes
+    below that one would be left unheld.)
     """
     leaves = (result,) if isinstance(result, torch.Tensor) else _tensor_leaves(result)
     roots = [t.grad_fn for t in leaves if t.grad_fn is not None]
     # (Read once the roots were: a view's node is made anew when read after its base changed in place.)
     end = _next_node() if bounded else None
-    todo = [(node, end) for node in roots]
+    todo = roots
     seen: set[int] = set()
     while todo:
-        node, below = todo.pop()
+        node = todo.pop()
         if node is None or id(node) in seen or not node.next_functions:
             continue
         number = node._sequence_nr()
-        if number <= last or below is not None and number >= below:
+        if number <= last or end is not None and number >= end:
             continue
         seen.add(id(node))
         node.register_hook(_hold_gradients)
-        todo.extend((n, number) for n, _ in node.next_functions)
+        todo.extend(n for n, _ in node.next_functions)
 
 
 # Each input's hook, while the input lives: kept beside the tensor rather than on it, where

@@ -381,10 +381,19 @@ def test_a_join_holds_its_own_nodes_only_whatever_thread_made_what_it_reads(monk
     from parallel_modules._streams import _graph_state
 
     def on_thread(fn):
-        made = []
-        t = threading.Thread(target=lambda: made.append(fn()))
+        made, failed = [], []
+
+        def run():
+            try:
+                made.append(fn())
+            except BaseException as e:  # (raised again on the calling thread)
+                failed.append(e)
+
+        t = threading.Thread(target=run)
         t.start()
         t.join()
+        if failed:
+            raise failed[0]
         return made[0]
 
     def deep(t):  # nodes numbered up to 49 on a fresh thread
@@ -402,15 +411,55 @@ def test_a_join_holds_its_own_nodes_only_whatever_thread_made_what_it_reads(monk
         finally:
             _graph_state.forked = False
 
-    x = torch.randn(3, requires_grad=True)
-    context = on_thread(lambda: deep(torch.randn(3, requires_grad=True)))
-    for _ in range(2):  # (the context's graph lives on: nothing hooked on it, call after call)
+    def body():
+        x = torch.randn(3, requires_grad=True)
+        context = on_thread(lambda: deep(torch.randn(3, requires_grad=True)))
+        for _ in range(2):  # (the context's graph lives on: nothing hooked on it, call after call)
+            hooked.clear()
+            joined(lambda outputs: outputs[0] + outputs[1] + context, [x * 2.0, x * 3.0]).sum().backward(
+                retain_graph=True)
+            assert hooked == [2, 2]  # the join's two sums, not the other thread's 50 products
         hooked.clear()
-        joined(lambda outputs: outputs[0] + outputs[1] + context, [x * 2.0, x * 3.0]).sum().backward(
-            retain_graph=True)
-        assert hooked == [2, 2]  # the join's two sums, not the other thread's 50 products
-    hooked.clear()
-    x.grad = None
-    joined("sum", [x * 2.0, on_thread(lambda: deep(x))]).sum().backward()
-    assert hooked == [2]  # the sum's node, numbered below the other thread's output
-    assert torch.allclose(x.grad, torch.full((3,), 2.0 + 1.01 ** 50))
+        x.grad = None
+        joined("sum", [x * 2.0, on_thread(lambda: deep(x))]).sum().backward()
+        assert hooked == [2]  # the sum's node, numbered below the other thread's output
+        assert torch.allclose(x.grad, torch.full((3,), 2.0 + 1.01 ** 50))
+
+    # On a fresh thread too, numbered from 0 as the other threads are: on this one, past the
+    # nodes of every test run before, the join's own numbers would be above theirs, and the
+    # rule before (above the outputs' numbers) would pass as well.
+    on_thread(body)
+
+
+
+@pytest.mark.parametrize("read", ["mul", "add", "matmul"])
+def test_a_join_reading_a_view_whose_base_it_changed_in_place_holds_its_gradients(read, monkeypatch):
+    # (An operation reading a view whose base changed in place since makes its own node first,
+    # then the view's anew, numbered above it: the in-place sum below was left unheld.)
+    from parallel_modules._joins import _join_outputs
+    from parallel_modules._streams import _graph_state
+
+    def join(outputs):
+        total = outputs[0] * 1.0
+        head = total[:2]  # a view, taken before its base changes in place
+        total += outputs[1]  # the sum: one gradient to both sides
+        if read == "mul":
+            return head * 2.0
+        if read == "add":
+            return head + 1.0
+        return head @ torch.ones(3, 3)
+
+    hooked = []
+    monkeypatch.setattr(_streams, "_hold_gradients",
+                        lambda grads, _: hooked.append(sum(g is not None for g in grads)))
+    xs = [torch.randn(4, 3, requires_grad=True) for _ in range(2)]
+    try:
+        _graph_state.forked = True
+        out = _join_outputs("Parallel", join, 0, ["a", "b"], [x * 1.0 for x in xs])
+    finally:
+        _graph_state.forked = False
+    out.sum().backward()
+    # The read, the view's node made anew, the in-place sum (both sides), the copy: all the join's.
+    assert sorted(hooked) == [1, 1, 1, 2]
+    assert all(torch.equal(x.grad[:2], torch.full((2, 3), 1.0 if read == "add" else 2.0 if read == "mul" else 3.0))
+               for x in xs)
