@@ -3,6 +3,7 @@ r"""``Parallel``: independent branches on one input, run concurrently."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import numbers
 import operator
 from collections import OrderedDict
@@ -540,9 +541,14 @@ class Parallel(nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         # Its own dict of branches, of the same modules (as a slice has): ``copy.copy`` hands
-        # the copy this state as it is, and a branche deleted from a dict both share
+        # the copy this state as it is, and a branch deleted from a dict both share
         # would leave the other block's groups, plans and graphs running it, unseen.
         state["_modules"] = self._modules.copy()
+        if state.get("_compiler") is not None:
+            # A compiler of its own (the settings, no compiled code), as for the dict of
+            # branches: shared, the two blocks' different lists of branches would each
+            # make the other's next call build (and compile) its children anew, call after call.
+            state["_compiler"] = copy.copy(state["_compiler"])
         state.pop("_tuner", None)
         state.pop("_plans", None)
         state.pop("_reproducible", None)

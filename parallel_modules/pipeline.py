@@ -19,6 +19,7 @@ which, through that chain of events, follows every piece of every lane.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import importlib
@@ -955,6 +956,11 @@ class ParallelSequential(nn.Sequential):
         # the copy this state as it is, and a stage deleted from a dict both share
         # would leave the other block's groups, plans and graphs running it, unseen.
         state["_modules"] = self._modules.copy()
+        if state.get("_compiler") is not None:
+            # A compiler of its own (the settings, no compiled code), as for the dict of
+            # stages: shared, the two pipelines' different lists of stages would each make
+            # the other's next call build (and compile) its children anew, call after call.
+            state["_compiler"] = copy.copy(state["_compiler"])
         state.pop("_plan", None)
         state.pop("_home", None)
         state.pop("_graphs", None)
