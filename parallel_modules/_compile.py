@@ -475,10 +475,12 @@ class _Hooks:
     calls make a handle every call, for the backward join).
     """
 
-    __slots__ = ("handles", "dicts", "copies")
+    __slots__ = ("module", "handles", "changes", "dicts", "copies")
 
     def __init__(self, module: nn.Module) -> None:
+        self.module = module
         self.handles = getattr(_Handle, "next_id", None)
+        self.changes = _watch._changes
         self.dicts = _hook_dicts(module) + list(_GLOBAL_HOOKS)
         self.copies = [d.copy() for d in self.dicts]
 
@@ -486,6 +488,17 @@ class _Hooks:
         handles = getattr(_Handle, "next_id", None)
         if handles == self.handles:
             return False
+        if _watch._changes != self.changes:
+            # Modules registered somewhere since (``branch[0] = nn.Linear(...)``): the hook
+            # dicts of those below the child are watched too, or a hook registered on one
+            # would never run. One that already holds hooks may have been traced with them
+            # (dynamo recompiles on the new module) or not: compiled anew.
+            current = _hook_dicts(self.module) + list(_GLOBAL_HOOKS)
+            old = {id(d): c for d, c in zip(self.dicts, self.copies)}
+            if any(d for d in current if id(d) not in old):
+                return True
+            self.dicts, self.copies = current, [old[id(d)] if id(d) in old else d.copy() for d in current]
+            self.changes = _watch._changes
         try:
             same = self.dicts == self.copies
         except Exception:  # (a hook object whose ``==`` raises)
