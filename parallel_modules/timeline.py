@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import tempfile
+import zlib
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
@@ -281,7 +282,9 @@ def _read_json(path: _PathLike) -> Any:
     try:
         with opener(path, "rt", encoding="utf-8") as f:  # what Kineto writes, whatever the locale
             return json.load(f, parse_float=_exact_float)
-    except (ValueError, OSError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+    except (ValueError, OSError, EOFError, zlib.error) as e:
+        # (JSONDecodeError and UnicodeDecodeError are ValueErrors; a truncated gzip file raises
+        # EOFError, a corrupted one zlib.error)
         raise ValueError(f"parallel_modules.timeline: cannot read {path!r} as a JSON trace "
                          f"({'gzip' if gzipped else 'plain text'}): {e}") from e
 

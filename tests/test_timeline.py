@@ -491,3 +491,19 @@ def test_tool_writes_both_recordings(tmp_path) -> None:
     assert len(runs["eager sequential"].streams) == 1
     assert len(runs["Parallel(cuda_graph=True)"].streams) >= 2
     assert os.path.getsize(out) < 200_000
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted"])
+def test_a_damaged_gzip_file_says_which_file(tmp_path, damage) -> None:
+    # Before (a CPU hunt): gzip's EOFError (a file cut short, as by an interrupted copy) and
+    # zlib.error (damaged data) came through bare, naming no file.
+    path = tmp_path / "t.json.gz"
+    save_timelines(path, two_streams())
+    data = path.read_bytes()
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data = data[:12] + b"\xff" * 8 + data[20:]
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=r"cannot read .*t\.json\.gz.* as a JSON trace \(gzip\)"):
+        load_timelines(path)
