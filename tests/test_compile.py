@@ -861,3 +861,48 @@ def test_a_host_input_pipeline_checking_its_softmax_dims_captures_its_compiled_s
             assert_close(model(x), reference(x.cuda()))
     assert counter.frame_count > 0
     assert all(c.captures > 0 for c in model._per_stage.values())
+
+
+@pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
+def test_a_shallow_copy_compiles_its_children_once(owner):
+    # Before (a CPU hunt): copy.copy shared the block's compiler, which keeps one list of
+    # compiled children: once the two lists of children differed, each call of either
+    # block built its children anew and compiled the one the other lacks (2 frames per call).
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    torch.manual_seed(0)
+    block = owner(nn.Linear(8, 8), nn.Linear(8, 8), compile=counter)
+    other = copy.copy(block)
+    other[1] = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    frames = []
+    with torch.no_grad():
+        for _ in range(3):
+            for model in (block, other):
+                expected = (torch.cat([m(x) for m in model], 1) if owner is Parallel else model[1](model[0](x)))
+                assert_same(model(x), expected)
+            frames.append(counter.frame_count)
+    assert frames == [4, 4, 4]  # each block's two children, compiled once
+    assert other._compiler is not block._compiler
+    assert other._compiler.settings() == block._compiler.settings()
+
+
+@pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
+def test_a_hook_on_a_submodule_added_after_the_first_call_runs(owner):
+    # Before (a CPU hunt): the compiled form watched the hook dicts of the modules the child
+    # held when it was traced; a hook registered on a submodule put in later never ran.
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model = owner(seq, nn.Identity(), compile="eager")
+    x = torch.randn(2, 4)
+    expected = (lambda: torch.cat([seq(x), x], 1)) if owner is Parallel else (lambda: seq(x))
+    with torch.no_grad():
+        model(x)
+        new = nn.Linear(4, 4)
+        seq[0] = new
+        assert_same(model(x), expected())  # (dynamo compiles anew for the new module)
+        handle = new.register_forward_hook(lambda m, i, o: o * 0 - 1)
+        assert_same(model(x), expected())
+        assert float(seq(x).abs().max()) == 0.0  # (the hook zeroes the branch: ReLU(-1))
+        handle.remove()
+        assert_same(model(x), expected())
