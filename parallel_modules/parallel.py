@@ -228,9 +228,9 @@ class Parallel(nn.Module):
             branches one after another on the caller's stream, ``"auto"`` to
             time both on the first calls of each input signature and keep the
             faster one (as ``torch.backends.cudnn.benchmark`` does); while
-            autograd records for trainable parameters, ``"auto"`` runs
-            sequentially (the backward cannot be timed in advance). Default:
-            ``"auto"``. While ``cuda_graph`` captures, ``"auto"`` forks.
+            autograd records (a parameter or an input requires grad),
+            ``"auto"`` runs sequentially (the backward cannot be timed in
+            advance). Default: ``"auto"``. While ``cuda_graph`` captures, ``"auto"`` forks.
         cuda_graph: ``True`` to capture the whole forward pass -- and, when
             autograd records and an input or a parameter requires grad, the
             backward pass -- in a CUDA graph per input signature, and replay
@@ -340,8 +340,13 @@ class Parallel(nn.Module):
           values; Python side effects happen only during warm-up and capture.
           Breaking a rule raises a ``RuntimeError`` naming the branch (or,
           with ``graph_fallback=True``, warns once and runs eagerly).
-        * inputs are copied into static buffers on each call (changes the
-          module makes to its inputs in place are not seen by the caller);
+        * inputs are copied into static buffers on each call, except where an
+          inference signature's input lies where the first call's lay: a
+          second graph then reads it in place (not made where the module
+          writes its input, and ``explain()`` marks it "(input read in
+          place)"; see the README's "CUDA graphs"). Changes the module makes
+          to its inputs in place (as autograd's version counter sees them)
+          are not seen by the caller;
           parameters and buffers are read in place, so optimizer steps between
           calls work. ``module.to()``, ``.cuda()``, ``.half()`` and changing
           the branches drop the graphs, which are captured again. A branch

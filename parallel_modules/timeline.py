@@ -513,13 +513,18 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
     ``Parallel(streams="auto")`` and ``fuse="auto"`` (14 calls per input
     signature and candidate schedule) and CUDA graph capture are not in the
     timeline; while the last of them still tried schedules (in any block the
-    callable runs), up to 60 more calls run, so that the
+    callable runs), up to 160 more calls run, so that the
     profiled calls all run the schedules kept. The warm-up calls are real calls: in training mode
     they update BatchNorm statistics and draw dropout masks like any other. The recorded calls are then
     run back to back under :class:`torch.profiler.profile` with CUDA activity,
     followed by a synchronisation, and the trace is read like
-    :func:`load_timelines` reads a file. Grad mode is the caller's: wrap the
-    call in ``torch.no_grad()`` to record inference.
+    :func:`load_timelines` reads a file, except that only the kernels of one
+    GPU are kept: the device of the first CUDA tensor among the inputs (else
+    among the module's parameters and buffers). For branches on several GPUs,
+    profile with :class:`torch.profiler.profile` yourself and read the trace
+    with :func:`load_timelines`, which gives one timeline per device. Grad
+    mode is the caller's: wrap the call in ``torch.no_grad()`` to record
+    inference.
 
     Stream timelines need CUDA: without a CUDA GPU, or when no argument nor
     parameter is on a CUDA device, this raises ``RuntimeError`` rather than
