@@ -1603,8 +1603,31 @@ def _dense_members(t: torch.Tensor) -> bool:
 
 def _is_dense(t: torch.Tensor) -> bool:
     r"""Whether ``t`` is contiguous in a memory format (contiguous, channels-last, channels-last 3-D)."""
-    return t.is_contiguous() or t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) or (
-        t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+    if t.is_contiguous():
+        return True
+    if t.dim() not in (4, 5):
+        return False
+    try:
+        return t.is_contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+    except RuntimeError:
+        # (The batched tangents of ``torch._vmap_internals``' vmap -- ``autograd.functional.jacobian``'s
+        # ``vectorize=True, strategy="forward-mode"``, gradcheck's ``check_batched_forward_grad`` --
+        # answer for the contiguous format only: decided from the strides, which they do report.)
+        return _channels_last_strides(t)
+
+
+def _channels_last_strides(t: torch.Tensor) -> bool:
+    r"""Whether ``t``'s strides are channels-last (3-D) contiguous, as ``is_contiguous(memory_format=...)``
+    decides them (size-1 dimensions skipped)."""
+    expected = 1
+    for d in (1, 3, 2, 0) if t.dim() == 4 else (1, 4, 3, 2, 0):
+        size = t.shape[d]
+        if size == 1:
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= size
+    return True
 
 
 try:  # (torch.cat's and ``preserve_format``'s choice, from the strides)

@@ -5208,3 +5208,27 @@ def test_a_dropout_rate_raised_after_grouping_unfuses_its_members():
         out = lookup(idx)
     assert out.norm(dim=-1).max() <= 0.5 + 1e-6
     torch.testing.assert_close(out, torch.stack([t(idx) for t in tables]))
+
+
+@pytest.mark.parametrize("join", ["sum", "tuple"])
+def test_vectorized_forward_mode_jacobian_of_fused_convolutions(join):
+    # Before (a hunt): torch.autograd.functional.jacobian(..., vectorize=True,
+    # strategy="forward-mode") -- and gradcheck's check_batched_forward_grad -- batch the
+    # tangents with torch._vmap_internals' vmap, whose tensors refuse is_contiguous() for the
+    # channels-last format: splitting the fused group's 4-D tangent raised "NYI: querying
+    # is_contiguous inside of vmap".
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.GELU()) for _ in range(2)],
+                 join=join, fuse=True).double()
+    unfused = Parallel(*copy.deepcopy(list(p)), join=join)
+    x = torch.randn(2, 2, 3, 3, dtype=torch.float64)
+
+    def flat(module):
+        return lambda t: torch.cat([o.reshape(-1) for o in pytree.tree_leaves(module(t))])
+
+    got = torch.autograd.functional.jacobian(flat(p), x, vectorize=True, strategy="forward-mode")
+    expected = torch.autograd.functional.jacobian(flat(unfused), x)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(flat(p), (x.clone().requires_grad_(),), check_forward_ad=True,
+                                    check_batched_forward_grad=True)
+    assert p.explain()["fused"] == [["0", "1"]]
