@@ -601,6 +601,21 @@ class _OwnGradientsDual(_OwnGradients):
         return tangent.view_as(tangent)  # (the identity's)
 
 
+class _OwnGradientsCopied(_OwnGradients):
+    r"""An :class:`_OwnGradientsDual` returning a copy, for tangents batched by ``torch._vmap_internals``' vmap
+    (``autograd.functional.hessian(..., vectorize=True, outer_jacobian_strategy="forward-mode")``,
+    ``jacobian(..., strategy="forward-mode")`` over swapped-in parameters): a view of one is no view
+    to autograd, which refuses a ``jvp`` that returns no view for a ``forward`` that does."""
+
+    @staticmethod
+    def forward(ctx: Any, stacked: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return stacked.clone()
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return tangent.clone()
+
+
 # One thread at a time stacks the members' tensors and re-points them at their slices
 # (``_Group.bind``: two threads would each stack, and the parameters could end up views of
 # one thread's stack while the group reads the other's, never seeing an update again), and
@@ -961,6 +976,9 @@ class _Group:
             # one keeps the forward alone.)
             if stacked.requires_grad and not _functorch_active() and not _is_exporting():
                 if not _is_tracing() and _forward_ad._current_level >= 0:  # (dual parameters swapped in)
+                    tangent = _forward_ad.unpack_dual(stacked).tangent
+                    if tangent is not None and _is_legacy_batched(tangent):
+                        return _OwnGradientsCopied.apply(stacked)
                     return _OwnGradientsDual.apply(stacked)
                 return _OwnGradients.apply(stacked)
             return stacked
@@ -1599,6 +1617,9 @@ def _dense_members(t: torch.Tensor) -> bool:
     r"""Whether each member's slice of stacked ``t`` (members along dimension 0) is dense, as a
     tensor a branch returns unfused is (contiguous, or channels-last)."""
     return _is_dense(t.select(0, 0) if t.dim() else t)
+
+
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
 
 
 def _is_dense(t: torch.Tensor) -> bool:

@@ -5232,3 +5232,26 @@ def test_vectorized_forward_mode_jacobian_of_fused_convolutions(join):
     assert torch.autograd.gradcheck(flat(p), (x.clone().requires_grad_(),), check_forward_ad=True,
                                     check_batched_forward_grad=True)
     assert p.explain()["fused"] == [["0", "1"]]
+
+
+def test_forward_over_reverse_hessian_of_parameters_swapped_into_a_fused_group():
+    # Before (a hunt): torch.autograd.functional.hessian(..., vectorize=True,
+    # outer_jacobian_strategy="forward-mode") of a loss of parameters swapped in by
+    # functional_call batches their tangents with torch._vmap_internals' vmap; the identity over
+    # the stacked duals returned a view whose jvp's view of a batched tangent is none to
+    # autograd: fuse=True raised "forward is returning a view ... but the jvp is not".
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3)) for _ in range(2)],
+                 join="sum", fuse=True).double()
+    unfused = Parallel(*copy.deepcopy(list(p)), join="sum")
+    x = torch.randn(2, 4, dtype=torch.float64)
+    names = [k for k, _ in p.named_parameters()]
+    params = tuple(v.detach().clone() for v in p.parameters())
+
+    def loss(module):
+        return lambda *ps: torch.func.functional_call(module, dict(zip(names, ps)), (x,)).sin().sum()
+
+    got = torch.autograd.functional.hessian(loss(p), params, vectorize=True, outer_jacobian_strategy="forward-mode")
+    expected = torch.autograd.functional.hessian(loss(unfused), params)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert p.explain()["fused"] == [["0", "1"]]
