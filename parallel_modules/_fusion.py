@@ -1634,21 +1634,9 @@ def _is_dense(t: torch.Tensor) -> bool:
         # (The batched tangents of ``torch._vmap_internals``' vmap -- ``autograd.functional.jacobian``'s
         # ``vectorize=True, strategy="forward-mode"``, gradcheck's ``check_batched_forward_grad`` --
         # answer for the contiguous format only: decided from the strides, which they do report.)
-        return _channels_last_strides(t)
+        from torch._prims_common import is_channels_last_contiguous  # (torch's own reading of the strides)
 
-
-def _channels_last_strides(t: torch.Tensor) -> bool:
-    r"""Whether ``t``'s strides are channels-last (3-D) contiguous, as ``is_contiguous(memory_format=...)``
-    decides them (size-1 dimensions skipped)."""
-    expected = 1
-    for d in (1, 3, 2, 0) if t.dim() == 4 else (1, 4, 3, 2, 0):
-        size = t.shape[d]
-        if size == 1:
-            continue
-        if t.stride(d) != expected:
-            return False
-        expected *= size
-    return True
+        return is_channels_last_contiguous(t)
 
 
 try:  # (torch.cat's and ``preserve_format``'s choice, from the strides)
