@@ -10,6 +10,7 @@ child named, and leaves the container as it was.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 from torch import nn
@@ -129,3 +130,19 @@ def _child_key(owner: str, names: list[str], idx: Any, kind: str, slices: bool =
     if not -n <= idx < n:
         raise IndexError(f"{owner}: index {idx} is out of range for {n} {kind if n == 1 else plural}.")
     return names[idx % n]
+
+
+def _state_to_copy(module: nn.Module) -> dict:
+    r"""``module``'s ``__dict__`` for ``__getstate__``, with a dict of children of its own, of the same
+    modules (as a slice has), and a compiler of its own (the settings, no compiled code).
+
+    ``copy.copy`` hands the copy this state as it is: a child deleted from a dict both
+    blocks share would leave the other block's groups, plans and graphs running it,
+    unseen; and a shared compiler, whose list of compiled children is one block's, would
+    make each call of either block build (and compile) its children anew.
+    """
+    state = module.__dict__.copy()
+    state["_modules"] = module._modules.copy()
+    if state.get("_compiler") is not None:
+        state["_compiler"] = copy.copy(state["_compiler"])
+    return state

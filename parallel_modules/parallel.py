@@ -3,7 +3,6 @@ r"""``Parallel``: independent branches on one input, run concurrently."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import numbers
 import operator
 from collections import OrderedDict
@@ -17,7 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
-from ._children import _Function, _as_branch, _check_name, _child_key  # noqa: F401  (_Function: pickles name it here)
+from ._children import _Function, _as_branch, _check_name, _child_key, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import (_GLOBAL_HOOKS, _STOCK_DROPOUT, _difference, _flat_layers, _functorch_active, _Fusion, _Group,
                       _iter_layers, _Joined, _MembersChanged, _UnbatchedNow, _Unfused)
@@ -544,16 +543,7 @@ class Parallel(nn.Module):
         return module
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        # Its own dict of branches, of the same modules (as a slice has): ``copy.copy`` hands
-        # the copy this state as it is, and a branch deleted from a dict both share
-        # would leave the other block's groups, plans and graphs running it, unseen.
-        state["_modules"] = self._modules.copy()
-        if state.get("_compiler") is not None:
-            # A compiler of its own (the settings, no compiled code), as for the dict of
-            # branches: shared, the two blocks' different lists of branches would each
-            # make the other's next call build (and compile) its children anew, call after call.
-            state["_compiler"] = copy.copy(state["_compiler"])
+        state = _state_to_copy(self)
         state.pop("_tuner", None)
         state.pop("_plans", None)
         state.pop("_reproducible", None)

@@ -19,7 +19,6 @@ which, through that chain of events, follows every piece of every lane.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import math
 import importlib
@@ -36,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._children import _check_name, _check_stage, _child_key
+from ._children import _check_name, _check_stage, _child_key, _state_to_copy
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
@@ -951,16 +950,7 @@ class ParallelSequential(nn.Sequential):
             self._reset()
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        # Its own dict of stages, of the same modules (as a slice has): ``copy.copy`` hands
-        # the copy this state as it is, and a stage deleted from a dict both share
-        # would leave the other block's groups, plans and graphs running it, unseen.
-        state["_modules"] = self._modules.copy()
-        if state.get("_compiler") is not None:
-            # A compiler of its own (the settings, no compiled code), as for the dict of
-            # stages: shared, the two pipelines' different lists of stages would each make
-            # the other's next call build (and compile) its children anew, call after call.
-            state["_compiler"] = copy.copy(state["_compiler"])
+        state = _state_to_copy(self)
         state.pop("_plan", None)
         state.pop("_home", None)
         state.pop("_graphs", None)
