@@ -19,7 +19,7 @@ from torch.fx import _symbolic_trace
 from torch.utils import _pytree as pytree
 
 from ._inputs import _with_context
-from ._streams import _graph_state, _hold_join_gradients, _is_tracing, _last_node, _next_node
+from ._streams import _graph_state, _hold_join_gradients, _is_tracing, _recorded
 
 __all__: list[str] = []
 
@@ -201,12 +201,12 @@ def _join_outputs(
     # Branches that autograd recorded on several streams: a sum hands them one gradient, which
     # its nodes hold until the backward pass ends (see _streams, backward).
     _graph_state.forked = False
-    last = _last_node(outputs) if how in ("sum", "mean") or callable(how) else None
+    hold = (how in ("sum", "mean") or callable(how)) and _recorded(outputs)
     # (This thread's nodes from here are the join's: an output may have been made on another.)
-    first = _next_node()
+    first = torch.autograd._get_sequence_nr()
     result = _join(owner, how, dim, names, outputs)
-    if last is not None:
-        _hold_join_gradients(result, last if first is None else first - 1, first is not None)
+    if hold:
+        _hold_join_gradients(result, first)
     return result
 
 

@@ -532,26 +532,14 @@ def _hold_gradients(grad_inputs: tuple, grad_outputs: tuple) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(held.clear)
 
 
-# The number autograd gives the next node this thread makes: numbers are the thread's own.
-_sequence_nr = getattr(torch.autograd, "_get_sequence_nr", None)
-
-
-def _next_node() -> int | None:
-    r"""The number autograd gives the next node made on this thread (``None``: a torch without the binding)."""
-    return _sequence_nr() if _sequence_nr is not None else None
-
-
-def _last_node(outputs: list[Any]) -> int | None:
-    r"""The greatest number autograd gave the nodes of the branches' ``outputs`` (``None``: none has one).
-
-    Read before the join runs: an in-place join (``x += o``) gives its first output a node of its own.
-    """
+def _recorded(outputs: list[Any]) -> bool:
+    r"""Whether autograd made a node for any of the branches' ``outputs``: else a join of them
+    hands no gradient to two streams' nodes, and nothing need be held."""
     leaves = outputs if all(type(o) is torch.Tensor for o in outputs) else _tensor_leaves(outputs)
-    made = [t.grad_fn._sequence_nr() for t in leaves if t.grad_fn is not None]
-    return max(made) if made else None
+    return any(t.grad_fn is not None for t in leaves)
 
 
-def _hold_join_gradients(result: Any, last: int, bounded: bool = False) -> None:
+def _hold_join_gradients(result: Any, first: int) -> None:
     r"""Hook the join's own nodes, from its ``result`` back to the branches' outputs, with :func:`_hold_gradients`.
 
     For a ``sum`` or ``mean`` join, or a join of the user's, of branches that ran
@@ -559,36 +547,34 @@ def _hold_join_gradients(result: Any, last: int, bounded: bool = False) -> None:
     both its sides. Held, the gradients outlive their last reader by the rest of
     the backward pass, one join-sized tensor per block: memory a block on one
     stream need not spend, nor a ``cat`` or ``stack``, whose branches get slices
-    of their own. The join's own nodes are those autograd numbered after every
-    output's (``last``, :func:`_last_node`; it numbers a thread's nodes in order,
-    and the branches run on the caller's thread): a join reading a tensor made
-    before the block (a residual) is not followed into the model, whose
-    gradients would all be held. (Nor a parameter's accumulator, which a
-    weighted join reaches, numbered last of all: it hands nothing on, and a hook
-    on it would stay for as long as something keeps it, DDP's reducer.)
+    of their own.
 
-    Numbers are a thread's own: a node made on another thread (a tensor the
-    join reads, or a branch returns, made there) may be numbered anything.
-    ``bounded`` (``last``: the thread's number before the join ran): the join's
-    nodes are also numbered below the thread's next number once the roots were
-    read; elsewhere another thread's whole graph would be held, and hooked again
-    at every call while it lives. (Not each below the node reading it: an
-    operation reading a view whose base changed in place since makes its own
-    node first, then the view's anew, numbered above it -- the join's nodes
-    below that one would be left unheld.)
+    The join's own nodes are those this thread made while it ran: autograd
+    numbers a thread's nodes in order, from ``first``
+    (``torch.autograd._get_sequence_nr()`` read before the join) to the number
+    it would give the next one once the roots were read. A join reading a tensor
+    made before the block (a residual) is not followed into the model, whose
+    gradients would all be held; nor a parameter's accumulator, which a weighted
+    join reaches (it hands nothing on, and a hook on it would stay for as long
+    as something keeps it, DDP's reducer). Numbers are a thread's own: a node
+    made on another thread (a tensor the join reads, or a branch returns, made
+    there) may be numbered anything, and the upper end keeps that thread's
+    whole graph from being held, and hooked again at every call while it lives.
+    (Not each node below the node reading it: an operation reading a view whose
+    base changed in place since makes its own node first, then the view's anew,
+    numbered above it -- the join's nodes below that one would be left unheld.)
     """
     leaves = (result,) if isinstance(result, torch.Tensor) else _tensor_leaves(result)
     roots = [t.grad_fn for t in leaves if t.grad_fn is not None]
     # (Read once the roots were: a view's node is made anew when read after its base changed in place.)
-    end = _next_node() if bounded else None
+    end = torch.autograd._get_sequence_nr()
     todo = roots
     seen: set[int] = set()
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or not node.next_functions:
             continue
-        number = node._sequence_nr()
-        if number <= last or end is not None and number >= end:
+        if not first <= node._sequence_nr() < end:
             continue
         seen.add(id(node))
         node.register_hook(_hold_gradients)

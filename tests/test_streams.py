@@ -278,7 +278,7 @@ def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join, monkeypat
     import functools
     import weakref
 
-    from parallel_modules._streams import _hold_join_gradients, _last_node
+    from parallel_modules._streams import _hold_join_gradients
 
     leaves = [torch.randn(3, requires_grad=True) for _ in range(4)]
     before = torch.randn(3, requires_grad=True)
@@ -287,7 +287,8 @@ def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join, monkeypat
     # referenced by nothing else once those nodes ran.)
     outputs = [t * 3.0 for t in leaves]
     weights = torch.tensor([1.0, 0.5, 0.25, 2.0], requires_grad=True)  # (a join's parameter: its accumulator)
-    last = _last_node(outputs)  # (before the join: an in-place one gives the first output a node of its own)
+    # (Read before the join: an in-place one gives the first output a node of its own.)
+    first = torch.autograd._get_sequence_nr()
     if join == "in place":
         total = outputs[0]
         for o in outputs[1:]:
@@ -304,7 +305,7 @@ def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join, monkeypat
         return _streams._hold_gradients(grad_inputs, grad_outputs)
 
     monkeypatch.setattr(_streams, "_hold_gradients", counted)
-    _hold_join_gradients(total, last)
+    _hold_join_gradients(total, first)
     monkeypatch.undo()
     handed: list[weakref.ref] = []
     seen_alive: list[bool] = []
@@ -312,7 +313,7 @@ def test_a_join_keeps_its_gradients_until_the_backward_pass_ends(join, monkeypat
     todo, joined = [total.grad_fn], []
     while todo:  # the join's own nodes: hooked, and watched here
         node = todo.pop()
-        if (node is not None and node not in ends and node not in joined and node._sequence_nr() > last
+        if (node is not None and node not in ends and node not in joined and node._sequence_nr() >= first
                 and node.next_functions):
             joined.append(node)
             node.register_hook(lambda grads, _: handed.extend(weakref.ref(g) for g in grads if g is not None))
