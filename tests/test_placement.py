@@ -142,6 +142,42 @@ def test_the_one_local_branch_changing_the_input_in_place_is_refused(two_devices
     assert len(p(torch.randn(8, 4))) == 2  # works after the error
 
 
+class _Masked(nn.Linear):
+    def __init__(self, bump: bool = False) -> None:
+        super().__init__(4, 4)
+        self.bump = bump
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.bump:
+            mask.add_(1)  # a CPU input, which the copy to the branch's device leaves where it is
+        return super().forward(x)
+
+
+def test_a_refused_call_leaves_no_join_gradients_to_hold(two_devices, monkeypatch):
+    # The two local branches ran forked (noted for the join, which then holds the gradient a sum
+    # hands them: see _streams, backward), then the remote branch's write to an input refused the
+    # call: no join ran, and the note made the thread's next join, of a block that never forked,
+    # hold its gradients.
+    from parallel_modules import _joins
+
+    def forked(calls, device, run, capturing=None, inputs=(), join=None, *rest, args=(), kwargs=None, error=None):
+        outputs = [call(*args, **(kwargs or {})) for call in calls]  # as _run_forked returns them, noted
+        if torch.is_grad_enabled() and _streams._recording(outputs):
+            _streams._graph_state.forked = True
+        return outputs
+
+    monkeypatch.setattr(_placement, "_run_forked", forked)
+    monkeypatch.setattr(_placement, "_to", lambda v, d: v)  # (CPU tensors stay where they are)
+    p = placed(OrderedDict(a=_Masked(), b=_Masked(), remote=_Masked(bump=True)), [C, C, D], join="sum")
+    with pytest.raises(RuntimeError, match="in place"):
+        p(torch.randn(2, 4), mask=torch.zeros(2))
+    held = []
+    monkeypatch.setattr(_joins, "_hold_join_gradients", lambda *a, **k: held.append(a))
+    other = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), join="sum")
+    other(torch.randn(2, 4)).sum().backward()
+    assert held == []
+
+
 def test_placed_branches_are_compiled_as_asked(two_devices):
     torch._dynamo.reset()
     compiled = []
