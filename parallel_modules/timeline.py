@@ -40,6 +40,7 @@ import datetime
 import decimal
 import gzip
 import json
+import math
 import os
 import platform
 import tempfile
@@ -444,6 +445,29 @@ def load_timelines(trace: _PathLike | Mapping[str, Any] | list) -> dict[str, Tim
     return _timelines_from_trace(_read_json(trace), name or "trace")
 
 
+def _unsaved(value: Any, where: str) -> str | None:
+    r"""Why metadata ``value`` (found at ``where``) would not load back as it was saved, or ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        # (json writes them as NaN and Infinity, which Python reads back but JSON is without:
+        # chrome://tracing and Perfetto refuse the whole file.)
+        return f"{where} is {value!r}, which JSON cannot hold; store None or a string instead"
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                # (JSON's keys are strings: 1 would load back as "1", and 1 and "1" as one key.)
+                return (f"{where} has the key {key!r} ({type(key).__name__}), which JSON keeps only as a string; "
+                        f"use string keys")
+            why = _unsaved(item, f"{where}[{key!r}]")
+            if why is not None:
+                return why
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            why = _unsaved(item, f"{where}[{i}]")
+            if why is not None:
+                return why
+    return None
+
+
 def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str, Any] | None = None) -> None:
     r"""Writes timelines to a small JSON file: kernel events only, one process per timeline.
 
@@ -456,11 +480,24 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
         path: where to write.
         *timelines: the timelines, with distinct labels.
         metadata: extra facts about the whole file (e.g. what was recorded).
+
+    Metadata is saved as JSON, which keys objects by strings and holds no NaN
+    or infinity: other keys and such floats are refused, as they would not
+    load back as they were.
     """
     reserved = {"format", "runs"} & set(metadata or {}) | {"label", "pid"} & {k for t in timelines for k in t.metadata}
     if reserved:
         raise ValueError(f"save_timelines: metadata keys {sorted(reserved)} are reserved by the file format")
     labels = [t.label for t in timelines]
+    for tl in timelines:
+        # (What load_timelines reads back as a label: a file with any other would not load.)
+        if not isinstance(tl.label, (str, int)):
+            raise ValueError(f"save_timelines: a timeline's label must be a string, got {type(tl.label).__name__} "
+                             f"({tl.label!r}); give it one, e.g. Timeline(kernels, 'eager sequential')")
+    for owner, meta in [("the file", metadata or {}), *((f"timeline {t.label!r}", t.metadata) for t in timelines)]:
+        why = _unsaved(meta, "metadata")
+        if why is not None:
+            raise ValueError(f"save_timelines: {why} (in the metadata of {owner})")
     if len(set(labels)) != len(labels):
         raise ValueError(f"save_timelines: timeline labels must be distinct to be told apart, got {labels}")
     events: list[dict[str, Any]] = []

@@ -191,6 +191,19 @@ def test_save_refuses_metadata_keys_the_format_uses(tmp_path, file_meta, meta) -
     assert not (tmp_path / "t.json").exists()
 
 
+@pytest.mark.parametrize("label, file_meta, meta", [
+    (None, None, None), (1.5, None, None),  # the file was written, and load_timelines refused it
+    ("t", None, {1: "one", "1": "str"}), ("t", {"sizes": {64: 1.0}}, None),  # int keys came back as strings (and one)
+    ("t", None, {"ms": float("nan")}), ("t", {"x": [float("inf")]}, None),  # not JSON: trace viewers refuse the file
+])
+def test_save_refuses_what_would_not_load_back_as_it_was(tmp_path, label, file_meta, meta) -> None:
+    with pytest.raises(ValueError, match=r"save_timelines: .*(label must be a string|key (1|64) \(int\)|JSON cannot hold)"):
+        save_timelines(tmp_path / "t.json", two_streams(label, meta), metadata=file_meta)
+    assert not (tmp_path / "t.json").exists()
+    save_timelines(tmp_path / "t.json", two_streams(3, {"sizes": {"64": 1.0}, "ms": None}))  # what loads back
+    assert load_timelines(tmp_path / "t.json")[3].metadata == {"sizes": {"64": 1.0}, "ms": None}
+
+
 def test_each_device_gets_its_own_gpu_name() -> None:
     trace = {"deviceProperties": [{"id": 0, "name": "A100"}, {"id": 1, "name": "H100"}],
              "traceEvents": [kernel("a", 7, 0, 5, device=0), kernel("b", 7, 0, 5, device=1)]}
