@@ -327,6 +327,7 @@ class _Placement:
             pool_d.offset = base_d + len(members[pool_d.device])
         # The remote copies read the input on the lanes while the local branches run on
         # the caller's stream: one that changes the input in place would race with them.
+        # (Watched from before the remote branches, which are named if one changed it.)
         watched = _watched(args, kwargs)
         versions = [a._version for a in watched]
         # Autocast caches a parameter's cast copy per thread, not per stream: two
@@ -358,6 +359,8 @@ class _Placement:
                     side_done.record(side)
                     _set_stream(caller)
                     _set_stream(current_d)
+                if watched and _changed(watched, versions):  # (an input left where it was: a CPU one)
+                    raise module._branch_error(_changed_in_place(), i)
             # Local branches last: the remote ones are already queued on their
             # devices and overlap whatever runs here.
             self._run_local(module, device, branches, local, args, kwargs, outputs)

@@ -169,8 +169,9 @@ def test_a_refused_call_leaves_no_join_gradients_to_hold(two_devices, monkeypatc
     monkeypatch.setattr(_placement, "_run_forked", forked)
     monkeypatch.setattr(_placement, "_to", lambda v, d: v)  # (CPU tensors stay where they are)
     p = placed(OrderedDict(a=_Masked(), b=_Masked(), remote=_Masked(bump=True)), [C, C, D], join="sum")
-    with pytest.raises(RuntimeError, match="in place"):
+    with pytest.raises(RuntimeError, match="in place") as error:
         p(torch.randn(2, 4), mask=torch.zeros(2))
+    assert "branch 'remote'" in error.value.__notes__[-1]  # the branch that wrote, not the last local one
     held = []
     monkeypatch.setattr(_joins, "_hold_join_gradients", lambda *a, **k: held.append(a))
     other = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), join="sum")
