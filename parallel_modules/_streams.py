@@ -563,6 +563,10 @@ def _hold_join_gradients(result: Any, first: int) -> None:
     (Not each node below the node reading it: an operation reading a view whose
     base changed in place since makes its own node first, then the view's anew,
     numbered above it -- the join's nodes below that one would be left unheld.)
+    A join of the user's that runs a backward pass itself
+    (``torch.autograd.grad(..., create_graph=True)``) makes that pass's nodes
+    on autograd's device threads: the join's nodes reached only through them
+    are not held.
     """
     leaves = (result,) if isinstance(result, torch.Tensor) else _tensor_leaves(result)
     roots = [t.grad_fn for t in leaves if t.grad_fn is not None]
