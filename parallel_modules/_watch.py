@@ -21,7 +21,8 @@ Not seen: changes made without registering anything -- ``del`` of a submodule
 below the container, ``nn.Sequential.insert`` there of a module built before
 (building one registers its parameters), writes into ``_modules`` or
 ``_parameters`` directly -- which the containers' own mutators
-(``__delitem__``, ``insert``) handle for their own children. Comparing every
+(``__delitem__``, ``insert``) handle for their own children, and count for
+the blocks enclosing them (:func:`_children_changed`). Comparing every
 container's children on every call would cost the hot path 1.4 us for mlp8's
 nine containers on the development machine's CPU, where its graphed call
 costs the H100 machine's CPU 20-30 us.
@@ -50,6 +51,18 @@ _install_lock = threading.Lock()
 def _count(*_: Any) -> None:
     global _changes
     _changes += 1
+
+
+def _children_changed() -> None:
+    r"""Count a change a block made to its own children that registers nothing (``del block[i]``,
+    ``del block.name``, ``insert``, which write ``_modules`` directly), as a registration.
+
+    The block forgets what it learnt itself (``_reset``); counted, the blocks
+    enclosing it (a pipeline whose stage it is, its batch-mixing layers planned
+    from the old children; a graphed block whose branch it is, its graphs
+    captured with them) walk their trees at their next call and see it too.
+    """
+    _count()
 
 
 def _install() -> None:

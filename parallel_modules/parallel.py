@@ -615,6 +615,7 @@ class Parallel(nn.Module):
             del self._modules[k]
         if numbered:  # keep "0", "1", ... contiguous, as nn.Sequential does
             self._modules = OrderedDict((str(i), m) for i, m in enumerate(self._modules.values()))
+        _watch._children_changed()
         self._reset()
 
     def __delattr__(self, name: str) -> None:
@@ -627,6 +628,7 @@ class Parallel(nn.Module):
             raise ValueError(f"{type(self).__name__}: cannot delete every branch; at least one must remain.")
         super().__delattr__(name)
         if branch:
+            _watch._children_changed()
             self._reset()
 
     def append(self, module: nn.Module | Callable[..., Any]) -> "Parallel":
@@ -697,6 +699,7 @@ class Parallel(nn.Module):
         branches = list(self._modules.values())
         branches.insert(index, branch)
         self._modules = OrderedDict((str(i), m) for i, m in enumerate(branches))
+        _watch._children_changed()
         self._reset()
         return self
 

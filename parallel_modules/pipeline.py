@@ -932,6 +932,7 @@ class ParallelSequential(nn.Sequential):
                              f"in an OrderedDict). Build a new one, {type(self).__name__}(*stages), or name the "
                              f"stages with an OrderedDict.")
         super().insert(index, module)
+        _watch._children_changed()
         self._reset()
         return self
 
@@ -939,6 +940,7 @@ class ParallelSequential(nn.Sequential):
         if not isinstance(idx, slice):
             _child_key(type(self).__name__, list(self._modules), idx, "stage")
         super().__delitem__(idx)
+        _watch._children_changed()
         self._reset()
 
     def __delattr__(self, name: str) -> None:
@@ -947,6 +949,7 @@ class ParallelSequential(nn.Sequential):
         stage = name in self._modules
         super().__delattr__(name)
         if stage:
+            _watch._children_changed()
             self._reset()
 
     def __getstate__(self) -> dict:

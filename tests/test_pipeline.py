@@ -610,6 +610,29 @@ def test_declared_mixers_do_not_replan_every_call(monkeypatch: pytest.MonkeyPatc
     assert plans == []
 
 
+@pytest.mark.parametrize("inner", ["Parallel", "ParallelSequential"])
+def test_a_batch_norm_inserted_into_a_block_below_a_stage_is_refused(inner: str) -> None:
+    # Before (a CPU hunt): a block's own insert (and del) writes its dict of children, which
+    # registers nothing; the block forgot what it had learnt, but a pipeline whose stage it is
+    # kept the plan made from the old children, and micro-batched the training BatchNorm
+    # (built before the first call, so building it registered nothing either) that a fresh
+    # pipeline refuses: each micro-batch normalized with its own statistics, silently.
+    torch.manual_seed(0)
+    norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    block = (Parallel(nn.Linear(4, 4), nn.Linear(4, 4), join="sum") if inner == "Parallel"
+             else ParallelSequential(nn.Linear(4, 4)))
+    model = ParallelSequential(block, nn.Linear(4, 2), chunks=2)
+    x = torch.randn(6, 4)
+    model(x)
+    block.insert(1, norm)
+    with pytest.raises(RuntimeError, match=r"contains '0\.1\.1' \(BatchNorm1d\).*training mode"):
+        model(x)
+    with pytest.raises(RuntimeError, match=r"contains '0\.1\.1' \(BatchNorm1d\).*training mode"):
+        ParallelSequential(*copy.deepcopy(list(model)), chunks=2)(x)  # as a fresh pipeline refuses it
+    norm.eval()
+    torch.testing.assert_close(model(x), _pieces_reference(model, x, 2))
+
+
 def test_pieces_copied_to_the_gpu_are_views() -> None:
     # Recording autograd, pieces get memory of their own -- except those the copy lane copies anyway:
     # a clone of a pinned input would be pageable, and its copy synchronous.
