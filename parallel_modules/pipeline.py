@@ -80,6 +80,9 @@ class _Plan(NamedTuple):
     # The batch-first sequence layers among ``others`` (see _unbatched_refused), where
     # nothing in the stages reads hooks.
     sequences: tuple[tuple[int, str, nn.Module], ...] = ()
+    # The batch-first sequence layers among ``others``, hooks or not: ``batch_first`` set to
+    # False since (which registers nothing) makes one a batch-second mixer (see _mixing_error).
+    batch_first: tuple[tuple[int, str, nn.Module], ...] = ()
 
 
 # This thread's CUDA events, per device (an event may only be recorded on
@@ -1000,8 +1003,10 @@ class ParallelSequential(nn.Sequential):
         hooks_read = any(isinstance(m, (Parallel, ParallelSequential)) or isinstance(getattr(m, "_orig_mod", None),
                                                                                      nn.Module) for m in modules)
         scoped = any(isinstance(m, _FAST_PATHS) for m in modules) and not hooks_read
-        sequences = () if hooks_read else tuple(item for item in others if isinstance(item[2], _SEQUENCE_LAYERS))
-        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences)
+        batch_first = tuple(item for item in others if isinstance(item[2], _SEQUENCE_LAYERS))
+        sequences = () if hooks_read else batch_first
+        return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences,
+                     batch_first)
 
     def _get_plan(self) -> _Plan:
         # (A compiler's trace makes its own: it would record the assignments as side effects
@@ -1069,8 +1074,11 @@ class ParallelSequential(nn.Sequential):
 
     def _mixing_error(self, plan: _Plan) -> RuntimeError | None:
         r"""The error refusing a stage that mixes samples across the batch, or ``None``."""
-        # (An instance attribute set after the plan was made registers nothing: read on every call.)
+        # (An instance attribute set after the plan was made registers nothing: read on every call.
+        # So is a sequence layer's ``batch_first``, set to False since: its input split along
+        # dimension 0 is then split along its sequence.)
         declaring = [(i, qual, m) for i, qual, m in plan.others if m.__dict__.get("mixes_batch") is not None]
+        declaring += [(i, qual, m) for i, qual, m in plan.batch_first if _batch_second(m)]
         for i, qual, m in (*plan.mixers, *declaring):
             declared = getattr(m, "mixes_batch", None)
             norm = _norm_class(m)

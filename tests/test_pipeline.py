@@ -716,6 +716,34 @@ def test_batch_second_modules_refused_with_chunks(module: str) -> None:
         assert torch.allclose(model(x[:, 0]), nn.Sequential(*model)(x[:, 0]), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("module", ["gru", "attention"])
+def test_batch_first_set_to_false_after_the_first_call_is_refused(module: str) -> None:
+    # Before (a CPU hunt): which layers mix samples was planned at the first call, a sequence
+    # layer by its batch_first then; set to False in place later (which registers nothing), it
+    # read each micro-batch as a shorter sequence, silently, where a fresh pipeline refuses it.
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.GRU(4, 4, batch_first=True) if module == "gru" else nn.MultiheadAttention(
+                4, 2, batch_first=True)
+
+        def forward(self, x):
+            return (self.inner(x, x, x) if module == "attention" else self.inner(x))[0]
+
+    torch.manual_seed(0)
+    model = ParallelSequential(nn.Linear(4, 4), First().eval(), chunks=2)
+    x = torch.randn(6, 5, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
+        model[1].inner.batch_first = False
+        with pytest.raises(RuntimeError, match=r"stage '1' \(index 1\) contains '1\.inner' .*batch_first=False"):
+            model(x)
+        with pytest.raises(RuntimeError, match=r"stage '1' \(index 1\) contains '1\.inner' .*batch_first=False"):
+            ParallelSequential(*copy.deepcopy(list(model)), chunks=2)(x)  # as a fresh pipeline refuses it
+        model[1].inner.mixes_batch = False  # the advice: "it reads batch-second inputs after all"
+        model(x)
+
+
 class _PerSample(nn.Module):
     r"""A batch-first GRU run on each sample's own sequence, one at a time (2-D inputs that are not micro-batches)."""
 
