@@ -2249,6 +2249,30 @@ def test_pipeline_stages_changed_after_capture_are_run(change):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("change", ["insert", "delitem", "delattr"])
+def test_a_block_changed_below_a_graphed_block_is_run(change):
+    # A block's own insert and del register nothing (inserted here: a module built before the
+    # first call): the graphed block around it must capture anew, not replay the old branches.
+    torch.manual_seed(0)
+    spare = nn.Linear(64, 64).cuda()
+    inner = Parallel(nn.Linear(64, 64), nn.Linear(64, 64), join="sum")
+    block = Parallel(inner, nn.Linear(64, 64), cuda_graph=True).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        block(x)
+        block(x)  # captured, replayed
+        if change == "insert":
+            inner.insert(1, spare)
+        elif change == "delitem":
+            del inner[1]
+        else:
+            delattr(inner, "1")
+        expected = _cat_of_branches(block, x)
+        out = block(x)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("child", ["dropout", "batchnorm"])
 def test_child_mode_changed_after_capture_is_seen(child):
     # The owner stays in training mode; only a child is switched (the "freeze BatchNorm" idiom).
