@@ -217,6 +217,40 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
     return None
 
 
+def _attributes_set_apart(a: nn.Module, b: nn.Module) -> str | None:
+    r"""How ``b``'s attributes now differ from ``a``'s, or ``None``: :func:`_difference` without its tensor
+    attributes, which are compared here by value (``a`` and ``b`` were grouped as identical).
+
+    For members grouped alike whose own calls have run since -- ``fuse="auto"``'s
+    first call runs them in turn -- and set attributes of their own: a cache
+    their ``forward`` computes from their parameters (``if self.cache is None:
+    self.cache = ...``), a loss it keeps (``self.aux_loss = ...``). A layer run
+    through vmap reads the first member's for every member (see
+    :func:`_vmapped_step`). Tables alike in every member (rotary tables cached
+    from the input's length) are equal, and stay grouped.
+    """
+    diff = _difference(a, b, tensors=False)
+    if diff is not None:
+        return diff
+    for (path, ma), (_, mb) in zip(a.named_modules(), b.named_modules()):
+        where = f"submodule {path!r}" if path else "the branch"
+        ha, hb = _hyperparameters(ma), _hyperparameters(mb)
+        for k, x in ha.items():
+            y = hb.get(k)
+            if x is y or not (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
+                continue
+            try:
+                same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and type(x) is type(y)
+                        and x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+                        and bool(torch.equal(x, y)))
+            except Exception:  # (no values to compare: a meta tensor, a leaked vmap wrapper)
+                same = False
+            if not same:
+                return (f"{where} holds {k!r}, a tensor that is not a parameter or buffer, of other values "
+                        f"({_attribute_value(y)})")
+    return None
+
+
 def _member_tensor(member: nn.Module, qual: str) -> Any:
     r"""The parameter or buffer ``qual`` of ``member`` (``"0.bias"``), ``None`` where it has none, or
     ``_GONE`` where it has no submodule of that name (renamed since it was grouped)."""
@@ -1193,6 +1227,19 @@ class _Group:
         # call that made it since failed the guard, and compiled the block again.)
         program = self.program if keep else None
         if program is None:
+            if keep:
+                # The layers run through vmap read the first member's attributes for every
+                # member (see _vmapped_step), taken when the program is made: the members' own
+                # calls since they were grouped (``fuse="auto"``'s first call runs them in turn)
+                # may have set theirs apart -- a cache computed from their parameters, which
+                # batched would silently be the first member's for all. Grouped anew, they are
+                # told apart there (see _MembersChanged).
+                for name, member in zip(self.names[1:], self.members[1:]):
+                    diff = _attributes_set_apart(self.template, member)
+                    if diff is not None:
+                        raise _MembersChanged(
+                            f"the branches are no longer identical: in branch {name!r}, {diff}, where branch "
+                            f"{self.names[0]!r} has its own, set by their own calls since they were grouped")
             program = _program(self, self.template, "")
             if keep:
                 self.program = program

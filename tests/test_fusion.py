@@ -2448,6 +2448,33 @@ def test_tensor_attributes_a_forward_sets_leave_the_members_grouped(fuse):
     assert block.explain()["fused"] == [["0", "1", "2"]]
 
 
+class _CachesFromWeight(nn.Module):
+    r"""Caches a tensor computed from its own parameter at its first call (a plain attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.cache = nn.Parameter(torch.randn(8)), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = self.weight.detach().exp()
+        return x * self.cache
+
+
+def test_attributes_members_set_apart_on_auto_first_call_are_not_read_off_the_first():
+    # Before (a CPU hunt): fuse="auto" runs a signature's first call in turn, each member caching
+    # its own table; the calls after it ran the group through vmap on a copy of the first member's
+    # layer, whose cache every member then read: silently wrong outputs (off by up to 6).
+    torch.manual_seed(0)
+    branches = [_CachesFromWeight() for _ in range(3)]
+    ref = copy.deepcopy(branches)
+    block = Parallel(*branches, fuse="auto")
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        assert_close(block(x), torch.cat([b(x) for b in ref], 1))
+    assert block.explain()["fused"] == []  # (grouped anew, their caches tell them apart)
+
+
 def test_a_hyperparameter_set_before_the_first_call_is_seen():
     # Before: the groups found at construction held for the first call, a member's setting
     # changed in place since ignored: every member ran the first one's (off by 2.3).
