@@ -1696,6 +1696,10 @@ except ImportError:  # pragma: no cover - an older torch
             return torch.channels_last_3d
         return torch.contiguous_format
 
+# (Its reading of a shape and strides, without a tensor; None in an older torch.)
+_strides_like_channels_last = getattr(getattr(torch, "_prims_common", None), "are_strides_like_channels_last_or_false",
+                                      None)
+
 
 def _dense_clone(part: torch.Tensor) -> torch.Tensor:
     r"""A copy of a member's slice, dense as a branch's own output would be: in the slice's memory format
@@ -1705,7 +1709,18 @@ def _dense_clone(part: torch.Tensor) -> torch.Tensor:
     # (One copy, its format decided first; channels-last 3-D too, a Conv3d's.)
     if _is_dense(part):
         return part.clone(memory_format=torch.preserve_format)
-    return part.clone(memory_format=_suggest_memory_format(part))
+    memory_format = _suggest_memory_format(part)
+    if (memory_format == torch.contiguous_format and part.dim() in (4, 5) and part.shape[0] == 1
+            and _strides_like_channels_last is not None):
+        # A batch of one may have any stride, and a member's slice of the channels layout
+        # ([1, N * C, H, W], channels-last) has N * C there, less than its H's: read as
+        # inner, it made the slice look contiguous, and its copy lost the channels-last
+        # format the branch's own output has. Read as outermost, as in either format.
+        # (From the strides alone: a view made for it would break a compiler's graph.)
+        strides = (max(n * s for n, s in zip(part.shape, part.stride())), *part.stride()[1:])
+        if _strides_like_channels_last(part.shape, strides):
+            memory_format = torch.channels_last if part.dim() == 4 else torch.channels_last_3d
+    return part.clone(memory_format=memory_format)
 
 
 def _members(t: torch.Tensor, dim: int, n: int, copy: bool, received: _Received | None = None) -> list[torch.Tensor]:
