@@ -2242,13 +2242,32 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     lock = contextlib.nullcontext() if tracing else threading.Lock()
     running = None if tracing else _Running()  # whether this thread is inside this step's call (see step)
 
+    # The runner's parameter and buffer dicts, and the entries in them no stack gives (a buffer
+    # registered as None, which ``forward`` sets at its first call: a mask, a lazily made table).
+    dicts = [(path, sub, d) for path, sub in runner.named_modules() for d in (sub._parameters, sub._buffers)]
+    unset = [(d, k, _join(path, k)) for path, _, d in dicts for k, t in d.items() if t is None]
+
     def call(state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
         given = dict(state)
+        sizes = [len(d) for _, _, d in dicts]
         out = torch.func.functional_call(runner, state, (x,), tie_weights=False, strict=False)
         # A tensor assigned in forward (``self.avg = ...``, not ``self.avg.mul_(...)``) is
         # written back into ``state`` and the stacked one put back in the module: the
         # members would silently keep their old tensors. Refused: the group runs unfused.
         changed = [k for k, t in given.items() if state.get(k) is not t]
+        # So too one assigned to a parameter or buffer that was None, or registered in forward,
+        # which functional_call leaves in the runner's own dicts: the members' stayed None (or
+        # missing), and with them their state dicts' entries. (Put back: the runner would hold a
+        # tensor of vmap's, and see no None at the next call.)
+        for d, k, name in unset:
+            if d.get(k) is not None:
+                changed.append(name)
+                d[k] = None
+        for (path, sub, d), size in zip(dicts, sizes):
+            for k in list(d)[size:]:
+                changed.append(_join(path, k))
+                del d[k]
+                sub.__dict__.get("_non_persistent_buffers_set", set()).discard(k)
         if changed:
             raise RuntimeError(
                 f"{type(m).__name__} assigns a new tensor to {changed[0]!r} in forward, which a batched "

@@ -487,6 +487,42 @@ def test_buffer_assigned_in_forward_runs_unfused():
         Parallel(*copy.deepcopy(branches), fuse=True)(x)
 
 
+class LazyScale(nn.Module):
+    r"""A buffer registered as None, set by forward at its first call (from the layer's own weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            self.scale = self.lin.weight.detach().abs().mean(1)
+        return self.lin(x) * self.scale
+
+
+def test_buffer_set_from_none_in_forward_is_refused_as_one_assigned():
+    # Before (a CPU hunt): functional_call left the tensor forward set in the vmapped copy's own
+    # dict, where no stack had been given: fuse=True ran on, every member's buffer stayed None and
+    # the block's state dict lacked their keys ('0.scale', ...), which the unfused branches save.
+    branches = [LazyScale() for _ in range(3)]
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="assigns a new tensor to 'scale' in forward"):
+        Parallel(*copy.deepcopy(branches), fuse=True)(x)
+    p = Parallel(*copy.deepcopy(branches), fuse=True)
+    with pytest.raises(RuntimeError, match="assigns a new tensor to 'scale'"):
+        p(x)
+    with pytest.raises(RuntimeError, match="assigns a new tensor to 'scale'"):  # (refused again, not run on)
+        p(x)
+    assert all(b.scale is None for b in p)  # (the trial's buffers put back)
+    # "auto" runs the first call in turn: each member sets its own, and they are stacked.
+    p, ref = Parallel(*copy.deepcopy(branches), fuse="auto"), Parallel(*copy.deepcopy(branches))
+    for _ in range(3):
+        assert_close(p(x), ref(x))
+    assert list(p.state_dict()) == list(ref.state_dict())
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 def test_a_batch_norm_without_running_statistics_is_refused_for_what_it_is():
     # Before: "BatchNorm in training mode; call .eval()" for one in eval already, whose advice
     # changed nothing (without running statistics it uses batch statistics in eval too).
