@@ -1707,7 +1707,10 @@ def _dense_clone(part: torch.Tensor) -> torch.Tensor:
     slice that is dense but permuted -- an embedding looking up transposed indices -- which a branch
     called on its own would not return)."""
     # (One copy, its format decided first; channels-last 3-D too, a Conv3d's.)
-    if _is_dense(part):
+    if _is_dense(part) or _functorch_active():
+        # (Under torch.func transforms -- vmap, jacfwd -- clone takes no channels-last format:
+        # "NYI: Tensor.clone(memory_format) inside vmap", raised for a channels-last input the
+        # unfused branches take. There, the layout is vmap's own to choose.)
         return part.clone(memory_format=torch.preserve_format)
     memory_format = _suggest_memory_format(part)
     if (memory_format == torch.contiguous_format and part.dim() in (4, 5) and part.shape[0] == 1

@@ -4752,6 +4752,30 @@ def test_layers_fused_through_vmap_run_under_torch_func_transforms(fuse, transfo
     assert block.explain()["fused"] == [["0", "1", "2"]]
 
 
+@pytest.mark.parametrize("batch", [2, 1])
+@pytest.mark.parametrize("transform", ["vmap", "jacfwd"])
+def test_fused_convolutions_on_channels_last_inputs_under_torch_func_transforms(batch, transform):
+    # Before (a CPU hunt): the channels layout's split copied each member's slice with
+    # clone(memory_format=torch.channels_last), which vmap refuses ("NYI: Tensor.clone(memory_format)
+    # inside vmap is only supported with ... preserve_format or contiguous_format"): vmap and
+    # jacfwd of a block of convolutions on a channels-last input raised, where the branches ran.
+    from torch.func import jacfwd, vmap
+
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()) for _ in range(3)], join=None,
+                     fuse=True)
+    plain = nn.ModuleList(copy.deepcopy(list(block)))
+    channels_last = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
+    run = {
+        "vmap": lambda f: vmap(f)(torch.stack([channels_last(torch.randn(batch, 3, 5, 5)) for _ in range(2)])),
+        "jacfwd": lambda f: jacfwd(lambda v: sum(o.sum() for o in f(v)))(channels_last(torch.randn(batch, 3, 5, 5))),
+    }[transform]
+    torch.manual_seed(1)
+    out = run(block)
+    torch.manual_seed(1)
+    assert_close(out, run(lambda v: tuple(b(v) for b in plain)))
+
+
 class _SignedGate(nn.Module):
     r"""A layer with a buffer and control flow on its output's values, which vmap cannot batch."""
 
