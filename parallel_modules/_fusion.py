@@ -2267,7 +2267,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 changed.append(name)
                 d[k] = None
         for (path, sub, d), size in zip(dicts, sizes):
-            for k in list(d)[size:]:
+            for k in list(d)[size:] if len(d) != size else ():
                 changed.append(_join(path, k))
                 del d[k]
                 sub.__dict__.get("_non_persistent_buffers_set", set()).discard(k)
