@@ -22,6 +22,7 @@ import contextlib
 import functools
 import math
 import importlib
+import itertools
 import operator
 import threading
 import weakref
@@ -424,6 +425,82 @@ def _is_piece(t: Any, piece: Any) -> bool:
     return where is not None and any(
         isinstance(p, torch.Tensor) and _storage(p) == where and p.storage_offset() == t.storage_offset()
         and p.shape == t.shape and p.stride() == t.stride() for p in pytree.tree_leaves(piece))
+
+
+def _copied_together(leaves: list[Any], chunks: int) -> dict[int, list[torch.Tensor]]:
+    r"""The micro-batches of input tensors that share elements, as copies that share them too, by the tensors' ids.
+
+    While autograd records, each micro-batch of a tensor is a copy of its own
+    (see ``ParallelSequential._split``). Copied one by one, tensors that are
+    views of one tensor's elements (``(x, x[:, :2])``, ``{"x": x, "flat":
+    x.flatten(1)}``) would lose their link: a stage writing one in place
+    (``a.relu_()``) would leave the other as it was, where in nn.Sequential it
+    sees the write. Here each micro-batch of one contiguous tensor that holds
+    them all (one of them, or the tensor they are views of), its rows spanning
+    theirs, is copied, and theirs are cut from that copy with their own sizes
+    and strides. Autograd carries their gradients to it, so those that record
+    autograd must be views of the tensor it is or is a view of; one taken
+    without autograd (``x.detach()[:, :2]``) is cut from a detached copy.
+    Tensors of one memory that share no element (``q, k = qk.chunk(2, -1)``)
+    and any others are left to be copied one by one: a write to one cannot
+    show in another.
+    """
+    groups: dict[tuple[torch.device, int], dict[int, torch.Tensor]] = {}
+    for t in leaves:
+        # (Not meta tensors: every one's memory is at 0.)
+        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.dim() and t.numel() and not t.is_meta:
+            where = _storage(t)
+            if where is not None:
+                groups.setdefault((t.device, where), {})[id(t)] = t  # (a tensor passed twice, once)
+    copies: dict[int, list[torch.Tensor]] = {}
+    for group in groups.values():
+        for members in _sharing(list(group.values())) if len(group) > 1 else ():
+            bases = {id(t._base): t._base for t in members if t._base is not None}
+            for holder in sorted(members, key=lambda t: -t.numel()) + list(bases.values()):
+                if _holds(holder, members, chunks):
+                    cut = holder.tensor_split(chunks)
+                    pieces = [p.clone() for p in cut]
+                    for t in members:
+                        copies[id(t)] = pieces if t is holder else [
+                            (c if t.requires_grad else c.detach()).as_strided(
+                                p.shape, p.stride(), p.storage_offset() - h.storage_offset())
+                            for c, p, h in zip(pieces, t.tensor_split(chunks), cut)]
+                    break
+    return copies
+
+
+def _sharing(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    r"""``tensors`` (of one memory) in sets linked by shared elements; only sets of more than one."""
+    sets = [[t] for t in tensors]
+    merged = True
+    while merged:
+        merged = False
+        for i, j in itertools.combinations(range(len(sets)), 2):
+            if any(_overlap(a, b) for a in sets[i] for b in sets[j]):
+                sets[i] += sets.pop(j)
+                merged = True
+                break
+    return [s for s in sets if len(s) > 1]
+
+
+def _holds(holder: torch.Tensor, members: list[torch.Tensor], chunks: int) -> bool:
+    r"""Whether each micro-batch of ``members`` is cut from a copy of ``holder``'s (see :func:`_copied_together`)."""
+    if not holder.dim() or not holder.is_contiguous() or any(t.dtype != holder.dtype for t in members):
+        return False  # (a copy of a contiguous micro-batch keeps its layout, at offset 0)
+    root = holder if holder._base is None else holder._base
+    if any(t.requires_grad and not (holder.requires_grad and t._base is root) for t in members if t is not holder):
+        return False  # (their gradients would not reach them through the holder's copy)
+
+    def spans(t: torch.Tensor) -> list[tuple[int, int]]:
+        r"""The first and last element each micro-batch of ``t`` reaches (``torch.tensor_split``'s rows)."""
+        rows, rest = t.shape[0], sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:]))
+        bounds = [m * (rows // chunks) + min(m, rows % chunks) for m in range(chunks + 1)]
+        return [(t.storage_offset() + a * t.stride(0), t.storage_offset() + (b - 1) * t.stride(0) + rest)
+                for a, b in zip(bounds, bounds[1:])]
+
+    held = spans(holder)
+    return all(first > last or (low <= first and last <= high)
+               for t in members for (first, last), (low, high) in zip(spans(t), held))
 
 
 def _overlap(a: Any, b: Any) -> bool:
@@ -1268,7 +1345,9 @@ class ParallelSequential(nn.Sequential):
             return split(input)
         # A tensor passed twice, ``(x, x)``, is split once: its pieces stay one object
         # (``nn.MultiheadAttention`` takes ``query is key`` for self-attention's packed path).
-        done: dict[int, list[torch.Tensor]] = {}
+        # Tensors that are views of one another, ``(x, x[:, :2])``, are copied together, so
+        # that a stage writing one in place changes the other, as in nn.Sequential.
+        done: dict[int, list[torch.Tensor]] = _copied_together(leaves, chunks) if own else {}
         columns = [(done[id(t)] if id(t) in done else done.setdefault(id(t), split(t)))
                    if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]

@@ -1325,6 +1325,43 @@ def test_a_tensor_passed_twice_stays_one_object_in_every_micro_batch(grad):
     torch.testing.assert_close(out, 2 * x)
 
 
+class _WritesOneReadsTheOther(nn.Module):
+    r"""Doubles its first input in place, then reads its second, a view of the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 3)
+
+    def forward(self, inputs):
+        whole, part = inputs
+        whole.mul_(2)
+        return self.linear(part) + whole.flatten(1).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("how", ["view", "sibling views", "detached view", "input needing no grad"])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_input_tensors_that_are_views_of_one_another_stay_so_in_every_micro_batch(how, chunks):
+    # Recording autograd, each micro-batch is a copy: views of one tensor copied one by one
+    # lost their link, and a write through one no longer showed in the other.
+    torch.manual_seed(0)
+    stage = _WritesOneReadsTheOther()
+    leaf = torch.randn(6, 4, requires_grad=True)
+    results = []
+    for model in (nn.Sequential(stage), ParallelSequential(stage, chunks=chunks)):
+        leaf.grad, stage.linear.weight.grad = None, None
+        x = leaf * 1 if how != "input needing no grad" else leaf.detach().clone()
+        inputs = {"view": (x, x[:, 1:3]), "sibling views": (x[:, :3], x[:, 1:3]),
+                  "detached view": (x, x.detach()[:, 1:3]), "input needing no grad": (x, x[:, 1:3])}[how]
+        out = model(inputs)
+        out.square().sum().backward()
+        results.append((out.detach(), leaf.grad, stage.linear.weight.grad.clone()))
+    (out, grad, weight), (ref, ref_grad, ref_weight) = results[1], results[0]
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    if how != "input needing no grad":
+        torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(weight, ref_weight, rtol=RTOL, atol=ATOL)
+
+
 def test_stages_set_later_are_checked_as_the_constructor_checks_them():
     s = ParallelSequential(nn.Identity(), nn.Identity())
     for change in (lambda: s.__setitem__(0, None), lambda: s.append(lambda t: t), lambda: s.insert(0, 3)):
