@@ -679,6 +679,8 @@ def _returning(stage: nn.Module) -> nn.Module:
 
 
 _RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward))
+# The names a TorchScript module made from a stock recurrent layer keeps (see _NORMS_BY_NAME).
+_RECURRENT_NAMES = frozenset(cls.__name__ for cls in (nn.RNN, nn.LSTM, nn.GRU))
 
 
 def _uncompiled(m: nn.Module) -> nn.Module:
@@ -716,6 +718,12 @@ def _layout(m: nn.Module, ranks: set[int]) -> tuple[int, int] | None:
         # (Not a subclass with a forward of its own, which may return anything: a recurrent
         # layer's too, whose hidden states the README asks to return batch-first.)
         return (3, 1) if type(m).forward in _RECURRENT_FORWARDS else None
+    if isinstance(m, torch.jit.ScriptModule):
+        # One made from a recurrent layer (torch.jit.trace: it is of another class, and keeps the
+        # layer's name) returns the layer's results: hidden states batched along dimension 1,
+        # whatever batch_first was. (Joined along 0 they were wrong, silently where the layers
+        # equal a micro-batch's samples: chunks equal to the batch, one layer.)
+        return (3, 1) if getattr(m, "original_name", None) in _RECURRENT_NAMES else None
     if not (isinstance(m, Parallel) and type(m).forward is Parallel.forward):
         return None
     join, dim = m.join, m.dim

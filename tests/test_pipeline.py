@@ -1603,6 +1603,28 @@ def test_a_recurrent_last_stage_joins_its_hidden_states_along_their_batch_dim(ma
         ParallelSequential(nn.Identity(), rnn, chunks=2)(torch.randn(6, 3))
 
 
+@pytest.mark.parametrize("make", [
+    lambda: nn.LSTM(3, 5, num_layers=2, batch_first=True),
+    lambda: nn.GRU(3, 5, batch_first=True),
+    lambda: nn.RNN(3, 5, batch_first=True),
+], ids=["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("batch,chunks", [(4, 2), (3, 3), (5, 2)])
+def test_a_traced_recurrent_last_stage_joins_its_hidden_states_along_their_batch_dim(make, batch, chunks) -> None:
+    # Before (a CPU hunt): a recurrent layer made TorchScript by torch.jit.trace is of another
+    # class, and its h_n was joined along dimension 0: (4, 2, 5) for (2, 4, 5) at two layers and
+    # two samples a micro-batch, (3, 1, 5) for (1, 3, 5) at one and one, silently.
+    torch.manual_seed(0)
+    x = torch.randn(batch, 6, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the trace's warnings)
+        traced = torch.jit.trace(make(), (x,))
+    expected = traced(x)
+    got = ParallelSequential(nn.Identity(), traced, chunks=chunks)(x)
+    torch.testing.assert_close(got, expected)
+    got = ParallelSequential(nn.Identity(), nn.Sequential(nn.Identity(), traced), chunks=chunks)(x)
+    torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("layers", [2, 1])
 def test_a_recurrent_tail_in_a_nested_pipeline_joins_its_hidden_states_along_their_batch_dim(layers) -> None:
     # Before: a last stage that is itself a ParallelSequential ending in an LSTM had h_n and
