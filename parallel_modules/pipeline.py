@@ -1355,9 +1355,19 @@ class ParallelSequential(nn.Sequential):
         # (``nn.MultiheadAttention`` takes ``query is key`` for self-attention's packed path).
         # Tensors that are views of one another, ``(x, x[:, :2])``, are copied together, so
         # that a stage writing one in place changes the other, as in nn.Sequential.
-        done: dict[int, list[torch.Tensor]] = _copied_together(leaves, chunks) if own else {}
-        columns = [(done[id(t)] if id(t) in done else done.setdefault(id(t), split(t)))
-                   if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
+        together = _copied_together(leaves, chunks) if own and not _is_tracing() else {}
+        # Found by ``is``, not by ``id()``: a compiler guards on every id() it traces, here
+        # the input tensors' own, and compiled the pipeline again for each new input.
+        done: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+        def pieces(t: torch.Tensor) -> list[torch.Tensor]:
+            for seen, split_once in done:
+                if seen is t:
+                    return split_once
+            done.append((t, together[id(t)] if together and id(t) in together else split(t)))
+            return done[-1][1]
+
+        columns = [pieces(t) if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
 
     def _concat(self, outputs: list[Any], pieces: list[Any], returned: list[_Returned] | None = None) -> Any:

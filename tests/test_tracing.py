@@ -622,6 +622,36 @@ def test_pipeline_exported_with_a_dynamic_batch():
                 torch.testing.assert_close(program.module()(x), model(x))
 
 
+class _Keyed(nn.Module):
+    r"""Reads a dict input; says whether its two tensors are one object (as attention asks ``query is key``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, d: dict) -> torch.Tensor:
+        return self.lin(d["q"]) * (2.0 if d["q"] is d["k"] else 1.0)
+
+
+def test_a_pipeline_of_a_structured_input_compiles_once():
+    # Before: its leaves were split once per tensor by id(), on which dynamo guards: every
+    # new input failed the guard ("L['input']['q'] got deallocated"), and the pipeline was
+    # compiled at every call until the recompile limit (fullgraph=True: raised).
+    from torch._dynamo.testing import CompileCounter
+
+    model = ParallelSequential(_Keyed(), mlp(8, 4), chunks=3).eval()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            x, k = torch.randn(7, 16), torch.randn(7, 16)
+            assert_close(compiled({"q": x, "k": k}), model({"q": x, "k": k}), 0, 0)
+        assert counter.frame_count == 1
+        # A tensor passed twice is still split once, into one object per micro-batch.
+        assert_close(compiled({"q": x, "k": x}), model({"q": x, "k": x}), 0, 0)
+        assert_close(model({"q": x, "k": x}), model[1](model[0]({"q": x, "k": x})))
+
+
 @pytest.mark.parametrize("layer", [nn.Softmax(dim=-1), nn.LogSoftmax(dim=-1)], ids=["softmax", "logsoftmax"])
 def test_pipeline_with_a_softmax_layer_exported_with_a_dynamic_batch(layer):
     # Before: refused ("Constraints violated (batch)"): the softmax check compared the
