@@ -140,8 +140,13 @@ def _state_to_copy(module: nn.Module) -> dict:
     blocks share would leave the other block's groups, plans and graphs running it,
     unseen; and a shared compiler, whose list of compiled children is one block's, would
     make each call of either block build (and compile) its children anew.
+
+    Built on ``nn.Module.__getstate__``, which leaves out what ``module.compile()`` set
+    (``_compiled_call_impl``, compiled code calling *this* module's ``_call_impl``): kept,
+    a deep copy ran the original block -- its parameters, not the copy's -- and pickling
+    (``torch.save(model)``) failed on it.
     """
-    state = module.__dict__.copy()
+    state = nn.Module.__getstate__(module)
     state["_modules"] = module._modules.copy()
     if state.get("_compiler") is not None:
         state["_compiler"] = copy.copy(state["_compiler"])

@@ -906,3 +906,26 @@ def test_a_hook_on_a_submodule_added_after_the_first_call_runs(owner):
         assert float(seq(x).abs().max()) == 0.0  # (the hook zeroes the branch: ReLU(-1))
         handle.remove()
         assert_same(model(x), expected())
+
+
+@pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
+def test_a_copy_of_a_block_compiled_by_module_compile_runs_its_own_parameters(owner):
+    # Before (a CPU hunt): __getstate__ copied the block's __dict__ with what
+    # ``module.compile()`` keeps there (compiled code calling *this* block's _call_impl),
+    # which nn.Module's own __getstate__ leaves out: a deep copy ran the original block,
+    # and pickling (torch.save(model)) failed on it.
+    torch.manual_seed(0)
+    block = owner(nn.Linear(4, 3), nn.Linear(4, 3) if owner is Parallel else nn.ReLU())
+    block.compile(backend="eager")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        block(x)
+        for make in (copy.deepcopy, lambda b: pickle.loads(pickle.dumps(b))):
+            clone = make(block)
+            clone[0].weight.zero_()
+            clone[0].bias.fill_(1.0)
+            expected = torch.ones(2, 6) if owner is Parallel else torch.ones(2, 3)
+            if owner is Parallel:
+                expected[:, 3:] = clone[1](x)
+            assert_same(clone(x), expected)
+        assert_same(block(x), torch.cat([b(x) for b in block], 1) if owner is Parallel else block[1](block[0](x)))
