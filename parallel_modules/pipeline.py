@@ -678,6 +678,35 @@ def _returning(stage: nn.Module) -> nn.Module:
         stage = stage[-1]
 
 
+def _writes_its_input(stage: nn.Module) -> bool:
+    r"""Whether ``stage`` begins with a stock layer writing its input in place (``nn.ReLU(inplace=True)``
+    first, or after layers returning their input or a view of it), in a container that runs it first.
+
+    What a trace can tell from the layers alone (see :meth:`ParallelSequential._split`): a
+    module of the user's writing its input is not seen.
+    """
+    return _first_write(stage) is True
+
+
+def _first_write(m: nn.Module) -> bool | None:
+    r"""``True``: ``m`` writes its input in place first; ``None``: it returns its input (or a view of it)
+    untouched, so the layer after it decides; ``False``: anything else."""
+    m = _uncompiled(m)
+    if m.__dict__.get("inplace") is True:  # (not getattr: a module without one raises inside, slowly)
+        return True
+    if type(m) in (nn.Identity, nn.Flatten, nn.Unflatten):
+        return None
+    if isinstance(m, nn.Sequential) and type(m).forward in _SEQUENTIAL_FORWARDS:  # (a nested pipeline too)
+        for layer in m._modules.values():
+            first = _first_write(layer)
+            if first is not None:
+                return first
+        return None
+    if isinstance(m, Parallel) and type(m).forward is Parallel.forward:  # every branch gets the input
+        return any(_first_write(branch) is True for branch in m._modules.values())
+    return False
+
+
 _RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward))
 # The names a TorchScript module made from a stock recurrent layer keeps (see _NORMS_BY_NAME).
 _RECURRENT_NAMES = frozenset(cls.__name__ for cls in (nn.RNN, nn.LSTM, nn.GRU))
@@ -1338,12 +1367,17 @@ class ParallelSequential(nn.Sequential):
         # its version counter, so an in-place first operation (ReLU(inplace=True)) on one
         # piece would spoil what was saved for backward on another (by that operation, or
         # by a Linear after it for its weight's gradient, whether or not the input
-        # requires grad). (Not for compilers, whose functionalized graphs have no such
-        # conflict, and whose graph must be the plain model's; nor for pieces copied to the
-        # GPU, whose copies are theirs: a clone of a pinned input is pageable, which would
-        # make each copy synchronous.) A stage that changes its input in place then leaves
-        # the caller's tensor as it was (without autograd, it changes it, as in nn.Sequential).
-        own = torch.is_grad_enabled() and not copied and not _is_tracing()
+        # requires grad). Not for pieces copied to the GPU, whose copies are theirs: a clone
+        # of a pinned input is pageable, which would make each copy synchronous. While a
+        # compiler traces, only where the first stage shows such a write (see
+        # _writes_its_input): the graph is otherwise the plain model's. (Traced graphs have
+        # the conflict too: AOTAutograd traces the backward of the views, and refused to
+        # compile the pipeline; an exported program's backward raised.) Not under
+        # torch.jit.trace, whose check of the trace runs without autograd, and would find
+        # the graphs differ. A stage that changes its input in place then leaves the
+        # caller's tensor as it was (without autograd, it changes it, as in nn.Sequential).
+        own = torch.is_grad_enabled() and not copied and (not _is_tracing() or torch.compiler.is_compiling() and (
+            bool(self._modules) and _writes_its_input(next(iter(self._modules.values())))))
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)

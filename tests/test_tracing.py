@@ -652,6 +652,28 @@ def test_a_pipeline_of_a_structured_input_compiles_once():
         assert_close(model({"q": x, "k": x}), model[1](model[0]({"q": x, "k": x})))
 
 
+@pytest.mark.parametrize("how", ["compile", "export"])
+def test_a_pipeline_whose_first_stage_writes_its_input_trains_traced(how):
+    # Before: traced, the micro-batches were views of the input, sharing its version counter,
+    # where eager calls recording autograd give each its own memory: ReLU(inplace=True) on one
+    # spoiled what was saved for backward on the other. AOTAutograd refused to compile
+    # ("modified by an inplace operation"); the exported program raised in backward.
+    torch.manual_seed(0)
+    model = ParallelSequential(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8)), nn.Linear(8, 4), chunks=2)
+    x = torch.randn(6, 8)
+    if how == "compile":
+        traced = torch.compile(model, backend="aot_eager", fullgraph=True)
+    else:
+        traced = torch.export.export(model, (x,)).module()
+    grads = []
+    for run in (model, traced):
+        given = x.clone().requires_grad_()
+        run(given * 1).square().sum().backward()
+        grads.append([given.grad] + [p.grad for p in run.parameters()])
+        model.zero_grad()  # (the compiled model's are the model's: set to None, the lists keep them)
+    assert_close(grads[1], grads[0])
+
+
 @pytest.mark.parametrize("layer", [nn.Softmax(dim=-1), nn.LogSoftmax(dim=-1)], ids=["softmax", "logsoftmax"])
 def test_pipeline_with_a_softmax_layer_exported_with_a_dynamic_batch(layer):
     # Before: refused ("Constraints violated (batch)"): the softmax check compared the
