@@ -1479,7 +1479,10 @@ class ParallelSequential(nn.Sequential):
             spec = flat[0][1]
             if any(s != spec for _, s in flat):
                 raise TypeError("the micro-batches returned different structures")
-            given = {id(v) for v in pytree.tree_leaves(pieces[0]) if not isinstance(v, torch.Tensor)}
+            # (The input's own non-tensor values, found by ``is``, not by ``id()``: a compiler
+            # guards on every id() it traces, and compiled the pipeline again for each new
+            # object in the input, a config made per call.)
+            given = [v for v in pytree.tree_leaves(pieces[0]) if not isinstance(v, torch.Tensor)]
             joined = []
             for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
                 first = column[0]
@@ -1487,7 +1490,7 @@ class ParallelSequential(nn.Sequential):
                     joined.append(shared(first, i))  # the same tensor from every micro-batch
                 elif all(isinstance(t, torch.Tensor) for t in column):
                     joined.append(batched(column))
-                elif (first is None or id(first) in given) and all(v is first for v in column[1:]):
+                elif (first is None or any(v is first for v in given)) and all(v is first for v in column[1:]):
                     joined.append(first)  # None, or a value of the input's passed on
                 elif not any(isinstance(t, torch.Tensor) for t in column):
                     # A value computed from a micro-batch (its size, a statistic) need not be the

@@ -652,6 +652,40 @@ def test_a_pipeline_of_a_structured_input_compiles_once():
         assert_close(model({"q": x, "k": x}), model[1](model[0]({"q": x, "k": x})))
 
 
+class _Settings:
+    r"""A non-tensor value of the input, made anew for every call (a config)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, d: dict) -> dict:
+        return {"y": self.lin(d["x"]) * d["settings"].scale, "settings": d["settings"]}
+
+
+def test_a_pipeline_passing_on_an_object_of_its_input_compiles_once():
+    # Before: the input's non-tensor values were told by id(), on which dynamo guards: an
+    # object made anew for every call compiled the pipeline again at every call (the same
+    # model without the library compiles once).
+    from torch._dynamo.testing import CompileCounter
+
+    model = ParallelSequential(_Scaled(), chunks=3).eval()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            given = {"x": torch.randn(7, 16), "settings": _Settings(2.0)}
+            out = compiled(given)
+            assert out["settings"] is given["settings"]
+            assert_close(out["y"], model(given)["y"], 0, 0)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("how", ["compile", "export"])
 def test_a_pipeline_whose_first_stage_writes_its_input_trains_traced(how):
     # Before: traced, the micro-batches were views of the input, sharing its version counter,
