@@ -659,7 +659,7 @@ class _Settings:
         self.scale = scale
 
 
-class _Scaled(nn.Module):
+class _ScaledBySettings(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(16, 8)
@@ -674,7 +674,7 @@ def test_a_pipeline_passing_on_an_object_of_its_input_compiles_once():
     # model without the library compiles once).
     from torch._dynamo.testing import CompileCounter
 
-    model = ParallelSequential(_Scaled(), chunks=3).eval()
+    model = ParallelSequential(_ScaledBySettings(), chunks=3).eval()
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     with torch.no_grad():
