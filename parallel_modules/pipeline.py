@@ -1376,8 +1376,9 @@ class ParallelSequential(nn.Sequential):
         # torch.jit.trace, whose check of the trace runs without autograd, and would find
         # the graphs differ. A stage that changes its input in place then leaves the
         # caller's tensor as it was (without autograd, it changes it, as in nn.Sequential).
+        # (``len() > 0``: dynamo in torch 2.11 cannot trace ``bool`` of a dict.)
         own = torch.is_grad_enabled() and not copied and (not _is_tracing() or torch.compiler.is_compiling() and (
-            bool(self._modules) and _writes_its_input(next(iter(self._modules.values())))))
+            len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values())))))
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)
