@@ -427,8 +427,8 @@ def _is_piece(t: Any, piece: Any) -> bool:
         and p.shape == t.shape and p.stride() == t.stride() for p in pytree.tree_leaves(piece))
 
 
-def _copied_together(leaves: list[Any], chunks: int) -> dict[int, list[torch.Tensor]]:
-    r"""The micro-batches of input tensors that share elements, as copies that share them too, by the tensors' ids.
+def _copied_together(leaves: list[Any], chunks: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    r"""The micro-batches of input tensors that share elements, as copies that share them too: (tensor, pieces).
 
     While autograd records, each micro-batch of a tensor is a copy of its own
     (see ``ParallelSequential._split``). Copied one by one, tensors that are
@@ -452,7 +452,7 @@ def _copied_together(leaves: list[Any], chunks: int) -> dict[int, list[torch.Ten
             where = _storage(t)
             if where is not None:
                 groups.setdefault((t.device, where), {})[id(t)] = t  # (a tensor passed twice, once)
-    copies: dict[int, list[torch.Tensor]] = {}
+    copies: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
     for group in groups.values():
         for members in _sharing(list(group.values())) if len(group) > 1 else ():
             bases = {id(t._base): t._base for t in members if t._base is not None}
@@ -461,10 +461,10 @@ def _copied_together(leaves: list[Any], chunks: int) -> dict[int, list[torch.Ten
                     cut = holder.tensor_split(chunks)
                     pieces = [p.clone() for p in cut]
                     for t in members:
-                        copies[id(t)] = pieces if t is holder else [
+                        copies.append((t, pieces if t is holder else [
                             (c if t.requires_grad else c.detach()).as_strided(
                                 p.shape, p.stride(), p.storage_offset() - h.storage_offset())
-                            for c, p, h in zip(pieces, t.tensor_split(chunks), cut)]
+                            for c, p, h in zip(pieces, t.tensor_split(chunks), cut)]))
                     break
     return copies
 
@@ -1377,7 +1377,8 @@ class ParallelSequential(nn.Sequential):
         # the graphs differ. A stage that changes its input in place then leaves the
         # caller's tensor as it was (without autograd, it changes it, as in nn.Sequential).
         # (``len() > 0``: dynamo in torch 2.11 cannot trace ``bool`` of a dict.)
-        own = torch.is_grad_enabled() and not copied and (not _is_tracing() or torch.compiler.is_compiling() and (
+        tracing = _is_tracing()
+        own = torch.is_grad_enabled() and not copied and (not tracing or torch.compiler.is_compiling() and (
             len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values())))))
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
@@ -1390,16 +1391,15 @@ class ParallelSequential(nn.Sequential):
         # (``nn.MultiheadAttention`` takes ``query is key`` for self-attention's packed path).
         # Tensors that are views of one another, ``(x, x[:, :2])``, are copied together, so
         # that a stage writing one in place changes the other, as in nn.Sequential.
-        together = _copied_together(leaves, chunks) if own and not _is_tracing() else {}
         # Found by ``is``, not by ``id()``: a compiler guards on every id() it traces, here
         # the input tensors' own, and compiled the pipeline again for each new input.
-        done: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        done = _copied_together(leaves, chunks) if own and not tracing else []
 
         def pieces(t: torch.Tensor) -> list[torch.Tensor]:
             for seen, split_once in done:
                 if seen is t:
                     return split_once
-            done.append((t, together[id(t)] if together and id(t) in together else split(t)))
+            done.append((t, split(t)))
             return done[-1][1]
 
         columns = [pieces(t) if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
