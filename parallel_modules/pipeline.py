@@ -145,6 +145,24 @@ def _layer_name(m: nn.Module) -> str:
 # along dimension 0, an embedding scaling its gradient by frequencies in the batch.
 _SOFTMAXES = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
 _ACROSS_DIM_0 = (*_SOFTMAXES, nn.Embedding, nn.EmbeddingBag)
+# The names a TorchScript module made from a stock softmax layer keeps (see _NORMS_BY_NAME).
+_SOFTMAX_NAMES = frozenset(cls.__name__ for cls in _SOFTMAXES)
+
+
+def _made_from(m: nn.Module, names: frozenset[str]) -> bool:
+    r"""Whether ``m`` is a TorchScript module made from a class of one of ``names`` (see :func:`_norm_class`)."""
+    return isinstance(m, torch.jit.ScriptModule) and getattr(m, "original_name", None) in names
+
+
+def _scripted_softmax(m: nn.Module) -> bool:
+    r"""Whether ``m`` is a stock softmax layer compiled with ``torch.jit.script``, which keeps its ``dim``.
+
+    TorchScript runs no torch function mode and takes no hooks, so its dim is
+    judged as written only (0: across the batch); one written negative or
+    ``None``, which resolves on the input, is not seen (see :class:`_SoftmaxDims`).
+    A ``torch.jit.trace``'d one keeps no ``dim``: not seen either.
+    """
+    return _made_from(m, _SOFTMAX_NAMES) and (m.original_name == "Softmax2d" or hasattr(m, "dim"))
 
 
 # Layers that quantize their input with a scale taken from the whole input at every call
@@ -220,7 +238,7 @@ def _read_elsewhere(m: nn.Module, modules: Sequence[nn.Module]) -> bool:
 
 def _softmax_dim(m: nn.Module) -> int | None:
     r"""The dim a stock softmax layer normalizes along as written: ``None`` or negative ones depend on its input."""
-    return -3 if isinstance(m, nn.Softmax2d) else m.dim
+    return -3 if isinstance(m, nn.Softmax2d) or getattr(m, "original_name", None) == "Softmax2d" else m.dim
 
 
 class _SoftmaxDims(TorchFunctionMode):
@@ -621,6 +639,9 @@ def _batch_size(piece: Any) -> int | None:
 # sequence; batch-second (``batch_first=False``), dimension 0 as the sequence.
 _SEQUENCE_LAYERS = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
                     nn.Transformer)
+# The names TorchScript modules made from them keep (see _NORMS_BY_NAME): a scripted one keeps
+# ``batch_first`` too (a traced one does not, and is not seen).
+_SEQUENCE_NAMES = frozenset(cls.__name__ for cls in (nn.RNN, nn.LSTM, nn.GRU, *_SEQUENCE_LAYERS[1:]))
 
 
 @contextlib.contextmanager
@@ -664,7 +685,7 @@ def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tu
 
 def _batch_second(m: nn.Module) -> bool:
     r"""Whether ``m`` takes its batch along dimension 1 (``batch_first=False``): split along dimension 0, its input is split along its sequence."""
-    return isinstance(m, _SEQUENCE_LAYERS) and not getattr(m, "batch_first", True)
+    return (isinstance(m, _SEQUENCE_LAYERS) or _made_from(m, _SEQUENCE_NAMES)) and not getattr(m, "batch_first", True)
 
 
 def _returning(stage: nn.Module) -> nn.Module:
@@ -1100,7 +1121,8 @@ class ParallelSequential(nn.Sequential):
             owned = _observers_of_fake_quantizers(stage) if _FakeQuantize else set()
             for qual, m in stage.named_modules(prefix=name):
                 if (_norm_class(m) is not None or hasattr(type(m), "mixes_batch") or _batch_second(m)
-                        or isinstance(m, _ACROSS_DIM_0) or _spectral_norm(m) or _quantizes_on_the_batch(m, owned)):
+                        or isinstance(m, _ACROSS_DIM_0) or _scripted_softmax(m) or _spectral_norm(m)
+                        or _quantizes_on_the_batch(m, owned)):
                     mixers.append((i, qual, m))
                 else:
                     others.append((i, qual, m))
@@ -1117,8 +1139,11 @@ class ParallelSequential(nn.Sequential):
         hooks_read = any(isinstance(m, (Parallel, ParallelSequential)) or isinstance(getattr(m, "_orig_mod", None),
                                                                                      nn.Module) for m in modules)
         scoped = any(isinstance(m, _FAST_PATHS) for m in modules) and not hooks_read
-        batch_first = tuple(item for item in others if isinstance(item[2], _SEQUENCE_LAYERS))
-        sequences = () if hooks_read else batch_first
+        batch_first = tuple(item for item in others
+                            if isinstance(item[2], _SEQUENCE_LAYERS) or _made_from(item[2], _SEQUENCE_NAMES))
+        # (Not TorchScript modules, which take no hooks.)
+        sequences = () if hooks_read else tuple(item for item in batch_first
+                                                 if not isinstance(item[2], torch.jit.ScriptModule))
         return _Plan(stages, names, home, placement, devices, tuple(mixers), tuple(others), tied, scoped, sequences,
                      batch_first)
 
@@ -1203,14 +1228,14 @@ class ParallelSequential(nn.Sequential):
             elif _batch_second(m):
                 return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
-                    f"({type(m).__name__}) with batch_first=False, which reads its input as (sequence, "
+                    f"({_layer_name(m)}) with batch_first=False, which reads its input as (sequence, "
                     f"batch, ...); with chunks={self._chunks} the input is split along dimension 0, "
                     "which for it is the sequence, and the result would differ from running the whole "
                     "batch. Construct it with batch_first=True and feed it batch-first inputs, or use "
                     "chunks=1; if the stage itself moves the batch to dimension 1 before it, say so "
                     f"with `model.get_submodule({qual!r}).mixes_batch = False`."
                 )
-            elif isinstance(m, _SOFTMAXES):  # (dims written None or negative: see _SoftmaxDims)
+            elif isinstance(m, _SOFTMAXES) or _scripted_softmax(m):  # (dims None or negative: see _SoftmaxDims)
                 mixes, why = _softmax_dim(m) == 0, "normalizes along dimension 0, across the batch"
                 fix = ("normalize along another dimension, or use chunks=1; if what it normalizes holds no "
                        "batch (weights computed from a parameter), say so with "
@@ -1279,7 +1304,8 @@ class ParallelSequential(nn.Sequential):
                        "mode too).")
             if mixes and isinstance(m, torch.jit.ScriptModule) and declared is None:
                 # (Known by the name of the class it was made from: maybe a module of the user's.)
-                fix += (" If it is not a norm layer, but a module of a class of that name, say so with "
+                fix += (f" If it is not a {'norm' if norm is not None else 'softmax'} layer, but a module of a "
+                        "class of that name, say so with "
                         f"`model.get_submodule({qual!r}).mixes_batch = False`.")
             if mixes:
                 return RuntimeError(

@@ -527,6 +527,60 @@ def test_torchscript_norms_refused_in_training_eval_works(compile: str) -> None:
     assert torch.equal(ParallelSequential(mine, chunks=2)(x), x * 2)
 
 
+class _AttendThenRecur(nn.Module):
+    r"""Self-attention, then a GRU, both batch-first or both batch-second."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=batch_first)
+        self.gru = nn.GRU(4, 4, batch_first=batch_first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(self.attn(x, x, x)[0])[0]
+
+
+def test_torchscript_softmax_along_the_batch_and_batch_second_layers_refused() -> None:
+    # Before (a review): both were found by their Python class, which a scripted module is not:
+    # a scripted nn.Softmax(dim=0) normalized each micro-batch on its own, and scripted
+    # batch-second attention and GRU read each micro-batch's piece of the sequence, silently.
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    for layer in (nn.Softmax(dim=0), nn.LogSoftmax(dim=0), nn.Softmin(dim=0)):
+        name = type(layer).__name__
+        with pytest.raises(RuntimeError, match=rf"(?s)stage '0' \(index 0\) contains '0' \({name}, TorchScript\), "
+                                               rf"which normalizes along dimension 0.*chunks=1"):
+            ParallelSequential(torch.jit.script(layer), chunks=2)(x)
+    rows = torch.jit.script(nn.Softmax(dim=1))
+    assert torch.equal(ParallelSequential(rows, chunks=2)(x), rows(x))
+
+    seq = torch.randn(6, 5, 4)
+    stage = torch.jit.script(_AttendThenRecur(batch_first=False))
+    model = ParallelSequential(stage, chunks=2)
+    with pytest.raises(RuntimeError, match=r"(?s)contains '0\.attn' \(MultiheadAttention, TorchScript\) with "
+                                           r"batch_first=False.*get_submodule\('0\.attn'\)\.mixes_batch = False"):
+        model(seq)
+    model.get_submodule("0.attn").mixes_batch = False  # (the stage moved the batch: said so)
+    with pytest.raises(RuntimeError, match=r"contains '0\.gru' \(GRU, TorchScript\) with batch_first=False"):
+        model(seq)
+    first = torch.jit.script(_AttendThenRecur(batch_first=True))
+    torch.testing.assert_close(ParallelSequential(first, chunks=2)(seq), first(seq), rtol=RTOL, atol=ATOL)
+
+    # Known by the name of its class: a module of the user's of that name says so.
+    class Softmax(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dim = 0
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return t * 2
+
+    mine = torch.jit.script(Softmax())
+    with pytest.raises(RuntimeError, match=r"not a softmax layer.*get_submodule\('0'\)\.mixes_batch = False"):
+        ParallelSequential(mine, chunks=2)(x)
+    mine.mixes_batch = False
+    assert torch.equal(ParallelSequential(mine, chunks=2)(x), x * 2)
+
+
 def test_sync_batchnorm_and_declared_mixers_refused() -> None:
     class Mixer(nn.Module):
         mixes_batch = True
