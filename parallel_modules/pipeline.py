@@ -47,7 +47,7 @@ from .parallel import Parallel
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
 from ._streams import (_capture_underway, _current_stream, _functorch_active, _graph_state, _is_tracing,
-                       _join_backward, _pool, _record, _record_on, _set_stream, _wait)
+                       _jit_tracing, _join_backward, _pool, _record, _record_on, _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
 
@@ -1398,14 +1398,23 @@ class ParallelSequential(nn.Sequential):
         # compiler traces, only where the first stage shows such a write (see
         # _writes_its_input): the graph is otherwise the plain model's. (Traced graphs have
         # the conflict too: AOTAutograd traces the backward of the views, and refused to
-        # compile the pipeline; an exported program's backward raised.) Not under
-        # torch.jit.trace, whose check of the trace runs without autograd, and would find
-        # the graphs differ. A stage that changes its input in place then leaves the
-        # caller's tensor as it was (without autograd, it changes it, as in nn.Sequential).
+        # compile the pipeline; an exported program's backward raised.) Under torch.jit.trace
+        # there too, with or without autograd: its check of the trace traces again without
+        # autograd, and would find the graphs differ if the copies came with it only (views
+        # kept in both, the traced program's backward failed: "modified by an inplace
+        # operation"); a trace runs in either mode later anyway. A stage that changes its input
+        # in place then leaves the caller's tensor as it was (without autograd, eagerly, it
+        # changes it, as in nn.Sequential).
         # (``len() > 0``: dynamo in torch 2.11 cannot trace ``bool`` of a dict.)
         tracing = _is_tracing()
-        own = torch.is_grad_enabled() and not copied and (not tracing or torch.compiler.is_compiling() and (
-            len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values())))))
+        if not tracing:
+            own = torch.is_grad_enabled() and not copied
+        elif torch.compiler.is_compiling():
+            own = torch.is_grad_enabled() and not copied and (
+                len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values()))))
+        else:
+            own = not copied and _jit_tracing() and (
+                len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values()))))
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)

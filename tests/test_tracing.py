@@ -9,6 +9,7 @@ reorder floating-point operations.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 
@@ -686,19 +687,24 @@ def test_a_pipeline_passing_on_an_object_of_its_input_compiles_once():
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize("how", ["compile", "export"])
+@pytest.mark.parametrize("how", ["compile", "export", "jit.trace", "jit.trace without autograd"])
 def test_a_pipeline_whose_first_stage_writes_its_input_trains_traced(how):
     # Before: traced, the micro-batches were views of the input, sharing its version counter,
     # where eager calls recording autograd give each its own memory: ReLU(inplace=True) on one
     # spoiled what was saved for backward on the other. AOTAutograd refused to compile
-    # ("modified by an inplace operation"); the exported program raised in backward.
+    # ("modified by an inplace operation"); the exported program raised in backward, and so
+    # did torch.jit.trace's (whose check of the trace runs without autograd: the views were kept
+    # with autograd too, and a trace made without it trains as well).
     torch.manual_seed(0)
     model = ParallelSequential(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8)), nn.Linear(8, 4), chunks=2)
     x = torch.randn(6, 8)
     if how == "compile":
         traced = torch.compile(model, backend="aot_eager", fullgraph=True)
-    else:
+    elif how == "export":
         traced = torch.export.export(model, (x,)).module()
+    else:
+        with torch.no_grad() if how.endswith("without autograd") else contextlib.nullcontext():
+            traced = torch.jit.trace(model, (x.clone(),))  # (checked: traced again without autograd)
     grads = []
     for run in (model, traced):
         given = x.clone().requires_grad_()
