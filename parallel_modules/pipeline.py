@@ -26,7 +26,7 @@ import itertools
 import operator
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict, deque
 from typing import Any, Callable, Hashable, Iterable, Iterator, NamedTuple, Sequence, overload
 
 import torch
@@ -635,6 +635,64 @@ def _batch_size(piece: Any) -> int | None:
     return next((t.shape[0] for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
+# The containers of the input that a stage could change in place, as pytree rebuilds them for each
+# micro-batch (by exact type: a subclass is a leaf, passed whole). Tuples cannot be changed.
+_CHANGEABLE = frozenset((dict, OrderedDict, defaultdict, list, deque))
+
+
+class _Held(NamedTuple):
+    r"""A list or dict of a micro-batch of the input, and what it held when the first stage got it."""
+
+    path: tuple[Any, ...]  # the keys and indices that lead to it from the input
+    container: Any
+    keys: list[Any] | None  # a dict's keys, in order; ``None`` for a list or deque
+    values: list[Any]
+
+
+def _containers(value: Any) -> list[_Held]:
+    r"""The lists, dicts and deques in ``value`` (a micro-batch of the input), with what each holds now."""
+    found: list[_Held] = []
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        kind = type(v)
+        if kind in _CHANGEABLE:
+            if isinstance(v, dict):
+                found.append(_Held(path, v, list(v), list(v.values())))
+                stack.extend((path + (k,), item) for k, item in v.items())
+            else:
+                found.append(_Held(path, v, None, list(v)))
+                stack.extend((path + (i,), item) for i, item in enumerate(v))
+        elif isinstance(v, tuple):  # (a namedtuple too: it holds containers that can change)
+            stack.extend((path + (i,), item) for i, item in enumerate(v))
+    return found
+
+
+def _change(held: _Held) -> str | None:
+    r"""How ``held.container`` changed since (keys or items added, removed or replaced); ``None``: it did not."""
+    c = held.container
+    now = list(c) if held.keys is not None else None
+    values = list(c.values()) if held.keys is not None else list(c)
+    if (len(values) == len(held.values) and all(a is b for a, b in zip(values, held.values))
+            and (now is None or all(a is b for a, b in zip(now, held.keys or ())))):
+        return None
+    if held.keys is not None and now is not None:
+        added = [k for k in now if k not in held.keys]
+        removed = [k for k in held.keys if k not in now]
+        replaced = [k for k, v in c.items() if k in held.keys and v is not held.values[held.keys.index(k)]]
+        what = [f"the keys {keys!r} {label}" for label, keys in (("added", added), ("removed", removed),
+                                                                  ("given new values", replaced)) if keys]
+        return ", ".join(what) or "its keys reordered"
+    if len(values) != len(held.values):
+        return f"{len(values)} items where it came with {len(held.values)}"
+    return f"the items {[i for i, (a, b) in enumerate(zip(values, held.values)) if a is not b]} replaced"
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    r"""``path`` as the expression that reads it from the input: ``input['cache'][0]``."""
+    return "input" + "".join(f"[{key!r}]" for key in path)
+
+
 # Sequence layers: batch-first, they read a 3-D input as a batch and a 2-D one as one unbatched
 # sequence; batch-second (``batch_first=False``), dimension 0 as the sequence.
 _SEQUENCE_LAYERS = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
@@ -819,7 +877,8 @@ class ParallelSequential(nn.Sequential):
     whose sizes differ by at most one, larger pieces first (a batch of 13 in
     3 chunks gives 5, 4, 4). Inputs may be a tensor or a (nested) tuple, list
     or dict of tensors that all share the batch size along dimension 0
-    (non-tensor leaves are passed to every piece as they are). As in
+    (non-tensor leaves are passed to every piece as they are; each piece gets
+    lists and dicts of its own, which a stage may not change in place). As in
     :class:`torch.nn.Sequential`, each stage receives the previous stage's
     output as its single argument. A last stage ending in a recurrent layer
     (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, alone or last in an
@@ -1793,6 +1852,14 @@ class ParallelSequential(nn.Sequential):
 
         pieces = self._split(input, copied=copy_to is not None)
         stages = list(zip(plan.names, calls))
+        # The lists and dicts each micro-batch's first stage gets, which pytree made anew for
+        # it: a stage changing one in place (``d["k"] = v``, ``d["cache"].append(k)``) would
+        # change only its micro-batch's, where nn.Sequential changes the caller's. Refused (see
+        # _call). Not while a compiler traces (its graph holds no Python containers), nor for a
+        # single piece, which is the input itself (an empty batch).
+        held: list[list[_Held] | None] | None = None
+        if not tracing and not isinstance(input, torch.Tensor) and pieces[0] is not input and _containers(input):
+            held = [None] * len(pieces)
         if tracing or (copy_to is None and (device is None or device.type != "cuda")):
             # Compilers see the micro-batches one after the other (no stream
             # ops in the graph) and schedule them; the CPU runs them in order.
@@ -1806,7 +1873,7 @@ class ParallelSequential(nn.Sequential):
             returned = None if tracing else []  # (a trace's tensors keep no versions to compare)
             for m, value in enumerate(pieces):
                 for s, (name, stage) in enumerate(stages):
-                    value = self._call(s, name, stage, m, len(pieces), value)
+                    value = self._call(s, name, stage, m, len(pieces), value, held)
                 if returned is not None:
                     returned.append(_returned(value))
                 outputs.append(value)
@@ -1818,9 +1885,9 @@ class ParallelSequential(nn.Sequential):
         seen: list[_Returned] = []  # each micro-batch's output's versions (see _concat)
         if target.index is not None and target.index != torch.cuda.current_device():
             with torch.cuda.device(target):
-                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen)
+                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held)
         else:
-            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen)
+            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held)
         if isinstance(outputs, _Gather):
             return outputs.out
         if not all(isinstance(o, torch.Tensor) and o.is_cuda for o in outputs) and any(
@@ -1856,9 +1923,14 @@ class ParallelSequential(nn.Sequential):
                         f"argument). Return a new tensor from each call (e.g. .clone() it), or use chunks=1.")
         return now
 
-    def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any) -> Any:
+    def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any,
+              held: list[list[_Held] | None] | None = None) -> Any:
+        r"""Stage ``s`` on micro-batch ``m``; ``held``: each micro-batch's lists and dicts, refused changed (see _forward)."""
+        if held is not None and s == 0:
+            # (Those the first stage gets: on a host input, the copy's, which are the micro-batch's own too.)
+            held[m] = _containers(value)
         try:
-            return stage(value)
+            output = stage(value)
         except Exception as e:
             context = f"(raised in stage {name!r} (index {s}) on micro-batch {m} of {count} of {type(self).__name__}"
             if s == 0 and count > 1 and isinstance(e, RuntimeError) and isinstance(value, torch.Tensor) \
@@ -1868,14 +1940,31 @@ class ParallelSequential(nn.Sequential):
                 context += ("; the input is 1-D, cut into micro-batches along its only dimension: if it is one "
                             "unbatched sample rather than a batch, use chunks=1")
             raise self._stage_error(e, context + ")")
+        if held is not None:
+            for h in held[m] or ():
+                change = _change(h)
+                if change is not None:
+                    kind = type(h.container).__name__
+                    what = (f"{_where(h.path)}, a {kind} in the pipeline's input," if h.path else
+                            f"the pipeline's input, a {kind},")
+                    raise RuntimeError(
+                        f"{type(self).__name__}: stage {name!r} (index {s}) changed {what} in place on "
+                        f"micro-batch {m} of {count} ({change}), where the "
+                        f"input's lists and dicts are expected left as they came: with chunks={self._chunks} each "
+                        f"micro-batch gets a {kind} of its own (holding its part of the input's tensors), so "
+                        f"yours would not see the change, where nn.Sequential makes it in yours, once, for the "
+                        f"whole batch. Return what the stage computes instead of writing it into its input "
+                        f"(e.g. `return {{**d, 'k': v}}`, `cache + [k]`), or use chunks=1.")
+        return output
 
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,
-        ahead: bool = False, seen: list[_Returned] | None = None,
+        ahead: bool = False, seen: list[_Returned] | None = None, held: list[list[_Held] | None] | None = None,
     ) -> list[Any] | _Gather:
         r"""Run every piece of ``input`` through every lane on the side streams.
 
-        ``seen`` receives the versions of each piece's output, in order (see :meth:`_concat`).
+        ``seen`` receives the versions of each piece's output, in order (see :meth:`_concat`);
+        ``held``: see :meth:`_call`.
 
         Returns the outputs per piece, or, where the last lane concatenated
         them as they came (:class:`_Gather`), the concatenation.
@@ -1912,7 +2001,7 @@ class ParallelSequential(nn.Sequential):
                                            f"{type(self).__name__})")
             lanes.append(copy_lane)
         for s, (name, stage) in enumerate(stages):
-            lanes.append(lambda m, v, s=s, name=name, stage=stage: self._call(s, name, stage, m, count, v))
+            lanes.append(lambda m, v, s=s, name=name, stage=stage: self._call(s, name, stage, m, count, v, held))
         n_lanes = len(lanes)
 
         capturing = _capture_underway()

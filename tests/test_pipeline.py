@@ -249,6 +249,57 @@ def test_structured_inputs_and_outputs(device: str) -> None:
     assert out["y"].shape == (10, 3) and out["z"][1].shape == (10, 5)
 
 
+class _AppendsToItsInput(nn.Module):
+    r"""A stage keeping its keys in a list of its input, a cache: ``d["cache"].append(k)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(4, 4)
+
+    def forward(self, d: dict) -> dict:
+        d["cache"].append(self.k(d["x"]))
+        return d
+
+
+class _WritesKey(nn.Module):
+    r"""A stage putting its result into the dict it gets, and returning it."""
+
+    def forward(self, d: dict) -> dict:
+        d["y"] = d["x"] * 2
+        return d
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_a_stage_changing_a_list_or_dict_of_its_input_is_refused(device: str) -> None:
+    # Before (a review): each micro-batch gets lists and dicts of its own (pytree makes them anew
+    # around its pieces), so a stage appending to the input's cache, or writing a key into the
+    # input's dict, changed only those: the caller's stayed as they were, silently, where
+    # nn.Sequential changes them.
+    x = torch.randn(6, 4, device=device)
+    for stages, make, where, change in (
+            ((_AppendsToItsInput(),), lambda: {"x": x, "cache": []}, r"input\['cache'\], a list in the pipeline's input,",
+             r"1 items where it came with 0"),
+            ((nn.Identity(), _WritesKey()), lambda: {"x": x}, r"the pipeline's input, a dict,",
+             r"the keys \['y'\] added")):
+        model = ParallelSequential(*stages, chunks=2).to(device)
+        s = len(stages) - 1
+        given = make()
+        with pytest.raises(RuntimeError, match=rf"(?s)stage '{s}' \(index {s}\) changed {where} in place on micro-batch "
+                                               rf"0 of 2 \({change}\).*nn.Sequential.*or use chunks=1"):
+            model(given)
+        assert list(given) == list(make()) and given.get("cache") in (None, [])  # (as it came)
+        # With chunks=1 the stage gets the caller's own, as in nn.Sequential.
+        given, expected = make(), make()
+        model.chunks = 1
+        out = model(given)
+        assert out is given and nn.Sequential(*stages)(expected) is expected
+        assert list(given) == list(expected) and all(
+            torch.equal(a, b) for a, b in zip(pytree.tree_leaves(given), pytree.tree_leaves(expected)))
+    # A stage that reads the dict and returns something new changes no container.
+    out = ParallelSequential(nn.Identity(), _AddKeys(), chunks=3).to(device)({"a": x, "b": x})
+    assert torch.equal(out, x * 3)
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 def test_parallel_as_stage_and_pipeline_as_branch(device: str) -> None:
     block = Parallel(nn.Linear(32, 8), nn.Sequential(nn.Linear(32, 16), nn.ReLU()), join="cat", dim=1, streams=True)
