@@ -269,14 +269,33 @@ def _autograd_busy() -> str:
 _precision = getattr(torch._C, "_get_fp32_precision_getter", None)
 
 
+def _precision_of(op: str) -> bool:
+    r"""Whether the precision API tells ``op``'s CUDA setting (a torch that lacks it raises)."""
+    try:
+        return _precision is not None and isinstance(_precision("cuda", op), str)
+    except Exception:
+        return False
+
+
+# cuDNN's recurrent layers have a TF32 setting of their own (``torch.backends.cudnn.rnn.fp32_precision``;
+# the legacy ``torch.backends.cudnn.allow_tf32`` sets it with the convolutions'), which the RNN
+# descriptor a capture bakes in reads: an LSTM captured in float32 replayed its float32 kernels after
+# the setting turned TF32 on, where eager calls ran TF32 (and the other way round).
+_RNN_PRECISION = _precision_of("rnn")
+
+
 # Other settings that choose the kernels a capture bakes in: reduced-precision reductions
-# and accumulation of cuBLAS, deterministic algorithms, and which scaled-dot-product
-# attention backends may run (``torch.nn.attention.sdpa_kernel``). (Getters torch lacks
+# and accumulation of cuBLAS, deterministic algorithms, which scaled-dot-product
+# attention backends may run (``torch.nn.attention.sdpa_kernel``), and whether cuDNN runs at
+# all (``torch.backends.cudnn.enabled = False``, or its ``flags(enabled=False)`` context, which
+# code wraps around recurrent layers for a double backward: eager calls then run torch's own
+# convolutions and recurrent kernels, a graph its captured cuDNN ones). (Getters torch lacks
 # are left out.)
 _KERNEL_GETTERS = tuple(getter for getter in (getattr(torch._C, name, None) for name in (
     "_get_cublas_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_bf16_reduced_precision_reduction",
     "_get_cublas_allow_fp16_accumulation", "_get_deterministic_algorithms", "_get_cudnn_deterministic",
     "_get_flash_sdp_enabled", "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled", "_get_cudnn_sdp_enabled",
+    "_get_cudnn_enabled",
 )) if getter is not None)
 
 
@@ -286,14 +305,17 @@ def _kernel_settings() -> Hashable:
 
 
 def _tf32() -> Hashable:
-    r"""The float32 precision settings of CUDA's matrix products and convolutions (TF32 or not).
+    r"""The float32 precision settings of CUDA's matrix products, convolutions and recurrent layers (TF32 or not).
 
     Read through the precision API where torch has it (``torch.backends.fp32_precision``
     and its per-backend settings, which the legacy ``allow_tf32`` flags also set): once
     it is used, the legacy getters raise. A setting of ``"none"`` inherits the next one's.
+    (The legacy ``torch.backends.cudnn.allow_tf32`` is one flag for convolutions and
+    recurrent layers alike.)
     """
     if _precision is not None:
-        return (_precision("cuda", "matmul"), _precision("cuda", "conv"), _precision("cuda", "all"),
+        return (_precision("cuda", "matmul"), _precision("cuda", "conv"),
+                _precision("cuda", "rnn") if _RNN_PRECISION else None, _precision("cuda", "all"),
                 _precision("generic", "all"))
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
 

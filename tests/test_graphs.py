@@ -3062,3 +3062,102 @@ def test_training_capture_sees_a_layer_replaced_in_a_nested_fused_block(outer):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
             p.grad = q.grad = None
     assert inner.explain()["fused"] == [["0", "1", "2", "3"]]
+
+
+# ------------------------------------ kernel settings the key missed (review of session 69)
+def test_key_tells_the_rnn_tf32_setting_and_cudnn_enabled_apart():
+    # cuDNN's recurrent layers read a TF32 setting of their own, and cudnn.enabled = False runs
+    # torch's own kernels: both choose what a capture bakes in, as the matmul and conv settings
+    # do. Before: neither moved the key, and a graph captured under one replayed under the other.
+    # (In a subprocess: setting the RNN's precision alone makes the legacy getters that conftest
+    # reads raise.)
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from parallel_modules import Parallel
+        from parallel_modules._graphs import _CudaGraphs
+        block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
+        graphs = _CudaGraphs(block)
+        x = torch.randn(2, 4)
+        before = graphs._key(block, (x,), {}, ())
+        torch.backends.cudnn.enabled = not torch.backends.cudnn.enabled
+        assert graphs._key(block, (x,), {}, ()) != before
+        torch.backends.cudnn.enabled = not torch.backends.cudnn.enabled
+        assert graphs._key(block, (x,), {}, ()) == before
+        if hasattr(torch.backends.cudnn, "rnn"):
+            rnn = torch.backends.cudnn.rnn.fp32_precision
+            torch.backends.cudnn.rnn.fp32_precision = "ieee" if rnn == "tf32" else "tf32"
+            assert graphs._key(block, (x,), {}, ()) != before
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+class _LSTMOutputs(nn.Module):
+    r"""An LSTM's output sequence (not its final states)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(width, width, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+@cuda
+def test_rnn_tf32_setting_changed_after_capture_captures_anew():
+    if not hasattr(torch.backends.cudnn, "rnn"):
+        pytest.skip("this torch has no TF32 setting of cuDNN's recurrent layers of its own")
+    torch.manual_seed(0)
+    block = Parallel(_LSTMOutputs(256), _LSTMOutputs(256), cuda_graph=True, graph_fallback=True).cuda().eval()
+    x = torch.randn(32, 8, 256, device="cuda")
+    saved = torch.backends.cudnn.rnn.fp32_precision
+    try:
+        with torch.no_grad():
+            torch.backends.cudnn.rnn.fp32_precision = "ieee"
+            exact = _reference(block, x)
+            torch.backends.cudnn.rnn.fp32_precision = "tf32"
+            fast = _reference(block, x)
+            if torch.equal(exact, fast):
+                pytest.skip("cuDNN's LSTM rounds alike with and without TF32 here")
+            torch.backends.cudnn.rnn.fp32_precision = "ieee"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert torch.equal(block(x), exact)
+            if len(block._graphs) == 0:
+                pytest.skip("cuDNN's LSTM could not be captured on this torch (graph_fallback ran it eagerly)")
+            assert torch.equal(block(x), exact)  # replayed
+            torch.backends.cudnn.rnn.fp32_precision = "tf32"
+            assert torch.equal(block(x), fast)  # before: the float32 graph replayed
+            torch.backends.cudnn.rnn.fp32_precision = "ieee"
+            assert torch.equal(block(x), exact)
+    finally:
+        torch.backends.cudnn.rnn.fp32_precision = saved
+
+
+@cuda
+def test_cudnn_disabled_after_capture_captures_anew():
+    torch.manual_seed(0)
+    block = Parallel(nn.Conv2d(64, 64, 3, padding=1), nn.Conv2d(64, 32, 5, padding=2), cuda_graph=True).cuda().eval()
+    x = torch.randn(8, 64, 32, 32, device="cuda")
+    saved = torch.backends.cudnn.enabled
+    try:
+        with torch.no_grad():
+            cudnn = _reference(block, x)
+            torch.backends.cudnn.enabled = False
+            native = _reference(block, x)
+            torch.backends.cudnn.enabled = True
+            if torch.equal(cudnn, native):
+                pytest.skip("cuDNN's convolutions and torch's own round alike here")
+            for _ in range(2):
+                assert torch.equal(block(x), cudnn)
+            torch.backends.cudnn.enabled = False
+            assert torch.equal(block(x), native)  # before: the cuDNN graph replayed
+            torch.backends.cudnn.enabled = True
+            assert torch.equal(block(x), cudnn)
+        assert block._graphs.captures == 2
+    finally:
+        torch.backends.cudnn.enabled = saved
