@@ -246,6 +246,7 @@ _forward_ad = torch.autograd.forward_ad
 
 
 _SAVED_HOOKS, _BACKWARD, _FORWARD_AD = "saved-tensor hooks", "a backward pass", "forward-mode AD"
+_ANOMALY = "anomaly detection"
 
 
 def _autograd_busy() -> str:
@@ -258,12 +259,21 @@ def _autograd_busy() -> str:
     ``backward``) the call runs on autograd's thread, possibly while this
     process captures -- waiting there for the capture, which waits for that
     backward, would hang. Under forward-mode AD a replay would drop the tangents.
+    Under anomaly detection (``torch.autograd.set_detect_anomaly(True)``) while
+    autograd records, the engine checks every backward operation's output for
+    NaNs by reading it on the host (``.item()``): inside the capture of a
+    backward pass that synchronisation broke the capture, so a training call
+    that runs eagerly refused to be graphed; and a replay would check only the
+    whole block's gradients, where detection names the operation that made a
+    NaN and the forward line that called it.
     """
     if _saved_hooks_recording():
         return _SAVED_HOOKS
     if _in_backward():
         return _BACKWARD
-    return _FORWARD_AD if _forward_ad._current_level >= 0 else ""
+    if _forward_ad._current_level >= 0:
+        return _FORWARD_AD
+    return _ANOMALY if torch.is_anomaly_enabled() and torch.is_grad_enabled() else ""
 
 
 _precision = getattr(torch._C, "_get_fp32_precision_getter", None)
@@ -1404,6 +1414,12 @@ class _CudaGraphs:
                                                f"torch.autograd.graph.save_on_cpu): such calls run eagerly, "
                                                f"so that the hooks see their activations, which a graph keeps "
                                                f"in its own memory.")
+            elif busy is _ANOMALY:
+                self._warn_once("anomaly", f"{self.name}: cuda_graph=True, but called under anomaly detection "
+                                           f"(torch.autograd.set_detect_anomaly) with grad enabled: such calls "
+                                           f"run eagerly, so that it checks each backward operation for NaNs "
+                                           f"(reading them on the host, which a captured backward cannot) and "
+                                           f"names the one that made them.")
             return forward(*args, **kwargs)
         # A call with one tensor and the signature of the last one replayed -- every
         # call of a model in a loop -- skips the cache: no hashing, no lock, no LRU

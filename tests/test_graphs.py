@@ -3161,3 +3161,73 @@ def test_cudnn_disabled_after_capture_captures_anew():
         assert block._graphs.captures == 2
     finally:
         torch.backends.cudnn.enabled = saved
+
+
+# ------------------------------------------- anomaly detection (review of session 69)
+def test_autograd_busy_under_anomaly_detection_while_recording(monkeypatch):
+    # The engine reads each backward operation's output on the host to look for NaNs: a captured
+    # backward cannot, so calls that record run eagerly (warned once); those that do not replay.
+    from parallel_modules._graphs import _autograd_busy
+
+    assert _autograd_busy() == ""
+    with torch.autograd.set_detect_anomaly(True):
+        assert _autograd_busy() == "anomaly detection"
+        with torch.no_grad():
+            assert _autograd_busy() == ""  # nothing to differentiate: no backward to capture
+    assert _autograd_busy() == ""
+    block = Parallel(*_mlp(2, width=16), cuda_graph=True)
+    monkeypatch.setattr(block._graphs, "_lookup", lambda *a: pytest.fail("looked up a graph"))
+    x = torch.randn(4, 16)
+    with torch.autograd.set_detect_anomaly(True), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert torch.equal(block(x), _reference(block, x))
+    messages = _graph_warnings(record)
+    assert len(messages) == 1 and "anomaly detection" in messages[0], messages
+
+
+@cuda
+def test_graphed_training_under_anomaly_detection_runs_eagerly():
+    # Before: the warm-up passed, and the capture of the backward pass failed on the engine's NaN
+    # check (a host read inside the capture): a CUDA graph capture error for a call that runs
+    # eagerly. Now such calls run eagerly, and the NaN is named where it is made.
+    torch.manual_seed(0)
+    block = Parallel(*_mlp(2, width=16), cuda_graph=True).cuda()
+    reference = copy.deepcopy(block)
+    reference.cuda_graph = False
+    x = torch.randn(4, 16, device="cuda")
+    with torch.autograd.set_detect_anomaly(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for m in (block, reference):
+                m.zero_grad()
+                m(x).square().sum().backward()
+            for p, q in zip(block.parameters(), reference.parameters()):
+                assert torch.equal(p.grad, q.grad)
+        assert len(block._graphs) == 0
+
+        class NaNGrad(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * float("nan")
+
+        with pytest.raises(RuntimeError, match="NaNGradBackward.*returned nan"):
+            Parallel(nn.Sequential(nn.Linear(16, 16), _Applied(NaNGrad)), cuda_graph=True).cuda()(x).sum().backward()
+    # Outside it, the same calls are graphed.
+    block(x).square().sum().backward()
+    assert len(block._graphs) == 1
+
+
+class _Applied(nn.Module):
+    r"""Calls an autograd Function's ``apply`` on its input."""
+
+    def __init__(self, function: type) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function.apply(x)
