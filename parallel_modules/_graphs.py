@@ -603,6 +603,9 @@ def _storage_holders(storages: list[Any]) -> list[int]:
 class _Graph:
     r"""The graphs, static buffers and replay ordering of one input signature."""
 
+    # (See ``__init__``; here too for graphs made without it, as the CPU tests make theirs.)
+    written: Sequence[int] = ()
+
     def __init__(self, name: str, device: torch.device, lend: bool = True) -> None:
         self.name = name
         self.device = device
@@ -696,6 +699,10 @@ class _Graph:
         self.misses = 0
         self.lend = lend
         self.input_versions: list[int] = []  # the static inputs' versions before warm-up
+        # The static inputs the forward changes in place (``nn.ReLU(inplace=True)`` first, ``x.mul_(2)``),
+        # as their versions saw it in warm-up: an eager call changes the caller's tensors, so after
+        # each replay that copied them in, they are copied back (see ``_copy_back``).
+        self.written: list[int] = []
 
     def plan_grads(self) -> None:
         r"""Decide how the backward graph's gradients (``grad_inputs``) are copied out of it."""
@@ -821,6 +828,21 @@ class _Graph:
                 else:
                     static.copy_(t)
 
+    def _copy_back(self, tensors: Any) -> None:
+        r"""Write what the replay wrote into the static inputs of ``written`` back into the call's ``tensors``.
+
+        As an eager call changes them: a caller reading its tensor after the
+        call (``x + block(x)``, a block whose first layer is
+        ``nn.ReLU(inplace=True)``) read it unchanged after a replay, where
+        eagerly it read the change. On the replay's stream, after it; the
+        version of each tensor moves as the change's would, so that autograd
+        refuses a backward through a node that saved it, as eagerly.
+        """
+        for i in self.written:
+            static, t = self.inputs[i], tensors[i]
+            if static.data_ptr() != t.data_ptr():
+                t.copy_(static)
+
     def replay(self, tensors: Sequence[torch.Tensor], static_outputs: bool) -> Any:
         r"""Replay on ``tensors``; ``_HELD`` when a lent output still uses the buffers."""
         if self.bwd is not None:
@@ -862,6 +884,8 @@ class _Graph:
                             if static.data_ptr() != t.data_ptr():
                                 static.copy_(t)
                     _launch(self.fwd)
+                    if self.written:  # (never with a reader: see _readable)
+                        self._copy_back(tensors)
                     if reader is not None:
                         # The first graph wrote its own buffers; the call's outputs are the reader's.
                         # (With ``static_outputs`` the caller may read the buffers it was handed
@@ -917,8 +941,10 @@ class _Replay(torch.autograd.Function):
                 raise _GradsHeld
             graph._copy_in(inputs[: len(graph.inputs)])
             _launch(graph.fwd)
-            graph.gen += 1
+            graph.gen += 1  # (first: the activations a pending backward needs are gone, whatever follows)
             ctx.gen = graph.gen
+            if graph.written:  # (inputs that require no grad: see _CudaGraphs._written_leaf)
+                graph._copy_back(inputs[: len(graph.inputs)])
             outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
         if static_outputs:
             # The backward graph reads those of these buffers that autograd saved as they
@@ -1811,13 +1837,19 @@ class _CudaGraphs:
                             surface = tuple(s for s in graph.inputs if s.requires_grad) + leaves
                             strays: list[torch.Tensor] = []
                             for i in range(_WARMUP_ITERS):
-                                out = call()
+                                try:
+                                    out = call()
+                                except RuntimeError as e:
+                                    self._written_leaf(e, graph.inputs, tensors)
+                                    raise
                                 if i < 2:
                                     strays = self._check_leaves(out, surface, strays if i else None)
                                 if needs_grad:
                                     _grad(out, surface)
                                 del out
                             self._refuse_reassigned(slots, tensors)
+                            graph.written = [i for i, (s, v) in enumerate(zip(graph.inputs, graph.input_versions))
+                                             if s._version != v]
                         torch.cuda.synchronize()
                         _clear_cublas_workspaces()  # the capture allocates its own (see _clear_cublas_workspaces)
                         self._record(graph, call, surface, leaves, needs_grad, stream, caller, index, tensors)
@@ -1883,6 +1915,32 @@ class _CudaGraphs:
             f"buffers where they lay when captured, and a replay assigns nothing. Update the buffer in place "
             f"(`self.buf.add_(1)`, `self.buf.copy_(...)`), or pass graph_fallback=True to run this signature "
             f"eagerly with a warning.")
+
+    def _written_leaf(self, error: RuntimeError, inputs: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        r"""Refuse a training capture whose forward changes in place an input that requires grad (raises
+        :class:`_CaptureError` from ``error`` where that is what ``error`` says; returns otherwise).
+
+        A graph differentiates the static copies of such inputs, which are leaves:
+        torch refuses to change a leaf requiring grad in place, where eagerly the
+        caller's input -- a layer's output, not a leaf -- may be
+        (``nn.ReLU(inplace=True)`` first in a stage or branch). A replay could
+        compute the outputs and gradients on a copy, but could not change the
+        caller's tensor as the eager call does, with its autograd history.
+        Refused, then, as a forward the graphs cannot replay, so that
+        ``graph_fallback=True`` runs such calls eagerly; before, torch's error
+        went on as raised, which ``graph_fallback`` did not catch.
+        """
+        if "leaf Variable that requires grad" not in str(error) or not any(s.requires_grad for s in inputs):
+            return
+        raise _CaptureError(
+            f"{self.name}: cannot capture input signature ({_describe(tensors)}) with cuda_graph=True: forward "
+            f"changes in place a tensor that requires grad ({str(error).strip().splitlines()[0]}). A graph "
+            f"differentiates its own copies of the inputs that require grad, which are leaves; eagerly such an "
+            f"input (a layer's output) may be changed in place, as by nn.ReLU(inplace=True) first in a branch "
+            f"or stage, but a replay would leave the caller's tensor as it was. Make that operation out of "
+            f"place (inplace=False, x = x + 1), or pass graph_fallback=True to run this signature eagerly with "
+            f"a warning."
+        ) from error
 
     def _check_leaves(self, out: Any, surface: tuple, before: list[torch.Tensor] | None) -> list[torch.Tensor]:
         r"""Refuse outputs that autograd differentiates with respect to tensors the graphs do not.

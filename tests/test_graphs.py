@@ -1843,8 +1843,9 @@ def test_a_stage_writing_its_input_in_place_keeps_copying_it():
             x.normal_()
             before = x.clone()
             assert torch.equal(pipe(x), pipe[1](before * 2))
-            # The graph doubles its static copy: the caller's tensor is left as it was.
-            assert torch.equal(x, before)
+            # The graph doubles its static copy, and copies it back: the caller's tensor is doubled,
+            # as an eager call doubles it. (Before a review of session 69: left as it was.)
+            assert torch.equal(x, before * 2)
     graph = next(iter(pipe._graphs._graphs.values()))
     assert not graph.readable and graph.reader is None
 
@@ -3231,3 +3232,102 @@ class _Applied(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.function.apply(x)
+
+
+# ------------------------------- a forward changing its input in place (review of session 69)
+class _Residual(nn.Module):
+    r"""``x + block(x)``: reads its input after the block, as eagerly changed by it if the block changed it."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+def test_static_inputs_requiring_grad_refuse_a_write_in_place_as_a_capture_error():
+    # The mechanism, on the CPU: a training capture's static copy of an input requiring grad is a
+    # leaf, which torch refuses to change in place where the caller's input, a layer's output,
+    # is changed eagerly. The capture now raises that as a capture error, which graph_fallback
+    # catches (before, torch's error went on as raised: a graphed call failed where eager ran).
+    from parallel_modules import ParallelSequential
+    from parallel_modules._graphs import _CaptureError, _static_like
+
+    pipe = ParallelSequential(nn.ReLU(inplace=True), nn.Linear(16, 16), cuda_graph=True)
+    x = torch.randn(4, 16, requires_grad=True) * 2  # (not a leaf: eagerly changed in place)
+    pipe._eager(x.clone())
+    static = _static_like(x.detach()).requires_grad_(True)
+    with pytest.raises(RuntimeError) as info:
+        pipe._eager(static)
+    with pytest.raises(_CaptureError, match="changes in place a tensor that requires grad") as refused:
+        pipe._graphs._written_leaf(info.value, [static], [x])
+    assert refused.value.__cause__ is info.value
+    pipe._graphs._written_leaf(info.value, [static.detach()], [x])  # no input requires grad: not this
+    pipe._graphs._written_leaf(RuntimeError("another error"), [static], [x])
+
+
+@cuda
+def test_a_branch_changing_the_input_in_place_changes_the_callers_tensor_as_eagerly():
+    # Before: the graph changed its static copy only, and the caller's tensor was left as it was:
+    # x + block(x) added the input as it was before the block's ReLU, where eagerly it added the
+    # ReLU's result. The gradients of the parameters too.
+    from parallel_modules import ParallelSequential
+
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.ReLU(inplace=True), nn.Linear(16, 16)), nn.Linear(16, 16)]
+    blocks = [Parallel(*copy.deepcopy(branches), join="sum", streams=False, cuda_graph=True),
+              ParallelSequential(nn.ReLU(inplace=True), nn.Linear(16, 16), cuda_graph=True)]
+    for block in blocks:
+        graphed = _Residual(block).cuda()
+        eager = copy.deepcopy(graphed)
+        eager.block.cuda_graph = False
+        for training in (False, True):
+            for _ in range(3):
+                x = torch.randn(4, 16, device="cuda")
+                x_eager = x.clone()
+                with torch.set_grad_enabled(training):
+                    out, expected = graphed(x), eager(x_eager)
+                assert torch.equal(x, x_eager)  # changed in place, as eagerly
+                assert torch.equal(out, expected)
+                if training:
+                    out.square().sum().backward()
+                    expected.square().sum().backward()
+                    for p, q in zip(graphed.parameters(), eager.parameters()):
+                        assert torch.equal(p.grad, q.grad)
+                        p.grad = q.grad = None
+        assert len(block._graphs) == 2  # an inference graph and a training one: replayed, not eager
+
+
+@cuda
+def test_a_training_input_requiring_grad_changed_in_place_is_refused_at_capture():
+    # A block inside a model: its input is a layer's output, which requires grad and which an eager
+    # call changes in place. Before: the warm-up raised torch's "a leaf Variable that requires grad is
+    # being used in an in-place operation" (the graph's static copy is a leaf), which graph_fallback
+    # did not catch. Now a capture error: named, and with graph_fallback the call runs eagerly.
+    from parallel_modules import ParallelSequential
+
+    torch.manual_seed(0)
+    stem = nn.Linear(16, 16).cuda()
+    pipe = ParallelSequential(nn.ReLU(inplace=True), nn.Linear(16, 16), cuda_graph=True).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    with pytest.raises(RuntimeError, match="changes in place a tensor that requires grad"):
+        pipe(stem(x))
+    pipe.graph_fallback = True
+    eager = copy.deepcopy(pipe)
+    eager.cuda_graph = False
+    stem_eager = copy.deepcopy(stem)
+    for step in range(2):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            h, h_eager = stem(x), stem_eager(x)
+            out, expected = _Residual(pipe)(h), _Residual(eager)(h_eager)
+        warned = [m for m in _graph_warnings(record) if "changes in place a tensor that requires grad" in m]
+        assert len(warned) == (1 if step == 0 else 0), _graph_warnings(record)
+        assert torch.equal(h, h_eager) and torch.equal(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        for p, q in zip([*stem.parameters(), *pipe.parameters()], [*stem_eager.parameters(), *eager.parameters()]):
+            assert torch.equal(p.grad, q.grad)
+            p.grad = q.grad = None
+    assert len(pipe._graphs) == 0
