@@ -296,16 +296,18 @@ _RNN_PRECISION = _precision_of("rnn")
 
 # Other settings that choose the kernels a capture bakes in: reduced-precision reductions
 # and accumulation of cuBLAS, deterministic algorithms, which scaled-dot-product
-# attention backends may run (``torch.nn.attention.sdpa_kernel``), and whether cuDNN runs at
-# all (``torch.backends.cudnn.enabled = False``, or its ``flags(enabled=False)`` context, which
-# code wraps around recurrent layers for a double backward: eager calls then run torch's own
-# convolutions and recurrent kernels, a graph its captured cuDNN ones). (Getters torch lacks
-# are left out.)
+# attention backends may run (``torch.nn.attention.sdpa_kernel``) and whether the math one may
+# reduce in half precision (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp``), whether
+# cuDNN runs at all (``torch.backends.cudnn.enabled = False``, or its ``flags(enabled=False)``
+# context, which code wraps around recurrent layers for a double backward: eager calls then run
+# torch's own convolutions and recurrent kernels, a graph its captured cuDNN ones), and which BLAS
+# library runs matrix products (``torch.backends.cuda.preferred_blas_library``: cuBLAS or cuBLASLt,
+# whose kernels round otherwise). (Getters torch lacks are left out.)
 _KERNEL_GETTERS = tuple(getter for getter in (getattr(torch._C, name, None) for name in (
     "_get_cublas_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_bf16_reduced_precision_reduction",
     "_get_cublas_allow_fp16_accumulation", "_get_deterministic_algorithms", "_get_cudnn_deterministic",
     "_get_flash_sdp_enabled", "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled", "_get_cudnn_sdp_enabled",
-    "_get_cudnn_enabled",
+    "_get_math_sdp_allow_fp16_bf16_reduction", "_get_cudnn_enabled", "_get_blas_preferred_backend",
 )) if getter is not None)
 
 

@@ -3070,6 +3070,8 @@ def test_key_tells_the_rnn_tf32_setting_and_cudnn_enabled_apart():
     # cuDNN's recurrent layers read a TF32 setting of their own, and cudnn.enabled = False runs
     # torch's own kernels: both choose what a capture bakes in, as the matmul and conv settings
     # do. Before: neither moved the key, and a graph captured under one replayed under the other.
+    # (Nor did the math attention backend's half-precision reductions; the preferred BLAS library,
+    # which a CPU build cannot set, is the CUDA test's below.)
     # (In a subprocess: setting the RNN's precision alone makes the legacy getters that conftest
     # reads raise.)
     script = textwrap.dedent("""
@@ -3085,6 +3087,12 @@ def test_key_tells_the_rnn_tf32_setting_and_cudnn_enabled_apart():
         assert graphs._key(block, (x,), {}, ()) != before
         torch.backends.cudnn.enabled = not torch.backends.cudnn.enabled
         assert graphs._key(block, (x,), {}, ()) == before
+        allow = getattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp", None)
+        if allow is not None:
+            allow(not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed())
+            assert graphs._key(block, (x,), {}, ()) != before
+            allow(not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed())
+            assert graphs._key(block, (x,), {}, ()) == before
         if hasattr(torch.backends.cudnn, "rnn"):
             rnn = torch.backends.cudnn.rnn.fp32_precision
             torch.backends.cudnn.rnn.fp32_precision = "ieee" if rnn == "tf32" else "tf32"
@@ -3331,3 +3339,34 @@ def test_a_training_input_requiring_grad_changed_in_place_is_refused_at_capture(
             assert torch.equal(p.grad, q.grad)
             p.grad = q.grad = None
     assert len(pipe._graphs) == 0
+
+
+@cuda
+def test_preferred_blas_library_changed_after_capture_captures_anew():
+    # cuBLAS and cuBLASLt pick their own kernels for a product: a graph captured under one replayed
+    # its kernels after the other was preferred, where eager calls ran the other's.
+    torch.manual_seed(0)
+    block = Parallel(nn.Linear(512, 512, bias=False), nn.Linear(512, 256, bias=False), cuda_graph=True).cuda().eval()
+    x = torch.randn(64, 512, device="cuda")
+    saved = torch.backends.cuda.preferred_blas_library()
+    try:
+        with torch.no_grad():
+            torch.backends.cuda.preferred_blas_library("cublas")
+            cublas = _reference(block, x)
+            try:
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+            except RuntimeError:
+                pytest.skip("this torch has no cuBLASLt")
+            lt = _reference(block, x)
+            if torch.equal(cublas, lt):
+                pytest.skip("cuBLAS and cuBLASLt round these products alike here")
+            torch.backends.cuda.preferred_blas_library("cublas")
+            for _ in range(2):
+                assert torch.equal(block(x), cublas)
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            assert torch.equal(block(x), lt)  # before: the cuBLAS graph replayed
+            torch.backends.cuda.preferred_blas_library("cublas")
+            assert torch.equal(block(x), cublas)
+        assert block._graphs.captures == 2
+    finally:
+        torch.backends.cuda.preferred_blas_library(saved)
