@@ -394,6 +394,35 @@ def _tied_in_memory(held: list[list[torch.Tensor]]) -> dict[int, int]:
     return tied
 
 
+def _in_shared_memory(t: torch.Tensor) -> bool:
+    r"""Whether ``t`` lies in memory other processes may hold (``share_memory_()``: torch.multiprocessing).
+
+    (The CPU's alone: a CUDA storage always says it is shared, its memory being open to IPC.)
+    """
+    return t.device.type == "cpu" and t.untyped_storage().is_shared()
+
+
+def _moves_shared(members: list[nn.Module]) -> str | None:
+    r"""The name of a parameter or buffer of ``members`` that lies in shared memory and that stacking would
+    move to new memory (the members' tensors of that name are not already one stack), or ``None``.
+
+    ``model.share_memory()`` before processes train it (Hogwild) hands each of them
+    the parameters' memory: stacked in one of them afterwards (the groups found
+    anew at an ``eval()``, with dropout in training before), a member's parameter
+    would be a view of that process's new stack, and its updates would no longer
+    reach the others, nor theirs it -- silently. A block's own stacks, shared
+    after they were made, stay where they are (see :func:`_adopt`).
+    """
+    named = [dict([*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)])
+             for m in members]
+    for qual in named[0]:
+        tensors = [d.get(qual) for d in named]
+        if (all(isinstance(t, torch.Tensor) for t in tensors) and any(_in_shared_memory(t) for t in tensors)
+                and _adopt(tensors) is None):
+            return qual
+    return None
+
+
 def _share_memory(tensors: list[torch.Tensor]) -> bool:
     r"""Whether two of ``tensors`` are one, or read overlapping bytes (views of one buffer).
 
@@ -477,6 +506,14 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
         if len(members) == 1:
             reasons[members[0]] = "the branches identical to it share parameters or buffers with other fused branches"
         elif members:
+            qual = _moves_shared([branches[i] for i in members])
+            if qual is not None:
+                for i in members:
+                    reasons[i] = (f"its {qual!r} lies in shared memory (share_memory(), for torch.multiprocessing), "
+                                  f"which stacking would move it out of: other processes would no longer see its "
+                                  f"updates (call share_memory() after the block has grouped its branches, in the "
+                                  f"mode they run in)")
+                continue
             kept.append(members)
             for i in members:
                 holder.update(dict.fromkeys(ids[i], i))
@@ -869,6 +906,13 @@ class _Group:
                 if stacked is None:
                     if not checked:
                         self._refuse_ties()
+                        # (Put in shared memory since the groups were found -- a tensor replaced,
+                        # then shared: see _moves_shared, which _groups asks.)
+                        shared = _moves_shared(self.members)
+                        if shared is not None:
+                            raise RuntimeError(f"{shared} of branches {self.names} lies in shared memory now "
+                                               f"(share_memory()): stacked, it would move out of it, and other "
+                                               f"processes would no longer see its updates")
                         checked = True
                     # (Inference tensors, made under inference_mode, keep no version.)
                     versions = [None if t.is_inference() else t._version for t in tensors]

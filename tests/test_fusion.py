@@ -4284,6 +4284,38 @@ def test_members_tied_in_memory_after_the_first_call_run_unfused(tie, message):
     assert fused_groups(p) == []
 
 
+def test_members_in_shared_memory_are_not_moved_out_of_it():
+    # Hogwild training: ``model.share_memory()``, then processes train it. Grouped after
+    # that (at ``eval()``, dropout having kept the members apart in training), the members
+    # were stacked into the process's own memory: a worker validating now and then trained
+    # private copies from then on, and the other processes never saw its updates.
+    def make(dropout: float) -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.Linear(4, 4), nn.Dropout(dropout), nn.Linear(4, 2)) for _ in range(3)]
+
+    block = Parallel(*make(0.5), fuse="auto").share_memory()
+    plain = copy.deepcopy(list(block))
+    addresses = [p.data_ptr() for p in block.parameters()]
+    block.eval()
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        assert_close(block(x), torch.cat([m.eval()(x) for m in plain], 1))
+    assert [p.data_ptr() for p in block.parameters()] == addresses
+    assert all(p.is_shared() for p in block.parameters())
+    assert "lies in shared memory" in block.explain()["unfused"]["0"]
+    with pytest.raises(ValueError, match=r"branch '0' cannot be fused: its 'weight' lies in shared memory"):
+        Parallel(*[nn.Linear(3, 3).share_memory() for _ in range(2)], fuse=True)
+
+    # Shared once stacked, the stacks themselves are: fused where they lie.
+    block = Parallel(*make(0.0), fuse="auto").share_memory()
+    addresses = [p.data_ptr() for p in block.parameters()]
+    for _ in range(2):
+        block(torch.randn(5, 4)).sum().backward()
+    assert fused_groups(block) == [["0", "1", "2"]]
+    assert [p.data_ptr() for p in block.parameters()] == addresses
+    assert all(p.is_shared() for p in block.parameters())
+
+
 def test_quantized_branches_are_refused_as_quantized():
     # Before: fuse=True blamed a difference between the branches' packed weights (ScriptObjects).
     pytest.importorskip("torch.ao.nn.quantized.dynamic")
