@@ -792,8 +792,12 @@ class _Group:
         # then: see _run). Made once here for the two sets above, which depend on the
         # layers' types alone.
         self.program: list[_Step] | None = None
+        # Whether a layer runs through vmap (a module of the user's), whose own code may write
+        # the members' parameters in place (a weight clamped or decayed in its ``forward``):
+        # see Parallel._run_group. (Taken as so where the steps cannot be made yet.)
+        self.vmapped = True
         try:
-            _program(self, self.template, "")
+            self.vmapped = any([getattr(step, "vmapped", False) for step in _program(self, self.template, "")])
         except Exception:
             pass  # (made again at the first call, which raises it with the group's context)
 
@@ -830,6 +834,10 @@ class _Group:
     def buffer_stacks(self) -> list[torch.Tensor]:
         r"""The stacks of the members' buffers (after :meth:`bind`)."""
         return [t for t in (self.stacks.get(q) for q in self.buffers) if t is not None]
+
+    def parameter_stacks(self) -> list[torch.Tensor]:
+        r"""The stacks of the members' parameters that keep a version (after :meth:`bind`; not inference tensors)."""
+        return [t for q, t in self.stacks.items() if self.entries[q].kind == "_parameters" and not t.is_inference()]
 
     def _no_longer_identical(self, qual: str, tensors: list[torch.Tensor | None], i: int) -> RuntimeError:
         r"""The error for member ``i``'s ``qual`` (of ``tensors``, the members') changed since the group was found."""

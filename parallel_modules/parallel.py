@@ -1059,6 +1059,7 @@ class Parallel(nn.Module):
     def _run_group(self, fusion: _Fusion, group: _Group, args: tuple, kwargs: dict, eager: bool = False) -> list[Any]:
         r"""The group's batched value. ``eager``: the caller saw no tracer and no capture (see :meth:`_Group.run`)."""
         kept = None
+        written: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None  # (see below)
         tracing = not eager and _is_tracing()
         x = args[0]
         # (Whether the batched attempt wrote the members' input before failing: see below.)
@@ -1091,6 +1092,16 @@ class Parallel(nn.Module):
             if (not tracing and not restack and group.buffers
                     and (self.training or not group.ran or group.wrote_buffers or judging)):
                 kept = [(b, b.clone()) for b in group.buffer_stacks()]
+            # A layer of the user's, run through vmap, may write the members' parameters in
+            # place (a weight clamped or decayed in its ``forward``): a batched attempt that
+            # fails after such a write, the members then called in turn, would write them
+            # twice. Their versions tell; the group's first batched attempt, where vmap
+            # finds what it cannot batch, keeps copies to put back (no copy on later calls).
+            if not tracing and not restack and group.vmapped:
+                # (Not within a capture, whose replays would copy them again: its warm-up ran first.)
+                first = not group.ran and group.unbatched is None and not (x.is_cuda and _capture_underway())
+                with torch.no_grad():
+                    written = [(t, t._version, t.clone() if first else None) for t in group.parameter_stacks()]
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
             out = group.run(args[0], self._cat_joined(fusion), eager,
                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
@@ -1112,6 +1123,18 @@ class Parallel(nn.Module):
             _put_back(kept)
             raise
         names = [list(self._modules)[i] for i in group.indices]
+        if not _put_back_parameters(written):
+            # Written, with no copy to put back: called in turn now, the members would write them again.
+            if self.fuse is not True:
+                fusion.disable(group, failure)
+                self._forget_plans(lambda plan: plan.fused)
+            raise RuntimeError(
+                f"{type(self).__name__}: branches {names} changed their parameters in place while running "
+                f"batched, then failed to ({type(failure).__name__}: {failure}): called one after another now, "
+                f"they would change them again, so this call is refused. "
+                + ("Pass fuse='auto' or fuse=False to run them unfused." if self.fuse is True else
+                   "From the next call on they run unfused (see .explain()).")
+            ) from failure
         if version is not None and x._version != version and not _clamps_its_input(group):
             # Called in turn now, the members would read what the batched attempt wrote.
             # (Not where they only clamp it first, which each of them in turn would do
@@ -1940,6 +1963,24 @@ def _held_by_hooks() -> bool:
     """
     # (A compiler's trace does not ask: it runs the checkpointed forward as traced, both times.)
     return any(_GLOBAL_HOOKS) and (_is_tracing() or not _checkpoint_recording())
+
+
+def _put_back_parameters(written: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None) -> bool:
+    r"""Write back each parameter stack that changed since its version was read, from its copy (``written``:
+    a stack, its version then and its copy or ``None``); ``False`` where one changed with no copy to write.
+
+    (Only those that changed: a copy into a stack autograd saved for another graph's backward would
+    make that backward refuse it.)
+    """
+    restored = True
+    with torch.no_grad():
+        for stack, version, saved in written or ():
+            if stack._version != version:
+                if saved is None:
+                    restored = False
+                else:
+                    stack.copy_(saved)
+    return restored
 
 
 def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:

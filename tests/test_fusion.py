@@ -2271,6 +2271,69 @@ def test_a_group_failing_batched_updates_buffers_once_in_eval_mode_too(fuse, tra
     assert [b.calls.item() for b in block] == [0.0 if fuse is True else 3.0] * 3
 
 
+class _DecayingSign(nn.Module):
+    r"""Halves its weight in place at each call (in ``forward``), then cannot run batched (``.item()``) on inputs of
+    more than ``rows`` rows."""
+
+    def __init__(self, rows: int = 0) -> None:
+        super().__init__()
+        self.lin, self.rows = nn.Linear(4, 3), rows
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.mul_(0.5)
+        h = self.lin(x)
+        return h * float(h.abs().max() > -1) if x.shape[0] > self.rows else h
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_group_failing_batched_after_writing_its_parameters_writes_them_once(grad):
+    # Before: the batched attempt halved the stacked weights, failed, and the members called
+    # in turn halved them again: each weight a quarter of what it was, silently (fuse="auto"'s
+    # first fused call; fuse=True's refused call halved them twice, where its trial once).
+    torch.manual_seed(0)
+    branches = [_DecayingSign() for _ in range(3)]
+    plain = copy.deepcopy(branches)
+    block = Parallel(*branches, fuse="auto")
+    with warnings.catch_warnings(), torch.set_grad_enabled(grad):
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            assert_close(block(x), torch.cat([m(x) for m in plain], 1))
+    for a, b in zip(block.parameters(), (p for m in plain for p in m.parameters())):
+        assert torch.equal(a, b)
+    assert "running them batched failed" in block.explain()["unfused"]["0"]
+    weights = [m.lin.weight.detach().clone() for m in plain]
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="failed to run batched"):
+        Parallel(*plain, fuse=True)(torch.randn(2, 4))
+    for m, w in zip(plain, weights):  # (halved once, by the trial of each member on its own)
+        assert torch.equal(m.lin.weight, w * 0.5)
+
+    # Failing on a later call only, once the group ran batched (no copy kept then): refused,
+    # rather than halved twice, and unfused from the next call on. (Without grad: with it,
+    # autograd refuses the write on the stacks' view at once, on the first batched call.)
+    torch.manual_seed(0)
+    branches = [_DecayingSign(rows=4) for _ in range(3)]
+    plain = copy.deepcopy(branches)
+    block = Parallel(*branches, fuse="auto")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for rows in (2, 2, 8):  # (the first call of a signature runs the branches in order)
+            x = torch.randn(rows, 4)
+            assert_close(block(x), torch.cat([m(x) for m in plain], 1))
+        x = torch.randn(8, 4)
+        with pytest.raises(RuntimeError, match=r"branches \['0', '1', '2'\] changed their parameters in place while "
+                                               r"running batched, then failed"):
+            block(x)
+        for m in plain:  # (the refused call halved them once, batched: not twice)
+            m(x)
+        for a, b in zip(block.parameters(), (p for m in plain for p in m.parameters())):
+            assert torch.equal(a, b)
+        for rows in (8, 2):
+            x = torch.randn(rows, 4)
+            assert_close(block(x), torch.cat([m(x) for m in plain], 1))
+
+
 class _LeakyFirst(nn.Module):
     def __init__(self) -> None:
         super().__init__()
