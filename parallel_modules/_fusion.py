@@ -2089,7 +2089,11 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             # In float32 and rounded once to layer_norm's output dtype, as layer_norm does it:
             # half-precision members normalize in float32, and under autocast float32
             # weights would otherwise promote the result.
-            half = x.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(x.device.type)
+            # (So too under the CPU's autocast, which leaves layer_norm alone: a bfloat16 input
+            # -- a Linear's output there -- normalized in bfloat16 was rounded twice, up to 1.35
+            # times the unfused error. CUDA's autocast runs layer_norm in float32: nothing to round.)
+            half = x.dtype in (torch.float16, torch.bfloat16) and not (
+                x.device.type != "cpu" and torch.is_autocast_enabled(x.device.type))
             out = F.layer_norm(x.float() if half else x, shape, None, None, eps)
             dtype = x.dtype if half else out.dtype
             if out.dtype in (torch.float16, torch.bfloat16):  # (not float64, which float32 would round)

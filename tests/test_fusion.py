@@ -2830,6 +2830,28 @@ def test_layer_norm_keeps_its_dtype_and_rounds_once():
     assert fused_error <= unfused_error * 1.05, (fused_error, unfused_error)
 
 
+def test_layer_norm_rounds_once_under_the_cpus_autocast():
+    # Under the CPU's autocast a bfloat16 input (a Linear's output there) reaches a float32
+    # LayerNorm, which autocast leaves alone: unfused it normalizes in float32 and rounds once.
+    # Before: fused, it normalized in bfloat16, then applied the weights in float32 and rounded
+    # again: 0.041 from float64 where unfused is 0.031 (half an ulp of the outputs' magnitude).
+    torch.manual_seed(0)
+    norms = [nn.LayerNorm(64) for _ in range(3)]
+    with torch.no_grad():
+        for m in norms:
+            m.weight.uniform_(0.5, 3)
+            m.bias.uniform_(-2, 2)
+    exact = [copy.deepcopy(m).double() for m in norms]
+    p = Parallel(*norms, join=None, fuse=True)
+    x = (torch.randn(64, 64) * 3).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        fused, unfused = p(x), reference(p, x)
+    for a, b, m in zip(fused, unfused, exact):
+        assert a.dtype == b.dtype == torch.bfloat16
+        truth = m(x.double())
+        assert (a.double() - truth).abs().max() <= (b.double() - truth).abs().max() * 1.05
+
+
 # ----------------------------------------------------------------------------------------------
 # Found by fuzzing on the CPU.
 
