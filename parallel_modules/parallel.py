@@ -1175,7 +1175,10 @@ class Parallel(nn.Module):
         restore = (_buffers_kept([self._modules[name] for name in names])
                    if self.fuse is True and not passing and not tracing else None)
         try:
-            outputs = _Unfused(self._call(i, args, kwargs) for i in group.indices)
+            # (A list, not a generator: a member raising StopIteration -- ``next(...)`` of an empty
+            # iterator -- would reach the caller as "RuntimeError: generator raised StopIteration",
+            # its type lost and its branch unnamed, where unfused it is raised as it is.)
+            outputs = _Unfused([self._call(i, args, kwargs) for i in group.indices])
         except BaseException as e:
             _note_failures(e, restore() if restore is not None else [])
             raise
@@ -1300,7 +1303,7 @@ class Parallel(nn.Module):
             def run(i: int, unit: Any) -> Any:
                 if isinstance(unit, _Group):
                     if tracing and _traced_unfused(unit):
-                        return _Unfused(self._call(j, args, kwargs, branches) for j in unit.indices)
+                        return _Unfused([self._call(j, args, kwargs, branches) for j in unit.indices])
                     return self._run_group(fusion, unit, args, kwargs)
                 return self._call(unit, args, kwargs, branches)
 

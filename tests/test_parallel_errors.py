@@ -521,6 +521,38 @@ def test_a_fused_group_failing_on_bad_input_gives_the_branch_error_alone():
     torch.testing.assert_close(p(x), torch.cat([p[0](x), p[1](x)], 1))
 
 
+class _Exhausted(nn.Module):
+    r"""A layer that raises StopIteration while ``stop`` is set (``next()`` of an empty iterator)."""
+
+    stop = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if _Exhausted.stop:
+            raise StopIteration("no more items")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_fused_member_raising_stop_iteration_keeps_its_type_and_names_the_branch(fuse):
+    # The members run one by one after the batched attempt failed: a StopIteration of theirs came
+    # out of a generator as "RuntimeError: generator raised StopIteration", naming no branch.
+    p = Parallel(_Exhausted(), _Exhausted(), fuse=fuse)
+    x = torch.randn(3, 4)
+    p(x), p(x)  # (fuse="auto" runs a signature's first call in turn: the second runs fused)
+    _Exhausted.stop = True
+    try:
+        with pytest.raises(StopIteration) as ei:
+            p(x)
+    finally:
+        _Exhausted.stop = False
+    assert "branch '0'" in full_text(ei.value) and "no more items" in full_text(ei.value)
+    torch.testing.assert_close(p(x), torch.cat([p[0](x), p[1](x)], 1))
+
+
 def test_a_dim_beyond_any_tensor_is_refused_when_set():
     with pytest.raises(ValueError, match=r"Parallel: dim=9223372036854775808 is out of range for any tensor"):
         Parallel(nn.Identity(), dim=2**63)
