@@ -1416,13 +1416,14 @@ class Parallel(nn.Module):
         key = _signature(args, kwargs, self.training, floats=False)
         return None if key in self._watched_fused else (key, unversioned)
 
-    def _refuse_writers(self, units: list[Any], why: str) -> None:
+    def _refuse_writers(self, units: list[Any], why: str, note: str | None = None) -> None:
         r"""Refuse, before they run, fused groups whose members begin with a stock layer writing the shared
-        input (:func:`_writes_its_input`), where no version shows the write (``why``)."""
+        input (:func:`_writes_its_input`), where no version shows the write (``why``); ``note``: the
+        error's note instead, where one would."""
         for unit in units:
             if isinstance(unit, _Group) and _writes_its_input(unit):
                 raise _with_context(self._refused_write(unit.indices, before=True),
-                                    f"(seen from its layers before it ran: {why} by which a write shows)")
+                                    note or f"(seen from its layers before it ran: {why} by which a write shows)")
 
     def _refused_write(self, wrote: list[int], before: bool = False) -> RuntimeError:
         r"""The error of a fused call in which the branches ``wrote`` (one, or a group's members) changed
@@ -1626,6 +1627,17 @@ class Parallel(nn.Module):
         # recomputation that saves other tensors than the forward did: a call it may
         # recompute runs the schedule of the next call too (see _checkpointed).
         checkpointed = plan is None and (_checkpoint_recording() or _in_backward())
+        if plan is None and self.fuse is True and fusion is not None:
+            # fuse=True refuses members that begin with a stock layer writing the shared input
+            # (nn.ELU(inplace=True) first) before a signature's first call runs them. Seen after,
+            # by the input's version, the refused call had already changed the caller's input
+            # (the batched layer writes it once for every member), and the fix the error advises,
+            # fuse="auto" or fuse=False, called again on that input, computed the branches on the
+            # changed values, silently. (A layer switched to inplace=True after a signature's
+            # first call is seen by the version, after the write: looking at the layers on
+            # every call costs about 3 us.)
+            self._refuse_writers(fusion.units, "", "(seen from its layers before it ran, which leaves the input "
+                                                   "as it was)")
         if plan is None:
             # A fused group runs its members together, and before or after the other branches
             # (or groups), as forks run branches side by side: one of those changing the

@@ -2381,6 +2381,27 @@ def test_fuse_true_refuses_a_call_in_which_members_write_the_shared_input():
     assert list(block.explain()["schedules"].values()) == ["fused, sequential"]
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_fuse_true_refuses_members_beginning_with_a_stock_write_before_they_change_the_input(grad):
+    # Before: refused after the batched ELU had written the caller's input once, by its version;
+    # called again on that input as the error advises (fuse="auto"), the branches computed on
+    # the changed values (off by 0.084 against the input as it was), silently.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.ELU(inplace=True), nn.Linear(4, 3)) for _ in range(3)]
+    x = -torch.ones(2, 4)
+    expected = _in_order(Parallel(*branches), x.clone())
+    block = Parallel(*branches, fuse=True)
+    for _ in range(2):  # (refused each time, the input as it was)
+        with torch.set_grad_enabled(grad), pytest.raises(
+                RuntimeError, match=r"one of branches \['0', '1', '2'\] begins with a layer changing the shared "
+                                    r"input in place"):
+            block(x)
+        assert torch.equal(x, -torch.ones(2, 4))
+    block.fuse = "auto"
+    for _ in range(2):
+        assert_same(block(x.clone()), expected)
+
+
 class _ShiftedNorm(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * 2 + 1
