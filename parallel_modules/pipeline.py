@@ -1118,8 +1118,16 @@ class ParallelSequential(nn.Sequential):
 
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
         # (Named by the position it would take, as the inserted stage is: -1 of 2 stages is "1".)
-        n = len(self)
-        position = index + n if isinstance(index, int) and -n <= index < 0 else index
+        owner, n = type(self).__name__, len(self)
+        try:
+            index = operator.index(index)  # (a NumPy integer too)
+        except TypeError:
+            raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}") from None
+        if not -n <= index <= n:
+            # (Checked before anything moves: nn.Sequential's own check names no module.)
+            raise IndexError(f"{owner}: insert index {index} is out of range for {n} stages "
+                             f"(expected {-n} <= index <= {n})")
+        position = index + n if index < 0 else index
         _check_stage(type(self).__name__, str(position), module)
         if list(self._modules) != [str(i) for i in range(len(self))]:
             # (nn.Sequential's insert moves stages "0".."n-1" up by one: on names kept through a

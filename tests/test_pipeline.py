@@ -2317,3 +2317,16 @@ def test_a_stage_refused_by_insert_is_named_by_the_position_it_would_take() -> N
     with pytest.raises(TypeError, match="stage '1' must be an nn.Module"):  # (before: '-1')
         pipe.insert(-1, torch.relu)
     assert len(pipe) == 2
+
+
+@pytest.mark.parametrize("index", [5, -4])
+def test_insert_out_of_range_names_the_pipeline_and_the_range(index: int) -> None:
+    # Before (a CPU hunt): nn.Sequential's bare "IndexError: Index out of range: 5", naming no module.
+    pipe = ParallelSequential(nn.Linear(2, 2), nn.Linear(2, 2), chunks=2)
+    with pytest.raises(IndexError, match=rf"ParallelSequential: insert index {index} is out of range for 2 "
+                                         r"stages \(expected -2 <= index <= 2\)"):
+        pipe.insert(index, nn.ReLU())
+    assert len(pipe) == 2 and list(pipe._modules) == ["0", "1"]
+    pipe.insert(2, nn.ReLU())  # (the end is in range, as for a list)
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x), rtol=0, atol=0)
