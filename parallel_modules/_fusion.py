@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -2464,6 +2464,7 @@ class _Fusion:
     def __init__(self, owner: str, names: list[str], branches: list[nn.Module], required: bool) -> None:
         _watch._install()
         self.names = names
+        self.branches = tuple(branches)  # (see grouped_from)
         # (Read before the hook dicts are: a hook registered by another thread while they are
         # read moves it after, and the next call looks at them again.)
         handles = getattr(_Handle, "next_id", None)
@@ -2504,6 +2505,20 @@ class _Fusion:
         self.differ: bool | None = None  # the members compared again, at the first call (see forward_replaced)
         self.while_swapped = False  # found from tensors swapped in for a call (see Parallel._new_fusion)
         self._rebuild()
+
+    def grouped_from(self, branches: Iterable[nn.Module]) -> bool:
+        r"""Whether ``branches`` (a block's children now) are, one by one, the branches grouped here.
+
+        Asked while a compiler traces, which cannot read the count of registrations
+        that tells an eager call of a branch replaced, added or removed since.
+        """
+        now = tuple(branches)
+        if len(now) != len(self.branches):
+            return False
+        for a, b in zip(now, self.branches):
+            if a is not b:
+                return False
+        return True
 
     def forward_replaced(self) -> bool:
         r"""Whether a fused member's ``forward`` was replaced on its instance since grouping, or, the first

@@ -895,6 +895,13 @@ class Parallel(nn.Module):
             # sees). (Read here, the compiler guards on it: a write seen later compiles anew.)
             return None
         fusion = self._fusion_for(args, kwargs, regroup=False)
+        if fusion is not None and not fusion.grouped_from(self._modules.values()):
+            # The branches themselves replaced, added or removed since grouping in a way that
+            # calls none of the block's own methods (``setattr(block, "0", m)``, ``add_module``,
+            # a write into ``_modules``): eagerly the count of registrations shows it, which a
+            # compiler must not read; traced, the groups would run the old members' layers, and
+            # the units the old branches. Traced unfused, as groups out of date are.
+            return None
         if self.fuse == "auto" and fusion is not None and _out_of_order(fusion.units):
             # Eagerly, such groups run fused only while the calls show no branch writing the
             # shared input (``_run_units_watched``); compiled code would not look.

@@ -821,3 +821,35 @@ def test_a_fused_group_of_a_custom_class_traces(fuse, how):
         expected.square().sum().backward()
         for got, want in zip(grads, [p.grad for p in model.parameters()]):
             assert_close(got, want)
+
+
+@pytest.mark.parametrize("how", ["compile", "export", "export strict", "jit"])
+@pytest.mark.parametrize("change", ["setattr", "add_module", "register_module", "a new branch"])
+def test_branches_replaced_without_the_blocks_own_methods_are_traced_as_they_are(change, how):
+    # Before: a branch replaced or added through nn.Module's own ways (setattr, add_module,
+    # register_module) is seen eagerly by the count of registrations, which a trace does not
+    # read: the trace ran the groups found before, with the old members' parameters (0.8 off,
+    # and strict export's KeyError for a parameter that is no longer the model's), and the old
+    # branches' units (a new branch left out: (5, 24) for (5, 32)).
+    torch.manual_seed(0)
+    block = Parallel(mlp(), mlp(), mlp(), join="cat", fuse=True).eval()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        block(x)  # (grouped, and stacked)
+        if change == "setattr":
+            setattr(block, "0", mlp().eval())
+        elif change == "add_module":
+            block.add_module("1", mlp().eval())
+        elif change == "register_module":
+            block.register_module("2", mlp().eval())
+        else:
+            block.add_module("3", mlp().eval())
+        expected = torch.cat([branch(x) for branch in block], 1)
+        if how == "compile":
+            got = torch.compile(block, backend="eager", fullgraph=True)(x)
+        elif how == "jit":
+            got = torch.jit.trace(block, (x,))(x)
+        else:
+            got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
+        assert_close(got, expected)
+        assert_close(block(x), expected)  # (eagerly: grouped anew)
