@@ -2547,8 +2547,11 @@ class _Fusion:
             # value, and recompile whenever a hook anywhere is registered. And the members'
             # layers themselves, for the same reason: a group traced with a layer replaced
             # since it was found would run the old layer for every member. (A compiler
-            # guards on the modules it reads: replaced later, the block is traced anew.)
-            if any(self.hooks) or not self._same_trees():
+            # guards on the modules it reads: replaced later, the block is traced anew.) And a
+            # ``forward`` replaced on a member's instance (a monkeypatch, accelerate's
+            # ``add_hook_to_module``), which eager calls see as they choose a signature's
+            # schedule (see forward_replaced): traced fused, the members ran the class's.
+            if any(self.hooks) or not self._same_trees() or any(["forward" in d for d in self.instances]):
                 return False
         else:
             handles = getattr(_Handle, "next_id", 0)

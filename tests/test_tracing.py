@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections import OrderedDict
 
 import pytest
@@ -853,3 +854,28 @@ def test_branches_replaced_without_the_blocks_own_methods_are_traced_as_they_are
             got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
         assert_close(got, expected)
         assert_close(block(x), expected)  # (eagerly: grouped anew)
+
+
+@pytest.mark.parametrize("how", ["compile", "export", "export strict"])
+@pytest.mark.parametrize("when", ["after the first call", "before the first call"])
+def test_a_forward_replaced_on_a_fused_members_instance_is_traced(when, how):
+    # Before: eager calls see a forward replaced on a member's instance (a monkeypatch,
+    # accelerate's add_hook_to_module) as they choose a signature's schedule, and run the
+    # member unfused; a trace looked only at the hooks and the modules, and ran the class's
+    # forward for every member (0.46 off).
+    torch.manual_seed(0)
+    block = Parallel(mlp(), mlp(), mlp(), join="cat", fuse="auto").eval()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        if when == "after the first call":
+            block(x)
+        for member in (block[1], block[2][2]):  # (a branch, and a layer inside one)
+            member.forward = functools.partial(lambda f, v: f(v) * 2, member.forward)
+        expected = torch.cat([branch(x) for branch in block], 1)
+        if how == "compile":
+            got = torch.compile(block, backend="eager", fullgraph=True)(x)
+        else:
+            got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
+        assert_close(got, expected)
+        x = torch.randn(7, 16)  # (eagerly, a new signature sees it)
+        assert_close(block(x), torch.cat([branch(x) for branch in block], 1))
