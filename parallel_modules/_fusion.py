@@ -2499,6 +2499,10 @@ class _Fusion:
         # as adapter and quantization tools do) is seen eagerly by ``_watch``'s count of
         # registrations, which a compiler must not read (see :meth:`current`).
         self.trees = [(member, tuple(member.modules())) for g in self.groups for member in g.members]
+        # And the names of their parameters and buffers, which a tensor registered since
+        # (``register_buffer`` on one member) changes: seen eagerly by the same count.
+        self.registered = [(d, tuple(d)) for _, modules in self.trees for m in modules
+                           for d in (m._parameters, m._buffers)]
         # The instance dicts of the fused members' modules, where a ``forward`` replaced
         # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows.
         self.instances = [vars(m) for _, modules in self.trees for m in modules]
@@ -2551,7 +2555,8 @@ class _Fusion:
             # ``forward`` replaced on a member's instance (a monkeypatch, accelerate's
             # ``add_hook_to_module``), which eager calls see as they choose a signature's
             # schedule (see forward_replaced): traced fused, the members ran the class's.
-            if any(self.hooks) or not self._same_trees() or any(["forward" in d for d in self.instances]):
+            if (any(self.hooks) or not self._same_trees() or not self._same_tensors_registered()
+                    or any(["forward" in d for d in self.instances])):
                 return False
         else:
             handles = getattr(_Handle, "next_id", 0)
@@ -2567,6 +2572,14 @@ class _Fusion:
         for member, modules in self.trees:
             now = tuple(member.modules())
             if len(now) != len(modules) or any([a is not b for a, b in zip(now, modules)]):
+                return False
+        return True
+
+    def _same_tensors_registered(self) -> bool:
+        r"""Whether every module of the fused members holds parameters and buffers of the names it held when
+        grouped (a member's own, registered since, is run by none of the batched steps)."""
+        for d, names in self.registered:
+            if tuple(d) != names:
                 return False
         return True
 

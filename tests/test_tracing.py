@@ -879,3 +879,36 @@ def test_a_forward_replaced_on_a_fused_members_instance_is_traced(when, how):
         assert_close(got, expected)
         x = torch.randn(7, 16)  # (eagerly, a new signature sees it)
         assert_close(block(x), torch.cat([branch(x) for branch in block], 1))
+
+
+class _ShiftedWhenGiven(nn.Module):
+    r"""Adds its buffer ``shift`` where one is registered (a member given one after grouping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y + self.shift if "shift" in self._buffers else y
+
+
+@pytest.mark.parametrize("how", ["compile", "export", "export strict"])
+def test_a_tensor_registered_on_a_fused_member_since_grouping_is_traced(how):
+    # Before: a buffer registered on one member after grouping is seen eagerly by the count of
+    # registrations, which a trace does not read: the trace ran the group's vmapped step, which
+    # stacks the tensors the members had when grouped, on the first member's layer: the new
+    # buffer went unread (5.0 off).
+    torch.manual_seed(0)
+    block = Parallel(_ShiftedWhenGiven(), _ShiftedWhenGiven(), _ShiftedWhenGiven(), join="cat", fuse="auto").eval()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        block(x)
+        block[1].register_buffer("shift", torch.full((8,), 5.0))
+        expected = torch.cat([branch(x) for branch in block], 1)
+        if how == "compile":
+            got = torch.compile(block, backend="eager", fullgraph=True)(x)
+        else:
+            got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
+        assert_close(got, expected)
+        assert_close(block(x), expected)
