@@ -11,6 +11,7 @@ child named, and leaves the container as it was.
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any, Callable
 
 from torch import nn
@@ -108,6 +109,19 @@ def _check_name(cls: type, kind: str, name: Any, taken: frozenset[str] = frozens
     if problem:
         raise ValueError(f"{owner}: cannot name a {kind} {name!r}: {problem} (a {kind}'s name becomes an "
                          f"attribute of the {owner}). Choose another name.")
+
+
+def _insert_index(owner: str, index: Any, n: int, plural: str) -> int:
+    r"""``index`` of ``insert`` into a container of ``n`` children (``plural``: what they are called), as
+    an int; refused naming ``owner`` where it is no int or out of range (``-n <= index <= n``, as a list's)."""
+    try:
+        index = operator.index(index)  # (a NumPy integer too)
+    except TypeError:
+        raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}") from None
+    if not -n <= index <= n:
+        raise IndexError(f"{owner}: insert index {index} is out of range for {n} {plural} "
+                         f"(expected {-n} <= index <= {n})")
+    return index
 
 
 def _child_key(owner: str, names: list[str], idx: Any, kind: str, slices: bool = True) -> str:

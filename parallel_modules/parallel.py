@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
-from ._children import _Function, _as_branch, _check_name, _child_key, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
+from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import (_GLOBAL_HOOKS, _STOCK_DROPOUT, _difference, _flat_layers, _functorch_active, _Fusion, _Group,
                       _iter_layers, _Joined, _MembersChanged, _UnbatchedNow, _Unfused)
@@ -683,13 +683,7 @@ class Parallel(nn.Module):
         or kept through a slice of named branches).
         """
         owner, n = type(self).__name__, len(self._modules)
-        try:
-            index = operator.index(index)  # (a NumPy integer too)
-        except TypeError:
-            raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}") from None
-        if not -n <= index <= n:
-            raise IndexError(f"{owner}: insert index {index} is out of range for {n} branches "
-                             f"(expected {-n} <= index <= {n})")
+        index = _insert_index(owner, index, n, "branches")
         if list(self._modules) != [str(i) for i in range(n)]:
             raise ValueError(f"{owner}: insert numbers the branches by position and needs them named "
                              f"'0'..'{n - 1}', got {list(self._modules)} (given in an OrderedDict). Build a new "
@@ -1132,30 +1126,14 @@ class Parallel(nn.Module):
         names = [list(self._modules)[i] for i in group.indices]
         if not _put_back_parameters(written):
             # Written, with no copy to put back: called in turn now, the members would write them again.
-            if self.fuse is not True:
-                fusion.disable(group, failure)
-                self._forget_plans(lambda plan: plan.fused)
-            raise RuntimeError(
-                f"{type(self).__name__}: branches {names} changed their parameters in place while running "
-                f"batched, then failed to ({type(failure).__name__}: {failure}): called one after another now, "
-                f"they would change them again, so this call is refused. "
-                + ("Pass fuse='auto' or fuse=False to run them unfused." if self.fuse is True else
-                   "From the next call on they run unfused (see .explain()).")
-            ) from failure
+            raise self._refused_retry(fusion, group, names, failure, "their parameters",
+                                      "change them again") from failure
         if version is not None and x._version != version and not _clamps_its_input(group):
             # Called in turn now, the members would read what the batched attempt wrote.
             # (Not where they only clamp it first, which each of them in turn would do
             # again to the same effect: run so, the member at fault names the input's error.)
-            if self.fuse is not True:
-                fusion.disable(group, failure)
-                self._forget_plans(lambda plan: plan.fused)
-            raise RuntimeError(
-                f"{type(self).__name__}: branches {names} changed their input in place while running batched, "
-                f"then failed to ({type(failure).__name__}: {failure}): called one after another now, they "
-                f"would read the changed input, so this call is refused. "
-                + ("Pass fuse='auto' or fuse=False to run them unfused." if self.fuse is True else
-                   "From the next call on they run unfused (see .explain()).")
-            ) from failure
+            raise self._refused_retry(fusion, group, names, failure, "their input",
+                                      "read the changed input") from failure
         # Run the members as ordinary branches: if they fail too, the input is at
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
@@ -1276,6 +1254,22 @@ class Parallel(nn.Module):
         if compiler is None or _is_tracing() or _EAGER in (_graph_variant(self) or ()):
             return list(self._modules.values())
         return compiler.calls(self._modules)
+
+    def _refused_retry(self, fusion: _Fusion, group: _Group, names: list[str], failure: Exception, what: str,
+                       then: str) -> RuntimeError:
+        r"""The error refusing a call whose group changed ``what`` in place while running batched, then failed:
+        its members, called one after another now, would ``then``. Under ``fuse="auto"`` the group runs
+        unfused from the next call on."""
+        if self.fuse is not True:
+            fusion.disable(group, failure)
+            self._forget_plans(lambda plan: plan.fused)
+        return RuntimeError(
+            f"{type(self).__name__}: branches {names} changed {what} in place while running batched, then "
+            f"failed to ({type(failure).__name__}: {failure}): called one after another now, they would {then}, "
+            f"so this call is refused. "
+            + ("Pass fuse='auto' or fuse=False to run them unfused." if self.fuse is True else
+               "From the next call on they run unfused (see .explain()).")
+        )
 
     def _call(self, index: int, args: tuple, kwargs: dict, branches: list[Any] | None = None) -> Any:
         try:

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._children import _check_name, _check_stage, _child_key, _state_to_copy
+from ._children import _check_name, _check_stage, _child_key, _insert_index, _state_to_copy
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
@@ -1119,14 +1119,7 @@ class ParallelSequential(nn.Sequential):
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
         # (Named by the position it would take, as the inserted stage is: -1 of 2 stages is "1".)
         owner, n = type(self).__name__, len(self)
-        try:
-            index = operator.index(index)  # (a NumPy integer too)
-        except TypeError:
-            raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}") from None
-        if not -n <= index <= n:
-            # (Checked before anything moves: nn.Sequential's own check names no module.)
-            raise IndexError(f"{owner}: insert index {index} is out of range for {n} stages "
-                             f"(expected {-n} <= index <= {n})")
+        index = _insert_index(owner, index, n, "stages")  # (nn.Sequential's own check names no module)
         position = index + n if index < 0 else index
         _check_stage(type(self).__name__, str(position), module)
         if list(self._modules) != [str(i) for i in range(len(self))]:
