@@ -2536,7 +2536,7 @@ class _Fusion:
         which a ``forward`` may set for itself -- a cache of rotary tables --
         and which no member has yet before its first call.)
         """
-        if any(["forward" in d for d in self.instances]):
+        if self._forward_patched():
             return True
         if self.differ is None:  # (kept: asked again under the lock, the answer must hold)
             self.differ = any(_difference(g.template, member, tensors=False) is not None
@@ -2556,7 +2556,7 @@ class _Fusion:
             # ``add_hook_to_module``), which eager calls see as they choose a signature's
             # schedule (see forward_replaced): traced fused, the members ran the class's.
             if (any(self.hooks) or not self._same_trees() or not self._same_tensors_registered()
-                    or any(["forward" in d for d in self.instances])):
+                    or self._forward_patched()):
                 return False
         else:
             handles = getattr(_Handle, "next_id", 0)
@@ -2574,6 +2574,10 @@ class _Fusion:
             if len(now) != len(modules) or any([a is not b for a, b in zip(now, modules)]):
                 return False
         return True
+
+    def _forward_patched(self) -> bool:
+        r"""Whether a fused member module's ``forward`` was replaced on its instance (see ``instances``)."""
+        return any(["forward" in d for d in self.instances])
 
     def _same_tensors_registered(self) -> bool:
         r"""Whether every module of the fused members holds parameters and buffers of the names it held when

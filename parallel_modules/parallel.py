@@ -1417,14 +1417,15 @@ class Parallel(nn.Module):
         key = _signature(args, kwargs, self.training, floats=False)
         return None if key in self._watched_fused else (key, unversioned)
 
-    def _refuse_writers(self, units: list[Any], why: str, note: str | None = None) -> None:
+    def _refuse_writers(self, units: list[Any], why: str | None = None) -> None:
         r"""Refuse, before they run, fused groups whose members begin with a stock layer writing the shared
-        input (:func:`_writes_its_input`), where no version shows the write (``why``); ``note``: the
-        error's note instead, where one would."""
+        input (:func:`_writes_its_input`), where no version shows the write (``why``), or, without ``why``,
+        before the write it would show (a signature's first call, with ``fuse=True``)."""
         for unit in units:
             if isinstance(unit, _Group) and _writes_its_input(unit):
-                raise _with_context(self._refused_write(unit.indices, before=True),
-                                    note or f"(seen from its layers before it ran: {why} by which a write shows)")
+                note = (f"(seen from its layers before it ran: {why} by which a write shows)" if why is not None
+                        else "(seen from its layers before it ran, which leaves the input as it was)")
+                raise _with_context(self._refused_write(unit.indices, before=True), note)
 
     def _refused_write(self, wrote: list[int], before: bool = False) -> RuntimeError:
         r"""The error of a fused call in which the branches ``wrote`` (one, or a group's members) changed
@@ -1637,8 +1638,7 @@ class Parallel(nn.Module):
             # changed values, silently. (A layer switched to inplace=True after a signature's
             # first call is seen by the version, after the write: looking at the layers on
             # every call costs about 3 us.)
-            self._refuse_writers(fusion.units, "", "(seen from its layers before it ran, which leaves the input "
-                                                   "as it was)")
+            self._refuse_writers(fusion.units)
         if plan is None:
             # A fused group runs its members together, and before or after the other branches
             # (or groups), as forks run branches side by side: one of those changing the

@@ -1469,11 +1469,8 @@ class ParallelSequential(nn.Sequential):
         tracing = _is_tracing()
         if not tracing:
             own = torch.is_grad_enabled() and not copied
-        elif torch.compiler.is_compiling():
-            own = torch.is_grad_enabled() and not copied and (
-                len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values()))))
-        else:
-            own = not copied and _jit_tracing() and (
+        else:  # (torch.fx.symbolic_trace: neither, its graph the plain model's)
+            own = not copied and (torch.is_grad_enabled() if torch.compiler.is_compiling() else _jit_tracing()) and (
                 len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values()))))
 
         def split(t: torch.Tensor) -> list[torch.Tensor]:
