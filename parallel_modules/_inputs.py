@@ -81,7 +81,7 @@ def _signature(args: tuple, kwargs: dict, training: bool, floats: bool = True) -
             # A subclass (a parameter, a __torch_function__ wrapper) may run other code
             # and return its own type: a graph captured for plain tensors must not replay for it.
             parts.append(key if type(leaf) is torch.Tensor else (*key, type(leaf)))
-        elif isinstance(leaf, _BY_VALUE) and (floats or not isinstance(leaf, float)):
+        elif isinstance(leaf, _BY_VALUE) and (floats or not _inexact(leaf)):
             parts.append(_value_key(leaf))
         else:
             parts.append(type(leaf))
@@ -93,11 +93,27 @@ def _value_key(value: Any) -> Hashable:
 
     The type too, since ``1``, ``True`` and ``1.0`` are equal and hash alike;
     floats by their exact bits, since ``0.0 == -0.0`` (``1 / x`` differs) and
-    ``nan != nan`` (a fresh NaN would never find its key again).
+    ``nan != nan`` (a fresh NaN would never find its key again). So are
+    numpy's ``float32`` and ``float16`` scalars, which are no ``float`` but
+    compare as one, and the parts of a complex number; a ``Fraction`` that
+    no float holds exactly is keyed by its value (it has neither).
     """
     if isinstance(value, float):
         return (type(value), float.hex(value))
+    if _inexact(value):
+        if isinstance(value, numbers.Real):
+            f = float(value)
+            if f != f or f == value:
+                return (type(value), float.hex(f))
+        else:
+            z = complex(value)
+            return (type(value), (float.hex(z.real), float.hex(z.imag)))
     return (type(value), value)
+
+
+def _inexact(value: Any) -> bool:
+    r"""Whether ``value`` is a number that is not an integer: a float, numpy's, a complex."""
+    return isinstance(value, numbers.Complex) and not isinstance(value, numbers.Integral)
 
 
 def _module_devices(module: nn.Module) -> set[torch.device]:

@@ -2065,9 +2065,12 @@ def _describe_leaf(item: Any) -> str:
         return text + (" requires_grad" if requires_grad else "")
     if isinstance(item, tuple) and item and isinstance(item[0], str) and item[0] == "nested":
         return f"nested Tensor{list(map(tuple, item[2]))} {str(item[3]).replace('torch.', '')} on {item[4]}"
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type) and issubclass(item[0], float):
-        value = str(float.fromhex(item[1]))  # (keyed by its exact bits: see _value_key)
-        return value if item[0] is float else f"{item[0].__name__}({value})"
+    if (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type)
+            and issubclass(item[0], numbers.Number) and isinstance(item[1], (str, tuple))):
+        # (A float, numpy's or a complex number, keyed by its exact bits: see _value_key.)
+        value = (str(float.fromhex(item[1])) if isinstance(item[1], str)
+                 else str(complex(*map(float.fromhex, item[1]))))
+        return value if item[0] in (float, complex) else f"{item[0].__name__}({value})"
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], type):
         # A number, string, dtype or device, as keyed: by type and value. A string quoted, as
         # "cpu" and "float16" are keyed apart from the device and the dtype; a number of another

@@ -3413,3 +3413,18 @@ def test_preferred_blas_library_changed_after_capture_captures_anew():
         assert block._graphs.captures == 2
     finally:
         torch.backends.cuda.preferred_blas_library(saved)
+
+
+@cuda
+def test_a_numpy_scalar_replays_only_its_own_graph():
+    # Before: numpy's float32 was keyed by value, so -0.0 replayed 0.0's graph (1 / s baked in
+    # with the other sign) and a NaN, unequal to itself, captured a new graph at every call.
+    np = pytest.importorskip("numpy")
+    block = Parallel(lambda x, s: x / s, lambda x, s: x * s, cuda_graph=True).cuda()
+    x = torch.rand(4, 8, device="cuda") + 1
+    for s in (np.float32(0.0), np.float32(-0.0)):
+        torch.testing.assert_close(block(x, s), torch.cat([x / s, x * s], 1))
+    assert block._graphs.captures == 2
+    for _ in range(3):
+        assert block(x, np.float32("nan")).isnan().all()
+    assert block._graphs.captures == 3

@@ -444,6 +444,21 @@ def test_signatures_tell_apart_values_that_compare_equal():
     assert key(float("nan")) == key(float("nan"))  # a fresh NaN finds its key again
     assert key(2j) != key(3j) and key(np.int64(2)) != key(np.int64(3))
     assert key(1) != key(True) != key(1.0)
+    # numpy's float32 is no float, but compares as one (and complex parts as floats): before,
+    # keyed by value, -0.0 shared 0.0's key and a NaN never found its own again.
+    for kind in (np.float32, np.float16, np.float64, np.complex64, complex):
+        assert key(kind(0.0)) != key(kind(-0.0)), kind
+        assert key(kind(float("nan"))) == key(kind(float("nan"))), kind
+        assert key(kind(1.5)) != key(kind(2.5)) and key(kind(1.5)) == key(kind(1.5)), kind
+    assert key(complex(0.0, 0.0)) != key(complex(0.0, -0.0))
+    assert key(np.float32(0.5)) != key(0.5) != key(np.float64(0.5))
+    fraction = pytest.importorskip("fractions").Fraction
+    assert key(fraction(1, 3)) != key(fraction(1, 3) + fraction(1, 10**30))  # (one float for both)
+    # A schedule's key (floats=False) takes no inexact number by value: a timestep as numpy's float32
+    # changing every call would otherwise be a new signature at every call, never scheduled.
+    when = lambda v: _signature((x, v), {}, False, floats=False)  # noqa: E731
+    assert when(np.float32(0.1)) == when(np.float32(0.2)) and when(0.1j) == when(0.2j)
+    assert when(np.int64(1)) != when(np.int64(2))
 
 
 def test_a_sparse_input_is_not_keyed_as_a_dense_one_with_the_same_strides():
@@ -1058,3 +1073,18 @@ def test_only_allocation_failures_count_as_out_of_memory():
     # A user's error of another type that happens to say so is theirs (a fused group's failure under
     # fuse=True then raises as any other, not as an allocation failure retried unfused).
     assert not _out_of_memory(ValueError("the cache server is out of memory"))
+
+
+def test_a_signature_reads_numbers_as_they_were_passed():
+    # The readable form of a key (explain()'s schedules and graphs) shows each number keyed by its
+    # bits as the value it was: -0.0 apart from 0.0, numpy's by name, complex numbers whole.
+    from parallel_modules._inputs import _signature
+    from parallel_modules.parallel import _describe_signature
+
+    np = pytest.importorskip("numpy")
+    x = torch.randn(2)
+    text = lambda v: _describe_signature(_signature((x, v), {}, True))  # noqa: E731
+    assert "-0.0" in text(-0.0) and "-0.0" not in text(0.0)
+    assert "float32(-0.0)" in text(np.float32(-0.0)) and "float32(nan)" in text(np.float32("nan"))
+    assert "(1-0j)" in text(complex(1.0, -0.0)) and "complex64((2+3j))" in text(np.complex64(2 + 3j))
+    assert "int64(7)" in text(np.int64(7))
