@@ -140,6 +140,25 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+def _same_tensor(x: Any, y: Any) -> bool:
+    r"""Whether two tensor attributes (not parameters or buffers) hold the same values, so that the
+    first member's may serve every member of a group: a table or a cache each member computed alike.
+
+    Not one that requires grad (a product of a member's parameters: its gradient would reach the first
+    member's alone), nor while a CUDA graph captures (comparing values waits for the device).
+    """
+    if x is y:
+        return True
+    try:
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and type(x) is type(y)
+                and not x.requires_grad and not y.requires_grad and x.shape == y.shape
+                and x.dtype == y.dtype and x.device == y.device and x.layout == y.layout == torch.strided
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+                and bool(torch.equal(x, y)))
+    except Exception:  # (no values to compare: a meta tensor, a leaked vmap wrapper)
+        return False
+
+
 def _attribute_value(value: Any) -> str:
     r"""An attribute's value (see :func:`_hyperparameters`), for a message."""
     if isinstance(value, torch.Tensor):
@@ -176,12 +195,17 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
     for k in sorted(set(ha) | set(hb)):
         if not tensors and (isinstance(ha.get(k), torch.Tensor) or isinstance(hb.get(k), torch.Tensor)):
             continue
-        if k not in ha or k not in hb or not _same_value(ha[k], hb[k]):
-            if isinstance(ha.get(k), torch.Tensor) and isinstance(hb.get(k), torch.Tensor):
-                # (Told apart by value, which a tensor of many elements cannot be compared by.)
+        if isinstance(ha.get(k), torch.Tensor) and isinstance(hb.get(k), torch.Tensor):
+            # Read off the first member for every member (see _vmapped_step): alike only with
+            # the same values -- a table, a cache each member's forward computed alike (rotary
+            # tables: found different, a mode switch's regrouping unfused them, or refused a
+            # fuse=True block).
+            if not _same_tensor(ha[k], hb[k]):
                 return (f"{where} holds {k!r}, a tensor that is not a parameter or buffer "
-                        f"({_describe_tensor(hb[k])}), which fusion cannot stack for each branch: register it "
+                        f"({_describe_tensor(hb[k])}), with other values than the first member's (or one "
+                        f"that requires grad), which fusion cannot stack for each branch: register it "
                         f"with register_buffer (or as a parameter)")
+        elif k not in ha or k not in hb or not _same_value(ha[k], hb[k]):
             got = f"{k}={_attribute_value(hb[k])}" if k in hb else f"no attribute {k!r}"
             expected = (f"no attribute {k!r}" if k not in ha else _attribute_value(ha[k]) if k in hb
                         else f"{k}={_attribute_value(ha[k])}")
@@ -232,20 +256,19 @@ def _attributes_set_apart(a: nn.Module, b: nn.Module) -> str | None:
     diff = _difference(a, b, tensors=False)
     if diff is not None:
         return diff
+    for whose, m in (("its", b), ("the first member's", a)):
+        held = _attribute_on_tensors(m)
+        if held is not None:
+            return (f"{whose} attribute {held!r}, a tensor that is not a parameter or buffer, shares memory with "
+                    f"{whose} parameters or buffers (a view kept of one), which stacking would move")
     for (path, ma), (_, mb) in zip(a.named_modules(), b.named_modules()):
         where = f"submodule {path!r}" if path else "the branch"
         ha, hb = _hyperparameters(ma), _hyperparameters(mb)
         for k, x in ha.items():
             y = hb.get(k)
-            if x is y or not (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
+            if not (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
                 continue
-            try:
-                same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and type(x) is type(y)
-                        and x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
-                        and bool(torch.equal(x, y)))
-            except Exception:  # (no values to compare: a meta tensor, a leaked vmap wrapper)
-                same = False
-            if not same:
+            if not _same_tensor(x, y):
                 return (f"{where} holds {k!r}, a tensor that is not a parameter or buffer, of other values "
                         f"({_attribute_value(y)})")
     return None
@@ -321,6 +344,11 @@ def _unfusable(branch: nn.Module) -> str | None:
     if tied is not None:
         return (f"its {tied[0]!r} and {tied[1]!r} share memory (a tied weight, or views of one tensor): stacked, "
                 f"they would no longer share it")
+    held = _attribute_on_tensors(branch)
+    if held is not None:
+        return (f"its attribute {held!r}, a tensor that is not a parameter or buffer, shares memory with its "
+                f"parameters or buffers (a view kept of one): stacked, they would move to new memory and "
+                f"{held!r} would no longer see their updates")
     return None
 
 
@@ -437,6 +465,26 @@ def _unlike(tensors: list[torch.Tensor | None]) -> int | None:
     first = tensors[0]
     return next((i for i, t in enumerate(tensors) if (t is None) != (first is None) or t is not None and (
         t.shape != first.shape or t.dtype != first.dtype)), None)
+
+
+def _attribute_on_tensors(branch: nn.Module) -> str | None:
+    r"""The name of a tensor attribute of ``branch`` (not a parameter or buffer) that shares memory with its
+    parameters or buffers -- a view kept of one, its ``.data`` -- or ``None``.
+
+    Stacking moves the parameters into the group's stacks: such an attribute would go on
+    reading the old memory, no longer seeing the optimizer's updates (unfused, it does).
+    """
+    held: list[list[torch.Tensor]] = [[*branch.parameters(), *branch.buffers()]]
+    names = [""]
+    for path, m in branch.named_modules():
+        for k, v in _hyperparameters(m).items():
+            if isinstance(v, torch.Tensor):
+                held.append([v])
+                names.append(_join(path, k))
+    if len(held) == 1:
+        return None
+    i = _tied_in_memory(held).get(0)
+    return None if i is None else names[i]
 
 
 def _tied_within(branch: nn.Module) -> tuple[str, str] | None:

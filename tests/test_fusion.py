@@ -1627,12 +1627,15 @@ def test_fuse_true_describes_a_tensor_attribute_without_its_values():
         def forward(self, x):
             return self.lin(x) * self.scale
 
-    # Alike in every branch, such tensors are told apart by value, which they cannot be compared
-    # by: the message said "has scale=<a tensor>, expected <the same description>".
+    # Such tensors of other values are described, not printed: the message said "has
+    # scale=<a tensor>, expected <the same description>". (Of the same values, they fuse: see
+    # test_tensor_attributes_of_the_same_values_fuse.)
+    other = Scaled()
+    other.scale = torch.full((4,), 2.0)
     with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch holds 'scale', a tensor that "
-                                         r"is not a parameter or buffer \(\(4,\) float32 on cpu\), which fusion cannot "
-                                         r"stack for each branch: register it with register_buffer"):
-        Parallel(Scaled(), Scaled(), fuse=True)
+                                         r"is not a parameter or buffer \(\(4,\) float32 on cpu\), with other values "
+                                         r"than the first member's .*register it with register_buffer"):
+        Parallel(Scaled(), other, fuse=True)
 
 
 def test_fuse_true_names_the_member_whose_bias_was_set_to_none():
@@ -2574,6 +2577,57 @@ def test_tensor_attributes_a_forward_sets_leave_the_members_grouped(fuse):
         x = torch.randn(2, length, 8)
         assert_close(block(x), torch.cat([b(x) for b in branches], 1))
     assert block.explain()["fused"] == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_tensor_attributes_a_forward_set_stay_grouped_across_a_mode_switch(fuse):
+    # Before: the regrouping after .eval() compared the members' cached tables by identity, which
+    # differ: "auto" unfused the group for good, and fuse=True raised at the first eval call.
+    torch.manual_seed(0)
+    branches = [_RotaryCache() for _ in range(3)]
+    block = Parallel(*branches, fuse=fuse)
+    for mode in ("train", "eval", "train"):
+        getattr(block, mode)()
+        for length in (4, 6, 3):
+            x = torch.randn(2, length, 8)
+            assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+        assert block.explain()["fused"] == [["0", "1", "2"]], mode
+
+
+class _Tabled(nn.Module):
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.linear, self.table = nn.Linear(8, 8), table
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.table
+
+
+def test_tensor_attributes_of_the_same_values_fuse():
+    # A table kept as a plain attribute (an older positional encoding's), alike in every member:
+    # read off the first member for all, which is right. Of other values, or requiring grad,
+    # or a view of a member's own parameter (stacking moves the parameter: the view would go
+    # stale), the members are left unfused, with the reason.
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    block = Parallel(*[_Tabled(torch.arange(8.0)) for _ in range(3)], fuse="auto")
+    assert_close(block(x), reference(block, x))
+    assert block.explain()["fused"] == [["0", "1", "2"]]
+    apart = Parallel(*[_Tabled(torch.arange(8.0) * k) for k in (1, 1, 2)], fuse="auto")
+    assert_close(apart(x), reference(apart, x))
+    assert apart.explain()["fused"] == [["0", "1"]] and "2" in apart.explain()["unfused"]
+    with pytest.raises(ValueError, match=r"branch '1' differs .* holds 'table', .* \(or one that requires grad\)"):
+        Parallel(*[_Tabled(torch.ones(8, requires_grad=True)) for _ in range(2)], fuse=True)
+
+    members = [_Tabled(torch.zeros(8)) for _ in range(2)]
+    members[1].load_state_dict(members[0].state_dict())
+    for m in members:
+        m.table = m.linear.bias.detach()  # (alike in value, a view of each member's own bias)
+    viewed = Parallel(*members, fuse="auto")
+    assert viewed.explain()["fused"] == [] and "'table'" in viewed.explain()["unfused"]["0"]
+    with torch.no_grad():
+        members[0].linear.bias.add_(1.0)  # (an optimizer's step: the view sees it, unfused)
+    assert_close(viewed(x), reference(viewed, x))
 
 
 class _CachesFromWeight(nn.Module):
@@ -3614,7 +3668,7 @@ def test_explain_keeps_signatures_apart_that_differ_in_an_arguments_type():
     assert len(p.explain()["schedules"]) == len(tags)
     assert {"Tensor(2, 3) float32 on cpu, 'cpu', training", "Tensor(2, 3) float32 on cpu, Mode(1), training",
             "Tensor(2, 3) float32 on cpu, None, training", "Tensor(2, 3) float32 on cpu, strided, training",
-            "Tensor(2, 3) float32 on cpu, (1+2j), training"} <= set(p.explain()["schedules"])
+            "Tensor(2, 3) float32 on cpu, complex, training"} <= set(p.explain()["schedules"])  # (by type, as floats)
     s = Parallel(nn.Identity(), nn.Identity(), join="tuple")
     s(torch.eye(3).to_sparse())
     assert list(s.explain()["schedules"]) == ["Tensor(3, 3) float32 on cpu sparse_coo with 3 stored values, training"]
