@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
@@ -2354,7 +2355,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     dicts = [(path, sub, d) for path, sub in runner.named_modules() for d in (sub._parameters, sub._buffers)]
     unset = [(d, k, _join(path, k)) for path, _, d in dicts for k, t in d.items() if t is None]
 
-    def call(state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+    def call(state: dict[str, torch.Tensor], x: torch.Tensor, kept: list | None = None) -> Any:
         given = dict(state)
         sizes = [len(d) for _, _, d in dicts]
         out = torch.func.functional_call(runner, state, (x,), tie_weights=False, strict=False)
@@ -2381,14 +2382,19 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 f"call cannot hand back to each branch")
         # (Set by every call, not only where leaves are no tensors: a member calling its own
         # block runs other steps inside this one's call, which may have set it.)
-        _structure.value = None
+        if kept is None:
+            _structure.value = None
         if isinstance(out, torch.Tensor):
             return out
         leaves, spec = pytree.tree_flatten(out)
         if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return out
         # (Without the tensors, which must not leave vmap unbatched.)
-        _structure.value = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+        structure = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+        if kept is None:
+            _structure.value = structure
+        else:
+            kept.append(structure)
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
     fast_paths = [sub for sub in m.modules() if isinstance(sub, _FAST_PATHS)]
@@ -2419,17 +2425,27 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             # this step again inside its own call, which holds the lock and the runner's dicts:
             # the inner call runs the members unfused (waiting on the lock, it would wait forever).
             raise _UnbatchedNow("a member called the block again inside its own call")
-        _structure.value = None
+        kept: list | None = None
+        if tracing:
+            # The structure of the outputs goes into a list made here, in the trace: written
+            # into the module-level thread-local, it was a side effect of the traced forward,
+            # which a strict torch.export warned of (and a compiler would guard on).
+            kept = []
+            run = torch.vmap(functools.partial(call, kept=kept), in_dims=(
+                0, None if v.layout == _SHARED and state else 0))
+        else:
+            _structure.value = None
+            run = shared if v.layout == _SHARED and state else stacked
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if guard is not None:
                 guard.now = True
             try:
                 if v.layout == _SHARED and state:
-                    out = shared(state, _vmappable_layout(v.t, 0))
+                    out = run(state, _vmappable_layout(v.t, 0))
                 else:
                     # (Without parameters or buffers nothing else is batched, and vmap needs a batched
                     # input: the members' common input is read as N stacked copies, without copying.)
-                    out = stacked(state, _vmappable_layout(_to_stacked(v, group.n), 1))
+                    out = run(state, _vmappable_layout(_to_stacked(v, group.n), 1))
             finally:
                 if guard is not None:
                     guard.now = False
@@ -2437,9 +2453,9 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             out = _own_memory(out, state)
         if isinstance(out, torch.Tensor):
             return _Value(out, _STACKED)
-        kept = _structure.value
-        if kept is not None:  # put the batched tensors back among the other leaves
-            spec, leaves = kept
+        structure = _structure.value if kept is None else kept[-1] if kept else None
+        if structure is not None:  # put the batched tensors back among the other leaves
+            spec, leaves = structure
             tensors = iter(out)
             out = pytree.tree_unflatten(
                 [next(tensors) if leaf is _TENSOR else leaf for leaf in leaves], spec)

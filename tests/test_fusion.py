@@ -1852,6 +1852,23 @@ def test_a_strict_export_of_a_fused_block_has_no_side_effects():
     assert_close(ep.module()(x), reference(block, x))
 
 
+class ScaleOrNone(Scale):
+    def forward(self, x: torch.Tensor) -> tuple:
+        return super().forward(x), None
+
+
+@pytest.mark.parametrize("build", [Scale, ScaleOrNone], ids=["tensor", "structured"])
+def test_a_strict_export_of_a_vmapped_group_has_no_side_effects(build):
+    # Before: the vmapped layers handed the structure of their outputs out of vmap through a
+    # module-level thread-local, whose writes dynamo reported as side effects of the forward.
+    block = Parallel(*[build(16) for _ in range(3)], join=None, fuse=True)
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*side effects.*")
+        ep = torch.export.export(block, (x,), strict=True)
+    assert_close(ep.module()(x), reference(block, x))
+
+
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
 def test_an_exported_fused_block_trains_as_unfused(strict):
     # Before: a strict export turned the stacks' autograd.Function into a call with grad off:
