@@ -85,6 +85,37 @@ _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # (torch
 
 __all__: list[str] = []
 
+
+def _keep_vmap_levels_in_graphs() -> None:
+    r"""Tell ``torch.fx``'s dead-code elimination to keep the calls that enter and leave a vmap level.
+
+    ``torch.export`` (non-strict) records a fused group's vmapped layers as
+    ``_vmap_increment_nesting``, ``_add_batch_dim`` ... ``_remove_batch_dim``,
+    ``_vmap_decrement_nesting``. The first and last return nothing the graph uses,
+    and torch does not list them among the functions with side effects (as it
+    lists ``_set_grad_enabled`` and autocast's): ``torch.export.unflatten``,
+    which eliminates dead code, dropped them, and its module then failed in the
+    batched layer ("your tensor may have escaped from inside a function being
+    vmapped"), as any pass eliminating dead code in such a graph would. (Registered
+    for the process, at import: an exported program may be unflattened in a
+    process that imports the package but never calls a block. ``lazy_load_decompositions`` registers
+    vmap's decompositions the batched layers may need.)
+    """
+    register = getattr(torch.fx.node, "has_side_effect", None)
+    try:
+        from torch._functorch import predispatch
+    except ImportError:  # pragma: no cover - an older torch, whose export records no vmap levels
+        return
+    if register is None:  # pragma: no cover
+        return
+    for name in ("_vmap_increment_nesting", "_vmap_decrement_nesting", "lazy_load_decompositions"):
+        fn = getattr(predispatch, name, None)
+        if fn is not None:
+            register(fn)
+
+
+_keep_vmap_levels_in_graphs()
+
 _SHARED, _STACKED, _CHANNELS = 0, 1, 2
 
 # Pointwise modules without parameters: applied to a value as it is, in any

@@ -1869,6 +1869,29 @@ def test_a_strict_export_of_a_vmapped_group_has_no_side_effects(build):
     assert_close(ep.module()(x), reference(block, x))
 
 
+class WithVmappedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Parallel(*[nn.Sequential(nn.Linear(16, 16), Scale(16)) for _ in range(3)], fuse=True)
+        self.head = nn.Linear(48, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def test_an_exported_vmapped_group_unflattens():
+    # Before: torch.export.unflatten eliminated dead code, the calls entering and leaving the
+    # vmap level among it (they return nothing the graph uses): its module failed in the batched
+    # layer ("your tensor may have escaped from inside a function being vmapped").
+    torch.manual_seed(0)
+    model = WithVmappedBlock()
+    x = torch.randn(5, 16)
+    ep = torch.export.export(model, (x,), strict=False)
+    unflattened = torch.export.unflatten(ep)
+    assert_close(unflattened(x), model(x))
+    assert isinstance(unflattened.block, nn.Module)
+
+
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
 def test_an_exported_fused_block_trains_as_unfused(strict):
     # Before: a strict export turned the stacks' autograd.Function into a call with grad off:
