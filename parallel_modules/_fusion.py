@@ -117,6 +117,8 @@ def _keep_vmap_levels_in_graphs() -> None:
 _keep_vmap_levels_in_graphs()
 
 _SHARED, _STACKED, _CHANNELS = 0, 1, 2
+# A group's final value only: every member returned the group's input itself (see _Group._run).
+_INPUT = 3
 
 # Pointwise modules without parameters: applied to a value as it is, in any
 # layout (a shared value stays shared: every member would compute the same).
@@ -1390,6 +1392,16 @@ class _Group:
                 if read or vmapped:
                     self._after_step(watched, read, value, before, flow, vmapped)
                     read.clear()
+        if not tracing or restacked:  # (not while a compiler traces: see _expands)
+            # Members returning their input itself (an identity of the user's, nn.Identity, an eval
+            # dropout; in a tuple, ``(out, x)``): unfused each returns ``x``, the object, which a
+            # caller may write into or compare by identity; a view or copy of the batched value
+            # would not be it. (Nothing of the group's reaches ``x``: its weights go unchecked.)
+            if type(value) is _Value:
+                if value.layout == _SHARED and value.t is x:
+                    value, watched = _Value(x, _INPUT), None
+            else:
+                value = _inputs_returned(value, x)
         if watched and not x.requires_grad:
             # A member whose parameters are all frozen, on an input that requires no grad,
             # computes nothing autograd differentiates unfused: none of its weights is saved,
@@ -1718,7 +1730,7 @@ class _Joined:
         if layout == _CHANNELS:
             # [B, N*C, ...] is already the outputs concatenated along dimension 1.
             return t if how == "cat" and dim in (1, 1 - t.dim()) else None
-        if layout == _SHARED:  # every member's output is t itself
+        if layout in (_SHARED, _INPUT):  # every member's output is t itself
             if how == "cat" and t.dim() > 0 and -t.dim() <= dim < t.dim():
                 return torch.cat([t] * n, dim)
             if how == "stack" and -t.dim() - 1 <= dim <= t.dim():
@@ -1773,9 +1785,12 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
         # input returned): unfused each returns that tensor itself, strides and storage.
         columns = [_members(leaf, 0, n, recording and leaf.requires_grad or not (
                         leaf.dim() and leaf.stride(0) == 0) and not _dense_members(leaf), received)
-                   if isinstance(leaf, torch.Tensor) else (leaf,) * n for leaf in leaves]
+                   if isinstance(leaf, torch.Tensor) else (leaf.t,) * n if type(leaf) is _Input else (leaf,) * n
+                   for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
     t = v.t
+    if v.layout == _INPUT:  # (every member returned the input itself, as each does unfused)
+        return [t] * n
     if v.layout == _SHARED:
         return [t, *(t.clone() for _ in range(n - 1))]
     if v.layout == _STACKED:
@@ -2483,7 +2498,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         if state and not tracing:  # (traced, the stacks are made in the graph: nothing to alias)
             out = _own_memory(out, state)
         if isinstance(out, torch.Tensor):
-            return _Value(out, _STACKED)
+            return _Value(out, _STACKED) if tracing else _vmapped_input(out, v)
         structure = _structure.value if kept is None else kept[-1] if kept else None
         if structure is not None:  # put the batched tensors back among the other leaves
             spec, leaves = structure
@@ -2535,6 +2550,50 @@ def _own_memory(out: Any, state: dict[str, torch.Tensor]) -> Any:
         return t
 
     return own(out) if isinstance(out, torch.Tensor) else pytree.tree_map(own, out)
+
+
+class _Input:
+    r"""A leaf of a vmapped group's structured value that is the group's input, for every member (see
+    :func:`_inputs_returned`): handed to each member as the input itself."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _expands(t: torch.Tensor, x: torch.Tensor) -> bool:
+    r"""Whether ``t`` is ``x`` expanded along a new leading dimension of members (vmap's output for members
+    returning their unbatched input): same memory, shape, strides and history as ``x``.
+
+    (An alias made by the member -- ``x.detach()``, whose result requires no grad -- is not ``x``. Nor
+    anything without memory -- the meta device's tensors, empty ones -- whose address says nothing.)
+    """
+    return (t.dim() == x.dim() + 1 and t.stride(0) == 0 and t.data_ptr() == x.data_ptr() != 0
+            and t.shape[1:] == x.shape and t.stride()[1:] == x.stride() and t.requires_grad == x.requires_grad
+            and t.dtype == x.dtype)
+
+
+def _vmapped_input(out: Any, v: _Value) -> Any:
+    r"""A vmapped step's tensor ``out`` as a value of its own; the step's shared input ``v`` itself where
+    every member returned it (a member that is an identity of the user's): see :meth:`_Group._run`."""
+    if v.layout == _SHARED and not _functorch_active() and _expands(out, v.t):
+        return v
+    return _Value(out, _STACKED)
+
+
+def _inputs_returned(value: Any, x: torch.Tensor) -> Any:
+    r"""A vmapped group's structured ``value`` with each leaf that is the group's input ``x`` expanded over
+    the members (a member returning ``(out, x)``) marked as :class:`_Input`, handed back as ``x`` itself."""
+    if _functorch_active() or type(x) is not torch.Tensor:
+        return value
+    tree = value.tree if type(value) is _Structured else value
+    leaves, spec = pytree.tree_flatten(tree)
+    if not any(isinstance(leaf, torch.Tensor) and _expands(leaf, x) for leaf in leaves):
+        return value
+    tree = pytree.tree_unflatten([_Input(x) if isinstance(leaf, torch.Tensor) and _expands(leaf, x) else leaf
+                                  for leaf in leaves], spec)
+    return value._replace(tree=tree) if type(value) is _Structured else tree
 
 
 # ------------------------------------------------------- a module's fusion

@@ -354,6 +354,46 @@ def test_a_fused_member_returning_its_strided_input_returns_it_uncopied(device):
         assert o.stride() == x.stride() and o.data_ptr() == x.data_ptr()
 
 
+class ReturnsInput(nn.Module):
+    r"""An identity of the user's (a placeholder branch, a skip), with or without a parameter of its own."""
+
+    def __init__(self, weighted: bool) -> None:
+        super().__init__()
+        if weighted:
+            self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("member", ["weighted", "unweighted", "nn.Identity", "tuple"])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_fused_member_returning_its_input_returns_the_input_itself(device, member, grad, strided):
+    # Unfused, each such branch returns ``x``, the object: a caller may write into it or compare
+    # it by identity. Before: fused, vmap's expansion of ``x`` came back as views of it (copies
+    # where autograd recorded, contiguous ones for a transposed ``x``), and nn.Identity's shared
+    # value as ``x`` for the first member and copies for the others.
+    build = {"weighted": lambda: ReturnsInput(True), "unweighted": lambda: ReturnsInput(False),
+             "nn.Identity": nn.Identity, "tuple": LinearAndInput}[member]
+    p = Parallel(*[build() for _ in range(3)], join=None, fuse=True).to(device)
+    x = torch.randn(4, 4, device=device)
+    x = (x.t() if strided else x).requires_grad_(grad)
+    p(x)
+    outs = p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    for out in outs:
+        assert (out[1] if member == "tuple" else out) is x
+    if member == "tuple":
+        assert_close(outs, reference(p, x))
+        if grad:
+            def loss(value):
+                return sum(o.sum() + 2 * i.sum() for o, i in value)
+
+            assert_close(torch.autograd.grad(loss(outs), x), torch.autograd.grad(loss(reference(p, x)), x))
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("shape, dim", [((2, 1, 1, 3), 1), ((2, 5, 1, 3), 2)])
 def test_fused_cat_of_4d_outputs_with_a_size_one_dim_is_contiguous(device, shape, dim):
