@@ -23,7 +23,7 @@ from ._fusion import (_GLOBAL_HOOKS, _STOCK_DROPOUT, _difference, _flat_layers, 
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _with_context
-from ._joins import JoinSpec, _check_join, _join_outputs, _out_of_memory
+from ._joins import JoinSpec, _check_join, _first_line, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
                        _checkpoint_recording, _current_stream, _fork_join, _graph_state, _in_backward, _is_tracing,
@@ -1155,19 +1155,12 @@ class Parallel(nn.Module):
                     "them identical again, or pass fuse='auto' to fuse the identical ones, or fuse=False."
                 ) from None
             passing = True
-        # With fuse=True the call raises whatever they do: a trial, whose updates of the
-        # members' buffers (a count of calls, running statistics) are put back.
-        restore = (_buffers_kept([self._modules[name] for name in names])
-                   if self.fuse is True and not passing and not tracing else None)
-        try:
-            # (A list, not a generator: a member raising StopIteration -- ``next(...)`` of an empty
-            # iterator -- would reach the caller as "RuntimeError: generator raised StopIteration",
-            # its type lost and its branch unnamed, where unfused it is raised as it is.)
-            outputs = _Unfused([self._call(i, args, kwargs) for i in group.indices])
-        except BaseException as e:
-            _note_failures(e, restore() if restore is not None else [])
-            raise
-        failures = restore() if restore is not None else []
+        if self.fuse is True and not passing and not tracing:
+            raise self._refused_trial(group, names, x, kwargs, version is not None, failure)
+        # (A list, not a generator: a member raising StopIteration -- ``next(...)`` of an empty
+        # iterator -- would reach the caller as "RuntimeError: generator raised StopIteration",
+        # its type lost and its branch unnamed, where unfused it is raised as it is.)
+        outputs = _Unfused([self._call(i, args, kwargs) for i in group.indices])
         if version is not None and x._version != version and not _clamps_its_input(group):
             self._saw_write = True  # (run in turn, the members wrote the shared input: see _traced_fusion)
         if passing:
@@ -1179,13 +1172,8 @@ class Parallel(nn.Module):
             # are held at once, one after another each in turn: a large batch may fit only
             # unfused, and an allocation failure of the members too raises as it is.)
             return outputs
-        if self.fuse is True:
-            error = RuntimeError(
-                f"{type(self).__name__}: fuse=True, but branches {names} failed to run batched, while "
-                f"each runs on its own: {type(failure).__name__}: {failure}\nPass fuse='auto' to run such "
-                "branches unfused, or fuse=False."
-            )
-            raise _note_failures(error, failures) from failure
+        if self.fuse is True:  # (traced: the members ran on the input, as the traced program runs them)
+            raise self._batched_failed(names, failure) from failure
         fusion.disable(group, failure)
         # Signatures planned with the group fused are planned anew at their next call, with the
         # groups left (and explain() says what runs).
@@ -1194,6 +1182,49 @@ class Parallel(nn.Module):
                       f"({type(failure).__name__}: {failure}); they run unfused from now on (see .explain()).",
                       UserWarning, stacklevel=4)
         return outputs
+
+    def _batched_failed(self, names: list[str], failure: Exception) -> RuntimeError:
+        r"""The error of ``fuse=True`` where the group of branches ``names`` failed batched (``failure``)
+        and each of them runs on its own."""
+        return RuntimeError(
+            f"{type(self).__name__}: fuse=True, but branches {names} failed to run batched, while "
+            f"each runs on its own: {type(failure).__name__}: {failure}\nPass fuse='auto' to run such "
+            "branches unfused, or fuse=False."
+        )
+
+    def _refused_trial(self, group: _Group, names: list[str], x: torch.Tensor, kwargs: dict, versioned: bool,
+                       failure: Exception) -> BaseException:
+        r"""With ``fuse=True``, the error for a group that failed batched (``failure``): the members' own
+        error where one fails on its own (the input is at fault, and the error names the branch), a
+        refused write where one changes the input in place, else :meth:`_batched_failed`'s.
+
+        A trial that leaves no trace: the members' buffers are put back, and each member reads a
+        copy of ``x``, the call's one tensor. (On the caller's tensor, a member writing it in place --
+        a layer of the user's, which vmap could not run on the input it expands -- wrote it once per
+        member, and a call repeated on it with ``fuse="auto"``, as the error advises, computed on
+        the changed values.) ``versioned``: whether ``x`` keeps a version by which a write shows.
+        """
+        restore = _buffers_kept([self._modules[name] for name in names])
+        wrote = False
+        try:
+            for i in group.indices:
+                copied = x.clone()
+                # (Made under inference mode, a copy of a tensor that keeps a version keeps none.)
+                before = copied._version if versioned and not copied.is_inference() else None
+                self._call(i, (copied,), kwargs)
+                wrote = wrote or before is not None and copied._version != before
+        except BaseException as e:
+            # (Not chained to the batched attempt's internals: the member's error is the user's to read.)
+            return _note_failures(e, restore() if restore is not None else [])
+        failures = restore() if restore is not None else []
+        if wrote:
+            error = _with_context(self._refused_write(group.indices), (
+                f"(seen as the members ran one after another, each on a copy of the input, after running them "
+                f"batched failed: {type(failure).__name__}: {_first_line(failure)}; the input is as it was)"))
+        else:
+            error = self._batched_failed(names, failure)
+        error.__cause__ = failure  # (as ``raise error from failure``)
+        return _note_failures(error, failures)
 
     def _forget_plans(self, which: Callable[[_Schedule], bool]) -> None:
         r"""Plan anew, at their next call, the signatures whose schedule is ``which``."""

@@ -2485,6 +2485,37 @@ def test_fuse_true_refuses_members_beginning_with_a_stock_write_before_they_chan
         assert_same(block(x.clone()), expected)
 
 
+class _Doubles(nn.Module):
+    r"""Doubles its input in place: a layer of the user's, which vmap runs on the input it expands for a group."""
+
+    def forward(self, x):
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_fuse_true_refusing_members_that_write_their_input_leaves_the_input_as_it_was(grad):
+    # Before: running batched failed (vmap cannot write the input it expands), and fuse=True then
+    # tried the members one after another on the caller's input, to see whether the input was at
+    # fault: each doubled it, and the call raised "failed to run batched", naming no write, with
+    # the input 8x what it was. Called again on it with fuse="auto", as the error advises, the
+    # branches computed on the changed values, silently.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(_Doubles(), nn.Linear(4, 3)) for _ in range(3)]
+    x = torch.randn(2, 4)
+    expected = _in_order(Parallel(*branches), x.clone())
+    block = Parallel(*branches, fuse=True)
+    for _ in range(2):  # (refused each time, the input as it was)
+        y = x.clone().requires_grad_(grad) if grad else x.clone()
+        with torch.set_grad_enabled(grad), pytest.raises(
+                RuntimeError, match=r"one of branches \['0', '1', '2'\] changed the shared input in place"):
+            block(y * 1 if grad else y)
+        if not grad:
+            assert torch.equal(y, x)
+    block.fuse = "auto"
+    for _ in range(2):
+        assert_same(block(x.clone()), expected)
+
+
 class _ShiftedNorm(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * 2 + 1
