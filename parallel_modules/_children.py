@@ -10,6 +10,7 @@ child named, and leaves the container as it was.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import operator
 from typing import Any, Callable
@@ -122,6 +123,18 @@ def _insert_index(owner: str, index: Any, n: int, plural: str) -> int:
         raise IndexError(f"{owner}: insert index {index} is out of range for {n} {plural} "
                          f"(expected {-n} <= index <= {n})")
     return index
+
+
+def _listed(owner: str, operation: str, kind: str, modules: Any) -> list:
+    r"""``modules``, an iterable of children for ``operation`` (``"extend"``, ``"+"``), as a list; refused
+    naming ``owner`` where it is none (one module, whose fix is to append it)."""
+    if not isinstance(modules, collections.abc.Iterable):  # (as nn.ModuleList.extend checks)
+        plural = "branches" if kind == "branch" else f"{kind}s"
+        fix = "write block + [module]" if operation == "+" else (
+            f"use {'block' if kind == 'branch' else 'pipe'}.append(module)")
+        raise TypeError(f"{owner}: {operation} takes an iterable of {plural} (another {owner}, a list), got "
+                        f"{type(modules).__name__}. To add one {kind}, {fix}.")
+    return list(modules)
 
 
 def _child_key(owner: str, names: list[str], idx: Any, kind: str, slices: bool = True) -> str:

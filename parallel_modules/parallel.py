@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
-from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
+from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _listed, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import (_GLOBAL_HOOKS, _STOCK_DROPOUT, _difference, _flat_layers, _functorch_active, _Fusion, _Group,
                       _iter_layers, _Joined, _MembersChanged, _UnbatchedNow, _Unfused)
@@ -648,7 +648,8 @@ class Parallel(nn.Module):
         r"""Append every module of an iterable; returns ``self``."""
         owner, n = type(self).__name__, len(self._modules)
         # All checked before any is appended: a bad one leaves the block as it was.
-        branches = [_own_mode(self, _as_branch(owner, str(n + i), m), m) for i, m in enumerate(modules)]
+        branches = [_own_mode(self, _as_branch(owner, str(n + i), m), m)
+                    for i, m in enumerate(_listed(owner, "extend", "branch", modules))]
         taken = [str(n + i) for i in range(len(branches)) if str(n + i) in self._modules]
         if taken:  # (names kept by a slice of named branches or `del block.name`: "1", "3")
             raise ValueError(f"{owner}: a branch named {taken[0]!r} already exists ({list(self._modules)}); "
@@ -667,12 +668,7 @@ class Parallel(nn.Module):
         As :class:`nn.ModuleList`'s ``+``: the branches are shared, not copied, and
         neither operand changes.
         """
-        owner = type(self).__name__
-        try:
-            others = list(other)
-        except TypeError:
-            raise TypeError(f"{owner}: + takes an iterable of branches (another {owner}, a list), got "
-                            f"{type(other).__name__}. To add one branch, write block + [module].") from None
+        others = _listed(type(self).__name__, "+", "branch", other)
         return self.__class__(*self._modules.values(), *others, **self._settings())
 
     def insert(self, index: int, module: nn.Module | Callable[..., Any]) -> "Parallel":

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._children import _check_name, _check_stage, _child_key, _insert_index, _state_to_copy
+from ._children import _check_name, _check_stage, _child_key, _insert_index, _listed, _state_to_copy
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _input_device, _module_devices, _with_context
@@ -1101,7 +1101,7 @@ class ParallelSequential(nn.Sequential):
     def extend(self, sequential: Iterable[nn.Module]) -> "ParallelSequential":
         # All checked before any is appended (nn.Sequential appends one by one): a bad one
         # leaves the pipeline as it was.
-        stages = list(sequential)
+        stages = _listed(type(self).__name__, "extend", "stage", sequential)
         for i, module in enumerate(stages):
             _check_stage(type(self).__name__, str(len(self) + i), module)
         self._check_free(len(stages))

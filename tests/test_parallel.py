@@ -297,6 +297,17 @@ def test_add_makes_a_new_block_as_module_lists_do(fuse):
         p + bs[2]
 
 
+def test_extend_with_one_module_says_to_append_it():
+    # Before: extend(module) and block += module raised "'Linear' object is not iterable", naming
+    # neither the block nor the fix (nn.ModuleList.extend says it wants an iterable).
+    p, lin = Parallel(nn.Linear(4, 4)), nn.Linear(4, 4)
+    for extend in (p.extend, p.__iadd__):
+        with pytest.raises(TypeError, match=r"Parallel: extend takes an iterable of branches \(another Parallel, "
+                                            r"a list\), got Linear\. To add one branch, use block\.append\(module\)"):
+            extend(lin)
+    assert len(p) == 1  # (left as it was)
+
+
 def test_setitem_replaces_branch():
     a, b, c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
     p = Parallel(a, b, join="sum")

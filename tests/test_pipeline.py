@@ -2330,3 +2330,14 @@ def test_insert_out_of_range_names_the_pipeline_and_the_range(index: int) -> Non
     pipe.insert(2, nn.ReLU())  # (the end is in range, as for a list)
     x = torch.randn(4, 2)
     torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x), rtol=0, atol=0)
+
+
+def test_extend_with_one_module_says_to_append_it():
+    # Before: extend(module) raised "'Linear' object is not iterable", naming neither the pipeline
+    # nor the fix.
+    pipe = ParallelSequential(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"ParallelSequential: extend takes an iterable of stages \(another "
+                                        r"ParallelSequential, a list\), got Linear\. To add one stage, use "
+                                        r"pipe\.append\(module\)"):
+        pipe.extend(nn.Linear(4, 4))
+    assert len(pipe) == 1  # (left as it was)
