@@ -68,7 +68,8 @@ def _describe(value: Any) -> str:
         kind = type(value).__name__ if type(value) not in (tuple, list) else ""
         return f"{kind}({inner})" if isinstance(value, tuple) else f"{kind}[{inner}]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+        kind = type(value).__name__ if type(value) is not dict else ""  # (as for tuples and lists)
+        return kind + "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
     return type(value).__name__
 
 
