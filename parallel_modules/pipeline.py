@@ -26,7 +26,7 @@ import itertools
 import operator
 import threading
 import weakref
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, deque
 from typing import Any, Callable, Hashable, Iterable, Iterator, NamedTuple, Sequence, overload
 
 import torch
@@ -346,6 +346,117 @@ class _SoftmaxDims(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# ---------------------------------------------------------------- structures
+# pytree takes apart tuples, lists and dicts of their exact classes (and OrderedDict,
+# defaultdict, deque), namedtuples and the classes registered with it, but keeps any other
+# subclass of tuple, list, dict or deque whole, as one leaf: split as such, every micro-batch would
+# get the whole batch's tensors in it. The pipeline takes such a container apart as its base
+# class (its items, then its instance attributes) and rebuilds it in its own class for each
+# micro-batch and for the joined output, by calling the class on the items, as
+# ``torch.nn.DataParallel``'s scatter and gather do. Only while the pipeline flattens a value
+# (:func:`_flatten`): pytree itself, and so compilers and the caller, see it as before.
+
+
+def _unregistered(leaf: Any) -> bool:
+    r"""Whether a pytree leaf is a container pytree keeps whole (see above): not a namedtuple, which
+    pytree takes apart unless told not to (a ``PackedSequence``), nor a ``torch.Size``, a shape."""
+    return isinstance(leaf, (list, dict, deque)) or (isinstance(leaf, tuple) and type(leaf) is not torch.Size
+                                                     and not pytree.is_namedtuple_instance(leaf))
+
+
+def _any_unregistered(leaves: list[Any]) -> bool:
+    # (A loop, isinstance first: a pipeline's calls of structured inputs flatten them several
+    # times, where ``any(map(_unregistered, leaves))`` cost twice as much, 0.7 us for two tensors.)
+    for leaf in leaves:
+        if isinstance(leaf, _CONTAINERS) and _unregistered(leaf):
+            return True
+    return False
+
+
+_CONTAINERS = (tuple, list, dict, deque)
+
+
+class _AsBase:
+    r"""A container pytree keeps whole, standing for it while :func:`_flatten` takes it apart: a node
+    of pytree's (registered below) whose unflattening rebuilds the container itself."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _as_base_children(node: _AsBase) -> tuple[list[Any], Any]:
+    v = node.value
+    mapping = isinstance(v, dict)
+    items = list(v.values()) if mapping else list(v)
+    # (Instance attributes too: a batched mask kept on a list of tensors is split with them.)
+    attributes = getattr(v, "__dict__", None) or {}
+    return ([_exposed(c) for c in itertools.chain(items, attributes.values())],
+            (type(v), tuple(v) if mapping else len(items), tuple(attributes)))
+
+
+def _as_base_keyed(node: _AsBase) -> tuple[list[tuple[Any, Any]], Any]:
+    children, context = _as_base_children(node)
+    keys, names = context[1], context[2]
+    paths = ([pytree.MappingKey(k) for k in keys] if isinstance(keys, tuple) else
+             [pytree.SequenceKey(i) for i in range(keys)]) + [pytree.GetAttrKey(a) for a in names]
+    return list(zip(paths, children)), context
+
+
+def _rebuilt(children: list[Any], context: Any) -> Any:
+    r"""The container :func:`_as_base_children` took apart, rebuilt in its class from ``children``."""
+    cls, keys, names = context
+    count = len(children) - len(names)
+    items = children[:count]
+    mapping = isinstance(keys, tuple)
+    base = next(b.__name__ for b in (dict, list, deque, tuple) if issubclass(cls, b))
+    try:
+        value = cls(zip(keys, items)) if mapping else cls(items)
+    except Exception as e:  # (a constructor of other arguments: said below, with the way out)
+        why: str | None = f"which raised {type(e).__name__}: {e}"
+    else:
+        # (Checked: a constructor may well sort, convert or add items.)
+        expected = list(itertools.chain.from_iterable(zip(keys, items))) if mapping else items
+        held = (list(itertools.chain.from_iterable(value.items())) if mapping else list(value)
+                ) if type(value) is cls else []
+        why = None if len(held) == len(expected) and all(h is e for h, e in zip(held, expected)) else (
+            f"which returned {_describe(value)}, not those items in that order")
+    if why is not None:
+        raise TypeError(
+            f"{cls.__qualname__}, a subclass of {base} that torch.utils._pytree does not know, is taken apart "
+            f"into micro-batches as a {base} and rebuilt for each by calling {cls.__name__}(items), as "
+            f"torch.nn.DataParallel does, {why}. Register {cls.__name__} with "
+            f"torch.utils._pytree.register_pytree_node to say how it is taken apart and rebuilt, or use chunks=1")
+    for name, attribute in zip(names, children[count:]):
+        value.__dict__[name] = attribute
+    return value
+
+
+pytree.register_pytree_node(_AsBase, _as_base_children, _rebuilt, flatten_with_keys_fn=_as_base_keyed,
+                            serialized_type_name=f"{__name__}._AsBase")
+
+
+def _exposed(value: Any) -> Any:
+    r"""``value`` with the containers pytree keeps whole in it as :class:`_AsBase` nodes; itself where there are none."""
+    if isinstance(value, torch.Tensor):
+        return value
+    leaves, spec = pytree.tree_flatten(value)
+    if not _any_unregistered(leaves):
+        return value
+    return pytree.tree_unflatten([_AsBase(v) if _unregistered(v) else v for v in leaves], spec)
+
+
+def _flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], pytree.TreeSpec]:
+    r"""``pytree.tree_flatten(value)``, taking apart the containers pytree keeps whole too (see above):
+    ``pytree.tree_unflatten`` of the spec rebuilds them."""
+    leaves, spec = pytree.tree_flatten(value, is_leaf=is_leaf)
+    if _any_unregistered(leaves):
+        marked = pytree.tree_unflatten([_AsBase(v) if _unregistered(v) else v for v in leaves], spec)
+        leaves, spec = pytree.tree_flatten(marked, is_leaf=is_leaf)
+    return leaves, spec
+
+
 class _Returned(NamedTuple):
     r"""A value's tensors (its pytree leaves) and their versions, as a stage returned it (see :func:`_returned`)."""
 
@@ -359,7 +470,7 @@ def _returned(output: Any) -> _Returned:
 
     ``None`` for a leaf that is no tensor, or an inference tensor, which keeps no version.
     """
-    leaves, spec = ([output], None) if isinstance(output, torch.Tensor) else pytree.tree_flatten(output)
+    leaves, spec = ([output], None) if isinstance(output, torch.Tensor) else _flatten(output)
     return _Returned(leaves, [t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None
                               for t in leaves], spec)
 
@@ -374,7 +485,7 @@ def _aligned(other: _Returned, template: _Returned) -> list[Any] | None:
         return None
     value = _in_order_of(pytree.tree_unflatten(other.leaves, other.spec),
                          pytree.tree_unflatten(template.leaves, template.spec))
-    leaves, spec = pytree.tree_flatten(value)
+    leaves, spec = _flatten(value)
     return leaves if spec == template.spec else None
 
 
@@ -442,7 +553,7 @@ def _is_piece(t: Any, piece: Any) -> bool:
     where = _storage(t)
     return where is not None and any(
         isinstance(p, torch.Tensor) and _storage(p) == where and p.storage_offset() == t.storage_offset()
-        and p.shape == t.shape and p.stride() == t.stride() for p in pytree.tree_leaves(piece))
+        and p.shape == t.shape and p.stride() == t.stride() for p in _flatten(piece)[0])
 
 
 def _copied_together(leaves: list[Any], chunks: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -619,7 +730,7 @@ def _signature_dims(input: Any) -> Hashable:
     decides which dim a softmax layer reads."""
     if isinstance(input, torch.Tensor):
         return (input.dim(),)
-    leaves, spec = pytree.tree_flatten(input)
+    leaves, spec = _flatten(input)
     return spec, tuple(t.dim() if isinstance(t, torch.Tensor) else None for t in leaves)
 
 
@@ -632,12 +743,12 @@ def _batch_size(piece: Any) -> int | None:
     r"""The number of samples in a micro-batch: dimension 0 of its first batched tensor."""
     if isinstance(piece, torch.Tensor):
         return piece.shape[0]
-    return next((t.shape[0] for t in pytree.tree_leaves(piece) if isinstance(t, torch.Tensor) and t.dim()), None)
+    return next((t.shape[0] for t in _flatten(piece)[0] if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
-# The containers of the input that a stage could change in place, as pytree rebuilds them for each
-# micro-batch (by exact type: a subclass is a leaf, passed whole). Tuples cannot be changed.
-_CHANGEABLE = frozenset((dict, OrderedDict, defaultdict, list, deque))
+# The containers of the input that a stage could change in place, rebuilt for each micro-batch (by
+# pytree, or, for their subclasses, see _flatten). Tuples cannot be changed.
+_CHANGEABLE = (dict, list, deque)
 
 
 class _Held(NamedTuple):
@@ -655,8 +766,7 @@ def _containers(value: Any) -> list[_Held]:
     stack: list[tuple[tuple[Any, ...], Any]] = [((), value)]
     while stack:
         path, v = stack.pop()
-        kind = type(v)
-        if kind in _CHANGEABLE:
+        if isinstance(v, _CHANGEABLE):
             if isinstance(v, dict):
                 found.append(_Held(path, v, list(v), list(v.values())))
                 stack.extend((path + (k,), item) for k, item in v.items())
@@ -876,8 +986,10 @@ class ParallelSequential(nn.Sequential):
     Micro-batches follow :func:`torch.tensor_split`: exactly ``chunks`` pieces
     whose sizes differ by at most one, larger pieces first (a batch of 13 in
     3 chunks gives 5, 4, 4). Inputs may be a tensor or a (nested) tuple, list
-    or dict of tensors that all share the batch size along dimension 0
-    (non-tensor leaves are passed to every piece as they are; each piece gets
+    or dict of tensors that all share the batch size along dimension 0 (or
+    a namedtuple, a class registered with :mod:`torch.utils._pytree`, or a
+    subclass of tuple, list or dict, rebuilt in its class for each piece;
+    non-tensor leaves are passed to every piece as they are; each piece gets
     lists and dicts of its own, which a stage may not change in place). As in
     :class:`torch.nn.Sequential`, each stage receives the previous stage's
     output as its single argument. A last stage ending in a recurrent layer
@@ -1402,8 +1514,9 @@ class ParallelSequential(nn.Sequential):
         if isinstance(input, torch.Tensor):
             leaves, spec = [input], None
         else:
-            # (A PackedSequence kept whole, as a leaf: see below.)
-            leaves, spec = pytree.tree_flatten(input, is_leaf=lambda v: isinstance(v, nn.utils.rnn.PackedSequence))
+            # (A PackedSequence kept whole, as a leaf: see below. Subclasses of tuple, list and dict
+            # taken apart too: see _flatten.)
+            leaves, spec = _flatten(input, is_leaf=lambda v: isinstance(v, nn.utils.rnn.PackedSequence))
             if any(isinstance(v, nn.utils.rnn.PackedSequence) for v in leaves):
                 # (Its tensors are time steps' rows and their counts, not samples; refused whatever
                 # their sizes: one sequence has as many rows of data as counts.)
@@ -1495,7 +1608,10 @@ class ParallelSequential(nn.Sequential):
             return done[-1][1]
 
         columns = [pieces(t) if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
-        return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
+        try:
+            return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
+        except TypeError as e:  # (a subclass of a container that cannot be rebuilt: see _rebuilt)
+            raise TypeError(f"{owner}: cannot split the input into micro-batches with chunks={chunks}: {e}") from e
 
     def _concat(self, outputs: list[Any], pieces: list[Any], returned: list[_Returned] | None = None) -> Any:
         r"""Join the micro-batch outputs of the last stage along dimension 0.
@@ -1568,14 +1684,14 @@ class ParallelSequential(nn.Sequential):
                     return shared(first, 0)  # the same tensor from every micro-batch, as in a structure below
                 return batched(outputs)
             # (Dicts of the same keys in another order are the same structure, as for nn.Sequential.)
-            flat = [pytree.tree_flatten(_in_order_of(o, outputs[0]) if i else o) for i, o in enumerate(outputs)]
+            flat = [_flatten(_in_order_of(o, outputs[0]) if i else o) for i, o in enumerate(outputs)]
             spec = flat[0][1]
             if any(s != spec for _, s in flat):
                 raise TypeError("the micro-batches returned different structures")
             # (The input's own non-tensor values, found by ``is``, not by ``id()``: a compiler
             # guards on every id() it traces, and compiled the pipeline again for each new
             # object in the input, a config made per call.)
-            given = [v for v in pytree.tree_leaves(pieces[0]) if not isinstance(v, torch.Tensor)]
+            given = [v for v in _flatten(pieces[0])[0] if not isinstance(v, torch.Tensor)]
             joined = []
             for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
                 first = column[0]
@@ -1655,7 +1771,7 @@ class ParallelSequential(nn.Sequential):
         activations the previous one's backward needs.
         """
         if torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters()) or any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(input))
+                isinstance(t, torch.Tensor) and t.requires_grad for t in _flatten(input)[0])
                 or any(b.requires_grad for b in self.buffers())):  # (requires_grad_() on a buffer)
             self._graphs._warn_once(
                 "host-training", f"{type(self).__name__}: cuda_graph=True with a CPU input graphs each "
@@ -1889,7 +2005,7 @@ class ParallelSequential(nn.Sequential):
         if isinstance(outputs, _Gather):
             return outputs.out
         if not all(isinstance(o, torch.Tensor) and o.is_cuda for o in outputs) and any(
-                isinstance(t, torch.Tensor) and not t.is_cuda for o in outputs for t in pytree.tree_leaves(o)):
+                isinstance(t, torch.Tensor) and not t.is_cuda for o in outputs for t in _flatten(o)[0]):
             # A last stage that copied its output to the host without blocking
             # (``x.to("cpu", non_blocking=True)``): the host would concatenate pieces the
             # lanes' copies have yet to write. The caller's stream has joined every lane.

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import pickle
 import warnings
 from collections import OrderedDict
+from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
@@ -2341,3 +2343,149 @@ def test_extend_with_one_module_says_to_append_it():
                                         r"pipe\.append\(module\)"):
         pipe.extend(nn.Linear(4, 4))
     assert len(pipe) == 1  # (left as it was)
+
+
+# ------------------------------------------------------- containers of the user's classes
+class _Pairs(dict):
+    r"""A dict of the user's class (a batch of named fields), with a non-tensor attribute."""
+
+
+class _Rows(list):
+    r"""A list of the user's class, which may keep a batched tensor in an attribute."""
+
+
+class _Fields(tuple):
+    pass
+
+
+class _Named(NamedTuple):
+    x: torch.Tensor
+    m: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Registered:
+    x: torch.Tensor
+    m: torch.Tensor
+
+
+pytree.register_dataclass(_Registered)
+
+
+@dataclasses.dataclass
+class _Unregistered:
+    x: torch.Tensor
+    m: torch.Tensor
+
+
+class _Holder:
+    r"""An object of the user's own, holding tensors in its attributes."""
+
+    def __init__(self, x: torch.Tensor, m: torch.Tensor) -> None:
+        self.x, self.m = x, m
+
+
+def _make_pairs(x, m):
+    pairs = _Pairs(x=x, inner=_Rows([m]))
+    pairs.tag = "batch"
+    return pairs
+
+
+def _make_rows(x, m):
+    rows = _Rows([x])
+    rows.mask = m  # (a batched tensor kept as an attribute: split with the items)
+    return rows
+
+
+# Each kind: how to make one of (x, m), and how to read x and m back.
+_KINDS = {
+    "dict subclass": (_make_pairs, lambda v: (v["x"], v["inner"][0])),
+    "list subclass": (_make_rows, lambda v: (v[0], v.mask)),
+    "tuple subclass": (lambda x, m: _Fields((x, _Fields((m,)))), lambda v: (v[0], v[1][0])),
+    "namedtuple": (_Named, lambda v: (v.x, v.m)),
+    "registered dataclass": (_Registered, lambda v: (v.x, v.m)),
+}
+
+
+class _Carries(nn.Module):
+    r"""Reads x and m from a container of one kind and returns one of that kind, its rows as its input's."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.make, self.read = _KINDS[kind]
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[Any] = []
+
+    def forward(self, v):
+        self.seen.append(v)
+        x, m = self.read(v)
+        return self.make(self.lin(x) * m, m + 1)
+
+
+def _same(a: Any, b: Any, read: Callable[[Any], tuple]) -> bool:
+    return type(a) is type(b) and all(torch.equal(p, q) for p, q in zip(read(a), read(b), strict=True))
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("kind", list(_KINDS))
+def test_containers_of_the_users_classes_are_split_and_joined_in_their_class(kind: str, chunks: int) -> None:
+    # Before: a subclass of dict, list or tuple, which pytree keeps whole, was refused as the input
+    # ("must be a tensor, or a tuple/list/dict of tensors"), given whole to every micro-batch
+    # inside one, and refused as the last stage's output. Now taken apart as its base class and
+    # rebuilt in its own (instance attributes too); namedtuples and registered classes as before.
+    make, read = _KINDS[kind]
+    model = ParallelSequential(_Carries(kind), _Carries(kind), chunks=chunks)
+    x, m = torch.randn(7, 4), torch.randn(7, 4)
+    out = model(make(x, m))
+    pieces = [nn.Sequential(*model)(make(px, pm)) for px, pm in zip(x.tensor_split(chunks), m.tensor_split(chunks))]
+    expected = make(*(torch.cat(column) for column in zip(*(read(p) for p in pieces))))
+    assert _same(out, expected, read)
+    for stage in model:  # (between the stages too, each micro-batch its own rows, in the class)
+        got = stage.seen[:chunks]
+        assert [type(v) for v in got] == [type(expected)] * chunks
+        assert [read(v)[1].shape[0] for v in got] == [len(p) for p in x.tensor_split(chunks)]
+    if kind == "dict subclass":
+        assert out.tag == "batch" and type(out["inner"]) is _Rows
+    # Inside a structure, as one argument of several.
+    pair = ParallelSequential(nn.Identity(), chunks=chunks)((x, make(x, m)))
+    assert torch.equal(pair[0], x) and _same(pair[1], make(x, m), read)
+
+
+def test_a_stage_changing_a_dict_subclass_of_its_input_is_refused() -> None:
+    # As for a dict (see above): each micro-batch gets one of its own, rebuilt.
+    with pytest.raises(RuntimeError, match=r"stage '1' \(index 1\) changed the pipeline's input, a _Pairs, in place"):
+        ParallelSequential(nn.Identity(), _WritesKey(), chunks=2)(_Pairs(x=torch.randn(4, 2)))
+
+
+class _KeywordsOnly(dict):
+    r"""A dict subclass whose constructor takes its fields by name: it cannot be rebuilt from its items."""
+
+    def __init__(self, *, x: torch.Tensor) -> None:
+        super().__init__(x=x)
+
+
+class _Prepends(list):
+    r"""A list subclass whose constructor adds an item."""
+
+    def __init__(self, items=()) -> None:
+        super().__init__([None, *items])
+
+
+def _prepends_holding(x: torch.Tensor) -> _Prepends:
+    value = _Prepends()
+    value[:] = [x]  # (holds x alone, which its constructor would not rebuild)
+    return value
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda x: _KeywordsOnly(x=x), r"which raised TypeError: .*argument"),
+    (_prepends_holding, r"which returned _Prepends\[NoneType, Tensor\(2, 3\).*not those items in that order"),
+], ids=["raises", "changes its items"])
+def test_a_subclass_that_cannot_be_rebuilt_from_its_items_is_refused(make, why) -> None:
+    value = make(torch.randn(4, 3))
+    name = type(value).__name__
+    with pytest.raises(TypeError, match=rf"(?s)ParallelSequential: cannot split the input into micro-batches with "
+                                        rf"chunks=2: {name}, a subclass of \w+ that torch.utils._pytree does not know.*"
+                                        rf"calling {name}\(items\).*{why}.*register_pytree_node.*chunks=1"):
+        ParallelSequential(nn.Identity(), chunks=2)(value)
+    assert ParallelSequential(nn.Identity(), chunks=1)(value) is value

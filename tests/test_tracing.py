@@ -912,3 +912,48 @@ def test_a_tensor_registered_on_a_fused_member_since_grouping_is_traced(how):
             got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
         assert_close(got, expected)
         assert_close(block(x), expected)
+
+
+class _Fields(dict):
+    r"""A dict of the user's class, which pytree keeps whole."""
+
+
+class _Items(list):
+    pass
+
+
+class _Pair(tuple):
+    pass
+
+
+class _Rebuilds(nn.Module):
+    r"""Reads ``x`` and ``m`` from a container of one class and returns one of that class."""
+
+    def __init__(self, cls: type) -> None:
+        super().__init__()
+        self.cls, self.lin = cls, nn.Linear(8, 8)
+
+    def forward(self, v):
+        x, m = (v["x"], v["m"]) if isinstance(v, dict) else v
+        y, m = self.lin(x) * m, m + 1
+        return self.cls(x=y, m=m) if self.cls is _Fields else self.cls((y, m))
+
+
+@pytest.mark.parametrize("cls", [_Fields, _Items, _Pair])
+def test_a_pipeline_of_containers_of_the_users_classes_compiles_once_as_eager(cls):
+    # Before: the input refused, as eagerly ("must be a tensor, or a tuple/list/dict of tensors").
+    # Now split and joined in its class, as eagerly, in one graph compiled once.
+    from torch._dynamo.testing import CompileCounter
+
+    model = ParallelSequential(_Rebuilds(cls), _Rebuilds(cls), chunks=3).eval()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            x, m = torch.randn(7, 8), torch.randn(7, 8)
+            given = cls(x=x, m=m) if cls is _Fields else cls((x, m))
+            got, expected = compiled(given), model(given)
+            assert type(got) is type(expected) is cls
+            assert_close(list(got.values() if cls is _Fields else got),
+                         list(expected.values() if cls is _Fields else expected), 0, 0)
+    assert counter.frame_count == 1
