@@ -416,19 +416,45 @@ def _hidden_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
     dataclass), a few levels deep; other objects only at the first level (a
     module's ``__dict__``, say, holds its parameters in a dict of its own).
     """
+    return [t for _, t in _hidden_attributes(value, depth)]
+
+
+def _hidden_attributes(value: Any, depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    r""":func:`_hidden_tensors`, each with the name of the attribute of ``value`` that holds it (for errors)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        found = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+        found = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
     elif depth == 0:
-        found = list(getattr(value, "__dict__", {}).values())
+        found = list(getattr(value, "__dict__", {}).items())
     else:
         return []
     tensors = []
-    for v in found:
+    for name, v in found:
         if isinstance(v, torch.Tensor):
-            tensors.append(v)
+            tensors.append((name, v))
         elif depth < _HIDDEN_DEPTH and v is not None and not isinstance(v, (int, float, str)):
-            tensors.extend(_tensor_leaves(v, depth + 1))
+            nested = _nested_tensors(v, depth + 1)
+            if nested:
+                tensors.extend((name, t) for t in nested)
     return tensors
+
+
+def _nested_tensors(value: Any, depth: int) -> list[torch.Tensor]:
+    r""":func:`_tensor_leaves` of an attribute's value, plain tuples, lists and dicts walked here.
+
+    A pipeline looks into the objects of every call's input (see
+    ``ParallelSequential._split``), a config's attributes among them: pytree's
+    flattening cost 7 us for each list or dict on the CPU machine, 0.4 ms a
+    call for an object of 60 attributes, which this walk takes 40 us over.
+    """
+    if type(value) in (tuple, list, dict):
+        tensors = []
+        for v in value.values() if type(value) is dict else value:
+            if isinstance(v, torch.Tensor):
+                tensors.append(v)
+            elif v is not None and not isinstance(v, (int, float, str)):
+                tensors.extend(_nested_tensors(v, depth))
+        return tensors
+    return _tensor_leaves(value, depth)
 
 
 _HIDDEN_DEPTH = 4  # dataclasses within dataclasses looked into; deeper, a structure is the user's own

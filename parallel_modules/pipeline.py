@@ -19,6 +19,7 @@ which, through that chain of events, follows every piece of every lane.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import importlib
@@ -39,15 +40,15 @@ from torch.utils import _pytree as pytree
 from ._children import _check_name, _check_stage, _child_key, _insert_index, _listed, _state_to_copy
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
-from ._inputs import _input_device, _module_devices, _with_context
+from ._inputs import _BY_VALUE, _input_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
 from ._fusion import _FAST_PATHS  # (also turned off by any torch function mode: see _Plan.scoped)
 from .parallel import Parallel
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
-from ._streams import (_capture_underway, _current_stream, _functorch_active, _graph_state, _is_tracing,
-                       _jit_tracing, _join_backward, _pool, _record, _record_on, _set_stream, _wait)
+from ._streams import (_capture_underway, _current_stream, _functorch_active, _graph_state, _hidden_attributes,
+                       _is_tracing, _jit_tracing, _join_backward, _pool, _record, _record_on, _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
 
@@ -435,6 +436,20 @@ def _rebuilt(children: list[Any], context: Any) -> Any:
 
 pytree.register_pytree_node(_AsBase, _as_base_children, _rebuilt, flatten_with_keys_fn=_as_base_keyed,
                             serialized_type_name=f"{__name__}._AsBase")
+
+
+# The pytree leaves of an input that go to every micro-batch whole, unlooked at (see ParallelSequential._split).
+_PASSED_WHOLE = (torch.Tensor, *_BY_VALUE, nn.Module, type)
+
+
+def _register_hint(others: list[tuple[int, Any]]) -> str:
+    r"""How to let the pipeline take apart the class of the first of ``others`` (pytree leaves), for errors."""
+    if not others:
+        return ""
+    cls = type(others[0][1])
+    how = (f"torch.utils._pytree.register_dataclass({cls.__name__})" if dataclasses.is_dataclass(cls) else
+           f"torch.utils._pytree.register_pytree_node({cls.__name__}, ...)")
+    return f" (register {cls.__qualname__} with {how}, so that it is taken apart and rebuilt for each micro-batch)"
 
 
 def _exposed(value: Any) -> Any:
@@ -989,8 +1004,10 @@ class ParallelSequential(nn.Sequential):
     or dict of tensors that all share the batch size along dimension 0 (or
     a namedtuple, a class registered with :mod:`torch.utils._pytree`, or a
     subclass of tuple, list or dict, rebuilt in its class for each piece;
-    non-tensor leaves are passed to every piece as they are; each piece gets
-    lists and dicts of its own, which a stage may not change in place). As in
+    non-tensor leaves are passed to every piece as they are, but an object
+    holding tensors batched along dimension 0 that pytree cannot take apart
+    is refused; each piece gets lists and dicts of its own, which a stage may
+    not change in place). As in
     :class:`torch.nn.Sequential`, each stage receives the previous stage's
     output as its single argument. A last stage ending in a recurrent layer
     (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``, alone or last in an
@@ -1528,10 +1545,16 @@ class ParallelSequential(nn.Sequential):
                 )
         # (0-dim tensors in a structure, a temperature say, go to every piece as they are.)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
+        # Other objects go to every micro-batch whole, as numbers and strings do (a config); those
+        # holding tensors are looked at below. (Not a module: its parameters hold no samples.)
+        others = [] if spec is None else [
+            (i, v) for i, v in enumerate(leaves) if not isinstance(v, _PASSED_WHOLE) and _hidden_attributes(v)]
         if not tensors:
+            hiding = f" (its tensors inside an object of class {type(others[0][1]).__qualname__})" if others else ""
             raise ValueError(
                 f"{owner}: with chunks={chunks} the input must be a tensor, or a tuple/list/dict of "
-                f"tensors, batched along dimension 0; got {_describe(input)}. Pass such an input, or use "
+                f"tensors (or of classes registered with torch.utils._pytree), batched along dimension 0; "
+                f"got {_describe(input)}{hiding}. Pass such an input{_register_hint(others)}, or use "
                 f"chunks=1 to hand the input to the first stage as it is."
             )
         unsliceable = [t for t in tensors if t.is_nested or t.layout != torch.strided]
@@ -1554,6 +1577,22 @@ class ParallelSequential(nn.Sequential):
                 f"to be split into micro-batches, got {listing}. Pass tensors of one batch, or use "
                 "chunks=1."
             )
+        for i, v in others:
+            # One that holds tensors batched like the input (a dataclass pytree does not know, a
+            # transformers BatchEncoding) would hand each micro-batch the whole batch's rows: the
+            # stage would compute on, or return, them where nn.Sequential gives it its own rows.
+            # (Tensors of other sizes in it, a table or weights, hold no samples: passed whole.)
+            found = next(((name, t) for name, t in _hidden_attributes(v) if t.dim() and t.shape[0] == batch), None)
+            if found is not None:
+                where = pytree.keystr(pytree.tree_flatten_with_path(_exposed(input))[0][i][0])
+                raise ValueError(
+                    f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
+                    f"but input{where}, an object of class {type(v).__qualname__}, which torch.utils._pytree "
+                    f"cannot take apart, holds tensors batched along dimension 0 (.{found[0]}: {_describe(found[1])} "
+                    f"for a batch of {batch}): every micro-batch would get it whole, with the whole batch's "
+                    f"rows. Let the pipeline split it{_register_hint(others)}, pass its tensors in a "
+                    f"tuple/list/dict, or use chunks=1."
+                )
         if batch == 0:  # nothing to split: one (empty) micro-batch, as nn.Sequential runs it
             return [input]
         if chunks > batch:
@@ -1702,6 +1741,14 @@ class ParallelSequential(nn.Sequential):
                 elif (first is None or any(v is first for v in given)) and all(v is first for v in column[1:]):
                     joined.append(first)  # None, or a value of the input's passed on
                 elif not any(isinstance(t, torch.Tensor) for t in column):
+                    hiding = [(m, v) for m, v in enumerate(column) if _hidden_attributes(v)]
+                    if hiding:
+                        # (Each micro-batch's holds its own rows: joined, they would be the batch's.)
+                        raise TypeError(f"the micro-batches returned objects of class "
+                                        f"{type(hiding[0][1]).__qualname__} holding tensors, which "
+                                        f"torch.utils._pytree cannot take apart to join them: let the pipeline "
+                                        f"concatenate them{_register_hint(hiding)}, "
+                                        f"or return the tensors in a tuple/list/dict")
                     # A value computed from a micro-batch (its size, a statistic) need not be the
                     # whole batch's, even where every micro-batch computed the same.
                     raise TypeError(f"the micro-batches returned non-tensor values "

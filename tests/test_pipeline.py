@@ -2489,3 +2489,68 @@ def test_a_subclass_that_cannot_be_rebuilt_from_its_items_is_refused(make, why) 
                                         rf"calling {name}\(items\).*{why}.*register_pytree_node.*chunks=1"):
         ParallelSequential(nn.Identity(), chunks=2)(value)
     assert ParallelSequential(nn.Identity(), chunks=1)(value) is value
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("cls", [_Unregistered, _Holder], ids=["dataclass", "object"])
+def test_objects_holding_batched_tensors_that_pytree_cannot_split_are_refused(cls, chunks: int) -> None:
+    # Before: given whole to every micro-batch, so a stage reading its rows computed on the whole
+    # batch's: here, silently, on the first rows of the batch for every micro-batch.
+    class FirstRows(nn.Module):
+        def forward(self, pair):
+            x, held = pair
+            return x + held.m[: len(x)]
+
+    x, m = torch.randn(6, 4), torch.randn(6, 4)
+    model = ParallelSequential(FirstRows(), chunks=chunks)
+    how = r"register_dataclass\(_Unregistered\)" if cls is _Unregistered else r"register_pytree_node\(_Holder, \.\.\.\)"
+    with pytest.raises(ValueError, match=rf"(?s)ParallelSequential: with chunks={chunks} .*input\[1\], an object of "
+                                         rf"class {cls.__name__}, .*holds tensors batched along dimension 0 \(\.x: "
+                                         rf"Tensor\(6, 4\).*for a batch of 6\).*{how}.*tuple/list/dict, or use chunks=1"):
+        model((x, cls(x, m)))
+    model.chunks = 1
+    assert torch.equal(model((x, cls(x, m))), x + m)
+    # The whole input such an object: refused as before, saying how to make it one that splits.
+    with pytest.raises(ValueError, match=rf"(?s)got {cls.__name__} \(its tensors inside an object of class "
+                                         rf"{cls.__name__}\).*{how}"):
+        ParallelSequential(nn.Identity(), chunks=chunks)(cls(x, m))
+
+
+def test_objects_holding_no_batch_still_go_whole_to_every_micro_batch() -> None:
+    # A config, a lookup table (no row per sample), a module: the same object in every micro-batch, as before.
+    class Config:
+        def __init__(self) -> None:
+            self.scale, self.name, self.table = 2.0, "cfg", torch.randn(5, 4)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[Any] = []
+
+        def forward(self, d):
+            self.seen.append((d["config"], d["head"]))
+            return d["head"](d["x"]) * d["config"].scale + d["config"].table[0]
+
+    stage, config, head = Scaled(), Config(), nn.Linear(6, 4)  # (its weight: 4 rows, as the batch)
+    x = torch.randn(4, 6)
+    out = ParallelSequential(stage, chunks=2)({"x": x, "config": config, "head": head})
+    torch.testing.assert_close(out, head(x) * 2.0 + config.table[0], rtol=RTOL, atol=ATOL)
+    assert stage.seen == [(config, head)] * 2
+
+
+@pytest.mark.parametrize("cls", [_Unregistered, _Holder], ids=["dataclass", "object"])
+def test_objects_holding_tensors_returned_by_the_last_stage_say_how_to_join_them(cls) -> None:
+    # Before: refused, but with "non-tensor values ... not the input's own", which said nothing of
+    # registering the class.
+    class Makes(nn.Module):
+        def forward(self, x):
+            return cls(x * 2, x + 1)
+
+    how = r"register_dataclass\(_Unregistered\)" if cls is _Unregistered else r"register_pytree_node\(_Holder, \.\.\.\)"
+    with pytest.raises(ValueError, match=rf"(?s)cannot concatenate the outputs of the last stage '0'.*micro-batch 0: "
+                                         rf"{cls.__name__}.*returned objects of class {cls.__name__} holding tensors.*"
+                                         rf"{how}"):
+        ParallelSequential(Makes(), chunks=2)(torch.randn(4, 3))
+    # Registered, it is joined as any structure.
+    out = ParallelSequential(_Carries("registered dataclass"), chunks=2)(_Registered(torch.randn(4, 4), torch.randn(4, 4)))
+    assert type(out) is _Registered and out.x.shape == (4, 4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from collections import OrderedDict
 
@@ -926,6 +927,13 @@ class _Pair(tuple):
     pass
 
 
+@dataclasses.dataclass
+class _Held:
+    r"""An unregistered dataclass: pytree cannot take it apart."""
+
+    m: torch.Tensor
+
+
 class _Rebuilds(nn.Module):
     r"""Reads ``x`` and ``m`` from a container of one class and returns one of that class."""
 
@@ -957,3 +965,20 @@ def test_a_pipeline_of_containers_of_the_users_classes_compiles_once_as_eager(cl
             assert_close(list(got.values() if cls is _Fields else got),
                          list(expected.values() if cls is _Fields else expected), 0, 0)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_an_object_holding_batched_tensors_is_refused_under_compile_too(fullgraph):
+    # Before: compiled, the object went whole to every micro-batch, as eagerly, and the result
+    # was silently another (each micro-batch added the batch's first rows).
+    class FirstRows(nn.Module):
+        def forward(self, pair):
+            x, held = pair
+            return x + held.m[: len(x)]
+
+    x = torch.randn(6, 8)
+    refused = r"(?s)input\[1\], an object of class _Held, .*holds tensors batched along dimension 0.*register_dataclass"
+    with pytest.raises(Exception, match=refused) as e:
+        torch.compile(ParallelSequential(FirstRows(), chunks=2), backend="eager", fullgraph=fullgraph)((x, _Held(x)))
+    if not fullgraph:  # (fullgraph=True: dynamo reports the exception it traced, as its own error)
+        assert isinstance(e.value, ValueError)
