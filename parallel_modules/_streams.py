@@ -409,7 +409,8 @@ _OWN_REFERENCES = _references([torch.empty(0)], 0)
 
 
 def _hidden_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    r"""The tensors an object that pytree sees as a leaf keeps in its attributes (a dataclass).
+    r"""The tensors an object that pytree sees as a leaf keeps in its attributes (a dataclass), or
+    in its items (a subclass of tuple, list or dict).
 
     Its attributes' values are looked into as :func:`_tensor_leaves` looks
     into ``value`` (a dataclass holding a list of tensors, or another
@@ -426,6 +427,12 @@ def _hidden_attributes(value: Any, depth: int = 0) -> list[tuple[str, torch.Tens
     elif depth == 0:
         found = list(getattr(value, "__dict__", {}).items())
     else:
+        found = []
+    if isinstance(value, (tuple, list, dict)):
+        # A subclass of one, which pytree keeps whole (a leaf): its items, at any depth (a
+        # pipeline splits and joins such containers; their tensors are read on other streams).
+        found += [(f"[{k!r}]", v) for k, v in (value.items() if isinstance(value, dict) else enumerate(value))]
+    if not found:
         return []
     tensors = []
     for name, v in found:

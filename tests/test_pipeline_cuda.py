@@ -539,3 +539,28 @@ def test_checkpointed_pipeline_gets_the_gradients_of_sequential(reentrant) -> No
     for _ in range(2):
         for g, e in zip(grads(model), grads(plain)):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+class _Batch(dict):
+    r"""A dict subclass, which pytree keeps whole: a graph cannot take its tensors as inputs."""
+
+
+class _Doubles(nn.Module):
+    def forward(self, batch):
+        return batch["x"] * 2
+
+
+@pytest.mark.parametrize("make", [lambda: ParallelSequential(_Doubles(), chunks=2, cuda_graph=True, graph_fallback=True),
+                                  lambda: Parallel(_Doubles(), _Doubles(), cuda_graph=True, graph_fallback=True)],
+                         ids=["ParallelSequential", "Parallel"])
+def test_a_dict_subclass_input_is_not_replayed_with_the_tensors_it_was_captured_with(make):
+    # Before: its tensors were not seen as the graph's inputs (nor as tensors to record on the
+    # streams that read them): a graph captured on the first call's tensors was replayed for
+    # later ones, reading the first call's memory. Now refused for capture, run eagerly here.
+    model = make().cuda()
+    with torch.no_grad(), pytest.warns(UserWarning, match="holds tensors inside a _Batch object"):
+        for _ in range(3):
+            x = torch.randn(4, 4, device="cuda")
+            out = model(_Batch(x=x))
+            expected = x * 2 if isinstance(model, ParallelSequential) else torch.cat([x * 2, x * 2], 1)
+            assert torch.equal(out, expected)
