@@ -1,4 +1,5 @@
-r"""What may be a child of ``Parallel`` (a branch) or ``ParallelSequential`` (a stage), and under which name.
+r"""What may be a child of ``Parallel`` (a branch) or ``ParallelSequential`` (a stage), under which name, and
+what its layers tell of it before it runs (whether it writes its input in place first).
 
 Both register their children with ``add_module``, as ``nn.Sequential`` does, so a
 child's name is an attribute name of the container too: it may not be one the
@@ -13,13 +14,19 @@ from __future__ import annotations
 import collections.abc
 import copy
 import operator
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
+from ._fusion import _STOCK_DROPOUT
 from ._joins import _NAMED_JOINS
 
 __all__: list[str] = []
+
+# The package, whose modules parallel and pipeline import this one: their classes are read from it
+# at call time (a function's import statement cost 1 us at every call of _writes_its_input).
+_package = sys.modules[__package__]
 
 
 class _Function(nn.Module):
@@ -178,3 +185,59 @@ def _state_to_copy(module: nn.Module) -> dict:
     if state.get("_compiler") is not None:
         state["_compiler"] = copy.copy(state["_compiler"])
     return state
+
+
+def _uncompiled(m: nn.Module) -> nn.Module:
+    r"""The module ``torch.compile(m)`` compiled (which returns what it returns), or ``m`` itself."""
+    return getattr(m, "_orig_mod", m) if type(m).__name__ == "OptimizedModule" else m
+
+
+def _in_turn(m: nn.Module) -> bool:
+    r"""Whether ``m`` runs its children one after another on its input: an ``nn.Sequential`` with torch's
+    ``forward`` (a subclass's that adds none of its own too), or a nested ``ParallelSequential``."""
+    if not isinstance(m, nn.Sequential):
+        return False
+    forward = type(m).forward
+    return forward is nn.Sequential.forward or forward is _package.pipeline.ParallelSequential.forward
+
+
+def _layers_in_turn(m: nn.Module) -> Iterator[nn.Module]:
+    r"""The layers ``m`` runs one after another on its input: those of the containers that run their
+    children in turn (:func:`_in_turn`), flattened, or ``m`` itself; a compiled module's, the one it
+    compiled. One at a time: a caller reads the first few, some on every call."""
+    if type(m) is not nn.Sequential:  # (the common container, asked nothing more)
+        m = _uncompiled(m)
+        if not _in_turn(m):
+            yield m
+            return
+    for child in m._modules.values():
+        yield from _layers_in_turn(child)
+
+
+# Stock layers returning their input, or a view of it, untouched: the layer after them decides.
+_PASSING = (nn.Identity, nn.Flatten, nn.Unflatten)
+
+
+def _writes_its_input(child: nn.Module) -> bool:
+    r"""Whether ``child`` (a branch, a stage, a fused group's member) begins with a layer writing its input
+    in place: a stock one (``nn.ReLU(inplace=True)``), or any whose ``inplace`` is set, first, or after
+    layers returning their input (``nn.Identity``, ``nn.Flatten``, a dropout in eval), in containers that
+    run it first (:func:`_layers_in_turn`); a ``Parallel`` there writes it where any branch does.
+
+    What can be told from the layers alone, before anything runs: by a trace, which cannot
+    watch the input's version, and on inputs that keep none. A module of the user's writing
+    its input is seen by eager calls only.
+    """
+    for m in _layers_in_turn(child):
+        cls = type(m)
+        # (torch's dropouts return their input itself in eval or with p=0, in place or not; getattr: a
+        # TorchScript module's class has no forward to read.)
+        if cls in _PASSING or getattr(cls, "forward", None) in _STOCK_DROPOUT and (not m.training or m.p == 0):
+            continue
+        if m.__dict__.get("inplace") is True:  # (not getattr: a module without one raises inside, slowly)
+            return True
+        parallel = _package.parallel.Parallel
+        if isinstance(m, parallel) and cls.forward is parallel.forward:  # every branch gets the input
+            return any(_writes_its_input(branch) for branch in m._modules.values())
+        return False
+    return False

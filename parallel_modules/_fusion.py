@@ -62,7 +62,7 @@ import contextlib
 import copy
 import functools
 import threading
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -1911,16 +1911,7 @@ def _layers(m: nn.Sequential, prefix: str = "") -> list[tuple[str, nn.Module]]:
 
 def _flat_layers(template: nn.Module) -> list[nn.Module]:
     r"""The layers a member runs one after another: ``template``'s, flattened (:func:`_layers`), or itself."""
-    return list(_iter_layers(template))
-
-
-def _iter_layers(template: nn.Module) -> Iterator[nn.Module]:
-    r""":func:`_flat_layers`, one at a time: for a caller that reads the first few on every call."""
-    if type(template) is not nn.Sequential:
-        yield template
-        return
-    for c in template._modules.values():
-        yield from _iter_layers(c)
+    return [c for _, c in _layers(template)] if type(template) is nn.Sequential else [template]
 
 
 def _paired(m: nn.Module) -> bool:

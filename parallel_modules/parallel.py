@@ -17,9 +17,10 @@ from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _listed, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
+from ._children import _layers_in_turn, _writes_its_input
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import (_GLOBAL_HOOKS, _STOCK_DROPOUT, _difference, _flat_layers, _functorch_active, _Fusion, _Group,
-                      _iter_layers, _Joined, _MembersChanged, _UnbatchedNow, _Unfused)
+from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _Joined, _MembersChanged,
+                      _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _with_context
@@ -1446,10 +1447,10 @@ class Parallel(nn.Module):
 
     def _refuse_writers(self, units: list[Any], why: str | None = None) -> None:
         r"""Refuse, before they run, fused groups whose members begin with a stock layer writing the shared
-        input (:func:`_writes_its_input`), where no version shows the write (``why``), or, without ``why``,
+        input (:func:`_writes_shared_input`), where no version shows the write (``why``), or, without ``why``,
         before the write it would show (a signature's first call, with ``fuse=True``)."""
         for unit in units:
-            if isinstance(unit, _Group) and _writes_its_input(unit):
+            if isinstance(unit, _Group) and _writes_shared_input(unit):
                 note = (f"(seen from its layers before it ran: {why} by which a write shows)" if why is not None
                         else "(seen from its layers before it ran, which leaves the input as it was)")
                 raise _with_context(self._refused_write(unit.indices, before=True), note)
@@ -1897,31 +1898,21 @@ def _traced_unfused(group: _Group) -> bool:
 
     A trace cannot watch the input's version nor write back into the members'
     buffers what a batched layer wrote into their stacks: members whose layers
-    show a write to the shared input (:func:`_writes_its_input`) or that may
+    show a write to the shared input (:func:`_writes_shared_input`) or that may
     write buffers (:func:`_writes_buffers`) are traced unfused. So is every
     group under ``torch.jit.trace``, where ``torch.func.functional_call`` --
     which runs the layers fusion hands to vmap (a GroupNorm, a module of the
     user's) -- refuses to run.
     """
-    return (not torch.compiler.is_compiling() and _jit_tracing() or _writes_its_input(group)
+    return (not torch.compiler.is_compiling() and _jit_tracing() or _writes_shared_input(group)
             or _writes_buffers(group))
 
 
-def _writes_its_input(group: _Group) -> bool:
-    r"""Whether a group's members begin with a stock layer writing the shared input in place, not a clamp.
-
-    What a trace can tell from the layers alone (see :func:`_traced_unfused`):
-    ``nn.ELU(inplace=True)`` first, or after layers returning their input (or a view
-    of it). A module of the user's writing its input is seen by eager calls only.
-    """
-    for m in _iter_layers(group.template):  # (the first few: inference calls with fuse=True ask on every call)
-        if type(m).forward in _STOCK_DROPOUT:  # (fused in eval, or with p=0: it returns its input)
-            continue
-        if m.__dict__.get("inplace") is True:  # (not getattr: a module without one raises inside, slowly)
-            return not _clamps_its_input(group)
-        if type(m) not in (nn.Identity, nn.Flatten, nn.Unflatten):
-            return False
-    return False
+def _writes_shared_input(group: _Group) -> bool:
+    r"""Whether a group's members begin with a layer writing the shared input in place, as their layers
+    tell (:func:`._children._writes_its_input`: ``nn.ELU(inplace=True)`` first), other than to clamp it
+    (:func:`_clamps_its_input`), which run together they may."""
+    return _writes_its_input(group.template) and not _clamps_its_input(group)
 
 
 def _writes_buffers(group: _Group) -> bool:
@@ -1953,7 +1944,7 @@ def _clamps_its_input(unit: Any) -> bool:
     """
     if not isinstance(unit, _Group):
         return False
-    layers = _flat_layers(unit.template)
+    layers = list(_layers_in_turn(unit.template))  # (as _writes_its_input reads them)
     k = 0
     while k < len(layers) and type(layers[k]) in _CLAMPS and layers[k].inplace:
         k += 1

@@ -37,7 +37,8 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._children import _check_name, _check_stage, _child_key, _insert_index, _listed, _state_to_copy
+from ._children import (_check_name, _check_stage, _child_key, _in_turn, _insert_index, _listed, _state_to_copy,
+                        _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _BY_VALUE, _input_device, _module_devices, _with_context
@@ -877,48 +878,14 @@ def _returning(stage: nn.Module) -> nn.Module:
     compiled does)."""
     while True:
         stage = _uncompiled(stage)
-        if not (isinstance(stage, nn.Sequential) and type(stage).forward in _SEQUENTIAL_FORWARDS and len(stage)):
+        if not (_in_turn(stage) and len(stage)):
             return stage
         stage = stage[-1]
-
-
-def _writes_its_input(stage: nn.Module) -> bool:
-    r"""Whether ``stage`` begins with a stock layer writing its input in place (``nn.ReLU(inplace=True)``
-    first, or after layers returning their input or a view of it), in a container that runs it first.
-
-    What a trace can tell from the layers alone (see :meth:`ParallelSequential._split`): a
-    module of the user's writing its input is not seen.
-    """
-    return _first_write(stage) is True
-
-
-def _first_write(m: nn.Module) -> bool | None:
-    r"""``True``: ``m`` writes its input in place first; ``None``: it returns its input (or a view of it)
-    untouched, so the layer after it decides; ``False``: anything else."""
-    m = _uncompiled(m)
-    if m.__dict__.get("inplace") is True:  # (not getattr: a module without one raises inside, slowly)
-        return True
-    if type(m) in (nn.Identity, nn.Flatten, nn.Unflatten):
-        return None
-    if isinstance(m, nn.Sequential) and type(m).forward in _SEQUENTIAL_FORWARDS:  # (a nested pipeline too)
-        for layer in m._modules.values():
-            first = _first_write(layer)
-            if first is not None:
-                return first
-        return None
-    if isinstance(m, Parallel) and type(m).forward is Parallel.forward:  # every branch gets the input
-        return any(_first_write(branch) is True for branch in m._modules.values())
-    return False
 
 
 _RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward))
 # The names a TorchScript module made from a stock recurrent layer keeps (see _NORMS_BY_NAME).
 _RECURRENT_NAMES = frozenset(cls.__name__ for cls in (nn.RNN, nn.LSTM, nn.GRU))
-
-
-def _uncompiled(m: nn.Module) -> nn.Module:
-    r"""The module ``torch.compile(m)`` compiled (which returns what it returns), or ``m`` itself."""
-    return getattr(m, "_orig_mod", m) if type(m).__name__ == "OptimizedModule" else m
 
 
 def _hidden_layout(stage: nn.Module, outputs: list[Any]) -> tuple[int, int] | None:
@@ -2410,7 +2377,3 @@ def _to_device(value: Any, device: torch.device, non_blocking: bool, pinned: boo
     if isinstance(value, torch.Tensor):
         return move(value)
     return pytree.tree_map(move, value)
-
-
-# The containers that return what their last stage returns (see _returning).
-_SEQUENTIAL_FORWARDS = frozenset((nn.Sequential.forward, ParallelSequential.forward))

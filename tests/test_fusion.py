@@ -2516,6 +2516,40 @@ def test_fuse_true_refusing_members_that_write_their_input_leaves_the_input_as_i
         assert_same(block(x.clone()), expected)
 
 
+class _Stack(nn.Sequential):
+    r"""An ``nn.Sequential`` subclass that keeps torch's forward (a model's name for a block of its own)."""
+
+
+@pytest.mark.parametrize("how", ["eager", "inference", "vmap"])
+def test_fuse_true_refuses_members_in_a_sequential_subclass_writing_the_shared_input(how):
+    # Before: Parallel's check of a group's layers looked into nn.Sequential itself only (the
+    # pipeline's twin of it, into subclasses too), and saw no write in a subclass's ELU(inplace=True):
+    # under vmap, whose inputs keep no version, the members ran batched on an input the ELU wrote
+    # once (off by 0.17, silently); eagerly, and on inference tensors, the call was refused only
+    # after the batched ELU had written the caller's input.
+    torch.manual_seed(0)
+    block = Parallel(*[_Stack(nn.ELU(inplace=True), nn.Linear(4, 3)) for _ in range(3)], fuse=True)
+    x = -torch.ones(2, 5, 4) if how == "vmap" else -torch.ones(2, 4)
+    with torch.inference_mode() if how == "inference" else contextlib.nullcontext():
+        given = x.clone()
+        with pytest.raises(RuntimeError, match=r"one of branches \['0', '1', '2'\] begins with a layer changing "
+                                               r"the shared input in place"):
+            (torch.vmap(block) if how == "vmap" else block)(given)
+    assert torch.equal(given, x)
+
+
+def test_fuse_true_runs_members_in_a_sequential_subclass_clamping_the_shared_input_fused():
+    # Before: in-place clamps first change no result run together, but the check of them looked
+    # into nn.Sequential itself only: in a subclass, fuse=True refused the call once they had run.
+    torch.manual_seed(0)
+    heads = [_Stack(nn.ReLU(inplace=True), nn.Linear(4, 3)) for _ in range(3)]
+    block = Parallel(*heads, fuse=True)
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        assert_close(block(x.clone()), _in_order(Parallel(*heads), x.clone()))
+    assert list(block.explain()["schedules"].values()) == ["fused, sequential"]
+
+
 class _ShiftedNorm(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * 2 + 1
