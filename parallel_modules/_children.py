@@ -17,9 +17,10 @@ import operator
 import sys
 from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
-from ._fusion import _STOCK_DROPOUT
+from ._fusion import _DROPOUTS, _STOCK_DROPOUT
 from ._joins import _NAMED_JOINS
 
 __all__: list[str] = []
@@ -203,11 +204,13 @@ def _in_turn(m: nn.Module) -> bool:
 
 def _layers_in_turn(m: nn.Module) -> Iterator[nn.Module]:
     r"""The layers ``m`` runs one after another on its input: those of the containers that run their
-    children in turn (:func:`_in_turn`), flattened, or ``m`` itself; a compiled module's, the one it
-    compiled. One at a time: a caller reads the first few, some on every call."""
+    children in turn (:func:`_in_turn`, or an ``nn.Sequential`` made a TorchScript module), flattened, or
+    ``m`` itself; a compiled module's, the one it compiled. One at a time: a caller reads the first few,
+    some on every call."""
     if type(m) is not nn.Sequential:  # (the common container, asked nothing more)
         m = _uncompiled(m)
-        if not _in_turn(m):
+        scripted = isinstance(m, torch.jit.ScriptModule) and getattr(m, "original_name", None) == "Sequential"
+        if not (_in_turn(m) or scripted):
             yield m
             return
     for child in m._modules.values():
@@ -216,13 +219,18 @@ def _layers_in_turn(m: nn.Module) -> Iterator[nn.Module]:
 
 # Stock layers returning their input, or a view of it, untouched: the layer after them decides.
 _PASSING = (nn.Identity, nn.Flatten, nn.Unflatten)
+# The names of those and of torch's dropouts, as TorchScript keeps a stock module's class name, its
+# settings and its mode (``torch.jit.script``; what ``torch.jit.trace`` makes keeps no settings).
+_PASSING_NAMES = frozenset(cls.__name__ for cls in _PASSING)
+_DROPOUT_NAMES = frozenset(cls.__name__ for cls in _DROPOUTS)
 
 
 def _writes_its_input(child: nn.Module) -> bool:
     r"""Whether ``child`` (a branch, a stage, a fused group's member) begins with a layer writing its input
-    in place: a stock one (``nn.ReLU(inplace=True)``), or any whose ``inplace`` is set, first, or after
-    layers returning their input (``nn.Identity``, ``nn.Flatten``, a dropout in eval), in containers that
-    run it first (:func:`_layers_in_turn`); a ``Parallel`` there writes it where any branch does.
+    in place: a stock one (``nn.ReLU(inplace=True)``, a TorchScript one too), or any whose ``inplace`` is
+    set, first, or after layers returning their input (``nn.Identity``, ``nn.Flatten``, a dropout in
+    eval), in containers that run it first (:func:`_layers_in_turn`); a ``Parallel`` there writes it
+    where any branch does.
 
     What can be told from the layers alone, before anything runs: by a trace, which cannot
     watch the input's version, and on inputs that keep none. A module of the user's writing
@@ -239,5 +247,10 @@ def _writes_its_input(child: nn.Module) -> bool:
         parallel = _package.parallel.Parallel
         if isinstance(m, parallel) and cls.forward is parallel.forward:  # every branch gets the input
             return any(_writes_its_input(branch) for branch in m._modules.values())
+        if isinstance(m, torch.jit.ScriptModule):
+            name = getattr(m, "original_name", None)  # (the class it was made from)
+            if name in _PASSING_NAMES or name in _DROPOUT_NAMES and (not m.training or m.p == 0):
+                continue
+            return getattr(m, "inplace", None) is True  # (kept apart from __dict__)
         return False
     return False

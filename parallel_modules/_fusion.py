@@ -127,9 +127,9 @@ _POINTWISE = (
     nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Softplus, nn.Softsign, nn.Tanhshrink,
     nn.LogSigmoid, nn.Identity,
 )
-# Dropout layers whose forward is torch's own: the identity in eval or with p=0.
-_STOCK_DROPOUT = frozenset(c.forward for c in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
-                                               nn.AlphaDropout, nn.FeatureAlphaDropout))
+# torch's dropout layers, and their forwards: the identity in eval or with p=0.
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_STOCK_DROPOUT = frozenset(c.forward for c in _DROPOUTS)
 # Pooling works channel by channel, so it applies in the shared and channels layouts.
 _POOLING = (
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,

@@ -740,6 +740,19 @@ def test_a_pipeline_whose_first_stage_writes_its_input_trains_traced(how, first)
     _trains_as_eager(model, traced, x)
 
 
+@pytest.mark.parametrize("first", ["relu", "sequential"])
+def test_a_pipeline_whose_first_stage_writes_its_input_in_torchscript_trains_jit_traced(first):
+    # Before: neither twin of the check read a TorchScript module, which keeps the stock layer's
+    # name and settings: the micro-batches were views, and backward raised ("modified by an
+    # inplace operation"). (torch.compile and export do not take TorchScript modules.)
+    torch.manual_seed(0)
+    stage = (nn.Sequential(torch.jit.script(nn.ReLU(inplace=True)), nn.Linear(8, 8)) if first == "relu"
+             else torch.jit.script(nn.Sequential(nn.Dropout(0.0), nn.ReLU(inplace=True), nn.Linear(8, 8))))
+    model = ParallelSequential(stage, nn.Linear(8, 4), chunks=2)
+    x = torch.randn(6, 8)
+    _trains_as_eager(model, torch.jit.trace(model, (x.clone(),)), x)
+
+
 @pytest.mark.parametrize("how", ["compile", "export", "jit.trace"])
 def test_a_pipeline_whose_first_stage_begins_with_a_dropout_in_eval_is_traced_without_copies(how):
     # Before: the pipeline's check took Dropout(inplace=True) for a write, in eval too, where it
