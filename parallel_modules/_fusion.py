@@ -78,7 +78,7 @@ from . import _batched_linear, _watch
 from ._inputs import _bounded_add
 from ._saved import _saved_storages
 from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _graph_task,
-                       _is_tracing, _pool, _saved_hooks_recording, _Writes)
+                       _is_tracing, _jit_tracing, _pool, _saved_hooks_recording, _Writes)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # (torch.export, strict or not)
@@ -2684,8 +2684,7 @@ class _Fusion:
         if self._forward_patched():
             return True
         if self.differ is None:  # (kept: asked again under the lock, the answer must hold)
-            self.differ = any(_difference(g.template, member, tensors=False) is not None
-                              for g in self.groups for member in g.members[1:])
+            self.differ = _members_differ(self)
         return self.differ
 
     def current(self) -> bool:
@@ -2699,9 +2698,13 @@ class _Fusion:
             # guards on the modules it reads: replaced later, the block is traced anew.) And a
             # ``forward`` replaced on a member's instance (a monkeypatch, accelerate's
             # ``add_hook_to_module``), which eager calls see as they choose a signature's
-            # schedule (see forward_replaced): traced fused, the members ran the class's.
+            # schedule (see forward_replaced): traced fused, the members ran the class's. And the
+            # members compared (see _members_differ): a hyperparameter set in place on one since
+            # grouping (``branch[1][1].negative_slope = 0.5``) is seen eagerly by the block's first
+            # call (see forward_replaced), which a trace before it never made: traced fused, every
+            # member ran the first's setting. (Compared at every trace: traces are rare.)
             if (any(self.hooks) or not self._same_trees() or not self._same_tensors_registered()
-                    or self._forward_patched()):
+                    or self._forward_patched() or _members_differ(self)):
                 return False
         else:
             handles = getattr(_Handle, "next_id", 0)
@@ -2773,6 +2776,29 @@ class _Fusion:
             "fused": [[self.names[i] for i in g.indices] for g in self.groups],
             "unfused": {self.names[i]: why for i, why in sorted(self.reasons.items())},
         }
+
+
+def _members_differ(fusion: _Fusion) -> bool:
+    r"""Whether a member of one of ``fusion``'s groups no longer matches the group's first, tensor
+    attributes aside (see :meth:`_Fusion.forward_replaced`)."""
+    if not torch.compiler.is_compiling() and _jit_tracing():  # (in this order: see _streams._is_tracing)
+        # torch.jit.trace runs every group unfused (see parallel._traced_unfused): nothing to
+        # compare, and it would record the comparison's reads of parameter shapes, refusing
+        # those of a member no longer in the block (a branch replaced since) as constants.
+        return False
+    return any([_differs(g.template, member) for g in fusion.groups for member in g.members[1:]])
+
+
+@torch.compiler.assume_constant_result
+def _differs(template: nn.Module, member: nn.Module) -> bool:
+    r"""Whether ``member`` differs from ``template``, tensor attributes aside.
+
+    Marked constant for Dynamo, which cannot trace the comparison (``extra_repr``
+    strings, ``is_inference``): it runs it as Python while it traces and keeps the
+    answer, as eager calls keep their first call's, guarding on none of the
+    attributes compared. (Other tracers run it as Python.)
+    """
+    return _difference(template, member, tensors=False) is not None
 
 
 def _required_error(owner: str, names: list[str], branches: list[nn.Module], reasons: dict[int, str]) -> str:

@@ -1048,3 +1048,54 @@ def test_an_object_holding_batched_tensors_is_refused_under_compile_too(fullgrap
         torch.compile(ParallelSequential(FirstRows(), chunks=2), backend="eager", fullgraph=fullgraph)((x, _Held(x)))
     if not fullgraph:  # (fullgraph=True: dynamo reports the exception it traced, as its own error)
         assert isinstance(e.value, ValueError)
+
+
+
+def _identical_branches(layer: str) -> tuple[list[nn.Module], tuple[int, ...]]:
+    r"""Three identical branches ending or beginning with ``layer``, and their input's shape."""
+    if layer == "leaky":
+        return [nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU(0.1)).eval() for _ in range(3)], (2, 4)
+    if layer == "layer norm":
+        return [nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).eval() for _ in range(3)], (2, 4)
+    return [nn.Sequential(nn.Conv1d(4, 4, 3, padding=1), nn.ReLU()).eval() for _ in range(3)], (2, 4, 6)
+
+
+@pytest.mark.parametrize("how", ["compile", "export", "export strict", "jit"])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("change", ["negative_slope", "eps", "stride", "stride, in a pipeline"])
+def test_a_hyperparameter_set_before_the_first_call_is_traced_as_it_is_now(change, fuse, how):
+    # Before: the groups found at construction are compared again by the block's first eager
+    # call, which sees a member's hyperparameter set in place since (see test_fusion's
+    # test_a_hyperparameter_set_before_the_first_call_is_seen); a trace before any eager call
+    # never compared them and traced the group fused, every member running the first's
+    # setting (the second branch's LeakyReLU slope 0.1 for 2.0, its LayerNorm's eps 1e-5 for
+    # 10, its convolution's stride 1 for 2). torch.jit.trace runs groups unfused: right before.
+    torch.manual_seed(0)
+    layer = {"negative_slope": "leaky", "eps": "layer norm"}.get(change, "conv")
+    branches, shape = _identical_branches(layer)
+    block = Parallel(*branches, join=None, fuse=fuse).eval()
+    if change == "negative_slope":
+        branches[1][1].negative_slope = 2.0
+    elif change == "eps":
+        branches[1][1].eps = 10.0
+    else:
+        branches[1][0].stride = (2,)
+    model = ParallelSequential(block).eval() if change.endswith("pipeline") else block
+    with torch.no_grad():
+        x = torch.randn(shape)
+        if how == "compile":
+            traced = torch.compile(model, backend="eager", fullgraph=True)
+        elif how == "jit":
+            traced = torch.jit.trace(model, (x,), check_trace=False)
+        else:
+            traced = torch.export.export(model, (x,), strict=how == "export strict").module()
+        for _ in range(2):
+            x = torch.randn(shape)
+            for out, branch in zip(traced(x), branches, strict=True):
+                assert_close(out, branch(x))
+        if fuse is True:  # (eagerly, fuse=True refuses members set apart)
+            with pytest.raises(ValueError, match=r"branch '1' differs from branch '0'"):
+                model(x)
+        else:
+            for out, branch in zip(model(x), branches, strict=True):
+                assert_close(out, branch(x))
