@@ -414,6 +414,7 @@ class Parallel(nn.Module):
                  compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
                  compile_fallback: bool = False) -> None:
         super().__init__()
+        self._modules = {}  # (a _watch._Children: see __setattr__)
         owner = type(self).__name__
         named = len(branches) == 1 and isinstance(branches[0], OrderedDict)
         if named:
@@ -451,6 +452,10 @@ class Parallel(nn.Module):
         # constructor checks it, and what was learnt under the old value goes: a graph
         # captured with the old join would replay it.
         _watch._check_attribute(self, name, _SETTINGS)
+        if name == "_modules":
+            # Every dict of children a block holds counts its changes (see _watch._Children):
+            # set when built, renumbered (``del block[i]``, ``insert``), or assigned by the user.
+            value = _watch._watched_children(value)
         if name in _SETTINGS:
             value = _check_setting(type(self).__name__, name, value)
             if "_tree" in self.__dict__:  # (constructed)
@@ -555,6 +560,7 @@ class Parallel(nn.Module):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state["_modules"] = _watch._watched_children(state["_modules"])  # (pickled as a plain dict)
         state.setdefault("_compiler", None)  # pickled before compile= existed
         state.setdefault("direct_grads", False)  # pickled before direct_grads= existed
         super().__setstate__(state)

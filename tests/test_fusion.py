@@ -3892,6 +3892,96 @@ def test_branch_deleted_by_attribute_is_seen(fuse):
     assert_close(p(x), p.b(x))
 
 
+def _edit_children(children: dict, edit: str, other: nn.Module) -> None:
+    r"""Change a block's ``_modules`` in place, as some libraries do, registering nothing."""
+    if edit == "del":
+        del children["1"]
+    elif edit == "pop":
+        children.pop("1")
+    elif edit == "popitem":
+        children.popitem()
+    elif edit == "set":
+        children["1"] = other
+    elif edit == "setdefault":  # (a branch added)
+        children.setdefault("3", other)
+    elif edit == "update":
+        children.update({"1": other})
+    else:  # (reordered)
+        items = list(children.items())
+        children.clear()
+        children.update(reversed(items))
+
+
+@pytest.mark.parametrize("edit", ["del", "pop", "popitem", "set", "setdefault", "update", "clear and update"])
+@pytest.mark.parametrize("fuse", [False, True, "auto"])
+def test_branches_changed_through_the_blocks_dict_of_children_are_seen(fuse, edit):
+    # Before: a write into ``block._modules`` registers nothing, and a block walks its tree only
+    # when a registration was counted: from the third call on (the first two walk it anyway),
+    # fused groups ran the old branches -- the removed one too, (3, 12) for (3, 8) -- and
+    # the old order (off by 0.5-3.0).
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(8, 4), nn.ReLU())  # (built before the calls: registers nothing after)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 4), nn.ReLU()) for _ in range(3)], fuse=fuse)
+    with torch.no_grad():
+        for _ in range(3):
+            p(torch.randn(3, 8))
+        _edit_children(p._modules, edit, other)
+        for _ in range(2):
+            x = torch.randn(3, 8)
+            assert_close(p(x), torch.cat([branch(x) for branch in p._modules.values()], 1))
+
+
+@pytest.mark.parametrize("made", ["deepcopy", "pickle", "slice", "del block[i]", "insert", "assigned"])
+def test_a_blocks_dict_of_children_is_watched_however_the_block_was_made(made):
+    # The dict of children a block holds after it is copied, unpickled (pickled as a plain dict),
+    # sliced, renumbered by ``del block[i]`` or ``insert``, or given by the user, counts its
+    # changes too: else the fused group ran the branch popped from it, (3, 12) for (3, 8).
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 4), nn.ReLU()) for _ in range(4)], fuse=True)
+    if made == "deepcopy":
+        p = copy.deepcopy(p)
+    elif made == "pickle":
+        p = pickle.loads(pickle.dumps(p))
+    elif made == "slice":
+        p = p[:3]
+    elif made == "del block[i]":
+        del p[3]
+    elif made == "insert":
+        p.insert(0, p.pop(3))
+    else:
+        p._modules = dict(p._modules)
+    with torch.no_grad():
+        for _ in range(3):
+            p(torch.randn(3, 8))
+        p._modules.pop("1")
+        x = torch.randn(3, 8)
+        assert_close(p(x), torch.cat([branch(x) for branch in p._modules.values()], 1))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", ["Parallel", "ParallelSequential"])
+def test_children_changed_through_the_dict_of_a_graphed_block_are_seen(block):
+    # Before: a write into ``_modules`` registers nothing, and a graphed block looks at its tree
+    # only when a registration was counted: its graph, captured with the old children, replayed
+    # them -- the removed branch or stage too.
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()).cuda() for _ in range(3)]
+    if block == "Parallel":
+        m = Parallel(*layers, cuda_graph=True).eval()
+    else:
+        m = ParallelSequential(*layers, chunks=2, cuda_graph=True).eval()
+    with torch.no_grad():
+        for _ in range(4):
+            m(torch.randn(4, 8, device="cuda"))
+        m._modules.pop("1")
+        x = torch.randn(4, 8, device="cuda")
+        if block == "Parallel":
+            expected = torch.cat([layer(x) for layer in m._modules.values()], 1)
+        else:
+            expected = m._modules["2"](m._modules["0"](x))
+        assert_close(m(x), expected)
+
+
 @pytest.mark.parametrize("join, dim, batch", [("stack", 0, 4), ("cat", 0, 4), ("cat", 1, 1), ("cat", 1, 4)])
 @pytest.mark.parametrize("last", [nn.ReLU, nn.Sigmoid])
 def test_in_place_operation_after_a_fused_join(join, dim, batch, last):
