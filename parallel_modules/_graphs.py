@@ -1658,6 +1658,11 @@ class _CudaGraphs:
 
     def _lookup(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         device = _input_device(args, kwargs)
+        if device is None:
+            # Tensors held only inside objects pytree keeps whole (a dict subclass, a dataclass):
+            # refused below as such, with how to pass them, not as an input of no tensors.
+            hidden = [t for v in pytree.tree_leaves((args, kwargs)) for t in _hidden_tensors(v)]
+            device = hidden[0].device if hidden else None
         if device is None or device.type != "cuda":
             got = f"on {device}" if device is not None else "not a tensor"
             self._warn_once("device", f"{self.name}: cuda_graph=True, but the input is {got}; CUDA graphs "
