@@ -249,7 +249,8 @@ def _writes_its_input(child: nn.Module) -> bool:
             return any(_writes_its_input(branch) for branch in m._modules.values())
         if isinstance(m, torch.jit.ScriptModule):
             name = getattr(m, "original_name", None)  # (the class it was made from)
-            if name in _PASSING_NAMES or name in _DROPOUT_NAMES and (not m.training or m.p == 0):
+            # (getattr: what torch.jit.trace makes of a dropout keeps no ``p``, unknown then.)
+            if name in _PASSING_NAMES or name in _DROPOUT_NAMES and (not m.training or getattr(m, "p", None) == 0):
                 continue
             return getattr(m, "inplace", None) is True  # (kept apart from __dict__)
         return False

@@ -1099,3 +1099,14 @@ def test_a_hyperparameter_set_before_the_first_call_is_traced_as_it_is_now(chang
         else:
             for out, branch in zip(model(x), branches, strict=True):
                 assert_close(out, branch(x))
+
+
+def test_a_pipeline_whose_first_stage_is_a_jit_traced_dropout_in_training_is_jit_traced():
+    # Before: the check of whether the first stage writes its input read ``p`` off a TorchScript
+    # dropout in training mode, which torch.jit.trace's module does not keep: AttributeError.
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    model = ParallelSequential(torch.jit.trace(nn.Dropout(0.0), (x,)), nn.Linear(8, 4), chunks=2)
+    assert model.training
+    traced = torch.jit.trace(model, (x.clone(),), check_trace=False)
+    torch.testing.assert_close(traced(x), model(x))
