@@ -463,6 +463,13 @@ def _exposed(value: Any) -> Any:
     return pytree.tree_unflatten([_AsBase(v) if _unregistered(v) else v for v in leaves], spec)
 
 
+def _leaves(value: Any) -> list[Any]:
+    r"""``_flatten(value)[0]``, without the spec: ``pytree.tree_leaves``, which makes none, where pytree keeps
+    no container whole (a pipeline's calls on a dict of tensors read the leaves of their pieces several times)."""
+    leaves = pytree.tree_leaves(value)
+    return _flatten(value)[0] if _any_unregistered(leaves) else leaves
+
+
 def _flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], pytree.TreeSpec]:
     r"""``pytree.tree_flatten(value)``, taking apart the containers pytree keeps whole too (see above):
     ``pytree.tree_unflatten`` of the spec rebuilds them."""
@@ -569,7 +576,7 @@ def _is_piece(t: Any, piece: Any) -> bool:
     where = _storage(t)
     return where is not None and any(
         isinstance(p, torch.Tensor) and _storage(p) == where and p.storage_offset() == t.storage_offset()
-        and p.shape == t.shape and p.stride() == t.stride() for p in _flatten(piece)[0])
+        and p.shape == t.shape and p.stride() == t.stride() for p in _leaves(piece))
 
 
 def _copied_together(leaves: list[Any], chunks: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -759,7 +766,7 @@ def _batch_size(piece: Any) -> int | None:
     r"""The number of samples in a micro-batch: dimension 0 of its first batched tensor."""
     if isinstance(piece, torch.Tensor):
         return piece.shape[0]
-    return next((t.shape[0] for t in _flatten(piece)[0] if isinstance(t, torch.Tensor) and t.dim()), None)
+    return next((t.shape[0] for t in _leaves(piece) if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
 # The containers of the input that a stage could change in place, rebuilt for each micro-batch (by
@@ -1701,7 +1708,7 @@ class ParallelSequential(nn.Sequential):
             # (The input's own non-tensor values, found by ``is``, not by ``id()``: a compiler
             # guards on every id() it traces, and compiled the pipeline again for each new
             # object in the input, a config made per call.)
-            given = [v for v in _flatten(pieces[0])[0] if not isinstance(v, torch.Tensor)]
+            given = [v for v in _leaves(pieces[0]) if not isinstance(v, torch.Tensor)]
             joined = []
             for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
                 first = column[0]
@@ -1789,7 +1796,7 @@ class ParallelSequential(nn.Sequential):
         activations the previous one's backward needs.
         """
         if torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters()) or any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in _flatten(input)[0])
+                isinstance(t, torch.Tensor) and t.requires_grad for t in _leaves(input))
                 or any(b.requires_grad for b in self.buffers())):  # (requires_grad_() on a buffer)
             self._graphs._warn_once(
                 "host-training", f"{type(self).__name__}: cuda_graph=True with a CPU input graphs each "
@@ -2023,7 +2030,7 @@ class ParallelSequential(nn.Sequential):
         if isinstance(outputs, _Gather):
             return outputs.out
         if not all(isinstance(o, torch.Tensor) and o.is_cuda for o in outputs) and any(
-                isinstance(t, torch.Tensor) and not t.is_cuda for o in outputs for t in _flatten(o)[0]):
+                isinstance(t, torch.Tensor) and not t.is_cuda for o in outputs for t in _leaves(o)):
             # A last stage that copied its output to the host without blocking
             # (``x.to("cpu", non_blocking=True)``): the host would concatenate pieces the
             # lanes' copies have yet to write. The caller's stream has joined every lane.
