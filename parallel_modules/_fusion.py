@@ -61,7 +61,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import threading
+import weakref
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
@@ -2606,7 +2608,8 @@ class _Fusion:
     or a :class:`_Group`. ``scatter`` puts their outputs back in branch order.
     """
 
-    def __init__(self, owner: str, names: list[str], branches: list[nn.Module], required: bool) -> None:
+    def __init__(self, owner: str, names: list[str], branches: list[nn.Module], required: bool,
+                 serial: int = -1) -> None:
         _watch._install()
         self.names = names
         self.branches = tuple(branches)  # (see grouped_from)
@@ -2652,6 +2655,7 @@ class _Fusion:
         # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows.
         self.instances = [vars(m) for _, modules in self.trees for m in modules]
         self.differ: bool | None = None  # the members compared again, at the first call (see forward_replaced)
+        self.serial = serial  # (the block's number, for a trace's comparison of the members: see _differs)
         self.while_swapped = False  # found from tensors swapped in for a call (see Parallel._new_fusion)
         self._rebuild()
 
@@ -2786,19 +2790,38 @@ def _members_differ(fusion: _Fusion) -> bool:
         # compare, and it would record the comparison's reads of parameter shapes, refusing
         # those of a member no longer in the block (a branch replaced since) as constants.
         return False
-    return any([_differs(g.template, member) for g in fusion.groups for member in g.members[1:]])
+    return _differs(fusion.serial)
+
+
+# Every live block by its number (see _differs), which its fusions carry.
+_blocks: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+_serials = itertools.count()
+
+
+def _numbered(block: nn.Module) -> int:
+    r"""A new number for ``block`` (made or copied), by which :func:`_differs` finds it."""
+    serial = next(_serials)
+    _blocks[serial] = block
+    return serial
 
 
 @torch.compiler.assume_constant_result
-def _differs(template: nn.Module, member: nn.Module) -> bool:
-    r"""Whether ``member`` differs from ``template``, tensor attributes aside.
+def _differs(serial: int) -> bool:
+    r"""Whether a member of a group of the fusion numbered ``serial`` differs from its group's first, tensor
+    attributes aside.
 
     Marked constant for Dynamo, which cannot trace the comparison (``extra_repr``
     strings, ``is_inference``): it runs it as Python while it traces and keeps the
     answer, as eager calls keep their first call's, guarding on none of the
-    attributes compared. (Other tracers run it as Python.)
+    attributes compared. Given the block's number, not the fusion or its modules:
+    Dynamo before torch 2.13 takes only constants as such a function's arguments,
+    and a number of the fusion's own would change at every regrouping (a
+    ``load_state_dict(assign=True)``), each a recompilation. (Other tracers run it
+    as Python.)
     """
-    return _difference(template, member, tensors=False) is not None
+    fusion = getattr(_blocks.get(serial), "_fusion", None)
+    return fusion is not None and any([_difference(g.template, member, tensors=False) is not None
+                                       for g in fusion.groups for member in g.members[1:]])
 
 
 def _required_error(owner: str, names: list[str], branches: list[nn.Module], reasons: dict[int, str]) -> str:

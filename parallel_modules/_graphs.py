@@ -1656,6 +1656,17 @@ class _CudaGraphs:
         graph.misses = 0
         graph.last = None  # (every sample was waited for, see _fastest)
 
+    def _hidden_inputs(self, tensors: list[torch.Tensor], hiding: list[Any]) -> str:
+        r"""Why inputs holding tensors inside objects pytree keeps whole (``hiding``) are not captured."""
+        return (f"{self.name}: cannot capture input signature ({_describe(tensors)}) with "
+                f"cuda_graph=True: an argument holds tensors inside a {type(hiding[0]).__name__} "
+                f"object. A graph reads its inputs from buffers it copies them into; tensors "
+                f"inside other objects would be read from where they were when captured, "
+                f"whatever the object holds later. Pass the tensors as arguments (or in plain "
+                f"tuples, lists or dicts: pytree keeps subclasses of them whole), or register the "
+                f"class with torch.utils._pytree; or pass graph_fallback=True to run this signature "
+                f"eagerly with a warning.")
+
     def _lookup(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         device = _input_device(args, kwargs)
         if device is None:
@@ -1710,11 +1721,17 @@ class _CudaGraphs:
             try:
                 graph = None if key is None else self._graphs.get(key)
             except TypeError:  # an unhashable non-tensor argument
-                graph = None
-                self._warn_once("unhashable", f"{self.name}: cuda_graph=True cannot key a graph on "
-                                              f"unhashable arguments ({[t for t, _ in extra]}); running "
-                                              f"eagerly.")
-                key = None
+                graph = key = None
+                hiding = [v for v in others if _hidden_tensors(v)]
+                if not hiding:
+                    self._warn_once("unhashable", f"{self.name}: cuda_graph=True cannot key a graph on "
+                                                  f"unhashable arguments ({[t for t, _ in extra]}); running "
+                                                  f"eagerly.")
+                elif not self.fallback:  # (a dict subclass holding the tensors: said as such)
+                    raise _CaptureError(self._hidden_inputs(tensors, hiding))
+                else:
+                    self._warn_once("fallback", f"{self._hidden_inputs(tensors, hiding)}\ngraph_fallback=True: "
+                                                f"such inputs run eagerly.")
             if key is None or key in self._failed:
                 graph = None
             elif graph is not None:
@@ -1734,14 +1751,7 @@ class _CudaGraphs:
                 try:
                     hiding = [v for v in others if _hidden_tensors(v)]
                     if hiding:
-                        raise _CaptureError(
-                            f"{self.name}: cannot capture input signature ({_describe(tensors)}) with "
-                            f"cuda_graph=True: an argument holds tensors inside a {type(hiding[0]).__name__} "
-                            f"object. A graph reads its inputs from buffers it copies them into; tensors "
-                            f"inside other objects would be read from where they were when captured, "
-                            f"whatever the object holds later. Pass the tensors as arguments (or in "
-                            f"tuples, lists or dicts, or register the class with torch.utils._pytree); or "
-                            f"pass graph_fallback=True to run this signature eagerly with a warning.")
+                        raise _CaptureError(self._hidden_inputs(tensors, hiding))
                     graph = self._capture(owner, forward, args, kwargs, tensors, device, needs_grad, params)
                 except _CaptureError as e:
                     if not self.fallback:

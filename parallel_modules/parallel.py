@@ -22,6 +22,7 @@ from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _comp
 from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _Joined, _MembersChanged,
                       _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
+from ._fusion import _numbered
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _first_line, _join_outputs, _out_of_memory
@@ -443,6 +444,7 @@ class Parallel(nn.Module):
             # (``constructing``: given by position, where a setting may have been meant.)
             self.add_module(name, _as_branch(owner, name, branch, constructing=not named))
         self._param_moves = self._graph_moves = 0
+        self._serial = _numbered(self)  # (see _fusion._differs)
         # fuse=True: say now, not at the first call, which branch keeps them from fusing.
         self._reset(strict=True)
 
@@ -530,7 +532,7 @@ class Parallel(nn.Module):
     def _grouped(self) -> _Fusion:
         r"""The branches grouped as they are now, nothing stacked (raises for ``fuse=True`` if they differ)."""
         return _Fusion(type(self).__name__, list(self._modules), list(self._modules.values()),
-                       required=self.fuse is True)
+                       required=self.fuse is True, serial=self._serial)
 
     def _new_fusion(self) -> _Fusion:
         r"""Group the branches as they are now; outside tracing, stack the groups' parameters."""
@@ -564,6 +566,7 @@ class Parallel(nn.Module):
         state.setdefault("_compiler", None)  # pickled before compile= existed
         state.setdefault("direct_grads", False)  # pickled before direct_grads= existed
         super().__setstate__(state)
+        self._serial = _numbered(self)  # (a copy's own: see _fusion._differs)
         self._reset()
 
     # -------------------------------------------------------------- container
