@@ -392,8 +392,8 @@ class Parallel(nn.Module):
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
     _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_in_order", "_placement", "_plans", "_reproducible", "_revision", "_saw_write", "_tree",
-                           "_tuner", "_unwritten", "_watched_fused"})
+                           "_in_order", "_placement", "_plans", "_reproducible", "_revision", "_saw_write",
+                           "_serial", "_tree", "_tuner", "_unwritten", "_watched_fused"})
 
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,

@@ -371,8 +371,21 @@ def _any_unregistered(leaves: list[Any]) -> bool:
     # times, where ``any(map(_unregistered, leaves))`` cost twice as much, 0.7 us for two tensors.)
     for leaf in leaves:
         if isinstance(leaf, _CONTAINERS) and _unregistered(leaf):
-            return True
+            return _looks_inside()
     return False
+
+
+# Dynamo before torch 2.13 cannot read an object's ``__dict__`` (2.11 fails the trace at any use
+# of it): while it compiles, a pipeline neither takes subclasses of containers apart, whose
+# instance attributes it could not carry over, nor looks for tensors in objects' attributes --
+# as before it did either: such containers are one value, and objects go whole to every
+# micro-batch. (Eager calls, and other tracers, do both.)
+_DYNAMO_READS_ATTRIBUTES = torch.__version__ >= (2, 13)
+
+
+def _looks_inside() -> bool:
+    r"""Whether this call may read objects' attributes (see above)."""
+    return _DYNAMO_READS_ATTRIBUTES or not torch.compiler.is_compiling()
 
 
 _CONTAINERS = (tuple, list, dict, deque)
@@ -1526,7 +1539,8 @@ class ParallelSequential(nn.Sequential):
         # Other objects go to every micro-batch whole, as numbers and strings do (a config); those
         # holding tensors are looked at below. (Not a module: its parameters hold no samples.)
         others = [] if spec is None else [
-            (i, v) for i, v in enumerate(leaves) if not isinstance(v, _PASSED_WHOLE) and _hidden_attributes(v)]
+            (i, v) for i, v in enumerate(leaves)
+            if not isinstance(v, _PASSED_WHOLE) and _looks_inside() and _hidden_attributes(v)]
         if not tensors:
             hiding = f" (its tensors inside an object of class {type(others[0][1]).__qualname__})" if others else ""
             raise ValueError(
@@ -1719,7 +1733,7 @@ class ParallelSequential(nn.Sequential):
                 elif (first is None or any(v is first for v in given)) and all(v is first for v in column[1:]):
                     joined.append(first)  # None, or a value of the input's passed on
                 elif not any(isinstance(t, torch.Tensor) for t in column):
-                    hiding = [(m, v) for m, v in enumerate(column) if _hidden_attributes(v)]
+                    hiding = [(m, v) for m, v in enumerate(column) if _looks_inside() and _hidden_attributes(v)]
                     if hiding:
                         # (Each micro-batch's holds its own rows: joined, they would be the batch's.)
                         raise TypeError(f"the micro-batches returned objects of class "
