@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import re
 from collections import OrderedDict
 
 import pytest
@@ -774,7 +775,8 @@ def test_a_pipeline_whose_first_stage_begins_with_a_dropout_in_eval_is_traced_wi
         traced = torch.jit.trace(model, (x,))
         got, code = traced(x), str(traced.inlined_graph)
     assert_close(got, model(x))
-    assert "clone" not in code
+    # (The operation, not the word: jit's graph names source files, a checkout in /tmp/ci_clone too.)
+    assert not re.search(r"aten(::|\.)clone|\.clone\(|torch\.clone", code), code
     # The same stage in training draws its mask in place: copied, as before.
     model.train()
     with torch.no_grad():
