@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import re
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
@@ -553,15 +554,19 @@ def test_fuse_auto_under_deterministic_algorithms_is_traced_unfused():
         torch.use_deterministic_algorithms(previous)
 
 
+def _traced(model: nn.Module, x: torch.Tensor, how: str) -> Any:
+    r"""``model`` compiled (``how="compile"``, fullgraph) or exported on ``x`` (``"export"``, ``"export strict"``),
+    as a callable."""
+    if how == "compile":
+        return torch.compile(model, backend="eager", fullgraph=True)
+    return torch.export.export(model, (x,), strict=how == "export strict").module()
+
+
 def _traced_against_in_turn(model: Parallel, x: torch.Tensor, how: str) -> None:
     r"""``model`` compiled or exported, on a copy of ``x``, against its branches called in turn on one copy."""
     y = x.clone()
     expected = torch.cat([b(y) for b in model], 1)
-    if how == "compile":
-        got = torch.compile(model, backend="eager", fullgraph=True)(x.clone())
-    else:
-        got = torch.export.export(model, (x.clone(),)).module()(x.clone())
-    assert_close(got, expected)
+    assert_close(_traced(model, x.clone(), how)(x.clone()), expected)
 
 
 @pytest.mark.parametrize("fuse", ["auto", True])
@@ -842,10 +847,7 @@ def test_a_fused_layer_replaced_since_grouping_is_traced_as_it_is_now(fuse, how)
     x = torch.randn(4, 16)
     with torch.no_grad():
         expected = torch.cat([block[0](x), block[1](x)], 1)
-        if how == "compile":
-            got = torch.compile(block, backend="eager", fullgraph=True)(x)
-        else:
-            got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
+        got = _traced(block, x, how)(x)
     assert_close(got, expected)
     # Compiled, then a layer replaced: the compiler's guards on the modules trace it anew.
     block = Parallel(mlp(16, 2), mlp(16, 2), join="cat", fuse=fuse).eval()
@@ -915,12 +917,7 @@ def test_branches_replaced_without_the_blocks_own_methods_are_traced_as_they_are
         else:
             block.add_module("3", mlp().eval())
         expected = torch.cat([branch(x) for branch in block], 1)
-        if how == "compile":
-            got = torch.compile(block, backend="eager", fullgraph=True)(x)
-        elif how == "jit":
-            got = torch.jit.trace(block, (x,))(x)
-        else:
-            got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
+        got = torch.jit.trace(block, (x,))(x) if how == "jit" else _traced(block, x, how)(x)
         assert_close(got, expected)
         assert_close(block(x), expected)  # (eagerly: grouped anew)
 
@@ -941,10 +938,7 @@ def test_a_forward_replaced_on_a_fused_members_instance_is_traced(when, how):
         for member in (block[1], block[2][2]):  # (a branch, and a layer inside one)
             member.forward = functools.partial(lambda f, v: f(v) * 2, member.forward)
         expected = torch.cat([branch(x) for branch in block], 1)
-        if how == "compile":
-            got = torch.compile(block, backend="eager", fullgraph=True)(x)
-        else:
-            got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
+        got = _traced(block, x, how)(x)
         assert_close(got, expected)
         x = torch.randn(7, 16)  # (eagerly, a new signature sees it)
         assert_close(block(x), torch.cat([branch(x) for branch in block], 1))
@@ -975,10 +969,7 @@ def test_a_tensor_registered_on_a_fused_member_since_grouping_is_traced(how):
         block(x)
         block[1].register_buffer("shift", torch.full((8,), 5.0))
         expected = torch.cat([branch(x) for branch in block], 1)
-        if how == "compile":
-            got = torch.compile(block, backend="eager", fullgraph=True)(x)
-        else:
-            got = torch.export.export(block, (x,), strict=how == "export strict").module()(x)
+        got = _traced(block, x, how)(x)
         assert_close(got, expected)
         assert_close(block(x), expected)
 
@@ -1101,12 +1092,7 @@ def test_a_hyperparameter_set_before_the_first_call_is_traced_as_it_is_now(chang
     model = ParallelSequential(block).eval() if change.endswith("pipeline") else block
     with torch.no_grad():
         x = torch.randn(shape)
-        if how == "compile":
-            traced = torch.compile(model, backend="eager", fullgraph=True)
-        elif how == "jit":
-            traced = torch.jit.trace(model, (x,), check_trace=False)
-        else:
-            traced = torch.export.export(model, (x,), strict=how == "export strict").module()
+        traced = torch.jit.trace(model, (x,), check_trace=False) if how == "jit" else _traced(model, x, how)
         for _ in range(2):
             x = torch.randn(shape)
             for out, branch in zip(traced(x), branches, strict=True):
