@@ -38,6 +38,13 @@ def _mlp(n: int = 8, width: int = 64, depth: int = 2) -> list[nn.Module]:
     return mlp_branches(n, width=width, depth=depth)
 
 
+def _run_python(script: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    r"""Run ``script`` in a fresh interpreter (the package importable from the checkout), its output captured."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def _reference(branches, *args) -> torch.Tensor:
     return torch.cat([b(*args) for b in branches], 1)
 
@@ -2178,9 +2185,7 @@ _FAILURE_SCRIPT = textwrap.dedent(
 @cuda
 @pytest.mark.parametrize("mode", ["raise", "fallback"])
 def test_capture_failure_in_subprocess(mode):
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", _FAILURE_SCRIPT, mode], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=180)
+    done = _run_python(_FAILURE_SCRIPT, mode, timeout=180)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
 
@@ -2212,9 +2217,7 @@ def test_capture_does_not_warn_of_its_own_side_stream_gradients():
     # Capturing the training graph differentiates an input that branches on side streams
     # read: its accumulator gets gradients from other streams, by design. PyTorch warns of
     # that once per process, hence a fresh process.
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", _MISMATCH_SCRIPT], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=180)
+    done = _run_python(_MISMATCH_SCRIPT, timeout=180)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
 
@@ -2592,9 +2595,7 @@ def test_tf32_key_reads_the_precision_api_too():
         assert graphs._key(block, (x,), {}, ()) != before
         print("ok")
     """)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    done = _run_python(script, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -2748,9 +2749,7 @@ def test_checkpoint_and_save_on_cpu_run_the_block_eagerly():
                 assert all(torch.equal(a, b) for a, b in zip(*grads)), wrap
         print("ok", block._graphs.captures)
     """)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    done = _run_python(script, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -3099,9 +3098,7 @@ def test_key_tells_the_rnn_tf32_setting_and_cudnn_enabled_apart():
             assert graphs._key(block, (x,), {}, ()) != before
         print("ok")
     """)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    done = _run_python(script, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
@@ -3162,9 +3159,7 @@ def test_rnn_tf32_setting_changed_after_capture_captures_anew():
     # legacy getter that conftest reads raise.)
     if not hasattr(torch.backends.cudnn, "rnn"):
         pytest.skip("this torch has no TF32 setting of cuDNN's recurrent layers of its own")
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", _RNN_TF32_SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = _run_python(_RNN_TF32_SCRIPT, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     if done.stdout.startswith("SKIP"):
         pytest.skip(done.stdout[5:].strip())
@@ -3279,9 +3274,7 @@ def test_graphed_training_under_anomaly_detection_runs_eagerly():
     # check (a host read inside the capture): a CUDA graph capture error for a call that runs
     # eagerly. Now such calls run eagerly, and a NaN is named where it is made. (In a subprocess,
     # as capture failures are tested: before the fix, this one failed a capture.)
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-c", _ANOMALY_SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = _run_python(_ANOMALY_SCRIPT, timeout=300)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr[-3000:]
 
 
