@@ -292,11 +292,10 @@ def _attributes_set_apart(a: nn.Module, b: nn.Module) -> str | None:
     diff = _difference(a, b, tensors=False)
     if diff is not None:
         return diff
-    for whose, m in (("its", b), ("the first member's", a)):
-        held = _attribute_on_tensors(m)
-        if held is not None:
-            return (f"{whose} attribute {held!r}, a tensor that is not a parameter or buffer, shares memory with "
-                    f"{whose} parameters or buffers (a view kept of one), which stacking would move")
+    held = _attribute_on_tensors(b)
+    if held is not None:
+        return (f"its attribute {held!r}, a tensor that is not a parameter or buffer, shares memory with its "
+                f"parameters or buffers (a view kept of one), which stacking would move")
     for (path, ma), (_, mb) in zip(a.named_modules(), b.named_modules()):
         where = f"submodule {path!r}" if path else "the branch"
         ha, hb = _hyperparameters(ma), _hyperparameters(mb)
@@ -1370,12 +1369,15 @@ class _Group:
                 # may have set theirs apart -- a cache computed from their parameters, which
                 # batched would silently be the first member's for all. Grouped anew, they are
                 # told apart there (see _MembersChanged).
-                for name, member in zip(self.names[1:], self.members[1:]):
+                # (The first member too, against itself: for a view of its own parameters.)
+                for name, member in zip(self.names, self.members):
                     diff = _attributes_set_apart(self.template, member)
                     if diff is not None:
+                        first = "" if member is self.template else (
+                            f", where branch {self.names[0]!r} has its own, set by their own calls since they "
+                            f"were grouped")
                         raise _MembersChanged(
-                            f"the branches are no longer identical: in branch {name!r}, {diff}, where branch "
-                            f"{self.names[0]!r} has its own, set by their own calls since they were grouped")
+                            f"the branches are no longer identical: in branch {name!r}, {diff}{first}")
             program = _program(self, self.template, "")
             if keep:
                 self.program = program
@@ -2785,12 +2787,20 @@ class _Fusion:
 def _members_differ(fusion: _Fusion) -> bool:
     r"""Whether a member of one of ``fusion``'s groups no longer matches the group's first, tensor
     attributes aside (see :meth:`_Fusion.forward_replaced`)."""
-    if not torch.compiler.is_compiling() and _jit_tracing():  # (in this order: see _streams._is_tracing)
+    if torch.compiler.is_compiling():
+        return _differs(fusion.serial)
+    if _jit_tracing():  # (after is_compiling: see _streams._is_tracing)
         # torch.jit.trace runs every group unfused (see parallel._traced_unfused): nothing to
         # compare, and it would record the comparison's reads of parameter shapes, refusing
         # those of a member no longer in the block (a branch replaced since) as constants.
         return False
-    return _differs(fusion.serial)
+    return _compared(fusion)  # (eagerly, this fusion itself: maybe not yet the block's)
+
+
+def _compared(fusion: _Fusion) -> bool:
+    r"""Whether a member of one of ``fusion``'s groups differs from the group's first, tensor attributes aside."""
+    return any([_difference(g.template, member, tensors=False) is not None
+                for g in fusion.groups for member in g.members[1:]])
 
 
 # Every live block by its number (see _differs), which its fusions carry.
@@ -2820,8 +2830,7 @@ def _differs(serial: int) -> bool:
     as Python.)
     """
     fusion = getattr(_blocks.get(serial), "_fusion", None)
-    return fusion is not None and any([_difference(g.template, member, tensors=False) is not None
-                                       for g in fusion.groups for member in g.members[1:]])
+    return fusion is not None and _compared(fusion)
 
 
 def _required_error(owner: str, names: list[str], branches: list[nn.Module], reasons: dict[int, str]) -> str:
