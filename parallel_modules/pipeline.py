@@ -456,8 +456,9 @@ pytree.register_pytree_node(_AsBase, _as_base_children, _rebuilt, flatten_with_k
 _PASSED_WHOLE = (torch.Tensor, *_BY_VALUE, nn.Module, type)
 
 
-def _register_hint(others: list[tuple[int, Any]]) -> str:
-    r"""How to let the pipeline take apart the class of the first of ``others`` (pytree leaves), for errors."""
+def _register_hint(others: list[tuple[Any, ...]]) -> str:
+    r"""How to let the pipeline take apart the class of the first of ``others`` (``(index, pytree leaf, ...)``),
+    for errors."""
     if not others:
         return ""
     cls = type(others[0][1])
@@ -1539,8 +1540,8 @@ class ParallelSequential(nn.Sequential):
         # Other objects go to every micro-batch whole, as numbers and strings do (a config); those
         # holding tensors are looked at below. (Not a module: its parameters hold no samples.)
         others = [] if spec is None else [
-            (i, v) for i, v in enumerate(leaves)
-            if not isinstance(v, _PASSED_WHOLE) and _looks_inside() and _hidden_attributes(v)]
+            (i, v, held) for i, v in enumerate(leaves) if not isinstance(v, _PASSED_WHOLE) and _looks_inside()
+            for held in (_hidden_attributes(v),) if held]
         if not tensors:
             hiding = f" (its tensors inside an object of class {type(others[0][1]).__qualname__})" if others else ""
             raise ValueError(
@@ -1569,12 +1570,12 @@ class ParallelSequential(nn.Sequential):
                 f"to be split into micro-batches, got {listing}. Pass tensors of one batch, or use "
                 "chunks=1."
             )
-        for i, v in others:
+        for i, v, held in others:
             # One that holds tensors batched like the input (a dataclass pytree does not know, a
             # transformers BatchEncoding) would hand each micro-batch the whole batch's rows: the
             # stage would compute on, or return, them where nn.Sequential gives it its own rows.
             # (Tensors of other sizes in it, a table or weights, hold no samples: passed whole.)
-            found = next(((name, t) for name, t in _hidden_attributes(v) if t.dim() and t.shape[0] == batch), None)
+            found = next(((name, t) for name, t in held if t.dim() and t.shape[0] == batch), None)
             if found is not None:
                 where = pytree.keystr(pytree.tree_flatten_with_path(_exposed(input))[0][i][0])
                 raise ValueError(
