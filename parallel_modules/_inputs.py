@@ -33,8 +33,13 @@ def _input_device(args: tuple, kwargs: dict) -> torch.device | None:
         device = args[0].device  # (a new object at each read)
         if device.type != "cpu" or args[0].dim():
             return device
+    return _leaf_device(_leaves(args, kwargs))
+
+
+def _leaf_device(leaves: list[Any]) -> torch.device | None:
+    r""":func:`_input_device` of inputs flattened to ``leaves``."""
     first = None
-    for leaf in _leaves(args, kwargs):
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if leaf.device.type != "cpu" or leaf.dim():
                 return leaf.device

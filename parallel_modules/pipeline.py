@@ -41,7 +41,7 @@ from ._children import (_check_name, _check_stage, _child_key, _in_turn, _insert
                         _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
-from ._inputs import _BY_VALUE, _input_device, _module_devices, _with_context
+from ._inputs import _BY_VALUE, _leaf_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
 from ._fusion import _FAST_PATHS  # (also turned off by any torch function mode: see _Plan.scoped)
@@ -1775,7 +1775,7 @@ class ParallelSequential(nn.Sequential):
             changed = self._tree.changed(self)
             if changed is _watch._WHILE_SWAPPED:  # (see there: the plan made anew at a call outside)
                 homes = _module_devices(self)
-                device = _input_device((input,), {})
+                device = _device(input)
                 if len(homes) == 1 and device is not None and device.type == "cpu":
                     (home,) = homes
                     if home.type == "cuda":  # (a host input, copied in as _forward copies it)
@@ -1791,7 +1791,7 @@ class ParallelSequential(nn.Sequential):
 
     def _host_input(self, input: Any) -> bool:
         r"""Whether ``input`` is on the CPU and the stages on one CUDA device (it is then copied in here)."""
-        device = input.device if isinstance(input, torch.Tensor) else _input_device((input,), {})
+        device = _device(input)
         if device is None or device.type != "cpu":
             return False
         home = self._get_plan().home
@@ -1964,7 +1964,7 @@ class ParallelSequential(nn.Sequential):
         transformed = not tracing and _functorch_active()
         if self._chunks > 1 and not transformed:  # (which runs the whole input: see below)
             self._refuse_mixing(plan)
-        device = input.device if isinstance(input, torch.Tensor) else _input_device((input,), {})
+        device = _device(input)
         copy_to = None
         if device is not None and plan.home is not None and device != plan.home:
             if plan.home is not _MIXED and device.type == "cpu" and plan.home.type == "cuda":
@@ -2371,9 +2371,15 @@ def _proxies(value: Any) -> bool:
     return any(isinstance(leaf, torch.fx.Proxy) for leaf in pytree.tree_leaves(value))
 
 
+def _device(value: Any) -> torch.device | None:
+    r"""The device of ``value``'s first tensor, as :func:`._inputs._input_device` finds it, looking inside
+    the containers pytree keeps whole too (a CPU tensor in a dict subclass is a host input as in a dict)."""
+    return value.device if isinstance(value, torch.Tensor) else _leaf_device(_leaves(value))
+
+
 def _pinned(value: Any) -> bool:
     r"""Whether every CPU tensor of ``value`` is in page-locked memory (copies of it are asynchronous)."""
-    leaves = (value,) if isinstance(value, torch.Tensor) else pytree.tree_leaves(value)
+    leaves = (value,) if isinstance(value, torch.Tensor) else _leaves(value)
     return all(t.is_pinned() for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "cpu")
 
 
@@ -2402,4 +2408,5 @@ def _to_device(value: Any, device: torch.device, non_blocking: bool, pinned: boo
 
     if isinstance(value, torch.Tensor):
         return move(value)
-    return pytree.tree_map(move, value)
+    leaves, spec = _flatten(value)  # (the containers pytree keeps whole too: see _device)
+    return pytree.tree_unflatten([move(t) for t in leaves], spec)

@@ -360,6 +360,42 @@ def test_host_to_device_structured_input() -> None:
     assert torch.equal(model({"a": a, "b": b}), expected)
 
 
+class _Fields(dict):
+    r"""A dict of the user's class, which pytree keeps whole."""
+
+
+class _Rows(list):
+    r"""A list of the user's class, with a batched tensor kept in an attribute."""
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_host_to_device_input_in_a_container_of_the_users_class(chunks: int, pinned: bool) -> None:
+    # Before: the CPU tensors of a dict or list subclass were not seen (pytree keeps such
+    # containers whole), so the input was not copied in, and the first stage failed on
+    # tensors of two devices; a dict of the same tensors is copied in. Now both are.
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, v):
+            return self.lin(v["a"][0]) * v["a"].mask + v["b"]
+
+    model = ParallelSequential(Reads(), nn.ReLU(), chunks=chunks).cuda()
+    a, m, b = torch.randn(6, 8), torch.randn(6, 4), torch.randn(6, 4)
+    if pinned:
+        a, m, b = a.pin_memory(), m.pin_memory(), b.pin_memory()
+
+    def make(device: str | None) -> _Fields:
+        rows = _Rows([a.to(device)])
+        rows.mask = m.to(device)
+        return _Fields(a=rows, b=b.to(device))
+
+    expected = model(make("cuda"))
+    assert torch.equal(model(make(None)), expected)
+
+
 def test_gradients_several_iterations() -> None:
     model = _model(3)
     ref_model = copy.deepcopy(model)
