@@ -58,6 +58,7 @@ and the compiler is free to schedule them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 import threading
@@ -420,8 +421,12 @@ def _hidden_tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
     return [t for _, t in _hidden_attributes(value, depth)]
 
 
-def _hidden_attributes(value: Any, depth: int = 0) -> list[tuple[str, torch.Tensor]]:
-    r""":func:`_hidden_tensors`, each with the name of the attribute of ``value`` that holds it (for errors)."""
+def _hidden_attributes(value: Any, depth: int = 0, largest: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    r""":func:`_hidden_tensors`, each with the name of the attribute of ``value`` that holds it (for errors).
+
+    ``largest``: tuples, lists and dicts of more items held by its attributes
+    are not looked into (see :func:`_nested_tensors`).
+    """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         found = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
     elif depth == 0:
@@ -439,29 +444,37 @@ def _hidden_attributes(value: Any, depth: int = 0) -> list[tuple[str, torch.Tens
         if isinstance(v, torch.Tensor):
             tensors.append((name, v))
         elif depth < _HIDDEN_DEPTH and v is not None and not isinstance(v, (int, float, str)):
-            nested = _nested_tensors(v, depth + 1)
+            nested = _nested_tensors(v, depth + 1, largest)
             if nested:
                 tensors.extend((name, t) for t in nested)
     return tensors
 
 
-def _nested_tensors(value: Any, depth: int) -> list[torch.Tensor]:
+def _nested_tensors(value: Any, depth: int, largest: int | None = None) -> list[torch.Tensor]:
     r""":func:`_tensor_leaves` of an attribute's value, plain tuples, lists and dicts walked here.
 
     A pipeline looks into the objects of every call's input (see
     ``ParallelSequential._split``), a config's attributes among them: pytree's
     flattening cost 7 us for each list or dict on the CPU machine, 0.4 ms a
     call for an object of 60 attributes, which this walk takes 40 us over.
+    ``largest``: containers of more items are passed over, the pipeline's
+    check being of every call -- a tokenizer's vocabulary and merges (50,000
+    each) cost it 50 ms a call -- and such a table holding no batch.
     """
+    if largest is not None and isinstance(value, _SIZED) and len(value) > largest:
+        return []
     if type(value) in (tuple, list, dict):
         tensors = []
         for v in value.values() if type(value) is dict else value:
             if isinstance(v, torch.Tensor):
                 tensors.append(v)
             elif v is not None and not isinstance(v, (int, float, str)):
-                tensors.extend(_nested_tensors(v, depth))
+                tensors.extend(_nested_tensors(v, depth, largest))
         return tensors
     return _tensor_leaves(value, depth)
+
+
+_SIZED = (tuple, list, dict, collections.deque)
 
 
 _HIDDEN_DEPTH = 4  # dataclasses within dataclasses looked into; deeper, a structure is the user's own

@@ -454,6 +454,9 @@ pytree.register_pytree_node(_AsBase, _as_base_children, _rebuilt, flatten_with_k
 
 # The pytree leaves of an input that go to every micro-batch whole, unlooked at (see ParallelSequential._split).
 _PASSED_WHOLE = (torch.Tensor, *_BY_VALUE, nn.Module, type)
+# The most items of a tuple, list or dict in an input's object that _split looks into for batched tensors
+# (a batch's few tensors, a BatchEncoding's dict): a larger one is a table (a tokenizer's vocabulary).
+_BATCH_HOLDERS = 256
 
 
 def _register_hint(others: list[tuple[Any, ...]]) -> str:
@@ -1541,7 +1544,7 @@ class ParallelSequential(nn.Sequential):
         # holding tensors are looked at below. (Not a module: its parameters hold no samples.)
         others = [] if spec is None else [
             (i, v, held) for i, v in enumerate(leaves) if not isinstance(v, _PASSED_WHOLE) and _looks_inside()
-            for held in (_hidden_attributes(v),) if held]
+            for held in (_hidden_attributes(v, largest=_BATCH_HOLDERS),) if held]
         if not tensors:
             hiding = f" (its tensors inside an object of class {type(others[0][1]).__qualname__})" if others else ""
             raise ValueError(

@@ -2538,6 +2538,30 @@ def test_objects_holding_no_batch_still_go_whole_to_every_micro_batch() -> None:
     assert stage.seen == [(config, head)] * 2
 
 
+def test_an_objects_large_tables_are_not_walked_at_every_call(monkeypatch) -> None:
+    # Before: the check of the input's objects for batched tensors walked every item of their
+    # containers at every call -- a tokenizer's vocabulary and merges, 50 ms a call for 50,000
+    # each -- where a table holds no batch. A batch held in a small dict is still refused.
+    from parallel_modules import _streams
+
+    class Tokenizer:
+        def __init__(self) -> None:
+            self.vocab = {f"w{i}": i for i in range(5000)}
+            self.merges = [(f"a{i}", f"b{i}") for i in range(5000)]
+            self.special = {"pad": torch.zeros(3)}  # (looked into: a small table)
+
+    walked = []
+    nested = _streams._nested_tensors
+    monkeypatch.setattr(_streams, "_nested_tensors", lambda *a, **k: walked.append(a[0]) or nested(*a, **k))
+    x, tokenizer = torch.randn(4, 3), Tokenizer()
+    out = ParallelSequential(nn.Identity(), chunks=2)((x, tokenizer))
+    assert torch.equal(out[0], x) and out[1] is tokenizer
+    assert len(walked) < 10, f"{len(walked)} containers walked"
+    tokenizer.special["batch"] = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"input\[1\], an object of class .*Tokenizer.*\.special: Tensor\(4, 3\)"):
+        ParallelSequential(nn.Identity(), chunks=2)((x, tokenizer))
+
+
 @pytest.mark.parametrize("cls", [_Unregistered, _Holder], ids=["dataclass", "object"])
 def test_objects_holding_tensors_returned_by_the_last_stage_say_how_to_join_them(cls) -> None:
     # Before: refused, but with "non-tensor values ... not the input's own", which said nothing of
