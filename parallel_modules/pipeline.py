@@ -579,6 +579,27 @@ def _storage(t: Any) -> int | None:
         return None
 
 
+def _one_view(column: Sequence[Any], sizes: list[int | None]) -> bool:
+    r"""Whether ``column``, a leaf of every micro-batch's output, is one view of the same elements each
+    time (``self.pos[:, :n]``, ``self.mask[:n, :n]``: a new view object of a buffer from each call) and
+    not batched like the micro-batches: one tensor, as ``nn.Sequential`` returns it, not pieces to join.
+
+    Views of one memory with as many rows as every micro-batch has samples (``self.q.expand(n, -1)``, or
+    one row with ``chunks`` equal to the batch) are left to be concatenated: they may be batched. Not
+    for tensors without plain memory, nor meta or fake ones (every one's memory is at 0), nor while a
+    compiler traces, whose tensors keep no addresses.
+    """
+    first = column[0]
+    if (not isinstance(first, torch.Tensor) or type(first) not in (torch.Tensor, nn.Parameter)
+            or any(not isinstance(t, torch.Tensor) or t.shape != first.shape for t in column[1:])
+            or first.dim() and all(first.shape[0] == n for n in sizes) or _is_tracing() or first.is_meta):
+        return False
+    where = _storage(first)
+    return bool(where) and all(
+        type(t) is type(first) and t.dtype == first.dtype and _storage(t) == where
+        and t.storage_offset() == first.storage_offset() and t.stride() == first.stride() for t in column[1:])
+
+
 def _overwrites(later: Any, later_piece: Any, earlier: Any, earlier_piece: Any) -> bool:
     r"""Whether ``later``, a later micro-batch's output (of the input piece ``later_piece``), lies in
     memory of ``earlier``'s, an earlier one's: not where each is its own piece of the input."""
@@ -1652,7 +1673,8 @@ class ParallelSequential(nn.Sequential):
         r"""Join the micro-batch outputs of the last stage along dimension 0.
 
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
-        passed on) is returned as it is, unless it was written again since the
+        passed on), or a view of the same elements not batched like them (see
+        :func:`_one_view`), is returned as it is, unless it was written again since the
         first micro-batch returned it (``returned``: each micro-batch's output's
         leaves and versions as it returned them, see :func:`_returned`), as an ``out=``
         buffer is, which holds what the last micro-batch wrote (a 0-dim total
@@ -1715,7 +1737,7 @@ class ParallelSequential(nn.Sequential):
                                 "its sequence")
             if all(isinstance(o, torch.Tensor) for o in outputs):
                 first = outputs[0]
-                if all(o is first for o in outputs[1:]):
+                if all(o is first for o in outputs[1:]) or _one_view(outputs, sizes):
                     return shared(first, 0)  # the same tensor from every micro-batch, as in a structure below
                 return batched(outputs)
             # (Dicts of the same keys in another order are the same structure, as for nn.Sequential.)
@@ -1730,8 +1752,9 @@ class ParallelSequential(nn.Sequential):
             joined = []
             for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
                 first = column[0]
-                if all(t is first for t in column[1:]) and isinstance(first, torch.Tensor):
-                    joined.append(shared(first, i))  # the same tensor from every micro-batch
+                if isinstance(first, torch.Tensor) and (all(t is first for t in column[1:])
+                                                        or _one_view(column, sizes)):
+                    joined.append(shared(first, i))  # the same tensor (or view of it) from every micro-batch
                 elif all(isinstance(t, torch.Tensor) for t in column):
                     joined.append(batched(column))
                 elif (first is None or any(v is first for v in given)) and all(v is first for v in column[1:]):

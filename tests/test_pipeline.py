@@ -1121,6 +1121,42 @@ def test_one_tensor_written_again_for_each_micro_batch_is_refused(batch, wrap) -
         ParallelSequential(nn.Identity(), _PartlyWritten(), chunks=2)(torch.randn(10, 4))
 
 
+class _PositionsSliced(nn.Module):
+    r"""Returns ``(x, pos)`` with a new view of its positional table for each call: ``self.pos[:, :T]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 16, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.pos[:, : x.shape[1]]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("bare", [False, True])
+def test_one_view_of_a_buffer_from_every_micro_batch_is_returned_as_nn_sequential_does(device, bare) -> None:
+    # Before (a CPU hunt): each micro-batch's new view of the same elements was taken for its
+    # rows, and refused as not batched ([1, 1] rows for micro-batches of [2, 2] samples), where
+    # nn.Sequential returns the one view.
+    stage = _PositionsSliced()
+    last = nn.Sequential(stage, _Second()) if bare else stage
+    pipe = ParallelSequential(nn.Linear(4, 4), last, chunks=2).to(device)
+    ref = nn.Sequential(*pipe)
+    x = torch.randn(4, 6, 4, device=device)
+    out, expected = pipe(x), ref(x)
+    got, want = (out, expected) if bare else (out[1], expected[1])
+    assert got.shape == (1, 6, 4) and got.data_ptr() == stage.pos.data_ptr()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Its gradient reaches the table once, as nn.Sequential's does.
+    (got * 2).sum().backward()
+    torch.testing.assert_close(stage.pos.grad[:, :6], torch.full((1, 6, 4), 2.0, device=device))
+
+
+class _Second(nn.Module):
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return t[1]
+
+
 class _FirstPieceKept(nn.Module):
     r"""Keeps the first input it gets as its workspace, and writes each call's result into it."""
 
