@@ -250,6 +250,9 @@ def _in_order_of(value: Any, template: Any) -> Any:
         return {k: _in_order_of(value[k], template[k]) for k in template}
     if type(value) in (tuple, list) and type(value) is type(template) and len(value) == len(template):
         return type(value)(_in_order_of(v, t) for v, t in zip(value, template))
+    if type(value) is type(template) and pytree.is_namedtuple_instance(value):
+        # (A namedtuple of dicts too: ``Out(logits, aux={...})``. Its class takes the fields by position.)
+        return type(value)(*(_in_order_of(v, t) for v, t in zip(value, template)))
     return value
 
 

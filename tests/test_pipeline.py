@@ -940,6 +940,35 @@ def test_dicts_of_one_keys_in_another_order_concatenate() -> None:
         ParallelSequential(nn.Identity(), _KeysBySize(), chunks=2)(x)
 
 
+class _HeadsInANamedTuple(nn.Module):
+    r"""Returns ``_Heads(x, {"a": x, "b": 2 * x})``, the dict's keys in the order of the batch's parity
+    (the other order where ``flip``)."""
+
+    def __init__(self, flip: bool = False) -> None:
+        super().__init__()
+        self.flip = flip
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return _Heads(x, {"a": x, "b": 2 * x} if (x.shape[0] % 2) != self.flip else {"b": 2 * x, "a": x})
+
+
+class _Heads(NamedTuple):
+    y: torch.Tensor
+    aux: dict
+
+
+def test_dicts_of_one_keys_in_another_order_concatenate_inside_a_namedtuple() -> None:
+    # Before (a CPU hunt): refused as "different structures" inside a namedtuple, where the
+    # same dicts inside a plain tuple were put in one order and concatenated.
+    x = torch.randn(9, 8)  # micro-batches of 5 and 4 rows: keys a, b then b, a
+    out = ParallelSequential(_HeadsInANamedTuple(), chunks=2)(x)
+    assert type(out) is _Heads and list(out.aux) == ["a", "b"]  # (the first micro-batch's order)
+    assert torch.equal(out.y, x) and torch.equal(out.aux["a"], x) and torch.equal(out.aux["b"], 2 * x)
+    # Parallel's joins alike, whose branches return the keys in other orders.
+    joined = Parallel(_HeadsInANamedTuple(), _HeadsInANamedTuple(flip=True), join="sum")(x)
+    assert list(joined.aux) == ["a", "b"] and torch.equal(joined.aux["b"], 4 * x)
+
+
 class _KeysBySize(nn.Module):
     def forward(self, x):  # other keys for each micro-batch size: no order makes them one structure
         return {"five" if x.shape[0] == 5 else "four": x}
