@@ -2246,14 +2246,17 @@ class ParallelSequential(nn.Sequential):
                     handed[lane] = self._handed(handed[lane], values[m], lane - copy, m, pieces)
                 return
             values[m] = lanes[lane](m, values[m])
-            if seen is not None:
-                seen.append(_returned(values[m]))
             if gather is not None and gather.add(m, values[m]):
                 # In its place in the result: let the piece go now. Its memory is
                 # reused sooner, and a graphed last stage (host input) sees its
                 # output released before the next replay, so it lends the next
-                # one instead of copying it (both on this lane's stream).
+                # one instead of copying it (both on this lane's stream). Not
+                # held in ``seen`` either: Gather.restore says what it gives back.
                 values[m] = None
+                if seen is not None:
+                    seen.append(None)
+            elif seen is not None:
+                seen.append(_returned(values[m]))
             if m == count - 1:  # no lane follows the last: only the join waits, once
                 _record(events[e0 + m * n_lanes + lane], stream)
 
@@ -2294,7 +2297,7 @@ class ParallelSequential(nn.Sequential):
             _mark(gather.out, caller)
             return gather
         if gather is not None:
-            gather.restore(values)
+            gather.restore(values, seen)
         for value in values:
             _mark(value, caller)
         return values
@@ -2316,7 +2319,7 @@ class _Gather:
     views of the result (:meth:`restore`).
     """
 
-    __slots__ = ("sizes", "device", "out", "places", "taken", "ok", "first")
+    __slots__ = ("sizes", "device", "out", "places", "taken", "ok", "first", "version")
 
     def __init__(self, sizes: list[int], device: torch.device) -> None:
         self.sizes, self.device = sizes, device  # (the lanes': a piece copied to the host is read by the host)
@@ -2324,6 +2327,7 @@ class _Gather:
         # The first piece, weakly: held, a graphed last stage would see its output kept
         # and copy the next instead of lending it (see _pipeline).
         self.first: Callable[[], Any] = lambda: None
+        self.version: int | None = None  # the first piece's, as the stage returned it (see restore)
         self.places: tuple[torch.Tensor, ...] = ()  # each piece's place in ``out``
         self.taken = 0
         self.ok = len(sizes) > 1
@@ -2347,6 +2351,7 @@ class _Gather:
             self.out = value.new_empty((sum(self.sizes), *value.shape[1:]))
             self.places = self.out.split(self.sizes)
             self.first = weakref.ref(value)
+            self.version = None if value.is_inference() else value._version
         else:
             place = self.places[m]
             # The first piece's checks, against its place. Whether a contiguous
@@ -2366,20 +2371,26 @@ class _Gather:
         self.taken += 1
         return True
 
-    def restore(self, values: list[Any]) -> None:
+    def restore(self, values: list[Any], seen: list[Any] | None = None) -> None:
         r"""Give back the pieces taken as views of the result, where a later one was not.
 
         The pieces taken are the first ``taken`` (the last lane adds them in
         order and stops at the first it declines); a later ``None`` is a
         stage's own output, left for the concatenation to refuse. The first
         is given back as itself where it lives on: a later piece may be the
-        same tensor.
+        same tensor. ``seen`` (see ``ParallelSequential._concat``) gets what
+        each piece given back was as the stage returned it: a copy taken then,
+        written by nothing since; the first itself at the version it had.
         """
         for m in range(self.taken):
             values[m] = self.places[m]
+            if seen is not None:
+                seen[m] = _returned(values[m])
         first = self.first()
         if self.taken and first is not None:
             values[0] = first  # (itself, which a later piece may be: see add)
+            if seen is not None:
+                seen[0] = _Returned([first], [self.version], None)
 
     def complete(self) -> bool:
         return self.ok and self.taken == len(self.sizes)

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import warnings
+import weakref
 from unittest import mock
 from collections import OrderedDict
 from pathlib import Path
@@ -300,6 +301,55 @@ def test_the_same_tensor_from_every_micro_batch_is_not_gathered(host_input: bool
         for _ in range(2):
             x = torch.randn(8, 8)
             assert model(x if host_input else x.cuda()) is stage.q
+
+
+class _Outlives(nn.Module):
+    r"""Doubles its input, and records at each call how many of its earlier outputs are still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[weakref.ref] = []
+        self.alive: list[int] = []
+
+    def forward(self, x):
+        gc.collect()
+        self.alive.append(sum(r() is not None for r in self.made))
+        out = x * 2
+        self.made.append(weakref.ref(out))
+        return out
+
+
+def test_gathered_pieces_are_let_go_as_they_are_taken() -> None:
+    # Before: each micro-batch's output was kept until the call's end (for the checks of
+    # outputs written again, which a piece copied into the result as it came needs not), so
+    # the last lane's pieces were all alive at once, and a graphed last stage saw its
+    # output still held and copied the next instead of lending it.
+    stage = _Outlives()
+    model = ParallelSequential(nn.Linear(8, 8), stage, chunks=4).cuda()
+    with torch.no_grad(), _gathered(True):
+        out = model(x := torch.randn(16, 8, device="cuda"))
+    assert stage.alive == [0, 0, 0, 0]
+    assert torch.equal(out, torch.cat([model[0](p) * 2 for p in x.tensor_split(4)]))
+
+
+class _WritesItsBuffer(nn.Module):
+    r"""Returns its buffer, written with each micro-batch's values: the same tensor from every one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("out", torch.zeros(4, 8))
+
+    def forward(self, x):
+        return torch.mul(x, 2, out=self.out)
+
+
+def test_the_same_tensor_written_by_every_micro_batch_is_refused_after_the_gather_took_it() -> None:
+    # The last lane copies micro-batch 0's output into the result, then gives up at micro-batch 1's,
+    # the same tensor: the concatenation gets it back, and must see that it was written since.
+    model = ParallelSequential(nn.Linear(8, 8), _WritesItsBuffer(), chunks=2).cuda()
+    with torch.no_grad(), pytest.raises(ValueError, match="written again since micro-batch 0 returned it"):
+        model(torch.randn(8, 8, device="cuda"))
+    assert torch.equal(model[1](torch.ones(4, 8, device="cuda")), torch.full((4, 8), 2.0, device="cuda"))
 
 
 class ToHost(nn.Module):
