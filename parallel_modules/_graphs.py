@@ -302,18 +302,32 @@ _RNN_PRECISION = _precision_of("rnn")
 # context, which code wraps around recurrent layers for a double backward: eager calls then run
 # torch's own convolutions and recurrent kernels, a graph its captured cuDNN ones), and which BLAS
 # library runs matrix products (``torch.backends.cuda.preferred_blas_library``: cuBLAS or cuBLASLt,
-# whose kernels round otherwise). (Getters torch lacks are left out.)
+# whose kernels round otherwise). Also: whether deterministic algorithms only warn of an operation
+# that has none (``use_deterministic_algorithms(True, warn_only=True)``: the capture then ran it,
+# and a replay would where an eager call raises) and fill the memory ``torch.empty`` returns
+# (``torch.utils.deterministic.fill_uninitialized_memory``, kernels of their own), cuDNN's
+# benchmarked algorithms (``torch.backends.cudnn.benchmark``: a replay ran the fastest one timed,
+# where eager runs the heuristic's, rounding otherwise) and its depthwise kernel
+# (``torch.backends.cudnn.depthwise_kernel``), and whether FlashAttention 3 replaces flash
+# attention's kernels (``torch.nn.attention.activate_flash_attention_impl("FA3")``). (Getters torch
+# lacks are left out.)
 _KERNEL_GETTERS = tuple(getter for getter in (getattr(torch._C, name, None) for name in (
     "_get_cublas_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_bf16_reduced_precision_reduction",
     "_get_cublas_allow_fp16_accumulation", "_get_deterministic_algorithms", "_get_cudnn_deterministic",
     "_get_flash_sdp_enabled", "_get_mem_efficient_sdp_enabled", "_get_math_sdp_enabled", "_get_cudnn_sdp_enabled",
     "_get_math_sdp_allow_fp16_bf16_reduction", "_get_cudnn_enabled", "_get_blas_preferred_backend",
+    "_get_deterministic_algorithms_warn_only", "_get_deterministic_fill_uninitialized_memory",
+    "_get_cudnn_benchmark", "_get_cudnn_depthwise_kernel", "_get_fa3_sdp_enabled",
 )) if getter is not None)
+# The order in which scaled-dot-product attention tries the backends enabled
+# (``sdpa_kernel([...], set_priority=True)``): the first that takes a call runs it. (A list, which
+# a key cannot hold: made a tuple.)
+_sdp_priority = getattr(torch._C, "_get_sdp_priority_order", list)
 
 
 def _kernel_settings() -> Hashable:
     r"""The process's settings that decide which kernels a capture records (see :func:`_tf32`)."""
-    return _tf32(), tuple([getter() for getter in _KERNEL_GETTERS])
+    return _tf32(), tuple([getter() for getter in _KERNEL_GETTERS]), tuple(_sdp_priority())
 
 
 def _tf32() -> Hashable:
@@ -1481,6 +1495,9 @@ class _CudaGraphs:
             extra,
             torch.is_inference_mode_enabled(),
             _autocast_state(),
+            # (The dtype of what the forward makes without naming one, ``torch.zeros(n, device=x.device)``,
+            # and of the results it takes part in: a capture bakes in the one of its time.)
+            torch.get_default_dtype(),
             # (And of the buffers that may be made to require grad, which _lookup refuses to capture.)
             tuple(map(_requires_grad, self._differentiable)) if grad else None,
             _kernel_settings(),  # (kernels are chosen when captured)

@@ -3421,3 +3421,93 @@ def test_a_numpy_scalar_replays_only_its_own_graph():
     for _ in range(3):
         assert block(x, np.float32("nan")).isnan().all()
     assert block._graphs.captures == 3
+
+
+# ------------------------------- process settings the key missed (bug hunt of session 71)
+def test_key_tells_the_default_dtype_and_other_kernel_settings_apart():
+    # Each of these decides what a capture bakes in, and none moved the key: a graph captured
+    # under one replayed under another. The default dtype is that of what a forward makes
+    # without naming one (and of the results it takes part in); warn_only=True let a capture run
+    # an operation that has no deterministic algorithm, where eager then raises; the others pick
+    # kernels. The attention backends' priority order is a list: kept as such, the key was
+    # unhashable and every call ran eagerly, warned of as an unhashable argument.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.utils.deterministic
+
+    from parallel_modules._graphs import _CudaGraphs
+
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
+    graphs = _CudaGraphs(block)
+    x = torch.randn(2, 4)
+    before = graphs._key(block, (x,), {}, ())
+    hash(before)
+
+    def changed(set_it, restore) -> None:
+        set_it()
+        try:
+            key = graphs._key(block, (x,), {}, ())
+            hash(key)
+            assert key != before
+        finally:
+            restore()
+        assert graphs._key(block, (x,), {}, ()) == before
+
+    dtype = torch.get_default_dtype()
+    changed(lambda: torch.set_default_dtype(torch.float64), lambda: torch.set_default_dtype(dtype))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        before = graphs._key(block, (x,), {}, ())
+        changed(lambda: torch.use_deterministic_algorithms(True, warn_only=not warn_only),
+                lambda: torch.use_deterministic_algorithms(True, warn_only=warn_only))
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+
+        def set_fill(value: bool) -> None:
+            torch.utils.deterministic.fill_uninitialized_memory = value
+
+        changed(lambda: set_fill(not fill), lambda: set_fill(fill))
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    before = graphs._key(block, (x,), {}, ())
+    benchmark = torch.backends.cudnn.benchmark
+    changed(lambda: setattr(torch.backends.cudnn, "benchmark", not benchmark),
+            lambda: setattr(torch.backends.cudnn, "benchmark", benchmark))
+    if hasattr(torch.backends.cudnn, "depthwise_kernel"):
+        depthwise = torch.backends.cudnn.depthwise_kernel
+        other = "native" if depthwise != "native" else "cudnn"
+        changed(lambda: setattr(torch.backends.cudnn, "depthwise_kernel", other),
+                lambda: setattr(torch.backends.cudnn, "depthwise_kernel", depthwise))
+    if hasattr(torch._C, "_set_sdp_use_fa3"):
+        fa3 = torch._C._get_fa3_sdp_enabled()
+        changed(lambda: torch._C._set_sdp_use_fa3(not fa3), lambda: torch._C._set_sdp_use_fa3(fa3))
+    order = sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                         SDPBackend.CUDNN_ATTENTION], set_priority=True)
+    changed(order.__enter__, lambda: order.__exit__(None, None, None))
+
+
+class _MakesOnes(nn.Module):
+    r"""Adds a tensor of ones it makes without naming a dtype: the default dtype's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.ones(x.shape[-1], device=x.device)
+
+
+@cuda
+def test_default_dtype_changed_after_capture_captures_anew():
+    # Before: the graph captured under float32 replayed after set_default_dtype(float64), and
+    # returned float32 where the eager call promotes to float64.
+    block = Parallel(_MakesOnes(), nn.Identity(), cuda_graph=True).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    dtype = torch.get_default_dtype()
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                assert block(x).dtype == torch.float32
+            torch.set_default_dtype(torch.float64)
+            out = block(x)
+            assert out.dtype == torch.float64
+            assert torch.equal(out, torch.cat([x + torch.ones(8, device="cuda"), x], 1))
+        assert block._graphs.captures == 2
+    finally:
+        torch.set_default_dtype(dtype)
