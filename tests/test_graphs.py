@@ -3511,3 +3511,35 @@ def test_default_dtype_changed_after_capture_captures_anew():
         assert block._graphs.captures == 2
     finally:
         torch.set_default_dtype(dtype)
+
+
+class _Attends(nn.Module):
+    r"""Self-attention of its input with itself, by ``F.scaled_dot_product_attention``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(x, x, x)
+
+
+@cuda
+def test_attention_backends_priority_changed_after_capture_captures_anew():
+    # With flash and math attention both enabled, sdpa_kernel(..., set_priority=True) decides
+    # which runs. Before: the graph captured with flash attention first replayed it under a
+    # priority that puts math first, where eager calls run math (rounding otherwise).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    block = Parallel(_Attends(), _Attends(), join="sum", cuda_graph=True).cuda()
+    x = torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.float16)
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    with torch.no_grad():
+        with sdpa_kernel(backends, set_priority=True):
+            flash = _Attends()(x) * 2
+        with sdpa_kernel(backends[::-1], set_priority=True):
+            math = _Attends()(x) * 2
+        if torch.equal(flash, math):
+            pytest.skip("flash and math attention round these inputs alike here")
+        with sdpa_kernel(backends, set_priority=True):
+            for _ in range(2):
+                assert torch.equal(block(x), flash)
+        with sdpa_kernel(backends[::-1], set_priority=True):
+            assert torch.equal(block(x), math)  # before: the flash graph replayed
+    assert block._graphs.captures == 2
