@@ -96,7 +96,8 @@ from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hoo
 from ._inputs import _bounded_add, _input_device, _signature, _value_key
 from ._saved import _saved_storages
 from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dense, _dispatch_modes,
-                       _graph_state, _hidden_tensors, _in_backward, _is_tracing, _pools, _saved_hooks_recording, _use_count)
+                       _graph_state, _hidden_tensors, _in_backward, _is_tracing, _pools, _result_changing_function_modes,
+                       _saved_hooks_recording, _use_count)
 
 __all__: list[str] = []
 
@@ -1449,9 +1450,11 @@ class _CudaGraphs:
 
     # ------------------------------------------------------------------ call
     def __call__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if _is_tracing() or _functorch_active() or _dispatch_modes():
+        if _is_tracing() or _functorch_active() or _dispatch_modes() or _result_changing_function_modes():
             # (torch.func transforms wrap tensors a graph cannot read; a dispatch mode --
-            # FlopCounterMode, a debug mode -- must see the call's operations, not one replay.)
+            # FlopCounterMode, a debug mode -- must see the call's operations, not one replay;
+            # so must a torch function mode, which may change what they compute: captured
+            # under one, a graph would replay its results without it, and the reverse.)
             return forward(*args, **kwargs)
         busy = _autograd_busy()
         if busy:

@@ -66,6 +66,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch.fx import _symbolic_trace
+from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
+from torch.utils._device import DeviceContext as _DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -142,6 +144,21 @@ _saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_ho
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # Python dispatch modes active on this thread
+_function_modes = torch._C._is_torch_function_mode_enabled  # Python torch function modes active on this thread
+
+
+def _result_changing_function_modes() -> bool:
+    r"""Whether a torch function mode that may change what a call computes is active on this thread.
+
+    Any but torch's ``DeviceContext`` (``torch.set_default_device``, ``with
+    torch.device(...)``: the device of tensors made without one, which the
+    inputs' devices key already) and modes of this library's own that only
+    look (marked ``_watches_only``). Asked where a replay would skip the
+    operations such a mode sees; the stack is walked only while some mode is on.
+    """
+    return _function_modes() and any(
+        not (isinstance(mode, _DeviceContext) or getattr(mode, "_watches_only", False))
+        for mode in _function_mode_stack())
 
 
 def _saved_hooks_recording() -> bool:

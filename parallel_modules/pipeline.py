@@ -268,6 +268,8 @@ class _SoftmaxDims(TorchFunctionMode):
 
     _FUNCTIONS = frozenset((torch.nn.functional.softmax, torch.nn.functional.log_softmax,
                             torch.nn.functional.softmin))
+    # (It changes no result: a graphed block called inside it may replay; see _streams.)
+    _watches_only = True
     _STOCK_FORWARDS = frozenset(c.forward for c in _SOFTMAXES)
 
     def __init__(self, owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]],

@@ -2871,6 +2871,48 @@ def test_kernel_settings_and_dispatch_modes_are_not_replayed_stale():
         assert counter.get_total_flops() == expected.get_total_flops() > 0
 
 
+class _ScalesLinear(torch.overrides.TorchFunctionMode):
+    r"""Doubles what ``F.linear`` returns: a torch function mode that changes results."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.nn.functional.linear else out
+
+
+def test_only_torch_function_modes_that_may_change_results_are_told():
+    from parallel_modules._streams import _result_changing_function_modes
+
+    assert not _result_changing_function_modes()
+    with torch.device("cpu"):  # (torch's DeviceContext: the device of tensors made without one)
+        assert not _result_changing_function_modes()
+        with _ScalesLinear():
+            assert _result_changing_function_modes()
+    with _ScalesLinear(), torch.device("cpu"):
+        assert _result_changing_function_modes()
+
+
+@pytest.mark.cuda
+def test_torch_function_modes_are_not_replayed_stale():
+    # Before: a graph captured under a mode changing results replayed them without it, and one
+    # captured without replayed without it under the mode. Such calls run eagerly now; under
+    # torch's own DeviceContext (torch.set_default_device) they still replay.
+    block = Parallel(*_mlp(3), join="cat", cuda_graph=True).cuda().eval()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        with _ScalesLinear():
+            expected = _reference(list(block), x)
+            assert torch.equal(block(x), expected)
+        assert block._graphs.captures == 0
+        plain = _reference(list(block), x)
+        assert not torch.equal(plain, expected)
+        assert torch.equal(block(x), plain) and block._graphs.captures == 1
+        with _ScalesLinear():
+            assert torch.equal(block(x), expected)
+        with torch.device("cuda"):
+            assert torch.equal(block(x), plain)
+        assert block._graphs.captures == 1
+
+
 @pytest.mark.cuda
 def test_amp_backward_of_a_float32_region_is_captured_in_float32():
     # AMP's backward runs outside autocast; captured inside the forward's autocast, the backward of
