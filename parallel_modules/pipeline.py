@@ -2352,7 +2352,11 @@ class _Gather:
             # as much as a launch.
             self.out = value.new_empty((sum(self.sizes), *value.shape[1:]))
             self.places = self.out.split(self.sizes)
-            self.first = weakref.ref(value)
+            # A view (of a table the stage keeps: ``self.pos[:T]``, as many rows as this piece by
+            # chance) is held: where the next piece is the same elements, the concatenation
+            # returns this one (see _one_view), which a copy in the result would not be. (A view
+            # of an intermediate of the stage's own keeps that piece's memory to the call's end.)
+            self.first = (lambda: value) if value._base is not None else weakref.ref(value)
             self.version = None if value.is_inference() else value._version
         else:
             place = self.places[m]

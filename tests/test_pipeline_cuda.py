@@ -332,6 +332,28 @@ def test_gathered_pieces_are_let_go_as_they_are_taken() -> None:
     assert torch.equal(out, torch.cat([model[0](p) * 2 for p in x.tensor_split(4)]))
 
 
+class _TableRows(nn.Module):
+    r"""Returns a new view of the first rows of its table, as many as its input's dimension 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(16, 4))
+
+    def forward(self, x):
+        return self.table[: x.shape[1]]
+
+
+def test_one_view_of_a_table_with_the_first_micro_batchs_rows_is_returned_as_nn_sequential_does() -> None:
+    # Micro-batches of 3 and 2 samples each return table[:3]: the last lane took the first into
+    # the result, as if batched, then gave up at the second; the concatenation then got back
+    # the copy, not the table's memory, and refused it as not batched. Now the view itself.
+    stage = _TableRows().cuda()
+    model = ParallelSequential(nn.Identity(), stage, chunks=2).cuda()
+    with torch.no_grad():
+        out = model(torch.randn(5, 3, 4, device="cuda"))
+    assert out.shape == (3, 4) and out.data_ptr() == stage.table.data_ptr()
+
+
 class _WritesItsBuffer(nn.Module):
     r"""Returns its buffer, written with each micro-batch's values: the same tensor from every one."""
 
