@@ -121,6 +121,9 @@ _keep_vmap_levels_in_graphs()
 _SHARED, _STACKED, _CHANNELS = 0, 1, 2
 # A group's final value only: every member returned the group's input itself (see _Group._run).
 _INPUT = 3
+# A group's final value only, stacked: every member returned a view of the group's input (one for all,
+# vmap's expansion of it), which each member gets a view of its own of (see _Group._run).
+_VIEWS = 4
 
 # Pointwise modules without parameters: applied to a value as it is, in any
 # layout (a shared value stays shared: every member would compute the same).
@@ -1401,11 +1404,18 @@ class _Group:
             # dropout; in a tuple, ``(out, x)``): unfused each returns ``x``, the object, which a
             # caller may write into or compare by identity; a view or copy of the batched value
             # would not be it. (Nothing of the group's reaches ``x``: its weights go unchecked.)
+            # Members returning views of ``x`` alike (``x.view_as(x)``, ``x[:]``, ``x.detach()``): unfused
+            # each returns a view of its own of ``x``'s memory, which a write into it reaches; a copy
+            # would not, nor would ``x`` itself be one (see _VIEWS).
             if type(value) is _Value:
                 if value.layout == _SHARED and value.t is x:
                     value, watched = _Value(x, _INPUT), None
+                elif type(x) is torch.Tensor and not _functorch_active():
+                    t = value.t.expand(self.n, *value.t.shape) if value.layout == _SHARED else value.t
+                    if value.layout in (_SHARED, _STACKED) and _views_of(t, x):
+                        value = _Value(t, _VIEWS)
             else:
-                value = _inputs_returned(value, x)
+                value = _inputs_returned(value, x, self.n)
         if watched and not x.requires_grad:
             # A member whose parameters are all frozen, on an input that requires no grad,
             # computes nothing autograd differentiates unfused: none of its weights is saved,
@@ -1740,7 +1750,7 @@ class _Joined:
             if how == "stack" and -t.dim() - 1 <= dim <= t.dim():
                 return torch.stack([t] * n, dim)
             return None  # (and a bad dim: the general join names it)
-        if layout != _STACKED:
+        if layout not in (_STACKED, _VIEWS):  # (views: joined into a tensor of its own, as any stack)
             return None
         if how == "cat":
             d = dim + t.dim() - 1 if dim < 0 else dim  # in a member's output, which lacks dim 0 of t
@@ -1759,9 +1769,10 @@ class _Joined:
             # (Dense, as torch.stack's: a layer's batched rule may leave the stack strided, a
             # Flatten of the channels layout.)
             return (t.contiguous() if d == 0 else t.movedim(0, d).contiguous()) if 0 <= d < t.dim() else None
-        if how in ("sum", "mean") and (t.is_floating_point() or t.is_complex()):
+        if how in ("sum", "mean") and layout == _STACKED and (t.is_floating_point() or t.is_complex()):
             # (Integer and bool outputs: ``sum(0)`` promotes to int64 and ``mean(0)``
-            # refuses, where the join's additions keep the outputs' dtype.)
+            # refuses, where the join's additions keep the outputs' dtype. Views of the input
+            # too: added as unfused, their sum keeps the input's strides.)
             return t.sum(0) if how == "sum" else t.mean(0)
         return None
 
@@ -1785,22 +1796,26 @@ def _split(v: _Value | Any, n: int) -> list[Any]:
         leaves, spec = pytree.tree_flatten(v)
         # (vmap may leave a leaf's member dimension anywhere in memory, a batch norm's output
         # [B, N, C]: then copied, as for the stacked layout below.)
-        # Not a leaf vmap expanded (stride 0 along the members: an output the members share, their
-        # input returned): unfused each returns that tensor itself, strides and storage.
-        columns = [_members(leaf, 0, n, recording and leaf.requires_grad or not (
-                        leaf.dim() and leaf.stride(0) == 0) and not _dense_members(leaf), received)
-                   if isinstance(leaf, torch.Tensor) else (leaf.t,) * n if type(leaf) is _Input else (leaf,) * n
+        # (A leaf vmap expanded, one value for every member, copied for each: see the stacked layout.)
+        columns = [_members(leaf, 0, n, recording and leaf.requires_grad or not _dense_members(leaf)
+                            or _expanded(leaf), received)
+                   if isinstance(leaf, torch.Tensor) else leaf.split(n) if type(leaf) is _Input else (leaf,) * n
                    for leaf in leaves]
         return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
     t = v.t
     if v.layout == _INPUT:  # (every member returned the input itself, as each does unfused)
         return [t] * n
+    if v.layout == _VIEWS:  # (views of the input, each member's its own, sharing the input's memory and version)
+        return _Input(t, views=True).split(n)
     if v.layout == _SHARED:
         return [t, *(t.clone() for _ in range(n - 1))]
     if v.layout == _STACKED:
         # (A member's slice is dense unless a layer's batched rule left the stack strided, a
-        # Flatten of the channels layout: then copied, as unfused it would be dense.)
-        return _members(t, 0, n, recording and t.requires_grad or not _dense_members(t), v.received)
+        # Flatten of the channels layout: then copied, as unfused it would be dense. Copied too
+        # where vmap expanded one value for every member -- a layer of the user's computing its
+        # output from no tensor of the member's own, ``x * 2`` -- as slices of it would be one
+        # memory, each member's write reaching the others', where unfused each has its own.)
+        return _members(t, 0, n, recording and t.requires_grad or not _dense_members(t) or _expanded(t), v.received)
     # The channels layout, [B, N * C, ...]: a member's channels are a strided slice of
     # every sample, where unfused it gets a dense tensor (``.view()`` works on it). One
     # copy gives every member a dense block; an input in another memory format
@@ -2423,11 +2438,15 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 f"call cannot hand back to each branch")
         # (Set by every call, not only where leaves are no tensors: a member calling its own
         # block runs other steps inside this one's call, which may have set it.)
+        leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else pytree.tree_flatten(out)
         if kept is None:
             _structure.value = None
-        if isinstance(out, torch.Tensor):
+            # Which of the tensors the member returned are its input itself, the object. vmap
+            # expands them alike with views of it (``x.view_as(x)``, ``x[:]``): only the
+            # member's own call tells them apart (see _vmapped_input).
+            _structure.itself = [leaf is x for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if spec is None:
             return out
-        leaves, spec = pytree.tree_flatten(out)
         if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return out
         # (Without the tensors, which must not leave vmap unbatched.)
@@ -2475,7 +2494,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             run = torch.vmap(functools.partial(call, kept=kept), in_dims=(
                 0, None if v.layout == _SHARED and state else 0))
         else:
-            _structure.value = None
+            _structure.value = _structure.itself = None
             run = shared if v.layout == _SHARED and state else stacked
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if guard is not None:
@@ -2492,14 +2511,22 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                     guard.now = False
         if state and not tracing:  # (traced, the stacks are made in the graph: nothing to alias)
             out = _own_memory(out, state)
+        itself = None if tracing else _structure.itself
         if isinstance(out, torch.Tensor):
-            return _Value(out, _STACKED) if tracing else _vmapped_input(out, v)
+            return _Value(out, _STACKED) if tracing else _vmapped_input(out, v, itself[0])
         structure = _structure.value if kept is None else kept[-1] if kept else None
         if structure is not None:  # put the batched tensors back among the other leaves
             spec, leaves = structure
             tensors = iter(out)
             out = pytree.tree_unflatten(
                 [next(tensors) if leaf is _TENSOR else leaf for leaf in leaves], spec)
+        if itself is not None and any(itself) and v.layout == _SHARED and not _functorch_active():
+            # The outputs that are the members' common input itself (``(out, x)``), marked here, where
+            # the member's own call told them apart from views of it (see _inputs_returned).
+            leaves, spec = pytree.tree_flatten(out)
+            returned = iter(itself)
+            out = pytree.tree_unflatten([_Input(v.t) if isinstance(leaf, torch.Tensor) and next(returned) else leaf
+                                         for leaf in leaves], spec)
         return out
 
     step.vmapped = True  # type: ignore[attr-defined]  # (see _Group._after_step)
@@ -2548,18 +2575,26 @@ def _own_memory(out: Any, state: dict[str, torch.Tensor]) -> Any:
 
 
 class _Input:
-    r"""A leaf of a vmapped group's structured value that is the group's input, for every member (see
-    :func:`_inputs_returned`): handed to each member as the input itself."""
+    r"""A leaf of a vmapped group's structured value that the members share (see :func:`_inputs_returned`).
 
-    __slots__ = ("t",)
+    ``views=False``: the group's input ``t``, which every member returned itself, handed to each
+    member as the input itself. ``views=True``: ``t`` is vmap's expansion over the members of views
+    of the group's input the members made (``x.view(...)``, ``x.detach()``), handed to each member as
+    a view of its own (a slice of ``t``), of the input's memory, as each gets unfused.
+    """
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
+    __slots__ = ("t", "views")
+
+    def __init__(self, t: torch.Tensor, views: bool = False) -> None:
+        self.t, self.views = t, views
+
+    def split(self, n: int) -> list[torch.Tensor]:
+        return [self.t.select(0, i) for i in range(n)] if self.views else [self.t] * n
 
 
 def _expands(t: torch.Tensor, x: torch.Tensor) -> bool:
     r"""Whether ``t`` is ``x`` expanded along a new leading dimension of members (vmap's output for members
-    returning their unbatched input): same memory, shape, strides and history as ``x``.
+    returning their unbatched input, or a view of it alike): same memory, shape, strides and history as ``x``.
 
     (An alias made by the member -- ``x.detach()``, whose result requires no grad -- is not ``x``. Nor
     anything without memory -- the meta device's tensors, empty ones -- whose address says nothing.)
@@ -2569,25 +2604,59 @@ def _expands(t: torch.Tensor, x: torch.Tensor) -> bool:
             and t.dtype == x.dtype)
 
 
-def _vmapped_input(out: Any, v: _Value) -> Any:
+def _vmapped_input(out: Any, v: _Value, itself: bool) -> Any:
     r"""A vmapped step's tensor ``out`` as a value of its own; the step's shared input ``v`` itself where
-    every member returned it (a member that is an identity of the user's): see :meth:`_Group._run`."""
-    if v.layout == _SHARED and not _functorch_active() and _expands(out, v.t):
+    every member returned it (``itself``: a member that is an identity of the user's), see :meth:`_Group._run`.
+
+    A view of it alike (``x.view_as(x)``, ``x[:]``), which vmap expands as it expands ``x``, is read as
+    one shared value for the next layer too, but not as ``x``: unfused, such a member returns a tensor of
+    its own, a view of ``x``, which a caller comparing by identity (``out is x``) tells apart.
+    """
+    if v.layout == _SHARED and itself:
         return v
+    if v.layout == _SHARED and not _functorch_active() and _expands(out, v.t):
+        return _Value(out.select(0, 0), _SHARED)
     return _Value(out, _STACKED)
 
 
-def _inputs_returned(value: Any, x: torch.Tensor) -> Any:
-    r"""A vmapped group's structured ``value`` with each leaf that is the group's input ``x`` expanded over
-    the members (a member returning ``(out, x)``) marked as :class:`_Input`, handed back as ``x`` itself."""
-    if _functorch_active() or type(x) is not torch.Tensor:
-        return value
+def _expanded(t: torch.Tensor) -> bool:
+    r"""Whether stacked ``t`` holds one value for every member: vmap's expansion of a value the members'
+    call computed once, from no tensor of a member's own (stride 0 along the members)."""
+    return t.dim() > 0 and t.stride(0) == 0
+
+
+def _views_of(t: torch.Tensor, x: torch.Tensor) -> bool:
+    r"""Whether stacked ``t`` is one value for every member in the memory of the group's input ``x``: the
+    expansion of views of ``x`` that the members made."""
+    return _expanded(t) and _watch._storage(t) == _watch._storage(x) != -1
+
+
+def _inputs_returned(value: Any, x: torch.Tensor, n: int) -> Any:
+    r"""A vmapped group's structured ``value`` with each leaf the members share marked as :class:`_Input`: the
+    group's input ``x`` where the members returned it itself (``(out, x)``, marked by the step as such),
+    views of it where they returned views of it.
+
+    (A leaf the step marked as a shared value of the group's other than ``x`` -- the members' input
+    to their last layer, computed once for all -- is expanded back: unfused, each member returns a
+    tensor of its own, which :func:`_split` copies for each.)
+    """
     tree = value.tree if type(value) is _Structured else value
     leaves, spec = pytree.tree_flatten(tree)
-    if not any(isinstance(leaf, torch.Tensor) and _expands(leaf, x) for leaf in leaves):
+    plain = not _functorch_active() and type(x) is torch.Tensor
+
+    def mark(leaf: Any) -> Any:
+        if type(leaf) is _Input and not leaf.views:
+            if leaf.t is x:
+                return leaf
+            leaf = leaf.t.expand(n, *leaf.t.shape)
+        if plain and isinstance(leaf, torch.Tensor) and _views_of(leaf, x):
+            return _Input(leaf, views=True)
+        return leaf
+
+    marked = [mark(leaf) for leaf in leaves]
+    if all(a is b for a, b in zip(marked, leaves)):
         return value
-    tree = pytree.tree_unflatten([_Input(x) if isinstance(leaf, torch.Tensor) and _expands(leaf, x) else leaf
-                                  for leaf in leaves], spec)
+    tree = pytree.tree_unflatten(marked, spec)
     return value._replace(tree=tree) if type(value) is _Structured else tree
 
 

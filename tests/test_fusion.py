@@ -17,6 +17,7 @@ import pickle
 import re
 import threading
 import warnings
+from typing import Any, Iterable
 
 import pytest
 import torch
@@ -392,6 +393,74 @@ def test_a_fused_member_returning_its_input_returns_the_input_itself(device, mem
                 return sum(o.sum() + 2 * i.sum() for o, i in value)
 
             assert_close(torch.autograd.grad(loss(outs), x), torch.autograd.grad(loss(reference(p, x)), x))
+
+
+class ViewOfInput(nn.Module):
+    r"""Returns its input, a view of it it makes, or a tensor computed from it alone (``"computed"``);
+    ``pair``: after its weighted input, ``(x * weight, out)``."""
+
+    def __init__(self, how: str, pair: bool) -> None:
+        super().__init__()
+        self.how, self.pair = how, pair
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = {"itself": lambda: x, "view": lambda: x.view(x.shape), "slice": lambda: x[:], "detach": x.detach,
+               "view_as": lambda: x.view_as(x), "transpose": lambda: x.t(), "computed": lambda: x * 2}[self.how]()
+        return (x * self.weight, out) if self.pair else out
+
+
+def _writes_reach(outs: list[Any], x: torch.Tensor) -> list[tuple[bool, bool, bool]]:
+    r"""For each member's output (its last leaf): whether it is ``x`` itself, and whether a write into it
+    changes ``x`` and the next member's output."""
+    last = [pytree.tree_leaves(o)[-1] for o in outs]
+    found = []
+    for i, out in enumerate(last):
+        nxt = last[(i + 1) % len(last)]
+        x_before, nxt_before = x.clone(), nxt.clone()
+        with torch.no_grad():
+            out.add_(1)
+        found.append((out is x, not torch.equal(x, x_before), not torch.equal(nxt, nxt_before)))
+        with torch.no_grad():
+            out.sub_(1)
+    return found
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("how", ["itself", "view", "slice", "detach", "view_as", "transpose", "computed"])
+@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("after", ["input", "relu"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_fused_members_view_of_its_input_is_a_view_of_its_own(device, how, pair, after, grad):
+    # Unfused, a member returning a view of its input it made (``x.view(x.shape)``, ``x[:]``,
+    # ``x.detach()``) returns a tensor of its own, not ``x``, in ``x``'s memory; one returning a
+    # tensor computed from ``x`` alone (``x * 2``) returns memory of its own. Before: fused, vmap
+    # expands all of them as it expands ``x`` itself -- the first came back as ``x`` itself, the
+    # others as views of one memory, a write into one member's output reaching the others'; and
+    # after a layer computed once for all (``after="relu"``) members returning their input shared it.
+    torch.manual_seed(0)
+    members = [ViewOfInput(how, pair) if after == "input" else nn.Sequential(nn.ReLU(), ViewOfInput(how, pair))
+               for _ in range(3)]
+    p = Parallel(*copy.deepcopy(members), join=None, fuse=True).to(device)
+    members = [m.to(device) for m in members]
+    x = torch.randn(4, 4, device=device).t().requires_grad_(grad)
+    p(x)
+    outs, expected = p(x), [m(x) for m in members]
+    assert fused_groups(p) == [["0", "1", "2"]]
+    assert_close(outs, expected)
+    for o, e in zip(outs, expected):
+        o, e = pytree.tree_leaves(o)[-1], pytree.tree_leaves(e)[-1]
+        assert o.requires_grad == e.requires_grad
+        if e.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            assert o.stride() == e.stride()
+    if grad and (pair or how not in ("detach", "computed")):
+        def grads(value: list[Any], params: Iterable[torch.Tensor]) -> tuple:
+            loss = sum((k + 1) * t.sum() for o in value for k, t in enumerate(pytree.tree_leaves(o))
+                       if t.requires_grad)
+            return torch.autograd.grad(loss, [x, *params], retain_graph=True, allow_unused=True)
+
+        assert_close(grads(outs, p.parameters()), grads(expected, (q for m in members for q in m.parameters())))
+    assert _writes_reach(outs, x) == _writes_reach(expected, x)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
