@@ -312,6 +312,24 @@ def _attributes_set_apart(a: nn.Module, b: nn.Module) -> str | None:
     return None
 
 
+_Attribute = tuple[str, str, dict, str, torch.Tensor, "int | None"]
+
+
+def _attribute_changed(attributes: list[_Attribute]) -> _Attribute | None:
+    r"""The first member's tensor attribute (see :meth:`_Group._compare_attributes`) that is no longer the
+    tensor it was, at the version it was -- changed in place (``.mul_()``) or assigned anew since -- or ``None``.
+
+    (Looked at on every eager call of a group whose members hold any: a dict look-up and a
+    version per attribute. An inference tensor keeps no version: written in place under
+    ``inference_mode``, it is not seen.)
+    """
+    for a in attributes:
+        _, _, d, k, t, v = a
+        if d.get(k) is not t or v is not None and t._version != v:
+            return a
+    return None
+
+
 def _member_tensor(member: nn.Module, qual: str) -> Any:
     r"""The parameter or buffer ``qual`` of ``member`` (``"0.bias"``), ``None`` where it has none, or
     ``_GONE`` where it has no submodule of that name (renamed since it was grouped)."""
@@ -878,6 +896,10 @@ class _Group:
         # then: see _run). Made once here for the two sets above, which depend on the
         # layers' types alone.
         self.program: list[_Step] | None = None
+        # The members' tensor attributes (not parameters or buffers) when their values were last found
+        # alike: the member's name, the attribute's path in it, its module's dict, its name there, the
+        # tensor and its version (see _compare_attributes).
+        self.attributes: list[_Attribute] = []
         # Whether a layer runs through vmap (a module of the user's), whose own code may write
         # the members' parameters in place (a weight clamped or decayed in its ``forward``):
         # see Parallel._run_group. (Taken as so where the steps cannot be made yet.)
@@ -1194,6 +1216,36 @@ class _Group:
         return (self.entries[qual].attr == "bias" or qual in self.never_saved or qual in self.saved_with_input
                 or qual in self.saved_always)
 
+    def _compare_attributes(self, since: str) -> None:
+        r"""Refuse members whose tensor attributes (not parameters or buffers) are set apart from the first
+        member's; else keep them, with their versions, for later calls to look at (see :func:`_attributes_kept`).
+
+        The layers run through vmap read the first member's attributes for every
+        member (see _vmapped_step): the members' own calls since they were grouped
+        (``fuse="auto"``'s first call runs them in turn) may have set theirs apart --
+        a cache computed from their parameters -- and so may the user between calls
+        (``block[3].scale.mul_(2)``), which batched would silently be the first
+        member's for all. Grouped anew, they are told apart there (see
+        :class:`_MembersChanged`). ``since``: how they came apart, for the message.
+        """
+        # (The first member too, against itself: for a view of its own parameters.)
+        for name, member in zip(self.names, self.members):
+            diff = _attributes_set_apart(self.template, member)
+            if diff is not None:
+                first = "" if member is self.template else (
+                    f", where branch {self.names[0]!r} has its own, {since} (register a tensor each member "
+                    f"keeps apart with register_buffer)")
+                raise _MembersChanged(f"the branches are no longer identical: in branch {name!r}, {diff}{first}")
+        self.attributes = [(name, _join(path, k), vars(m), k, t, None if t.is_inference() else t._version)
+                           for name, member in zip(self.names, self.members) for path, m in member.named_modules()
+                           for k, t in _hyperparameters(m).items() if isinstance(t, torch.Tensor)]
+
+    def attribute_tensors(self) -> list[torch.Tensor]:
+        r"""The first member's tensor attributes (not parameters or buffers) that keep a version: those a layer
+        run through vmap reads, and may write, for every member (see :func:`_vmapped_step`)."""
+        return [t for m in self.template.modules() for t in _hyperparameters(m).values()
+                if isinstance(t, torch.Tensor) and not t.is_inference()]
+
     def _after_step(self, watched: list, read: list[str], out: Any, before: torch.Tensor, flow: list[bool],
                     vmapped: bool) -> None:
         r"""Watch what a step read that autograd saved (see :meth:`_watch_buffers`), and move ``flow`` on.
@@ -1364,23 +1416,15 @@ class _Group:
         # the compiler guarded on, and the block was compiled a second time; read, an eager
         # call that made it since failed the guard, and compiled the block again.)
         program = self.program if keep else None
+        since = "set by their own calls since they were grouped"
+        if program is not None and self.attributes and _attribute_changed(self.attributes) is not None:
+            # Changed between calls (``block[2].scale.mul_(2)``): compared again, and the steps made
+            # anew, whose layers run through vmap hold the attributes of when they were made (one
+            # assigned anew alike in every member would not be read).
+            program, since = None, "changed since the group's last call (in place, or assigned anew)"
         if program is None:
             if keep:
-                # The layers run through vmap read the first member's attributes for every
-                # member (see _vmapped_step), taken when the program is made: the members' own
-                # calls since they were grouped (``fuse="auto"``'s first call runs them in turn)
-                # may have set theirs apart -- a cache computed from their parameters, which
-                # batched would silently be the first member's for all. Grouped anew, they are
-                # told apart there (see _MembersChanged).
-                # (The first member too, against itself: for a view of its own parameters.)
-                for name, member in zip(self.names, self.members):
-                    diff = _attributes_set_apart(self.template, member)
-                    if diff is not None:
-                        first = "" if member is self.template else (
-                            f", where branch {self.names[0]!r} has its own, set by their own calls since they "
-                            f"were grouped")
-                        raise _MembersChanged(
-                            f"the branches are no longer identical: in branch {name!r}, {diff}{first}")
+                self._compare_attributes(since)
             program = _program(self, self.template, "")
             if keep:
                 self.program = program
@@ -1399,6 +1443,17 @@ class _Group:
                 if read or vmapped:
                     self._after_step(watched, read, value, before, flow, vmapped)
                     read.clear()
+        written_attribute = _attribute_changed(self.attributes) if keep else None
+        if written_attribute is not None:
+            # A layer run through vmap wrote its tensor attribute in place (``self.calls.add_(1)``), the
+            # first member's, once for every member: unfused each member writes its own. (The caller
+            # puts the first member's back, where it kept a copy, and runs the members unfused.)
+            name, path = written_attribute[:2]
+            raise RuntimeError(
+                f"{path!r} of branch {name!r}, a tensor attribute that is not a parameter or buffer, was written "
+                f"while the branches ran batched (in place in forward, or by another thread): batched, the "
+                f"first branch's is written once for all, where each branch writes its own; register it "
+                f"with register_buffer")
         if not tracing or restacked:  # (not while a compiler traces: see _expands)
             # Members returning their input itself (an identity of the user's, nn.Identity, an eval
             # dropout; in a tuple, ``(out, x)``): unfused each returns ``x``, the object, which a

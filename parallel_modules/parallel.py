@@ -19,8 +19,8 @@ from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _listed, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
 from ._children import _layers_in_turn, _writes_its_input
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _Joined, _MembersChanged,
-                      _UnbatchedNow, _Unfused)
+from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _hyperparameters, _Joined,
+                      _MembersChanged, _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._fusion import _numbered
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
@@ -45,16 +45,19 @@ def _buffers_kept(roots: list[nn.Module]) -> Callable[[], list[BaseException]] |
     ``.data`` (re-pointed, viewed anew, grown by ``resize_``), assigned anew
     (``self.n = self.n + 1``), made to require grad, registered or replaced by
     a parameter, and submodules registered, get their tensors, values and
-    registrations back, in their order. (Parameters written in place are not
-    put back.) The function returns what it failed to put back, having put
-    back the rest; ``None`` where the buffers could not be copied (memory).
+    registrations back, in their order; so do tensor attributes that are no
+    buffer, written in place (a count kept in ``self.calls``). (Parameters
+    written in place are not put back.) The function returns what it failed to
+    put back, having put back the rest; ``None`` where the buffers could not be
+    copied (memory).
     """
     kept = []
     try:
         with torch.no_grad():
             for m in {id(m): m for root in roots for m in root.modules()}.values():
+                held = [t for t in _hyperparameters(m).values() if isinstance(t, torch.Tensor)]
                 tensors = [(b, b.data, b.requires_grad, None if b.is_meta else b.clone())
-                           for b in m._buffers.values() if b is not None]
+                           for b in (*m._buffers.values(), *held) if b is not None]
                 dicts = [(d, list(d.items())) for d in (m._buffers, m._parameters, m._modules)]
                 kept.append((m, dicts, set(getattr(m, "_non_persistent_buffers_set", ())), tensors))
     except (RuntimeError, MemoryError):
@@ -1067,6 +1070,7 @@ class Parallel(nn.Module):
         r"""The group's batched value. ``eager``: the caller saw no tracer and no capture (see :meth:`_Group.run`)."""
         kept = None
         written: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None  # (see below)
+        attributes_written: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None
         tracing = not eager and _is_tracing()
         x = args[0]
         # (Whether the batched attempt wrote the members' input before failing: see below.)
@@ -1107,8 +1111,11 @@ class Parallel(nn.Module):
             if not tracing and not restack and group.vmapped:
                 # (Not within a capture, whose replays would copy them again: its warm-up ran first.)
                 first = not group.ran and group.unbatched is None and not (x.is_cuda and _capture_underway())
+                # (So its first member's tensor attributes, which such a layer reads for every member.)
                 with torch.no_grad():
                     written = [(t, t._version, t.clone() if first else None) for t in group.parameter_stacks()]
+                    attributes_written = [(t, t._version, t.clone() if first else None)
+                                          for t in group.attribute_tensors()]
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
             out = group.run(args[0], self._cat_joined(fusion), eager,
                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
@@ -1130,10 +1137,10 @@ class Parallel(nn.Module):
             _put_back(kept)
             raise
         names = [list(self._modules)[i] for i in group.indices]
-        if not _put_back_parameters(written):
-            # Written, with no copy to put back: called in turn now, the members would write them again.
-            raise self._refused_retry(fusion, group, names, failure, "their parameters",
-                                      "change them again") from failure
+        for what, tensors in (("their parameters", written), ("their tensor attributes", attributes_written)):
+            if not _put_back_parameters(tensors):
+                # Written, with no copy to put back: called in turn now, the members would write them again.
+                raise self._refused_retry(fusion, group, names, failure, what, "change them again") from failure
         if version is not None and x._version != version and not _clamps_its_input(group):
             # Called in turn now, the members would read what the batched attempt wrote.
             # (Not where they only clamp it first, which each of them in turn would do
@@ -2009,8 +2016,9 @@ def _held_by_hooks() -> bool:
 
 
 def _put_back_parameters(written: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None) -> bool:
-    r"""Write back each parameter stack that changed since its version was read, from its copy (``written``:
-    a stack, its version then and its copy or ``None``); ``False`` where one changed with no copy to write.
+    r"""Write back each parameter stack (or tensor attribute) that changed since its version was read, from its
+    copy (``written``: a stack, its version then and its copy or ``None``); ``False`` where one changed with no
+    copy to write.
 
     (Only those that changed: a copy into a stack autograd saved for another graph's backward would
     make that backward refuse it.)

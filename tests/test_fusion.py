@@ -2871,6 +2871,74 @@ def test_attributes_members_set_apart_on_auto_first_call_are_not_read_off_the_fi
     assert block.explain()["fused"] == []  # (grouped anew, their caches tell them apart)
 
 
+class _ScaledByAttribute(nn.Module):
+    r"""Scales its ``Linear``'s output by a plain tensor attribute, not a buffer (``calls``: counts its calls in
+    another, in place in ``forward``)."""
+
+    def __init__(self, counts: bool = False) -> None:
+        super().__init__()
+        self.linear, self.scale, self.counts = nn.Linear(4, 4), torch.ones(4), counts
+        self.calls = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.counts:
+            self.calls.add_(1)
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("who", ["first", "another", "all"])
+@pytest.mark.parametrize("how", ["in place", "assigned"])
+def test_a_tensor_attribute_changed_between_calls_is_not_read_off_the_first_member(fuse, who, how):
+    # Before: the members' tensor attributes were compared when grouped and at the group's first
+    # call only: one scaled in place later (``block[2].scale.mul_(2)``) went unseen, and every
+    # member went on reading the first member's (silently wrong for one member, or all but one).
+    # Now a call sees it: the members found apart are grouped anew ("auto"; fuse=True refuses
+    # the call, naming the attribute); changed alike, they stay fused.
+    torch.manual_seed(0)
+    branches = [_ScaledByAttribute() for _ in range(3)]
+    block = Parallel(*branches, join=None, fuse=fuse)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        assert_close(block(x), [b(x) for b in branches])
+    for b in {"first": branches[:1], "another": branches[2:], "all": branches}[who]:
+        if how == "in place":
+            b.scale.mul_(2)
+        else:
+            b.scale = b.scale * 2
+    if fuse is True and who != "all":
+        with pytest.raises(RuntimeError, match=r"fuse=True, but .* 'scale', a tensor that is not a parameter or "
+                                               r"buffer, of other values .* register_buffer"):
+            block(x)
+        return
+    for _ in range(2):
+        assert_close(block(x), [b(x) for b in branches])
+    assert block.explain()["fused"] == {"first": [["1", "2"]], "another": [["0", "1"]], "all": [["0", "1", "2"]]}[who]
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_tensor_attribute_written_in_forward_is_not_written_once_for_all(fuse):
+    # Before: a layer run through vmap counting its calls in a plain tensor attribute
+    # (``self.calls.add_(1)``) wrote the first member's count once per call, batched, and no
+    # other member's: silently. Now the batched call that writes it fails, the first member's
+    # count is put back, and the members run unfused ("auto", from then on) or the call is
+    # refused (fuse=True), leaving every count as it was.
+    branches = [_ScaledByAttribute(counts=True) for _ in range(3)]
+    block = Parallel(*branches, join=None, fuse=fuse)
+    x = torch.randn(2, 4)
+    if fuse is True:
+        with pytest.raises(RuntimeError, match=r"'calls' of branch '0', a tensor attribute that is not a parameter "
+                                               r"or buffer, was written while the branches ran batched"):
+            block(x)
+        assert [b.calls.item() for b in branches] == [0.0] * 3
+        return
+    with pytest.warns(UserWarning, match=r"'calls' of branch '0', a tensor attribute"):
+        for calls in (1.0, 2.0, 3.0):
+            assert_close(block(x), [b.linear(x) * b.scale for b in branches])
+            assert [b.calls.item() for b in branches] == [calls] * 3
+    assert block.explain()["fused"] == []
+
+
 def test_a_hyperparameter_set_before_the_first_call_is_seen():
     # Before: the groups found at construction held for the first call, a member's setting
     # changed in place since ignored: every member ran the first one's (off by 2.3).
