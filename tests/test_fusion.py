@@ -463,6 +463,38 @@ def test_a_fused_members_view_of_its_input_is_a_view_of_its_own(device, how, pai
     assert _writes_reach(outs, x) == _writes_reach(expected, x)
 
 
+class ReturnsAlias(nn.Module):
+    r"""Returns a tensor of its own sharing its input's memory, shape and strides (a stop-gradient, a no-op view)."""
+
+    def __init__(self, how: str, pair: bool) -> None:
+        super().__init__()
+        self.how, self.pair = how, pair
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        alias = x.detach() if self.how == "detach" else x.view(x.shape)
+        return (x * self.weight, alias) if self.pair else alias
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("how", ["detach", "view"])
+@pytest.mark.parametrize("pair", [False, True], ids=["tensor", "tuple"])
+def test_a_fused_member_returning_an_alias_of_its_input_does_not_return_the_input(device, how, pair):
+    # Before: vmap's expansion of an alias looked like that of the input itself (same memory,
+    # shape and strides), and every member got ``x``, the caller's object: an in-place change of
+    # one branch's output's shape (unsqueeze_, requires_grad_) changed the input and every branch's.
+    p = Parallel(*[ReturnsAlias(how, pair) for _ in range(3)], join=None, fuse=True).to(device)
+    x = torch.randn(4, 4, device=device)
+    with torch.no_grad():
+        p(x)
+        outs = p(x)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    aliases = [out[1] if pair else out for out in outs]
+    assert not any(a is x for a in aliases)
+    aliases[0].unsqueeze_(0)
+    assert x.shape == (4, 4) and [a.shape for a in aliases[1:]] == [(4, 4)] * 2
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("shape, dim", [((2, 1, 1, 3), 1), ((2, 5, 1, 3), 2)])
 def test_fused_cat_of_4d_outputs_with_a_size_one_dim_is_contiguous(device, shape, dim):
