@@ -17,20 +17,23 @@ A block's own settings (``block.join = "sum"``, ``block.max_graphs = 2``) are
 checked and make it forget what it learnt as soon as they are set
 (:func:`_change_setting`).
 
-Not seen: changes made without registering anything -- ``del`` of a submodule
-below the container, ``nn.Sequential.insert`` there of a module built before
-(building one registers its parameters), writes into the ``_modules`` or
-``_parameters`` of a module below -- which the containers' own mutators
-(``__delitem__``, ``insert``) handle for their own children, and count for
-the blocks enclosing them (:func:`_children_changed`); the blocks' own
-``_modules`` is a :class:`_Children`, which counts writes into it. Comparing
-every container's children on every call would cost the hot path 1.4 us for
+Changes that register nothing -- ``del block[0][1]`` (``nn.Sequential``'s
+``__delitem__`` deletes from ``_modules``), ``block[0].insert(1, layer)`` of a
+layer built before (building one registers its parameters), a write into the
+``_modules`` of a module below (``block[0]._modules["1"] = layer``) -- are
+counted by the dicts themselves: every module in a block's tree holds its
+children in a :class:`_Children`, which counts each change made to it (see
+:func:`_watch_children`), the blocks' own included. Comparing every
+container's children on every call instead would cost the hot path 1.4 us for
 mlp8's nine containers on the development machine's CPU, where its graphed
-call costs the H100 machine's CPU 20-30 us.
+call costs the H100 machine's CPU 20-30 us. (A parameter or buffer written
+into ``_parameters`` or ``_buffers`` registers nothing either: fused groups
+see it by its address, see ``_fusion._Group._bound``.)
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 from typing import Any, Callable
@@ -67,23 +70,30 @@ def _children_changed() -> None:
 
 
 class _Children(dict):
-    r"""A block's dict of children (its ``_modules``), which counts each change made to it as a registration.
+    r"""A module's dict of children (its ``_modules``), which counts each change made to it as a registration:
+    a block's own, and that of every module below it (see :func:`_watch_children`).
 
     Code that edits a module's children through this private dict -- ``del
     block._modules["1"]``, ``block._modules.pop("1")``, ``block._modules["1"] =
-    branch`` of a branch built before, as some libraries do -- registers
+    branch`` of a branch built before, as some libraries do, and torch's own
+    ``nn.Sequential.insert`` and ``__delitem__`` below a block -- registers
     nothing: calls, which walk the tree only when the count moved (see
     :class:`_Tree`), ran the fused groups, schedules and graphs of the old
     branches, the removed one too. Counted after the change (a walk then sees
     it). Calls read the dict as they read a plain one, ``values()`` and lookups
     being ``dict``'s own: about 10 ns slower a read than a plain dict's (which
     CPython's specialized lookups take only), on the development machine's
-    CPU; an eager call of a block reads it once or not at all. (``copy()``
-    returns a plain ``dict``; ``__getstate__`` hands that on, and blocks wrap
-    it again, see :func:`_watched_children`.)
+    CPU; an ``nn.Sequential`` reads it once a call, a module of the user's once
+    per child it names (``self.fc1``). (``copy()`` returns a plain ``dict``;
+    pickled, and so deep-copied, it is one too, so that a module pickled from
+    a block loads where this package is not installed; blocks wrap theirs
+    again, see :func:`_watched_children`.)
     """
 
     __slots__ = ()
+
+    def __reduce__(self) -> tuple[type, tuple[dict]]:
+        return dict, (dict(self),)
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)
@@ -138,6 +148,23 @@ def _watched_children(children: dict) -> _Children:
     watched = _Children(children)
     _count()
     return watched
+
+
+def _watch_children(modules: tuple[nn.Module, ...]) -> None:
+    r"""Make the dict of children of each of ``modules`` (a block's tree) a :class:`_Children`, so that a
+    change to it that registers nothing is counted.
+
+    Not counted itself: the children are the same. Only a plain ``dict``
+    (``nn.Module``'s) or ``OrderedDict`` (what ``nn.Sequential.__delitem__``
+    renumbers into) is replaced, not a TorchScript module's view of its own,
+    nor a ``_Children`` already. Replaced on the module's ``__dict__``, as
+    ``nn.Module`` reads it: a module's ``__setattr__`` (a block's, which wraps
+    and counts) is not called.
+    """
+    for m in modules:
+        children = m.__dict__.get("_modules")
+        if type(children) is dict or type(children) is collections.OrderedDict:
+            m.__dict__["_modules"] = _Children(children)
 
 
 def _install() -> None:
@@ -197,6 +224,8 @@ class _Tree:
         # Held (not only their ids), so that an id is not reused by a new object while compared.
         self.members, self.buffers = _members(root)
         self.modules = tuple(root.modules())
+        # From here on, a change to a dict of children below counts (del block[0][1]).
+        _watch_children(self.modules)
         # Without walking the tree again (whether any is trained, on a hot path).
         self.parameters = tuple(root.parameters())
 

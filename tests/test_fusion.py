@@ -4100,6 +4100,57 @@ def test_branches_changed_through_the_blocks_dict_of_children_are_seen(fuse, edi
             assert_close(p(x), torch.cat([branch(x) for branch in p._modules.values()], 1))
 
 
+def _edit_below(branch: nn.Sequential, edit: str, layer: nn.Module) -> None:
+    r"""Change ``branch``'s layers in a way that registers nothing (``layer`` built before the block's calls)."""
+    if edit == "del":
+        del branch[1]
+    elif edit == "insert":
+        branch.insert(1, layer)
+    elif edit == "set in _modules":
+        branch._modules["1"] = layer
+    else:  # (pop from _modules: the layers after it still run)
+        branch._modules.pop("1")
+
+
+@pytest.mark.parametrize("edit", ["del", "insert", "set in _modules", "pop from _modules"])
+@pytest.mark.parametrize("fuse", ["auto", True])
+def test_layers_changed_below_a_branch_are_seen(fuse, edit):
+    # Before: ``del block[0][1]``, ``block[0].insert(1, layer)`` of a layer built before and a
+    # write into a branch's ``_modules`` register nothing, and a block walks its tree only when
+    # a registration was counted: fused groups went on running the first member's old layers for
+    # every member (off by 0.3-1.2; the branch changed alone, with fuse=True, went unrefused).
+    torch.manual_seed(0)
+    layers = [nn.Tanh() for _ in range(4)]  # (built before the calls: registers nothing after)
+    p = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)) for _ in range(3)], fuse=fuse)
+    with torch.no_grad():
+        for _ in range(3):
+            p(torch.randn(3, 8))
+        # Every branch alike: still one group, which must run the new layers.
+        for branch, layer in zip(p, layers):
+            _edit_below(branch, edit, layer)
+        for _ in range(2):
+            x = torch.randn(3, 8)
+            assert_close(p(x), reference(p, x))
+        # One branch alone: no longer identical to the others.
+        p[1]._modules["last"] = layers[3]
+        x = torch.randn(3, 8)
+        if fuse is True:
+            with pytest.raises(ValueError, match="branch '1' differs from branch '0'"):
+                p(x)
+            del p[1]._modules["last"]  # as it was: the next call works
+        assert_close(p(x), reference(p, x))
+        assert p.explain()["fused"] == ([["0", "1", "2"]] if fuse is True else [["0", "2"]])
+
+
+def test_a_branch_below_a_block_is_pickled_without_the_package():
+    # The dicts of children below a block count their changes (see the test above); pickled (and
+    # so deep-copied), a branch holds plain dicts, which load where the package is not installed.
+    p = Parallel(nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU())), nn.Linear(4, 4))
+    assert b"parallel_modules" not in pickle.dumps(p[0])
+    assert type(copy.deepcopy(p[0])[1]._modules) is dict
+    assert_close(pickle.loads(pickle.dumps(p[0]))(torch.ones(1, 4)), p[0](torch.ones(1, 4)))
+
+
 @pytest.mark.parametrize("made", ["deepcopy", "pickle", "slice", "del block[i]", "insert", "assigned"])
 def test_a_blocks_dict_of_children_is_watched_however_the_block_was_made(made):
     # The dict of children a block holds after it is copied, unpickled (pickled as a plain dict),
@@ -4148,6 +4199,25 @@ def test_children_changed_through_the_dict_of_a_graphed_block_are_seen(block):
             expected = torch.cat([layer(x) for layer in m._modules.values()], 1)
         else:
             expected = m._modules["2"](m._modules["0"](x))
+        assert_close(m(x), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", ["Parallel", "ParallelSequential"])
+def test_layers_deleted_below_a_graphed_block_are_seen(block):
+    # Before: ``del m[0][1]`` registers nothing: the graph captured with the deleted layer replayed it.
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).cuda() for _ in range(2)]
+    if block == "Parallel":
+        m = Parallel(*layers, cuda_graph=True).eval()
+    else:
+        m = ParallelSequential(*layers, chunks=2, cuda_graph=True).eval()
+    with torch.no_grad():
+        for _ in range(4):
+            m(torch.randn(4, 8, device="cuda"))
+        del m[0][1]
+        x = torch.randn(4, 8, device="cuda")
+        expected = torch.cat([layer(x) for layer in layers], 1) if block == "Parallel" else layers[1](layers[0](x))
         assert_close(m(x), expected)
 
 

@@ -717,6 +717,27 @@ def test_declared_mixers_do_not_replan_every_call(monkeypatch: pytest.MonkeyPatc
     assert plans == []
 
 
+@pytest.mark.parametrize("edit", ["insert", "set in _modules"])
+def test_a_batch_norm_inserted_into_a_sequential_stage_is_refused(edit: str) -> None:
+    # Before: ``nn.Sequential.insert`` of a layer built before the first call, and a write into a
+    # stage's ``_modules``, register nothing: the pipeline kept the plan made from the old layers
+    # and micro-batched the training BatchNorm, each micro-batch normalized with its own statistics.
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4)
+    model = ParallelSequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2), chunks=2)
+    x = torch.randn(6, 4)
+    for _ in range(3):
+        model(x)
+    if edit == "insert":
+        model[0].insert(1, norm)
+    else:
+        model[0]._modules["1"] = norm
+    with pytest.raises(RuntimeError, match=r"contains '0\.1' \(BatchNorm1d\).*training mode"):
+        model(x)
+    norm.eval()
+    torch.testing.assert_close(model(x), _pieces_reference(model, x, 2))
+
+
 @pytest.mark.parametrize("inner", ["Parallel", "ParallelSequential"])
 def test_a_batch_norm_inserted_into_a_block_below_a_stage_is_refused(inner: str) -> None:
     # Before (a CPU hunt): a block's own insert (and del) writes its dict of children, which
