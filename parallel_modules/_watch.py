@@ -159,7 +159,11 @@ def _watch_children(modules: tuple[nn.Module, ...]) -> None:
     renumbers into) is replaced, not a TorchScript module's view of its own,
     nor a ``_Children`` already. Replaced on the module's ``__dict__``, as
     ``nn.Module`` reads it: a module's ``__setattr__`` (a block's, which wraps
-    and counts) is not called.
+    and counts) is not called. A new dict, as a ``dict`` cannot change its
+    class: a module sharing its dict with another (``copy.copy`` of an
+    ``nn.Module`` shares it) gets one of its own, and a child another thread
+    registers into the old dict while it is copied is lost (build the model
+    before calling it from several threads).
     """
     for m in modules:
         children = m.__dict__.get("_modules")
