@@ -281,7 +281,7 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
             try:
                 joined.append(_leaf_join(how, dim, list(column)))
             except (RuntimeError, TypeError, IndexError) as e:
-                raise _join_error(owner, how, dim, names, outputs, e, list(column)) from e
+                raise _join_error(owner, how, dim, names, outputs, e, list(column), _leaf_path(outputs[0], i)) from e
         elif not any(isinstance(v, _LEAVES) for v in column) and all(_same_leaf(v, column[0]) for v in column):
             joined.append(column[0])  # the same non-tensor from every branch (``None``): passed on
         else:
@@ -293,6 +293,22 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
                 "value), or pass join=None to receive the outputs as a tuple."
             )
     return pytree.tree_unflatten(joined, spec)
+
+
+def _leaf_path(output: Any, i: int) -> str:
+    r"""Where leaf ``i`` of a branch's structured ``output`` lies (``['z'][0]``), for an error; its number
+    while Dynamo traces (which need not trace the paths of an error it only raises; export's non-strict
+    mode runs them as Python)."""
+    if not _dynamo_compiling():
+        try:
+            return pytree.keystr(pytree.tree_flatten_with_path(output)[0][i][0])
+        except Exception:  # (a registered class without key paths)
+            pass
+    return f"leaf {i}"
+
+
+# (PyTorch 2.3 and later; before, any compiler's trace.)
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -347,28 +363,31 @@ def _first_failing_sum(tensors: list[torch.Tensor]) -> str:
 
 
 def _join_error(owner: str, how: str, dim: int, names: Iterable[str], outputs: list[Any],
-                e: Exception, leaves: list[Any] | None = None) -> Exception:
+                e: Exception, leaves: list[Any] | None = None, where: str = "") -> Exception:
     r"""The error for outputs ``how`` cannot join, of the type torch raised (``e``): ``IndexError`` for a
     ``dim`` out of range, ``RuntimeError`` for shapes or devices that do not match. ``leaves``: the
-    tensors that failed to join, where ``outputs`` are structures (the default: ``outputs``)."""
+    tensors that failed to join, where ``outputs`` are structures (the default: ``outputs``), found
+    at ``where`` in each (:func:`_leaf_path`)."""
     if _out_of_memory(e):
         raise _with_context(e, f"(raised joining the branch outputs of {owner} with join={how!r})")
     names = list(names)
     along = f" (dim={dim})" if how in ("cat", "stack") else ""  # (sum and mean take no dim)
+    # (The listing shows whole structures: say which of their tensors failed.)
+    where = f" at {where}" if where else ""
     ndims = sorted({t.dim() for t in (outputs if leaves is None else leaves) if isinstance(t, torch.Tensor)})
     if isinstance(e, IndexError) and along and len(ndims) == 1:  # (of several ranks: those differ first)
         # (stack adds a dimension: its dim may be one more)
         valid = ", ".join(f"{-n - (how == 'stack')} to {n - (how != 'stack')}" for n in ndims)
         return IndexError(
             f"{owner}: join={how!r}{along}: dim is out of range for branch outputs of "
-            f"{' or '.join(map(str, ndims))} dimensions (valid: {valid}); got:\n{_listing(names, outputs)}\n"
+            f"{' or '.join(map(str, ndims))} dimensions{where} (valid: {valid}); got:\n{_listing(names, outputs)}\n"
             f"Pass a dim in that range, or join=None to receive the outputs as a tuple. ({_first_line(e)})"
         )
     expected = _expectation(how, dim, outputs if leaves is None else leaves)
     kind = (TypeError if isinstance(e, TypeError) else NotImplementedError if isinstance(e, NotImplementedError)
             else RuntimeError)
     return (IndexError if isinstance(e, IndexError) else kind)(
-        f"{owner}: join={how!r}{along} cannot combine the branch outputs; it expects "
+        f"{owner}: join={how!r}{along} cannot combine the branch outputs{where}; it expects "
         f"{expected}, got:\n{_listing(names, outputs)}\n"
         f"Make the branches agree, choose another join{' or dim' if along else ''}, "
         f"or pass join=None to receive the outputs as a tuple. ({type(e).__name__}: {_first_line(e)})"

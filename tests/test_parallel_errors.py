@@ -1088,3 +1088,19 @@ def test_a_signature_reads_numbers_as_they_were_passed():
     assert "float32(-0.0)" in text(np.float32(-0.0)) and "float32(nan)" in text(np.float32("nan"))
     assert "(1-0j)" in text(complex(1.0, -0.0)) and "complex64((2+3j))" in text(np.complex64(2 + 3j))
     assert "int64(7)" in text(np.int64(7))
+
+
+@pytest.mark.parametrize("join", ["cat", "sum"])
+def test_a_join_failing_on_one_leaf_of_structured_outputs_names_where_it_lies(join):
+    # Before: "dim is out of range for branch outputs of 1 dimensions", next to a listing of
+    # whole structures whose first tensors have 2: which of their tensors failed went unsaid.
+    p = Parallel(lambda x: {"y": (x, None), "z": [x.sum(0)]}, lambda x: {"y": (x, None), "z": [x[0, :2]]},
+                 join=join)
+    error = IndexError if join == "cat" else RuntimeError
+    where = r"1 dimensions at \['z'\]\[0\] \(valid" if join == "cat" else r"outputs at \['z'\]\[0\]; it expects"
+    with pytest.raises(error, match=where):
+        p(torch.randn(2, 3))
+    p[1] = lambda x: {"y": (x, None), "z": [x.sum(0)]}
+    p.dim = 0
+    out = p(x := torch.randn(2, 3))
+    assert_same(out["z"][0], torch.cat([x.sum(0)] * 2) if join == "cat" else x.sum(0) + x.sum(0))
