@@ -17,23 +17,27 @@ A block's own settings (``block.join = "sum"``, ``block.max_graphs = 2``) are
 checked and make it forget what it learnt as soon as they are set
 (:func:`_change_setting`).
 
-Changes that register nothing -- ``del block[0][1]`` (``nn.Sequential``'s
-``__delitem__`` deletes from ``_modules``), ``block[0].insert(1, layer)`` of a
-layer built before (building one registers its parameters), a write into the
-``_modules`` of a module below (``block[0]._modules["1"] = layer``) -- are
-counted by the dicts themselves: every module in a block's tree holds its
-children in a :class:`_Children`, which counts each change made to it (see
-:func:`_watch_children`), the blocks' own included. Comparing every
-container's children on every call instead would cost the hot path 1.4 us for
-mlp8's nine containers on the development machine's CPU, where its graphed
-call costs the H100 machine's CPU 20-30 us. (A parameter or buffer written
-into ``_parameters`` or ``_buffers`` registers nothing either: fused groups
-see it by its address, see ``_fusion._Group._bound``.)
+Changes to children that register nothing -- ``del block[0][1]`` and
+``del m.child`` (``nn.Module.__delattr__``), ``block[0].insert(1, layer)`` of a
+layer built before (building one registers its parameters), ``nn.ModuleDict``'s
+``pop`` and ``clear`` -- are counted by torch's own methods that make them,
+wrapped once (:func:`_install`). Comparing every container's children on every
+call instead would cost the hot path 1.4 us for mlp8's nine containers on the
+development machine's CPU, where its graphed call costs the H100 machine's CPU
+20-30 us; and a dict of children that counted its own writes (a ``dict``
+subclass as ``_modules``) made Dynamo name every child below it by position
+(``dict.__getitem__(L['self']._modules, list(dict.keys(...))[0])``): a strict
+``torch.export`` lost the modules' names, which ``unflatten``,
+``preserve_module_call_signature`` and quantizers select by. Not seen: writes
+into a module's private ``_modules`` dict (``block._modules.pop("1")``); a
+``_modules`` assigned anew to a block is. (A parameter or buffer written into
+``_parameters`` or ``_buffers`` registers nothing either: fused groups see it
+by its address, see ``_fusion._Group._bound``.)
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import sys
 import threading
 from typing import Any, Callable
@@ -69,106 +73,36 @@ def _children_changed() -> None:
     _count()
 
 
-class _Children(dict):
-    r"""A module's dict of children (its ``_modules``), which counts each change made to it as a registration:
-    a block's own, and that of every module below it (see :func:`_watch_children`).
+def _counted_delattr(delattr: Callable[[nn.Module, str], None]) -> Callable[[nn.Module, str], None]:
+    r"""``nn.Module.__delattr__``, counting the deletion of a child (``del m.fc``, and so
+    ``del seq[i]``, which deletes its attribute), which registers nothing."""
 
-    Code that edits a module's children through this private dict -- ``del
-    block._modules["1"]``, ``block._modules.pop("1")``, ``block._modules["1"] =
-    branch`` of a branch built before, as some libraries do, and torch's own
-    ``nn.Sequential.insert`` and ``__delitem__`` below a block -- registers
-    nothing: calls, which walk the tree only when the count moved (see
-    :class:`_Tree`), ran the fused groups, schedules and graphs of the old
-    branches, the removed one too. Counted after the change (a walk then sees
-    it). Calls read the dict as they read a plain one, ``values()`` and lookups
-    being ``dict``'s own: about 10 ns slower a read than a plain dict's (which
-    CPython's specialized lookups take only), on the development machine's
-    CPU; an ``nn.Sequential`` reads it once a call, a module of the user's once
-    per child it names (``self.fc1``). (``copy()`` returns a plain ``dict``;
-    pickled, and so deep-copied, it is one too, so that a module pickled from
-    a block loads where this package is not installed; blocks wrap theirs
-    again, see :func:`_watched_children`.)
-    """
+    @functools.wraps(delattr)
+    def __delattr__(self: nn.Module, name: str) -> None:
+        child = name in self.__dict__.get("_modules", ())
+        delattr(self, name)
+        if child:
+            _count()
 
-    __slots__ = ()
+    return __delattr__
 
-    def __reduce__(self) -> tuple[type, tuple[dict]]:
-        return dict, (dict(self),)
 
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        _count()
+def _counted(method: Callable[..., Any]) -> Callable[..., Any]:
+    r"""A container's method that changes its children writing its ``_modules`` directly, counting the change."""
 
-    def __delitem__(self, key: str) -> None:
-        super().__delitem__(key)
-        _count()
-
-    def pop(self, *args: Any) -> Any:
+    @functools.wraps(method)
+    def counted(*args: Any, **kwargs: Any) -> Any:
         try:
-            return super().pop(*args)
+            return method(*args, **kwargs)
         finally:
             _count()
 
-    def popitem(self) -> tuple[str, Any]:
-        try:
-            return super().popitem()
-        finally:
-            _count()
-
-    def setdefault(self, key: str, default: Any = None) -> Any:
-        try:
-            return super().setdefault(key, default)
-        finally:
-            _count()
-
-    def clear(self) -> None:
-        super().clear()
-        _count()
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().update(*args, **kwargs)
-        finally:
-            _count()
-
-    def __ior__(self, other: Any) -> "_Children":
-        try:
-            return super().__ior__(other)
-        finally:
-            _count()
+    return counted
 
 
-def _watched_children(children: dict) -> _Children:
-    r"""A :class:`_Children` of ``children`` (a block's ``_modules`` being set: built, unpickled,
-    renumbered, or assigned by the user), counted as a change: what the block learnt goes.
-
-    A copy, even of a ``_Children``: two blocks sharing one dict of children
-    would each run the other's edits unseen (see ``_children._state_to_copy``).
-    """
-    watched = _Children(children)
-    _count()
-    return watched
-
-
-def _watch_children(modules: tuple[nn.Module, ...]) -> None:
-    r"""Make the dict of children of each of ``modules`` (a block's tree) a :class:`_Children`, so that a
-    change to it that registers nothing is counted.
-
-    Not counted itself: the children are the same. Only a plain ``dict``
-    (``nn.Module``'s) or ``OrderedDict`` (what ``nn.Sequential.__delitem__``
-    renumbers into) is replaced, not a TorchScript module's view of its own,
-    nor a ``_Children`` already. Replaced on the module's ``__dict__``, as
-    ``nn.Module`` reads it: a module's ``__setattr__`` (a block's, which wraps
-    and counts) is not called. A new dict, as a ``dict`` cannot change its
-    class: a module sharing its dict with another (``copy.copy`` of an
-    ``nn.Module`` shares it) gets one of its own, and a child another thread
-    registers into the old dict while it is copied is lost (build the model
-    before calling it from several threads).
-    """
-    for m in modules:
-        children = m.__dict__.get("_modules")
-        if type(children) is dict or type(children) is collections.OrderedDict:
-            m.__dict__["_modules"] = _Children(children)
+# torch's container methods that change children by writing ``_modules`` directly (see above).
+_DIRECT_WRITERS = ((nn.Sequential, "insert"), (nn.ModuleList, "insert"), (nn.ModuleDict, "__delitem__"),
+                   (nn.ModuleDict, "clear"))
 
 
 def _install() -> None:
@@ -181,6 +115,11 @@ def _install() -> None:
             hooks.register_module_module_registration_hook(_count)
             hooks.register_module_parameter_registration_hook(_count)
             hooks.register_module_buffer_registration_hook(_count)
+            # (Wrapped once per process, as the hooks are registered once; a class defining
+            # its own -- a subclass's insert -- is wrapped where it calls torch's.)
+            nn.Module.__delattr__ = _counted_delattr(nn.Module.__delattr__)  # type: ignore[method-assign]
+            for cls, name in _DIRECT_WRITERS:
+                setattr(cls, name, _counted(cls.__dict__[name]))
             _installed = True
 
 
@@ -228,8 +167,6 @@ class _Tree:
         # Held (not only their ids), so that an id is not reused by a new object while compared.
         self.members, self.buffers = _members(root)
         self.modules = tuple(root.modules())
-        # From here on, a change to a dict of children below counts (del block[0][1]).
-        _watch_children(self.modules)
         # Without walking the tree again (whether any is trained, on a hot path).
         self.parameters = tuple(root.parameters())
 

@@ -418,7 +418,7 @@ class Parallel(nn.Module):
                  compile: Backend | None = None, compile_options: dict[str, Any] | None = None,
                  compile_fallback: bool = False) -> None:
         super().__init__()
-        self._modules = {}  # (a _watch._Children: see __setattr__)
+        self._modules = {}
         owner = type(self).__name__
         named = len(branches) == 1 and isinstance(branches[0], OrderedDict)
         if named:
@@ -458,9 +458,9 @@ class Parallel(nn.Module):
         # captured with the old join would replay it.
         _watch._check_attribute(self, name, _SETTINGS)
         if name == "_modules":
-            # Every dict of children a block holds counts its changes (see _watch._Children):
-            # set when built, renumbered (``del block[i]``, ``insert``), or assigned by the user.
-            value = _watch._watched_children(value)
+            # Children given anew (renumbered by ``del block[i]``, assigned by the user): what
+            # was learnt of the old ones goes, here and in the blocks enclosing this one.
+            _watch._count()
         if name in _SETTINGS:
             value = _check_setting(type(self).__name__, name, value)
             if "_tree" in self.__dict__:  # (constructed)
@@ -565,7 +565,6 @@ class Parallel(nn.Module):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state["_modules"] = _watch._watched_children(state["_modules"])  # (pickled as a plain dict)
         state.setdefault("_compiler", None)  # pickled before compile= existed
         state.setdefault("direct_grads", False)  # pickled before direct_grads= existed
         super().__setstate__(state)

@@ -1143,7 +1143,6 @@ class ParallelSequential(nn.Sequential):
             _check_name(type(self), "stage", name, _PIPELINE_SETTINGS)
             _check_stage(owner, name, stage, constructing=not named)  # (by position: a setting meant?)
         super().__init__(OrderedDict(items))
-        self._modules = self._modules  # (made a _watch._Children: see __setattr__)
         self.chunks = chunks
         # (Each setting is checked by __setattr__.)
         self.cuda_graph = cuda_graph
@@ -1184,7 +1183,7 @@ class ParallelSequential(nn.Sequential):
         # checks it, and the graphs captured under the old value go.
         _watch._check_attribute(self, name, _PIPELINE_SETTINGS)
         if name == "_modules":  # (see Parallel.__setattr__)
-            value = _watch._watched_children(value)
+            _watch._count()
         if name in _GRAPH_SETTINGS:
             value = _check_graph_setting(type(self).__name__, name, value)
             if "_tree" in self.__dict__:  # (constructed)
@@ -1310,7 +1309,6 @@ class ParallelSequential(nn.Sequential):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state["_modules"] = _watch._watched_children(state["_modules"])  # (pickled as a plain dict)
         state.setdefault("_compiler", None)  # pickled before compile= existed
         state.setdefault("direct_grads", False)  # pickled before direct_grads= existed
         super().__setstate__(state)

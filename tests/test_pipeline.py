@@ -717,24 +717,48 @@ def test_declared_mixers_do_not_replan_every_call(monkeypatch: pytest.MonkeyPatc
     assert plans == []
 
 
-@pytest.mark.parametrize("edit", ["insert", "set in _modules"])
-def test_a_batch_norm_inserted_into_a_sequential_stage_is_refused(edit: str) -> None:
-    # Before: ``nn.Sequential.insert`` of a layer built before the first call, and a write into a
-    # stage's ``_modules``, register nothing: the pipeline kept the plan made from the old layers
-    # and micro-batched the training BatchNorm, each micro-batch normalized with its own statistics.
+def test_a_batch_norm_inserted_into_a_sequential_stage_is_refused() -> None:
+    # Before: ``nn.Sequential.insert`` of a layer built before the first call registers nothing:
+    # the pipeline kept the plan made from the old layers and micro-batched the training
+    # BatchNorm, each micro-batch normalized with its own statistics.
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(4)
     model = ParallelSequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2), chunks=2)
     x = torch.randn(6, 4)
     for _ in range(3):
         model(x)
-    if edit == "insert":
-        model[0].insert(1, norm)
-    else:
-        model[0]._modules["1"] = norm
+    model[0].insert(1, norm)
     with pytest.raises(RuntimeError, match=r"contains '0\.1' \(BatchNorm1d\).*training mode"):
         model(x)
     norm.eval()
+    torch.testing.assert_close(model(x), _pieces_reference(model, x, 2))
+
+
+class _EachOf(nn.Module):
+    r"""Runs the layers of its ``nn.ModuleDict`` in turn."""
+
+    def __init__(self, **layers: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("edit", ["pop", "clear"])
+def test_a_batch_norm_taken_out_of_a_module_dict_is_no_longer_refused(edit: str) -> None:
+    # ``nn.ModuleDict``'s pop and clear register nothing: the plan made with the training
+    # BatchNorm went on refusing the stage without it.
+    model = ParallelSequential(_EachOf(lin=nn.Linear(4, 4), norm=nn.BatchNorm1d(4)), chunks=2)
+    x = torch.randn(6, 4)
+    with pytest.raises(RuntimeError, match=r"BatchNorm1d.*training mode"):
+        model(x)
+    if edit == "pop":
+        model[0].layers.pop("norm")
+    else:
+        model[0].layers.clear()
     torch.testing.assert_close(model(x), _pieces_reference(model, x, 2))
 
 

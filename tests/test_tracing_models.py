@@ -290,3 +290,26 @@ def test_compiled_and_graphed_blocks_are_traced_as_plain_modules(device):
         whole = torch.compile(model, fullgraph=True)
         assert_close(whole(x), plain(model, x), *tol(device))
     assert calls == []
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+def test_export_records_the_branches_and_stages_by_their_names(strict):
+    # Before: a block's dict of children was a dict subclass (it counted writes into it), whose
+    # items Dynamo names by position: a strict export recorded every branch and stage as
+    # ``dict.__getitem__(L['self'].1._modules, list(dict.keys(...))[0])``, unflatten folded their
+    # work into the block (warning that the names "do not form a stack"), and
+    # preserve_module_call_signature of a stage raised KeyError.
+    model = nn.Sequential(nn.Linear(8, 8), Parallel(nn.Sequential(nn.Linear(8, 4), nn.ReLU()), nn.Linear(8, 4)),
+                          ParallelSequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8)), chunks=2))
+    x = torch.randn(4, 8)
+    ep = torch.export.export(model, (x,), strict=strict, preserve_module_call_signature=("2.1",))
+    names = {v[0] for n in ep.graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values()}
+    assert names == {"", "0", "1", "1.0", "1.0.0", "1.0.1", "1.1", "2", "2.0", "2.1", "2.1.0"}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*do not form a stack")
+        unflat = torch.export.unflatten(ep)
+    assert_close(unflat(x), model(x))
+    # The branch's own work is in its module, which a swap of it reaches.
+    unflat.get_submodule("1").get_submodule("1").weight.data.zero_()
+    model[1][1].weight.data.zero_()
+    assert_close(unflat(x), model(x))
