@@ -23,6 +23,7 @@ max abs error 3e-8 on outputs, 2.4e-7 on gradients) and rtol=1e-4, atol=1e-5 on 
 from __future__ import annotations
 
 import collections
+import io
 import operator
 import warnings
 
@@ -164,6 +165,24 @@ def test_export_graph_is_the_plain_model(device, strict, kind):
             expected = model(x)
             assert_same(exported(x), expected)
             assert_same(expected, plain(model, x))
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_exported_program_saved_and_loaded_equals_eager(strict, kind):
+    # torch.export.save serializes every node of the graph: a block's tracing path must put
+    # nothing there that the serializer cannot write (a Python callable, a stream object), and
+    # the program loaded back -- in a process that may never import this package -- computes
+    # the model, on inputs other than the example's.
+    model = warmed(kind, "cpu")
+    ep = torch.export.export(model, (torch.randn(BATCH, 16),), strict=strict)
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer).module()
+    with torch.no_grad():
+        x = torch.randn(BATCH, 16)
+        assert_same(loaded(x), model(x))
 
 
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
