@@ -4152,12 +4152,14 @@ def test_layers_deleted_below_a_block_are_seen_however_the_block_was_made(made):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("where", ["child", "below"])
 @pytest.mark.parametrize("block", ["Parallel", "ParallelSequential"])
-def test_children_deleted_from_a_graphed_block_are_seen(block):
-    # A graphed block looks at its tree only when a registration was counted: its graph,
-    # captured with the old children, would replay them -- the removed branch or stage too.
+def test_children_deleted_from_a_graphed_block_or_below_it_are_seen(block, where):
+    # A graphed block looks at its tree only when a registration was counted, and ``del m[0][1]``
+    # registers nothing: its graph, captured with the old children, would replay them -- the
+    # removed branch, stage or layer too.
     torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()).cuda() for _ in range(3)]
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).cuda() for _ in range(3)]
     if block == "Parallel":
         m = Parallel(*layers, cuda_graph=True).eval()
     else:
@@ -4165,31 +4167,17 @@ def test_children_deleted_from_a_graphed_block_are_seen(block):
     with torch.no_grad():
         for _ in range(4):
             m(torch.randn(4, 8, device="cuda"))
-        delattr(m, "1")  # (del m[1] would renumber the rest, which a block counts itself)
+        if where == "child":
+            delattr(m, "1")  # (del m[1] would renumber the rest, which a block counts itself)
+        else:
+            del m[0][1]
         x = torch.randn(4, 8, device="cuda")
         if block == "Parallel":
             expected = torch.cat([layer(x) for layer in m._modules.values()], 1)
         else:
-            expected = m._modules["2"](m._modules["0"](x))
-        assert_close(m(x), expected)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("block", ["Parallel", "ParallelSequential"])
-def test_layers_deleted_below_a_graphed_block_are_seen(block):
-    # Before: ``del m[0][1]`` registers nothing: the graph captured with the deleted layer replayed it.
-    torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).cuda() for _ in range(2)]
-    if block == "Parallel":
-        m = Parallel(*layers, cuda_graph=True).eval()
-    else:
-        m = ParallelSequential(*layers, chunks=2, cuda_graph=True).eval()
-    with torch.no_grad():
-        for _ in range(4):
-            m(torch.randn(4, 8, device="cuda"))
-        del m[0][1]
-        x = torch.randn(4, 8, device="cuda")
-        expected = torch.cat([layer(x) for layer in layers], 1) if block == "Parallel" else layers[1](layers[0](x))
+            expected = x
+            for layer in m._modules.values():
+                expected = layer(expected)
         assert_close(m(x), expected)
 
 
