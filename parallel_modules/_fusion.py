@@ -83,7 +83,13 @@ from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _fun
                        _is_tracing, _jit_tracing, _pool, _saved_hooks_recording, _Writes)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # (torch.export, strict or not)
+# Whether torch.export traces, strict or not: its flag, read as it is, where there is one. (Not
+# torch.compiler.is_exporting(): torch 2.11's Dynamo takes that for True under torch.compile too.)
+if hasattr(torch.compiler, "_is_exporting_flag"):
+    def _is_exporting() -> bool:
+        return torch.compiler._is_exporting_flag
+else:
+    _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 __all__: list[str] = []
 
