@@ -636,14 +636,17 @@ def _hold_join_gradients(result: Any, first: int) -> None:
     # (Read once the roots were: a view's node is made anew when read after its base changed in place.)
     end = torch.autograd._get_sequence_nr()
     todo = roots
-    seen: set[int] = set()
+    # (Each node held while walked: torch 2.11 makes a new Python object of a node at each
+    # ``next_functions`` read, and a set of ids let a later node take a freed one's id and go
+    # unhooked -- a weighted sum join's products, whose gradients were then let go early.)
+    seen: dict[int, Any] = {}
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or not node.next_functions:
             continue
         if not first <= node._sequence_nr() < end:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         node.register_hook(_hold_gradients)
         todo.extend(n for n, _ in node.next_functions)
 
