@@ -1471,9 +1471,12 @@ class _Group:
             if type(value) is _Value:
                 if value.layout == _SHARED and value.t is x:
                     value, watched = _Value(x, _INPUT), None
-                elif type(x) is torch.Tensor and not _functorch_active():
+                # (A stack's stride along the members read first: a dense one, the layers' usual
+                # output, holds no expansion, and every fused call of them asks.)
+                elif ((value.layout == _SHARED or value.layout == _STACKED and value.t.stride(0) == 0)
+                      and type(x) is torch.Tensor and not _functorch_active()):
                     t = value.t.expand(self.n, *value.t.shape) if value.layout == _SHARED else value.t
-                    if value.layout in (_SHARED, _STACKED) and _views_of(t, x):
+                    if _views_of(t, x):
                         value = _Value(t, _VIEWS)
             else:
                 value = _inputs_returned(value, x, self.n)
