@@ -389,6 +389,12 @@ def _unfusable(branch: nn.Module) -> str | None:
         if isinstance(m, nn.RNNBase):
             return f"{where} is a recurrent layer, which is not batched across branches"
         if _is_block(m):
+            from .pipeline import ParallelSequential  # (imported here, as in _is_block)
+
+            if isinstance(m, ParallelSequential):
+                # (A pipeline takes no fuse= of its own: the advice names where fusion is set.)
+                return (f"{where} is a pipeline of its own, which is not batched across branches; set fuse= "
+                        f"on the Parallel blocks among its stages to fuse their branches")
             return f"{where} is a block of its own; set fuse= on it to fuse its branches"
         if isinstance(m, (_DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)) and m.p > 0 and (
                 m.training or type(m).forward not in _STOCK_DROPOUT):

@@ -740,7 +740,10 @@ def test_output_changed_in_place_leaves_the_others_saved_for_backward(build, sha
 
 @pytest.mark.parametrize("build, why", [
     (lambda: nn.LSTM(8, 8), "recurrent layer"),
-    (lambda: Parallel(nn.Linear(8, 8), nn.Linear(8, 8)), "block of its own"),
+    (lambda: Parallel(nn.Linear(8, 8), nn.Linear(8, 8)), "block of its own; set fuse= on it"),
+    # (A pipeline has no fuse= of its own: the reason sends the user to its Parallel stages.)
+    (lambda: ParallelSequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+     "pipeline of its own, which is not batched across branches; set fuse= on the Parallel blocks among its stages"),
     (lambda: torch.jit.script(nn.Linear(8, 8)), "TorchScript module"),  # (was: "forward replaced")
 ])
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (recent torch warns that torch.jit is deprecated)
