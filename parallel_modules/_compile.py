@@ -147,6 +147,9 @@ _NOT_SCRIPTABLE = (
 _MAX_ENGINES = 8
 # Lines of the backend's message quoted in a compile error.
 _MESSAGE_LINES = 12
+# Keys of torch.compile's ``options`` that it takes out of the dict itself, whatever the backend
+# (documented there): not inductor options.
+_TORCH_COMPILE_OPTIONS = ("guard_filter_fn",)
 # torch.compile backends that capture CUDA graphs of their own.
 _GRAPHING_BACKENDS = ("cudagraphs",)
 
@@ -196,6 +199,10 @@ def _torch_compile_kwargs(owner: str, backend: Backend, options: dict[str, Any])
         if name in options and not isinstance(options[name], allowed_types):
             raise TypeError(f"{owner}: compile_options {name}= must be {what} (as torch.compile takes it), "
                             f"got {options[name]!r}.")
+    if backend != "inductor" and options.get("mode") is not None and options.get("options") is not None:
+        # (Inductor's are merged below; torch.compile refuses both for other backends, at the first call.)
+        raise ValueError(f"{owner}: compile_options gives both mode= and options=, which torch.compile takes only "
+                         f"one of with compile={_backend_name(backend)!r}; drop one of them.")
     kwargs = {"dynamic": False, **options}
     if backend == "inductor":
         # Mode and options both become inductor options, so that CUDA graphs
@@ -214,7 +221,7 @@ def _torch_compile_kwargs(owner: str, backend: Backend, options: dict[str, Any])
             known = set(given)
         else:
             known = set(list_options())
-        unknown = sorted(set(given) - known)
+        unknown = sorted(set(given) - known - set(_TORCH_COMPILE_OPTIONS))
         if unknown:
             raise ValueError(f"{owner}: compile_options options={unknown} are not inductor options "
                              f"(torch._inductor.list_options() has them all).")
@@ -624,7 +631,7 @@ class _Compiler:
         if compiled is None:
             label = re.sub(r"\W", "_", f"{self.owner}_whole")
             compiled = self._whole = torch.compile(_entry(forward.__func__, label), backend=self.backend,
-                                                   **self._kwargs)
+                                                   **self._compile_kwargs())
         owner = forward.__self__
         return lambda *args, **kwargs: compiled(owner, *args, **kwargs)
 
@@ -632,7 +639,19 @@ class _Compiler:
         if self.backend == "tensorrt":
             return _TensorRT(child.module, self.options)
         label = re.sub(r"\W", "_", f"{self.owner}_{self.kind}_{child.name}")
-        return torch.compile(_entry(child.module, label), backend=self.backend, **self._kwargs)
+        return torch.compile(_entry(child.module, label), backend=self.backend, **self._compile_kwargs())
+
+    def _compile_kwargs(self) -> dict[str, Any]:
+        r"""The keyword arguments of one :func:`torch.compile` call: ``options`` a dict of its own.
+
+        torch.compile pops ``guard_filter_fn`` out of the dict it is given, so a shared
+        dict (for backends other than inductor, the user's own) would hand it to the
+        first child compiled only.
+        """
+        kwargs = dict(self._kwargs)
+        if isinstance(kwargs.get("options"), dict):
+            kwargs["options"] = dict(kwargs["options"])
+        return kwargs
 
     def __getstate__(self) -> dict:
         # Compiled code belongs to this process and to these very modules.

@@ -305,6 +305,9 @@ def test_bad_input_is_not_reported_as_a_compile_error(fallback):
         ({"compile": "eager", "compile_options": {"fullgraph": 1}}, TypeError, "fullgraph= must be a bool"),
         ({"compile": "inductor", "compile_options": {"options": [("max_autotune", True)]}}, TypeError,
          "options= must be None or a dict"),
+        # (Before: accepted, then torch.compile's own RuntimeError at the first call, naming no module.)
+        ({"compile": "aot_eager", "compile_options": {"mode": "default", "options": {}}}, ValueError,
+         "gives both mode= and options=, which torch.compile takes only one of with compile='aot_eager'"),
     ],
 )
 @pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
@@ -929,3 +932,26 @@ def test_a_copy_of_a_block_compiled_by_module_compile_runs_its_own_parameters(ow
                 expected[:, 3:] = clone[1](x)
             assert_same(clone(x), expected)
         assert_same(block(x), torch.cat([b(x) for b in block], 1) if owner is Parallel else block[1](block[0](x)))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_guard_filter_reaches_every_compiled_branch(backend):
+    # torch.compile takes guard_filter_fn out of the options dict it is given: before, the
+    # dict was shared, so the first branch compiled took it from the others (and, for
+    # backends but inductor, from the user's dict); inductor refused it as no option of its.
+    filtered: list[int] = []
+
+    def keep_all(entries):
+        filtered.append(len(entries))
+        return [True] * len(entries)
+
+    options = {"guard_filter_fn": keep_all}
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), compile=backend, compile_options={"options": options})
+    assert options == {"guard_filter_fn": keep_all}
+    if backend == "inductor":  # (compiling C++ on the CPU: what each branch's torch.compile gets)
+        assert all(block._compiler._compile_kwargs()["options"]["guard_filter_fn"] is keep_all for _ in range(2))
+        return
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert_same(block(x), cat_reference(block, x))
+    assert len(filtered) == 2 and options == {"guard_filter_fn": keep_all}
