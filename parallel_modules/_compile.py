@@ -112,7 +112,7 @@ import torch
 from torch import nn
 
 from ._fusion import _GLOBAL_HOOKS, _Handle, _hook_dicts
-from ._inputs import _input_device, _signature
+from ._inputs import _input_device, _put_back, _signature
 from ._streams import _is_tracing, _record_on
 from . import _watch
 
@@ -437,18 +437,20 @@ class _Child:
         # ran, before a graph break: the first call's buffer updates are put back; a
         # later call's, and other side effects of that part, are not, and run again
         # eagerly -- a limit of running a child partly compiled.)
-        if state is not None:
-            with torch.no_grad():
-                for b, saved in state:
-                    b.copy_(saved)
+        _put_back(state)
+        compiler = self.compiler
         out = _NOT_RUN
         if not _backend_failed(error):
+            # Without the fallback this call raises all the same: the eager run only tells whose
+            # failure it is, and leaves the buffers as they were (as later calls of the signature,
+            # refused at once, and a backend's failure do).
+            kept = None if compiler.fallback else [(b, b.detach().clone()) for b in self.module.buffers()]
             try:
                 out = self.module(*args, **kwargs)
             except Exception as eager_error:
                 # The child fails without the compiler too: that is the error to see.
                 raise eager_error from None
-        compiler = self.compiler
+            _put_back(kept)
         message = (
             f"{self._label()} failed to compile with compile={_backend_name(compiler.backend)!r}:\n"
             f"  {_summary(error)}\n"

@@ -196,3 +196,13 @@ def _bounded_add(seen: dict[Hashable, Any], key: Hashable, value: Any = None, li
     if len(seen) >= limit:
         seen.pop(next(iter(seen), None), None)  # (another thread may have dropped the same one)
     seen[key] = value
+
+
+def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    r"""Write each buffer's copy back into it (``kept``: pairs of a buffer and its copy, or ``None``)."""
+    if kept:
+        with torch.no_grad():
+            for b, saved in kept:
+                if b.shape != saved.shape:  # (grown in place: resize_)
+                    b.resize_(saved.shape)
+                b.copy_(saved)

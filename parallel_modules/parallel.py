@@ -24,7 +24,7 @@ from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _G
 from ._fusion import _lock as _fusion_lock
 from ._fusion import _numbered
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
-from ._inputs import _bounded_add, _check_devices, _input_device, _signature, _with_context
+from ._inputs import _bounded_add, _check_devices, _input_device, _put_back, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _first_line, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
@@ -2031,16 +2031,6 @@ def _put_back_parameters(written: list[tuple[torch.Tensor, int, torch.Tensor | N
                 else:
                     stack.copy_(saved)
     return restored
-
-
-def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
-    r"""Write each buffer's copy back into it (``kept``: pairs of a buffer and its copy, or ``None``)."""
-    if kept:
-        with torch.no_grad():
-            for b, saved in kept:
-                if b.shape != saved.shape:  # (grown in place: resize_)
-                    b.resize_(saved.shape)
-                b.copy_(saved)
 
 
 def _describe_schedule(plan: _Schedule) -> str:

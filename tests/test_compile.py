@@ -955,3 +955,19 @@ def test_a_guard_filter_reaches_every_compiled_branch(backend):
     with torch.no_grad():
         assert_same(block(x), cat_reference(block, x))
     assert len(filtered) == 2 and options == {"guard_filter_fn": keep_all}
+
+
+@pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
+def test_a_compile_error_raised_leaves_the_buffers_as_they_were(owner):
+    # fullgraph=True refuses the graph break (dynamo's error, not a backend's): the child runs
+    # eagerly to tell whose failure it is. Before, that run's BatchNorm update stayed although
+    # the call raised; the same call again, refused at once, changed nothing.
+    block = owner(_NormedThenChecked(graph_break=True), compile="eager",
+                  compile_options={"fullgraph": True}).train()
+    bn = block[0].bn
+    before = [b.clone() for b in bn.buffers()]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="failed to compile"):
+            block(torch.randn(8, 4))
+        for b, saved in zip(bn.buffers(), before):
+            assert_same(b, saved)
