@@ -38,6 +38,8 @@ from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 
+from ._inputs import _bounded_add
+
 __all__: list[str] = []
 
 # Discard the first calls of each schedule (cuDNN/cuBLAS heuristics, a
@@ -212,9 +214,7 @@ class _ScheduleTuner:
         if not costs:
             return out, baseline
         with self._lock:
-            if len(self.costs) >= _MAX_TRIALS:
-                self.costs.pop(next(iter(self.costs)))
-            self.costs[key] = costs
+            _bounded_add(self.costs, key, costs, limit=_MAX_TRIALS)
         return out, _choose(costs, baseline)
 
 

@@ -480,3 +480,32 @@ def test_a_nested_tuner_that_never_decides_does_not_hold_the_outer_one_forever(h
         if decided is not None:
             break
     assert decided is not None and calls[0] <= 2 * (_autotune._WARMUP + (1 + _autotune._NESTED_ROUNDS) * _autotune._SAMPLES)
+
+
+def test_a_signature_decided_anew_keeps_the_other_signatures_costs(host_events, monkeypatch):
+    # Before: a full table dropped its oldest entry even for a key already in it, so a
+    # signature timed again (after forget) took another signature's costs out of explain().
+    monkeypatch.setattr(_autotune, "_MAX_TRIALS", 2)
+    tuner = _ScheduleTuner()
+
+    def decide(key: str) -> None:
+        for _ in range(_TRIAL):
+            if tuner.run(key, None, ["seq", "fork"], lambda s: s)[1] is not None:
+                return
+        raise AssertionError(f"{key!r} was not decided")
+
+    for key in ("a", "b", "b"):
+        decide(key)
+    assert set(tuner.costs) == {"a", "b"}
+
+
+def test_a_plan_set_anew_in_a_full_table_drops_no_other():
+    from parallel_modules._inputs import _bounded_add
+
+    plans: dict[str, str] = {}
+    for key in "abc":
+        _bounded_add(plans, key, "sequential", limit=3)
+    _bounded_add(plans, "c", "streams", limit=3)  # (a fork dropped in training, say: see _outputs)
+    assert plans == {"a": "sequential", "b": "sequential", "c": "streams"}
+    _bounded_add(plans, "d", "sequential", limit=3)
+    assert list(plans) == ["b", "c", "d"]
