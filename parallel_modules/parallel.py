@@ -736,7 +736,7 @@ class Parallel(nn.Module):
         schedule in use, which says whether its calls run those groups batched
         (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
         chosen by ``"auto"`` or forced, and why ``"auto"`` keeps the groups
-        unfused where timing did not decide it; for a CUDA graph with ``compile=``,
+        unfused, or the branches in order, where timing did not decide it; for a CUDA graph with ``compile=``,
         also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
         compiled as one, one stream"``, whichever replayed fastest; ``"(input
         read in place)"``: a graph also reads inputs found where the first
@@ -789,6 +789,10 @@ class Parallel(nn.Module):
             why = ""
             if plan is _CPU_IN_TURN:
                 why = wrote.format("the first call")
+            elif (self._in_order and plan.cuda and not (plan.forked or plan.fused) and self.streams == "auto"
+                  and not (fused and _one_tensor(key) and now)):
+                # (Forked, or timed to fork, before the write: its costs may show streams the cheaper.)
+                why = wrote.format("an earlier call")
             elif fused and _one_tensor(key):
                 if now:
                     why, plan = now, plan._replace(fused=False)

@@ -509,3 +509,45 @@ def test_a_plan_set_anew_in_a_full_table_drops_no_other():
     assert plans == {"a": "sequential", "b": "sequential", "c": "streams"}
     _bounded_add(plans, "d", "sequential", limit=3)
     assert list(plans) == ["b", "c", "d"]
+
+
+def test_explain_says_why_a_block_streams_auto_forked_runs_in_order(forks, monkeypatch):
+    # A branch writing its input on a later call: the fork is refused and "auto" keeps the
+    # branches in order. Before, explain() showed the sequential schedule next to the costs
+    # that had chosen streams, and no word on why (it said it only for fused groups).
+    from parallel_modules._streams import _changed_in_place
+
+    def refusing(calls, device, run, capturing, inputs, join, high, order, args, kwargs, error):
+        versions = [a._version for a in args]
+        outs = [c(*args, **kwargs) for c in calls]
+        if versions != [a._version for a in args]:
+            raise error(_changed_in_place(), 0)  # as the real fork raises it
+        return outs if join is None else join(outs)
+
+    monkeypatch.setattr(_parallel, "_run_forked", refusing)
+    monkeypatch.setattr(_parallel, "_fork_join", lambda calls, device, args, kwargs, join, error: refusing(
+        calls, device, None, False, (), join, 0, None, args, kwargs, error))
+    class SometimesInPlace(nn.Module):
+        writes = False
+
+        def forward(self, x):
+            return x.mul_(2) if self.writes else x * 2
+
+    writer = SometimesInPlace()
+    p = Parallel(writer, nn.Linear(4, 4), streams="auto")
+    with torch.no_grad():
+        for _ in range(_TRIAL):
+            p(torch.randn(2, 4))
+        [schedule] = p.explain()["schedules"].values()
+        assert schedule.startswith("unfused, streams (timed per call")
+        writer.writes = True
+        with pytest.raises(RuntimeError, match="changed its input in place"):
+            p(torch.randn(2, 4))
+        p(torch.randn(2, 4))
+        p(torch.randn(3, 4))  # a signature first seen since: not timed
+    assert list(p.explain()["schedules"].values()) == [
+        "unfused, sequential (a branch changed its input in place on an earlier call: the branches run one after "
+        "another)" + schedule[len("unfused, streams"):],
+        "unfused, sequential (a branch changed its input in place on an earlier call: the branches run one after "
+        "another)",
+    ]
