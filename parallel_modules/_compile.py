@@ -183,6 +183,11 @@ def _backend_name(backend: Backend) -> str:
 def _torch_compile_kwargs(owner: str, backend: Backend, options: dict[str, Any]) -> dict[str, Any]:
     r"""The keyword arguments of :func:`torch.compile` for one child, checked."""
     allowed = [p for p in inspect.signature(torch.compile).parameters if p not in ("model", "backend")]
+    for given, instead in (("backend", "as compile=, which compiles each child with it"),
+                           ("model", "as a branch or stage: each child is compiled on its own")):
+        if given in options:  # (arguments of torch.compile, but this module's to set)
+            raise ValueError(f"{owner}: compile_options cannot set {given}= (compile={_backend_name(backend)!r} "
+                             f"is used); pass it {instead}.")
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"{owner}: compile_options {unknown} are not arguments of torch.compile; with "

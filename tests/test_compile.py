@@ -305,6 +305,11 @@ def test_bad_input_is_not_reported_as_a_compile_error(fallback):
         ({"compile": "eager", "compile_options": {"fullgraph": 1}}, TypeError, "fullgraph= must be a bool"),
         ({"compile": "inductor", "compile_options": {"options": [("max_autotune", True)]}}, TypeError,
          "options= must be None or a dict"),
+        # (Before: "are not arguments of torch.compile", which they are.)
+        ({"compile": "eager", "compile_options": {"backend": "inductor"}}, ValueError,
+         r"compile_options cannot set backend= \(compile='eager' is used\); pass it as compile="),
+        ({"compile": "eager", "compile_options": {"model": nn.Linear(2, 2)}}, ValueError,
+         "compile_options cannot set model="),
         # (Before: accepted, then torch.compile's own RuntimeError at the first call, naming no module.)
         ({"compile": "aot_eager", "compile_options": {"mode": "default", "options": {}}}, ValueError,
          "gives both mode= and options=, which torch.compile takes only one of with compile='aot_eager'"),
