@@ -194,6 +194,9 @@ _CPU_FUSED = _Schedule(True, False, False)
 # ``_CPU`` kept by ``fuse="auto"`` because a branch wrote the shared input on the first
 # call: the same schedule, told apart by identity so that ``explain()`` can say why.
 _CPU_IN_TURN = _Schedule(False, False, False)
+# A CUDA signature kept in turn because a branch wrote its inference-tensor input on its
+# first call (see Parallel._first_unversioned): told apart likewise.
+_CUDA_IN_TURN = _Schedule(False, False, True)
 
 
 class Parallel(nn.Module):
@@ -787,7 +790,7 @@ class Parallel(nn.Module):
 
         def describe(key: Hashable, plan: _Schedule) -> str:
             why = ""
-            if plan is _CPU_IN_TURN:
+            if plan is _CPU_IN_TURN or plan is _CUDA_IN_TURN:
                 why = wrote.format("the first call")
             elif (self._in_order and plan.cuda and not (plan.forked or plan.fused) and self.streams == "auto"
                   and not (fused and _one_tensor(key) and now)):
@@ -1812,7 +1815,7 @@ class Parallel(nn.Module):
                                          f"signature, whose inference tensors keep no version to check on "
                                          f"each call)")
         else:
-            self._remember(key, _Schedule(fused is not None, False, True))
+            self._remember(key, _Schedule(True, False, True) if fused is not None else _CUDA_IN_TURN)
         return outputs
 
     def _fuse_choices(self, fusion: _Fusion | None) -> list[bool]:

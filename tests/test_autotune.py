@@ -551,3 +551,15 @@ def test_explain_says_why_a_block_streams_auto_forked_runs_in_order(forks, monke
         "unfused, sequential (a branch changed its input in place on an earlier call: the branches run one after "
         "another)",
     ]
+
+
+@pytest.mark.parametrize("fuse", [False, "auto"])
+def test_explain_says_why_a_branch_writing_an_inference_input_keeps_its_signature_in_turn(forks, fuse):
+    # Before: "unfused, sequential" with no reason, where a CPU signature kept in turn by
+    # the same write says why (the README promises it for fuse="auto").
+    p = Parallel(_FirstInPlace(), nn.Linear(4, 4), nn.Linear(4, 4), streams="auto", fuse=fuse)
+    with torch.inference_mode():
+        p(torch.randn(2, 4))
+    assert list(p.explain()["schedules"].values()) == [
+        "unfused, sequential (a branch changed its input in place on the first call: the branches run one after "
+        "another)"]
