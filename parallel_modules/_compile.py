@@ -113,6 +113,7 @@ from torch import nn
 
 from ._fusion import _GLOBAL_HOOKS, _Handle, _hook_dicts
 from ._inputs import _input_device, _put_back, _signature
+from ._joins import _first_line
 from ._streams import _is_tracing, _record_on
 from . import _watch
 
@@ -384,7 +385,7 @@ class _TensorRT:
 class _Child:
     r"""The callable run for one child: its compiled form, built at the first call."""
 
-    __slots__ = ("compiler", "module", "index", "name", "fn", "failed", "hooks")
+    __slots__ = ("compiler", "module", "index", "name", "fn", "failed", "reason", "hooks")
 
     def __init__(self, compiler: "_Compiler", module: nn.Module, index: int, name: str) -> None:
         self.compiler = compiler
@@ -395,6 +396,7 @@ class _Child:
         # The input signatures the compiler failed on, and its message: run eagerly
         # (compile_fallback=True) or refused at once, without compiling again.
         self.failed: OrderedDict[Hashable, str] = OrderedDict()
+        self.reason = ""  # the compiler's latest failure, in a line: see _Compiler.fallen_back
         self.hooks: _Hooks | None = None  # the hooks the compiled form was traced with
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -466,6 +468,9 @@ class _Child:
                 ": pass compile_fallback=True to run such inputs eagerly with a warning, or compile=None.")
         key = _signature(args, kwargs, self.module.training)
         self.failed[key] = message
+        # (A backend's failure wraps what it raised, whose message is the one to read.)
+        cause = getattr(error, "inner_exception", None) or error
+        self.reason = f"{type(cause).__name__}: {_first_line(cause)}"
         while len(self.failed) > _MAX_ENGINES:
             self.failed.popitem(last=False)
         if not compiler.fallback:
@@ -619,6 +624,14 @@ class _Compiler:
                         calls.append(child)
                     self._calls, self._children = calls, children
         return self._calls
+
+    def fallen_back(self) -> dict[str, str]:
+        r"""For ``explain()``: the children that run eagerly on the input signatures they failed to
+        compile for (``compile_fallback=True``; otherwise such calls raise), and why."""
+        if not self.fallback:
+            return {}
+        return {c.name: f"runs eagerly on {len(c.failed)} input signature(s) it failed to compile for "
+                        f"({c.reason})" for c in list(self._calls) if c.failed}
 
     def clear(self) -> None:
         r"""Drop every compiled child (parameters moved or cast): the next call compiles anew."""

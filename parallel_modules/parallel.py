@@ -748,8 +748,10 @@ class Parallel(nn.Module):
         (under autocast, or an attention layer in ``eval()`` with grad
         enabled), ``"fallback"``: for each such group, a tuple of its names,
         why (calls that run the group unfused by their schedule do not
-        change it); and, if the block could not be compiled (or captured) as
-        one program, ``"not compiled as one"``: why.
+        change it); if the block could not be compiled (or captured) as
+        one program, ``"not compiled as one"``: why; and, with
+        ``compile_fallback=True``, ``"compile fallback"``: each branch that runs
+        eagerly on the input signatures it failed to compile for, and why.
 
         It says what the next call will find: after a change to the branches
         (a layer replaced, a hook registered on one), the groups as they are
@@ -836,6 +838,9 @@ class Parallel(nn.Module):
                 info["fallback"] = last
         if self._compiler is not None and self._compiler.whole_failure is not None:
             info["not compiled as one"] = self._compiler.whole_failure
+        fallen_back = self._compiler.fallen_back() if self._compiler is not None else None
+        if fallen_back:
+            info["compile fallback"] = fallen_back
         return info
 
     def _fusion_for(self, args: tuple, kwargs: dict, thorough: bool = False, regroup: bool = True,

@@ -976,3 +976,21 @@ def test_a_compile_error_raised_leaves_the_buffers_as_they_were(owner):
             block(torch.randn(8, 4))
         for b, saved in zip(bn.buffers(), before):
             assert_same(b, saved)
+
+
+def test_explain_names_the_branches_that_fall_back_to_eager():
+    # Before: explain() said nothing of a branch that compile_fallback=True runs eagerly.
+    recorder = _ShapeRecorder(rows=3)
+    block = Parallel(OrderedDict(a=nn.Linear(8, 8), b=nn.Linear(8, 8)), compile=recorder, compile_fallback=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block(torch.randn(4, 8))
+        assert "compile fallback" not in block.explain()
+        block(torch.randn(3, 8))
+    assert block.explain()["compile fallback"] == {
+        name: "runs eagerly on 1 input signature(s) it failed to compile for (RuntimeError: boom from backend: 3 rows)"
+        for name in "ab"}
+    strict = Parallel(nn.Linear(8, 8), compile=_ShapeRecorder(rows=3))
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        strict(torch.randn(3, 8))
+    assert "compile fallback" not in strict.explain()  # (such calls raise: nothing runs eagerly)
