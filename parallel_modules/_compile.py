@@ -625,13 +625,16 @@ class _Compiler:
                     self._calls, self._children = calls, children
         return self._calls
 
-    def fallen_back(self) -> dict[str, str]:
-        r"""For ``explain()``: the children that run eagerly on the input signatures they failed to
-        compile for (``compile_fallback=True``; otherwise such calls raise), and why."""
+    def fallen_back(self, modules: Mapping[str, nn.Module]) -> dict[str, str]:
+        r"""For ``explain()``: the children of ``modules`` that run eagerly on the input signatures they
+        failed to compile for (``compile_fallback=True``; otherwise such calls raise), and why.
+
+        Only those still there: a child replaced since its failure is compiled anew at the next call.
+        """
         if not self.fallback:
             return {}
         return {c.name: f"runs eagerly on {len(c.failed)} input signature(s) it failed to compile for "
-                        f"({c.reason})" for c in list(self._calls) if c.failed}
+                        f"({c.reason})" for c in list(self._calls) if c.failed and modules.get(c.name) is c.module}
 
     def clear(self) -> None:
         r"""Drop every compiled child (parameters moved or cast): the next call compiles anew."""

@@ -838,7 +838,7 @@ class Parallel(nn.Module):
                 info["fallback"] = last
         if self._compiler is not None and self._compiler.whole_failure is not None:
             info["not compiled as one"] = self._compiler.whole_failure
-        fallen_back = self._compiler.fallen_back() if self._compiler is not None else None
+        fallen_back = self._compiler.fallen_back(self._modules) if self._compiler is not None else None
         if fallen_back:
             info["compile fallback"] = fallen_back
         return info

@@ -990,6 +990,8 @@ def test_explain_names_the_branches_that_fall_back_to_eager():
     assert block.explain()["compile fallback"] == {
         name: "runs eagerly on 1 input signature(s) it failed to compile for (RuntimeError: boom from backend: 3 rows)"
         for name in "ab"}
+    block.b = nn.Linear(8, 8)  # compiled anew at the next call
+    assert list(block.explain()["compile fallback"]) == ["a"]
     strict = Parallel(nn.Linear(8, 8), compile=_ShapeRecorder(rows=3))
     with pytest.raises(RuntimeError, match="failed to compile"):
         strict(torch.randn(3, 8))
