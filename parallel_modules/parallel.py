@@ -1700,7 +1700,7 @@ class Parallel(nn.Module):
             # shared input in place would be seen by some members and not others. (Checkpointed,
             # the fused call watches for such writes instead: see _run_units_watched.)
             reordered = self.fuse == "auto" and fusion is not None and not checkpointed
-            if (self.streams is not False or reordered) and key not in self._unwritten and self._compiler is None:
+            if (self.streams is not False or reordered) and key not in self._unwritten:
                 device = _input_device(args, kwargs) if _unversioned(args, kwargs) else None
                 if device is not None and device.type == "cuda" and not _capture_underway():
                     return self._first_unversioned(key, args, kwargs, fusion)
@@ -1791,8 +1791,16 @@ class Parallel(nn.Module):
         watched, unversioned = _watched(args, kwargs), _unversioned(args, kwargs)
         versions = [t._version for t in watched]
         watch = _Writes(unversioned)
-        with watch if unversioned else contextlib.nullcontext():
-            outputs = self._run(args, kwargs, None, fusion, False)
+        # (With compile=, the children as they are: the watch sees each operation in Python,
+        # which compiled code would not show it, and must not be compiled into that code.)
+        saved = _graph_state.variant
+        if unversioned and self._compiler is not None:
+            _graph_state.variant = (self, (_EAGER,))  # (see _branches)
+        try:
+            with watch if unversioned else contextlib.nullcontext():
+                outputs = self._run(args, kwargs, None, fusion, False)
+        finally:
+            _graph_state.variant = saved
         return outputs, watch.wrote or _changed(watched, versions)
 
     def _first_unversioned(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None) -> Any:
