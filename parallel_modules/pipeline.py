@@ -1892,13 +1892,14 @@ class ParallelSequential(nn.Sequential):
             plan = self._get_plan()
             # (A declared ``mixes_batch`` decides, as in _mixing_error.)
             sequences = [(i, q, m) for i, q, m in plan.sequences if getattr(m, "mixes_batch", None) is None]
-            if sequences and self._compiler is None and not _is_tracing() and not _functorch_active():
-                # (Eagerly: a compiler would trace the hooks as side effects.)
+            if sequences and not _is_tracing() and not _functorch_active():
+                # (Eagerly: a compiler would trace the hooks as side effects. Stages compiled with
+                # compile= run uncompiled for it, as for the softmax check: see _checked.)
                 key = ("sequences", _signature_dims(input), self._modes(), tuple(id(m) for _, _, m in sequences))
                 if key not in self._softmax_checked:
                     batch = _batch_size(input) or 0
                     with _unbatched_refused(self, plan, sequences, batch):
-                        output = self._checked(plan, input)
+                        output = self._checked(plan, input, uncompiled=self._compiler is not None)
                     if batch:  # (an empty batch: the next call of the signature checks)
                         self._softmax_checked.add(key)
                     return output
@@ -1920,8 +1921,10 @@ class ParallelSequential(nn.Sequential):
                 stack.extend(m._modules.values())
         return tuple(modes)
 
-    def _checked(self, plan: _Plan, input: Any) -> Any:
-        r"""``_forward(input)`` in micro-batches, the first call of an input signature under the softmax check."""
+    def _checked(self, plan: _Plan, input: Any, uncompiled: bool = False) -> Any:
+        r"""``_forward(input)`` in micro-batches, the first call of an input signature under the softmax check.
+
+        ``uncompiled``: the stages as they are, not their compiled forms (under another check's hooks)."""
         layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
                   and (_softmax_dim(m) is None or _softmax_dim(m) < 0) and getattr(m, "mixes_batch", None) is None]
         if layers:
@@ -1944,13 +1947,13 @@ class ParallelSequential(nn.Sequential):
                 # hooks as side effects. Stages compiled with compile= run uncompiled under it:
                 # compiled code guards on the mode, and would compile again for the next call.
                 with check.inside() if plan.scoped and not tracing and self._compiler is None else check:
-                    output = self._forward(input, uncompiled=not tracing and self._compiler is not None)
+                    output = self._forward(input, uncompiled=uncompiled or not tracing and self._compiler is not None)
                 # (each trace checks: a tracer would record the add as a side effect. An empty
                 # batch has no rows for the check to see: the next call of the signature checks.)
                 if not tracing and batch:
                     self._softmax_checked.add(key)
                 return output
-        return self._forward(input)
+        return self._forward(input, uncompiled=uncompiled)
 
     def _in_order(self, calls: Any, input: Any) -> Any:
         r"""The stages one after another on the whole ``input``: ``nn.Sequential.forward``, naming the failing stage."""

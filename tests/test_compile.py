@@ -996,3 +996,34 @@ def test_explain_names_the_branches_that_fall_back_to_eager():
     with pytest.raises(RuntimeError, match="failed to compile"):
         strict(torch.randn(3, 8))
     assert "compile fallback" not in strict.explain()  # (such calls raise: nothing runs eagerly)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.att(x, x, x, need_weights=False)[0]
+
+
+def test_a_compiled_pipeline_refuses_an_unbatched_sequence_it_would_cut():
+    # Before: the check that a batch_first sequence layer is not given a 2-D micro-batch (one
+    # sequence, cut by chunks=) ran only without compile=; compiled, the pipeline returned the
+    # wrong result silently. The first call of a signature runs the stages uncompiled for it.
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    counter = CompileCounter()
+    model = ParallelSequential(_SelfAttention(), nn.Linear(8, 8), chunks=2, compile=counter).eval()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=r"contains '0.att' \(MultiheadAttention, batch_first=True\), given "
+                                               r"a 2-D input \(3, 8\)"):
+            model(torch.randn(6, 8))
+        x = torch.randn(4, 5, 8)  # batched sequences: run, as without compile=
+        expected = nn.Sequential(*model)(x)
+        frames = []
+        for _ in range(3):
+            assert_close(model(x), expected, *CPU_TOL)
+            frames.append(counter.frame_count)
+    assert frames[0] == 0 and frames[1] == frames[2] > 0  # checked uncompiled, then compiled once
