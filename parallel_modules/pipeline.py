@@ -477,8 +477,11 @@ def _exposed(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value
     leaves, spec = pytree.tree_flatten(value)
-    if not _any_unregistered(leaves):
-        return value
+    return _marked(leaves, spec) if _any_unregistered(leaves) else value
+
+
+def _marked(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
+    r"""The value of ``leaves`` and ``spec``, each container among the leaves that pytree keeps whole an :class:`_AsBase`."""
     return pytree.tree_unflatten([_AsBase(v) if _unregistered(v) else v for v in leaves], spec)
 
 
@@ -494,8 +497,7 @@ def _flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[
     ``pytree.tree_unflatten`` of the spec rebuilds them."""
     leaves, spec = pytree.tree_flatten(value, is_leaf=is_leaf)
     if _any_unregistered(leaves):
-        marked = pytree.tree_unflatten([_AsBase(v) if _unregistered(v) else v for v in leaves], spec)
-        leaves, spec = pytree.tree_flatten(marked, is_leaf=is_leaf)
+        leaves, spec = pytree.tree_flatten(_marked(leaves, spec), is_leaf=is_leaf)
     return leaves, spec
 
 
