@@ -176,6 +176,12 @@ def _hyperparameters(m: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(m).items() if k not in _MODULE_STATE}
 
 
+def _tensor_attributes(m: nn.Module) -> dict[str, torch.Tensor]:
+    r"""``m``'s own tensor attributes that are neither parameters nor buffers (a table, a cache): the
+    :func:`_hyperparameters` that the layers run through vmap read off the first member for all."""
+    return {k: v for k, v in _hyperparameters(m).items() if isinstance(v, torch.Tensor)}
+
+
 def _same_value(a: Any, b: Any) -> bool:
     if a is b:
         return True
@@ -545,10 +551,9 @@ def _attribute_on_tensors(branch: nn.Module) -> str | None:
     held: list[list[torch.Tensor]] = [[*branch.parameters(), *branch.buffers()]]
     names = [""]
     for path, m in branch.named_modules():
-        for k, v in _hyperparameters(m).items():
-            if isinstance(v, torch.Tensor):
-                held.append([v])
-                names.append(_join(path, k))
+        for k, v in _tensor_attributes(m).items():
+            held.append([v])
+            names.append(_join(path, k))
     if len(held) == 1:
         return None
     i = _tied_in_memory(held).get(0)
@@ -1250,13 +1255,12 @@ class _Group:
                 raise _MembersChanged(f"the branches are no longer identical: in branch {name!r}, {diff}{first}")
         self.attributes = [(name, _join(path, k), vars(m), k, t, None if t.is_inference() else t._version)
                            for name, member in zip(self.names, self.members) for path, m in member.named_modules()
-                           for k, t in _hyperparameters(m).items() if isinstance(t, torch.Tensor)]
+                           for k, t in _tensor_attributes(m).items()]
 
     def attribute_tensors(self) -> list[torch.Tensor]:
         r"""The first member's tensor attributes (not parameters or buffers) that keep a version: those a layer
         run through vmap reads, and may write, for every member (see :func:`_vmapped_step`)."""
-        return [t for m in self.template.modules() for t in _hyperparameters(m).values()
-                if isinstance(t, torch.Tensor) and not t.is_inference()]
+        return [t for m in self.template.modules() for t in _tensor_attributes(m).values() if not t.is_inference()]
 
     def _after_step(self, watched: list, read: list[str], out: Any, before: torch.Tensor, flow: list[bool],
                     vmapped: bool) -> None:

@@ -19,7 +19,7 @@ from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _listed, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
 from ._children import _layers_in_turn, _writes_its_input
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
-from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _hyperparameters, _Joined,
+from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _Joined, _tensor_attributes,
                       _MembersChanged, _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._fusion import _numbered
@@ -55,7 +55,7 @@ def _buffers_kept(roots: list[nn.Module]) -> Callable[[], list[BaseException]] |
     try:
         with torch.no_grad():
             for m in {id(m): m for root in roots for m in root.modules()}.values():
-                held = [t for t in _hyperparameters(m).values() if isinstance(t, torch.Tensor)]
+                held = _tensor_attributes(m).values()
                 tensors = [(b, b.data, b.requires_grad, None if b.is_meta else b.clone())
                            for b in (*m._buffers.values(), *held) if b is not None]
                 dicts = [(d, list(d.items())) for d in (m._buffers, m._parameters, m._modules)]
