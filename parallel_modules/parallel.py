@@ -463,7 +463,7 @@ class Parallel(nn.Module):
         if name == "_modules":
             # Children given anew (renumbered by ``del block[i]``, assigned by the user): what
             # was learnt of the old ones goes, here and in the blocks enclosing this one.
-            _watch._count()
+            _watch._children_changed()
         if name in _SETTINGS:
             value = _check_setting(type(self).__name__, name, value)
             if "_tree" in self.__dict__:  # (constructed)

@@ -1185,7 +1185,7 @@ class ParallelSequential(nn.Sequential):
         # checks it, and the graphs captured under the old value go.
         _watch._check_attribute(self, name, _PIPELINE_SETTINGS)
         if name == "_modules":  # (see Parallel.__setattr__)
-            _watch._count()
+            _watch._children_changed()
         if name in _GRAPH_SETTINGS:
             value = _check_graph_setting(type(self).__name__, name, value)
             if "_tree" in self.__dict__:  # (constructed)
