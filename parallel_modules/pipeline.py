@@ -932,6 +932,36 @@ def _returning(stage: nn.Module) -> nn.Module:
         stage = stage[-1]
 
 
+def _stock_parallel(m: nn.Module) -> Parallel | None:
+    r"""The ``Parallel`` whose result ``m`` returns (see :func:`_returning`), unless its class has a forward of its own."""
+    m = _returning(m)
+    return m if isinstance(m, Parallel) and type(m).forward is Parallel.forward else None
+
+
+def _stacked_on_batch(m: Parallel, ranks: set[int]) -> Parallel | None:
+    r"""The ``Parallel`` in ``m``'s result stacking branches along dimension 0, where the batch is, or ``None``.
+
+    ``m`` itself, or one whose result one of its branches returns, which every
+    join but a callable's passes on (``"sum"``, ``"mean"``, ``"cat"`` keep the
+    batch where the branch put it, a ``"stack"`` shifts it by one, and a join
+    returning the outputs apart keeps each); ``ranks``: those of the tensors
+    ``m`` returned, on which a negative ``dim`` resolves.
+    """
+    join, dim = m.join, m.dim
+    if join is not None and not isinstance(join, str):
+        return None  # (a callable: whatever it makes of the branches' outputs)
+    if join == "stack":
+        if any(r > 0 and dim % r == 0 for r in ranks):
+            return m
+        ranks = {r - 1 for r in ranks}
+    for branch in m:
+        inner = _stock_parallel(branch)
+        found = inner is not None and _stacked_on_batch(inner, ranks)
+        if found:
+            return found
+    return None
+
+
 _RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward))
 # The names a TorchScript module made from a stock recurrent layer keeps (see _NORMS_BY_NAME).
 _RECURRENT_NAMES = frozenset(cls.__name__ for cls in (nn.RNN, nn.LSTM, nn.GRU))
@@ -2036,7 +2066,12 @@ class ParallelSequential(nn.Sequential):
             return self._in_order(calls, input)
 
         pieces = self._split(input, copied=copy_to is not None)
-        stages = list(zip(plan.names, calls))
+        # The blocks whose results the stages before the last return, whose first micro-batch's
+        # output _call looks at (see _refuse_stacked); the last stage's is judged as it is
+        # joined (see _concat).
+        blocks = [_stock_parallel(stage) for stage in plan.stages[:-1]]
+        stages = [(name, call, blocks[s] if s < len(blocks) else None)
+                  for s, (name, call) in enumerate(zip(plan.names, calls))]
         # The lists and dicts each micro-batch's first stage gets, which pytree made anew for
         # it: a stage changing one in place (``d["k"] = v``, ``d["cache"].append(k)``) would
         # change only its micro-batch's, where nn.Sequential changes the caller's. Refused (see
@@ -2057,8 +2092,8 @@ class ParallelSequential(nn.Sequential):
             outputs = []
             returned = None if tracing else []  # (a trace's tensors keep no versions to compare)
             for m, value in enumerate(pieces):
-                for s, (name, stage) in enumerate(stages):
-                    value = self._call(s, name, stage, m, len(pieces), value, held)
+                for s, (name, stage, block) in enumerate(stages):
+                    value = self._call(s, name, stage, m, len(pieces), value, held, block)
                 if returned is not None:
                     returned.append(_returned(value))
                 outputs.append(value)
@@ -2109,8 +2144,9 @@ class ParallelSequential(nn.Sequential):
         return now
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any,
-              held: list[list[_Held] | None] | None = None) -> Any:
-        r"""Stage ``s`` on micro-batch ``m``; ``held``: each micro-batch's lists and dicts, refused changed (see _forward)."""
+              held: list[list[_Held] | None] | None = None, block: Parallel | None = None) -> Any:
+        r"""Stage ``s`` on micro-batch ``m``; ``held``: each micro-batch's lists and dicts, refused changed (see _forward);
+        ``block``: the ``Parallel`` whose result the stage returns, if any (see :meth:`_refuse_stacked`)."""
         if held is not None and s == 0:
             # (Those the first stage gets: on a host input, the copy's, which are the micro-batch's own too.)
             held[m] = _containers(value)
@@ -2140,7 +2176,30 @@ class ParallelSequential(nn.Sequential):
                         f"yours would not see the change, where nn.Sequential makes it in yours, once, for the "
                         f"whole batch. Return what the stage computes instead of writing it into its input "
                         f"(e.g. `return {{**d, 'k': v}}`, `cache + [k]`), or use chunks=1.")
+        if block is not None and m == 0:
+            self._refuse_stacked(s, name, block, output)
         return output
+
+    def _refuse_stacked(self, s: int, name: str, block: Parallel, output: Any) -> None:
+        r"""Refuses stage ``s``, not the last, returning a ``Parallel`` that stacks branches along the batch's dimension.
+
+        Its ``output`` (the first micro-batch's) then holds the batch along
+        dimension 1, and so does every later stage's: the micro-batches' results
+        joined along dimension 0 would be joined along the branches, silently
+        where the branches are as many as a micro-batch's samples ((4, 2, 3) for
+        the whole batch's (2, 4, 3)).
+        """
+        ranks = {t.dim() for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
+        stacking = _stacked_on_batch(block, ranks)
+        if stacking is not None:
+            where = "" if stacking is block else " (one of its branches, a Parallel too)"
+            resolved = "" if stacking.dim == 0 else ", dimension 0 of its output"
+            raise ValueError(
+                f"{type(self).__name__}: stage {name!r} (index {s}) returns the result of a Parallel{where} "
+                f"stacking its branches' outputs along dimension {stacking.dim}{resolved} ({_describe(output)} "
+                f"for micro-batch 0), which is where the micro-batches' samples are: the stages after it would "
+                f"get the batch along dimension 1, and the micro-batches' results, joined along dimension 0, "
+                f"would be joined along the branches. Stack along another dimension (dim=1), or use chunks=1.")
 
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,
@@ -2185,8 +2244,9 @@ class ParallelSequential(nn.Sequential):
                     raise _with_context(e, f"(raised copying micro-batch {m} of {count} to {device} in "
                                            f"{type(self).__name__})")
             lanes.append(copy_lane)
-        for s, (name, stage) in enumerate(stages):
-            lanes.append(lambda m, v, s=s, name=name, stage=stage: self._call(s, name, stage, m, count, v, held))
+        for s, (name, stage, block) in enumerate(stages):
+            lanes.append(lambda m, v, s=s, name=name, stage=stage, block=block:
+                         self._call(s, name, stage, m, count, v, held, block))
         n_lanes = len(lanes)
 
         capturing = _capture_underway()

@@ -2284,6 +2284,31 @@ def test_a_parallel_stacking_along_the_batch_is_refused_as_a_last_stage(dim):
                                torch.stack([b(x) for b in heads], 1))
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("dim", [0, -3])
+def test_a_parallel_stacking_along_the_batch_is_refused_as_a_middle_stage(device, dim):
+    # Before: a middle stage's (2, 2, 3) stack for micro-batches of 2 samples passed on with the
+    # batch along dimension 1, and the last stage's outputs were joined along the branches:
+    # (4, 2, 3) for the whole batch's (2, 4, 3), silently.
+    heads = Parallel(nn.Linear(3, 3), nn.Linear(3, 3), join="stack", dim=dim).to(device)
+    tail = nn.Linear(3, 3).to(device)
+    x = torch.randn(4, 3, device=device)
+    pipe = ParallelSequential(heads, tail, chunks=2)
+    with pytest.raises(ValueError, match=r"stage '0' \(index 0\) returns the result of a Parallel stacking its "
+                                         rf"branches' outputs along dimension {dim}.*\(2, 2, 3\).*dim=1"):
+        pipe(x)
+    for nested in (nn.Sequential(nn.Identity(), heads),  # behind a container
+                   Parallel(heads, copy.deepcopy(heads), join="sum"),  # joined by another Parallel
+                   Parallel(heads, copy.deepcopy(heads), join="tuple")):
+        with pytest.raises(ValueError, match="stacking its branches' outputs along dimension"):
+            ParallelSequential(nested, nn.Identity(), chunks=2)(x)
+    # The block still works: as a whole batch's stage, or stacking along another dimension.
+    torch.testing.assert_close(ParallelSequential(heads, tail, chunks=1)(x), tail(heads(x)), rtol=0, atol=0)
+    heads.dim = 1
+    expected = tail(torch.stack([b(x) for b in heads], 1))
+    torch.testing.assert_close(pipe(x), expected, rtol=1.3e-6, atol=1e-5)
+
+
 class _EvalProbs(nn.Module):
     r"""Logits in training, probabilities (a softmax whose dim resolves to 0 on 2-D rows) in eval."""
 
