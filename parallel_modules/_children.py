@@ -202,6 +202,12 @@ def _in_turn(m: nn.Module) -> bool:
     return forward is nn.Sequential.forward or forward is _package.pipeline.ParallelSequential.forward
 
 
+def _scripted_in_turn(m: nn.Module) -> bool:
+    r"""Whether ``m`` is an ``nn.Sequential`` made a TorchScript module (``torch.jit.script``), which runs
+    its children one after another as the container did (its class is TorchScript's: see :func:`_in_turn`)."""
+    return isinstance(m, torch.jit.ScriptModule) and getattr(m, "original_name", None) == "Sequential"
+
+
 def _layers_in_turn(m: nn.Module) -> Iterator[nn.Module]:
     r"""The layers ``m`` runs one after another on its input: those of the containers that run their
     children in turn (:func:`_in_turn`, or an ``nn.Sequential`` made a TorchScript module), flattened, or
@@ -209,8 +215,7 @@ def _layers_in_turn(m: nn.Module) -> Iterator[nn.Module]:
     some on every call."""
     if type(m) is not nn.Sequential:  # (the common container, asked nothing more)
         m = _uncompiled(m)
-        scripted = isinstance(m, torch.jit.ScriptModule) and getattr(m, "original_name", None) == "Sequential"
-        if not (_in_turn(m) or scripted):
+        if not (_in_turn(m) or _scripted_in_turn(m)):
             yield m
             return
     for child in m._modules.values():

@@ -37,8 +37,8 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._children import (_check_name, _check_stage, _child_key, _in_turn, _insert_index, _listed, _state_to_copy,
-                        _uncompiled, _writes_its_input)
+from ._children import (_check_name, _check_stage, _child_key, _in_turn, _insert_index, _listed, _scripted_in_turn,
+                        _state_to_copy, _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _BY_VALUE, _leaf_device, _module_devices, _with_context
@@ -923,13 +923,15 @@ def _batch_second(m: nn.Module) -> bool:
 
 def _returning(stage: nn.Module) -> nn.Module:
     r"""The module whose result ``stage`` returns: itself, or the last of the ``nn.Sequential``
-    containers it ends in (a nested pipeline too; a compiled module returns what the module it
-    compiled does)."""
+    containers it ends in (a nested pipeline too, or one made a TorchScript module; a compiled
+    module returns what the module it compiled does)."""
     while True:
         stage = _uncompiled(stage)
-        if not (_in_turn(stage) and len(stage)):
+        if not ((_in_turn(stage) or _scripted_in_turn(stage)) and len(stage._modules)):
             return stage
-        stage = stage[-1]
+        # (Through ``_modules``: indexing a TorchScript container returns the module it was
+        # made from, not the TorchScript module that runs.)
+        stage = list(stage._modules.values())[-1]
 
 
 def _stock_parallel(m: nn.Module) -> Parallel | None:

@@ -2174,14 +2174,17 @@ class _Encoder(nn.Sequential):
     r"""A subclass of ``nn.Sequential`` without a forward of its own: it returns what its last layer does."""
 
 
-@pytest.mark.parametrize("wrap", ["sequential-subclass", "compiled"])
+@pytest.mark.parametrize("wrap", ["sequential-subclass", "compiled", "scripted-sequential"])
 @pytest.mark.parametrize("layers,batch", [(1, 2), (2, 4)])
 def test_a_recurrent_tail_behind_a_sequential_subclass_or_compiled_is_joined_along_dim_1(wrap, layers, batch):
     # Before: only a plain nn.Sequential was looked through: h_n joined along dimension 0,
     # (2, 1, 5) for (1, 2, 5) -- silently, where the layers equal a micro-batch's samples.
+    # (A TorchScript one too, until session 72.)
     torch.manual_seed(0)
     lstm = nn.LSTM(4, 5, num_layers=layers, batch_first=True)
-    tail = _Encoder(nn.Linear(4, 4), lstm) if wrap == "sequential-subclass" else torch.compile(lstm, backend="eager")
+    tail = {"sequential-subclass": lambda: _Encoder(nn.Linear(4, 4), lstm),
+            "compiled": lambda: torch.compile(lstm, backend="eager"),
+            "scripted-sequential": lambda: torch.jit.script(nn.Sequential(nn.Linear(4, 4), lstm))}[wrap]()
     x = torch.randn(batch, 3, 4)
     got, expected = ParallelSequential(nn.Identity(), tail, chunks=2)(x), nn.Sequential(nn.Identity(), tail)(x)
     assert [t.shape for t in pytree.tree_leaves(got)] == [t.shape for t in pytree.tree_leaves(expected)]
