@@ -2023,17 +2023,46 @@ class WithVmappedBlock(nn.Module):
         return self.head(self.block(x))
 
 
-def test_an_exported_vmapped_group_unflattens():
+# Torch's, 2.11 and 2.13: dynamo records vmap's exit (``_vmap_decrement_nesting``, see
+# ``VmapIncrementNestingCtxManagerVariable.exit``) through ``create_node``, which gives it no
+# ``nn_module_stack``, where the enter, recorded through ``create_proxy``, has the block's. Unflatten
+# then outlines the block as two calls split at the exit, and the second fails in the block's join.
+# The README says so and gives the way around (see the test below): a pass here means torch records
+# the exit in the block, and the README's paragraph on it can go.
+_STRICT_UNFLATTEN = pytest.mark.xfail(
+    strict=True, raises=IndexError,
+    reason="torch: a strict export records torch.vmap's exit with no nn_module_stack (README)")
+
+
+@pytest.mark.parametrize("strict", [pytest.param(True, marks=_STRICT_UNFLATTEN), False],
+                         ids=["strict", "non-strict"])
+def test_an_exported_vmapped_group_unflattens(strict):
     # Before: torch.export.unflatten eliminated dead code, the calls entering and leaving the
     # vmap level among it (they return nothing the graph uses): its module failed in the batched
     # layer ("your tensor may have escaped from inside a function being vmapped").
     torch.manual_seed(0)
     model = WithVmappedBlock()
     x = torch.randn(5, 16)
-    ep = torch.export.export(model, (x,), strict=False)
+    ep = torch.export.export(model, (x,), strict=strict)
     unflattened = torch.export.unflatten(ep)
-    assert_close(unflattened(x), model(x))
+    assert_same(unflattened(x), model(x))
     assert isinstance(unflattened.block, nn.Module)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+def test_an_exported_vmapped_group_unflattens_decomposed(strict):
+    # The README's way around the strict export's vmap exit recorded outside the block (see
+    # _STRICT_UNFLATTEN): the decomposed program holds no vmap level, and runs as the model does,
+    # bit for bit, in the block's module.
+    torch.manual_seed(0)
+    model = WithVmappedBlock()
+    x = torch.randn(5, 16)
+    ep = torch.export.export(model, (x,), strict=strict).run_decompositions()
+    unflattened = torch.export.unflatten(ep)
+    assert_same(unflattened(x), model(x))
+    model.block[0][1].weight.data.add_(1)
+    unflattened.block.get_submodule("0.1").weight.data.add_(1)
+    assert_same(unflattened(x), model(x))
 
 
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
