@@ -2026,7 +2026,8 @@ class WithVmappedBlock(nn.Module):
 # Torch's, 2.11 and 2.13: dynamo records vmap's exit (``_vmap_decrement_nesting``, see
 # ``VmapIncrementNestingCtxManagerVariable.exit``) through ``create_node``, which gives it no
 # ``nn_module_stack``, where the enter, recorded through ``create_proxy``, has the block's. Unflatten
-# then outlines the block as two calls split at the exit, and the second fails in the block's join.
+# then outlines the block as two calls split at the exit, both given the module of the second piece
+# (the join), which fails at the first call (its first input a member's weight).
 # The README says so and gives the way around (see the test below): a pass here means torch records
 # the exit in the block, and the README's paragraph on it can go.
 _STRICT_UNFLATTEN = pytest.mark.xfail(
