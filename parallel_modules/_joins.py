@@ -268,8 +268,10 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
                 "Return the same (nested) tuple/list/dict of tensors from every branch, "
                 "or pass join=None to receive the outputs as a tuple."
             )
-    if not any(isinstance(v, _LEAVES) for v in flat[0][0]):
-        # (A forward that forgot its ``return``: joined, the Nones would pass on as the result.)
+    if not any(isinstance(v, _LEAVES) for leaves, _ in flat for v in leaves):
+        # (A forward that forgot its ``return``: joined, the Nones would pass on as the result. Every
+        # branch's leaves are looked at: a first branch returning ``2`` where another returns a
+        # tensor is a leaf that differs, which the loop below names, not "no tensor at all".)
         raise TypeError(
             f"{owner}: join={how!r} joins tensors, but no branch returned one:\n{_listing(names, outputs)}\n"
             "Return tensors (or tuples/lists/dicts of them) from the branches, or pass join=None to "

@@ -1104,3 +1104,18 @@ def test_a_join_failing_on_one_leaf_of_structured_outputs_names_where_it_lies(jo
     p.dim = 0
     out = p(x := torch.randn(2, 3))
     assert_same(out["z"][0], torch.cat([x.sum(0)] * 2) if join == "cat" else x.sum(0) + x.sum(0))
+
+
+@pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
+def test_a_first_branch_returning_a_number_where_another_returns_a_tensor_names_the_leaf(join):
+    # Before: "joins tensors, but no branch returned one", listing branch 'b''s tensor under it --
+    # only the first branch's outputs were looked at.
+    p = Parallel(OrderedDict(a=lambda x: 2, b=lambda x: x), join=join)
+    with pytest.raises(ValueError, match=r"(?s)leaf 0 of the outputs is not a tensor in every branch.*"
+                                         r"branch 'a': int 2, branch 'b': Tensor\(2, 2\)"):
+        p(torch.randn(2, 2))
+    p[0] = lambda x: x + 1  # (still usable)
+    x = torch.randn(2, 2)
+    expected = {"cat": torch.cat([x + 1, x], 1), "stack": torch.stack([x + 1, x], 1), "sum": (x + 1) + x,
+                "mean": ((x + 1) + x) / 2}[join]
+    assert torch.equal(p(x), expected)
