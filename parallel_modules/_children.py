@@ -44,11 +44,22 @@ class _Function(nn.Module):
         return getattr(self.fn, "__qualname__", None) or repr(self.fn)
 
 
-def _unfit(owner: str, kind: str, name: str, child: Any, constructing: bool = False) -> str | None:
+def _unfit(owner: str, kind: str, name: str, child: Any, constructing: bool = False,
+           container: nn.Module | None = None) -> str | None:
     r"""Why ``child`` cannot be a ``kind`` of ``owner`` whatever it is called, or ``None``.
 
     ``constructing``: ``child`` was passed to ``owner``'s constructor, by position.
+    ``container``: the block ``child`` is added to, once built (``append``, ``insert``, ...).
     """
+    if container is not None and isinstance(child, nn.Module):
+        # A block registered below itself: torch registers the cycle, and from then on its
+        # repr, state_dict and every call recurse without end, the block unusable for good.
+        within = next((path for path, m in child.named_modules() if m is container), None)
+        if within is not None:
+            where = "the block itself" if not within else f"a module holding the block (at {within!r})"
+            return (f"{owner}: {kind} {name!r} is {where}; a block cannot be its own {kind}: its calls, "
+                    f"repr and state_dict would recurse without end. Add a copy, copy.deepcopy(block), "
+                    f"or a new block of the same {'branches' if kind == 'branch' else 'stages'}.")
     if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and type(child).forward is nn.Module.forward:
         # (A subclass that defines ``forward`` is an ordinary module.)
         plural = "branches" if kind == "branch" else "stages"
@@ -73,9 +84,10 @@ def _unfit(owner: str, kind: str, name: str, child: Any, constructing: bool = Fa
     return None
 
 
-def _as_branch(owner: str, name: str, branch: Any, constructing: bool = False) -> nn.Module:
+def _as_branch(owner: str, name: str, branch: Any, constructing: bool = False,
+               container: nn.Module | None = None) -> nn.Module:
     r"""``branch`` as a module: itself, or a plain callable held by :class:`_Function`."""
-    why = _unfit(owner, "branch", name, branch, constructing)
+    why = _unfit(owner, "branch", name, branch, constructing, container)
     if why:
         raise TypeError(why)
     if isinstance(branch, nn.Module):
@@ -88,8 +100,9 @@ def _as_branch(owner: str, name: str, branch: Any, constructing: bool = False) -
     )
 
 
-def _check_stage(owner: str, name: str, stage: Any, constructing: bool = False) -> None:
-    why = _unfit(owner, "stage", name, stage, constructing)
+def _check_stage(owner: str, name: str, stage: Any, constructing: bool = False,
+                 container: nn.Module | None = None) -> None:
+    why = _unfit(owner, "stage", name, stage, constructing, container)
     if why:
         raise TypeError(why)
     if not isinstance(stage, nn.Module):

@@ -618,7 +618,7 @@ class Parallel(nn.Module):
 
     def __setitem__(self, idx: int, module: nn.Module | Callable[..., Any]) -> None:
         key = self._key(idx, slices=False)
-        self.add_module(key, _own_mode(self, _as_branch(type(self).__name__, key, module), module))
+        self.add_module(key, _own_mode(self, _as_branch(type(self).__name__, key, module, container=self), module))
         self._reset()
 
     def __delitem__(self, idx: int | slice) -> None:
@@ -655,7 +655,7 @@ class Parallel(nn.Module):
             raise ValueError(f"{owner}: a branch named {key!r} already exists ({list(self._modules)}); append "
                              f"names the new branch by its index, {key!r}. Build a new block, "
                              f"{owner}(*block, module), or name the branches in an OrderedDict.")
-        self.add_module(key, _own_mode(self, _as_branch(type(self).__name__, key, module), module))
+        self.add_module(key, _own_mode(self, _as_branch(type(self).__name__, key, module, container=self), module))
         self._reset()
         return self
 
@@ -663,7 +663,7 @@ class Parallel(nn.Module):
         r"""Append every module of an iterable; returns ``self``."""
         owner, n = type(self).__name__, len(self._modules)
         # All checked before any is appended: a bad one leaves the block as it was.
-        branches = [_own_mode(self, _as_branch(owner, str(n + i), m), m)
+        branches = [_own_mode(self, _as_branch(owner, str(n + i), m, container=self), m)
                     for i, m in enumerate(_listed(owner, "extend", "branch", modules))]
         taken = [str(n + i) for i in range(len(branches)) if str(n + i) in self._modules]
         if taken:  # (names kept by a slice of named branches or `del block.name`: "1", "3")
@@ -700,7 +700,7 @@ class Parallel(nn.Module):
                              f"'0'..'{n - 1}', got {list(self._modules)} (given in an OrderedDict). Build a new "
                              f"one with the branches in the order you want.")
         index = index + n if index < 0 else index
-        branch = _own_mode(self, _as_branch(owner, str(index), module), module)
+        branch = _own_mode(self, _as_branch(owner, str(index), module, container=self), module)
         branches = list(self._modules.values())
         branches.insert(index, branch)
         self._modules = OrderedDict((str(i), m) for i, m in enumerate(branches))

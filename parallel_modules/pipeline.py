@@ -1255,7 +1255,7 @@ class ParallelSequential(nn.Sequential):
     def __setitem__(self, idx: int, module: nn.Module) -> None:
         # (Named as the stage it replaces, "dec" or "1", not as the index given: -1.)
         key = _child_key(type(self).__name__, list(self._modules), idx, "stage", slices=False)
-        _check_stage(type(self).__name__, key, module)
+        _check_stage(type(self).__name__, key, module, container=self)
         super().__setitem__(idx, module)
 
     def _check_free(self, count: int) -> None:
@@ -1273,7 +1273,7 @@ class ParallelSequential(nn.Sequential):
                              f"{type(self).__name__}(*pipe, new_stage), or name them with an OrderedDict.")
 
     def append(self, module: nn.Module) -> "ParallelSequential":
-        _check_stage(type(self).__name__, str(len(self)), module)
+        _check_stage(type(self).__name__, str(len(self)), module, container=self)
         self._check_free(1)
         return super().append(module)
 
@@ -1282,14 +1282,14 @@ class ParallelSequential(nn.Sequential):
         # leaves the pipeline as it was.
         stages = _listed(type(self).__name__, "extend", "stage", sequential)
         for i, module in enumerate(stages):
-            _check_stage(type(self).__name__, str(len(self) + i), module)
+            _check_stage(type(self).__name__, str(len(self) + i), module, container=self)
         self._check_free(len(stages))
         return super().extend(stages)
 
     def __iadd__(self, other: nn.Sequential) -> "ParallelSequential":
         if isinstance(other, nn.Sequential):  # (what nn.Sequential adds: its stages, one by one)
             for i, module in enumerate(other):
-                _check_stage(type(self).__name__, str(len(self) + i), module)
+                _check_stage(type(self).__name__, str(len(self) + i), module, container=self)
             self._check_free(len(other))
             # (Listed first: ``pipe += pipe`` would add to the stages it iterates, half done.)
             other = nn.Sequential(*other)
@@ -1300,7 +1300,7 @@ class ParallelSequential(nn.Sequential):
         owner, n = type(self).__name__, len(self)
         index = _insert_index(owner, index, n, "stages")  # (nn.Sequential's own check names no module)
         position = index + n if index < 0 else index
-        _check_stage(type(self).__name__, str(position), module)
+        _check_stage(type(self).__name__, str(position), module, container=self)
         if list(self._modules) != [str(i) for i in range(len(self))]:
             # (nn.Sequential's insert moves stages "0".."n-1" up by one: on names kept through a
             # slice, or given, it replaced or dropped a stage, or failed half done.)

@@ -1119,3 +1119,38 @@ def test_a_first_branch_returning_a_number_where_another_returns_a_tensor_names_
     expected = {"cat": torch.cat([x + 1, x], 1), "stack": torch.stack([x + 1, x], 1), "sum": (x + 1) + x,
                 "mean": ((x + 1) + x) / 2}[join]
     assert torch.equal(p(x), expected)
+
+
+@pytest.mark.parametrize("how", ["append", "extend", "iadd", "insert", "setitem", "held"])
+def test_a_block_added_below_itself_is_refused_and_keeps_working(how):
+    # Before: torch registered the cycle; every later call, repr and state_dict raised RecursionError
+    # (the call's with a note naming the branch a thousand times), the block unusable for good.
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    expected = torch.cat([block[0](x), block[1](x)], 1)
+    add = {"append": lambda: block.append(block), "extend": lambda: block.extend([block]),
+           "iadd": lambda: block.__iadd__([block]), "insert": lambda: block.insert(0, block),
+           "setitem": lambda: block.__setitem__(-1, block),
+           "held": lambda: block.append(nn.Sequential(nn.ReLU(), block))}[how]
+    where = r"a module holding the block \(at '1'\)" if how == "held" else "the block itself"
+    with pytest.raises(TypeError, match=rf"Parallel: branch '\d' is {where}; a block cannot be its own branch"):
+        add()
+    assert len(block) == 2 and list(block.state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert torch.equal(block(x), expected)
+    block += block  # (its own branches, once more: no cycle)
+    assert len(block) == 4
+
+
+@pytest.mark.parametrize("how", ["append", "extend", "iadd", "insert", "setitem"])
+def test_a_pipeline_added_below_itself_is_refused_and_keeps_working(how):
+    pipe = ParallelSequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    expected = pipe[1](pipe[0](x))
+    add = {"append": lambda: pipe.append(pipe), "extend": lambda: pipe.extend([pipe]),
+           "iadd": lambda: pipe.__iadd__(nn.Sequential(pipe)), "insert": lambda: pipe.insert(0, pipe),
+           "setitem": lambda: pipe.__setitem__(-1, nn.Sequential(pipe))}[how]
+    # (`+=` adds a Sequential's stages: the pipeline itself.)
+    where = r"a module holding the block \(at '0'\)" if how == "setitem" else "the block itself"
+    with pytest.raises(TypeError, match=rf"ParallelSequential: stage '\d' is {where}; a block cannot be its own stage"):
+        add()
+    assert len(pipe) == 2 and torch.equal(pipe(x), expected)
