@@ -629,8 +629,8 @@ def _copied_together(leaves: list[Any], chunks: int) -> list[tuple[torch.Tensor,
     views of one tensor's elements (``(x, x[:, :2])``, ``{"x": x, "flat":
     x.flatten(1)}``) would lose their link: a stage writing one in place
     (``a.relu_()``) would leave the other as it was, where in nn.Sequential it
-    sees the write. Here each micro-batch of one contiguous tensor that holds
-    them all (one of them, or the tensor they are views of), its rows spanning
+    sees the write. Here each micro-batch of one tensor that holds them all
+    (one of them, or the tensor they are views of), its elements holding
     theirs, is copied, and theirs are cut from that copy with their own sizes
     and strides. Autograd carries their gradients to it, so those that record
     autograd must be views of the tensor it is or is a view of; one taken
@@ -656,8 +656,7 @@ def _copied_together(leaves: list[Any], chunks: int) -> list[tuple[torch.Tensor,
                     pieces = [p.clone() for p in cut]
                     for t in members:
                         copies.append((t, pieces if t is holder else [
-                            (c if t.requires_grad else c.detach()).as_strided(
-                                p.shape, p.stride(), p.storage_offset() - h.storage_offset())
+                            _cut(c if t.requires_grad else c.detach(), p, _position(p, h))  # type: ignore[arg-type]
                             for c, p, h in zip(pieces, t.tensor_split(chunks), cut)]))
                     break
     return copies
@@ -679,22 +678,60 @@ def _sharing(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def _holds(holder: torch.Tensor, members: list[torch.Tensor], chunks: int) -> bool:
     r"""Whether each micro-batch of ``members`` is cut from a copy of ``holder``'s (see :func:`_copied_together`)."""
-    if not holder.dim() or not holder.is_contiguous() or any(t.dtype != holder.dtype for t in members):
-        return False  # (a copy of a contiguous micro-batch keeps its layout, at offset 0)
+    if not holder.dim() or any(t.dtype != holder.dtype for t in members):
+        return False
     root = holder if holder._base is None else holder._base
     if any(t.requires_grad and not (holder.requires_grad and t._base is root) for t in members if t is not holder):
         return False  # (their gradients would not reach them through the holder's copy)
+    # Each micro-batch of every member must lie in the holder's, element for element. (Not only where
+    # the holder is contiguous: a channels_last or column-major batch and its views, (x, x[:, :3]),
+    # were copied one by one, and a write through one no longer showed in the other.)
+    held = holder.tensor_split(chunks)
+    return all(_position(p, h) is not None for t in members if t is not holder
+               for p, h in zip(t.tensor_split(chunks), held))
 
-    def spans(t: torch.Tensor) -> list[tuple[int, int]]:
-        r"""The first and last element each micro-batch of ``t`` reaches (``torch.tensor_split``'s rows)."""
-        rows, rest = t.shape[0], sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:]))
-        bounds = [m * (rows // chunks) + min(m, rows % chunks) for m in range(chunks + 1)]
-        return [(t.storage_offset() + a * t.stride(0), t.storage_offset() + (b - 1) * t.stride(0) + rest)
-                for a, b in zip(bounds, bounds[1:])]
 
-    held = spans(holder)
-    return all(first > last or (low <= first and last <= high)
-               for t in members for (first, last), (low, high) in zip(spans(t), held))
+def _position(inner: torch.Tensor, outer: torch.Tensor) -> tuple[list[int], list[list[int]]] | None:
+    r"""Where ``inner``, of ``outer``'s memory, lies among ``outer``'s elements: the index of its first
+    element in ``outer``, and for each of its dimensions the step that dimension takes there; ``None``
+    where some element of ``inner`` is not one of ``outer``'s (or that is not shown: see below).
+
+    With these, ``inner`` is cut from any copy of ``outer`` (see :func:`_cut`), whatever the copy's
+    layout. ``outer``'s dimensions, largest stride first, give each of its elements one index where each
+    stride steps past all the elements of the smaller ones (as any layout permuted or sliced from a
+    contiguous one does; others are taken as not holding ``inner``).
+    """
+    dims = sorted(((st, d) for d, (n, st) in enumerate(zip(outer.shape, outer.stride())) if n > 1), reverse=True)
+    reach = 1
+    for stride, d in reversed(dims):
+        if stride < reach:
+            return None  # (elements one index does not name: overlapping, or interleaved)
+        reach += stride * (outer.shape[d] - 1)
+
+    def index(offset: int) -> list[int] | None:
+        found = [0] * outer.dim()
+        for stride, d in dims:
+            found[d], offset = divmod(offset, stride)
+        return found if offset == 0 else None
+
+    start = index(inner.storage_offset() - outer.storage_offset())
+    if start is None or min(start) < 0:
+        return None
+    steps, last = [], start
+    for size, stride in zip(inner.shape, inner.stride()):
+        step = index(stride) if size > 1 else [0] * outer.dim()
+        if step is None:
+            return None
+        steps.append(step)
+        last = [i + (size - 1) * s for i, s in zip(last, step)]
+    return (start, steps) if all(i < n for i, n in zip(last, outer.shape)) else None
+
+
+def _cut(copy: torch.Tensor, inner: torch.Tensor, position: tuple[list[int], list[list[int]]]) -> torch.Tensor:
+    r"""``inner``'s elements in ``copy``, a copy (from offset 0) of the tensor ``position`` places it in (see :func:`_position`)."""
+    start, steps = position
+    return copy.as_strided(inner.shape, [sum(s * st for s, st in zip(step, copy.stride())) for step in steps],
+                           sum(i * st for i, st in zip(start, copy.stride())))
 
 
 def _overlap(a: Any, b: Any) -> bool:

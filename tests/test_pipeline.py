@@ -1387,6 +1387,51 @@ def test_the_overlap_of_two_layouts_is_exact_and_cheap() -> None:
     assert not _overlap(pieces[0].t(), pieces[1].t())
 
 
+def test_a_view_placed_among_anothers_elements_is_cut_from_its_copy_exactly() -> None:
+    # Input tensors that are views of one another are cut from a copy of the one holding the
+    # others (see _copied_together): against every element's offset on small random layouts
+    # (overlapping, zero strides, permuted and sliced ones), a view placed in another (_position)
+    # holds only its elements, and is cut from a copy of it (_cut, whatever the copy's layout) as
+    # the same elements; and the views of a contiguous, a column-major and a channels_last
+    # tensor are all placed.
+    import itertools
+    import random
+
+    from parallel_modules.pipeline import _cut, _position
+
+    def offsets(t: torch.Tensor) -> list[int]:
+        return [t.storage_offset() + sum(i * s for i, s in zip(index, t.stride()))
+                for index in itertools.product(*(range(n) for n in t.shape))]
+
+    rng, memory = random.Random(0), torch.arange(400.0)
+
+    def layout() -> torch.Tensor:
+        dims = rng.randint(1, 4)
+        return memory.as_strided([rng.randint(1, 4) for _ in range(dims)],
+                                 [rng.choice([0, 1, 2, 3, 4, 5, 7, 12, 20]) for _ in range(dims)], rng.randint(0, 60))
+
+    def sliced(t: torch.Tensor) -> torch.Tensor:
+        t = t.permute(rng.sample(range(t.dim()), t.dim()))
+        return t[tuple(slice(a, rng.randint(a + 1, n), rng.randint(1, 2)) for n in t.shape
+                       for a in (rng.randint(0, n - 1),))]
+
+    placed = 0
+    for _ in range(3000):
+        outer = layout() if rng.random() < 0.3 else sliced(memory[:360].view(3, 4, 5, 6).permute(
+            rng.sample(range(4), 4)))
+        inner = layout() if rng.random() < 0.3 else sliced(outer)
+        position = _position(inner, outer)
+        if position is not None:
+            placed += 1
+            assert set(offsets(inner)) <= set(offsets(outer)), (inner.stride(), outer.stride())
+            assert torch.equal(_cut(outer.clone(), inner, position), inner), (inner.stride(), outer.stride())
+    assert placed > 1000
+    for x in (torch.zeros(6, 4, 3, 3), torch.zeros(4, 3, 3, 6).permute(3, 0, 1, 2),
+              torch.zeros(6, 4, 3, 3).contiguous(memory_format=torch.channels_last)):
+        for whole, part in zip(x.tensor_split(3), x[:, 1:3, :, 1:].tensor_split(3)):
+            assert _position(part, whole) is not None
+
+
 class _PartlyWritten(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -1576,6 +1621,49 @@ def test_input_tensors_that_are_views_of_one_another_stay_so_in_every_micro_batc
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
     if how != "input needing no grad":
         torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(weight, ref_weight, rtol=RTOL, atol=ATOL)
+
+
+class _WritesOneConvolvesTheOther(nn.Module):
+    r"""Doubles its first input, an image batch, in place, then convolves its second, a view of the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 1)
+
+    def forward(self, inputs):
+        whole, part = inputs
+        whole.mul_(2)
+        return self.conv(part) + whole.sum((1, 2, 3), keepdim=True)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "column-major"])
+@pytest.mark.parametrize("how", ["view", "sibling views", "detached view"])
+def test_input_tensors_not_contiguous_that_are_views_of_one_another_stay_so_in_every_micro_batch(layout, how):
+    # Only a contiguous tensor was taken to hold the others' micro-batches: a channels_last
+    # or column-major batch and its view were copied one by one, and a write through one no
+    # longer showed in the other (a silently different output and gradients).
+    torch.manual_seed(0)
+    if layout == "channels_last":
+        stage, parameter = _WritesOneConvolvesTheOther(), "conv"
+        leaf = torch.randn(6, 4, 3, 3, requires_grad=True)
+        laid_out = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
+    else:
+        stage, parameter = _WritesOneReadsTheOther(), "linear"
+        leaf = torch.randn(4, 6, requires_grad=True)
+        laid_out = lambda t: t.t()  # noqa: E731
+    results = []
+    for model in (nn.Sequential(stage), ParallelSequential(stage, chunks=3)):
+        leaf.grad, getattr(stage, parameter).weight.grad = None, None
+        x = laid_out(leaf * 1)
+        inputs = {"view": (x, x[:, 1:3]), "sibling views": (x[:, :3], x[:, 1:3]),
+                  "detached view": (x, x.detach()[:, 1:3])}[how]
+        out = model(inputs)
+        out.square().sum().backward()
+        results.append((out.detach(), leaf.grad, getattr(stage, parameter).weight.grad.clone()))
+    (out, grad, weight), (ref, ref_grad, ref_weight) = results[1], results[0]
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(weight, ref_weight, rtol=RTOL, atol=ATOL)
 
 
