@@ -21,16 +21,26 @@ Changes to children that register nothing -- ``del block[0][1]`` and
 ``del m.child`` (``nn.Module.__delattr__``), ``block[0].insert(1, layer)`` of a
 layer built before (building one registers its parameters), ``nn.ModuleDict``'s
 ``pop`` and ``clear`` -- are counted by torch's own methods that make them,
-wrapped once (:func:`_install`). Comparing every container's children on every
-call instead would cost the hot path 1.4 us for mlp8's nine containers on the
-development machine's CPU, where its graphed call costs the H100 machine's CPU
-20-30 us; and a dict of children that counted its own writes (a ``dict``
-subclass as ``_modules``) made Dynamo name every child below it by position
-(``dict.__getitem__(L['self']._modules, list(dict.keys(...))[0])``): a strict
-``torch.export`` lost the modules' names, which ``unflatten``,
-``preserve_module_call_signature`` and quantizers select by. Not seen: writes
-into a module's private ``_modules`` dict (``block._modules.pop("1")``); a
-``_modules`` assigned anew to a block is. (A parameter or buffer written into
+wrapped once (:func:`_install`). Writes straight into a module's private
+``_modules`` dict call none of them (``layer._modules[name] = new``, as
+``torch.ao.quantization.convert`` and ``torch.fx``-style passes swap layers;
+``_modules.pop(name)``; a container subclass's own ``insert``), and where the
+layer written holds no tensors (an activation, ``nn.Identity``) or was built
+before, nothing registers at all. Blocks whose caches replay the modules they
+were made from -- fused groups, CUDA graphs, a pipeline's plan -- compare the
+dicts of children below them with copies at every call (:meth:`_Tree.rewritten`),
+about 0.6-1.2 us for mlp8's nine containers on the development machine's CPU,
+where its graphed call costs the H100 machine's CPU 20-30 us; blocks that call
+their children as they find them (``fuse=False`` without graphs) pay nothing.
+A dict of children that counted its own writes (a ``dict`` subclass as
+``_modules``) would cost nothing per call, but made Dynamo name every child
+below it by position (``dict.__getitem__(L['self']._modules,
+list(dict.keys(...))[0])``): a strict ``torch.export`` lost the modules' names,
+which ``unflatten``, ``preserve_module_call_signature`` and quantizers select
+by. Not seen until the next registration anywhere: a dict of children replaced
+whole below a block (``layer._modules = {...}``, the old one left as it was; a
+block's own is), and the same children put back in another order under the
+same names (popped and set again). (A parameter or buffer written into
 ``_parameters`` or ``_buffers`` registers nothing either: fused groups see it
 by its address, see ``_fusion._Group._bound``.)
 """
@@ -149,17 +159,27 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
+# torch's containers, whose dicts of children are watched even while empty (see _Tree).
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
 # What _Tree.changed returns for modules changed while tensors are swapped in for the call: the
 # caller runs its children one after another, as they are, learning nothing.
 _WHILE_SWAPPED = "while swapped"
 
 
 class _Tree:
-    r"""The submodules, parameters and buffers of ``root`` when it was last looked at."""
+    r"""The submodules, parameters and buffers of ``root`` when it was last looked at.
 
-    __slots__ = ("seen", "walked", "members", "buffers", "parameters", "modules")
+    ``children``: also hold the dicts of children below ``root`` and a copy of
+    each, which the block's calls compare (see :meth:`rewritten`): for blocks
+    whose caches replay the modules they were made from -- fused groups, CUDA
+    graphs, a pipeline's plan -- not for those that call their children as
+    they find them.
+    """
 
-    def __init__(self, root: nn.Module) -> None:
+    __slots__ = ("seen", "walked", "members", "buffers", "parameters", "modules", "children", "copies")
+
+    def __init__(self, root: nn.Module, children: bool = True) -> None:
         _install()
         # The count at the last walk that found the tree settled, and at the last walk (see same):
         # the next call walks once more.
@@ -169,6 +189,21 @@ class _Tree:
         self.modules = tuple(root.modules())
         # Without walking the tree again (whether any is trained, on a hot path).
         self.parameters = tuple(root.parameters())
+        # The modules' dicts of children (those holding any, and torch's containers, which may be
+        # filled later), the dicts themselves, and their copies (see rewritten). (TorchScript
+        # modules keep theirs in C++, behind a view that is not a dict.)
+        self.children = [m._modules for m in self.modules if (m._modules or isinstance(m, _CONTAINERS))
+                         and isinstance(m._modules, dict)] if children else []
+        self.copies = [d.copy() for d in self.children]
+
+    def rewritten(self) -> bool:
+        r"""Whether a dict of children below the root was written into directly since it was looked at last,
+        which registers nothing (see the module's docstring).
+
+        One C comparison of the dicts with their copies, children by identity
+        first. (Hot paths compare them inline, without this frame.)
+        """
+        return self.children != self.copies
 
     def forget(self) -> None:
         r"""Take the tree as changed at the next look: a change found otherwise, which registered nothing."""
@@ -184,7 +219,7 @@ class _Tree:
         the tensors swapped in (the caller's, with their autograd graph;
         functorch's, which have no memory to look at).
         """
-        if self.seen == _changes or self.same(root):  # (callers on hot paths ask the first themselves)
+        if self.same(root):
             return False
         now = tuple(root.modules())
         swapped = _swapped_in(now)
@@ -193,7 +228,8 @@ class _Tree:
         return not swapped
 
     def same(self, root: nn.Module) -> bool:
-        r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered).
+        r"""Whether ``root``'s tree holds the same objects as when looked at last (cheap while nothing registered),
+        and no dict of children below was written into (see :meth:`rewritten`).
 
         A buffer assigned a new tensor of its own, of the same class, layout,
         device, dtype and shape (``self.steps = self.steps + 1`` in a
@@ -205,6 +241,10 @@ class _Tree:
         tensor of the tree (the same one, or its memory) changes it: fused
         groups refuse branches that share tensors.
         """
+        if self.rewritten():
+            # (Even where the walk would find the same modules in the same order, renamed:
+            # grouping compares the names of the members' children too.)
+            return False
         seen = _changes  # (before the walk: a registration during it is looked at next time)
         if self.seen == seen:
             return True

@@ -1868,7 +1868,7 @@ class ParallelSequential(nn.Sequential):
     def forward(self, input: Any) -> Any:
         r"""Run the stages on ``input``, micro-batch by micro-batch, and concatenate the outputs."""
         # (Tracing first: a compiler must not read, and guard on, the count of changes.)
-        if not _is_tracing() and self._tree.seen != _watch._changes:
+        if not _is_tracing() and (self._tree.seen != _watch._changes or self._tree.children != self._tree.copies):
             changed = self._tree.changed(self)
             if changed is _watch._WHILE_SWAPPED:  # (see there: the plan made anew at a call outside)
                 homes = _module_devices(self)

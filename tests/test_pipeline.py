@@ -734,6 +734,45 @@ def test_a_batch_norm_inserted_into_a_sequential_stage_is_refused() -> None:
     torch.testing.assert_close(model(x), _pieces_reference(model, x, 2))
 
 
+class _Stage(nn.Sequential):
+    r"""A ``Sequential`` whose own ``insert`` writes its dict of children, calling none of torch's methods."""
+
+    def insert(self, index: int, module: nn.Module) -> "_Stage":
+        layers = list(self._modules.values())
+        layers.insert(index, module)
+        self._modules.clear()
+        self._modules.update((str(i), layer) for i, layer in enumerate(layers))
+        return self
+
+
+@pytest.mark.parametrize("how", ["written", "subclass insert"])
+def test_a_layer_written_into_a_dict_of_children_is_seen(how: str) -> None:
+    # Before: a layer written straight into a ``_modules`` dict registers nothing (as
+    # torch.ao.quantization.convert and torch.fx-style passes swap layers, or a container
+    # subclass's own ``insert``), nor does building a layer without tensors or one built before
+    # the first call: the pipeline kept the plan made from the old layers and micro-batched the
+    # softmax over the batch, or the training BatchNorm, silently.
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4)
+    model = ParallelSequential(_Stage(nn.Linear(4, 4)), nn.Linear(4, 2), chunks=2)
+    x = torch.randn(6, 4)
+    for _ in range(3):
+        model(x)
+    if how == "written":
+        model[0]._modules["1"] = nn.Softmax(dim=0)
+        refused = r"contains '0\.1' \(Softmax\).*across the batch"
+    else:
+        model[0].insert(1, norm)
+        refused = r"contains '0\.1' \(BatchNorm1d\).*training mode"
+    with pytest.raises(RuntimeError, match=refused):
+        model(x)
+    if how == "written":
+        model[0]._modules["1"] = nn.Softmax(dim=1)
+    else:
+        norm.eval()
+    torch.testing.assert_close(model(x), _pieces_reference(model, x, 2))
+
+
 class _EachOf(nn.Module):
     r"""Runs the layers of its ``nn.ModuleDict`` in turn."""
 
