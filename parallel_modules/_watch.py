@@ -26,13 +26,13 @@ wrapped once (:func:`_install`). Writes straight into a module's private
 ``torch.ao.quantization.convert`` and ``torch.fx``-style passes swap layers;
 ``_modules.pop(name)``; a container subclass's own ``insert``), and where the
 layer written holds no tensors (an activation, ``nn.Identity``) or was built
-before, nothing registers at all. Blocks whose caches replay the modules they
-were made from -- fused groups, CUDA graphs, a pipeline's plan -- compare the
-dicts of children below them with copies at every call (:meth:`_Tree.rewritten`),
-about 0.6-1.2 us for mlp8's nine containers on the development machine's CPU,
-where its graphed call costs the H100 machine's CPU 20-30 us; blocks that call
-their children as they find them (``fuse=False`` without graphs) pay nothing.
-A dict of children that counted its own writes (a ``dict`` subclass as
+before, nothing registers at all. A pipeline compares the dicts of children
+below it with copies at every call (:meth:`_Tree.rewritten`), a fraction of a
+microsecond of calls that cost milliseconds, so that its plan (the stages that
+mix samples, see ``pipeline``) and its graphs are made anew. ``Parallel`` does
+not: on the H200 machine the comparison added 1.7 us to a graphed fused call of
+eight 4-layer MLPs (21.1 to 22.8 us) and 2.5 us to one of sixteen (21.3 to
+23.8 us), a tenth of the call (``tools/exp_graph_ab.py``, session 72). A dict of children that counted its own writes (a ``dict`` subclass as
 ``_modules``) would cost nothing per call, but made Dynamo name every child
 below it by position (``dict.__getitem__(L['self']._modules,
 list(dict.keys(...))[0])``): a strict ``torch.export`` lost the modules' names,
@@ -171,15 +171,13 @@ class _Tree:
     r"""The submodules, parameters and buffers of ``root`` when it was last looked at.
 
     ``children``: also hold the dicts of children below ``root`` and a copy of
-    each, which the block's calls compare (see :meth:`rewritten`): for blocks
-    whose caches replay the modules they were made from -- fused groups, CUDA
-    graphs, a pipeline's plan -- not for those that call their children as
-    they find them.
+    each, which the block's calls compare (see :meth:`rewritten`): a pipeline's
+    (see the module's docstring for why not a ``Parallel``'s).
     """
 
     __slots__ = ("seen", "walked", "members", "buffers", "parameters", "modules", "children", "copies")
 
-    def __init__(self, root: nn.Module, children: bool = True) -> None:
+    def __init__(self, root: nn.Module, children: bool = False) -> None:
         _install()
         # The count at the last walk that found the tree settled, and at the last walk (see same):
         # the next call walks once more.

@@ -494,9 +494,8 @@ class Parallel(nn.Module):
     def _forget(self, strict: bool) -> None:
         # The tree as it is before the groups are made of it: a change that lands
         # while they are made is seen at the next call.
-        # (Fused groups and graphs replay the layers they were made from: a layer written into a
-        # dict of children below, which registers nothing, is looked for at every call.)
-        tree = _watch._Tree(self, children=self.fuse is not False or bool(self.cuda_graph))
+        # (Not comparing the dicts of children below at every call, as a pipeline does: see _watch.)
+        tree = _watch._Tree(self)
         self._tuner = _ScheduleTuner()
         self._plans: dict[Hashable, _Schedule] = {}
         # Signatures planned unfused while "auto" kept the groups so for deterministic
@@ -1530,7 +1529,7 @@ class Parallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
         tracing = _is_tracing()  # (first: a compiler must not read, and guard on, the count of changes)
-        if not tracing and (self._tree.seen != _watch._changes or self._tree.children != self._tree.copies):
+        if not tracing and self._tree.seen != _watch._changes:
             changed = self._tree.changed(self)
             if changed is _watch._WHILE_SWAPPED:  # (see there: made anew at a call outside)
                 placement = _place(self)  # (branches on several devices: each on its own)

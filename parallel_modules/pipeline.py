@@ -1277,7 +1277,7 @@ class ParallelSequential(nn.Sequential):
         else:  # constructed, unpickled or deep-copied: graphs never are copied
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
                                        direct_grads=self.direct_grads)
-        self._tree = _watch._Tree(self)
+        self._tree = _watch._Tree(self, children=True)
         self._placed = _watch._placement(self)  # (see _apply)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]

@@ -672,3 +672,21 @@ def test_a_dict_subclass_input_is_not_replayed_with_the_tensors_it_was_captured_
             out = model(_Batch(x=x))
             expected = x * 2 if isinstance(model, ParallelSequential) else torch.cat([x * 2, x * 2], 1)
             assert torch.equal(out, expected)
+
+
+def test_a_layer_written_into_a_dict_of_children_below_a_graphed_pipeline_is_seen():
+    # A layer without tensors written straight into a ``_modules`` dict registers nothing: the
+    # pipeline's graphs, captured with the old layer, would replay it. (A Parallel does not look:
+    # see _watch.)
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).cuda() for _ in range(3)]
+    m = ParallelSequential(*layers, chunks=2, cuda_graph=True).eval()
+    with torch.no_grad():
+        for _ in range(4):
+            m(torch.randn(4, 8, device="cuda"))
+        m[0]._modules["1"] = nn.ReLU()
+        x = torch.randn(4, 8, device="cuda")
+        expected = x
+        for layer in m._modules.values():
+            expected = layer(expected)
+        torch.testing.assert_close(m(x), expected)
