@@ -501,6 +501,13 @@ def _flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[
     return leaves, spec
 
 
+class _Shared(NamedTuple):
+    r"""Input tensors that share elements across micro-batches (see :func:`_across`), watched for writes."""
+
+    names: str  # where they are in the input: "input[0] and input[1]"
+    versions: list[list[tuple[torch.Tensor, int]]]  # per micro-batch: each one's piece and its version at the split
+
+
 class _Returned(NamedTuple):
     r"""A value's tensors (its pytree leaves) and their versions, as a stage returned it (see :func:`_returned`)."""
 
@@ -621,8 +628,36 @@ def _is_piece(t: Any, piece: Any) -> bool:
         and p.shape == t.shape and p.stride() == t.stride() for p in _leaves(piece))
 
 
-def _copied_together(leaves: list[Any], chunks: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    r"""The micro-batches of input tensors that share elements, as copies that share them too: (tensor, pieces).
+def _shared(leaves: list[Any]) -> list[list[torch.Tensor]]:
+    r"""The input tensors among ``leaves`` in sets linked by shared elements (see :func:`_sharing`); only sets of
+    more than one. Tensors of memories of their own, the common case, cost one look at where it starts."""
+    groups: dict[tuple[torch.device, int], dict[int, torch.Tensor]] = {}
+    for t in leaves:
+        # (Not meta tensors: every one's memory is at 0.)
+        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.dim() and t.numel() and not t.is_meta:
+            where = _storage(t)
+            if where is not None:
+                groups.setdefault((t.device, where), {})[id(t)] = t  # (a tensor passed twice, once)
+    return [members for group in groups.values() if len(group) > 1 for members in _sharing(list(group.values()))]
+
+
+def _across(members: list[torch.Tensor], chunks: int) -> bool:
+    r"""Whether two of ``members`` share an element in different micro-batches (``(x[:-1], x[1:])``).
+
+    Micro-batching takes a sample's rows to be its own: written by a stage on
+    its micro-batch, they are read by no other. Here a micro-batch's stage
+    would write what another micro-batch reads through the other tensor (or
+    has read already), where nn.Sequential runs each stage on the whole batch
+    once: no copy can give nn.Sequential's result (see ``ParallelSequential._split``).
+    """
+    cut = [t.tensor_split(chunks) for t in members]
+    return any(_overlap(p, q) for a, b in itertools.combinations(cut, 2)
+               for i, p in enumerate(a) for j, q in enumerate(b) if i != j)
+
+
+def _copied_together(sets: list[list[torch.Tensor]], chunks: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    r"""The micro-batches of input tensors that share elements (``sets``, see :func:`_shared`), as copies that
+    share them too: (tensor, pieces).
 
     While autograd records, each micro-batch of a tensor is a copy of its own
     (see ``ParallelSequential._split``). Copied one by one, tensors that are
@@ -637,28 +672,22 @@ def _copied_together(leaves: list[Any], chunks: int) -> list[tuple[torch.Tensor,
     without autograd (``x.detach()[:, :2]``) is cut from a detached copy.
     Tensors of one memory that share no element (``q, k = qk.chunk(2, -1)``)
     and any others are left to be copied one by one: a write to one cannot
-    show in another.
+    show in another. (Among those, tensors that share elements across
+    micro-batches, which no holder holds, are watched for writes instead: see
+    :func:`_across`.)
     """
-    groups: dict[tuple[torch.device, int], dict[int, torch.Tensor]] = {}
-    for t in leaves:
-        # (Not meta tensors: every one's memory is at 0.)
-        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.dim() and t.numel() and not t.is_meta:
-            where = _storage(t)
-            if where is not None:
-                groups.setdefault((t.device, where), {})[id(t)] = t  # (a tensor passed twice, once)
     copies: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-    for group in groups.values():
-        for members in _sharing(list(group.values())) if len(group) > 1 else ():
-            bases = {id(t._base): t._base for t in members if t._base is not None}
-            for holder in sorted(members, key=lambda t: -t.numel()) + list(bases.values()):
-                if _holds(holder, members, chunks):
-                    cut = holder.tensor_split(chunks)
-                    pieces = [p.clone() for p in cut]
-                    for t in members:
-                        copies.append((t, pieces if t is holder else [
-                            _cut(c if t.requires_grad else c.detach(), p, _position(p, h))  # type: ignore[arg-type]
-                            for c, p, h in zip(pieces, t.tensor_split(chunks), cut)]))
-                    break
+    for members in sets:
+        bases = {id(t._base): t._base for t in members if t._base is not None}
+        for holder in sorted(members, key=lambda t: -t.numel()) + list(bases.values()):
+            if _holds(holder, members, chunks):
+                cut = holder.tensor_split(chunks)
+                pieces = [p.clone() for p in cut]
+                for t in members:
+                    copies.append((t, pieces if t is holder else [
+                        _cut(c if t.requires_grad else c.detach(), p, _position(p, h))  # type: ignore[arg-type]
+                        for c, p, h in zip(pieces, t.tensor_split(chunks), cut)]))
+                break
     return copies
 
 
@@ -1609,10 +1638,12 @@ class ParallelSequential(nn.Sequential):
             f"module with .to({str(device)!r})."
         )
 
-    def _split(self, input: Any, copied: bool = False) -> list[Any]:
+    def _split(self, input: Any, copied: bool = False, watched: list[_Shared] | None = None) -> list[Any]:
         r"""``input`` as ``chunks`` micro-batches along dimension 0 (``torch.tensor_split``).
 
         ``copied``: the pieces are copied to the GPU before any stage reads them.
+        ``watched``: receives the input's tensors that share elements across
+        micro-batches, whose writes :meth:`_call` refuses.
         """
         owner, chunks = type(self).__name__, self._chunks
         if isinstance(input, torch.Tensor):
@@ -1725,7 +1756,15 @@ class ParallelSequential(nn.Sequential):
         # that a stage writing one in place changes the other, as in nn.Sequential.
         # Found by ``is``, not by ``id()``: a compiler guards on every id() it traces, here
         # the input tensors' own, and compiled the pipeline again for each new input.
-        done = _copied_together(leaves, chunks) if own and not tracing else []
+        # Tensors that share elements across micro-batches, ``(x[:-1], x[1:])``, cannot be
+        # micro-batched where a stage writes one in place: one micro-batch's stages would
+        # write what another reads through the other (has read, or reads later), a result no
+        # copy reproduces, where nn.Sequential writes once, the whole batch (see _across). They
+        # are watched, and a write refused (see _call); only read, as shifted inputs and targets
+        # are, they cost nothing more. (Not while a compiler traces: its tensors keep no
+        # versions; nor for pieces copied to the GPU, which are what the stages write.)
+        sets = _shared(leaves) if not tracing and not copied else []
+        done = _copied_together(sets, chunks) if own else []
 
         def pieces(t: torch.Tensor) -> list[torch.Tensor]:
             for seen, split_once in done:
@@ -1735,6 +1774,18 @@ class ParallelSequential(nn.Sequential):
             return done[-1][1]
 
         columns = [pieces(t) if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
+        if watched is not None:
+            for members in sets:
+                # (Inference tensors keep no version to watch.)
+                if any(t.is_inference() for t in members) or not _across(members, chunks):
+                    continue
+                at = [next(i for i, v in enumerate(leaves) if v is t) for t in members]
+                paths = pytree.tree_flatten_with_path(_exposed(input))[0]
+                names = [f"input{pytree.keystr(paths[i][0])}" for i in sorted(at)]
+                # (Views of one tensor share its version: without autograd, a write through any
+                # view of the caller's tensor shows; with it, each piece is a copy of its own.)
+                watched.append(_Shared(", ".join(names[:-1]) + f" and {names[-1]}",
+                                       [[(columns[i][m], columns[i][m]._version) for i in at] for m in range(chunks)]))
         try:
             return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
         except TypeError as e:  # (a subclass of a container that cannot be rebuilt: see _rebuilt)
@@ -2104,7 +2155,8 @@ class ParallelSequential(nn.Sequential):
                 input = _to_device(input, copy_to, non_blocking=pinned, pinned=pinned)
             return self._in_order(calls, input)
 
-        pieces = self._split(input, copied=copy_to is not None)
+        watched: list[_Shared] = []
+        pieces = self._split(input, copied=copy_to is not None, watched=watched)
         # The blocks whose results the stages before the last return, whose first micro-batch's
         # output _call looks at (see _refuse_stacked); the last stage's is judged as it is
         # joined (see _concat).
@@ -2132,7 +2184,7 @@ class ParallelSequential(nn.Sequential):
             returned = None if tracing else []  # (a trace's tensors keep no versions to compare)
             for m, value in enumerate(pieces):
                 for s, (name, stage, block) in enumerate(stages):
-                    value = self._call(s, name, stage, m, len(pieces), value, held, block)
+                    value = self._call(s, name, stage, m, len(pieces), value, held, block, watched)
                 if returned is not None:
                     returned.append(_returned(value))
                 outputs.append(value)
@@ -2144,9 +2196,10 @@ class ParallelSequential(nn.Sequential):
         seen: list[_Returned] = []  # each micro-batch's output's versions (see _concat)
         if target.index is not None and target.index != torch.cuda.current_device():
             with torch.cuda.device(target):
-                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held)
+                outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held,
+                                         watched)
         else:
-            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held)
+            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held, watched)
         if isinstance(outputs, _Gather):
             return outputs.out
         if not all(isinstance(o, torch.Tensor) and o.is_cuda for o in outputs) and any(
@@ -2183,9 +2236,11 @@ class ParallelSequential(nn.Sequential):
         return now
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any,
-              held: list[list[_Held] | None] | None = None, block: Parallel | None = None) -> Any:
+              held: list[list[_Held] | None] | None = None, block: Parallel | None = None,
+              watched: list[_Shared] | None = None) -> Any:
         r"""Stage ``s`` on micro-batch ``m``; ``held``: each micro-batch's lists and dicts, refused changed (see _forward);
-        ``block``: the ``Parallel`` whose result the stage returns, if any (see :meth:`_refuse_stacked`)."""
+        ``block``: the ``Parallel`` whose result the stage returns, if any (see :meth:`_refuse_stacked`);
+        ``watched``: input tensors sharing elements across micro-batches, refused written (see :meth:`_split`)."""
         if held is not None and s == 0:
             # (Those the first stage gets: on a host input, the copy's, which are the micro-batch's own too.)
             held[m] = _containers(value)
@@ -2215,6 +2270,19 @@ class ParallelSequential(nn.Sequential):
                         f"yours would not see the change, where nn.Sequential makes it in yours, once, for the "
                         f"whole batch. Return what the stage computes instead of writing it into its input "
                         f"(e.g. `return {{**d, 'k': v}}`, `cache + [k]`), or use chunks=1.")
+        for shared in watched or ():
+            # (Read on the host, in issue order: on the CUDA path too, a write shows in the
+            # version as soon as the stage has issued it.)
+            if any(t._version != v for t, v in shared.versions[m]):
+                raise RuntimeError(
+                    f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "
+                    f"{count} into {shared.names}, input tensors that share memory across micro-batches (as "
+                    f"(x[:-1], x[1:]) do): with chunks={self._chunks}, one micro-batch's stages write elements "
+                    f"that another micro-batch reads through the other tensor, before or after the write, so the "
+                    f"result would not be nn.Sequential's, which writes them once for the whole batch (and "
+                    f"without autograd the input tensors are now written in part). Pass tensors that share no "
+                    f"memory (e.g. .clone() one of them), write into a copy inside the stage (out-of-place "
+                    f"operations), or use chunks=1.")
         if block is not None and m == 0:
             self._refuse_stacked(s, name, block, output)
         return output
@@ -2243,11 +2311,12 @@ class ParallelSequential(nn.Sequential):
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,
         ahead: bool = False, seen: list[_Returned] | None = None, held: list[list[_Held] | None] | None = None,
+        watched: list[_Shared] | None = None,
     ) -> list[Any] | _Gather:
         r"""Run every piece of ``input`` through every lane on the side streams.
 
         ``seen`` receives the versions of each piece's output, in order (see :meth:`_concat`);
-        ``held``: see :meth:`_call`.
+        ``held``, ``watched``: see :meth:`_call`.
 
         Returns the outputs per piece, or, where the last lane concatenated
         them as they came (:class:`_Gather`), the concatenation.
@@ -2285,7 +2354,7 @@ class ParallelSequential(nn.Sequential):
             lanes.append(copy_lane)
         for s, (name, stage, block) in enumerate(stages):
             lanes.append(lambda m, v, s=s, name=name, stage=stage, block=block:
-                         self._call(s, name, stage, m, count, v, held, block))
+                         self._call(s, name, stage, m, count, v, held, block, watched))
         n_lanes = len(lanes)
 
         capturing = _capture_underway()

@@ -1706,6 +1706,55 @@ def test_input_tensors_not_contiguous_that_are_views_of_one_another_stay_so_in_e
     torch.testing.assert_close(weight, ref_weight, rtol=RTOL, atol=ATOL)
 
 
+class _MaybeWritesOneReadsTheOther(nn.Module):
+    r"""Doubles its first input in place (where ``writes``), then reads its second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.writes = True
+
+    def forward(self, inputs):
+        first, second = inputs.values() if isinstance(inputs, dict) else inputs
+        if self.writes:
+            first.mul_(2)
+        return self.linear(second) + first
+
+
+@pytest.mark.parametrize("how", ["shifted", "transposed", "dict"])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_input_tensors_sharing_memory_across_micro_batches_are_refused_written_in_place(how, grad, chunks):
+    # Tensors sharing elements across micro-batches, (x[:-1], x[1:]): one micro-batch's stage
+    # wrote rows another micro-batch read through the other tensor (or, recording autograd,
+    # the copies lost the link), and the output silently differed from nn.Sequential's.
+    torch.manual_seed(0)
+    stage = _MaybeWritesOneReadsTheOther()
+    split = {"shifted": lambda x: (x[:-1], x[1:]), "transposed": lambda x: (x[:, :4], x[:, :4].t()),
+             "dict": lambda x: {"inputs": x[:-1], "targets": x[1:]}}[how]
+    leaf = torch.randn(7 if how != "transposed" else 4, 4, requires_grad=grad)
+    pipe = ParallelSequential(stage, chunks=chunks)
+    names = r"input\['inputs'\] and input\['targets'\]" if how == "dict" else r"input\[0\] and input\[1\]"
+    with torch.set_grad_enabled(grad):
+        with pytest.raises(RuntimeError, match=rf"ParallelSequential: stage '0' \(index 0\) wrote in place on "
+                                               rf"micro-batch 0 of {chunks} into {names}, input tensors that share "
+                                               rf"memory across micro-batches.*\.clone\(\).*chunks=1"):
+            pipe(split(leaf * 1))
+        # The pipeline still works: as nn.Sequential with copies written, or shared tensors only read.
+        for writes, make in ((True, lambda x: tuple(t.clone() for t in split(x)) if how != "dict" else
+                              {k: t.clone() for k, t in split(x).items()}), (False, split)):
+            stage.writes = writes
+            results = []
+            for model in (nn.Sequential(stage), pipe):
+                leaf.grad, stage.linear.weight.grad = None, None
+                out = model(make(leaf * 1))
+                if grad:
+                    out.square().sum().backward()
+                results.append((out.detach(), leaf.grad, stage.linear.weight.grad))
+            for got, expected in zip(results[1], results[0]):
+                torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
 def test_stages_set_later_are_checked_as_the_constructor_checks_them():
     s = ParallelSequential(nn.Identity(), nn.Identity())
     for change in (lambda: s.__setitem__(0, None), lambda: s.append(lambda t: t), lambda: s.insert(0, 3)):

@@ -690,3 +690,28 @@ def test_a_layer_written_into_a_dict_of_children_below_a_graphed_pipeline_is_see
         for layer in m._modules.values():
             expected = layer(expected)
         torch.testing.assert_close(m(x), expected)
+
+
+class _WritesFirstReadsSecond(nn.Module):
+    def forward(self, inputs):
+        first, second = inputs
+        first.mul_(2)
+        return first + second
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_input_tensors_sharing_memory_across_micro_batches_are_refused_written_on_the_lanes(grad) -> None:
+    # The lanes' path (_pipeline) watches the shared tensors as the CPU's does: a later stage,
+    # on its own stream, writing input tensors that share memory across micro-batches is refused.
+    pipe = ParallelSequential(nn.Identity(), _WritesFirstReadsSecond(), chunks=2).cuda()
+    x = torch.randn(7, 4, device="cuda", requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        with pytest.raises(RuntimeError, match=r"stage '1' \(index 1\) wrote in place on micro-batch 0 of 2 "
+                                               r"into input\[0\] and input\[1\]"):
+            y = x * 1
+            pipe((y[:-1], y[1:]))
+        y = x * 1
+        out = pipe((y[:-1].clone(), y[1:]))
+        torch.cuda.synchronize()
+        z = x * 1
+        torch.testing.assert_close(out, nn.Sequential(*pipe)((z[:-1].clone(), z[1:])), rtol=RTOL, atol=ATOL)
