@@ -1006,25 +1006,44 @@ def _stock_parallel(m: nn.Module) -> Parallel | None:
     return m if isinstance(m, Parallel) and type(m).forward is Parallel.forward else None
 
 
-def _stacked_on_batch(m: Parallel, ranks: set[int]) -> Parallel | None:
+def _ranks(output: Any, stacked: int = 0) -> set[int]:
+    r"""The ranks of the tensors in ``output``, less ``stacked``: the dimensions ``"stack"`` joins added to them."""
+    return {t.dim() - stacked for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
+
+
+def _parts(m: Parallel, output: Any) -> list[Any]:
+    r"""What of ``output``, ``m``'s result, each branch returned: its own item where ``m`` returns them apart
+    (``"tuple"``, ``"dict"``), else the whole (``"sum"``, ``"mean"``, ``"cat"``, ``"stack"`` join each leaf
+    with the others' in its place)."""
+    names = list(m._modules)
+    if m.join == "tuple" and isinstance(output, tuple) and len(output) == len(names):
+        return list(output)
+    if m.join == "dict" and isinstance(output, dict) and list(output) == names:
+        return [output[name] for name in names]
+    return [output] * len(names)
+
+
+def _stacked_on_batch(m: Parallel, output: Any, stacked: int = 0) -> Parallel | None:
     r"""The ``Parallel`` in ``m``'s result stacking branches along dimension 0, where the batch is, or ``None``.
 
     ``m`` itself, or one whose result one of its branches returns, which every
     join but a callable's passes on (``"sum"``, ``"mean"``, ``"cat"`` keep the
     batch where the branch put it, a ``"stack"`` shifts it by one, and a join
-    returning the outputs apart keeps each); ``ranks``: those of the tensors
-    ``m`` returned, on which a negative ``dim`` resolves.
+    returning the outputs apart keeps each); ``output``: what ``m`` returned,
+    on whose tensors' ranks a negative ``dim`` resolves (each branch's own,
+    where ``m`` returns them apart: another's rank would resolve it wrongly),
+    less the ``"stack"`` joins above it (``stacked``).
     """
     join, dim = m.join, m.dim
     if join is not None and not isinstance(join, str):
         return None  # (a callable: whatever it makes of the branches' outputs)
     if join == "stack":
-        if any(r > 0 and dim % r == 0 for r in ranks):
+        if any(r > 0 and dim % r == 0 for r in _ranks(output, stacked)):
             return m
-        ranks = {r - 1 for r in ranks}
-    for branch in m:
+        stacked += 1
+    for branch, part in zip(m, _parts(m, output)):
         inner = _stock_parallel(branch)
-        found = inner is not None and _stacked_on_batch(inner, ranks)
+        found = inner is not None and _stacked_on_batch(inner, part, stacked)
         if found:
             return found
     return None
@@ -1042,11 +1061,10 @@ def _hidden_layout(stage: nn.Module, outputs: list[Any]) -> tuple[int, int] | No
     (h_n, c_n))`` (see :func:`_layout`, which ``outputs``, the micro-batches'
     results, tell the ranks of its leaves); ``None`` for any other stage.
     """
-    ranks = {t.dim() for t in pytree.tree_leaves(outputs[0]) if isinstance(t, torch.Tensor)}
-    return _layout(stage, ranks)
+    return _layout(stage, outputs[0])
 
 
-def _layout(m: nn.Module, ranks: set[int]) -> tuple[int, int] | None:
+def _layout(m: nn.Module, output: Any, stacked: int = 0) -> tuple[int, int] | None:
     r"""``(rank, dim)`` of the final hidden states ``m`` returns as a recurrent layer does (``None``: it does not).
 
     ``(3, 1)`` for a recurrent layer, and for a ``Parallel`` of branches that
@@ -1057,8 +1075,9 @@ def _layout(m: nn.Module, ranks: set[int]) -> tuple[int, int] | None:
     return them otherwise, is refused: its leaves hold the batch in different
     places. So is any ``Parallel`` stacking its branches along dimension 0,
     where the batch is, as ``dim`` resolves on the ranks of the leaves it
-    returns (``ranks``). (A callable join returns what it makes of them:
-    hidden states, batch-first, as any custom last stage's.)
+    returns (see :func:`_stacked_on_batch` for ``output`` and ``stacked``).
+    (A callable join returns what it makes of them: hidden states,
+    batch-first, as any custom last stage's.)
     """
     m = _returning(m)
     if isinstance(m, nn.RNNBase):
@@ -1077,12 +1096,12 @@ def _layout(m: nn.Module, ranks: set[int]) -> tuple[int, int] | None:
     apart = join in (None, "tuple", "dict")
     if not apart and not isinstance(join, str):
         return None
-    if join == "stack" and any(r > 0 and dim % r == 0 for r in ranks):
+    if join == "stack" and any(r > 0 and dim % r == 0 for r in _ranks(output, stacked)):
         raise TypeError(f"the last stage is a Parallel stacking its branches' outputs along dimension {dim}, which "
                         f"is where the micro-batches' samples are: they cannot be joined into the whole batch's "
                         f"(stack along another dimension, dim=1, or stack the pipeline's outputs)")
-    inner = {r - 1 for r in ranks} if join == "stack" else ranks
-    layouts = [_layout(b, inner) for b in m]
+    inner = stacked + (join == "stack")
+    layouts = [_layout(b, part, inner) for b, part in zip(m, _parts(m, output))]
     if all(layout is None for layout in layouts):
         return None
     if apart or len(set(layouts)) > 1:
@@ -2303,8 +2322,7 @@ class ParallelSequential(nn.Sequential):
         where the branches are as many as a micro-batch's samples ((4, 2, 3) for
         the whole batch's (2, 4, 3)).
         """
-        ranks = {t.dim() for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
-        stacking = _stacked_on_batch(block, ranks)
+        stacking = _stacked_on_batch(block, output)
         if stacking is not None:
             where = "" if stacking is block else " (one of its branches, a Parallel too)"
             resolved = "" if stacking.dim == 0 else ", dimension 0 of its output"

@@ -2488,6 +2488,28 @@ def test_a_parallel_stacking_along_the_batch_is_refused_as_a_middle_stage(device
     torch.testing.assert_close(pipe(x), expected, rtol=1.3e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("join", ["tuple", "dict"])
+@pytest.mark.parametrize("dim", [-2, 2])
+@pytest.mark.parametrize("where", ["middle", "last"])
+def test_a_parallel_stacking_beside_a_branch_of_another_rank_is_not_refused(where, dim, join):
+    # Before: the stack's dim was resolved on the ranks of every tensor the outer block returned
+    # apart, its sibling branch's 2-D output too, on which -2 and 2 are dimension 0: a stack of
+    # 2-D outputs along dimension 1 (a (2, 2, 3) result per micro-batch, batch first) was refused.
+    torch.manual_seed(0)
+    heads = Parallel(nn.Linear(3, 3), nn.Linear(3, 3), join="stack", dim=dim)
+    block = Parallel(heads, nn.Linear(3, 3), join=join)
+    stages = [block, nn.Identity()] if where == "middle" else [nn.Identity(), block]
+    x = torch.randn(4, 3)
+    got, expected = ParallelSequential(*stages, chunks=2)(x), nn.Sequential(*stages)(x)
+    assert [t.shape for t in pytree.tree_leaves(got)] == [(4, 2, 3) if dim < 0 else (4, 3, 2), (4, 3)]
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # A stack along the batch beside it is still refused.
+    heads.dim = -3 if dim < 0 else 0
+    with pytest.raises(ValueError, match="stacking its branches' outputs along dimension"):
+        ParallelSequential(*stages, chunks=2)(x)
+
+
 class _EvalProbs(nn.Module):
     r"""Logits in training, probabilities (a softmax whose dim resolves to 0 on 2-D rows) in eval."""
 
