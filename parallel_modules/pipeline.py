@@ -720,22 +720,32 @@ def _holds(holder: torch.Tensor, members: list[torch.Tensor], chunks: int) -> bo
                for p, h in zip(t.tensor_split(chunks), held))
 
 
-def _position(inner: torch.Tensor, outer: torch.Tensor) -> tuple[list[int], list[list[int]]] | None:
-    r"""Where ``inner``, of ``outer``'s memory, lies among ``outer``'s elements: the index of its first
-    element in ``outer``, and for each of its dimensions the step that dimension takes there; ``None``
+def _position(inner: torch.Tensor, outer: torch.Tensor) -> int | tuple[list[int], list[list[int]]] | None:
+    r"""Where ``inner``, of ``outer``'s memory, lies among ``outer``'s elements, for :func:`_cut`; ``None``
     where some element of ``inner`` is not one of ``outer``'s (or that is not shown: see below).
 
-    With these, ``inner`` is cut from any copy of ``outer`` (see :func:`_cut`), whatever the copy's
-    layout. ``outer``'s dimensions, largest stride first, give each of its elements one index where each
-    stride steps past all the elements of the smaller ones (as any layout permuted or sliced from a
-    contiguous one does; others are taken as not holding ``inner``).
+    Where ``outer`` fills its memory (non-overlapping and dense, as a contiguous or channels_last
+    tensor and its micro-batches are), ``inner``'s offset from ``outer``'s first element: a copy of
+    ``outer`` keeps its strides (``torch.preserve_format``), and ``inner`` is cut from it with its own,
+    however they walk ``outer``'s dimensions (``x.flatten(1)`` of ``x``, one of its dimensions
+    crossing two of ``x``'s). Otherwise the index of its first element in ``outer``, and for each of
+    its dimensions the step that dimension takes there, with which ``inner`` is cut from a copy of
+    ``outer`` whatever the copy's layout. ``outer``'s dimensions, largest stride first, give each of
+    its elements one index where each stride steps past all the elements of the smaller ones (as any
+    layout permuted or sliced from a contiguous one does; others are taken as not holding ``inner``).
     """
     dims = sorted(((st, d) for d, (n, st) in enumerate(zip(outer.shape, outer.stride())) if n > 1), reverse=True)
-    reach = 1
+    reach, dense = 1, True
     for stride, d in reversed(dims):
         if stride < reach:
             return None  # (elements one index does not name: overlapping, or interleaved)
+        dense = dense and stride == reach
         reach += stride * (outer.shape[d] - 1)
+    first = inner.storage_offset() - outer.storage_offset()
+    if dense:
+        # (Strides are never negative: the first and last elements bound the others.)
+        last = first + sum(max(n - 1, 0) * st for n, st in zip(inner.shape, inner.stride()))
+        return first if 0 <= first and last < outer.numel() else None
 
     def index(offset: int) -> list[int] | None:
         found = [0] * outer.dim()
@@ -743,21 +753,24 @@ def _position(inner: torch.Tensor, outer: torch.Tensor) -> tuple[list[int], list
             found[d], offset = divmod(offset, stride)
         return found if offset == 0 else None
 
-    start = index(inner.storage_offset() - outer.storage_offset())
+    start = index(first)
     if start is None or min(start) < 0:
         return None
-    steps, last = [], start
+    steps, last_index = [], start
     for size, stride in zip(inner.shape, inner.stride()):
         step = index(stride) if size > 1 else [0] * outer.dim()
         if step is None:
             return None
         steps.append(step)
-        last = [i + (size - 1) * s for i, s in zip(last, step)]
-    return (start, steps) if all(i < n for i, n in zip(last, outer.shape)) else None
+        last_index = [i + (size - 1) * s for i, s in zip(last_index, step)]
+    return (start, steps) if all(i < n for i, n in zip(last_index, outer.shape)) else None
 
 
-def _cut(copy: torch.Tensor, inner: torch.Tensor, position: tuple[list[int], list[list[int]]]) -> torch.Tensor:
-    r"""``inner``'s elements in ``copy``, a copy (from offset 0) of the tensor ``position`` places it in (see :func:`_position`)."""
+def _cut(copy: torch.Tensor, inner: torch.Tensor, position: int | tuple[list[int], list[list[int]]]) -> torch.Tensor:
+    r"""``inner``'s elements in ``copy``, a copy (from offset 0) of the tensor ``position`` places it in (see
+    :func:`_position`): one made by ``clone()``, which keeps the strides of a tensor that fills its memory."""
+    if isinstance(position, int):
+        return copy.as_strided(inner.shape, inner.stride(), position)
     start, steps = position
     return copy.as_strided(inner.shape, [sum(s * st for s, st in zip(step, copy.stride())) for step in steps],
                            sum(i * st for i, st in zip(start, copy.stride())))
