@@ -1626,6 +1626,18 @@ def test_a_tensor_passed_twice_stays_one_object_in_every_micro_batch(grad):
     torch.testing.assert_close(out, 2 * x)
 
 
+def _pipeline_and_sequential(stage, weight, leaf, inputs, chunks):
+    r"""``(output, leaf.grad, weight.grad)`` of ``ParallelSequential(stage, chunks=chunks)``, then of
+    ``nn.Sequential(stage)``, each called on ``inputs()`` (made anew from ``leaf``) and backpropagated."""
+    results = []
+    for model in (nn.Sequential(stage), ParallelSequential(stage, chunks=chunks)):
+        leaf.grad, weight.grad = None, None
+        out = model(inputs())
+        out.square().sum().backward()
+        results.append((out.detach(), leaf.grad, weight.grad.clone()))
+    return results[1], results[0]
+
+
 class _WritesOneReadsTheOther(nn.Module):
     r"""Doubles its first input in place, then reads its second, a view of the first."""
 
@@ -1649,19 +1661,17 @@ def test_input_tensors_that_are_views_of_one_another_stay_so_in_every_micro_batc
     torch.manual_seed(0)
     stage = _WritesOneReadsTheOther()
     leaf = torch.randn(6, 4, requires_grad=True)
-    results = []
-    for model in (nn.Sequential(stage), ParallelSequential(stage, chunks=chunks)):
-        leaf.grad, stage.linear.weight.grad = None, None
+
+    def inputs():
         x = leaf * 1 if how != "input needing no grad" else leaf.detach().clone()
         if how == "flattened":
             x = leaf.view(6, 2, 2) * 1  # (not a view: the tensor holding the other is x itself)
-        inputs = {"view": (x, x[:, 1:3]), "sibling views": (x[:, :3], x[:, 1:3]),
-                  "detached view": (x, x.detach()[:, 1:3]), "input needing no grad": (x, x[:, 1:3]),
-                  "flattened": (x, x.flatten(1)[:, 1:3])}[how]
-        out = model(inputs)
-        out.square().sum().backward()
-        results.append((out.detach(), leaf.grad, stage.linear.weight.grad.clone()))
-    (out, grad, weight), (ref, ref_grad, ref_weight) = results[1], results[0]
+        return {"view": (x, x[:, 1:3]), "sibling views": (x[:, :3], x[:, 1:3]),
+                "detached view": (x, x.detach()[:, 1:3]), "input needing no grad": (x, x[:, 1:3]),
+                "flattened": (x, x.flatten(1)[:, 1:3])}[how]
+
+    (out, grad, weight), (ref, ref_grad, ref_weight) = _pipeline_and_sequential(
+        stage, stage.linear.weight, leaf, inputs, chunks)
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
     if how != "input needing no grad":
         torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL)
@@ -1696,16 +1706,14 @@ def test_input_tensors_not_contiguous_that_are_views_of_one_another_stay_so_in_e
         stage, parameter = _WritesOneReadsTheOther(), "linear"
         leaf = torch.randn(4, 6, requires_grad=True)
         laid_out = lambda t: t.t()  # noqa: E731
-    results = []
-    for model in (nn.Sequential(stage), ParallelSequential(stage, chunks=3)):
-        leaf.grad, getattr(stage, parameter).weight.grad = None, None
+
+    def inputs():
         x = laid_out(leaf * 1)
-        inputs = {"view": (x, x[:, 1:3]), "sibling views": (x[:, :3], x[:, 1:3]),
-                  "detached view": (x, x.detach()[:, 1:3])}[how]
-        out = model(inputs)
-        out.square().sum().backward()
-        results.append((out.detach(), leaf.grad, getattr(stage, parameter).weight.grad.clone()))
-    (out, grad, weight), (ref, ref_grad, ref_weight) = results[1], results[0]
+        return {"view": (x, x[:, 1:3]), "sibling views": (x[:, :3], x[:, 1:3]),
+                "detached view": (x, x.detach()[:, 1:3])}[how]
+
+    (out, grad, weight), (ref, ref_grad, ref_weight) = _pipeline_and_sequential(
+        stage, getattr(stage, parameter).weight, leaf, inputs, 3)
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(weight, ref_weight, rtol=RTOL, atol=ATOL)
