@@ -665,8 +665,9 @@ def _copied_together(sets: list[list[torch.Tensor]], chunks: int) -> list[tuple[
     x.flatten(1)}``) would lose their link: a stage writing one in place
     (``a.relu_()``) would leave the other as it was, where in nn.Sequential it
     sees the write. Here each micro-batch of one tensor that holds them all
-    (one of them, or the tensor they are views of), its elements holding
-    theirs, is copied, and theirs are cut from that copy with their own sizes
+    (one of them, the tensor they are views of, or that tensor's memory they
+    span with their batch first: see :func:`_batch_first`), its elements
+    holding theirs, is copied, and theirs are cut from that copy with their own sizes
     and strides. Autograd carries their gradients to it, so those that record
     autograd must be views of the tensor it is or is a view of; one taken
     without autograd (``x.detach()[:, :2]``) is cut from a detached copy.
@@ -679,7 +680,11 @@ def _copied_together(sets: list[list[torch.Tensor]], chunks: int) -> list[tuple[
     copies: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
     for members in sets:
         bases = {id(t._base): t._base for t in members if t._base is not None}
-        for holder in sorted(members, key=lambda t: -t.numel()) + list(bases.values()):
+        # Last, the members' span of their base's memory with the batch first (built only where
+        # the others fail): views of a tensor whose batch is not its base's dimension 0,
+        # ``(x[:, :-1], x[:, 1:])`` of ``x = h.transpose(0, 1)``, which neither they nor the base hold.
+        batch_first = (h for h in map(_batch_first, bases.values(), itertools.repeat(members)) if h is not None)
+        for holder in itertools.chain(sorted(members, key=lambda t: -t.numel()), bases.values(), batch_first):
             if _holds(holder, members, chunks):
                 cut = holder.tensor_split(chunks)
                 pieces = [p.clone() for p in cut]
@@ -689,6 +694,38 @@ def _copied_together(sets: list[list[torch.Tensor]], chunks: int) -> list[tuple[
                         for c, p, h in zip(pieces, t.tensor_split(chunks), cut)]))
                 break
     return copies
+
+
+def _batch_first(base: torch.Tensor, members: list[torch.Tensor]) -> torch.Tensor | None:
+    r"""A view of ``base``'s memory that may hold ``members`` (see :func:`_holds`), views of it, with their batch
+    along its dimension 0: ``base`` with the dimension that steps through the members' batch moved first, cut
+    to the span of the members' elements along the others (so that no more than needed is copied); ``None``
+    where no dimension of ``base`` steps through their batch, or where ``base``'s elements are not each named
+    by one index (see :func:`_position`)."""
+    batch, stride = members[0].shape[0], members[0].stride(0)
+    if any(t.shape[0] != batch or (batch > 1 and t.stride(0) != stride) for t in members):
+        return None
+    found = [d for d, (n, st) in enumerate(zip(base.shape, base.stride()))
+             if n == batch and (st == stride or batch == 1)]
+    if not found:
+        return None
+    holder = base.movedim(found[0], 0)
+    dims = sorted(((st, d) for d, (n, st) in enumerate(zip(holder.shape, holder.stride())) if n > 1), reverse=True)
+    # Each member's first and last elements bound its others' indices in every dimension of the
+    # holder: the steps between them are sums of the holder's strides, none negative. (Where
+    # the holder's elements are not each named by one index, _holds refuses it below.)
+    ends = []
+    for t in members:
+        first = t.storage_offset() - holder.storage_offset()
+        bounds = [_index(offset, dims, holder.dim()) for offset in
+                  (first, first + sum(max(n - 1, 0) * st for n, st in zip(t.shape, t.stride())))]
+        if any(i is None or not all(0 <= j < n for j, n in zip(i, holder.shape)) for i in bounds) or bounds[0][0]:
+            return None
+        ends.append(bounds)
+    for d in range(1, holder.dim()):
+        low = min(start[d] for start, _ in ends)
+        holder = holder.narrow(d, low, max(end[d] for _, end in ends) + 1 - low)
+    return holder
 
 
 def _sharing(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -748,10 +785,7 @@ def _position(inner: torch.Tensor, outer: torch.Tensor) -> int | tuple[list[int]
         return first if 0 <= first and last < outer.numel() else None
 
     def index(offset: int) -> list[int] | None:
-        found = [0] * outer.dim()
-        for stride, d in dims:
-            found[d], offset = divmod(offset, stride)
-        return found if offset == 0 else None
+        return _index(offset, dims, outer.dim())
 
     start = index(first)
     if start is None or min(start) < 0:
@@ -764,6 +798,16 @@ def _position(inner: torch.Tensor, outer: torch.Tensor) -> int | tuple[list[int]
         steps.append(step)
         last_index = [i + (size - 1) * s for i, s in zip(last_index, step)]
     return (start, steps) if all(i < n for i, n in zip(last_index, outer.shape)) else None
+
+
+def _index(offset: int, dims: list[tuple[int, int]], rank: int) -> list[int] | None:
+    r"""The index of the element ``offset`` past the first of a tensor of ``rank`` dimensions whose (stride,
+    dimension) pairs of more than one element are ``dims``, largest stride first (see :func:`_position`);
+    ``None`` where no element lies there."""
+    found = [0] * rank
+    for stride, d in dims:
+        found[d], offset = divmod(offset, stride)
+    return found if offset == 0 else None
 
 
 def _cut(copy: torch.Tensor, inner: torch.Tensor, position: int | tuple[list[int], list[list[int]]]) -> torch.Tensor:

@@ -2927,3 +2927,59 @@ def test_objects_holding_tensors_returned_by_the_last_stage_say_how_to_join_them
     # Registered, it is joined as any structure.
     out = ParallelSequential(_Carries("registered dataclass"), chunks=2)(_Registered(torch.randn(4, 4), torch.randn(4, 4)))
     assert type(out) is _Registered and out.x.shape == (4, 4)
+
+
+class _DoublesOneAddsTheOther(nn.Module):
+    r"""Doubles its first input in place, then adds its second, which shares elements with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, inputs):
+        first, second = inputs
+        first.mul_(2)
+        return self.linear(first + second)
+
+
+@pytest.mark.parametrize("how", ["shifted in time", "permuted"])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_input_views_whose_batch_is_not_their_base_s_first_dimension_stay_linked_in_every_micro_batch(how, chunks):
+    # Views of a tensor whose batch is not its base's dimension 0 (a sequence-first h
+    # transposed, (x[:, :-1], x[:, 1:])): neither held the other, nor did the base, so each
+    # was copied on its own, and a write through one no longer showed in the other (a
+    # silently different output and gradients). They are cut from a copy of the span of the
+    # base's memory they cover, with the batch first (see _batch_first).
+    torch.manual_seed(0)
+    stage = _DoublesOneAddsTheOther()
+    leaf = torch.randn(5, 6, 3, requires_grad=True)  # (time or features, batch, 3)
+    results = []
+    for model in (nn.Sequential(stage), ParallelSequential(stage, chunks=chunks)):
+        leaf.grad, stage.linear.weight.grad = None, None
+        if how == "shifted in time":
+            x = (leaf * 1).transpose(0, 1)  # (batch, time, 3)
+            inputs = (x[:, :-1], x[:, 1:])
+        else:
+            x = (leaf * 1).permute(1, 2, 0)  # (batch, 3, 5): sibling views crossing in two dimensions
+            inputs = (x[:, :, 1:4].transpose(1, 2), x[:, :, 2:5].transpose(1, 2))
+        out = model(inputs)
+        out.square().sum().backward()
+        results.append((out.detach(), leaf.grad, stage.linear.weight.grad.clone()))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_a_batch_first_holder_copies_only_the_span_its_views_cover() -> None:
+    # The holder built over a base whose batch is not its dimension 0 (see _batch_first) is cut
+    # to the members' span: views of a few columns of a long sequence copy those, not all of it.
+    from parallel_modules.pipeline import _batch_first, _copied_together
+
+    base = torch.randn(100, 6, 3)  # (time, batch, 3)
+    x = base.transpose(0, 1)
+    members = [x[:, 10:13], x[:, 11:14]]
+    holder = _batch_first(base, members)
+    assert holder.shape == (6, 4, 3) and torch.equal(holder, x[:, 10:14])
+    (_, first), (_, second) = _copied_together([members], 2)
+    assert [p.shape for p in first] == [(3, 3, 3)] * 2 and first[0].untyped_storage().nbytes() == 3 * 4 * 3 * 4
+    first[1].mul_(2)  # (the copies share their elements: a write through one shows in the other)
+    torch.testing.assert_close(second[1][:, :2], 2 * x[3:, 11:13])
