@@ -698,18 +698,27 @@ def _copied_together(sets: list[list[torch.Tensor]], chunks: int) -> list[tuple[
 
 def _batch_first(base: torch.Tensor, members: list[torch.Tensor]) -> torch.Tensor | None:
     r"""A view of ``base``'s memory that may hold ``members`` (see :func:`_holds`), views of it, with their batch
-    along its dimension 0: ``base`` with the dimension that steps through the members' batch moved first, cut
+    along its dimension 0: ``base`` with the dimension that steps through the members' batch (or the part of
+    one that does) moved first, cut
     to the span of the members' elements along the others (so that no more than needed is copied); ``None``
     where no dimension of ``base`` steps through their batch, or where ``base``'s elements are not each named
     by one index (see :func:`_position`)."""
     batch, stride = members[0].shape[0], members[0].stride(0)
     if any(t.shape[0] != batch or (batch > 1 and t.stride(0) != stride) for t in members):
         return None
-    found = [d for d, (n, st) in enumerate(zip(base.shape, base.stride()))
-             if n == batch and (st == stride or batch == 1)]
+    if batch == 1:
+        found = [(d, 1, 1) for d, n in enumerate(base.shape) if n == 1]
+    else:
+        # (A dimension of the base may step through the batch with others: ``h.view(T, B, D)``
+        # of a base ``h`` of T * B rows, whose dimension of T * B is split into T and B.)
+        found = [(d, n // (stride // st * batch), stride // st)
+                 for d, (n, st) in enumerate(zip(base.shape, base.stride()))
+                 if 0 < st <= stride and stride % st == 0 and n % (stride // st * batch) == 0]
     if not found:
         return None
-    holder = base.movedim(found[0], 0)
+    d, outer, inner = found[0]
+    holder = (base.movedim(d, 0) if outer == inner == 1
+              else base.unflatten(d, (outer, batch, inner)).movedim(d + 1, 0))
     dims = sorted(((st, d) for d, (n, st) in enumerate(zip(holder.shape, holder.stride())) if n > 1), reverse=True)
     # Each member's first and last elements bound its others' indices in every dimension of the
     # holder: the steps between them are sums of the holder's strides, none negative. (Where

@@ -2942,7 +2942,7 @@ class _DoublesOneAddsTheOther(nn.Module):
         return self.linear(first + second)
 
 
-@pytest.mark.parametrize("how", ["shifted in time", "permuted"])
+@pytest.mark.parametrize("how", ["shifted in time", "permuted", "rows of time and batch"])
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_input_views_whose_batch_is_not_their_base_s_first_dimension_stay_linked_in_every_micro_batch(how, chunks):
     # Views of a tensor whose batch is not its base's dimension 0 (a sequence-first h
@@ -2958,6 +2958,9 @@ def test_input_views_whose_batch_is_not_their_base_s_first_dimension_stay_linked
         leaf.grad, stage.linear.weight.grad = None, None
         if how == "shifted in time":
             x = (leaf * 1).transpose(0, 1)  # (batch, time, 3)
+            inputs = (x[:, :-1], x[:, 1:])
+        elif how == "rows of time and batch":  # (the base's dimension 0 steps through time and batch)
+            x = (leaf.flatten(0, 1) * 1).view(5, 6, 3).transpose(0, 1)  # (a base of 30 rows)
             inputs = (x[:, :-1], x[:, 1:])
         else:
             x = (leaf * 1).permute(1, 2, 0)  # (batch, 3, 5): sibling views crossing in two dimensions
