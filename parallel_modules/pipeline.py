@@ -709,16 +709,22 @@ def _batch_first(base: torch.Tensor, members: list[torch.Tensor]) -> torch.Tenso
     if batch == 1:
         found = [(d, 1, 1) for d, n in enumerate(base.shape) if n == 1]
     else:
-        # (A dimension of the base may step through the batch with others: ``h.view(T, B, D)``
-        # of a base ``h`` of T * B rows, whose dimension of T * B is split into T and B.)
+        # (A dimension of the base may step through the batch with others: ``h[:T * B].view(T, B,
+        # D)`` of a base ``h`` of T * B rows or more, whose dimension of rows is split into T and
+        # B, the rows past T * B left out.)
         found = [(d, n // (stride // st * batch), stride // st)
                  for d, (n, st) in enumerate(zip(base.shape, base.stride()))
-                 if 0 < st <= stride and stride % st == 0 and n % (stride // st * batch) == 0]
+                 if 0 < st <= stride and stride % st == 0 and n >= stride // st * batch]
     if not found:
         return None
     d, outer, inner = found[0]
-    holder = (base.movedim(d, 0) if outer == inner == 1
-              else base.unflatten(d, (outer, batch, inner)).movedim(d + 1, 0))
+    if outer == inner == 1:
+        holder = base.movedim(d, 0)
+    else:
+        st = base.stride(d)
+        holder = base.as_strided((*base.shape[:d], outer, batch, inner, *base.shape[d + 1:]),
+                                 (*base.stride()[:d], st * inner * batch, st * inner, st, *base.stride()[d + 1:]),
+                                 base.storage_offset()).movedim(d + 1, 0)
     dims = sorted(((st, d) for d, (n, st) in enumerate(zip(holder.shape, holder.stride())) if n > 1), reverse=True)
     # Each member's first and last elements bound its others' indices in every dimension of the
     # holder: the steps between them are sums of the holder's strides, none negative. (Where

@@ -2942,7 +2942,7 @@ class _DoublesOneAddsTheOther(nn.Module):
         return self.linear(first + second)
 
 
-@pytest.mark.parametrize("how", ["shifted in time", "permuted", "rows of time and batch"])
+@pytest.mark.parametrize("how", ["shifted in time", "permuted", "rows of time and batch", "some of the rows"])
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_input_views_whose_batch_is_not_their_base_s_first_dimension_stay_linked_in_every_micro_batch(how, chunks):
     # Views of a tensor whose batch is not its base's dimension 0 (a sequence-first h
@@ -2961,6 +2961,9 @@ def test_input_views_whose_batch_is_not_their_base_s_first_dimension_stay_linked
             inputs = (x[:, :-1], x[:, 1:])
         elif how == "rows of time and batch":  # (the base's dimension 0 steps through time and batch)
             x = (leaf.flatten(0, 1) * 1).view(5, 6, 3).transpose(0, 1)  # (a base of 30 rows)
+            inputs = (x[:, :-1], x[:, 1:])
+        elif how == "some of the rows":  # (the base holds rows past time * batch)
+            x = (torch.cat([leaf.flatten(0, 1), leaf[0, :1]]) * 1)[:30].view(5, 6, 3).transpose(0, 1)
             inputs = (x[:, :-1], x[:, 1:])
         else:
             x = (leaf * 1).permute(1, 2, 0)  # (batch, 3, 5): sibling views crossing in two dimensions
