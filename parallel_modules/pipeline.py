@@ -506,6 +506,7 @@ class _Shared(NamedTuple):
 
     names: str  # where they are in the input: "input[0] and input[1]"
     versions: list[list[tuple[torch.Tensor, int]]]  # per micro-batch: each one's piece and its version at the split
+    across: bool = True  # False: in the same micro-batches, but copied one by one (see _copied_together)
 
 
 class _Returned(NamedTuple):
@@ -1873,9 +1874,14 @@ class ParallelSequential(nn.Sequential):
         columns = [pieces(t) if isinstance(t, torch.Tensor) and t.dim() else (t,) * chunks for t in leaves]
         if watched is not None:
             for members in sets:
-                # (Inference tensors keep no version to watch.)
-                if (id(members[0]) in together or any(t.is_inference() for t in members)
-                        or not _across(members, chunks)):
+                # (Inference tensors keep no version to watch.) Tensors sharing elements only in
+                # the same micro-batches that no holder holds (see _copied_together) are copied
+                # one by one while autograd records: a write through one would not show in the
+                # other, as it does in nn.Sequential, so they are watched too.
+                if id(members[0]) in together or any(t.is_inference() for t in members):
+                    continue
+                across = _across(members, chunks)
+                if not (across or own):
                     continue
                 at = [next(i for i, v in enumerate(leaves) if v is t) for t in members]
                 paths = pytree.tree_flatten_with_path(_exposed(input))[0]
@@ -1883,7 +1889,8 @@ class ParallelSequential(nn.Sequential):
                 # (Views of one tensor share its version: without autograd, a write through any
                 # view of the caller's tensor shows; with it, each piece is a copy of its own.)
                 watched.append(_Shared(", ".join(names[:-1]) + f" and {names[-1]}",
-                                       [[(columns[i][m], columns[i][m]._version) for i in at] for m in range(chunks)]))
+                                       [[(columns[i][m], columns[i][m]._version) for i in at] for m in range(chunks)],
+                                       across))
         try:
             return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
         except TypeError as e:  # (a subclass of a container that cannot be rebuilt: see _rebuilt)
@@ -2371,6 +2378,15 @@ class ParallelSequential(nn.Sequential):
         for shared in watched or ():
             # (Read on the host, in issue order: on the CUDA path too, a write shows in the
             # version as soon as the stage has issued it.)
+            if any(t._version != v for t, v in shared.versions[m]) and not shared.across:
+                raise RuntimeError(
+                    f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "
+                    f"{count} into {shared.names}, input tensors that share memory in a layout that no one "
+                    f"tensor holds with the batch along dimension 0: with chunks={self._chunks}, while autograd "
+                    f"records, each micro-batch of them is a copy of its own, so the write does not show in the "
+                    f"other tensor, as it does in nn.Sequential. Pass tensors that share no memory (e.g. "
+                    f".clone() one of them), write into a copy inside the stage (out-of-place operations), or "
+                    f"use chunks=1.")
             if any(t._version != v for t, v in shared.versions[m]):
                 raise RuntimeError(
                     f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "

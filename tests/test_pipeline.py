@@ -2989,3 +2989,30 @@ def test_a_batch_first_holder_copies_only_the_span_its_views_cover() -> None:
     assert [p.shape for p in first] == [(3, 3, 3)] * 2 and first[0].untyped_storage().nbytes() == 3 * 4 * 3 * 4
     first[1].mul_(2)  # (the copies share their elements: a write through one shows in the other)
     torch.testing.assert_close(second[1][:, :2], 2 * x[3:, 11:13])
+
+
+class _DoublesOneAddsTheOtherAsFloats(_DoublesOneAddsTheOther):
+    r"""Doubles its first input in place, then adds its second, which shares elements with it, read as floats."""
+
+    def forward(self, inputs):
+        first, second = inputs
+        return super().forward((first, second.view(torch.float32)))
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_input_views_no_one_tensor_holds_are_refused_written_in_place_while_autograd_records(chunks):
+    # Views sharing elements in the same micro-batches that no one tensor holds (here one of
+    # them read as another dtype) are copied one by one while autograd records: a write
+    # through one did not show in the other, and the result silently differed from
+    # nn.Sequential's. The write is refused; without autograd, the pieces views of the caller's memory, it runs.
+    torch.manual_seed(0)
+    stage = _DoublesOneAddsTheOtherAsFloats()
+    leaf = torch.randn(6, 5, 3, requires_grad=True)
+    pipe = ParallelSequential(stage, chunks=chunks)
+    split = lambda x: (x[:, :-1], x.view(torch.int32)[:, 1:])  # noqa: E731
+    with pytest.raises(RuntimeError, match=rf"ParallelSequential: stage '0' \(index 0\) wrote in place on micro-batch "
+                                           rf"0 of {chunks} into input\[0\] and input\[1\], input tensors that share "
+                                           rf"memory in a layout that no one tensor holds.*\.clone\(\).*chunks=1"):
+        pipe(split(leaf * 1))
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(split(leaf * 1)), nn.Sequential(stage)(split(leaf * 1)), rtol=RTOL, atol=ATOL)
