@@ -700,10 +700,9 @@ def _copied_together(sets: list[list[torch.Tensor]], chunks: int) -> list[tuple[
 def _batch_first(base: torch.Tensor, members: list[torch.Tensor]) -> torch.Tensor | None:
     r"""A view of ``base``'s memory that may hold ``members`` (see :func:`_holds`), views of it, with their batch
     along its dimension 0: ``base`` with the dimension that steps through the members' batch (or the part of
-    one that does) moved first, cut
-    to the span of the members' elements along the others (so that no more than needed is copied); ``None``
-    where no dimension of ``base`` steps through their batch, or where ``base``'s elements are not each named
-    by one index (see :func:`_position`)."""
+    one that does) moved first, cut to the span of the members' elements along the others (so that no more
+    than needed is copied); ``None`` where no dimension of ``base`` steps through their batch, or where
+    ``base``'s elements are not each named by one index (see :func:`_position`)."""
     batch, stride = members[0].shape[0], members[0].stride(0)
     if any(t.shape[0] != batch or (batch > 1 and t.stride(0) != stride) for t in members):
         return None
@@ -800,15 +799,12 @@ def _position(inner: torch.Tensor, outer: torch.Tensor) -> int | tuple[list[int]
         last = first + sum(max(n - 1, 0) * st for n, st in zip(inner.shape, inner.stride()))
         return first if 0 <= first and last < outer.numel() else None
 
-    def index(offset: int) -> list[int] | None:
-        return _index(offset, dims, outer.dim())
-
-    start = index(first)
+    start = _index(first, dims, outer.dim())
     if start is None or min(start) < 0:
         return None
     steps, last_index = [], start
     for size, stride in zip(inner.shape, inner.stride()):
-        step = index(stride) if size > 1 else [0] * outer.dim()
+        step = _index(stride, dims, outer.dim()) if size > 1 else [0] * outer.dim()
         if step is None:
             return None
         steps.append(step)
@@ -2378,25 +2374,21 @@ class ParallelSequential(nn.Sequential):
         for shared in watched or ():
             # (Read on the host, in issue order: on the CUDA path too, a write shows in the
             # version as soon as the stage has issued it.)
-            if any(t._version != v for t, v in shared.versions[m]) and not shared.across:
-                raise RuntimeError(
-                    f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "
-                    f"{count} into {shared.names}, input tensors that share memory in a layout that no one "
-                    f"tensor holds with the batch along dimension 0: with chunks={self._chunks}, while autograd "
-                    f"records, each micro-batch of them is a copy of its own, so the write does not show in the "
-                    f"other tensor, as it does in nn.Sequential. Pass tensors that share no memory (e.g. "
-                    f".clone() one of them), write into a copy inside the stage (out-of-place operations), or "
-                    f"use chunks=1.")
             if any(t._version != v for t, v in shared.versions[m]):
+                why = (
+                    "input tensors that share memory across micro-batches (as (x[:-1], x[1:]) do): with "
+                    f"chunks={self._chunks}, one micro-batch's stages write elements that another micro-batch "
+                    "reads through the other tensor, before or after the write, so the result would not be "
+                    "nn.Sequential's, which writes them once for the whole batch (and without autograd the input "
+                    "tensors are now written in part)" if shared.across else
+                    "input tensors that share memory in a layout that no one tensor holds with the batch along "
+                    f"dimension 0: with chunks={self._chunks}, while autograd records, each micro-batch of them "
+                    "is a copy of its own, so the write does not show in the other tensor, as it does in "
+                    "nn.Sequential")
                 raise RuntimeError(
                     f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "
-                    f"{count} into {shared.names}, input tensors that share memory across micro-batches (as "
-                    f"(x[:-1], x[1:]) do): with chunks={self._chunks}, one micro-batch's stages write elements "
-                    f"that another micro-batch reads through the other tensor, before or after the write, so the "
-                    f"result would not be nn.Sequential's, which writes them once for the whole batch (and "
-                    f"without autograd the input tensors are now written in part). Pass tensors that share no "
-                    f"memory (e.g. .clone() one of them), write into a copy inside the stage (out-of-place "
-                    f"operations), or use chunks=1.")
+                    f"{count} into {shared.names}, {why}. Pass tensors that share no memory (e.g. .clone() one "
+                    f"of them), write into a copy inside the stage (out-of-place operations), or use chunks=1.")
         if block is not None and m == 0:
             self._refuse_stacked(s, name, block, output)
         return output
