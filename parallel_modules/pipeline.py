@@ -726,6 +726,8 @@ def _batch_first(base: torch.Tensor, members: list[torch.Tensor]) -> torch.Tenso
                                  (*base.stride()[:d], st * inner * batch, st * inner, st, *base.stride()[d + 1:]),
                                  base.storage_offset()).movedim(d + 1, 0)
     dims = sorted(((st, d) for d, (n, st) in enumerate(zip(holder.shape, holder.stride())) if n > 1), reverse=True)
+    if dims and not dims[-1][0]:
+        return None  # (an expanded base, x.expand(...).detach(): one element has many indices)
     # Each member's first and last elements bound its others' indices in every dimension of the
     # holder: the steps between them are sums of the holder's strides, none negative. (Where
     # the holder's elements are not each named by one index, _holds refuses it below.)

@@ -2991,6 +2991,28 @@ def test_a_batch_first_holder_copies_only_the_span_its_views_cover() -> None:
     torch.testing.assert_close(second[1][:, :2], 2 * x[3:, 11:13])
 
 
+def test_input_views_of_an_expanded_base_are_split_as_nn_sequential_reads_them() -> None:
+    # Views of an expanded tensor (a zero stride), one of them of its detached copy, whose base
+    # is then the expanded tensor: building the holder with their batch first (see
+    # _batch_first) divided offsets by the base's strides, and raised ZeroDivisionError for a
+    # stage that only reads them.
+    leaf = torch.randn(9, 2, 1, requires_grad=True)
+    x = leaf.expand(9, 2, 2)
+    inputs = (x[2:], x[:-2].detach()[:, :2])
+    expected = nn.Sequential(nn.Flatten())(torch.cat(inputs, 1))
+    got = ParallelSequential(_Concatenates(), chunks=3)(inputs)
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    torch.testing.assert_close(leaf.grad, torch.full_like(leaf, 2.0).index_fill_(0, torch.tensor([0, 1]), 0.0))
+
+
+class _Concatenates(nn.Module):
+    r"""Concatenates its inputs' flattened rows: reads them only."""
+
+    def forward(self, inputs):
+        return torch.cat([t.flatten(1) for t in inputs], 1)
+
+
 class _DoublesOneAddsTheOtherAsFloats(_DoublesOneAddsTheOther):
     r"""Doubles its first input in place, then adds its second, which shares elements with it, read as floats."""
 
