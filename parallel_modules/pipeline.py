@@ -2389,7 +2389,8 @@ class ParallelSequential(nn.Sequential):
                     "nn.Sequential")
                 raise RuntimeError(
                     f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "
-                    f"{count} into {shared.names}, {why}. Pass tensors that share no memory (e.g. .clone() one "
+                    f"{count} into {shared.names} (or, without autograd, into another view of their memory, "
+                    f"whose writes their version counter counts too), {why}. Pass tensors that share no memory (e.g. .clone() one "
                     f"of them), write into a copy inside the stage (out-of-place operations), or use chunks=1.")
         if block is not None and m == 0:
             self._refuse_stacked(s, name, block, output)
