@@ -1072,14 +1072,10 @@ def _returning(stage: nn.Module) -> nn.Module:
 
 
 def _stock_parallel(m: nn.Module) -> Parallel | None:
-    r"""The ``Parallel`` whose result ``m`` returns (see :func:`_returning`), unless its class has a forward of its own."""
+    r"""The ``Parallel`` whose result ``m`` returns (see :func:`_returning`), unless its class has a forward of
+    its own."""
     m = _returning(m)
     return m if isinstance(m, Parallel) and type(m).forward is Parallel.forward else None
-
-
-def _ranks(output: Any, stacked: int = 0) -> set[int]:
-    r"""The ranks of the tensors in ``output``, less ``stacked``: the dimensions ``"stack"`` joins added to them."""
-    return {t.dim() - stacked for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
 
 
 def _parts(m: Parallel, output: Any) -> list[Any]:
@@ -1109,7 +1105,8 @@ def _stacked_on_batch(m: Parallel, output: Any, stacked: int = 0) -> Parallel | 
     if join is not None and not isinstance(join, str):
         return None  # (a callable: whatever it makes of the branches' outputs)
     if join == "stack":
-        if any(r > 0 and dim % r == 0 for r in _ranks(output, stacked)):
+        if any(r > stacked and dim % (r - stacked) == 0
+               for r in (t.dim() for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))):
             return m
         stacked += 1
     for branch, part in zip(m, _parts(m, output)):
@@ -1125,18 +1122,9 @@ _RECURRENT_FORWARDS = frozenset((nn.RNN.forward, nn.LSTM.forward, nn.GRU.forward
 _RECURRENT_NAMES = frozenset(cls.__name__ for cls in (nn.RNN, nn.LSTM, nn.GRU))
 
 
-def _hidden_layout(stage: nn.Module, outputs: list[Any]) -> tuple[int, int] | None:
-    r"""Where the final hidden states of a last ``stage`` returning a recurrent layer's result hold the batch.
-
-    ``(rank, dim)`` of ``h_n`` (and ``c_n``) in ``(output, h_n)`` or ``(output,
-    (h_n, c_n))`` (see :func:`_layout`, which ``outputs``, the micro-batches'
-    results, tell the ranks of its leaves); ``None`` for any other stage.
-    """
-    return _layout(stage, outputs[0])
-
-
-def _layout(m: nn.Module, output: Any, stacked: int = 0) -> tuple[int, int] | None:
-    r"""``(rank, dim)`` of the final hidden states ``m`` returns as a recurrent layer does (``None``: it does not).
+def _layout(m: nn.Module) -> tuple[int, int] | None:
+    r"""``(rank, dim)`` of the final hidden states ``m`` returns as a recurrent layer does (``None``: it does not):
+    where those of a last stage returning ``(output, h_n)`` or ``(output, (h_n, c_n))`` hold the batch.
 
     ``(3, 1)`` for a recurrent layer, and for a ``Parallel`` of branches that
     return them alike (recurrent layers, ``Parallel`` blocks of them) joined by
@@ -1144,11 +1132,10 @@ def _layout(m: nn.Module, output: Any, stacked: int = 0) -> tuple[int, int] | No
     ``"stack"`` adds one, before or after the batch's. Such a ``Parallel``
     returning its branches' results apart, or joining them with branches that
     return them otherwise, is refused: its leaves hold the batch in different
-    places. So is any ``Parallel`` stacking its branches along dimension 0,
-    where the batch is, as ``dim`` resolves on the ranks of the leaves it
-    returns (see :func:`_stacked_on_batch` for ``output`` and ``stacked``).
-    (A callable join returns what it makes of them: hidden states,
-    batch-first, as any custom last stage's.)
+    places. (One stacking its branches along dimension 0, where the batch
+    is, was refused as the stage returned it: see ``_refuse_stacked``. A
+    callable join returns what it makes of them: hidden states, batch-first,
+    as any custom last stage's.)
     """
     m = _returning(m)
     if isinstance(m, nn.RNNBase):
@@ -1167,12 +1154,7 @@ def _layout(m: nn.Module, output: Any, stacked: int = 0) -> tuple[int, int] | No
     apart = join in (None, "tuple", "dict")
     if not apart and not isinstance(join, str):
         return None
-    if join == "stack" and any(r > 0 and dim % r == 0 for r in _ranks(output, stacked)):
-        raise TypeError(f"the last stage is a Parallel stacking its branches' outputs along dimension {dim}, which "
-                        f"is where the micro-batches' samples are: they cannot be joined into the whole batch's "
-                        f"(stack along another dimension, dim=1, or stack the pipeline's outputs)")
-    inner = stacked + (join == "stack")
-    layouts = [_layout(b, part, inner) for b, part in zip(m, _parts(m, output))]
+    layouts = [_layout(b) for b in m]
     if all(layout is None for layout in layouts):
         return None
     if apart or len(set(layouts)) > 1:
@@ -1947,7 +1929,7 @@ class ParallelSequential(nn.Sequential):
             if returned is not None:
                 _refuse_rewritten(returned, pieces)
             stages = list(self._modules.values())
-            layout = _hidden_layout(stages[-1], outputs) if stages else None
+            layout = _layout(stages[-1]) if stages else None
             if layout is not None and all(
                     type(o) is tuple and len(o) == 2 and isinstance(o[0], torch.Tensor) for o in outputs):
                 rank, dim = layout
@@ -2260,12 +2242,9 @@ class ParallelSequential(nn.Sequential):
 
         watched: list[_Shared] = []
         pieces = self._split(input, copied=copy_to is not None, watched=watched)
-        # The blocks whose results the stages before the last return, whose first micro-batch's
-        # output _call looks at (see _refuse_stacked); the last stage's is judged as it is
-        # joined (see _concat).
-        blocks = [_stock_parallel(stage) for stage in plan.stages[:-1]]
-        stages = [(name, call, blocks[s] if s < len(blocks) else None)
-                  for s, (name, call) in enumerate(zip(plan.names, calls))]
+        # The blocks whose results the stages return, whose first micro-batch's output _call
+        # looks at (see _refuse_stacked).
+        stages = list(zip(plan.names, calls, map(_stock_parallel, plan.stages)))
         # The lists and dicts each micro-batch's first stage gets, which pytree made anew for
         # it: a stage changing one in place (``d["k"] = v``, ``d["cache"].append(k)``) would
         # change only its micro-batch's, where nn.Sequential changes the caller's. Refused (see
@@ -2341,8 +2320,8 @@ class ParallelSequential(nn.Sequential):
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any,
               held: list[list[_Held] | None] | None = None, block: Parallel | None = None,
               watched: list[_Shared] | None = None) -> Any:
-        r"""Stage ``s`` on micro-batch ``m``; ``held``: each micro-batch's lists and dicts, refused changed (see _forward);
-        ``block``: the ``Parallel`` whose result the stage returns, if any (see :meth:`_refuse_stacked`);
+        r"""Stage ``s`` on micro-batch ``m``; ``held``: each micro-batch's lists and dicts, refused changed (see
+        _forward); ``block``: the ``Parallel`` whose result the stage returns, if any (see :meth:`_refuse_stacked`);
         ``watched``: input tensors sharing elements across micro-batches, refused written (see :meth:`_split`)."""
         if held is not None and s == 0:
             # (Those the first stage gets: on a host input, the copy's, which are the micro-batch's own too.)
@@ -2390,20 +2369,23 @@ class ParallelSequential(nn.Sequential):
                 raise RuntimeError(
                     f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "
                     f"{count} into {shared.names} (or, without autograd, into another view of their memory, "
-                    f"whose writes their version counter counts too), {why}. Pass tensors that share no memory (e.g. .clone() one "
-                    f"of them), write into a copy inside the stage (out-of-place operations), or use chunks=1.")
+                    f"whose writes their version counter counts too), {why}. Pass tensors that share no memory "
+                    f"(e.g. .clone() one of them), write into a copy inside the stage (out-of-place operations), "
+                    f"or use chunks=1.")
         if block is not None and m == 0:
             self._refuse_stacked(s, name, block, output)
         return output
 
     def _refuse_stacked(self, s: int, name: str, block: Parallel, output: Any) -> None:
-        r"""Refuses stage ``s``, not the last, returning a ``Parallel`` that stacks branches along the batch's dimension.
+        r"""Refuses stage ``s`` returning a ``Parallel`` (``block``) stacking branches along the batch's dimension.
 
         Its ``output`` (the first micro-batch's) then holds the batch along
         dimension 1, and so does every later stage's: the micro-batches' results
         joined along dimension 0 would be joined along the branches, silently
         where the branches are as many as a micro-batch's samples ((4, 2, 3) for
-        the whole batch's (2, 4, 3)).
+        the whole batch's (2, 4, 3)). (Here, as the stage returns it, for the
+        last stage too: joined as they come on the GPU (``_Gather``), its
+        results are not looked at again.)
         """
         stacking = _stacked_on_batch(block, output)
         if stacking is not None:
@@ -2412,9 +2394,10 @@ class ParallelSequential(nn.Sequential):
             raise ValueError(
                 f"{type(self).__name__}: stage {name!r} (index {s}) returns the result of a Parallel{where} "
                 f"stacking its branches' outputs along dimension {stacking.dim}{resolved} ({_describe(output)} "
-                f"for micro-batch 0), which is where the micro-batches' samples are: the stages after it would "
-                f"get the batch along dimension 1, and the micro-batches' results, joined along dimension 0, "
-                f"would be joined along the branches. Stack along another dimension (dim=1), or use chunks=1.")
+                f"for micro-batch 0), which is where the micro-batches' samples are: the batch moves to dimension "
+                f"1, where the stages after it do not look for it, and the micro-batches' results, joined along "
+                f"dimension 0, would be joined along the branches. Stack along another dimension (dim=1), or "
+                f"use chunks=1.")
 
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,

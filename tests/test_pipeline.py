@@ -2455,15 +2455,19 @@ def test_a_parallel_joining_recurrent_and_other_branches_is_refused_as_a_last_st
         ParallelSequential(nn.Identity(), heads, chunks=2)(torch.randn(2, 2, 5))
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("dim", [0, -3])
-def test_a_parallel_stacking_along_the_batch_is_refused_as_a_last_stage(dim):
+def test_a_parallel_stacking_along_the_batch_is_refused_as_a_last_stage(device, dim):
     # Before: with micro-batches as large as the branches are many, each micro-batch's (2, 2, 3)
     # stack looked batched and was joined along dimension 0: (4, 2, 3) for the whole batch's
-    # (2, 4, 3), silently.
-    heads = Parallel(nn.Linear(3, 3), nn.Linear(3, 3), join="stack", dim=dim)
-    x = torch.randn(4, 3)
-    with pytest.raises(ValueError, match="stacking its branches' outputs along dimension"):
-        ParallelSequential(heads, chunks=2)(x)
+    # (2, 4, 3), silently. (Without autograd on the GPU the last lane joins its results as they
+    # come, which the check made as they were joined did not see.)
+    heads = Parallel(nn.Linear(3, 3), nn.Linear(3, 3), join="stack", dim=dim).to(device)
+    x = torch.randn(4, 3, device=device)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="stacking its branches' outputs along "
+                                                                           "dimension"):
+            ParallelSequential(heads, chunks=2)(x)
     assert ParallelSequential(heads, chunks=1)(x).shape == (2, 4, 3)  # one micro-batch: nothing to join
     nested = Parallel(Parallel(*heads, join="stack", dim=dim), Parallel(*heads, join="stack", dim=dim), join="sum")
     with pytest.raises(ValueError, match="stacking its branches' outputs along dimension"):  # (reviews: nested)
