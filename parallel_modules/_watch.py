@@ -32,7 +32,8 @@ microsecond of calls that cost milliseconds, so that its plan (the stages that
 mix samples, see ``pipeline``) and its graphs are made anew. ``Parallel`` does
 not: on the H200 machine the comparison added 1.7 us to a graphed fused call of
 eight 4-layer MLPs (21.1 to 22.8 us) and 2.5 us to one of sixteen (21.3 to
-23.8 us), a tenth of the call (``tools/exp_graph_ab.py``, session 72). A dict of children that counted its own writes (a ``dict`` subclass as
+23.8 us), a tenth of the call (``tools/exp_graph_ab.py``, session 72). A dict
+of children that counted its own writes (a ``dict`` subclass as
 ``_modules``) would cost nothing per call, but made Dynamo name every child
 below it by position (``dict.__getitem__(L['self']._modules,
 list(dict.keys(...))[0])``): a strict ``torch.export`` lost the modules' names,
