@@ -725,7 +725,7 @@ def _batch_first(base: torch.Tensor, members: list[torch.Tensor]) -> torch.Tenso
         holder = base.as_strided((*base.shape[:d], outer, batch, inner, *base.shape[d + 1:]),
                                  (*base.stride()[:d], st * inner * batch, st * inner, st, *base.stride()[d + 1:]),
                                  base.storage_offset()).movedim(d + 1, 0)
-    dims = sorted(((st, d) for d, (n, st) in enumerate(zip(holder.shape, holder.stride())) if n > 1), reverse=True)
+    dims = _dims(holder)
     if dims and not dims[-1][0]:
         return None  # (an expanded base, x.expand(...).detach(): one element has many indices)
     # Each member's first and last elements bound its others' indices in every dimension of the
@@ -734,8 +734,7 @@ def _batch_first(base: torch.Tensor, members: list[torch.Tensor]) -> torch.Tenso
     ends = []
     for t in members:
         first = t.storage_offset() - holder.storage_offset()
-        bounds = [_index(offset, dims, holder.dim()) for offset in
-                  (first, first + sum(max(n - 1, 0) * st for n, st in zip(t.shape, t.stride())))]
+        bounds = [_index(offset, dims, holder.dim()) for offset in (first, first + _extent(t))]
         if any(i is None or not all(0 <= j < n for j, n in zip(i, holder.shape)) for i in bounds) or bounds[0][0]:
             return None
         ends.append(bounds)
@@ -788,7 +787,7 @@ def _position(inner: torch.Tensor, outer: torch.Tensor) -> int | tuple[list[int]
     its elements one index where each stride steps past all the elements of the smaller ones (as any
     layout permuted or sliced from a contiguous one does; others are taken as not holding ``inner``).
     """
-    dims = sorted(((st, d) for d, (n, st) in enumerate(zip(outer.shape, outer.stride())) if n > 1), reverse=True)
+    dims = _dims(outer)
     reach, dense = 1, True
     for stride, d in reversed(dims):
         if stride < reach:
@@ -798,7 +797,7 @@ def _position(inner: torch.Tensor, outer: torch.Tensor) -> int | tuple[list[int]
     first = inner.storage_offset() - outer.storage_offset()
     if dense:
         # (Strides are never negative: the first and last elements bound the others.)
-        last = first + sum(max(n - 1, 0) * st for n, st in zip(inner.shape, inner.stride()))
+        last = first + _extent(inner)
         return first if 0 <= first and last < outer.numel() else None
 
     start = _index(first, dims, outer.dim())
@@ -814,10 +813,19 @@ def _position(inner: torch.Tensor, outer: torch.Tensor) -> int | tuple[list[int]
     return (start, steps) if all(i < n for i, n in zip(last_index, outer.shape)) else None
 
 
+def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    r"""``t``'s (stride, dimension) pairs, for its dimensions of more than one element, largest stride first."""
+    return sorted(((st, d) for d, (n, st) in enumerate(zip(t.shape, t.stride())) if n > 1), reverse=True)
+
+
+def _extent(t: torch.Tensor) -> int:
+    r"""How many elements of memory past ``t``'s first its last lies (strides are never negative)."""
+    return sum(max(n - 1, 0) * st for n, st in zip(t.shape, t.stride()))
+
+
 def _index(offset: int, dims: list[tuple[int, int]], rank: int) -> list[int] | None:
-    r"""The index of the element ``offset`` past the first of a tensor of ``rank`` dimensions whose (stride,
-    dimension) pairs of more than one element are ``dims``, largest stride first (see :func:`_position`);
-    ``None`` where no element lies there."""
+    r"""The index of the element ``offset`` past the first of a tensor of ``rank`` dimensions whose
+    :func:`_dims` are ``dims``; ``None`` where no element lies there."""
     found = [0] * rank
     for stride, d in dims:
         found[d], offset = divmod(offset, stride)
