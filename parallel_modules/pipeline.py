@@ -492,6 +492,12 @@ def _leaves(value: Any) -> list[Any]:
     return _flatten(value)[0] if _any_unregistered(leaves) else leaves
 
 
+def _packed(value: Any) -> bool:
+    r"""Whether ``value`` is a ``PackedSequence``: a leaf where the pipeline splits or joins, not a namedtuple of
+    tensors, since its data and counts hold the sequences' time steps, not one row per sample."""
+    return isinstance(value, nn.utils.rnn.PackedSequence)
+
+
 def _flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], pytree.TreeSpec]:
     r"""``pytree.tree_flatten(value)``, taking apart the containers pytree keeps whole too (see above):
     ``pytree.tree_unflatten`` of the spec rebuilds them."""
@@ -1731,8 +1737,8 @@ class ParallelSequential(nn.Sequential):
         else:
             # (A PackedSequence kept whole, as a leaf: see below. Subclasses of tuple, list and dict
             # taken apart too: see _flatten.)
-            leaves, spec = _flatten(input, is_leaf=lambda v: isinstance(v, nn.utils.rnn.PackedSequence))
-            if any(isinstance(v, nn.utils.rnn.PackedSequence) for v in leaves):
+            leaves, spec = _flatten(input, is_leaf=_packed)
+            if any(map(_packed, leaves)):
                 # (Its tensors are time steps' rows and their counts, not samples; refused whatever
                 # their sizes: one sequence has as many rows of data as counts.)
                 raise ValueError(
@@ -1956,7 +1962,7 @@ class ParallelSequential(nn.Sequential):
                     return shared(first, 0)  # the same tensor from every micro-batch, as in a structure below
                 return batched(outputs)
             # (Dicts of the same keys in another order are the same structure, as for nn.Sequential.)
-            flat = [_flatten(_in_order_of(o, outputs[0]) if i else o) for i, o in enumerate(outputs)]
+            flat = [_flatten(_in_order_of(o, outputs[0]) if i else o, is_leaf=_packed) for i, o in enumerate(outputs)]
             spec = flat[0][1]
             if any(s != spec for _, s in flat):
                 raise TypeError("the micro-batches returned different structures")
@@ -1967,6 +1973,15 @@ class ParallelSequential(nn.Sequential):
             joined = []
             for i, column in enumerate(zip(*(leaves for leaves, _ in flat))):
                 first = column[0]
+                if any(map(_packed, column)):
+                    # (Joined as a namedtuple of tensors, the pieces' time steps would follow one another,
+                    # where packing the whole batch interleaves them: silently so where every sequence
+                    # has one step and every micro-batch one sample.)
+                    raise TypeError(f"the last stage returned a PackedSequence (leaf {i} of the output), whose "
+                                    f"data holds the sequences' time steps, not one row per sample: the "
+                                    f"micro-batches' packed sequences cannot be joined into the whole batch's. "
+                                    f"Unpack it in the last stage (nn.utils.rnn.pad_packed_sequence) and return "
+                                    f"the padded batch")
                 if isinstance(first, torch.Tensor) and (all(t is first for t in column[1:])
                                                         or _one_view(column, sizes)):
                     joined.append(shared(first, i))  # the same tensor (or view of it) from every micro-batch

@@ -382,6 +382,41 @@ def test_a_packed_sequence_is_refused_for_what_it_is() -> None:
     assert torch.equal(model(packed), nn.Sequential(*model)(packed))
 
 
+def test_a_packed_sequence_returned_by_the_last_stage_is_refused_for_what_it_is() -> None:
+    # A last stage returning a PackedSequence (a recurrent layer given one) was joined as any
+    # namedtuple of tensors. Its data and counts hold the sequences' time steps, not one row
+    # per sample: usually refused as "not batched like the micro-batches (a reduction over the
+    # batch, or a reshape ...)", which says nothing of packing; with sequences of one step and
+    # chunks equal to the batch, each piece had one row per sample by chance, and the
+    # micro-batches' packed sequences and hidden states came back concatenated along dimension
+    # 0, silently: batch_sizes [1, 1, 1, 1] for [4], h_n (4, 1, 6) for (1, 4, 6).
+    class Pack(nn.Module):
+        def forward(self, padded_lengths):
+            padded, lengths = padded_lengths
+            return nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=False)
+
+    torch.manual_seed(0)
+    gru = nn.GRU(4, 6, batch_first=True)
+    for lengths, chunks in (([3, 1, 2, 2], 2), ([1, 1, 1, 1], 4)):
+        given = (torch.randn(4, 3, 4), torch.tensor(lengths))
+        model = ParallelSequential(Pack(), gru, chunks=chunks)
+        with pytest.raises(ValueError, match=r"(?s)outputs of the last stage '1'.*or use chunks=1.*returned a "
+                                             r"PackedSequence \(leaf 0 of the output\), whose data holds the "
+                                             r"sequences' time steps.*pad_packed_sequence"):
+            model(given)
+        model.chunks = 1
+        ref = nn.Sequential(*model)(given)
+        assert torch.equal(model(given)[0].data, ref[0].data)
+    # Passed between stages, it stays each micro-batch's own: the pipeline runs as before.
+    class Unpack(nn.Module):
+        def forward(self, out_h):
+            return nn.utils.rnn.pad_packed_sequence(out_h[0], batch_first=True, total_length=3)[0]
+
+    model = ParallelSequential(Pack(), gru, Unpack(), chunks=2)
+    given = (torch.randn(4, 3, 4), torch.tensor([3, 1, 2, 2]))
+    torch.testing.assert_close(model(given), nn.Sequential(*model)(given), rtol=RTOL, atol=ATOL)
+
+
 def test_unbatched_input() -> None:
     model = ParallelSequential(nn.Identity(), chunks=2)
     with pytest.raises(ValueError, match="batched along dimension 0; got Tensor"):
