@@ -2242,9 +2242,14 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             group.buffers_saved.update(names[:2])
         eps = m.eps
 
+        check = m._check_input_dim
+
         def batch_norm(v: _Value, get: _Get) -> Any:
             if _member_dims(v) < 2:
                 return fallback(v, get)
+            # The layer's own check of a member's dimensions (BatchNorm2d takes 4-D inputs
+            # only), which F.batch_norm below, taking any, would not make.
+            check(v.t[0] if v.layout == _STACKED else v.t)
             mean, var, w, b = (None if t is None else t.flatten() for t in map(get, names))
             return _Value(F.batch_norm(_to_channels(v, n), mean, var, w, b, False, 0.0, eps), _CHANNELS)
 

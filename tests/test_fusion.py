@@ -6009,3 +6009,21 @@ def test_forward_over_reverse_hessian_of_parameters_swapped_into_a_fused_group()
     expected = torch.autograd.functional.hessian(loss(unfused), params)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
     assert p.explain()["fused"] == [["0", "1"]]
+
+
+def test_fused_eval_batch_norms_refuse_inputs_of_the_dims_the_layer_refuses():
+    # (A CPU hunt.) Fused, an eval BatchNorm ran F.batch_norm, which takes any number of
+    # dimensions, without its layer's check: fuse=True returned a result for a 3-D input to
+    # BatchNorm2d (or a 2-D one to BatchNorm3d), where each branch raises.
+    torch.manual_seed(0)
+    for layer, bad, good in ((nn.BatchNorm2d, (2, 4, 5), (2, 4, 5, 3)), (nn.BatchNorm3d, (2, 4), (2, 4, 5, 3, 2))):
+        block = Parallel(*[nn.Sequential(nn.Identity(), layer(4)).eval() for _ in range(3)], fuse=True)
+        x = torch.randn(bad)
+        with pytest.raises(ValueError) as raised:
+            block[0](x)
+        with pytest.raises(ValueError, match=re.escape(str(raised.value)) + r"(.|\n)*branch '0'"):
+            block(x)
+        x = torch.randn(good)
+        torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
+        assert block.explain()["fused"] == [["0", "1", "2"]]
+
