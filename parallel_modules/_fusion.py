@@ -141,6 +141,8 @@ _POINTWISE = (
 # torch's dropout layers, and their forwards: the identity in eval or with p=0.
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _STOCK_DROPOUT = frozenset(c.forward for c in _DROPOUTS)
+# Those of them whose forward reads its input's number of dimensions.
+_FEATURE_DROPOUTS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 # Pooling works channel by channel, so it applies in the shared and channels layouts.
 _POOLING = (
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
@@ -2197,6 +2199,16 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         # ``forward`` itself: fused members have no hooks (see _unfusable), and
         # ``Module.__call__`` costs as much CPU as the launch it wraps.
         forward = m.forward
+        if isinstance(m, _FEATURE_DROPOUTS):
+            # F.dropout1d/2d/3d check (and warn about) their input's dimensions: a member's,
+            # one fewer than the stack's. Here (eval, or p=0) they return their input itself.
+            def feature_dropout(v: _Value, get: _Get) -> _Value:
+                if v.layout != _STACKED:
+                    return _Value(forward(v.t), v.layout)
+                forward(v.t[0])
+                return v
+
+            return [feature_dropout]
         return [lambda v, get: _Value(forward(v.t), v.layout)]
 
     if type(m) is nn.Linear:

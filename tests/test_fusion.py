@@ -6027,3 +6027,30 @@ def test_fused_eval_batch_norms_refuse_inputs_of_the_dims_the_layer_refuses():
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
         assert block.explain()["fused"] == [["0", "1", "2"]]
 
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_fused_eval_feature_dropouts_read_the_members_dims(fuse):
+    # (A CPU hunt.) Fused, an eval Dropout1d/2d/3d ran on the stacked [N, *member] value of a
+    # Linear before it: F.dropout1d refused the stack's extra dimension, so fuse=True refused a
+    # block whose branches each run (and "auto" gave the group up for good), and F.dropout2d
+    # and dropout3d warned about the stack's dimensions, not about those of the members' input.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(5, 4), nn.Dropout1d(0.3)).eval() for _ in range(3)], fuse=fuse)
+    x = torch.randn(2, 3, 5)
+    block(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning that "auto" gave the group up)
+        torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
+    assert block.explain()["fused"] == [["0", "1", "2"]] and not block.explain()["unfused"]
+    for layer, x in ((nn.Dropout2d, torch.randn(2, 5)), (nn.Dropout3d, torch.randn(2, 3, 5))):
+        block = Parallel(*[nn.Sequential(nn.Linear(5, 4), layer(0.3)).eval() for _ in range(3)], fuse=fuse)
+        block(x)
+        with warnings.catch_warnings(record=True) as unfused:
+            warnings.simplefilter("always")
+            expected = block[0](x)
+        expected = torch.cat([expected] + [b(x) for b in block[1:]], 1)
+        with warnings.catch_warnings(record=True) as fused:
+            warnings.simplefilter("always")
+            torch.testing.assert_close(block(x), expected)
+        # (Once a call, not once a member: a group runs its first member's Python for all.)
+        assert [str(w.message) for w in fused] == [str(w.message) for w in unfused]
