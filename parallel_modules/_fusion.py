@@ -143,6 +143,9 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 _STOCK_DROPOUT = frozenset(c.forward for c in _DROPOUTS)
 # Those of them whose forward reads its input's number of dimensions.
 _FEATURE_DROPOUTS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+# torch's batch norms' checks of their input, which read its number of dimensions only.
+_STOCK_DIM_CHECKS = frozenset(c._check_input_dim for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+                                                           nn.SyncBatchNorm))
 # Pooling works channel by channel, so it applies in the shared and channels layouts.
 _POOLING = (
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
@@ -2254,14 +2257,21 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             group.buffers_saved.update(names[:2])
         eps = m.eps
 
-        check = m._check_input_dim
+        # The layer's own check of a member's dimensions (BatchNorm2d takes 4-D inputs only),
+        # which F.batch_norm below, taking any, would not make. torch's layers read only the
+        # number of dimensions: checked once per number, since a member's slice costs 1.5 us
+        # of host time per call (a subclass's own check runs at every call).
+        check, passed = m._check_input_dim, set()
+        stock = type(m)._check_input_dim in _STOCK_DIM_CHECKS
 
         def batch_norm(v: _Value, get: _Get) -> Any:
-            if _member_dims(v) < 2:
+            dims = _member_dims(v)
+            if dims < 2:
                 return fallback(v, get)
-            # The layer's own check of a member's dimensions (BatchNorm2d takes 4-D inputs
-            # only), which F.batch_norm below, taking any, would not make.
-            check(v.t[0] if v.layout == _STACKED else v.t)
+            if dims not in passed:
+                check(v.t[0] if v.layout == _STACKED else v.t)
+                if stock:
+                    passed.add(dims)
             mean, var, w, b = (None if t is None else t.flatten() for t in map(get, names))
             return _Value(F.batch_norm(_to_channels(v, n), mean, var, w, b, False, 0.0, eps), _CHANNELS)
 

@@ -6026,6 +6026,22 @@ def test_fused_eval_batch_norms_refuse_inputs_of_the_dims_the_layer_refuses():
         x = torch.randn(good)
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
         assert block.explain()["fused"] == [["0", "1", "2"]]
+        with pytest.raises(ValueError, match=r"(.|\n)*branch '0'"):  # (checked by number: not only at the first call)
+            block(torch.randn(bad))
+    # A subclass's own check, which may read more than the number of dimensions, runs at every call.
+    block = Parallel(*[nn.Sequential(nn.Identity(), _NarrowBatchNorm(4)).eval() for _ in range(3)], fuse=True)
+    block(torch.randn(2, 4, 5, 3))
+    with pytest.raises(ValueError, match="at most 4 wide"):
+        block(torch.randn(2, 4, 5, 6))
+
+
+class _NarrowBatchNorm(nn.BatchNorm2d):
+    r"""A ``BatchNorm2d`` whose check of its input reads its width too."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        super()._check_input_dim(input)
+        if input.shape[-1] > 4:
+            raise ValueError(f"expected inputs at most 4 wide (got {input.shape[-1]})")
 
 
 @pytest.mark.parametrize("fuse", [True, "auto"])
