@@ -153,6 +153,10 @@ def _check_devices(owner: str, names: Iterable[str], children: Iterable[nn.Modul
             )
 
 
+# (PyTorch 2.3 and later; before, any compiler's trace.)
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
+
 def _with_context(error: BaseException, context: str) -> BaseException:
     r"""Add ``context`` (which module, which branch) to an exception raised inside a branch.
 
@@ -163,11 +167,14 @@ def _with_context(error: BaseException, context: str) -> BaseException:
     context is also appended to the message of an exception whose only argument
     is its message (not a ``KeyError``'s key, whose ``str`` is its ``repr``).
     An exception that takes no note (a frozen dataclass, a ``__notes__`` that
-    is not a list) goes on as raised. (Not while ``torch.compile`` traces.)
+    is not a list) goes on as raised. (Not while Dynamo traces: ``torch.compile``
+    or strict ``torch.export``.)
     """
-    if torch.compiler.is_compiling():
+    if _dynamo_compiling():
         # Dynamo cannot trace ``add_note`` and would report that instead of the
-        # user's exception: the exception goes on as raised.
+        # user's exception: the exception goes on as raised. (Not is_compiling(),
+        # also true under non-strict torch.export, which runs this Python as it is:
+        # there the note names the branch as in an eager call.)
         return error
     try:
         if sys.version_info >= (3, 11):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.fx import _symbolic_trace
 from torch.utils import _pytree as pytree
 
-from ._inputs import _with_context
+from ._inputs import _dynamo_compiling, _with_context
 from ._streams import _graph_state, _hold_join_gradients, _is_tracing, _recorded
 
 __all__: list[str] = []
@@ -307,10 +307,6 @@ def _leaf_path(output: Any, i: int) -> str:
         except Exception:  # (a registered class without key paths)
             pass
     return f"leaf {i}"
-
-
-# (PyTorch 2.3 and later; before, any compiler's trace.)
-_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def _out_of_memory(e: BaseException) -> bool:

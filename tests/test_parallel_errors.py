@@ -1154,3 +1154,24 @@ def test_a_pipeline_added_below_itself_is_refused_and_keeps_working(how):
     with pytest.raises(TypeError, match=rf"ParallelSequential: stage '\d' is {where}; a block cannot be its own stage"):
         add()
     assert len(pipe) == 2 and torch.equal(pipe(x), expected)
+
+
+
+def _exported_call_works(block: Parallel) -> None:
+    r"""After a failed export, the block gives the sequential result, eagerly and exported."""
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        expected = torch.cat([branch(x) for branch in block], 1)
+        assert_same(block(x), expected)
+        assert_same(torch.export.export(block, (x,), strict=False).module()(x), expected)
+
+
+def test_an_error_under_non_strict_export_names_the_branch() -> None:
+    # Non-strict torch.export runs the block's Python as it is (torch.compiler.is_compiling() is
+    # true there, but no Dynamo traces the note): the error names the branch as an eager call's does.
+    block = Parallel(OrderedDict(a=nn.Linear(4, 3), b=nn.Linear(5, 3)))
+    with pytest.raises(RuntimeError) as info:
+        torch.export.export(block, (torch.randn(5, 4),), strict=False)
+    assert "(raised in branch 'b' (index 1) of Parallel)" in getattr(info.value, "__notes__", [])
+    block.b = nn.Linear(4, 3)
+    _exported_call_works(block)
