@@ -1138,9 +1138,16 @@ class Parallel(nn.Module):
                     group.wrote_buffers = any([not torch.equal(b, saved) for b, saved in kept])
             return out
         except Exception as e:
-            if not isinstance(e, _UnbatchedNow) and (_is_tracing() or isinstance(e, _StopRecomputation)):
-                # (Checkpoint's early stop of a recomputation is control flow, not a failure.)
+            if isinstance(e, _StopRecomputation):  # (checkpoint's early stop: control flow, not a failure)
                 raise
+            if not isinstance(e, _UnbatchedNow) and _is_tracing():
+                # A trace records one program: it cannot run the members again one by one to find
+                # the one at fault, as an eager call does. The error, raised by the batched kernels
+                # (on stacked shapes the user never wrote), names the group instead.
+                names = [list(self._modules)[i] for i in group.indices]
+                raise _with_context(e, f"(raised in branches {names} of {type(self).__name__}, traced batched "
+                                       f"as one fused group; pass fuse=False to trace each branch on its own "
+                                       f"and see which one fails)")
             _put_back(kept)
             failure = e
         except BaseException:
