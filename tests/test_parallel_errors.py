@@ -1189,3 +1189,16 @@ def test_a_fused_group_failing_under_non_strict_export_is_named(fuse) -> None:
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "branches ['a', 'b'] of Parallel" in notes and "fuse=False" in notes
     _exported_call_works(block)
+
+
+def test_an_error_under_non_strict_export_names_the_stage() -> None:
+    # As a branch's (see above): non-strict torch.export runs the stages' Python as it is.
+    pipeline = ParallelSequential(OrderedDict(s0=nn.Linear(4, 4), s1=nn.Linear(5, 4)), chunks=2)
+    with pytest.raises(RuntimeError) as info:
+        torch.export.export(pipeline, (torch.randn(8, 4),), strict=False)
+    assert "(raised in stage 's1' (index 1) on micro-batch 0 of 2 of ParallelSequential)" in getattr(
+        info.value, "__notes__", [])
+    pipeline.s1 = nn.Linear(4, 4)
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        assert_close(pipeline(x), pipeline.s1(pipeline.s0(x)))
