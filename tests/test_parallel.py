@@ -985,3 +985,42 @@ def test_a_layer_replaced_while_another_thread_calls_is_seen():
         finally:
             handle.remove()
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
+
+
+class _Scores(nn.Module):
+    r"""Logits next to what is not differentiable: their argmax and a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.lin(x)
+        return logits, logits.argmax(-1, keepdim=True), logits > 0
+
+
+@pytest.mark.parametrize("fuse", [False, True, "auto"])
+def test_jacrev_and_batched_grads_match_sequential_with_integer_outputs(fuse):
+    # jacrev and is_grads_batched run the backward under vmap, through the fused group's own
+    # autograd Functions too; integer leaves beside the logits must pass through untouched.
+    torch.manual_seed(0)
+    branches = [_Scores() for _ in range(3)]
+    ref = copy.deepcopy(branches)
+    block = Parallel(*branches, join="cat", fuse=fuse)
+
+    def reference(x):
+        outs = [m(x) for m in ref]
+        return tuple(torch.cat([o[k] for o in outs], 1) for k in range(3))
+
+    x = torch.randn(5, 6)
+    out, expected = block(x), reference(x)
+    torch.testing.assert_close(out[1:], expected[1:])
+    assert not out[1].requires_grad and out[1].dtype == torch.int64
+    torch.testing.assert_close(torch.func.jacrev(lambda t: block(t)[0])(x),
+                               torch.func.jacrev(lambda t: reference(t)[0])(x))
+    xg = x.clone().requires_grad_()
+    cotangents = torch.randn(3, *out[0].shape)
+    got = torch.autograd.grad(block(xg)[0], [xg, *block.parameters()], cotangents, is_grads_batched=True)
+    want = torch.autograd.grad(reference(xg)[0], [xg, *nn.ModuleList(ref).parameters()], cotangents,
+                               is_grads_batched=True)
+    torch.testing.assert_close(got, want)
