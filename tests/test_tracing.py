@@ -639,6 +639,22 @@ def test_pipeline_exported_with_a_dynamic_batch():
                 torch.testing.assert_close(program.module()(x), model(x))
 
 
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_parallel_exported_as_the_root_takes_its_dynamic_shapes_by_the_name_args(fuse, strict):
+    # Parallel.forward(*args, **kwargs) has one parameter for every positional input: the usual
+    # ``dynamic_shapes=({0: batch},)`` gives that parameter a dict where export finds a tuple
+    # (a structure mismatch, raised by torch). The README's form names the parameter.
+    model = Parallel(mlp(), mlp(), join="cat", fuse=fuse).eval()
+    batch = torch.export.Dim("batch", min=2, max=64)
+    program = torch.export.export(model, (torch.randn(6, 16),), strict=strict,
+                                  dynamic_shapes={"args": ({0: batch},)})
+    for n in (6, 3, 11):
+        x = torch.randn(n, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
+
 class _Keyed(nn.Module):
     r"""Reads a dict input; says whether its two tensors are one object (as attention asks ``query is key``)."""
 
