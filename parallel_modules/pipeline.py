@@ -1453,17 +1453,27 @@ class ParallelSequential(nn.Sequential):
         index = _insert_index(owner, index, n, "stages")  # (nn.Sequential's own check names no module)
         position = index + n if index < 0 else index
         _check_stage(type(self).__name__, str(position), module, container=self)
-        if list(self._modules) != [str(i) for i in range(len(self))]:
-            # (nn.Sequential's insert moves stages "0".."n-1" up by one: on names kept through a
-            # slice, or given, it replaced or dropped a stage, or failed half done.)
-            raise ValueError(f"{type(self).__name__}: insert numbers the stages by position and needs them named "
-                             f"'0'..'{len(self) - 1}', got {list(self._modules)} (kept through a slice, or given "
-                             f"in an OrderedDict). Build a new one, {type(self).__name__}(*stages), or name the "
-                             f"stages with an OrderedDict.")
+        # (nn.Sequential's insert moves stages "0".."n-1" up by one: on names kept through a
+        # slice, or given, it replaced or dropped a stage, or failed half done.)
+        self._check_numbered("insert", f"Build a new one, {owner}(*stages), or name the stages with an OrderedDict.")
         super().insert(index, module)
         _watch._children_changed()
         self._reset()
         return self
+
+    def __imul__(self, other: int) -> "ParallelSequential":
+        if isinstance(other, int) and other > 1:  # (anything else: nn.Sequential's errors, or nothing added)
+            # (nn.Sequential's *= copies stage str(i) to str(i + n): on names kept through a slice,
+            # or given, it failed half done, replaced a stage, or repeated them in another order.)
+            self._check_numbered("*=", f"Build a new one, pipe * {other}, which numbers them anew.")
+        return super().__imul__(other)
+
+    def _check_numbered(self, operation: str, fix: str) -> None:
+        r"""Refuses ``operation``, which names stages by their position, unless they are named ``"0"``..``"n-1"``."""
+        if list(self._modules) != [str(i) for i in range(len(self))]:
+            raise ValueError(f"{type(self).__name__}: {operation} numbers the stages by position and needs them "
+                             f"named '0'..'{len(self) - 1}', got {list(self._modules)} (kept through a slice, or "
+                             f"given in an OrderedDict). {fix}")
 
     def __delitem__(self, idx: int | slice) -> None:
         if not isinstance(idx, slice):

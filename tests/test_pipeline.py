@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import pickle
+import re
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
@@ -2721,6 +2722,32 @@ def test_insert_out_of_range_names_the_pipeline_and_the_range(index: int) -> Non
     x = torch.randn(4, 2)
     torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x), rtol=0, atol=0)
 
+
+
+@pytest.mark.parametrize("kept", ["given", "slice", "step", "reordered"])
+def test_imul_on_stages_not_numbered_by_position_is_refused_leaving_the_pipeline_as_it_was(kept: str) -> None:
+    # Before (a CPU hunt): nn.Sequential's *= copies stage str(i) to str(i + n): on names kept
+    # through a slice or given in an OrderedDict it raised a bare KeyError half done
+    # (["0", "x"] became ["0", "x", "2"]), replaced a stage (pipe[::2], "0" and "2": stage "2"
+    # overwritten by stage "0"), or repeated the stages in another order, silently.
+    a, b, c = nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)
+    pipe = {"given": lambda: ParallelSequential(OrderedDict([("0", a), ("x", b)]), chunks=2),
+            "slice": lambda: ParallelSequential(a, b, c, chunks=2)[1:],
+            "step": lambda: ParallelSequential(a, b, c, chunks=2)[::2],
+            "reordered": lambda: ParallelSequential(OrderedDict([("1", a), ("0", b)]), chunks=2)}[kept]()
+    names, stages = list(pipe._modules), list(pipe)
+    x = torch.randn(4, 4)
+    out = pipe(x)
+    with pytest.raises(ValueError, match=r"ParallelSequential: \*= numbers the stages by position and needs them "
+                                         rf"named '0'..'1', got {re.escape(repr(names))}.*pipe \* 2"):
+        pipe *= 2
+    assert list(pipe._modules) == names and list(pipe) == stages
+    torch.testing.assert_close(pipe(x), out, rtol=0, atol=0)
+    doubled = pipe * 2  # (the advice: numbered anew)
+    assert list(doubled) == stages * 2
+    torch.testing.assert_close(doubled(x), nn.Sequential(*stages, *stages)(x))
+    pipe *= 1  # (adds nothing: not refused)
+    assert list(pipe._modules) == names
 
 def test_extend_with_one_module_says_to_append_it():
     # Before: extend(module) raised "'Linear' object is not iterable", naming neither the pipeline
