@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections.abc
 import copy
+import inspect
 import operator
 import sys
 from typing import Any, Callable, Iterator
@@ -156,6 +157,31 @@ def _listed(owner: str, operation: str, kind: str, modules: Any) -> list:
         raise TypeError(f"{owner}: {operation} takes an iterable of {plural} (another {owner}, a list), got "
                         f"{type(modules).__name__}. To add one {kind}, {fix}.")
     return list(modules)
+
+
+def _new_like(block: nn.Module, operation: str, kind: str, *args: Any, **settings: Any) -> nn.Module:
+    r"""A new container of ``block``'s class, built of ``args`` with ``settings``, for ``operation`` (a slice,
+    ``+``, ``*``), as torch's containers build theirs: ``type(block)(...)``.
+
+    A subclass whose own ``__init__`` takes other arguments (``Heads(n, width)``) failed with
+    "unexpected keyword argument 'join'", naming neither the operation nor the fix: refused
+    before it is called, saying both.
+    """
+    cls = type(block)
+    try:
+        inspect.signature(cls).bind(*args, **settings)
+    except TypeError as error:
+        base = next(c for c in cls.__mro__ if c.__module__.startswith(__package__))
+        plural = "branches" if kind == "branch" else f"{kind}s"
+        raise TypeError(
+            f"{cls.__name__}: {operation} builds a new {cls.__name__} of the {plural} with the settings of this one "
+            f"({', '.join(settings)}), as {base.__name__}.__init__ takes them, but {cls.__name__}.__init__ does "
+            f"not ({error}). Let {cls.__name__}.__init__ take them and pass them on to {base.__name__}.__init__, "
+            f"or build a {base.__name__} of the {plural} yourself, {base.__name__}(*{plural})."
+        ) from None
+    except ValueError:  # (no signature to read: left to the call)
+        pass
+    return cls(*args, **settings)
 
 
 def _child_key(owner: str, names: list[str], idx: Any, kind: str, slices: bool = True) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
-from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _listed, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
+from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _listed, _new_like, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
 from ._children import _layers_in_turn, _writes_its_input
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _Joined, _tensor_attributes,
@@ -614,7 +614,7 @@ class Parallel(nn.Module):
                 # them): keys "0", "1", ... as a ModuleList of those branches has, and room
                 # to append. Named branches keep their names.
                 chosen = [(str(i), m) for i, (_, m) in enumerate(chosen)]
-            return self.__class__(OrderedDict(chosen), **self._settings())
+            return _new_like(self, f"a slice, block[{_slice_text(idx)}],", "branch", OrderedDict(chosen), **self._settings())
         return self._modules[self._key(idx)]
 
     def __setitem__(self, idx: int, module: nn.Module | Callable[..., Any]) -> None:
@@ -685,7 +685,7 @@ class Parallel(nn.Module):
         neither operand changes.
         """
         others = _listed(type(self).__name__, "+", "branch", other)
-        return self.__class__(*self._modules.values(), *others, **self._settings())
+        return _new_like(self, "+", "branch", *self._modules.values(), *others, **self._settings())
 
     def insert(self, index: int, module: nn.Module | Callable[..., Any]) -> "Parallel":
         r"""Insert a branch before position ``index`` (as :meth:`nn.ModuleList.insert`); returns ``self``.

@@ -37,8 +37,8 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._children import (_check_name, _check_stage, _child_key, _in_turn, _insert_index, _listed, _scripted_in_turn,
-                        _state_to_copy, _uncompiled, _writes_its_input)
+from ._children import (_check_name, _check_stage, _child_key, _in_turn, _insert_index, _listed, _new_like,
+                        _scripted_in_turn, _state_to_copy, _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _BY_VALUE, _leaf_device, _module_devices, _with_context
@@ -1568,26 +1568,26 @@ class ParallelSequential(nn.Sequential):
                 "direct_grads": self.direct_grads,
                 **(self._compiler.settings() if self._compiler else {})}
 
-    def _like(self, items: list[tuple[str, nn.Module]]) -> "ParallelSequential":
+    def _like(self, items: list[tuple[str, nn.Module]], operation: str) -> "ParallelSequential":
         r"""A new container of ``items`` with this one's settings (``chunks``, ``cuda_graph``, ...)."""
         if not items:  # as nn.Sequential's: an empty container, the identity
-            empty = self.__class__(nn.Identity(), **self._settings())
+            empty = _new_like(self, operation, "stage", nn.Identity(), **self._settings())
             del empty[0]
             return empty
-        return self.__class__(OrderedDict(items), **self._settings())
+        return _new_like(self, operation, "stage", OrderedDict(items), **self._settings())
 
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
         if isinstance(idx, slice):
-            return self._like(list(self._modules.items())[idx])
+            return self._like(list(self._modules.items())[idx], "a slice")
         return self._modules[_child_key(type(self).__name__, list(self._modules), idx, "stage")]
 
     # ``+`` and ``*`` as nn.Sequential's (which would return a plain nn.Sequential), with the
     # left operand's settings.
     def __add__(self, other: nn.Sequential) -> "ParallelSequential":  # type: ignore[override]
-        return self._like(list(super().__add__(other)._modules.items()))
+        return self._like(list(super().__add__(other)._modules.items()), "+")
 
     def __mul__(self, other: int) -> "ParallelSequential":  # type: ignore[override]
-        return self._like(list(super().__mul__(other)._modules.items()))
+        return self._like(list(super().__mul__(other)._modules.items()), "*")
 
     def __rmul__(self, other: int) -> "ParallelSequential":  # type: ignore[override]
         return self.__mul__(other)

@@ -1202,3 +1202,33 @@ def test_an_error_under_non_strict_export_names_the_stage() -> None:
     x = torch.randn(8, 4)
     with torch.no_grad():
         assert_close(pipeline(x), pipeline.s1(pipeline.s0(x)))
+
+
+class _Heads(Parallel):
+    r"""A user's block whose own ``__init__`` takes other arguments than Parallel's."""
+
+    def __init__(self, n: int, width: int = 4) -> None:
+        super().__init__(*[nn.Linear(width, width) for _ in range(n)], join="stack")
+
+
+class _Pipe(ParallelSequential):
+    r"""The same, of a pipeline."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), chunks=2)
+
+
+@pytest.mark.parametrize("how", ["block[:2]", "block.pop(slice(1, None))", "block + nn.Sequential(nn.Identity())",
+                                 "block * 2", "2 * block"])
+def test_a_subclass_whose_init_takes_other_arguments_is_told_how_to_slice_and_add(how):
+    # Before (a CPU hunt): "Heads.__init__() got an unexpected keyword argument 'join'" (or
+    # "too many positional arguments"), naming neither the operation nor the fix.
+    for block, base, kind in ((_Heads(3), "Parallel", "branches"), (_Pipe(4), "ParallelSequential", "stages")):
+        if "*" in how and base == "Parallel":
+            continue  # (nn.ModuleList has no *, nor has Parallel)
+        cls, before = type(block).__name__, list(block)
+        with pytest.raises(TypeError, match=rf"{cls}: .* builds a new {cls} of the {kind} with the settings of this "
+                                            rf"one \(.*\), as {base}.__init__ takes them, but {cls}.__init__ does "
+                                            rf"not \(.*\)\. Let {cls}.__init__ take them .*{base}\(\*{kind}\)"):
+            eval(how)
+        assert list(block) == before  # (pop: refused before anything was deleted)
