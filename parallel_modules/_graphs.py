@@ -83,7 +83,6 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.multiprocessing.reductions import StorageWeakRef
 # What torch.func.functional_call swaps a module's parameters with (see ``_with_aliases``).
 from torch.nn.utils.stateless import _reparametrize_module
@@ -981,9 +980,23 @@ class _Replay(torch.autograd.Function):
         return outs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
         graph: _Graph = ctx.graph
+        if torch.is_grad_enabled():
+            # (A backward's grad mode is its create_graph.) The backward graph hands out
+            # gradients that autograd cannot differentiate again. ``once_differentiable``, as
+            # ``make_graphed_callables`` uses it, refuses a second differentiation only where an
+            # incoming gradient requires grad; from ``out.sum()`` none does, and a gradient
+            # penalty (``autograd.grad(loss, x, create_graph=True)``, then backward through the
+            # gradient) silently lost this block's part of it, where eagerly it depends on the
+            # weights. Refused, before anything is replayed or consumed.
+            raise RuntimeError(
+                f"{graph.name}: backward with create_graph=True through a CUDA-graphed call: the captured "
+                f"backward computes this block's gradients as constants, so a gradient of them (a gradient "
+                f"penalty, a Hessian-vector product) would miss its dependence on the block's weights and "
+                f"input. Run the calls whose gradients you differentiate with cuda_graph=False for this "
+                f"block (block.cuda_graph = False), or take the gradient without create_graph=True."
+            )
         _ = ctx.saved_tensors  # (static outputs changed in place since: autograd's own error)
         with graph.lock:
             # The backward graph reads the activations the forward graph left in

@@ -461,6 +461,40 @@ def test_gradients_sharing_memory_are_not_lent():
     assert not _own_memory([a, a]) and not _own_memory([a, a.view(-1)]) and not _own_memory([a, a[1:]])
 
 
+def test_a_create_graph_backward_through_a_training_replay_is_refused(monkeypatch):
+    # The backward graph's gradients are constants to autograd. Before, a create_graph=True pass
+    # from ``out.sum()`` (whose incoming gradient requires none, which ``once_differentiable``
+    # let through) returned them as if differentiable: a gradient penalty lost the block's part.
+    from parallel_modules import _graphs
+
+    graph = _graphs._Graph.__new__(_graphs._Graph)
+    graph.name, graph.device, graph.lock, graph.last, graph.pending = "Parallel", torch.device("cpu"), \
+        threading.Lock(), None, None
+    graph.gen, graph.bwd_gen, graph.token, graph.direct = 0, -1, None, False
+    graph.lends_grads = graph.grads_lent = graph.expanded = False
+    graph.inputs, graph.outputs = [torch.zeros(3)], [torch.zeros(3)]
+    graph.out_grad, graph.out_saved, graph.grad_outputs = [True], [], [torch.zeros(3)]
+    graph.params, graph.grad_inputs = (), [torch.zeros(3)]
+    graph.plan_grads()
+    graph.fwd, graph.bwd = "fwd", "bwd"
+
+    def launch(which):  # the graphs of ``y = 2 * x``
+        if which == "fwd":
+            graph.outputs[0].copy_(graph.inputs[0] * 2)
+        else:
+            graph.grad_inputs[0].copy_(graph.grad_outputs[0] * 2)
+
+    monkeypatch.setattr(_graphs, "_launch", launch)
+    monkeypatch.setattr(_graphs, "_current_stream", lambda device: _Stream("caller"))
+    x = torch.randn(3, requires_grad=True)
+    (out,) = _graphs._Replay.apply(graph, False, False, x)
+    with pytest.raises(RuntimeError, match=r"Parallel: backward with create_graph=True.*cuda_graph=False"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+    assert graph.bwd_gen == -1  # nothing consumed: a plain backward still runs
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(grad, torch.full((3,), 2.0))
+
+
 def test_direct_grads_on_the_cpu_train_through_autograd():
     branches = _mlp(3, width=16)
     reference = nn.ModuleList(copy.deepcopy(branches))
@@ -940,6 +974,28 @@ def test_training_backward_after_a_later_forward_is_refused():
     with pytest.raises(RuntimeError, match="backward"):
         first.sum().backward()
     block(x).sum().backward()  # still usable
+
+
+@cuda
+@pytest.mark.parametrize("direct", [False, True])
+def test_training_backward_with_create_graph_is_refused(direct):
+    # A gradient penalty through a graphed block: eagerly the input's gradient depends on the
+    # weights; the captured backward's is a constant, and the penalty lost the block's part
+    # silently (from ``out.sum()`` no incoming gradient requires grad, which once_differentiable
+    # let through).
+    block = _graphed(_mlp(2), direct_grads=direct)
+    for _ in range(2):  # the capture, then a replay
+        x = torch.randn(8, 64, device="cuda", requires_grad=True)
+        out = block(x)
+        with pytest.raises(RuntimeError, match=r"Parallel: backward with create_graph=True.*cuda_graph=False"):
+            torch.autograd.grad(out.sum(), x, create_graph=True)
+        out.sum().backward()  # nothing was consumed: the plain backward still runs
+    block.zero_grad()
+    block.cuda_graph = False  # what the error advises: the penalty then reaches the weights
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    (g,) = torch.autograd.grad(block(x).sum(), x, create_graph=True)
+    g.square().sum().backward()
+    assert all(p.grad is not None for p in block.parameters() if p.dim() > 1)
 
 
 @cuda
