@@ -65,6 +65,7 @@ import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch.fx import _symbolic_trace
 from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 from torch.utils._device import DeviceContext as _DeviceContext
@@ -528,9 +529,15 @@ def _record_tensor(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """
     if _dense(t):
         t.record_stream(stream)
-        return
-    for part in _dense_parts(t):
-        part.record_stream(stream)
+    else:
+        for part in _dense_parts(t):
+            part.record_stream(stream)
+    if _forward_ad._current_level >= 0:
+        # Under forward-mode AD a side branch's output carries a tangent, made on the
+        # side stream beside it, with memory of its own: the caller reads it as well.
+        tangent = _forward_ad.unpack_dual(t).tangent
+        if tangent is not None:
+            _record_tensor(tangent, stream)
 
 
 def _dense_parts(t: torch.Tensor) -> list[torch.Tensor]:
@@ -785,12 +792,15 @@ def _join_and_release(outputs: list[Any], join: Callable[[list[Any]], Any], call
             _record_on(out, caller)
         raise
     released = False
+    # (Under forward-mode AD an output's tangent has memory of its own, which the
+    # count below does not see, and which the join's tangent may alias: recorded.)
+    dual = _forward_ad._current_level >= 0
     for i in range(1, len(outputs)):
         # Held elsewhere (a Python reference, a view, a tensor saved for
         # backward sharing its memory): the caller's stream may read it after
         # the join, so the allocator must know.
         # (Sparse and nested tensors have no storage of their own to count: recorded.)
-        if (not isinstance(outputs[i], torch.Tensor) or _references(outputs, i) > _OWN_REFERENCES
+        if (dual or not isinstance(outputs[i], torch.Tensor) or _references(outputs, i) > _OWN_REFERENCES
                 or not _dense(outputs[i])
                 or _use_count(outputs[i].untyped_storage()._cdata) > 2):  # the tensor's, and this call's
             _record_on(outputs[i], caller)

@@ -1030,3 +1030,29 @@ def test_frozen_branches_called_with_grad_enabled_hold_no_input_for_backward(mon
     block.requires_grad_(True)
     block(x).sum().backward()
     assert joined and block[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("join", [None, "sum"])
+def test_forward_ad_tangents_of_side_outputs_survive_allocator_reuse(join):
+    # Under forward-mode AD each side output carries a tangent made on its side stream, with
+    # memory of its own. Read late on the caller's stream and then dropped, its block must
+    # not go to new side-stream allocations before the read (record_stream on the tangent).
+    import torch.autograd.forward_ad as fwAD
+
+    p = Parallel(*[nn.Linear(64, 64) for _ in range(4)], join=join, streams=True).to(DEV)
+    x, t = torch.randn(16, 64, device=DEV), torch.randn(16, 64, device=DEV)
+    with torch.no_grad(), fwAD.dual_level():
+        out = p(fwAD.make_dual(x, t))
+        outs = out if join is None else [out]
+        torch.cuda._sleep(SLEEP)  # the caller's stream is late to read the tangents
+        read = [fwAD.unpack_dual(o).tangent * 1 for o in outs]
+        del out, outs  # freed while the caller's stream has yet to read them ...
+        junk = _scribble_on_side_streams((16, 64))  # ... and reallocated on the side streams
+    torch.cuda.synchronize()
+    del junk
+    # A linear layer's tangent is the tangent times its weight.
+    expected = [t @ b.weight.T for b in p]
+    if join == "sum":
+        expected = [sum(expected)]
+    for r, e in zip(read, expected):
+        torch.testing.assert_close(r, e)

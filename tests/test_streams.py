@@ -464,3 +464,22 @@ def test_a_join_reading_a_view_whose_base_it_changed_in_place_holds_its_gradient
     assert sorted(hooked) == [1, 1, 1, 2]
     assert all(torch.equal(x.grad[:2], torch.full((2, 3), 1.0 if read == "add" else 2.0 if read == "mul" else 3.0))
                for x in xs)
+
+
+def test_record_on_marks_a_dual_outputs_tangent_too(monkeypatch):
+    # Under forward-mode AD a side branch's output carries a tangent made on the side
+    # stream, with memory of its own, which the caller reads as well: the allocator must
+    # be told of both. (record_stream itself needs CUDA: the marks are counted here.)
+    import torch.autograd.forward_ad as fwAD
+
+    marked = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: marked.append(t.data_ptr()))
+    with fwAD.dual_level():
+        primal, tangent = torch.randn(3), torch.randn(3)
+        out = fwAD.make_dual(primal, tangent) * 2
+        _streams._record_tensor(out, "the caller's stream")
+        expected = {fwAD.unpack_dual(out).primal.data_ptr(), fwAD.unpack_dual(out).tangent.data_ptr()}
+    assert set(marked) == expected and len(marked) == 2
+    marked.clear()
+    _streams._record_tensor(torch.randn(3), "the caller's stream")  # no dual level: the tensor alone
+    assert len(marked) == 1
