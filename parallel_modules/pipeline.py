@@ -1425,11 +1425,22 @@ class ParallelSequential(nn.Sequential):
                              f"{type(self).__name__}(*pipe, new_stage), or name them with an OrderedDict.")
 
     def append(self, module: nn.Module) -> "ParallelSequential":
+        r"""Append a stage at the end, named by its index; returns ``self``.
+
+        As :meth:`nn.Sequential.append`, except where a stage of that name is kept
+        (through a slice or ``del pipe.name``): ``nn.Sequential`` replaces it, this
+        raises. The stage is checked as the constructor checks stages.
+        """
         _check_stage(type(self).__name__, str(len(self)), module, container=self)
         self._check_free(1)
         return super().append(module)
 
     def extend(self, sequential: Iterable[nn.Module]) -> "ParallelSequential":
+        r"""Append every module of an iterable, as :meth:`append` does; returns ``self``.
+
+        Every stage is checked before any is appended, so a refused one leaves the
+        pipeline as it was.
+        """
         # All checked before any is appended (nn.Sequential appends one by one): a bad one
         # leaves the pipeline as it was.
         stages = _listed(type(self).__name__, "extend", "stage", sequential)
@@ -1448,6 +1459,12 @@ class ParallelSequential(nn.Sequential):
         return super().__iadd__(other)
 
     def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
+        r"""Insert a stage before position ``index`` (as :meth:`nn.Sequential.insert`); returns ``self``.
+
+        The stages after it move up by one, so they must be named by their
+        position, ``"0"``, ``"1"``, ... (not names given in an ``OrderedDict``
+        or kept through a slice).
+        """
         # (Named by the position it would take, as the inserted stage is: -1 of 2 stages is "1".)
         owner, n = type(self).__name__, len(self)
         index = _insert_index(owner, index, n, "stages")  # (nn.Sequential's own check names no module)

@@ -40,3 +40,57 @@ def test_readme_example_as_printed():
     scope: dict = {}
     exec(compile(_example(), str(README), "exec"), scope)
     _check(scope, "cuda")
+
+
+# The public classes' docstrings: every public method documented, every constructor
+# parameter under "Args:", and the ``>>>`` examples run as printed (moved to the CPU).
+
+import doctest  # noqa: E402
+import inspect  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+import parallel_modules  # noqa: E402
+
+
+def _public_classes() -> list[type]:
+    return [getattr(parallel_modules, name) for name in parallel_modules.__all__]
+
+
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_public_methods_have_docstrings(cls):
+    # (nn.Module's own hooks for subclasses, ``extra_repr``, keep nn.Module's docstring;
+    # methods of a container base, ``nn.Sequential.append``, are overridden to behave
+    # otherwise and need their own.)
+    undocumented = []
+    for name, value in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+        doc = inspect.getdoc(getattr(cls, name)) if hasattr(nn.Module, name) else function.__doc__
+        if callable(function) and not (doc or "").strip():
+            undocumented.append(name)
+    assert not undocumented, f"{cls.__name__}: public methods without a docstring: {undocumented}"
+
+
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_constructor_parameters_are_documented(cls):
+    args = cls.__doc__.split("Args:", 1)[1]
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+        if name == "self":
+            continue
+        shown = f"*{name}" if parameter.kind is parameter.VAR_POSITIONAL else name
+        assert re.search(rf"^\s+{re.escape(shown)}:", args, re.M), f"{cls.__name__}: {shown} is not under Args:"
+
+
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_docstring_examples_on_the_cpu(cls):
+    # As the README's example: what needs a GPU is moved to the CPU, the rest runs as printed.
+    text = cls.__doc__.replace(".cuda()", "").replace(".pin_memory()", "")
+    test = doctest.DocTestParser().get_doctest(
+        text, {"torch": torch, "nn": nn, cls.__name__: cls}, cls.__name__, None, 0)
+    assert test.examples, f"{cls.__name__}: no >>> example"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    report: list[str] = []
+    runner.run(test, out=report.append)
+    assert not runner.failures, "".join(report)
