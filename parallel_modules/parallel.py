@@ -282,7 +282,7 @@ class Parallel(nn.Module):
             stacked; an error names the branch that differs. ``"auto"``
             fuses each identical group and times fused against unfused
             (eagerly, or by capturing both with ``cuda_graph=True``), keeping
-            the faster -- except with :func:`torch.use_deterministic_algorithms`
+            the faster (on the CPU it fuses without timing) -- except with :func:`torch.use_deterministic_algorithms`
             on, where it keeps the branches unfused, since fused results may
             differ from them in the last bits and timing may choose differently
             between runs. ``False`` never fuses. ``explain()`` says what was
