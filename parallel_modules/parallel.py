@@ -740,7 +740,11 @@ class Parallel(nn.Module):
         schedule in use, which says whether its calls run those groups batched
         (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
         chosen by ``"auto"`` or forced, and why ``"auto"`` keeps the groups
-        unfused, or the branches in order, where timing did not decide it; for a CUDA graph with ``compile=``,
+        unfused, or the branches in order, where timing did not decide it, and
+        the CPU and GPU time per call it measured for each schedule it timed;
+        for a CUDA graph, ``"CUDA graph, ..."`` with the variant replayed: the
+        order its branches are launched in, a branch on a high-priority stream;
+        with ``compile=``,
         also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
         compiled as one, one stream"``, whichever replayed fastest; ``"(input
         read in place)"``: a graph also reads inputs found where the first
