@@ -1,12 +1,18 @@
-"""The README's usage example runs as printed (on CUDA) and, moved to the CPU, on any machine."""
+"""The README's usage example runs as printed (on CUDA) and, moved to the CPU, on any machine; the public
+classes' docstrings document what they offer and their examples run."""
 
 from __future__ import annotations
 
+import doctest
+import inspect
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
+import parallel_modules
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -44,13 +50,6 @@ def test_readme_example_as_printed():
 
 # The public classes' docstrings: every public method documented, every constructor
 # parameter under "Args:", and the ``>>>`` examples run as printed (moved to the CPU).
-
-import doctest  # noqa: E402
-import inspect  # noqa: E402
-
-from torch import nn  # noqa: E402
-
-import parallel_modules  # noqa: E402
 
 
 def _public_classes() -> list[type]:
