@@ -698,8 +698,9 @@ class Parallel(nn.Module):
         index = _insert_index(owner, index, n, "branches")
         if list(self._modules) != [str(i) for i in range(n)]:
             raise ValueError(f"{owner}: insert numbers the branches by position and needs them named "
-                             f"'0'..'{n - 1}', got {list(self._modules)} (given in an OrderedDict). Build a new "
-                             f"one with the branches in the order you want.")
+                             f"'0'..'{n - 1}', got {list(self._modules)} (given in an OrderedDict, or kept through a "
+                             f"slice or a deletion of named branches). Build a new one with the branches in the "
+                             f"order you want.")
         index = index + n if index < 0 else index
         branch = _own_mode(self, _as_branch(owner, str(index), module, container=self), module)
         branches = list(self._modules.values())

@@ -1357,7 +1357,8 @@ class ParallelSequential(nn.Sequential):
             error = TypeError if isinstance(value, bool) or not isinstance(value, int) else ValueError
             raise error(
                 f"{type(self).__name__}: chunks must be an int >= 1 (the number of micro-batches "
-                f"each call is split into), got {type(value).__name__} ({value!r})."
+                f"each call is split into), got {value!r}"
+                + (f" (a {type(value).__name__})." if error is TypeError else ".")
             )
         graphs = self.__dict__.get("_graphs")
         if graphs is not None and value != self.__dict__.get("_chunks"):
