@@ -715,3 +715,89 @@ def test_input_tensors_sharing_memory_across_micro_batches_are_refused_written_o
         torch.cuda.synchronize()
         z = x * 1
         torch.testing.assert_close(out, nn.Sequential(*pipe)((z[:-1].clone(), z[1:])), rtol=RTOL, atol=ATOL)
+
+
+@GRAD
+def test_called_from_several_threads_at_once(grad: bool) -> None:
+    # Threads share the pool's lane streams but not their events (thread-local, see
+    # pipeline._take_events): an event re-recorded by another thread between a record and
+    # the wait on it, or one thread's join not covering its own last piece, would let a
+    # thread read another's half-written micro-batches. Each thread calls from a stream of
+    # its own, and the middle stage starts every piece late.
+    import threading
+
+    model = _model(4, sleep_in=1)
+    inputs = [torch.randn(13, 32, device="cuda") for _ in range(4)]
+    expected = [_pieces_reference(model, x, 4) for x in inputs]
+    torch.cuda.synchronize()
+    barrier, errors = threading.Barrier(len(inputs)), []
+
+    def work(i: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            barrier.wait()
+            with torch.cuda.stream(stream), torch.set_grad_enabled(grad):
+                for _ in range(3):
+                    out = model(inputs[i])
+                    assert out.requires_grad == grad
+                    assert torch.equal(out, expected[i]), f"thread {i}: wrong output"
+        except BaseException as e:  # (re-raised on the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["pageable", "pinned"])
+def test_host_to_device_non_contiguous_input(pinned: bool) -> None:
+    # A transposed host batch: its micro-batches are not contiguous, so each copy goes
+    # through a contiguous host temporary (torch's copy_) instead of the pinned staging
+    # buffer or the caller's pinned memory. The copies must still be ordered after the
+    # caller's earlier work, and the input overwritten once the call returned (pageable)
+    # or freed (pinned, as after x.to("cuda", non_blocking=True)) must not show.
+    model = _model(3, sleep_in=0)
+    for _ in range(2):
+        base = torch.randn(32, 13)
+        x = (base.pin_memory() if pinned else base).t()
+        assert not x.is_contiguous() and x.is_pinned() == pinned
+        with torch.no_grad():  # (the lane's copies are contiguous: the same kernels)
+            expected = _pieces_reference(model, x.contiguous().cuda(), 3)
+        torch.cuda._sleep(SLEEP)  # delays the copies: they fork from the caller's stream
+        with torch.no_grad(), _gathered(True):
+            out = model(x)
+        if pinned:
+            del x, base
+            junk = [torch.full((32, 13), float("nan")).pin_memory() for _ in range(4)]
+            del junk
+        else:
+            x.fill_(float("nan"))
+        assert torch.equal(out, expected)
+    _assert_clean(torch.cuda.default_stream())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gradients_with_a_backward_delayed_on_each_lane(stage: int) -> None:
+    # Stage ``stage``'s backward starts late on its lane's stream, piece after piece: the
+    # earlier stages' backward must wait for the gradients it hands them, and the caller,
+    # reading the parameters' .grad and the input's after backward(), for the sums of
+    # every piece on every lane.
+    from tests._helpers import SlowGrad
+
+    model = _model(4)
+    model[stage] = nn.Sequential(model[stage], SlowGrad())
+    ref_model = copy.deepcopy(model)
+    ref = nn.Sequential(*ref_model)
+    for _ in range(2):
+        x = torch.randn(13, 32, device="cuda")
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        model(x1).square().mean().backward()
+        ref(x2).square().mean().backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=RTOL, atol=ATOL)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+            p.grad, q.grad = None, None
