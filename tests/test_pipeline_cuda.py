@@ -801,3 +801,32 @@ def test_gradients_with_a_backward_delayed_on_each_lane(stage: int) -> None:
         for p, q in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
             p.grad, q.grad = None, None
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["gpu_input", "host_input"])
+def test_graphed_pipeline_with_chunks_and_batch_changing_between_calls(host: bool) -> None:
+    # Whole-call graphs (GPU input) are captured per signature and dropped when chunks
+    # changes; per-stage graphs (host input) are kept per micro-batch size, so a batch of 4
+    # at chunks=1 (replayed on the caller's stream) and of 12 at chunks=3 (pieces of 4,
+    # replayed on the lanes' streams) share each stage's graph: a replay on a lane must wait
+    # for the previous one on the caller's stream and the other way round. Outputs kept
+    # across calls must not be overwritten by later replays.
+    eager = _model(1, sleep_in=0)
+    model = ParallelSequential(*copy.deepcopy(list(eager)), chunks=1, cuda_graph=True)
+    kept = []
+    with torch.no_grad():
+        for chunks, batch in [(1, 4), (3, 12), (1, 4), (3, 12), (2, 12), (3, 9), (3, 12)]:
+            model.chunks = eager.chunks = chunks
+            x = torch.randn(batch, 32) if host else torch.randn(batch, 32, device="cuda")
+            expected = _pieces_reference(eager, x.cuda(), chunks)
+            torch.cuda._sleep(SLEEP)  # the caller's stream is busy when the call is issued
+            out = model(x)
+            _assert_clean(torch.cuda.default_stream())
+            assert torch.equal(out, expected), (chunks, batch)
+            kept.append((out, expected))
+    for out, expected in kept:
+        assert torch.equal(out, expected)
+    if host:
+        assert model._graphs.captures == 0 and model._per_stage
+    else:
+        assert not model._per_stage
