@@ -385,7 +385,7 @@ class _TensorRT:
 class _Child:
     r"""The callable run for one child: its compiled form, built at the first call."""
 
-    __slots__ = ("compiler", "module", "index", "name", "fn", "failed", "reason", "hooks")
+    __slots__ = ("compiler", "module", "index", "name", "fn", "failed", "reason", "hooks", "failed_tree")
 
     def __init__(self, compiler: "_Compiler", module: nn.Module, index: int, name: str) -> None:
         self.compiler = compiler
@@ -398,8 +398,16 @@ class _Child:
         self.failed: OrderedDict[Hashable, str] = OrderedDict()
         self.reason = ""  # the compiler's latest failure, in a line: see _Compiler.fallen_back
         self.hooks: _Hooks | None = None  # the hooks the compiled form was traced with
+        # The child's submodules and parameters when it last failed to compile: once one is
+        # replaced or added (the layer the backend refused, swapped for another), the failures
+        # are the old child's, and every signature is compiled again.
+        self.failed_tree: _watch._Tree | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tree = self.failed_tree
+        if self.failed and tree is not None and not tree.same(self.module):
+            self.failed.clear()
+            self.reason, self.failed_tree = "", None
         if self.failed:
             message = self.failed.get(_signature(args, kwargs, self.module.training))
             if message is not None:
@@ -467,6 +475,7 @@ class _Child:
                         if out is not _NOT_RUN else "The backend failed") + (
                 ": pass compile_fallback=True to run such inputs eagerly with a warning, or compile=None.")
         key = _signature(args, kwargs, self.module.training)
+        self.failed_tree = _watch._Tree(self.module)
         self.failed[key] = message
         # (A backend's failure wraps what it raised, whose message is the one to read.)
         cause = getattr(error, "inner_exception", None) or error
@@ -629,12 +638,15 @@ class _Compiler:
         r"""For ``explain()``: the children of ``modules`` that run eagerly on the input signatures they
         failed to compile for (``compile_fallback=True``; otherwise such calls raise), and why.
 
-        Only those still there: a child replaced since its failure is compiled anew at the next call.
+        Only those still there and unchanged: a child replaced since its failure, or one with a layer
+        replaced or added below it, is compiled anew at the next call.
         """
         if not self.fallback:
             return {}
         return {c.name: f"runs eagerly on {len(c.failed)} input signature(s) it failed to compile for "
-                        f"({c.reason})" for c in list(self._calls) if c.failed and modules.get(c.name) is c.module}
+                        f"({c.reason})" for c in list(self._calls)
+                if c.failed and modules.get(c.name) is c.module
+                and (c.failed_tree is None or c.failed_tree.same(c.module))}
 
     def clear(self) -> None:
         r"""Drop every compiled child (parameters moved or cast): the next call compiles anew."""

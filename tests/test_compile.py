@@ -1027,3 +1027,31 @@ def test_a_compiled_pipeline_refuses_an_unbatched_sequence_it_would_cut():
             assert_close(model(x), expected, *CPU_TOL)
             frames.append(counter.frame_count)
     assert frames[0] == 0 and frames[1] == frames[2] > 0  # checked uncompiled, then compiled once
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
+def test_a_child_that_failed_to_compile_compiles_again_once_a_layer_is_replaced(owner, fallback):
+    # Before (a CPU hunt): a signature that failed to compile stayed failed for the child's
+    # life: with the layer the backend refused replaced, calls still raised the old message
+    # (naming a Tanh no longer there), or with compile_fallback=True ran eagerly for good.
+    recorder = Recorder(fail_on="tanh")
+    torch.manual_seed(0)
+    child = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    model = owner(nn.Linear(8, 8), child, compile=recorder, compile_fallback=fallback)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if fallback:
+            model(x)
+        else:
+            with pytest.raises(RuntimeError, match="failed to compile"):
+                model(x)
+        compiled = len(recorder.graphs)
+        child[1] = nn.Sigmoid()
+        if owner is Parallel and fallback:
+            assert "compile fallback" not in model.explain()  # (the failure was the old layer's)
+        expected = torch.cat([m(x) for m in model], 1) if owner is Parallel else child(model[0](x))
+        assert_same(model(x), expected)
+    assert len(recorder.graphs) == compiled + 1  # the child, compiled with its new layer
+    assert not model._compiler._calls[1].failed
