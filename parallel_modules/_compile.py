@@ -587,7 +587,7 @@ class _Compiler:
         self._init_cache()
 
     def _init_cache(self) -> None:
-        self._children: tuple[nn.Module, ...] = ()
+        self._children: tuple[int, ...] = ()  # the ids of the children _calls were built for
         self._calls: list[_Child] = []
         self._whole: Callable[..., Any] | None = None
         # Why the owner could not be compiled (or captured) as one program, once it failed:
@@ -618,8 +618,10 @@ class _Compiler:
         if _is_tracing():
             # A compiler tracing the whole model compiles the children itself.
             return list(modules.values())
-        children = tuple(modules.values())
-        if children != self._children:  # identity: modules compare by ``is``
+        # By identity: ``==`` would call a module's own ``__eq__`` (equal to a new layer like
+        # it), and run the old one. (The ids stay unique: the children of _calls hold them.)
+        children = tuple(map(id, modules.values()))
+        if children != self._children:
             with self._lock:
                 if children != self._children:
                     # Children added, replaced or removed: keep what the others compiled.

@@ -1055,3 +1055,27 @@ def test_a_child_that_failed_to_compile_compiles_again_once_a_layer_is_replaced(
         assert_same(model(x), expected)
     assert len(recorder.graphs) == compiled + 1  # the child, compiled with its new layer
     assert not model._compiler._calls[1].failed
+
+
+class _EqualByClass(nn.Linear):
+    r"""A layer that defines ``==`` (as dataclass-style modules do): equal to any other of its class."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other)
+
+    __hash__ = nn.Module.__hash__
+
+
+@pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
+def test_a_child_replaced_by_one_that_compares_equal_runs_the_new_one(owner):
+    # Before (a CPU hunt): the compiled children were found anew when the tuple of children
+    # differed by ``!=``, which calls a module's own ``__eq__``: a layer replaced by one equal
+    # to it ran the old layer's compiled form, with the old weights.
+    torch.manual_seed(0)
+    model = owner(_EqualByClass(4, 4), compile="eager")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x)
+        model[0] = _EqualByClass(4, 4)
+        assert_same(model(x), model[0](x))
+    assert model._compiler._calls[0].module is model[0]
