@@ -21,7 +21,7 @@ from torch import nn
 from parallel_modules import Parallel, ParallelSequential
 from parallel_modules._cases import inception_branches
 from tests._reference import assert_close, assert_same
-from tests._helpers import fresh_dynamo, mlp  # noqa: F401 (fresh_dynamo: an autouse fixture)
+from tests._helpers import EqualByClass, fresh_dynamo, mlp  # noqa: F401 (fresh_dynamo: an autouse fixture)
 
 CPU_TOL = (1e-5, 1e-6)
 CUDA_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-2)}
@@ -1057,25 +1057,16 @@ def test_a_child_that_failed_to_compile_compiles_again_once_a_layer_is_replaced(
     assert not model._compiler._calls[1].failed
 
 
-class _EqualByClass(nn.Linear):
-    r"""A layer that defines ``==`` (as dataclass-style modules do): equal to any other of its class."""
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other)
-
-    __hash__ = nn.Module.__hash__
-
-
 @pytest.mark.parametrize("owner", [Parallel, ParallelSequential])
 def test_a_child_replaced_by_one_that_compares_equal_runs_the_new_one(owner):
     # Before (a CPU hunt): the compiled children were found anew when the tuple of children
     # differed by ``!=``, which calls a module's own ``__eq__``: a layer replaced by one equal
     # to it ran the old layer's compiled form, with the old weights.
     torch.manual_seed(0)
-    model = owner(_EqualByClass(4, 4), compile="eager")
+    model = owner(EqualByClass(4, 4), compile="eager")
     x = torch.randn(2, 4)
     with torch.no_grad():
         model(x)
-        model[0] = _EqualByClass(4, 4)
+        model[0] = EqualByClass(4, 4)
         assert_same(model(x), model[0](x))
     assert model._compiler._calls[0].module is model[0]

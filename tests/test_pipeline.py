@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import Queries, cpu_and_cuda
+from tests._helpers import EqualByClass, Queries, cpu_and_cuda
 
 # Gradients and whole-batch outputs may come from different kernels (another
 # batch size, another summation order), so they are compared within fp32
@@ -3104,3 +3104,24 @@ def test_input_views_no_one_tensor_holds_are_refused_written_in_place_while_auto
         pipe(split(leaf * 1))
     with torch.no_grad():
         torch.testing.assert_close(pipe(split(leaf * 1)), nn.Sequential(stage)(split(leaf * 1)), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("how", ["setitem", "modules", "setattr"])
+def test_a_stage_replaced_by_one_that_compares_equal_runs_the_new_one(how) -> None:
+    # (A CPU hunt found per-branch compilation keeping the old child here: see test_compile.) The
+    # plan's tuple of stages is compared by ``!=``, which calls a stage's own ``__eq__``; the plan
+    # must still be made anew, by the block's watch of its children, however the stage is replaced.
+    torch.manual_seed(0)
+    model = ParallelSequential(nn.Linear(4, 4), EqualByClass(4, 4), chunks=2)
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        model(x)
+        new = EqualByClass(4, 4)
+        if how == "setitem":
+            model[1] = new
+        elif how == "modules":
+            model._modules["1"] = new
+        else:
+            setattr(model, "1", new)
+        expected = torch.cat([new(model[0](piece)) for piece in x.tensor_split(2)])  # (the same pieces)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
