@@ -382,6 +382,10 @@ class _TensorRT:
 
 
 # -------------------------------------------------------------- one child
+# The device types whose autocast a failure to compile is remembered under (see _Child._key).
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
 class _Child:
     r"""The callable run for one child: its compiled form, built at the first call."""
 
@@ -403,13 +407,19 @@ class _Child:
         # are the old child's, and every signature is compiled again.
         self.failed_tree: _watch._Tree | None = None
 
+    def _key(self, args: tuple, kwargs: dict) -> Hashable:
+        r"""What a failure to compile is remembered by: the input signature, and the autocast in force
+        (a backend may fail on the lower precision's graph only, and compile the other)."""
+        return (_signature(args, kwargs, self.module.training),
+                *[(d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)])
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tree = self.failed_tree
         if self.failed and tree is not None and not tree.same(self.module):
             self.failed.clear()
             self.reason, self.failed_tree = "", None
         if self.failed:
-            message = self.failed.get(_signature(args, kwargs, self.module.training))
+            message = self.failed.get(self._key(args, kwargs))
             if message is not None:
                 if self.compiler.fallback:
                     return self.module(*args, **kwargs)
@@ -474,7 +484,7 @@ class _Child:
             message += ("Run eagerly, the " + compiler.kind + " works on these inputs, so the compiler failed"
                         if out is not _NOT_RUN else "The backend failed") + (
                 ": pass compile_fallback=True to run such inputs eagerly with a warning, or compile=None.")
-        key = _signature(args, kwargs, self.module.training)
+        key = self._key(args, kwargs)
         self.failed_tree = _watch._Tree(self.module)
         self.failed[key] = message
         # (A backend's failure wraps what it raised, whose message is the one to read.)

@@ -1070,3 +1070,44 @@ def test_a_child_replaced_by_one_that_compares_equal_runs_the_new_one(owner):
         model[0] = EqualByClass(4, 4)
         assert_same(model(x), model[0](x))
     assert model._compiler._calls[0].module is model[0]
+
+
+class _RefusingAutocast:
+    r"""A backend that compiles graphs traced without autocast (counted) and refuses those traced under it."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("this backend takes no autocast graph")
+        self.compiled += 1
+        return gm.forward
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_failure_to_compile_under_autocast_is_not_held_against_calls_without_it(fallback):
+    # Before (a CPU hunt): a failure was remembered by the input signature alone, so a child that
+    # failed under autocast was refused (or run eagerly, with compile_fallback=True) on the same
+    # inputs without autocast, which compile.
+    torch.manual_seed(0)
+    backend = _RefusingAutocast()
+    model = Parallel(nn.Linear(8, 8), compile=backend, compile_fallback=fallback)
+    x = torch.randn(2, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fallback:
+                assert_same(model(x), model[0](x))
+            else:
+                with pytest.raises(RuntimeError, match="takes no autocast graph"):
+                    model(x)
+        assert_same(model(x), model[0](x))
+        assert backend.compiled == 1  # (not refused, nor run eagerly, for autocast's failure)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # (still remembered under autocast)
+            if fallback:
+                assert_same(model(x), model[0](x))
+            else:
+                with pytest.raises(RuntimeError, match="failed to compile"):
+                    model(x)
+    assert len(model._compiler._calls[0].failed) == 1
