@@ -64,6 +64,17 @@ class EqualByClass(nn.Linear):
     __hash__ = nn.Module.__hash__
 
 
+def assert_same_backward(model: nn.Module, ref: nn.Module, x: torch.Tensor, rtol: float, atol: float) -> None:
+    r"""Backward of ``model`` and of ``ref`` (a copy of its parameters, run otherwise) on copies of ``x``:
+    the input's gradients and the parameters', in order, agree."""
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(x1).square().mean().backward()
+    ref(x2).square().mean().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=rtol, atol=atol)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol)
+
+
 class Queries(nn.Module):
     r"""Learned queries: returns its parameter of ``shape``, whatever the input."""
 

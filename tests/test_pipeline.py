@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import EqualByClass, Queries, cpu_and_cuda
+from tests._helpers import EqualByClass, Queries, assert_same_backward, cpu_and_cuda
 
 # Gradients and whole-batch outputs may come from different kernels (another
 # batch size, another summation order), so they are compared within fp32
@@ -327,12 +327,7 @@ def test_gradients_match_sequential(device: str) -> None:
     ref = nn.Sequential(*ref_model)
     for _ in range(3):
         x = torch.randn(13, 16, device=device)
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        model(x1).square().mean().backward()
-        ref(x2).square().mean().backward()
-        torch.testing.assert_close(x1.grad, x2.grad, rtol=RTOL, atol=ATOL)
-        for p, q in zip(model.parameters(), ref_model.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        assert_same_backward(model, ref, x, RTOL, ATOL)
     # autograd.grad as well
     x = torch.randn(13, 16, device=device, requires_grad=True)
     (g,) = torch.autograd.grad(model(x).sum(), x)

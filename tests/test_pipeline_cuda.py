@@ -26,6 +26,7 @@ from torch import nn
 
 from parallel_modules import Parallel, ParallelSequential, pipeline
 from parallel_modules._streams import _pool, _stream_count
+from tests._helpers import SlowGrad, assert_same_backward
 
 pytestmark = pytest.mark.cuda
 
@@ -476,12 +477,7 @@ def test_gradients_several_iterations() -> None:
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
     for _ in range(4):
         x = torch.randn(13, 32, device="cuda")
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        model(x1).square().mean().backward()
-        ref(x2).square().mean().backward()
-        torch.testing.assert_close(x1.grad, x2.grad, rtol=RTOL, atol=ATOL)
-        for p, q in zip(model.parameters(), ref_model.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        assert_same_backward(model, ref, x, RTOL, ATOL)
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
 
@@ -789,21 +785,14 @@ def test_gradients_with_a_backward_delayed_on_each_lane(stage: int) -> None:
     # earlier stages' backward must wait for the gradients it hands them, and the caller,
     # reading the parameters' .grad and the input's after backward(), for the sums of
     # every piece on every lane.
-    from tests._helpers import SlowGrad
-
     model = _model(4)
     model[stage] = nn.Sequential(model[stage], SlowGrad())
     ref_model = copy.deepcopy(model)
     ref = nn.Sequential(*ref_model)
     for _ in range(2):
         x = torch.randn(13, 32, device="cuda")
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        model(x1).square().mean().backward()
-        ref(x2).square().mean().backward()
-        torch.testing.assert_close(x1.grad, x2.grad, rtol=RTOL, atol=ATOL)
-        for p, q in zip(model.parameters(), ref_model.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
-            p.grad, q.grad = None, None
+        assert_same_backward(model, ref, x, RTOL, ATOL)
+        model.zero_grad(), ref.zero_grad()
 
 
 @pytest.mark.parametrize("host", [False, True], ids=["gpu_input", "host_input"])
