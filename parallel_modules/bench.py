@@ -632,10 +632,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--reps must be at least 2 (medians and spreads need two samples) and --group at least 1")
     if args.batch and min(args.batch) < 1:
         p.error(f"--batch must be at least 1, got {min(args.batch)}")
-    for path in (args.json, args.plot):
+    for flag, path, example in (("--json", args.json, "bench.json"), ("--plot", args.plot, "bench.png")):
         # Before minutes of measurements, not after the first case.
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             p.error(f"cannot write {path!r}: its folder {os.path.dirname(os.path.abspath(path))!r} does not exist")
+        if path and os.path.isdir(path):
+            p.error(f"{flag} {path!r} is a folder: give a file in it, e.g. {os.path.join(path, example)!r}")
+    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        # The plot, written last, would replace the figures.
+        p.error(f"--json and --plot both name {args.json!r}: give each its own file")
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -106,6 +106,25 @@ def test_the_bench_command_refuses_bad_sizes_and_paths_before_measuring(capsys, 
     assert [r.split()[3:] [:2] for r in rows] == [["eager", "seq"], ["ParallelSequential", "chunks=1"]]
 
 
+def test_the_bench_command_refuses_a_folder_or_a_shared_file_for_its_outputs(capsys, monkeypatch, tmp_path):
+    import parallel_modules.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    measured = []
+    monkeypatch.setattr(bench, "run_case", lambda *a, **k: measured.append(a))
+    # (A folder passed the check of its parent, then failed to open after the first case.)
+    for flag in ("--json", "--plot"):
+        with pytest.raises(SystemExit):
+            main(["--case", "heads", flag, str(tmp_path)])
+        assert f"{flag} {str(tmp_path)!r} is a folder" in capsys.readouterr().err
+    # The plot, written last, would have replaced the JSON's figures.
+    same = str(tmp_path / "bench.out")
+    with pytest.raises(SystemExit):
+        main(["--case", "heads", "--json", same, "--plot", same])
+    assert "--json and --plot both name" in capsys.readouterr().err
+    assert measured == [] and list(tmp_path.iterdir()) == []
+
+
 def test_the_bench_checks_refuse_a_wrong_shape_that_would_broadcast():
     from parallel_modules.bench import _check
 
