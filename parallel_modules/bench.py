@@ -431,7 +431,11 @@ def run_case(case: Case | PipelineCase, batch: int, dtype: torch.dtype, device: 
         else:
             modes = _pipeline_modes(case, device, dtype, x) if pipeline else _modes(case, device, dtype, x, quick)
         if only:  # the reference always runs: every speed-up and check is relative to it
-            modes = {k: v for k, v in modes.items() if k == "eager seq" or any(o in k for o in only)}
+            kept = {k: v for k, v in modes.items() if k == "eager seq" or any(o in k for o in only)}
+            if len(kept) == 1:  # (a typo, or a CUDA mode on the CPU: not a table of the reference alone in silence)
+                print(f"bench: no mode of {case.name} contains {' or '.join(map(repr, only))}: only its reference "
+                      f"runs; its modes here: {', '.join(modes)}", file=sys.stderr)
+            modes = kept
         if train:
             for fn in modes.values():
                 _warm_up(lambda: fn(x), 40 if cuda else 2)  # warm-up, as below

@@ -125,6 +125,15 @@ def test_the_bench_command_refuses_a_folder_or_a_shared_file_for_its_outputs(cap
     assert measured == [] and list(tmp_path.iterdir()) == []
 
 
+def test_the_bench_command_names_a_case_that_no_mode_filter_matches(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--case", "tiny8", "--mode", "fuzed", "--mode", "graph", "--reps", "2", "--group", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "no mode of tiny8 contains 'fuzed' or 'graph'" in err and "eager Parallel fused" in err
+    assert main(["--case", "tiny8", "--mode", "fused", "--reps", "2", "--group", "1"]) == 0
+    assert "no mode" not in capsys.readouterr().err
+
+
 def test_the_bench_checks_refuse_a_wrong_shape_that_would_broadcast():
     from parallel_modules.bench import _check
 
