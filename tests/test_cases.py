@@ -276,3 +276,35 @@ def test_calibration_times_the_copy_and_each_width_on_the_whole_batch(monkeypatc
     chosen = bench._calibrated(case, torch.device("cpu"), torch.float32, x)
     assert chosen.width == 16 and chosen.widths == case.widths  # 16 us against 24 for width 24
     assert seen == [8, 16, 24]
+
+
+def test_the_goals_table_refuses_a_cpu_run_and_dashes_modes_a_gpu_run_lacks(tmp_path, monkeypatch):
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+
+    def goals(*paths):
+        return subprocess.run([sys.executable, str(root / "tools" / "goals.py"), *map(str, paths)],
+                              capture_output=True, text=True)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = tmp_path / "cpu.json"
+    assert main(["--case", "tiny8", "--reps", "2", "--group", "1", "--json", str(cpu)]) == 0
+    # CPU timings of eager modes were marked as misses of goals stated for a GPU.
+    proc = goals(cpu)
+    assert proc.returncode != 0 and "measured on 'cpu'" in proc.stderr and "✗" not in proc.stdout
+    # A GPU run of some cases and modes: the goals it cannot give are dashes, not a traceback.
+    run = json.loads((root / "benchmarks" / "h200-2026-12-01-full-56.json").read_text())
+    run["results"] = [r for r in run["results"] if r["case"] == "tiny8"]
+    run["results"][0]["modes"] = {k: v for k, v in run["results"][0]["modes"].items() if k.startswith("eager")}
+    gpu = tmp_path / "h200-some.json"
+    gpu.write_text(json.dumps(run))
+    proc = goals(gpu)
+    assert proc.returncode == 0, proc.stderr
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()[2:-1]]
+    rows = {goal: figure for _, goal, figure in cells}
+    assert rows["fork/join per side branch, N = 8 [≤ 10 µs]"].split()[1] == "µs"  # (a figure)
+    assert rows["mlp8 graphed vs eager seq [≥ 15×]"] == "–"

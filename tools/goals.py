@@ -110,9 +110,29 @@ GOALS = [
 ]
 
 
+def _load(path: str) -> dict:
+    r"""A benchmark run's JSON, refused with the reason where it cannot give the goals' figures."""
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"goals.py: cannot read {path!r} as a benchmark's JSON: {e}") from e
+    if not isinstance(run, dict) or not {"environment", "results"} <= run.keys():
+        raise SystemExit(f"goals.py: {path!r} is not a benchmark's JSON (no 'environment' and 'results'); "
+                         "write one with python -m parallel_modules.bench --json PATH")
+    device = run["environment"].get("device", "")
+    if not device.startswith("cuda"):
+        # The CPU suite times eager modes on the CPU: its figures would be marked against GPU goals.
+        raise SystemExit(f"goals.py: {path!r} was measured on {device!r}, the goals are stated for a CUDA GPU; "
+                         "run python -m parallel_modules.bench --json PATH on one")
+    return run
+
+
 def main(paths: list[str]) -> None:
+    if not paths:
+        raise SystemExit("usage: python3 tools/goals.py RUN.json [RUN.json ...] (benchmark runs on a CUDA GPU)")
     # Columns named by GPU and run: "H100 full-21" (the files' dates are in the README's text).
-    runs = [(_column(Path(p).stem), json.load(open(p))) for p in paths]
+    runs = [(_column(Path(p).stem), _load(p)) for p in paths]
     print("| issue | goal | " + " | ".join(name for name, _ in runs) + " |")
     print("|---|---|" + "---|" * len(runs))
     for issue, goal, get, unit, met in GOALS:
