@@ -465,6 +465,10 @@ def _unsaved(value: Any, where: str) -> str | None:
             why = _unsaved(item, f"{where}[{i}]")
             if why is not None:
                 return why
+    elif value is not None and not isinstance(value, (str, int, float)):
+        # (json.dumps would fail on it with a message naming neither the key nor the timeline.)
+        return (f"{where} is {value!r} ({type(value).__name__}), which JSON cannot hold; store a string, "
+                f"number, bool, None, list or dict instead, e.g. str(value)")
     return None
 
 
@@ -481,8 +485,9 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
         *timelines: the timelines, with distinct labels.
         metadata: extra facts about the whole file (e.g. what was recorded).
 
-    Metadata is saved as JSON, which keys objects by strings and holds no NaN
-    or infinity: other keys and such floats are refused, as they would not
+    Metadata is saved as JSON, which holds strings, numbers, booleans, None,
+    lists and dicts, keys objects by strings and holds no NaN or infinity:
+    other values, other keys and such floats are refused, as they would not
     load back as they were.
     """
     reserved = {"format", "runs"} & set(metadata or {}) | {"label", "pid"} & {k for t in timelines for k in t.metadata}

@@ -177,8 +177,8 @@ def test_save_to_a_gz_path_writes_gzip(tmp_path) -> None:
 def test_a_save_that_fails_leaves_the_old_file(tmp_path) -> None:
     path = tmp_path / "t.json"
     save_timelines(path, two_streams())
-    with pytest.raises(TypeError):
-        save_timelines(path, two_streams(), metadata={"dtype": torch.float32})  # not JSON
+    with pytest.raises(TypeError):  # metadata is checked first; a kernel name of bytes fails in json.dumps
+        save_timelines(path, Timeline([KernelEvent(b"conv", 1, 0.0, 1.0)], "t"))
     assert load_timelines(path)["t"].overlap_us == 5
 
 
@@ -520,3 +520,13 @@ def test_a_damaged_gzip_file_says_which_file(tmp_path, damage) -> None:
     path.write_bytes(data)
     with pytest.raises(ValueError, match=r"cannot read .*t\.json\.gz.* as a JSON trace \(gzip\)"):
         load_timelines(path)
+
+
+def test_save_names_the_metadata_json_cannot_hold(tmp_path) -> None:
+    # json.dumps raised a bare "Object of type dtype is not JSON serializable", naming neither the
+    # key nor the timeline.
+    path = tmp_path / "t.json"
+    with pytest.raises(ValueError, match=r"metadata\['run'\]\['dtype'\] is torch.float16 \(dtype\).*timeline 'one'"):
+        save_timelines(path, Timeline([], "one", {"run": {"dtype": torch.float16}}))
+    assert not path.exists()
+
