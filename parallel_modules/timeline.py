@@ -127,7 +127,8 @@ class Timeline:
       kernel's end, and ``span_us - busy_us`` the GPU's idle time within it.
 
     Intervals touching end to start do not overlap. Timelines are per GPU:
-    :func:`load_timelines` splits a trace with kernels on several devices.
+    :func:`load_timelines` splits a trace with kernels on several devices,
+    and kernels of several devices, or ending before they start, are refused.
 
     Args:
         kernels: the kernels, in any order.
@@ -144,6 +145,17 @@ class Timeline:
     def __init__(self, kernels: Iterable[KernelEvent], label: str = "trace",
                  metadata: Mapping[str, Any] | None = None) -> None:
         kernels = sorted(kernels, key=lambda k: (k.start_us, k.end_us, k.stream))
+        devices = sorted({k.device for k in kernels})
+        if len(devices) > 1:
+            # Stream ids of two GPUs are not comparable: stream 7 of each would make one row, and
+            # their kernels' overlap would not count.
+            raise ValueError(f"Timeline: kernels of devices {devices}, but a timeline is of one GPU; make one "
+                             f"Timeline per device, e.g. Timeline([k for k in kernels if k.device == "
+                             f"{devices[0]}]) (load_timelines splits a trace so)")
+        for k in kernels:
+            if k.end_us < k.start_us:
+                raise ValueError(f"Timeline: kernel {k.name!r} on stream {k.stream} ends at {k.end_us} us, before it "
+                                 f"starts at {k.start_us} us; give each kernel an end_us >= its start_us")
         t0 = kernels[0].start_us if kernels else 0.0
         self.kernels: list[KernelEvent] = [k._replace(start_us=k.start_us - t0, end_us=k.end_us - t0) for k in kernels]
         self.label = label
@@ -339,8 +351,11 @@ def _kernels(events: Sequence[Any]) -> list[KernelEvent]:
         # is args["device"] and the row group ("pid").
         stream = _int(args.get("stream", e.get("tid")), 0)
         device = _int(args.get("device", e.get("pid")), 0)
-        start = _decimal(e, "ts", i)
-        raw.append((str(e.get("name", "?")), stream, start, start + _decimal(e, "dur", i, 0), device))
+        start, dur = _decimal(e, "ts", i), _decimal(e, "dur", i, 0)
+        if dur < 0:
+            raise ValueError(f"parallel_modules.timeline: kernel event #{i} ({e.get('name', '?')!r}) has a negative "
+                             f"'dur' ({e['dur']!r}): expected its duration in microseconds, >= 0")
+        raw.append((str(e.get("name", "?")), stream, start, start + dur, device))
     t0 = min((r[2] for r in raw), default=decimal.Decimal(0))
     return [KernelEvent(name, stream, float(start - t0), float(end - t0), device)
             for name, stream, start, end, device in raw]

@@ -530,3 +530,18 @@ def test_save_names_the_metadata_json_cannot_hold(tmp_path) -> None:
         save_timelines(path, Timeline([], "one", {"run": {"dtype": torch.float16}}))
     assert not path.exists()
 
+
+def test_a_timeline_of_kernels_on_several_devices_is_refused() -> None:
+    # Stream 7 of cuda:0 and stream 7 of cuda:1 would be one row, their overlap not counted.
+    kernels = [KernelEvent("a", 7, 0.0, 10.0, device=0), KernelEvent("b", 7, 5.0, 15.0, device=1)]
+    with pytest.raises(ValueError, match=r"Timeline: kernels of devices \[0, 1\].*one Timeline per device"):
+        Timeline(kernels)
+
+
+def test_a_kernel_that_ends_before_it_starts_is_refused() -> None:
+    # It was kept with end < start: no busy time, yet a bar drawn backwards and a wrong span.
+    with pytest.raises(ValueError, match=r"kernel event #1 \('b'\) has a negative 'dur'"):
+        load_timelines({"traceEvents": [kernel("a", 7, 0, 5), kernel("b", 8, 10, 4)]})
+    with pytest.raises(ValueError, match=r"Timeline: kernel 'b' on stream 8 ends at 4.0 us, before it starts"):
+        Timeline([KernelEvent("a", 7, 0.0, 5.0), KernelEvent("b", 8, 10.0, 4.0)])
+
