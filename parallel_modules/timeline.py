@@ -369,7 +369,9 @@ def _plain(meta: dict[str, Any]) -> dict[str, Any]:
 def _trace_metadata(trace: Mapping[str, Any], device: int | None = None) -> dict[str, Any]:
     r"""What a full Kineto trace says about where it was recorded."""
     meta: dict[str, Any] = {}
-    props = [p for p in trace.get("deviceProperties") or [] if isinstance(p, Mapping) and "name" in p]
+    props = trace.get("deviceProperties")
+    # (Metadata only: a trace whose list is missing or malformed still has its kernels read.)
+    props = [p for p in props if isinstance(p, Mapping) and "name" in p] if isinstance(props, list) else []
     match = [p for p in props if device is None or p.get("id", device) == device]
     if match:
         meta["gpu"] = match[0]["name"]

@@ -545,3 +545,8 @@ def test_a_kernel_that_ends_before_it_starts_is_refused() -> None:
     with pytest.raises(ValueError, match=r"Timeline: kernel 'b' on stream 8 ends at 4.0 us, before it starts"):
         Timeline([KernelEvent("a", 7, 0.0, 5.0), KernelEvent("b", 8, 10.0, 4.0)])
 
+
+def test_device_properties_that_are_not_a_list_are_ignored() -> None:
+    # Metadata only: it crashed with "'int' object is not iterable" instead of reading the kernels.
+    (tl,) = load_timelines({"traceEvents": [kernel("a", 7, 0, 5)], "deviceProperties": 5}).values()
+    assert tl.busy_us == 5 and "gpu" not in tl.metadata
