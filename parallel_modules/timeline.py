@@ -456,6 +456,9 @@ def load_timelines(trace: _PathLike | Mapping[str, Any] | list) -> dict[str, Tim
     """
     if isinstance(trace, (Mapping, list)):
         return _timelines_from_trace(trace, "trace")
+    if not isinstance(trace, (str, os.PathLike)):
+        raise TypeError(f"load_timelines: expected the path of a trace file (a str or os.PathLike) or its parsed "
+                        f"JSON (a dict, or a list of events), got {type(trace).__name__}")
     name = os.path.basename(os.fspath(trace))
     for suffix in (".gz", ".json", ".pt.trace"):
         name = name[: -len(suffix)] if name.endswith(suffix) else name

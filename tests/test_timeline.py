@@ -550,3 +550,10 @@ def test_device_properties_that_are_not_a_list_are_ignored() -> None:
     # Metadata only: it crashed with "'int' object is not iterable" instead of reading the kernels.
     (tl,) = load_timelines({"traceEvents": [kernel("a", 7, 0, 5)], "deviceProperties": 5}).values()
     assert tl.busy_us == 5 and "gpu" not in tl.metadata
+
+
+@pytest.mark.parametrize("trace", [5, (kernel("a", 7, 0, 1),), b"trace.json"])
+def test_load_something_that_is_neither_a_path_nor_a_trace_says_what_it_takes(trace) -> None:
+    # It failed inside os.fspath or str.endswith, with no word of load_timelines or of what it reads.
+    with pytest.raises(TypeError, match=r"load_timelines: expected the path of a trace file .* or its parsed JSON"):
+        load_timelines(trace)
