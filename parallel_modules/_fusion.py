@@ -2360,10 +2360,21 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         return [embedding]
 
     if type(m) is nn.Flatten:
-        start, end = m.start_dim, m.end_dim
-        start, end = (start + 1 if start >= 0 else start), (end + 1 if end >= 0 else end)
-        return [lambda v, get: _Value(m(v.t), _SHARED) if v.layout == _SHARED else
-                _Value(_to_stacked(v, n).flatten(start, end), _STACKED)]
+        start_dim, end_dim = m.start_dim, m.end_dim
+        start, end = (start_dim + 1 if start_dim >= 0 else start_dim), (end_dim + 1 if end_dim >= 0 else end_dim)
+
+        def flatten(v: _Value, get: _Get) -> _Value:
+            if v.layout == _SHARED:
+                return _Value(m(v.t), _SHARED)
+            dims = _member_dims(v)
+            if not (-dims <= start_dim < dims and -dims <= end_dim < dims):
+                # A dim beyond a member's value (or a 0-d one): on the stack, [N, *value], a
+                # negative one would reach into the members' dimension and flatten them
+                # together. vmap's rule raises the branches' own IndexError.
+                return fallback(v, get)
+            return _Value(_to_stacked(v, n).flatten(start, end), _STACKED)
+
+        return [flatten]
 
     return [fallback]
 

@@ -6070,3 +6070,23 @@ def test_fused_eval_feature_dropouts_read_the_members_dims(fuse):
             torch.testing.assert_close(block(x), expected)
         # (Once a call, not once a member: a group runs its first member's Python for all.)
         assert [str(w.message) for w in fused] == [str(w.message) for w in unfused]
+
+
+
+@pytest.mark.parametrize("start,shape", [(-3, (2, 6)), (-2, (6,))])
+def test_fused_flatten_refuses_dims_beyond_a_members_value(start, shape):
+    # (A helper's hunt.) A Flatten after a Linear flattened the members' stack, [N, *value],
+    # whose extra dimension took in a negative dim one beyond the members' values: the block
+    # returned N * B * C 0-d outputs (join=tuple) where each branch raises IndexError.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(6, 6), nn.Flatten(start, -1)) for _ in range(3)]
+    block = Parallel(*copy.deepcopy(branches), join=tuple, fuse=True)
+    x = torch.randn(shape)
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        branches[0](x)
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        block(x)
+    x = torch.randn(2, *shape)  # one dimension more: in range, and still batched
+    for o, e in zip(block(x), [b(x) for b in branches]):
+        torch.testing.assert_close(o, e)
+    assert block.explain()["fused"] == [["0", "1", "2"]]
