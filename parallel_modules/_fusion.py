@@ -2282,6 +2282,12 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         w_name, b_name = q("weight"), q("bias")
 
         def layer_norm(v: _Value, get: _Get) -> _Value:
+            if v.layout != _SHARED and _member_dims(v) < len(shape):
+                # On the stack, [N, *value], a shape longer than a member's value would take in
+                # the members' dimension (where it begins with N) and normalize across them, as
+                # vmap's rule does (torch 2.13 checks the stack's shape, not a member's): the
+                # branches' own error, from one member's value.
+                F.layer_norm(_to_stacked(v, n)[0], shape, None, None, eps)
             x = v.t if v.layout == _SHARED else _to_stacked(v, n)
             w, b = get(w_name), get(b_name)
             if w is None and b is None:

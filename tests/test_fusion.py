@@ -6090,3 +6090,22 @@ def test_fused_flatten_refuses_dims_beyond_a_members_value(start, shape):
     for o, e in zip(block(x), [b(x) for b in branches]):
         torch.testing.assert_close(o, e)
     assert block.explain()["fused"] == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_fused_layer_norm_refuses_a_shape_longer_than_a_members_value(affine):
+    # (A helper's hunt.) On the members' stack, [N, *value], a normalized_shape one dimension
+    # longer than a member's value matched the stack where it began with N: the block
+    # normalized across the members (or returned [N, C] per member) where each branch raises.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(8, 8), nn.LayerNorm((3, 8), elementwise_affine=affine)) for _ in range(3)]
+    block = Parallel(*copy.deepcopy(branches), join=tuple, fuse=True)
+    x = torch.randn(8)
+    with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 3, 8\]"):
+        branches[0](x)
+    with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 3, 8\]"):
+        block(x)
+    x = torch.randn(2, 3, 8)
+    for o, e in zip(block(x), [b(x) for b in branches]):
+        torch.testing.assert_close(o, e)
+    assert block.explain()["fused"] == [["0", "1", "2"]]
