@@ -1589,7 +1589,8 @@ class Parallel(nn.Module):
                 if not plan.fused:
                     outputs: list[Any] = []
                     try:
-                        for branch in self._modules.values():
+                        # (A tuple: another thread's append would change the dict under the loop.)
+                        for branch in tuple(self._modules.values()):
                             outputs.append(branch(*args, **kwargs))
                     except Exception as e:
                         raise self._branch_error(e, len(outputs))

@@ -2122,7 +2122,8 @@ class ParallelSequential(nn.Sequential):
         r"""The callable to run for each stage: the stage, or its compiled form (``compile=``)."""
         compiler = self._compiler
         if compiler is None or _is_tracing() or _EAGER in (_graph_variant(self) or ()):
-            return self._modules.values()
+            # (A tuple: another thread's append would change the dict under the caller's loop.)
+            return tuple(self._modules.values())
         return compiler.calls(self._modules)
 
     def _graph_variants(self, args: tuple, kwargs: dict, first_only: bool = False) -> list[tuple[str, ...] | None]:

@@ -3120,3 +3120,27 @@ def test_a_stage_replaced_by_one_that_compares_equal_runs_the_new_one(how) -> No
             setattr(model, "1", new)
         expected = torch.cat([new(model[0](piece)) for piece in x.tensor_split(2)])  # (the same pieces)
         torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+def test_a_stage_appended_by_another_thread_during_a_call_is_not_run_by_that_call():
+    # chunks=1 iterated the pipeline's live dict of stages: another thread's append in the
+    # middle of a call raised "dictionary changed size during iteration". The call runs the
+    # stages it started with; the next call runs the new one too.
+    import threading
+
+    torch.manual_seed(0)
+    stages = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
+    pipe = ParallelSequential(*stages)
+    x = torch.randn(3, 8)
+    added = nn.Linear(4, 2)
+
+    def append_from_another_thread(module, args, output):
+        if len(pipe) == 3:
+            thread = threading.Thread(target=pipe.append, args=(added,))
+            thread.start()
+            thread.join()
+
+    stages[0].register_forward_hook(append_from_another_thread)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), nn.Sequential(*stages)(x))
+        torch.testing.assert_close(pipe(x), nn.Sequential(*stages, added)(x))
