@@ -362,6 +362,19 @@ def _member_tensor(member: nn.Module, qual: str) -> Any:
 _GONE = object()
 
 
+def _hidden_by_instance(m: nn.Module) -> list[str]:
+    r"""The names of ``m``'s parameters, buffers and submodules that an entry of its instance ``__dict__`` hides.
+
+    ``nn.Module.__getattr__`` is asked only for what the instance dict lacks:
+    an entry written there directly (``m.__dict__["weight"] = t``,
+    ``object.__setattr__``; assigning the attribute registers it instead) is
+    what the module's ``forward`` reads, while a batched call stacks and runs
+    the registered one.
+    """
+    state = vars(m)
+    return [name for d in (m._parameters, m._buffers, m._modules) for name in d if name in state]
+
+
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
@@ -382,6 +395,11 @@ def _unfusable(branch: nn.Module) -> str | None:
             return f"{where} has hooks, which a batched call would not run once per branch"
         if "forward" in vars(m):
             return f"{where} has its forward replaced on the instance"
+        hidden = _hidden_by_instance(m)
+        if hidden:
+            return (f"{where} has instance attributes {hidden} in its __dict__ hiding the registered tensors or "
+                    f"submodules of those names from its forward, where a batched call would run the registered "
+                    f"ones; delete them from its __dict__, or assign the attribute (m.weight = p) to register it")
         if getattr(m, "parametrizations", None) is not None:
             return f"{where} is parametrized (torch.nn.utils.parametrize)"
         if isinstance(m, _BatchNorm) and m.running_mean is None:
@@ -2917,8 +2935,10 @@ class _Fusion:
         return True
 
     def _forward_patched(self) -> bool:
-        r"""Whether a fused member module's ``forward`` was replaced on its instance (see ``instances``)."""
-        return any(["forward" in d for d in self.instances])
+        r"""Whether a fused member module's ``forward`` was replaced on its instance (see ``instances``), or an
+        instance attribute hides one of its registered tensors or submodules (see :func:`_hidden_by_instance`)."""
+        return (any(["forward" in d for d in self.instances])
+                or any([_hidden_by_instance(m) for _, modules in self.trees for m in modules]))
 
     def _same_tensors_registered(self) -> bool:
         r"""Whether every module of the fused members holds parameters and buffers of the names it held when

@@ -6109,3 +6109,31 @@ def test_fused_layer_norm_refuses_a_shape_longer_than_a_members_value(affine):
     for o, e in zip(block(x), [b(x) for b in branches]):
         torch.testing.assert_close(o, e)
     assert block.explain()["fused"] == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_an_instance_attribute_hiding_a_members_parameter_runs_the_member_unfused(name):
+    # ``m.__dict__[name] = t`` (``object.__setattr__``) hides the registered parameter from the
+    # member's ``forward``, which reads ``self.weight``, while a batched call stacks the registered one.
+    p = Parallel(*[mlp() for _ in range(3)], fuse="auto")
+    strict = Parallel(*[mlp() for _ in range(3)], fuse=True)
+    for block in (p, strict):
+        layer = block[1][2]
+        layer.__dict__[name] = torch.zeros_like(getattr(layer, name))
+    x = torch.randn(5, 16)
+    assert_close(p(x), reference(p, x))
+    assert name in p.explain()["unfused"]["1"]
+    assert fused_groups(p) == [["0", "2"]]
+    with pytest.raises(ValueError, match=rf"(?s)branch '1'.*{name!r}.*__dict__"):
+        strict(x)
+
+
+def test_an_instance_attribute_hiding_a_members_parameter_is_seen_for_a_new_signature():
+    # As a ``forward`` replaced on a member's instance: seen when a call is planned.
+    p = Parallel(*[mlp() for _ in range(3)], fuse="auto")
+    p(torch.randn(5, 16))
+    layer = p[1][2]
+    layer.__dict__["weight"] = torch.zeros_like(layer.weight)
+    x = torch.randn(7, 16)
+    assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == [["0", "2"]]
