@@ -7,6 +7,9 @@ puts the repository root on ``sys.path`` and the import works with both ``pytest
 
 from __future__ import annotations
 
+import threading
+from typing import Any, Callable
+
 import pytest
 import torch
 from torch import nn
@@ -73,6 +76,18 @@ def assert_same_backward(model: nn.Module, ref: nn.Module, x: torch.Tensor, rtol
     torch.testing.assert_close(x1.grad, x2.grad, rtol=rtol, atol=atol)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol)
+
+
+def appending_from_another_thread(container: nn.Module, module: nn.Module, while_len: int) -> Callable:
+    r"""A forward hook that, while ``container`` holds ``while_len`` children, appends ``module`` to it from
+    another thread and waits for that thread: an edit landing in the middle of a call, every time."""
+    def hook(_module: nn.Module, _args: tuple, _output: Any) -> None:
+        if len(container) == while_len:
+            thread = threading.Thread(target=container.append, args=(module,))
+            thread.start()
+            thread.join()
+
+    return hook
 
 
 class Queries(nn.Module):

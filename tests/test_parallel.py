@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from parallel_modules import Parallel
-from tests._helpers import Steps, cpu_and_cuda
+from tests._helpers import Steps, appending_from_another_thread, cpu_and_cuda
 from tests._reference import assert_same, join_reference, reference
 
 STREAMS = (True, False, "auto")
@@ -987,28 +987,18 @@ def test_a_layer_replaced_while_another_thread_calls_is_seen():
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
 
 
-
 def test_a_branch_appended_by_another_thread_during_a_call_is_not_run_by_that_call():
     # The unfused loop iterated the block's live dict of branches: another thread's append in
     # the middle of a call raised "dictionary changed size during iteration". The call runs
     # the branches it started with; the next call sees the new one.
-    import threading
-
     torch.manual_seed(0)
     branches = [nn.Linear(8, 4) for _ in range(3)]
     block = Parallel(*branches, join="cat")
     x = torch.randn(3, 8)
     added = nn.Linear(8, 4)
-
-    def append_from_another_thread(module, args, output):
-        if len(block) == 3:
-            thread = threading.Thread(target=block.append, args=(added,))
-            thread.start()
-            thread.join()
-
     with torch.no_grad():
         block(x)  # (the first call of a signature makes its plan; the later ones take the loop)
-        handle = branches[0].register_forward_hook(append_from_another_thread)
+        handle = branches[0].register_forward_hook(appending_from_another_thread(block, added, 3))
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in branches], 1))
         handle.remove()
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in (*branches, added)], 1))

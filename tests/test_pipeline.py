@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import EqualByClass, Queries, assert_same_backward, cpu_and_cuda
+from tests._helpers import EqualByClass, Queries, appending_from_another_thread, assert_same_backward, cpu_and_cuda
 
 # Gradients and whole-batch outputs may come from different kernels (another
 # batch size, another summation order), so they are compared within fp32
@@ -3126,21 +3126,12 @@ def test_a_stage_appended_by_another_thread_during_a_call_is_not_run_by_that_cal
     # chunks=1 iterated the pipeline's live dict of stages: another thread's append in the
     # middle of a call raised "dictionary changed size during iteration". The call runs the
     # stages it started with; the next call runs the new one too.
-    import threading
-
     torch.manual_seed(0)
     stages = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)]
     pipe = ParallelSequential(*stages)
     x = torch.randn(3, 8)
     added = nn.Linear(4, 2)
-
-    def append_from_another_thread(module, args, output):
-        if len(pipe) == 3:
-            thread = threading.Thread(target=pipe.append, args=(added,))
-            thread.start()
-            thread.join()
-
-    stages[0].register_forward_hook(append_from_another_thread)
+    stages[0].register_forward_hook(appending_from_another_thread(pipe, added, 3))
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), nn.Sequential(*stages)(x))
         torch.testing.assert_close(pipe(x), nn.Sequential(*stages, added)(x))
