@@ -147,6 +147,14 @@ def _insert_index(owner: str, index: Any, n: int, plural: str) -> int:
     return index
 
 
+def _check_numbered(owner: str, names: list[str], plural: str, operation: str, named: str, fix: str) -> None:
+    r"""Refuse ``operation``, which names children (``plural``) by their position, unless ``names`` are
+    ``"0"``..``"n-1"``; ``named``: how else they came to be named, ``fix``: what to do instead."""
+    if names != [str(i) for i in range(len(names))]:
+        raise ValueError(f"{owner}: {operation} numbers the {plural} by position and needs them named "
+                         f"'0'..'{len(names) - 1}', got {names} ({named}). {fix}")
+
+
 def _listed(owner: str, operation: str, kind: str, modules: Any) -> list:
     r"""``modules``, an iterable of children for ``operation`` (``"extend"``, ``"+"``), as a list; refused
     naming ``owner`` where it is none (one module, whose fix is to append it)."""

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
-from ._children import _Function, _as_branch, _check_name, _child_key, _insert_index, _listed, _new_like, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
+from ._children import _Function, _as_branch, _check_name, _check_numbered, _child_key, _insert_index, _listed, _new_like, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
 from ._children import _layers_in_turn, _writes_its_input
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _Joined, _tensor_attributes,
@@ -696,11 +696,9 @@ class Parallel(nn.Module):
         """
         owner, n = type(self).__name__, len(self._modules)
         index = _insert_index(owner, index, n, "branches")
-        if list(self._modules) != [str(i) for i in range(n)]:
-            raise ValueError(f"{owner}: insert numbers the branches by position and needs them named "
-                             f"'0'..'{n - 1}', got {list(self._modules)} (given in an OrderedDict, or kept through a "
-                             f"slice or a deletion of named branches). Build a new one with the branches in the "
-                             f"order you want.")
+        _check_numbered(owner, list(self._modules), "branches", "insert", "given in an OrderedDict, or kept through "
+                        "a slice or a deletion of named branches", "Build a new one with the branches in the order "
+                        "you want.")
         index = index + n if index < 0 else index
         branch = _own_mode(self, _as_branch(owner, str(index), module, container=self), module)
         branches = list(self._modules.values())

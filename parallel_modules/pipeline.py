@@ -37,8 +37,8 @@ from torch.overrides import TorchFunctionMode
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
-from ._children import (_check_name, _check_stage, _child_key, _in_turn, _insert_index, _listed, _new_like,
-                        _scripted_in_turn, _state_to_copy, _uncompiled, _writes_its_input)
+from ._children import (_check_name, _check_numbered, _check_stage, _child_key, _in_turn, _insert_index, _listed,
+                        _new_like, _scripted_in_turn, _state_to_copy, _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _BY_VALUE, _leaf_device, _module_devices, _with_context
@@ -59,6 +59,8 @@ _MIXED: Any = object()  # stages have parameters on more than one device
 
 # Constructor arguments kept as attributes, which a user may change later.
 _PIPELINE_SETTINGS = _GRAPH_SETTINGS | {"chunks"}
+# How stages come by names other than their positions, which insert and *= need (see _check_numbered).
+_NAMED_STAGES = "kept through a slice, or given in an OrderedDict"
 
 
 class _Plan(NamedTuple):
@@ -1473,7 +1475,8 @@ class ParallelSequential(nn.Sequential):
         _check_stage(type(self).__name__, str(position), module, container=self)
         # (nn.Sequential's insert moves stages "0".."n-1" up by one: on names kept through a
         # slice, or given, it replaced or dropped a stage, or failed half done.)
-        self._check_numbered("insert", f"Build a new one, {owner}(*stages), or name the stages with an OrderedDict.")
+        _check_numbered(owner, list(self._modules), "stages", "insert", _NAMED_STAGES,
+                        f"Build a new one, {owner}(*stages), or name the stages with an OrderedDict.")
         super().insert(index, module)
         _watch._children_changed()
         self._reset()
@@ -1483,15 +1486,9 @@ class ParallelSequential(nn.Sequential):
         if isinstance(other, int) and other > 1:  # (anything else: nn.Sequential's errors, or nothing added)
             # (nn.Sequential's *= copies stage str(i) to str(i + n): on names kept through a slice,
             # or given, it failed half done, replaced a stage, or repeated them in another order.)
-            self._check_numbered("*=", f"Build a new one, pipe * {other}, which numbers them anew.")
+            _check_numbered(type(self).__name__, list(self._modules), "stages", "*=", _NAMED_STAGES,
+                            f"Build a new one, pipe * {other}, which numbers them anew.")
         return super().__imul__(other)
-
-    def _check_numbered(self, operation: str, fix: str) -> None:
-        r"""Refuses ``operation``, which names stages by their position, unless they are named ``"0"``..``"n-1"``."""
-        if list(self._modules) != [str(i) for i in range(len(self))]:
-            raise ValueError(f"{type(self).__name__}: {operation} numbers the stages by position and needs them "
-                             f"named '0'..'{len(self) - 1}', got {list(self._modules)} (kept through a slice, or "
-                             f"given in an OrderedDict). {fix}")
 
     def __delitem__(self, idx: int | slice) -> None:
         if not isinstance(idx, slice):
