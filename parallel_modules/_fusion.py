@@ -362,8 +362,9 @@ def _member_tensor(member: nn.Module, qual: str) -> Any:
 _GONE = object()
 
 
-def _hidden_by_instance(m: nn.Module) -> list[str]:
-    r"""The names of ``m``'s parameters, buffers and submodules that an entry of its instance ``__dict__`` hides.
+def _hidden_by_instance(state: dict[str, Any]) -> list[str]:
+    r"""The names of a module's parameters, buffers and submodules that an entry of its instance ``__dict__``,
+    ``state`` (which holds its dicts of them too), hides.
 
     ``nn.Module.__getattr__`` is asked only for what the instance dict lacks:
     an entry written there directly (``m.__dict__["weight"] = t``,
@@ -371,8 +372,7 @@ def _hidden_by_instance(m: nn.Module) -> list[str]:
     what the module's ``forward`` reads, while a batched call stacks and runs
     the registered one.
     """
-    state = vars(m)
-    return [name for d in (m._parameters, m._buffers, m._modules) for name in d if name in state]
+    return [name for key in ("_parameters", "_buffers", "_modules") for name in state[key] if name in state]
 
 
 def _join(path: str, name: str) -> str:
@@ -395,7 +395,7 @@ def _unfusable(branch: nn.Module) -> str | None:
             return f"{where} has hooks, which a batched call would not run once per branch"
         if "forward" in vars(m):
             return f"{where} has its forward replaced on the instance"
-        hidden = _hidden_by_instance(m)
+        hidden = _hidden_by_instance(vars(m))
         if hidden:
             return (f"{where} has instance attributes {hidden} in its __dict__ hiding the registered tensors or "
                     f"submodules of those names from its forward, where a batched call would run the registered "
@@ -2859,7 +2859,8 @@ class _Fusion:
         self.registered = [(d, tuple(d)) for _, modules in self.trees for m in modules
                            for d in (m._parameters, m._buffers)]
         # The instance dicts of the fused members' modules, where a ``forward`` replaced
-        # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows.
+        # on an instance (a monkeypatch, accelerate's ``add_hook_to_module``) shows, and an
+        # entry hiding a registered tensor (see _hidden_by_instance).
         self.instances = [vars(m) for _, modules in self.trees for m in modules]
         self.differ: bool | None = None  # the members compared again, at the first call (see forward_replaced)
         self.serial = serial  # (the block's number, for a trace's comparison of the members: see _differs)
@@ -2937,8 +2938,7 @@ class _Fusion:
     def _forward_patched(self) -> bool:
         r"""Whether a fused member module's ``forward`` was replaced on its instance (see ``instances``), or an
         instance attribute hides one of its registered tensors or submodules (see :func:`_hidden_by_instance`)."""
-        return (any(["forward" in d for d in self.instances])
-                or any([_hidden_by_instance(m) for _, modules in self.trees for m in modules]))
+        return any(["forward" in d or _hidden_by_instance(d) for d in self.instances])
 
     def _same_tensors_registered(self) -> bool:
         r"""Whether every module of the fused members holds parameters and buffers of the names it held when

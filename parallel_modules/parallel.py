@@ -1147,8 +1147,7 @@ class Parallel(nn.Module):
                 # A trace records one program: it cannot run the members again one by one to find
                 # the one at fault, as an eager call does. The error, raised by the batched kernels
                 # (on stacked shapes the user never wrote), names the group instead.
-                names = [list(self._modules)[i] for i in group.indices]
-                raise _with_context(e, f"(raised in branches {names} of {type(self).__name__}, traced batched "
+                raise _with_context(e, f"(raised in branches {group.names} of {type(self).__name__}, traced batched "
                                        f"as one fused group; pass fuse=False to trace each branch on its own "
                                        f"and see which one fails)")
             _put_back(kept)
