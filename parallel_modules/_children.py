@@ -45,6 +45,11 @@ class _Function(nn.Module):
         return getattr(self.fn, "__qualname__", None) or repr(self.fn)
 
 
+def _plural(kind: str) -> str:
+    r"""What several children of ``kind`` (``"branch"``, ``"stage"``) are called."""
+    return "branches" if kind == "branch" else f"{kind}s"
+
+
 def _unfit(owner: str, kind: str, name: str, child: Any, constructing: bool = False,
            container: nn.Module | None = None) -> str | None:
     r"""Why ``child`` cannot be a ``kind`` of ``owner`` whatever it is called, or ``None``.
@@ -60,15 +65,15 @@ def _unfit(owner: str, kind: str, name: str, child: Any, constructing: bool = Fa
             where = "the block itself" if not within else f"a module holding the block (at {within!r})"
             return (f"{owner}: {kind} {name!r} is {where}; a block cannot be its own {kind}: its calls, "
                     f"repr and state_dict would recurse without end. Add a copy, copy.deepcopy(block), "
-                    f"or a new block of the same {'branches' if kind == 'branch' else 'stages'}.")
+                    f"or a new block of the same {_plural(kind)}.")
     if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and type(child).forward is nn.Module.forward:
         # (A subclass that defines ``forward`` is an ordinary module.)
-        plural = "branches" if kind == "branch" else "stages"
+        plural = _plural(kind)
         return (f"{owner}: {kind} {name!r} is a {type(child).__name__}, which holds modules but cannot be called. "
                 f"Pass its modules as the {plural} ({owner}(*modules), or {owner}(OrderedDict(module_dict))), "
                 f"or wrap them in an nn.Sequential to run them one after another as one {kind}.")
     if type(child) in (list, tuple, dict):
-        plural = "branches" if kind == "branch" else "stages"
+        plural = _plural(kind)
         return (f"{owner}: {kind} {name!r} is a {type(child).__name__} of {len(child)}, not a module. Pass the "
                 f"{plural} as separate arguments, {owner}(*{plural}), or named in an OrderedDict, "
                 f"{owner}(OrderedDict(...)).")
@@ -159,7 +164,7 @@ def _listed(owner: str, operation: str, kind: str, modules: Any) -> list:
     r"""``modules``, an iterable of children for ``operation`` (``"extend"``, ``"+"``), as a list; refused
     naming ``owner`` where it is none (one module, whose fix is to append it)."""
     if not isinstance(modules, collections.abc.Iterable):  # (as nn.ModuleList.extend checks)
-        plural = "branches" if kind == "branch" else f"{kind}s"
+        plural = _plural(kind)
         fix = "write block + [module]" if operation == "+" else (
             f"use {'block' if kind == 'branch' else 'pipe'}.append(module)")
         raise TypeError(f"{owner}: {operation} takes an iterable of {plural} (another {owner}, a list), got "
@@ -180,7 +185,7 @@ def _new_like(block: nn.Module, operation: str, kind: str, *args: Any, **setting
         inspect.signature(cls).bind(*args, **settings)
     except TypeError as error:
         base = next(c for c in cls.__mro__ if c.__module__.startswith(__package__))
-        plural = "branches" if kind == "branch" else f"{kind}s"
+        plural = _plural(kind)
         raise TypeError(
             f"{cls.__name__}: {operation} builds a new {cls.__name__} of the {plural} with the settings of this one "
             f"({', '.join(settings)}), as {base.__name__}.__init__ takes them, but {cls.__name__}.__init__ does "
@@ -196,7 +201,7 @@ def _child_key(owner: str, names: list[str], idx: Any, kind: str, slices: bool =
     r"""The name of child ``idx`` (an int) of a container whose children are ``names``, where
     ``kind`` is what a child is called (``"branch"``, ``"stage"``); the errors say what was
     expected (an int in range, a slice where ``slices``) and how to reach a named child."""
-    plural = "branches" if kind == "branch" else f"{kind}s"
+    plural = _plural(kind)
     if not hasattr(idx, "__index__"):
         if isinstance(idx, slice) and not slices:
             raise TypeError(f"{owner}: cannot assign to a slice of {plural} ({idx!r}), as nn.Sequential "
