@@ -112,6 +112,9 @@ _SWAPS_KEPT = 3
 # parameters is a measurable part of a training call).
 _requires_grad = operator.attrgetter("requires_grad")
 _grad_of = operator.attrgetter("grad")
+# The dtype a parameter's accumulator gives its ``.grad`` (``None``: the gradient's own), where
+# torch lets it differ from the parameter's (``Tensor.grad_dtype``, torch >= 2.10).
+_grad_dtype_of = operator.attrgetter("grad_dtype" if hasattr(torch.Tensor, "grad_dtype") else "dtype")
 _data_ptr = torch.Tensor.data_ptr
 _tensor_uses = getattr(torch.Tensor, "_use_count", None)  # references to a tensor's C++ object
 
@@ -539,6 +542,8 @@ class _GradCopies:
 
     def __init__(self, grads: list[torch.Tensor | None]) -> None:
         self.sources = [g for g in grads if g is not None]
+        # The parameters' own dtypes (autograd gives a parameter its gradient in its dtype).
+        self.dtypes = [g.dtype for g in self.sources]
         self.device = self.sources[0].device if self.sources else None
         buffers: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
         rest: list[int] = []
@@ -1217,6 +1222,12 @@ def _hand_out(taking: tuple[torch.Tensor, ...], copies: _GradCopies, graph: _Gra
     """
     if not taking:
         return
+    if not all(map(_requires_grad, taking)) or list(map(_grad_dtype_of, taking)) != copies.dtypes:
+        # A parameter frozen between the forward and its backward, or whose ``grad_dtype``
+        # was set: eagerly its accumulator, which reads both when it runs, leaves its
+        # ``.grad`` alone, or casts the gradient. One by one, as the accumulators would.
+        _accumulate(taking, tuple(copies.fresh()))
+        return
     held = list(map(_grad_of, taking))
     if all(g is None for g in held):
         if graph is not None and graph.lends_grads:
@@ -1234,8 +1245,11 @@ def _accumulate(params: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | No
     r"""Sum ``grads`` into ``params``' ``.grad`` as autograd's accumulators do, all at once.
 
     A ``.grad`` that is ``None`` takes the gradient itself (a fresh copy, in the
-    parameter's layout: see :class:`_GradCopies`), as an accumulator does when
-    it may steal it; the others are summed in place, in one multi-tensor add.
+    parameter's layout: see :class:`_GradCopies`; cast to its ``grad_dtype``
+    where that was set), as an accumulator does when it may steal it; the
+    others are summed in place, in one multi-tensor add. A parameter that no
+    longer requires grad takes none, as its accumulator, which reads
+    ``requires_grad`` when it runs, not when the forward recorded it.
     The engine runs one accumulator node per parameter, and on an 8-branch MLP
     (64 parameters) those took more host time than everything else in the
     backward pass (``tools/exp_train_step.py``).
@@ -1243,10 +1257,12 @@ def _accumulate(params: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | No
     into: list[torch.Tensor] = []
     adds: list[torch.Tensor] = []
     for p, g in zip(params, grads):
-        if g is None:
+        # (``requires_grad`` as it is now: an accumulator skips a parameter frozen since the forward.)
+        if g is None or not p.requires_grad:
             continue
         if p.grad is None:
-            p.grad = g
+            dtype = _grad_dtype_of(p)
+            p.grad = g if dtype is None or dtype == g.dtype else g.to(dtype)
         else:
             into.append(p.grad)
             adds.append(g)

@@ -401,6 +401,62 @@ def test_a_grad_of_the_callers_own_is_left_alone_and_lending_goes_on(monkeypatch
     assert graph.grads_lent and graph.params[0].grad.data_ptr() == graph.param_copies.sources[0].data_ptr()
 
 
+def _eager_grads(graph, change, held):
+    r"""The ``.grad`` eager accumulators leave on twins of ``graph.params``, given the hand-out's gradients.
+
+    ``change`` is applied to the twins after their forward (a freeze, a ``grad_dtype``), as
+    to the parameters between a graphed forward and its backward; ``held``: their ``.grad``.
+    """
+    twins = [nn.Parameter(p.detach().clone()) for p in graph.params]
+    for t, g in zip(twins, held):
+        t.grad = None if g is None else g.clone()
+    loss = sum((t * g).sum() for t, g in zip(twins, graph.param_copies.sources))
+    change(twins)
+    loss.backward()
+    return [t.grad for t in twins]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("held", ["none", "set"])
+@pytest.mark.parametrize("change", ["frozen", "grad_dtype", "grad_dtype any"])
+def test_hand_out_after_a_parameter_changed_since_the_forward_is_as_eager(change, held, staged, monkeypatch):
+    # An accumulator reads its parameter when it runs: one frozen between the forward and its
+    # backward gets no gradient, one given a grad_dtype gets its gradient cast (or kept as it
+    # comes, with None). The hand-out, from the graph's buffers (lending or summing) or from
+    # copies staged before a forward replay overwrote them, leaves .grad as they would.
+    from parallel_modules import _graphs
+
+    if not hasattr(torch.Tensor, "grad_dtype") and change != "frozen":
+        pytest.skip("this torch has no Tensor.grad_dtype")
+    graph = _lending_graph(monkeypatch)
+    _replayed(graph)
+
+    def apply(params):
+        p = params[1]
+        if change == "frozen":
+            p.requires_grad_(False)
+        else:  # (torch refuses a grad_dtype other than that of a .grad set: cleared, then set again)
+            grad, p.grad = p.grad, None
+            p.grad_dtype = torch.float64 if change == "grad_dtype" else None
+            p.grad = None if grad is None else grad.double()
+
+    initial = [None if held == "none" else torch.randn_like(p) for p in graph.params]
+    expected = _eager_grads(graph, apply, initial)
+    for p, g in zip(graph.params, initial):
+        p.grad = None if g is None else g.clone()
+    apply(graph.params)
+    if staged:
+        _graphs._accumulate(graph.takers, tuple(graph.param_copies.fresh()))
+    else:
+        _graphs._hand_out(graph.takers, graph.param_copies, graph)
+    for p, e in zip(graph.params, expected):
+        assert (p.grad is None) == (e is None)
+        if e is not None:
+            assert p.grad.dtype == e.dtype and torch.equal(p.grad, e)
+    # Nothing lent where not every parameter took its buffer: the next replay need take nothing back.
+    assert not graph.grads_lent
+
+
 def test_gradients_still_out_are_taken_back_under_the_hand_outs_lock(monkeypatch):
     # A graph that stopped lending (its last reclaim gave an accumulating .grad a copy, and was
     # refused) may still have gradients out, which a thread that picked the graph up earlier
