@@ -884,6 +884,42 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
     assert graph.param_copies.kept is None and graph.lends_grads
 
 
+@cuda
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("change", ["frozen", "grad_dtype"])
+def test_a_parameter_changed_between_forward_and_backward_takes_its_gradient_as_eagerly(change, direct):
+    # An accumulator reads its parameter when the backward runs it: a parameter frozen between
+    # a forward and its backward gets no gradient, one given a grad_dtype meanwhile gets its
+    # gradient cast. The replay's hand-out to .grad did neither (it wrote the frozen one's
+    # .grad, and the cast one's setter raised at the end of the backward pass).
+    if change == "grad_dtype" and not hasattr(torch.Tensor, "grad_dtype"):
+        pytest.skip("this torch has no Tensor.grad_dtype")
+    branches = _mlp(2)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches, direct_grads=direct)
+    for step in range(4):  # the capture, then replays; .grad set to None, or zeroed, between them
+        x = torch.randn(8, 64, device="cuda")
+        out, out_ref = block(x), _reference(reference, x)
+        changed = [next(module.parameters()) for module in (block, reference)]
+        for p in changed:
+            if change == "frozen":
+                p.requires_grad_(False)
+            elif step == 0:
+                p.grad_dtype = torch.float64
+        out.square().sum().backward()
+        out_ref.square().sum().backward()
+        for p, p_ref in zip(block.parameters(), reference.parameters()):
+            assert (p.grad is None) == (p_ref.grad is None)
+            if p.grad is not None:
+                assert p.grad.dtype == p_ref.grad.dtype
+                torch.testing.assert_close(p.grad, p_ref.grad)
+        for p in changed:
+            p.requires_grad_(True)
+        block.zero_grad(set_to_none=step % 2 == 0)
+        reference.zero_grad(set_to_none=step % 2 == 0)
+    assert changed[0].grad is None if change == "frozen" else changed[0].grad.dtype == torch.float64
+
+
 def _count_hand_outs(monkeypatch) -> list[int]:
     r"""Count the calls of ``_graphs._hand_out`` (``direct_grads`` handing gradients to ``.grad``)."""
     from parallel_modules import _graphs
