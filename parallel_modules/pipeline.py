@@ -1271,6 +1271,17 @@ class ParallelSequential(nn.Sequential):
         >>> model(images).shape  # copied and computed in 4 overlapping micro-batches
         torch.Size([8, 10, 256, 256])
 
+    .. warning::
+        With ``cuda_graph=True`` the rules of :class:`~parallel_modules.Parallel`'s
+        capture apply to every stage: shapes static per input signature (the
+        micro-batch shapes included, so a batch of another size is another
+        signature), no host synchronisation (``.item()``, ``.cpu()``,
+        ``torch.cuda.synchronize()``) and no Python control flow on tensor
+        values. Breaking a rule raises a ``RuntimeError`` naming the stage (or,
+        with ``graph_fallback=True``, warns once and runs eagerly). Outputs are
+        fresh tensors unless ``static_outputs=True``, whose buffers the next
+        call overwrites.
+
     .. note::
         Micro-batching changes the result of modules that mix samples across
         the batch, such as BatchNorm in training mode (each micro-batch would be

@@ -93,3 +93,34 @@ def test_docstring_examples_on_the_cpu(cls):
     report: list[str] = []
     runner.run(test, out=report.append)
     assert not runner.failures, "".join(report)
+
+
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_docstrings_warn_about_graph_capture_rules(cls):
+    # DESIGN.md's style: ``.. warning::`` for the rules code captured with ``cuda_graph=True`` must
+    # follow. Both classes take ``cuda_graph``, so both warn, as torch/cuda/graphs.py's do.
+    warnings = re.findall(r"^\s*\.\. warning::\n(.*?)(?=^\s*\.\. |\Z)", cls.__doc__, re.M | re.S)
+    assert any("cuda_graph=True" in w for w in warnings), (
+        f"{cls.__name__}: no '.. warning::' about cuda_graph=True's capture rules in the docstring")
+
+
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_public_signatures_are_fully_typed(cls):
+    # DESIGN.md: full type hints on public signatures, shipped with py.typed (PEP 561), without
+    # which type checkers ignore the hints.
+    package = Path(parallel_modules.__file__).parent
+    assert (package / "py.typed").is_file()
+    assert re.search(r"^parallel_modules\s*=\s*py\.typed$", (package.parent / "setup.cfg").read_text(), re.M)
+    untyped = []
+    for name, value in vars(cls).items():
+        if name.startswith("_") and name != "__init__" and not (name.startswith("__") and hasattr(nn.Sequential, name)):
+            continue
+        function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+        if not inspect.isfunction(function):
+            continue
+        signature = inspect.signature(function)
+        missing = [p for p in signature.parameters if p not in ("self", "cls")
+                   and signature.parameters[p].annotation is inspect.Parameter.empty]
+        if missing or signature.return_annotation is inspect.Signature.empty:
+            untyped.append(f"{name}({', '.join(missing)}{'; no return type' if signature.return_annotation is inspect.Signature.empty else ''})")
+    assert not untyped, f"{cls.__name__}: public methods without full type hints: {untyped}"
