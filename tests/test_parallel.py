@@ -78,6 +78,19 @@ def test_join_matches_sequential(device, join, dim):
         assert_same(out, expected)
 
 
+@pytest.mark.parametrize("n", [1, 2, 8, 40])
+@pytest.mark.parametrize("join", ["cat", "sum"])
+def test_many_branches_match_sequential_on_cpu(n, join):
+    # DESIGN.md's reliability item 1 on the CPU fallback too (the CUDA test, in
+    # test_parallel_cuda.py, is where 40 branches outnumber a device's 32 side streams):
+    # the fallback must give the sequential module's bits for any branch count.
+    torch.manual_seed(n)
+    p = Parallel(*[mlp() for _ in range(n)], join=join, streams=True)
+    for _ in range(2):
+        x = torch.randn(4, 16)
+        assert_same(p(x), reference(p, x))
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 def test_single_branch(device):
     lin = nn.Linear(16, 8).to(device)
