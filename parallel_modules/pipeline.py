@@ -1623,6 +1623,8 @@ class ParallelSequential(nn.Sequential):
 
     def extra_repr(self) -> str:
         settings = self._settings() if self.cuda_graph else {"chunks": self._chunks}
+        if not self.direct_grads:  # shown only when opted in, as ``Parallel`` shows it
+            settings.pop("direct_grads", None)
         text = ", ".join(f"{k}={v!r}" for k, v in settings.items() if not k.startswith("compile"))
         return text + (", " + self._compiler.extra_repr() if self._compiler is not None else "")
 

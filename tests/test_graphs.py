@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel_modules import Parallel
+from parallel_modules import Parallel, ParallelSequential
 from parallel_modules._cases import inception_branches, mlp_branches
 from tests._helpers import ScaleBy, Steps
 
@@ -137,6 +137,16 @@ def test_repr_shows_graph_settings_and_slicing_keeps_them():
     assert part.direct_grads and part._graphs.direct_grads
     clone = pickle.loads(pickle.dumps(block))
     assert clone.direct_grads and clone._graphs.direct_grads
+
+
+def test_pipeline_repr_shows_graph_settings_as_parallel_does():
+    # The same settings the same way: direct_grads only where it was opted in.
+    text = repr(ParallelSequential(nn.Linear(4, 4), chunks=2, cuda_graph=True, max_graphs=3))
+    for setting in ("chunks=2", "cuda_graph=True", "max_graphs=3", "static_outputs=False", "graph_fallback=False"):
+        assert setting in text
+    assert "direct_grads" not in text
+    assert "direct_grads=True" in repr(ParallelSequential(nn.Linear(4, 4), cuda_graph=True, direct_grads=True))
+    assert "cuda_graph" not in repr(ParallelSequential(nn.Linear(4, 4), chunks=2))
 
 
 def test_state_dict_unaffected():
