@@ -138,10 +138,80 @@ def test_the_bench_checks_refuse_a_wrong_shape_that_would_broadcast():
     from parallel_modules.bench import _check
 
     ref = torch.ones(1, 8, 10)
-    assert _check("eager Parallel fused", ref.clone(), ref, torch.float32, True) == "close(0.0001)"
+    assert _check("'c'", "eager Parallel fused", ref.clone(), ref, torch.float32, True) == "close(1e-05)"
     for out in (torch.ones(8, 10), torch.ones(1, 8, 10, dtype=torch.float64)):
         with pytest.raises(AssertionError, match="eager Parallel fused.* returned"):
-            _check("eager Parallel fused", out, ref, torch.float32, True)
+            _check("'c'", "eager Parallel fused", out, ref, torch.float32, True)
+
+
+def _wrapped_mode(monkeypatch, mode: str, change) -> None:
+    r"""Patch the bench so that mode ``mode`` returns ``change(output)`` (eager modes, pipelines: by name)."""
+    import parallel_modules.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for builder in ("_modes", "_pipeline_modes"):
+        def modes(*args, _real=getattr(bench, builder)):
+            out = _real(*args)
+            if mode in out:
+                out[mode] = lambda x, _fn=out[mode]: change(_fn(x))
+            return out
+
+        monkeypatch.setattr(bench, builder, modes)
+
+
+@pytest.mark.parametrize("case, mode", [("mlp8", "eager Parallel fused"), ("heads", "eager Parallel fused"),
+                                        ("encdec", "ParallelSequential chunks=2")])
+def test_the_bench_check_catches_a_mode_off_by_a_tenth_of_a_percent(monkeypatch, case, mode):
+    # Outputs of magnitude 0.02-0.1: an absolute tolerance of 1e-4 let this pass.
+    _wrapped_mode(monkeypatch, mode, lambda out: out * 1.001)
+    pattern = (rf"case '{case}' \(batch 2, float32\), mode '{mode}' differs from the sequential module "
+               r"\(max abs error .*, 0.001 of the reference's largest magnitude .*; tolerance 1e-05 of it")
+    with pytest.raises(AssertionError, match=pattern):
+        main(["--case", case, "--batch", "2", "--reps", "2", "--group", "1"])
+
+
+def test_the_bench_check_catches_an_exact_mode_one_unit_in_the_last_place_off(monkeypatch):
+    def nudged(out):  # the largest element, one float32 step away from zero: within any tolerance
+        out = out.clone()
+        i = out.abs().argmax()
+        out.view(-1)[i] = torch.nextafter(out.view(-1)[i], torch.zeros(()))
+        return out
+
+    _wrapped_mode(monkeypatch, "eager Parallel", nudged)
+    with pytest.raises(AssertionError, match=r"case 'tiny8' \(batch 8, float32\), mode 'eager Parallel' differs.*"
+                                             r"must be bit-for-bit equal"):
+        main(["--case", "tiny8", "--reps", "2", "--group", "1"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [2.0 ** -10, 1.0, 2.0 ** 10])  # (exact in every dtype)
+def test_the_bench_check_scales_its_tolerance_to_the_output_and_says_by_how_much_it_failed(dtype, scale):
+    from parallel_modules.bench import _TOLERANCE, _check
+
+    ref = (torch.linspace(-1, 1, 101) * scale).to(dtype)
+    # Rounding of another summation order: half the tolerance, at every magnitude.
+    inside = (ref.double() + 0.5 * _TOLERANCE[dtype] * scale).to(dtype)
+    assert _check("'c'", "compile", inside, ref, dtype, True) == f"close({_TOLERANCE[dtype]:g})"
+    # Twice the tolerance: refused, with what a too tight tolerance on a GPU needs to be told apart from a bug.
+    outside = (ref.double() + 2 * _TOLERANCE[dtype] * scale).to(dtype)
+    with pytest.raises(AssertionError) as e:
+        _check("'c' (batch 8, fp)", "graph Parallel fused", outside, ref, dtype, True)
+    message = str(e.value)
+    assert "case 'c' (batch 8, fp), mode 'graph Parallel fused' differs" in message
+    assert f"largest magnitude {scale:.3g}; tolerance {_TOLERANCE[dtype]:g} of it in {dtype}" in message
+    assert f"widen bench._TOLERANCE[{dtype}]" in message
+    rel = float(message.split("max abs error ")[1].split(", ")[1].split(" of")[0])
+    assert 1.5 * _TOLERANCE[dtype] < rel < 2.5 * _TOLERANCE[dtype]
+
+
+def test_the_bench_check_refuses_nan_in_a_mode_that_may_round_differently():
+    from parallel_modules.bench import _check
+
+    ref = torch.ones(4)
+    out = ref.clone()
+    out[1] = float("nan")
+    with pytest.raises(AssertionError, match="max abs error nan"):
+        _check("'c'", "eager Parallel fused", out, ref, torch.float32, True)
 
 
 def test_the_bench_check_catches_a_mode_that_ignores_new_values_in_its_input(monkeypatch):
