@@ -267,7 +267,7 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
 
 
 def _check(case: str, name: str, out: Any, ref: Any, dtype: torch.dtype, exact: bool) -> str:
-    r"""``out`` of mode ``name`` of ``case`` against the sequential module's ``ref``: ``"equal"`` or ``"close(tol)"``, or raise.
+    r"""Mode ``name``'s ``out`` against the sequential module's ``ref``: ``"equal"``, ``"close(tol)"``, or raise.
 
     Modes that run the sequential module's own kernels (TF32 off: see
     :func:`main`) must match bit for bit. Fused and compiled modes may sum in
@@ -275,7 +275,7 @@ def _check(case: str, name: str, out: Any, ref: Any, dtype: torch.dtype, exact: 
     kernel, inductor's kernels), and so may pipelines (``exact=False``: a
     micro-batch may pick other kernels than the whole batch): each must come
     within ``_TOLERANCE[dtype]`` of the reference's largest magnitude. Scaled to
-    it, not absolute: the cases' outputs are of magnitude 0.02-1, at which an
+    it, not absolute: some cases' outputs are of magnitude 0.02-0.1, at which an
     absolute 1e-4 let a mode 0.1% off pass.
     """
     where = f"bench: case {case}, mode {name!r}"
