@@ -267,7 +267,7 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
 
 
 def _check(case: str, name: str, out: Any, ref: Any, dtype: torch.dtype, exact: bool) -> str:
-    r"""Mode ``name``'s ``out`` against the sequential module's ``ref``: ``"equal"``, ``"close(tol)"``, or raise.
+    r"""Mode ``name``'s ``out`` against the sequential module's ``ref``: ``"equal"``, ``"close(tol): rel"``, or raise.
 
     Modes that run the sequential module's own kernels (TF32 off: see
     :func:`main`) must match bit for bit. Fused and compiled modes may sum in
@@ -276,7 +276,8 @@ def _check(case: str, name: str, out: Any, ref: Any, dtype: torch.dtype, exact: 
     micro-batch may pick other kernels than the whole batch): each must come
     within ``_TOLERANCE[dtype]`` of the reference's largest magnitude. Scaled to
     it, not absolute: some cases' outputs are of magnitude 0.02-0.1, at which an
-    absolute 1e-4 let a mode 0.1% off pass.
+    absolute 1e-4 let a mode 0.1% off pass. ``rel`` is the error found, as that
+    fraction: the margin a run leaves under the tolerance, kept in its results.
     """
     where = f"bench: case {case}, mode {name!r}"
     exact = exact and not name.startswith("compile") and "fuse" not in name
@@ -288,7 +289,7 @@ def _check(case: str, name: str, out: Any, ref: Any, dtype: torch.dtype, exact: 
     tol = _TOLERANCE[dtype]
     err, scale, rel = _error(out, ref)
     if not exact and err <= tol * scale:  # (NaN fails: every comparison with it is false)
-        return f"close({tol:g})"
+        return f"close({tol:g}): {rel:.2g}"
     if exact:
         raise AssertionError(
             f"{where} differs from the sequential module (max abs error {err:.3g}, {rel:.3g} of the reference's "
