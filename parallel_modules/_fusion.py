@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import threading
@@ -2426,6 +2427,16 @@ class _MembersChanged(RuntimeError):
     """
 
 
+def _holds_tensors(value: Any) -> bool:
+    r"""Whether ``value``, an output leaf that is no tensor, holds tensors in its fields (a dataclass,
+    or another object whose attributes :mod:`torch.utils._pytree` does not flatten)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        fields = list(getattr(value, "__dict__", {}).values())
+    return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(fields))
+
+
 class _UnbatchedNow(Exception):
     r"""Raised by a vmapped step that cannot batch this call: the group's members run unfused for it.
 
@@ -2585,6 +2596,14 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             return out
         if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return out
+        held = next((leaf for leaf in leaves if not isinstance(leaf, torch.Tensor) and _holds_tensors(leaf)), None)
+        if held is not None:
+            # An object pytree does not look into (a dataclass) passes out of vmap as it is, with
+            # the batched tensors inside it: they would reach the caller unbatched and dead.
+            raise RuntimeError(
+                f"{type(m).__name__} returns an object of type {type(held).__name__} holding tensors, which a "
+                f"batched call cannot split per branch; return tensors or tuples, lists or dicts of them, or "
+                f"register the class with torch.export.register_dataclass")
         # (Without the tensors, which must not leave vmap unbatched.)
         structure = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
         if kept is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import enum
 import functools
 import io
@@ -287,6 +288,37 @@ def test_vmapped_structured_outputs_are_dense(device):
     assert_close(outs, expected)
     for (o, _), (e, _) in zip(outs, expected):
         assert_dense_as_unfused(o, e)
+
+
+@dataclasses.dataclass
+class Boxed:
+    y: torch.Tensor
+
+
+class BoxedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Boxed:
+        return Boxed(self.lin(x))
+
+
+def test_fused_members_returning_a_dataclass_of_tensors_are_refused_or_run_unfused():
+    # pytree does not look into a dataclass: vmap handed it back as it was, holding the batched
+    # tensors, which reached the caller unbatched and dead (escaped from vmap, without autograd).
+    torch.manual_seed(0)
+    branches = [BoxedLinear() for _ in range(2)]
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match=r"BoxedLinear returns an object of type Boxed holding tensors.*"
+                                           r"register_dataclass"):
+        Parallel(*branches, join=None, fuse=True)(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the group disabled, with fuse="auto", says so)
+        outs = Parallel(*branches, join=None, fuse="auto")(x)
+    for out, branch in zip(outs, branches):
+        expected = branch(x)
+        assert torch.equal(out.y, expected.y) and out.y.requires_grad
 
 
 class TwoHeadsConv(nn.Module):
