@@ -142,8 +142,10 @@ _POINTWISE = (
 # torch's dropout layers, and their forwards: the identity in eval or with p=0.
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 _STOCK_DROPOUT = frozenset(c.forward for c in _DROPOUTS)
-# Those of them whose forward reads its input's number of dimensions.
+# Those of them whose forward reads its input's number of dimensions, and the numbers it takes
+# without a warning (a batch of channels of a sequence, an image, a volume, or one unbatched).
 _FEATURE_DROPOUTS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+_QUIET_DROPOUT_DIMS = {nn.Dropout1d: (2, 3), nn.Dropout2d: (4,), nn.Dropout3d: (4, 5)}
 # torch's batch norms' checks of their input, which read its number of dimensions only.
 _STOCK_DIM_CHECKS = frozenset(c._check_input_dim for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
                                                            nn.SyncBatchNorm))
@@ -2224,10 +2226,17 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         if isinstance(m, _FEATURE_DROPOUTS):
             # F.dropout1d/2d/3d check (and warn about) their input's dimensions: a member's,
             # one fewer than the stack's. Here (eval, or p=0) they return their input itself.
+            # They read the number of dimensions only: one they take without a warning is not
+            # checked (slicing a member out of the stack and the call cost more host time than
+            # the step itself, as a batch norm's check: see below); others warn, as the
+            # branches do, at every call, or raise.
+            quiet = next(d for c, d in _QUIET_DROPOUT_DIMS.items() if isinstance(m, c))
+
             def feature_dropout(v: _Value, get: _Get) -> _Value:
                 if v.layout != _STACKED:
                     return _Value(forward(v.t), v.layout)
-                forward(v.t[0])
+                if v.t.dim() - 1 not in quiet:
+                    forward(v.t[0])
                 return v
 
             return [feature_dropout]

@@ -6104,6 +6104,20 @@ def test_fused_eval_feature_dropouts_read_the_members_dims(fuse):
         assert [str(w.message) for w in fused] == [str(w.message) for w in unfused]
 
 
+def test_fused_eval_feature_dropouts_skip_the_check_on_the_dims_they_take(monkeypatch):
+    # A member's value of the dims the layer takes quietly is not sliced out of the stack and
+    # run through F.dropout2d at every call (host time beyond the fused step's own), as a
+    # batch norm's check is not repeated; other dims are checked at every call (see above).
+    block = Parallel(*[nn.Sequential(nn.Linear(5, 4), nn.Dropout2d(0.3)).eval() for _ in range(3)], fuse=True)
+    x = torch.randn(2, 3, 6, 5)
+    block(x)
+    calls = []
+    dropout2d = nn.functional.dropout2d
+    monkeypatch.setattr(nn.functional, "dropout2d", lambda *a, **k: calls.append(a[0].dim()) or dropout2d(*a, **k))
+    torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
+    assert calls == [4, 4, 4]  # (the branches' own calls only)
+
+
 
 @pytest.mark.parametrize("start,shape", [(-3, (2, 6)), (-2, (6,))])
 def test_fused_flatten_refuses_dims_beyond_a_members_value(start, shape):
