@@ -132,6 +132,9 @@ def test_the_bench_command_names_a_case_that_no_mode_filter_matches(capsys, monk
     assert "no mode of tiny8 contains 'fuzed' or 'graph'" in err and "eager Parallel fused" in err
     assert main(["--case", "tiny8", "--mode", "fused", "--reps", "2", "--group", "1"]) == 0
     assert "no mode" not in capsys.readouterr().err
+    # A filter naming the reference itself ("eager seq") is no typo: nothing to say.
+    assert main(["--case", "tiny8", "--mode", "seq", "--reps", "2", "--group", "1"]) == 0
+    assert "no mode" not in capsys.readouterr().err
 
 
 def test_the_bench_checks_refuse_a_wrong_shape_that_would_broadcast():
