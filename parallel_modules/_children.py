@@ -172,6 +172,12 @@ def _listed(owner: str, operation: str, kind: str, modules: Any) -> list:
     return list(modules)
 
 
+def _slice_text(idx: slice) -> str:
+    r"""``idx`` as written in brackets: ``5:``, ``0:0``, ``::2``."""
+    text = ":".join("" if v is None else str(v) for v in (idx.start, idx.stop))
+    return text if idx.step is None else f"{text}:{idx.step}"
+
+
 def _new_like(block: nn.Module, operation: str, kind: str, *args: Any, **settings: Any) -> nn.Module:
     r"""A new container of ``block``'s class, built of ``args`` with ``settings``, for ``operation`` (a slice,
     ``+``, ``*``), as torch's containers build theirs: ``type(block)(...)``.
@@ -184,7 +190,8 @@ def _new_like(block: nn.Module, operation: str, kind: str, *args: Any, **setting
     try:
         inspect.signature(cls).bind(*args, **settings)
     except TypeError as error:
-        base = next(c for c in cls.__mro__ if c.__module__.startswith(__package__))
+        # (This package's class, not one of a package whose name merely begins with this one's.)
+        base = next(c for c in cls.__mro__ if c.__module__.partition(".")[0] == __package__)
         plural = _plural(kind)
         raise TypeError(
             f"{cls.__name__}: {operation} builds a new {cls.__name__} of the {plural} with the settings of this one "

@@ -2910,7 +2910,8 @@ class _Fusion:
         return True
 
     def forward_replaced(self) -> bool:
-        r"""Whether a fused member's ``forward`` was replaced on its instance since grouping, or, the first
+        r"""Whether a fused member's ``forward`` was replaced on its instance since grouping (or an instance
+        attribute hides one of its registered tensors or submodules: see :meth:`_forward_patched`), or, the first
         time this is asked, whether a member no longer matches its group's first (a hyperparameter set in
         place between the block's construction and its first call: ``branch[1].negative_slope = 0.5``).
 

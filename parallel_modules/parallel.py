@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ._autotune import _ScheduleTuner
 from ._children import _Function, _as_branch, _check_name, _check_numbered, _child_key, _insert_index, _listed, _new_like, _state_to_copy  # noqa: F401  (_Function: pickles name it here)
-from ._children import _layers_in_turn, _writes_its_input
+from ._children import _layers_in_turn, _slice_text, _writes_its_input
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _Joined, _tensor_attributes,
                       _MembersChanged, _UnbatchedNow, _Unfused)
@@ -135,12 +135,6 @@ _REDUCING_JOINS = ("cat", "stack", "sum", "mean")
 _MAX_DIM = 1 << 16
 # Constructor arguments kept as attributes, which a user may change later (see __setattr__).
 _SETTINGS = frozenset({"join", "dim", "streams", "fuse"}) | _GRAPH_SETTINGS
-
-
-def _slice_text(idx: slice) -> str:
-    r"""``idx`` as written in brackets: ``5:``, ``0:0``, ``::2``."""
-    text = ":".join("" if v is None else str(v) for v in (idx.start, idx.stop))
-    return text if idx.step is None else f"{text}:{idx.step}"
 
 
 def _check_setting(owner: str, name: str, value: Any) -> Any:

@@ -38,7 +38,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils import _pytree as pytree
 
 from ._children import (_check_name, _check_numbered, _check_stage, _child_key, _in_turn, _insert_index, _listed,
-                        _new_like, _scripted_in_turn, _state_to_copy, _uncompiled, _writes_its_input)
+                        _new_like, _scripted_in_turn, _slice_text, _state_to_copy, _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
 from ._inputs import _BY_VALUE, _leaf_device, _module_devices, _with_context
@@ -1604,7 +1604,7 @@ class ParallelSequential(nn.Sequential):
 
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
         if isinstance(idx, slice):
-            return self._like(list(self._modules.items())[idx], "a slice")
+            return self._like(list(self._modules.items())[idx], f"a slice, pipe[{_slice_text(idx)}],")
         return self._modules[_child_key(type(self).__name__, list(self._modules), idx, "stage")]
 
     # ``+`` and ``*`` as nn.Sequential's (which would return a plain nn.Sequential), with the

@@ -1232,3 +1232,13 @@ def test_a_subclass_whose_init_takes_other_arguments_is_told_how_to_slice_and_ad
                                             rf"not \(.*\)\. Let {cls}.__init__ take them .*{base}\(\*{kind}\)"):
             eval(how)
         assert list(block) == before  # (pop: refused before anything was deleted)
+
+
+def test_a_slice_of_a_subclass_names_the_slice_and_the_base_of_this_package():
+    # The slice as written, in both blocks' messages (the pipeline's said only "a slice"), and
+    # the base is this package's class even when the subclass's module name begins with its name
+    # (a user's package "parallel_modules_ext" was named as the base before).
+    ext = type("_PipeExt", (_Pipe,), {"__module__": "parallel_modules_ext.layers"})
+    for block, base, name in ((_Heads(3), "Parallel", "block"), (ext(4), "ParallelSequential", "pipe")):
+        with pytest.raises(TypeError, match=rf"a slice, {name}\[1::2\], builds a new .* as {base}\.__init__"):
+            block[1::2]
