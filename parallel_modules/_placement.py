@@ -365,9 +365,8 @@ class _Placement:
             # devices and overlap whatever runs here.
             self._run_local(module, device, branches, local, args, kwargs, outputs)
             if local and _changed(watched, versions):
-                # No join follows: the note _run_forked made for the local branches would
-                # make this thread's next join, another block's, hold its gradients.
-                _graph_state.forked = False
+                # (No join follows: the note _run_forked made for the local branches is
+                # reset by the thread's next Parallel.forward.)
                 raise module._branch_error(_changed_in_place(), local[-1])
         finally:
             if cached_casts:

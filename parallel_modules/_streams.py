@@ -353,7 +353,8 @@ class _GraphState(threading.local):
     crossing = False
     variant: Any = None  # (module, variant) being warmed up or captured: see _graphs._graph_variant
     # Autograd recorded branches on side streams since the last join read this: the join holds the
-    # gradient it hands them (see the module docstring, backward; _joins._join_outputs resets it).
+    # gradient it hands them (see the module docstring, backward; _joins._join_outputs resets it,
+    # and Parallel.forward one left by a call that raised before its join).
     forked = False
 
 

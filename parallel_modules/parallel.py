@@ -1532,17 +1532,24 @@ class Parallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r"""Run every branch on ``*args, **kwargs`` and join the outputs."""
         tracing = _is_tracing()  # (first: a compiler must not read, and guard on, the count of changes)
-        if not tracing and self._tree.seen != _watch._changes:
-            changed = self._tree.changed(self)
-            if changed is _watch._WHILE_SWAPPED:  # (see there: made anew at a call outside)
-                placement = _place(self)  # (branches on several devices: each on its own)
-                return self._joined(placement.run(self, args, kwargs) if placement is not None
-                                    else self._run(args, kwargs, None, None))
-            if changed:
-                # A submodule, parameter or buffer below was replaced or added since the
-                # groups, schedules and graphs were made (see _watch): make them anew.
-                # (Not for tensors swapped in by functional_call: see _Tree.changed.)
-                self._reset()
+        if not tracing:
+            # A fork's note for its join (``_graph_state.forked``) is read by that join, in
+            # the same call, with no block's forward in between; one still set here was left
+            # by a call that raised between the two, and would make this call's join hold its
+            # gradients for the rest of the backward pass (see _streams, backward). Reset
+            # here rather than on every error path: one store, on every eager call.
+            _graph_state.forked = False
+            if self._tree.seen != _watch._changes:
+                changed = self._tree.changed(self)
+                if changed is _watch._WHILE_SWAPPED:  # (see there: made anew at a call outside)
+                    placement = _place(self)  # (branches on several devices: each on its own)
+                    return self._joined(placement.run(self, args, kwargs) if placement is not None
+                                        else self._run(args, kwargs, None, None))
+                if changed:
+                    # A submodule, parameter or buffer below was replaced or added since the
+                    # groups, schedules and graphs were made (see _watch): make them anew.
+                    # (Not for tensors swapped in by functional_call: see _Tree.changed.)
+                    self._reset()
         if self.cuda_graph:
             if not tracing and self._param_moves != self._graph_moves:  # (tracing first: see above)
                 # Fusion moved parameters to new memory: graphs read the old.

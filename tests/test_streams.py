@@ -348,6 +348,42 @@ def test_a_join_after_a_recorded_fork_resets_what_the_fork_noted():
         _graph_state.forked = False
 
 
+
+def test_a_call_failing_between_its_fork_and_its_join_leaves_nothing_for_the_next_join_to_hold(monkeypatch):
+    # A fork notes branches that autograd recorded for the join that follows (see _streams,
+    # backward). An exception between the note and that join (raised by _join_backward or a fused
+    # group's scatter, a KeyboardInterrupt) left the note set: the thread's next join, of a block
+    # that never forked, took it for its own and held its gradients to the end of the backward pass.
+    from torch import nn
+
+    from parallel_modules import Parallel, _joins
+    from parallel_modules import parallel as _parallel
+
+    def noted_then_failed(calls, device, args, kwargs, join, error):  # (_fork_join's arguments)
+        outputs = [call(*args, **kwargs) for call in calls]
+        if torch.is_grad_enabled() and _streams._recording(outputs):
+            _streams._graph_state.forked = True  # as _run_forked notes it, before _join_backward
+        raise RuntimeError("interrupted before the join")
+
+    with monkeypatch.context() as m:  # (a CUDA input, as the fork sees it)
+        m.setattr(_parallel, "_input_device", lambda a, k: torch.device("cuda", 0))
+        m.setattr(_parallel, "_check_devices", lambda *a: None)
+        m.setattr(_parallel, "_current_device", lambda: 0)
+        m.setattr(_parallel, "_capture_underway", lambda: False)
+        m.setattr(_parallel, "_fork_join", noted_then_failed)
+        forked = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), join="sum", streams=True)
+        with pytest.raises(RuntimeError, match="interrupted before the join"):
+            forked(torch.randn(2, 4))
+    try:
+        held = []
+        monkeypatch.setattr(_joins, "_hold_join_gradients", lambda *a, **k: held.append(a))
+        other = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), join="sum")
+        other(torch.randn(2, 4)).sum().backward()
+        assert held == []
+    finally:
+        _streams._graph_state.forked = False
+
+
 def test_an_in_place_join_after_a_fork_holds_its_gradients(monkeypatch):
     # (A join of the user's summing in place gives the first output a node of its own: the
     # outputs' nodes are numbered before the join runs, or its sum would be taken for theirs.)
