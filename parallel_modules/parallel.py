@@ -23,7 +23,7 @@ from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _G
                       _MembersChanged, _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._fusion import _numbered
-from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
+from ._graphs import _GRAPH_SETTINGS, _any_autocast, _autocast_state, _check_graph_setting, _CudaGraphs, _graph_variant
 from ._inputs import _bounded_add, _check_devices, _input_device, _put_back, _signature, _with_context
 from ._joins import JoinSpec, _check_join, _first_line, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
@@ -1564,6 +1564,8 @@ class Parallel(nn.Module):
             # of calling the branches by hand. (``_run``'s sequential loop and
             # ``_combine``'s cat are its twins.)
             key = _signature(args, kwargs, self.training, floats=False)
+            if _any_autocast():  # (one C call while autocast is off, as it mostly is)
+                key = _under_autocast(key)
             plan = self._plans.get(key)
             if plan is not None and self._compiler is None and not (plan.cuda and _capture_underway()):
                 if plan.forked and self.streams == "auto" and torch.is_grad_enabled() or plan.fused and (
@@ -1656,6 +1658,8 @@ class Parallel(nn.Module):
             # One dict lookup per call decides everything: the schedule chosen for
             # this signature, or none yet (tuning).
             key = _signature(args, kwargs, self.training, floats=False)
+            if _any_autocast():
+                key = _under_autocast(key)
             plan = self._plans.get(key)
         else:
             key, plan = looked_up
@@ -2019,9 +2023,31 @@ def _all_identical(branches: list[nn.Module]) -> bool:
     return all(_difference(branches[0], b) is None for b in branches[1:])
 
 
+class _UnderAutocast(NamedTuple):
+    r"""The schedule key of a call under CUDA autocast (see :func:`_under_autocast`)."""
+
+    signature: Hashable
+    dtype: torch.dtype
+
+
+def _under_autocast(signature: Hashable) -> Hashable:
+    r"""The key a call's schedule is chosen and kept for, from its input ``signature``: with the dtype
+    CUDA autocast casts to, if it is on.
+
+    Under ``torch.autocast("cuda", torch.bfloat16)`` the branches run other kernels, on other
+    dtypes: a schedule timed in float32 was not timed for them (and the reverse). Keyed as the
+    graphs key it (``_graphs._autocast_state``): the tuner times CUDA calls only. Called where
+    ``_graphs._any_autocast()`` says some autocast is on: a plain key otherwise costs nothing.
+    """
+    dtype = _autocast_state()
+    return signature if dtype is None else _UnderAutocast(signature, dtype)
+
+
 def _one_tensor(key: Hashable) -> bool:
     r"""Whether the signature ``key`` (see ``_inputs._signature``) is of a call of one dense tensor, the calls
     fused groups run (see :meth:`Parallel._fusion_for`): a plain one, or a subclass's."""
+    if type(key) is _UnderAutocast:
+        key = key.signature
     if isinstance(key[0], torch.Size):
         return True
     leaves = key[3:]
@@ -2083,8 +2109,11 @@ def _describe_signature(key: Hashable) -> str:
     Everything the key holds is shown, so that two signatures never read alike:
     strides where a tensor is not contiguous, ``requires_grad``, the values of
     numbers and dtypes, the types of other arguments, where each was passed
-    (``f(x, y)`` or ``f(x, y=y)``), training and no-grad calls.
+    (``f(x, y)`` or ``f(x, y=y)``), training and no-grad calls, and a schedule's autocast
+    (see :func:`_under_autocast`).
     """
+    if type(key) is _UnderAutocast:
+        return f"{_describe_signature(key.signature)}, autocast to {str(key.dtype).replace('torch.', '')}"
     single = isinstance(key[0], torch.Size)  # (shape, stride, dtype, device, requires_grad, grad, training)
     grad, training = (key[5], key[6]) if single else (key[1], key[2])  # or (spec, grad, training, *leaves)
     if single:
