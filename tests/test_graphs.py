@@ -895,9 +895,10 @@ def test_training_gradients_equal_eager(input_grad, direct, monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("change", ["frozen", "grad_dtype"])
-def test_a_parameter_changed_between_forward_and_backward_takes_its_gradient_as_eagerly(change, direct):
+def test_a_parameter_changed_between_forward_and_backward_takes_its_gradient_as_eagerly(change, direct, fuse):
     # An accumulator reads its parameter when the backward runs it: a parameter frozen between
     # a forward and its backward gets no gradient, one given a grad_dtype meanwhile gets its
     # gradient cast. The replay's hand-out to .grad did neither (it wrote the frozen one's
@@ -906,7 +907,7 @@ def test_a_parameter_changed_between_forward_and_backward_takes_its_gradient_as_
         pytest.skip("this torch has no Tensor.grad_dtype")
     branches = _mlp(2)
     reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
-    block = _graphed(branches, direct_grads=direct)
+    block = _graphed(branches, direct_grads=direct, fuse=fuse)  # (fused: a member's own slice of the stacks)
     for step in range(4):  # the capture, then replays; .grad set to None, or zeroed, between them
         x = torch.randn(8, 64, device="cuda")
         out, out_ref = block(x), _reference(reference, x)
