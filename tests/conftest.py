@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -40,3 +40,18 @@ def _deterministic_numerics() -> Iterator[None]:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+@pytest.fixture
+def cuda_autocast_flag() -> Iterator[Callable[[bool], None]]:
+    r"""Turns CUDA autocast on as ``torch.autocast("cuda", torch.bfloat16)`` does, without a GPU (which
+    ``torch.autocast`` would refuse): the flag only, which CPU tensors' kernels never read."""
+    enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+
+    def turn(on: bool) -> None:
+        torch.set_autocast_enabled("cuda", on)
+        torch.set_autocast_dtype("cuda", torch.bfloat16 if on else dtype)
+
+    yield turn
+    torch.set_autocast_enabled("cuda", enabled)
+    torch.set_autocast_dtype("cuda", dtype)

@@ -578,21 +578,6 @@ def test_compiled_branches_on_inference_inputs_no_branch_writes_to_are_forked(fo
     assert len(forks) == 2 and p._unwritten  # the first call ran watched, in turn
 
 
-@pytest.fixture
-def cuda_autocast_flag():
-    r"""Turns CUDA autocast on as ``torch.autocast("cuda", torch.bfloat16)`` does, without a GPU (which
-    ``torch.autocast`` would refuse): the flag only, which CPU tensors' kernels never read."""
-    enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-
-    def turn(on: bool) -> None:
-        torch.set_autocast_enabled("cuda", on)
-        torch.set_autocast_dtype("cuda", torch.bfloat16 if on else dtype)
-
-    yield turn
-    torch.set_autocast_enabled("cuda", enabled)
-    torch.set_autocast_dtype("cuda", dtype)
-
-
 def test_a_schedule_timed_without_autocast_is_not_kept_under_it(forks, cuda_autocast_flag):
     # Under autocast the branches run other kernels on other dtypes: a schedule timed in float32
     # was not timed for them. Before: the float32 plan was looked up for the bfloat16 call too.
