@@ -92,7 +92,7 @@ from ._compile import _WHOLE
 from . import _watch
 from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
-from ._inputs import _bounded_add, _input_device, _signature, _value_key
+from ._inputs import _BY_VALUE, _bounded_add, _grad_and_training, _input_device, _signature, _value_key
 from ._saved import _saved_storages
 from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dense, _dispatch_modes,
                        _graph_state, _hidden_tensors, _in_backward, _is_tracing, _pools, _result_changing_function_modes,
@@ -327,6 +327,8 @@ _KERNEL_GETTERS = tuple(getter for getter in (getattr(torch._C, name, None) for 
     "_get_deterministic_algorithms_warn_only", "_get_deterministic_fill_uninitialized_memory",
     "_get_cudnn_benchmark", "_get_cudnn_depthwise_kernel", "_get_fa3_sdp_enabled",
 )) if getter is not None)
+# Their names, as explain() gives a graph's settings where they differ from the process's now.
+_KERNEL_NAMES = tuple(getter.__name__.removeprefix("_get_") for getter in _KERNEL_GETTERS)
 # The order in which scaled-dot-product attention tries the backends enabled
 # (``sdpa_kernel([...], set_priority=True)``): the first that takes a call runs it. (A list, which
 # a key cannot hold: made a tuple.)
@@ -336,6 +338,19 @@ _sdp_priority = getattr(torch._C, "_get_sdp_priority_order", list)
 def _kernel_settings() -> Hashable:
     r"""The process's settings that decide which kernels a capture records (see :func:`_tf32`)."""
     return _tf32(), tuple([getter() for getter in _KERNEL_GETTERS]), tuple(_sdp_priority())
+
+
+def _kernel_differences(settings: Hashable) -> list[str]:
+    r"""Which of the kernel ``settings`` a graph was captured under (see :func:`_kernel_settings`) differ
+    from the process's now, as ``name=value``."""
+    tf32, flags, priority = settings
+    now_tf32, now_flags, now_priority = _kernel_settings()
+    tf32_names = (("cuda matmul fp32_precision", "cuda conv fp32_precision", "cuda rnn fp32_precision",
+                   "cuda fp32_precision", "fp32_precision") if len(tf32) == 5
+                  else ("cuda.matmul.allow_tf32", "cudnn.allow_tf32"))
+    named = [*zip(tf32_names, tf32, now_tf32), *zip(_KERNEL_NAMES, flags, now_flags),
+             ("sdp priority order", priority, now_priority)]
+    return [f"{name}={value!r}" for name, value, now in named if value != now]
 
 
 def _tf32() -> Hashable:
@@ -1540,6 +1555,47 @@ class _CudaGraphs:
             _kernel_settings(),  # (kernels are chosen when captured)
             _alignment(args, kwargs),
         )
+
+    def describe(self, key: Hashable) -> str:
+        r"""What a graph's cache ``key`` (see :meth:`_key`) holds beyond its input signature and its
+        autocast, readable: only where it differs from a plain call's, so that two keys never read alike.
+
+        (The signature tells the owner's mode, whether autograd recorded and which inputs require
+        grad; explain() describes it, and the autocast, as it does a schedule's key.)
+        """
+        _, moded, extra, inference, _, dtype, requires_grad, kernels, alignment = key
+        _, training = _grad_and_training(key[0])
+        owner = self._owner()
+        parts = []
+        if inference:
+            parts.append("inference mode")
+        if moded and owner is not None:
+            names = {id(m): name for name, m in owner.named_modules()}
+            apart = [names.get(id(m), "?") for m, mode in zip(self._moded, moded) if mode != training]
+            if apart:
+                parts.append(f"submodules {apart} in {'eval' if training else 'training'} mode")
+        if requires_grad is not None and owner is not None:
+            params = [name for name, _ in owner.named_parameters()]
+            buffers = [name for name, b in owner.named_buffers() if b.is_floating_point() or b.is_complex()]
+            frozen = [name for name, rg in zip(params, requires_grad) if not rg]
+            if frozen:
+                parts.append("parameters frozen" if len(frozen) == len(params) else f"parameters {frozen} frozen")
+            grads = [name for name, rg in zip(buffers, requires_grad[len(params):]) if rg]
+            if grads:
+                parts.append(f"buffers {grads} require grad")
+        if dtype != torch.float32:
+            parts.append(f"default dtype {str(dtype).replace('torch.', '')}")
+        # (Numbers, strings, dtypes and devices the signature shows by value; other arguments by type.)
+        baked = [repr(value) for kind, value in extra if not issubclass(kind, _BY_VALUE)]
+        if baked:
+            parts.append(f"arguments {', '.join(baked)}")
+        differences = _kernel_differences(kernels)
+        if differences:
+            parts.append(f"kernel settings {', '.join(differences)}")
+        offsets = alignment if isinstance(alignment, tuple) else (alignment,)
+        if any(offsets):
+            parts.append(f"input{'s' if len(offsets) > 1 else ''} at {alignment} bytes past 16-byte alignment")
+        return "".join(f", {part}" for part in parts)
 
     def _look(self, owner: nn.Module) -> list[nn.Parameter]:
         r"""Note what the graphs of ``owner`` will read by address or have baked in; returns its parameters."""

@@ -93,6 +93,14 @@ def _signature(args: tuple, kwargs: dict, training: bool, floats: bool = True) -
     return tuple(parts)
 
 
+def _grad_and_training(signature: Hashable) -> tuple[bool, bool]:
+    r"""Whether autograd recorded, and whether the module was training, in a call of ``signature`` (see
+    :func:`_signature`)."""
+    if isinstance(signature[0], torch.Size):  # (shape, stride, dtype, device, requires_grad, grad, training)
+        return signature[5], signature[6]
+    return signature[1], signature[2]  # (spec, grad, training, *leaves)
+
+
 def _value_key(value: Any) -> Hashable:
     r"""A non-tensor argument as a key: by type and value.
 

@@ -24,7 +24,8 @@ from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _G
 from ._fusion import _lock as _fusion_lock
 from ._fusion import _numbered
 from ._graphs import _GRAPH_SETTINGS, _any_autocast, _autocast_state, _check_graph_setting, _CudaGraphs, _graph_variant
-from ._inputs import _bounded_add, _check_devices, _input_device, _put_back, _signature, _with_context
+from ._inputs import (_bounded_add, _check_devices, _grad_and_training, _input_device, _put_back, _signature,
+                      _with_context)
 from ._joins import JoinSpec, _check_join, _first_line, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
@@ -736,7 +737,11 @@ class Parallel(nn.Module):
         unfused, or the branches in order, where timing did not decide it, and
         the CPU and GPU time per call it measured for each schedule it timed;
         for a CUDA graph, ``"CUDA graph, ..."`` with the variant replayed: the
-        order its branches are launched in, a branch on a high-priority stream;
+        order its branches are launched in, a branch on a high-priority stream
+        (each graph its own entry: graphs of one input signature, captured under
+        autocast or another default dtype, in inference mode, with submodules in
+        another mode, parameters frozen, other kernel settings or inputs at
+        another alignment, named by what sets them apart);
         with ``compile=``,
         also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
         compiled as one, one stream"``, whichever replayed fastest; ``"(input
@@ -812,8 +817,14 @@ class Parallel(nn.Module):
         if self.cuda_graph and not changed:
             fused_graphs = self.fuse is True or (self.fuse == "auto" and bool(fused))
             for k, (variant, reads) in self._graphs.schedules().items():
+                # Each graph by all its key holds (see _CudaGraphs._key: the signature first, the autocast
+                # dtype fifth; then modes, which parameters require grad, kernel settings ...), so that
+                # graphs of one input signature do not overwrite each other here. Under autocast it reads as
+                # the schedule of its signature and autocast does, which the graph replaces for those calls.
+                signature = k[0] if k[4] is None else _UnderAutocast(k[0], k[4])
+                described = _describe_signature(signature) + self._graphs.describe(k)
                 if variant is not None and _WHOLE in variant:
-                    schedules[_describe_signature(k[0])] = "CUDA graph, the block compiled as one, one stream"
+                    schedules[described] = "CUDA graph, the block compiled as one, one stream"
                     continue
                 how = [v for v in variant or () if v in ("fused", "unfused")] or [
                     "fused" if fused_graphs else "unfused"]
@@ -822,7 +833,7 @@ class Parallel(nn.Module):
                 names = list(self._modules)
                 order = next((v.order for v in variant or () if isinstance(v, _Order)), range(len(names)))
                 read = " (input read in place)" if reads else ""
-                schedules[_describe_signature(k[0])] = f"CUDA graph{read}, {', '.join(how)}, " + (
+                schedules[described] = f"CUDA graph{read}, {', '.join(how)}, " + (
                     "streams" if self.streams is not False else "sequential") + "".join(
                     f", branch {names[order[v.index]]!r} on a high-priority stream"
                     for v in variant or () if isinstance(v, _Priority)) + "".join(
@@ -2114,9 +2125,8 @@ def _describe_signature(key: Hashable) -> str:
     """
     if type(key) is _UnderAutocast:
         return f"{_describe_signature(key.signature)}, autocast to {str(key.dtype).replace('torch.', '')}"
-    single = isinstance(key[0], torch.Size)  # (shape, stride, dtype, device, requires_grad, grad, training)
-    grad, training = (key[5], key[6]) if single else (key[1], key[2])  # or (spec, grad, training, *leaves)
-    if single:
+    grad, training = _grad_and_training(key)
+    if isinstance(key[0], torch.Size):
         parts = [_describe_leaf(key[:5])]
     else:
         args, kwargs = pytree.tree_unflatten([_describe_leaf(item) for item in key[3:]], key[0])

@@ -653,6 +653,74 @@ def test_moving_or_changing_branches_drops_graphs():
         assert len(block._graphs) == 0
 
 
+def test_explain_shows_each_graph_of_one_signature_by_what_its_key_holds_apart(cuda_autocast_flag):
+    # A graph's key holds more than its input signature: submodules' modes, autocast, which
+    # parameters require grad, the default dtype, arguments baked in, kernel settings, where the
+    # inputs lie. Before, explain() described graphs by the signature alone: graphs of one
+    # signature read alike and overwrote each other, so it listed fewer than were cached (the
+    # one left possibly not the next call's). The graphs are stood in for: keys the cache makes.
+    from types import SimpleNamespace
+
+    from parallel_modules._inputs import _value_key
+
+    class Config:
+        def __repr__(self) -> str:
+            return "Config()"
+
+    block = Parallel(nn.Sequential(nn.Linear(4, 4), nn.Dropout()), nn.Linear(4, 4), cuda_graph=True).eval()
+    graphs = block._graphs
+    x = torch.randn(2, 4)
+
+    def cache(args=(x,), kwargs=None, extra=()) -> None:
+        graphs._graphs[graphs._key(block, args, kwargs or {}, extra)] = SimpleNamespace(variant=None, reader=None)
+
+    with torch.no_grad():
+        cache()
+    cache()
+    cuda_autocast_flag(True)
+    cache()
+    cuda_autocast_flag(False)
+    block[0][1].train()
+    cache()
+    block[0][1].eval()
+    block[1].weight.requires_grad_(False)
+    cache()
+    block.requires_grad_(False)
+    cache()
+    block.requires_grad_(True)
+    torch.set_default_dtype(torch.float64)
+    try:
+        cache()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.inference_mode():
+        cache()
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = not benchmark
+    try:
+        cache()
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+    cache(args=(torch.randn(9)[1:].view(2, 4),))  # (4 bytes past where a fresh tensor lies)
+    config = Config()
+    cache(kwargs={"config": config}, extra=(_value_key(config),))
+    schedules = block.explain()["schedules"]
+    assert len(graphs) == 11 and list(schedules) == [
+        "Tensor(2, 4) float32 on cpu, no grad",
+        "Tensor(2, 4) float32 on cpu",
+        "Tensor(2, 4) float32 on cpu, autocast to bfloat16",
+        "Tensor(2, 4) float32 on cpu, submodules ['0.1'] in training mode",
+        "Tensor(2, 4) float32 on cpu, parameters ['1.weight'] frozen",
+        "Tensor(2, 4) float32 on cpu, parameters frozen",
+        "Tensor(2, 4) float32 on cpu, default dtype float64",
+        "Tensor(2, 4) float32 on cpu, no grad, inference mode",
+        f"Tensor(2, 4) float32 on cpu, kernel settings cudnn_benchmark={not benchmark}",
+        "Tensor(2, 4) float32 on cpu, input at 4 bytes past 16-byte alignment",
+        "Tensor(2, 4) float32 on cpu, config=Config, arguments Config()",
+    ], schedules
+    assert set(schedules.values()) == {"CUDA graph, unfused, streams"}
+
+
 # --------------------------------------------------------------------- CUDA
 def _graphed(branches, **kwargs) -> Parallel:
     return Parallel(*branches, cuda_graph=True, **kwargs).cuda()
@@ -662,6 +730,23 @@ def _only_graph(block: Parallel):
     graphs = list(block._graphs._graphs.values())
     assert len(graphs) == 1
     return graphs[0]
+
+
+@cuda
+def test_explain_shows_the_graphs_with_and_without_autocast_of_one_signature():
+    # The CUDA counterpart of the test above: two graphs of one input signature, one captured
+    # under autocast. Before, explain() gave one entry for both.
+    block = _graphed(_mlp(2)).eval()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        block(x)
+        with torch.autocast("cuda", torch.bfloat16):
+            block(x)
+    assert len(block._graphs) == 2
+    schedules = block.explain()["schedules"]
+    graphed = [k for k, v in schedules.items() if v.startswith("CUDA graph")]
+    assert graphed == [f"Tensor(8, 64) float32 on {x.device}, no grad",
+                       f"Tensor(8, 64) float32 on {x.device}, no grad, autocast to bfloat16"], schedules
 
 
 @cuda
