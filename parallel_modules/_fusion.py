@@ -78,7 +78,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_stack
 
 from . import _batched_linear, _watch
-from ._inputs import _bounded_add
+from ._inputs import _BY_VALUE, _bounded_add
 from ._saved import _saved_storages
 from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _graph_task,
                        _is_tracing, _jit_tracing, _pool, _saved_hooks_recording, _Writes)
@@ -2605,7 +2605,10 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             return out
         if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return out
-        held = next((leaf for leaf in leaves if not isinstance(leaf, torch.Tensor) and _holds_tensors(leaf)), None)
+        # (Values kept by value -- None, numbers, strings -- hold no tensors: not looked into, which
+        # Dynamo cannot trace for all of them: ``hasattr(NoneType, ...)`` under a strict export.)
+        held = next((leaf for leaf in leaves if not isinstance(leaf, (torch.Tensor, *_BY_VALUE))
+                     and _holds_tensors(leaf)), None)
         if held is not None:
             # An object pytree does not look into (a dataclass) passes out of vmap as it is, with
             # the batched tensors inside it: they would reach the caller unbatched and dead.
