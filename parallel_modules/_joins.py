@@ -148,10 +148,14 @@ def _mismatch(how: str, dim: int, leaves: list[Any]) -> Exception | None:
         if any(len(shape) == 1 and not _differ(shape[0], 0) for shape in shapes):
             return None  # (legacy: torch.cat skips 1-D empty tensors)
         n = len(shapes[0])
-        if any(len(shape) != n for shape in shapes) or n == 0:
-            return RuntimeError("Tensors must have same number of dimensions")
+        if any(len(shape) == 0 for shape in shapes):
+            return RuntimeError("zero-dimensional tensor cannot be concatenated")
+        # (torch.cat checks dim against the first tensor before it compares the others' ranks: a dim
+        # out of range is an IndexError even where the ranks differ too, as eagerly)
         if not -n <= dim < n:
             return IndexError(f"Dimension out of range (expected to be in range of [{-n}, {n - 1}], but got {dim})")
+        if any(len(shape) != n for shape in shapes):
+            return RuntimeError("Tensors must have same number of dimensions")
         d = dim % n
         if any(_differ(a, b) for shape in shapes for i, (a, b) in enumerate(zip(shape, shapes[0])) if i != d):
             return RuntimeError("Sizes of tensors must match except in the concatenated dimension")

@@ -425,6 +425,23 @@ def test_a_join_mismatch_names_the_branches_under_compilers(join, second, how):
         assert isinstance(e.value, RuntimeError) and str(e.value).startswith(f"Parallel: join={join!r}")
 
 
+@pytest.mark.parametrize("how", ["fullgraph", "export"])
+def test_a_cat_dim_out_of_range_for_outputs_of_several_ranks_is_an_index_error_under_compilers(how):
+    # Before: the shape checks run while tracing compared the ranks (2 and 1) before the dim, so a
+    # traced block said the ranks differ where the eager one says, as torch.cat does, dim is out of range.
+    model = Parallel(nn.Linear(8, 4), nn.Sequential(nn.Linear(8, 4), nn.Flatten(0)), join="cat", dim=-3)
+    x = torch.randn(6, 8)
+    with pytest.raises(IndexError) as eager:
+        model(x)
+    with pytest.raises(Exception) as traced:
+        if how == "export":
+            torch.export.export(model, (x,), strict=True)
+        else:
+            torch.compile(model, backend="eager", fullgraph=True)(x)
+    assert "(IndexError: Dimension out of range" in str(eager.value)
+    assert "(IndexError: Dimension out of range" in str(traced.value), str(traced.value)[:300]
+
+
 @pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
 @pytest.mark.parametrize("how", ["fullgraph", "export"])
 def test_joins_of_sizes_that_depend_on_data_trace(join, how):
