@@ -190,8 +190,9 @@ def _new_like(block: nn.Module, operation: str, kind: str, *args: Any, **setting
     try:
         inspect.signature(cls).bind(*args, **settings)
     except TypeError as error:
-        # (This package's class, not one of a package whose name merely begins with this one's.)
-        base = next(c for c in cls.__mro__ if c.__module__.partition(".")[0] == __package__)
+        # (This package's class, not one of a package whose name merely begins with this one's; the
+        # package may be vendored under another, ``vendor.parallel_modules``.)
+        base = next(c for c in cls.__mro__ if c.__module__.startswith(f"{__package__}."))
         plural = _plural(kind)
         raise TypeError(
             f"{cls.__name__}: {operation} builds a new {cls.__name__} of the {plural} with the settings of this one "

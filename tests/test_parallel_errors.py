@@ -1242,3 +1242,17 @@ def test_a_slice_of_a_subclass_names_the_slice_and_the_base_of_this_package():
     for block, base, name in ((_Heads(3), "Parallel", "block"), (ext(4), "ParallelSequential", "pipe")):
         with pytest.raises(TypeError, match=rf"a slice, {name}\[1::2\], builds a new .* as {base}\.__init__"):
             block[1::2]
+
+
+def test_a_slice_of_a_subclass_names_the_base_of_this_package_when_it_is_vendored(monkeypatch):
+    # Vendored as a subpackage (``vendor.parallel_modules``), the base's module is
+    # ``vendor.parallel_modules.parallel``: a test of its first dotted part against the package's
+    # name found no base, and the refusal raised StopIteration in place of its TypeError.
+    from parallel_modules import _children
+
+    monkeypatch.setattr(_children, "__package__", "vendor.parallel_modules")
+    for cls in (Parallel, ParallelSequential):
+        monkeypatch.setattr(cls, "__module__", f"vendor.parallel_modules.{cls.__module__.rpartition('.')[2]}")
+    for block, base in ((_Heads(3), "Parallel"), (_Pipe(4), "ParallelSequential")):
+        with pytest.raises(TypeError, match=rf"a slice, .* as {base}\.__init__ takes them"):
+            block[1::2]
