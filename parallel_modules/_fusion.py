@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import enum
 import functools
 import itertools
 import threading
@@ -2605,9 +2606,10 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             return out
         if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return out
-        # (Values kept by value -- None, numbers, strings -- hold no tensors: not looked into, which
-        # Dynamo cannot trace for all of them: ``hasattr(NoneType, ...)`` under a strict export.)
-        held = next((leaf for leaf in leaves if not isinstance(leaf, (torch.Tensor, *_BY_VALUE))
+        # (Values kept by value -- None, numbers, strings, enum members -- hold no tensors: not looked
+        # into, which Dynamo cannot trace for all of them under torch 2.11: ``hasattr(NoneType, ...)``
+        # under a strict export, ``hasattr`` of an enum member under ``fullgraph=True``.)
+        held = next((leaf for leaf in leaves if not isinstance(leaf, (torch.Tensor, enum.Enum, *_BY_VALUE))
                      and _holds_tensors(leaf)), None)
         if held is not None:
             # An object pytree does not look into (a dataclass) passes out of vmap as it is, with

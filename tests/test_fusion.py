@@ -321,6 +321,33 @@ def test_fused_members_returning_a_dataclass_of_tensors_are_refused_or_run_unfus
         assert torch.equal(out.y, expected.y) and out.y.requires_grad
 
 
+class _Kind(enum.Enum):
+    LINEAR = 1
+
+
+class TaggedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Kind]:
+        return self.lin(x), _Kind.LINEAR
+
+
+def test_fused_members_returning_an_enum_member_compile_as_one_graph():
+    # The dataclass check above looks into no enum member: under torch 2.11 Dynamo cannot trace
+    # its ``hasattr``, and a fused block whose members tag their output broke fullgraph=True.
+    torch.manual_seed(0)
+    block = Parallel(*[TaggedLinear() for _ in range(2)], join=None, fuse=True)
+    x = torch.randn(3, 4)
+    expected = block(x)
+    torch._dynamo.reset()
+    outs = torch.compile(block, backend="eager", fullgraph=True)(x)
+    for out, (y, kind) in zip(outs, expected):
+        assert out[1] is kind is _Kind.LINEAR
+        torch.testing.assert_close(out[0], y)
+
+
 class TwoHeadsConv(nn.Module):
     def __init__(self) -> None:
         super().__init__()
