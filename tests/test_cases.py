@@ -218,6 +218,21 @@ def test_the_bench_check_refuses_nan_in_a_mode_that_may_round_differently():
         _check("'c'", "eager Parallel fused", out, ref, torch.float32, True)
 
 
+def test_the_bench_check_takes_infinities_met_by_the_same_and_empty_outputs():
+    from parallel_modules.bench import _check
+
+    ref = torch.tensor([1.0, float("inf"), -float("inf"), 0.5])
+    assert _check("'c'", "eager Parallel", ref.clone(), ref, torch.float32, True) == "equal"
+    assert _check("'c'", "eager Parallel fused", ref.clone(), ref, torch.float32, True) == "close(1e-05): 0"
+    # An infinity in the reference does not make every error "close": scaled by the finite elements.
+    off = ref.clone()
+    off[3] = 0.6
+    with pytest.raises(AssertionError, match="max abs error 0.1"):
+        _check("'c'", "eager Parallel fused", off, ref, torch.float32, True)
+    empty = torch.ones(0, 8)
+    assert _check("'c'", "eager Parallel fused", empty.clone(), empty, torch.float32, True) == "close(1e-05): 0"
+
+
 def test_the_bench_check_catches_a_mode_that_ignores_new_values_in_its_input(monkeypatch):
     import parallel_modules.bench as bench
 
