@@ -42,6 +42,9 @@ Output, flushed as it goes, so that a run cut short is still useful:
     MEMORY ...          torch.cuda.memory_allocated() after gc grew across a scenario's injections
     SKIP scenario (why) e.g. needs CUDA under --device cpu
 
+(A finding about module-level state is also reported once more by the next injection point, whose
+clean call resets what the previous one left: read the first of such a pair.)
+
 and at the end (or when --budget seconds are spent) a summary: injection points run / fired / failed,
 findings grouped by function, memory at the start and the end. Exit status 1 if anything was found.
 TF32 is off. ``--device cpu`` runs the harness on the CPU fallback (CUDA-only scenarios skipped).
@@ -414,6 +417,7 @@ def run_one(sc: Scenario, exact: bool, code: Any, nth: int, at: str, exc: type, 
     gs0 = global_state()
     torch.manual_seed(1)
     fired = code is None  # (calibration: no injection)
+    fault: BaseException | None = None
     if code is not None:
         for i in range(3):
             x = make_input(sc)
@@ -428,7 +432,7 @@ def run_one(sc: Scenario, exact: bool, code: Any, nth: int, at: str, exc: type, 
                     set_trace(None)
                     if not injected(e):
                         return f"the faulted call raised something else: {type(e).__name__}: {str(e)[:200]}", e
-                    fired = True
+                    fired, fault = True, e
                     if CALLER is not None and torch.cuda.current_stream() != CALLER:
                         return (f"current stream after the error is {torch.cuda.current_stream()}, "
                                 f"not the caller's {CALLER}"), e
@@ -514,7 +518,7 @@ def run_one(sc: Scenario, exact: bool, code: Any, nth: int, at: str, exc: type, 
         except BaseException as e:
             problems.append(f"synchronize after the check calls failed: {e}")
             first_exc = first_exc or e
-    return ("; ".join(problems) if problems else "ok"), first_exc
+    return ("; ".join(problems) if problems else "ok"), first_exc or fault
 
 
 def prio(code: Any, nth_rank: int, at: str, exc: type, pos: int, si: int) -> tuple:
