@@ -1008,7 +1008,8 @@ def test_a_parameter_changed_between_forward_and_backward_takes_its_gradient_as_
             assert (p.grad is None) == (p_ref.grad is None)
             if p.grad is not None:
                 assert p.grad.dtype == p_ref.grad.dtype
-                torch.testing.assert_close(p.grad, p_ref.grad)
+                # (Fused: float32 sums in another order, then cast: float32's tolerance, not float64's.)
+                torch.testing.assert_close(p.grad, p_ref.grad, **(dict(rtol=1.3e-6, atol=1e-5) if fuse else {}))
         for p in changed:
             p.requires_grad_(True)
         block.zero_grad(set_to_none=step % 2 == 0)
