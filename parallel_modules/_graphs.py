@@ -2001,12 +2001,15 @@ class _CudaGraphs:
                     # capture, and may run other kernels there.)
                     self._reader(graph, owner, forward, args, kwargs, tensors, caller)
             finally:
-                _clear_cublas_workspaces()
+                # The thread's own state first, before anything that can raise (a CUDA error, or a
+                # KeyboardInterrupt arriving in it): left set, ``active`` told every later call of
+                # this thread that a capture was under way, for the rest of the process.
                 _local.active = False
                 _local.variant = None
                 torch.set_autocast_cache_enabled(autocast_cache)
                 _warn_mismatch(warn_mismatch)
                 torch.cuda.set_stream(caller)
+                _clear_cublas_workspaces()
                 # Warm-up (and timing replays) ran the module: put its buffers back,
                 # so that the replay of this call is the only update they see. (Its own
                 # buffers first, where a warm-up that failed had assigned others.)

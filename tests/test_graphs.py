@@ -54,6 +54,31 @@ def _graph_warnings(record) -> list[str]:
 
 
 @cuda
+def test_a_capture_failing_in_its_cleanup_leaves_this_thread_no_capture_under_way(monkeypatch):
+    # Found by tools/exp_gpu_inject.py: the capture's cleanup cleared cuBLAS's workspaces before
+    # resetting the thread's flags, so an error there (a CUDA error, a KeyboardInterrupt arriving
+    # in it) left ``active`` set: every later call of the thread ran as if capturing.
+    from parallel_modules import _graphs
+    from parallel_modules._streams import _capture_underway
+
+    def failing() -> None:
+        raise RuntimeError("CUDA error: an injected failure")
+
+    block = _graphed(_mlp(2))
+    x = torch.randn(8, 64, device="cuda")
+    monkeypatch.setattr(_graphs, "_clear_cublas_workspaces", failing)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
+        block(x)
+    assert not _capture_underway()
+    monkeypatch.undo()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(block(x), _reference(list(block), x))
+    assert len(block._graphs._graphs) == 1
+
+
+@cuda
 def test_a_branch_assigning_a_buffer_in_forward_is_refused_at_capture():
     # Before: captured, and the replay read the tensor the warm-up had assigned, whose memory
     # went with a variant's graph timed and freed: an illegal memory access (the CUDA context
