@@ -1414,10 +1414,13 @@ class _Group:
             return self._run(x, True, keep=False)
         # (Restacked, each layer's weights are stacked anew just before it, on the stream the
         # layers run on: its kernel must not read them before the stack has ended.)
+        # (Restacked: the biases this call stacked, not the bound ones stored together.) Made
+        # before any of the thread's settings is: a failure here (its stream's event refused)
+        # would leave them set for every later call of the thread, past the ``finally`` below.
+        prefill = _Prefill(x, side_bias, {} if restack else self.joint) if fewer and not kernels else None
         call.fewer_kernels, call.kernels, call.lone_kernels = fewer, kernels, kernels and captured
         call.chained = None if restack else False
-        # (Restacked: the biases this call stacked, not the bound ones stored together.)
-        call.prefill = _Prefill(x, side_bias, {} if restack else self.joint) if fewer and not kernels else None
+        call.prefill = prefill
         call.cat_joined = cat_joined and not tracing
         try:
             return self._run(x, tracing or restack, keep=not tracing, restacked=restack and not tracing)

@@ -920,6 +920,34 @@ def test_biases_of_one_width_share_a_tensor_and_one_copy(device, joint, monkeypa
     assert p._fusion.groups[0].bind() is False, "nothing was stacked anew"
 
 
+def test_a_fused_call_failing_to_prepare_its_bias_copies_leaves_the_thread_settings_as_they_were(monkeypatch):
+    # ``_Group.run`` sets the thread's settings for the call (``_call``) and puts them back in a
+    # ``finally``; the bias buffers (``_Prefill``, whose stream event can fail on CUDA) were made
+    # after the first settings were written and before that ``finally``: a failure there left
+    # them set for every later call of the thread.
+    from parallel_modules import _batched_linear, _fusion
+
+    class Refused(_fusion._Prefill):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("CUDA error: an injected failure")
+
+    monkeypatch.setattr(_fusion, "_kernels_cost_more", lambda x: True)  # the layouts of a capture
+    monkeypatch.setattr(_batched_linear, "supported", lambda *args: False)
+    torch.manual_seed(0)
+    p = Parallel(*[deep_mlp() for _ in range(4)], fuse=True).eval()
+    call = _fusion._call
+    before = (call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels, call.chained)
+    x = torch.randn(6, 16)
+    with torch.no_grad():
+        monkeypatch.setattr(_fusion, "_Prefill", Refused)
+        with pytest.raises(RuntimeError, match="injected"):
+            p._forward(x)  # (the general path, as above)
+        assert (call.fewer_kernels, call.prefill, call.cat_joined, call.kernels, call.lone_kernels,
+                call.chained) == before
+        monkeypatch.undo()
+        assert_close(p(x), reference(p, x))
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("grad", [False, True])
 def test_eager_linears_joined_by_cat_are_one_product(device, grad):
