@@ -2008,16 +2008,21 @@ class _CudaGraphs:
                 _local.variant = None
                 torch.set_autocast_cache_enabled(autocast_cache)
                 _warn_mismatch(warn_mismatch)
-                torch.cuda.set_stream(caller)
-                _clear_cublas_workspaces()
                 # Warm-up (and timing replays) ran the module: put its buffers back,
                 # so that the replay of this call is the only update they see. (Its own
-                # buffers first, where a warm-up that failed had assigned others.)
+                # buffers first, where a warm-up that failed had assigned others: no
+                # CUDA call, so before those that can raise.)
                 _restore_slots(slots)
-                caller.wait_stream(stream)
-                with torch.no_grad():
-                    for b, s in zip(buffers, saved):
-                        b.copy_(s)
+                torch.cuda.set_stream(caller)
+                try:
+                    caller.wait_stream(stream)
+                    with torch.no_grad():
+                        for b, s in zip(buffers, saved):
+                            b.copy_(s)
+                finally:
+                    # Whatever the restore raised: left, the cache would hand later eager
+                    # products workspaces from the graph's pool, which its replays overwrite.
+                    _clear_cublas_workspaces()
             self.captures += 1
             # The next replay from another stream waits for the restore above (see _Graph._order).
             graph.last = caller

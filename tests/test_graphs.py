@@ -79,6 +79,32 @@ def test_a_capture_failing_in_its_cleanup_leaves_this_thread_no_capture_under_wa
 
 
 @cuda
+@pytest.mark.parametrize("assigns", [False, True])
+def test_a_capture_failing_in_its_cleanup_still_puts_the_modules_buffers_back(monkeypatch, assigns):
+    # The capture's cleanup cleared cuBLAS's workspaces before putting back the buffers that
+    # warm-up had updated (in place: BatchNorm's running statistics) or assigned anew
+    # (``Steps``): an error in the clear left the module with the warm-up calls' updates.
+    from parallel_modules import _graphs
+
+    def failing() -> None:
+        raise RuntimeError("CUDA error: an injected failure")
+
+    torch.manual_seed(0)
+    branches = [Steps(16), Steps(16)] if assigns else [nn.BatchNorm1d(16), nn.BatchNorm1d(16)]
+    block = Parallel(*branches, cuda_graph=True).cuda()
+    before = copy.deepcopy(block.state_dict())
+    slots = [b._buffers["steps"] for b in branches] if assigns else None
+    x = torch.randn(4, 16, device="cuda")
+    monkeypatch.setattr(_graphs, "_clear_cublas_workspaces", failing)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
+        block(x)
+    after = block.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    if assigns:  # the module's own tensors, not the warm-up's
+        assert all(b._buffers["steps"] is t for b, t in zip(branches, slots))
+
+
+@cuda
 def test_a_branch_assigning_a_buffer_in_forward_is_refused_at_capture():
     # Before: captured, and the replay read the tensor the warm-up had assigned, whose memory
     # went with a variant's graph timed and freed: an illegal memory access (the CUDA context
