@@ -855,10 +855,10 @@ def _fork_join(calls: list[Any], device: torch.device, args: tuple, kwargs: dict
     first = watched[0] if len(watched) == 1 else None
     version = first._version if first is not None else 0
     versions = [a._version for a in watched] if len(watched) > 1 else None
+    _record(fork, caller)  # (before the setting below: see _run_forked)
     cached_casts = torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled()
     if cached_casts:  # (see _run_forked)
         torch.set_autocast_cache_enabled(False)
-    _record(fork, caller)
     high = local.high
     local.offset = local.high = base + len(calls) - 1  # (see _run_forked)
     outputs: list[Any] = []
@@ -945,10 +945,12 @@ def _run_forked(calls: list[Any], device: torch.device, run: Any, capturing: boo
     # Autocast caches a parameter's cast copy for the thread, whatever the stream: made
     # by one item on its stream, the copy would be read by another on its own without
     # waiting for the cast. Each item casts for itself during the fork.
+    # (The fork recorded first: its failure, before the ``finally`` below, would leave the
+    # cache off for the rest of the thread.)
+    _record(fork, caller)
     cached_casts = torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled()
     if cached_casts:
         torch.set_autocast_cache_enabled(False)
-    _record(fork, caller)
 
     # Slot s (0: the caller's stream) runs item ``launch[s]``; outputs stay in item order.
     launch = range(n) if order is None else order

@@ -104,6 +104,35 @@ def test_run_forked_names_the_item_that_raised_and_joins_the_others():
 
 
 @cuda
+@pytest.mark.parametrize("entry", ["run_forked", "fork_join"])
+def test_a_fork_failing_to_record_leaves_autocasts_cache_on(monkeypatch, entry):
+    # Both forks turned autocast's cache off for the items, then recorded the fork event, outside
+    # the ``try`` whose ``finally`` turns it back on: a failure of the record (a CUDA error, a
+    # KeyboardInterrupt) left the cache off for every later autocast region of the thread.
+    dev = torch.device("cuda")
+    x = torch.randn(64, device=dev)
+    record = _streams._record
+
+    def fork(calls):
+        if entry == "run_forked":
+            return _streams._run_forked(calls, dev, None, args=(x,))
+        return _streams._fork_join(calls, dev, (x,), {}, torch.stack, lambda e, i: e)
+
+    def failing(event, stream):
+        raise RuntimeError("CUDA error: an injected failure")
+
+    with torch.autocast("cuda"):
+        fork([torch.neg, torch.exp])  # (the fork_join's slots looked up, by the general path)
+        monkeypatch.setattr(_streams, "_record", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            fork([torch.neg, torch.exp])
+        assert torch.is_autocast_cache_enabled()
+        monkeypatch.setattr(_streams, "_record", record)
+        out = fork([torch.neg, torch.exp])
+    assert torch.equal(out[1], torch.exp(x)) and torch.is_autocast_cache_enabled()
+
+
+@cuda
 def test_fork_join_forks_joins_and_names_the_item_that_raised_without_the_general_path(monkeypatch):
     dev = torch.device("cuda")  # (no index: the current device's)
     x = torch.randn(64, device=dev)
