@@ -340,10 +340,12 @@ class _Placement:
         try:
             for i in remote:
                 home, lane, lane_done, side, side_done, fork_d, current_d = work[i]
-                _set_stream(lane)  # current on the caller's device: where ATen copies from it
+                # (The waits first: a wait that fails, after a stream was made current, would
+                # leave it current for the thread, which the ``finally`` below does not undo.)
                 lane.wait_event(fork_c)
-                _set_stream(side)  # current on the branch's device
                 side.wait_event(fork_d)
+                _set_stream(lane)  # current on the caller's device: where ATen copies from it
+                _set_stream(side)  # current on the branch's device
                 torch.cuda.set_device(home)  # code in the branch sees its own device as current
                 launched.append(i)
                 try:
@@ -353,12 +355,13 @@ class _Placement:
                 except Exception as e:
                     raise module._branch_error(e, i)
                 finally:
-                    # Recorded whatever happened: the joins below must cover
-                    # all work already enqueued on both streams.
-                    lane_done.record(lane)
-                    side_done.record(side)
+                    # The caller's streams current again before the records, which can
+                    # raise. Recorded whatever happened: the joins below must cover all
+                    # work already enqueued on both streams.
                     _set_stream(caller)
                     _set_stream(current_d)
+                    lane_done.record(lane)
+                    side_done.record(side)
                 if watched and _changed(watched, versions):  # (an input left where it was: a CPU one)
                     raise module._branch_error(_changed_in_place(), i)
             # Local branches last: the remote ones are already queued on their

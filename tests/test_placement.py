@@ -205,6 +205,38 @@ class _AutocastCacheProbe(nn.Module):
         return self.linear(x)
 
 
+class _Refused(_Event, _Stream):
+    def record(self, stream) -> None:
+        raise RuntimeError("CUDA error: an injected failure")
+
+    def wait_event(self, event) -> None:
+        raise RuntimeError("CUDA error: an injected failure")
+
+
+@pytest.mark.parametrize("where", ["wait", "record"])
+def test_a_remote_branchs_stream_failing_leaves_the_callers_streams_current(two_devices, monkeypatch, where):
+    # The remote branch's side stream was made current before its wait on the fork, and the
+    # caller's streams made current again after the records of its joins: a failure of either
+    # (a CUDA error, a KeyboardInterrupt) left a side stream current for the rest of the thread.
+    callers = {C: _Stream(), D: _Stream()}
+    current = dict(callers)
+    monkeypatch.setattr(_placement, "_current_stream", lambda d: callers[d])
+    monkeypatch.setattr(_placement, "_set_stream", lambda s: current.__setitem__(s.device, s))
+    pools = {d: _placement._pool(d) for d in (C, D)}
+    for d, pool in pools.items():
+        pool.streams = [_Refused() if where == "wait" and d == D and i == 0 else _Stream() for i in range(8)]
+        for s in (*pool.streams, callers[d]):
+            s.device = d
+    if where == "record":
+        pools[C].joins[0] = _Refused()
+    p = placed(OrderedDict(a=nn.Linear(4, 4), b=nn.Linear(4, 4)), [C, D])
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="injected"):
+        p(x)
+    assert current == callers
+    assert pools[C].offset == pools[D].offset == 0
+
+
 def test_autocast_cache_is_off_while_remote_branches_run(two_devices):
     # Two branches on cuda:1 on two side streams: a weight cast by one would be read by the other unwaited.
     seen: list = []
