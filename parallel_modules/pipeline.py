@@ -1061,8 +1061,12 @@ def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tu
                 f"stage runs it on "
                 f"each sample's own sequence, say so with `model.get_submodule({qual!r}).mixes_batch = False`.")
 
-    handles = [m.register_forward_pre_hook(check, with_kwargs=True) for m in {id(m): m for _, _, m in layers}.values()]
+    handles = []
     try:
+        # (Registered inside the ``try``: one failing, or an interrupt between two, must not leave
+        # the hooks already on the user's layers.)
+        for m in {id(m): m for _, _, m in layers}.values():
+            handles.append(m.register_forward_pre_hook(check, with_kwargs=True))
         yield
     finally:
         for h in handles:

@@ -986,6 +986,34 @@ def test_a_sequence_layer_run_on_each_sample_is_not_refused() -> None:
         torch.testing.assert_close(model(x), model[0](x))
 
 
+def test_a_failure_while_hooking_the_sequence_layers_leaves_no_hook_on_them() -> None:
+    # The refusal's pre-hooks were registered before its ``try``: one failing (an interrupt
+    # between two) left the ones before it on the user's layers, checking every later call.
+    class Gru(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = nn.GRU(4, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gru(x)[0]
+
+    torch.manual_seed(0)
+    model = ParallelSequential(Gru(), Gru(), chunks=2)
+    first, second = model[0].gru, model[1].gru
+
+    def failing(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    second.register_forward_pre_hook = failing  # (an instance attribute: only this layer's)
+    x = torch.randn(6, 5, 4)
+    with torch.no_grad():
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        assert not first._forward_pre_hooks and not second._forward_pre_hooks
+        del second.register_forward_pre_hook
+        torch.testing.assert_close(model(x), nn.Sequential(*model)(x), rtol=RTOL, atol=ATOL)
+
+
 def test_in_place_first_operation_under_autograd() -> None:
     # Micro-batches of one input share its version counter as views: an in-place first
     # operation on one would spoil what it saved for backward on another.
