@@ -375,7 +375,7 @@ def _change_setting(module: nn.Module, name: str, value: Any, reset: Callable[[]
     state["_revision"] = object()
     try:
         reset()
-    except Exception as error:
+    except BaseException as error:  # (an interrupt too: not a setting half made, as refused ones are not)
         state[name] = previous
         state.pop("_graphs", None)
         try:

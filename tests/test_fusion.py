@@ -4377,6 +4377,28 @@ def test_fuse_set_again_after_a_member_changed_in_place():
     assert fused_groups(p) == []
 
 
+def test_a_setting_interrupted_while_the_block_is_made_anew_is_put_back(monkeypatch):
+    # The rollback of a refused setting was ``except Exception``: interrupted in its reset, the
+    # block kept the new value with its groups half made.
+    p = Parallel(*[mlp() for _ in range(3)], fuse=False)
+    x = torch.randn(3, 16)
+    p(x)
+    real, calls = Parallel._reset, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Parallel, "_reset", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        p.fuse = True
+    monkeypatch.undo()
+    assert p.fuse is False and fused_groups(p) == []
+    assert_same(p(x), reference(p, x))
+
+
 class _Mask(nn.Module):
     def __init__(self, dtype: torch.dtype | None) -> None:
         super().__init__()
