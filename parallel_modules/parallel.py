@@ -1697,6 +1697,10 @@ class Parallel(nn.Module):
                 # choose to fork again, call after call.
                 self._remember(key, plan._replace(forked=False))
             return outputs
+        # What was learnt before this call's settings and branches: a reset by another thread while
+        # this first call runs (``block.fuse = False``, a branch replaced) makes a new tuner, and a
+        # schedule chosen here for the old state must not land among the new state's.
+        tuner = self._tuner
         held = self.fuse is not False and _held_by_hooks()  # (read once: another thread may enter or leave)
         grouped = self._fusion  # (read once: another thread's train() may set it to None)
         if plan is None and held and (self.fuse is True or grouped is not None and bool(grouped.groups)):
@@ -1731,12 +1735,17 @@ class Parallel(nn.Module):
                 device = _input_device(args, kwargs) if _unversioned(args, kwargs) else None
                 if device is not None and device.type == "cuda" and not _capture_underway():
                     return self._first_unversioned(key, args, kwargs, fusion)
-            plan = self._plan(key, args, kwargs, fusion, watch_first=reordered)
+            plan = self._plan(key, args, kwargs, fusion, watch_first=reordered, tuner=tuner)
             if plan is _CPU_FUSED and reordered:  # the first call runs in turn and looks
                 # (Remembered once it has looked: other threads' calls of the signature
                 # meanwhile look too, rather than run fused what may write its input. One
                 # that fails sees nothing, and the next call looks again.)
                 outputs, wrote = self._run_watched(args, kwargs, None)
+                if self._tuner is not tuner:
+                    # Reset while the branches ran: what this call saw was of the old branches
+                    # or settings (remembered, ``fuse=False`` set meanwhile would regroup and
+                    # run fused at the next call). The next call looks again.
+                    return outputs
                 if wrote:
                     self._saw_write = True
                     self._remember(key, _CPU_IN_TURN)
@@ -1922,11 +1931,12 @@ class Parallel(nn.Module):
         return device
 
     def _plan(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None,
-              watch_first: bool = False) -> _Schedule | None:
+              watch_first: bool = False, tuner: _ScheduleTuner | None = None) -> _Schedule | None:
         r"""First call with this signature: check devices, choose how to schedule (``None``: tune).
 
         ``watch_first``: a fused CPU plan is the caller's to remember, once a call in turn saw
-        whether a branch writes its input."""
+        whether a branch writes its input. ``tuner``: the one the call began with; a plan
+        chosen from the groups of before a reset is not remembered (see ``_outputs``)."""
         device = self._checked_device(args, kwargs)
         if device is None or device.type != "cuda":
             # No streams on the CPU; fusion ("auto" too) always pays there: fewer, larger operations.
@@ -1934,7 +1944,8 @@ class Parallel(nn.Module):
         else:
             candidates = self._candidates(fusion, args, kwargs)
             plan = candidates[0] if len(candidates) == 1 else None
-        if plan is not None and not (watch_first and plan is _CPU_FUSED):
+        if (plan is not None and not (watch_first and plan is _CPU_FUSED)
+                and (tuner is None or self._tuner is tuner)):
             self._remember(key, plan)
         return plan
 

@@ -1000,6 +1000,50 @@ def test_a_layer_replaced_while_another_thread_calls_is_seen():
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
 
 
+def test_fuse_turned_off_during_another_threads_first_call_is_kept():
+    # Before: the first call of a signature under fuse="auto" runs in turn, looking for writes
+    # to the input, and then remembers the fused schedule; set to fuse=False meanwhile, the
+    # block took it into the schedules made anew for fuse=False, and every later call grouped
+    # the branches again and ran them fused.
+    import threading
+
+    inside, go = threading.Event(), threading.Event()
+
+    class Gate(nn.Module):  # unlike the others: runs unfused, first, and holds the call there
+        def forward(self, x):
+            if threading.current_thread() is not threading.main_thread():
+                inside.set()
+                assert go.wait(10)
+            return x[:, :4] * 2
+
+    torch.manual_seed(0)
+    block = Parallel(Gate(), *[nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(3)],
+                     fuse="auto").eval()
+    x = torch.randn(6, 8)
+    outputs = []
+
+    def first_call():
+        with torch.no_grad():
+            outputs.append(block(x))
+
+    thread = threading.Thread(target=first_call)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        block.fuse = False
+    finally:
+        go.set()
+        thread.join(10)
+    assert not thread.is_alive() and len(outputs) == 1
+    with torch.no_grad():
+        expected = torch.cat([b(x) for b in block], 1)
+        torch.testing.assert_close(outputs[0], expected)
+        torch.testing.assert_close(block(x), expected)
+    assert block.explain()["fused"] == []
+    assert block._fusion is None
+    assert list(block.explain()["schedules"].values()) == ["unfused, sequential"]
+
+
 def test_a_branch_appended_by_another_thread_during_a_call_is_not_run_by_that_call():
     # The unfused loop iterated the block's live dict of branches: another thread's append in
     # the middle of a call raised "dictionary changed size during iteration". The call runs
