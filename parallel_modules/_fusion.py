@@ -75,6 +75,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_stack
 
@@ -396,7 +398,7 @@ def _unfusable(branch: nn.Module) -> str | None:
             return (f"{where} has uninitialized lazy parameters; call the block once (with fuse=False or "
                     f"'auto'), or the branch, to initialize them first")
         if any(getattr(m, h, None) for h in _HOOKS):
-            return f"{where} has hooks, which a batched call would not run once per branch"
+            return f"{where} has hooks, which a batched call would not run once per branch" + _norm_hooks(m)
         if "forward" in vars(m):
             return f"{where} has its forward replaced on the instance"
         hidden = _hidden_by_instance(vars(m))
@@ -451,6 +453,30 @@ def _unfusable(branch: nn.Module) -> str | None:
                 f"parameters or buffers (a view kept of one): stacked, they would move to new memory and "
                 f"{held!r} would no longer see their updates")
     return None
+
+
+# The hook-based (deprecated) weight and spectral norms, by their forward pre-hooks' classes: each
+# utility's name, its remover's, and that of the parametrized form replacing it.
+_NORM_HOOKS = ((WeightNorm, "weight_norm", "remove_weight_norm"),
+               (SpectralNorm, "spectral_norm", "remove_spectral_norm"))
+
+
+def _norm_hooks(m: nn.Module) -> str:
+    r"""Which hook-based ``weight_norm`` / ``spectral_norm`` set ``m``'s hooks, and how to fix it, to end
+    :func:`_unfusable`'s message; ``""`` if neither did."""
+    found = [(util, remove, hook.name) for hook in m._forward_pre_hooks.values()
+             for cls, util, remove in _NORM_HOOKS if isinstance(hook, cls)]
+    if not found:
+        return ""
+    utils = " and ".join(f"torch.nn.utils.{util} (on {name!r})" for util, _, name in found)
+    removes = " and ".join(f"torch.nn.utils.{remove}(module{'' if name == 'weight' else f', {name!r}'})"
+                           for _, remove, name in found)
+    news = " / ".join(dict.fromkeys(f"torch.nn.utils.parametrizations.{util}" for util, _, _ in found))
+    return (f": the forward pre-hook of the old-style {utils}, which recomputes the weight before each call. "
+            f"To fuse the branch, remove it with {removes} (the weight stays as it is now, no longer "
+            f"renormalized: for inference, or training on without it); the parametrized {news} is not fused "
+            f"either (a parametrized module is refused alike). Otherwise fuse='auto' runs such a branch "
+            f"unfused, on its own stream")
 
 
 def _fusable_settings(m: nn.Module) -> tuple | None:
