@@ -250,7 +250,12 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
                     f"name (define the class once and make every branch from it)")
         return f"{where} is {type(b).__name__}, expected {type(a).__name__}"
     if a.training != b.training:
-        return f"{where} is in {'training' if b.training else 'eval'} mode, expected {'training' if a.training else 'eval'}"
+        got, expected = ("training", "eval") if b.training else ("eval", "training")
+        fix = "train" if a.training else "eval"
+        member = f"this branch's submodule {path!r}" if path else "this branch"
+        return (f"{where} is in {got} mode, expected {expected} (as in the first branch): put every branch in one "
+                f"mode with block.train() or block.eval() on the whole block, or call .{fix}() on {member}; "
+                f"fuse='auto' runs a branch in another mode unfused")
     if a.extra_repr() != b.extra_repr():
         return f"{where} is {type(b).__name__}({b.extra_repr()}), expected {type(a).__name__}({a.extra_repr()})"
     ha, hb = _hyperparameters(a), _hyperparameters(b)
