@@ -4032,6 +4032,80 @@ def test_explain_after_hooks_are_removed_lists_no_schedule_the_next_call_drops()
     assert p.explain()["fused"] == [["0", "1", "2"]] and p.explain()["schedules"] == {}
 
 
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_hook_based_norm_is_named_with_its_fix(norm, fuse):
+    # Before: "has hooks, which a batched call would not run once per branch", without saying
+    # whose hooks (the old-style norm's forward pre-hook) or what to do about them.
+    torch.manual_seed(0)
+    branches = [mlp() for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (the hook-based norms are deprecated)
+        for b in branches:
+            getattr(nn.utils, norm)(b[0])
+    x = torch.randn(4, 16)
+    told = (rf"submodule '0' \(Linear\) has hooks, which a batched call would not run once per branch: the "
+            rf"forward pre-hook of the old-style torch\.nn\.utils\.{norm} \(on 'weight'\).*"
+            rf"torch\.nn\.utils\.remove_{norm}\(module\).*the parametrized "
+            rf"torch\.nn\.utils\.parametrizations\.{norm} is not fused either.*fuse='auto' runs such a branch unfused")
+    if fuse is True:
+        with pytest.raises(ValueError, match=r"branch '1' cannot be fused: " + told):
+            Parallel(*branches, fuse=True)
+    else:
+        p = Parallel(*branches, fuse="auto")
+        p(x)  # (not compared: a spectral norm in training steps its power iteration at each call)
+        info = p.explain()
+        assert info["fused"] == [] and re.match(told, info["unfused"]["1"])
+    # What the message says holds: the parametrized form is refused too, and removing the
+    # hook-based norm lets the branches fuse.
+    new = [mlp() for _ in range(2)]
+    for b in new:
+        getattr(nn.utils.parametrizations, norm)(b[0])
+    with pytest.raises(ValueError, match=r"branch '1' cannot be fused: submodule '0' \(ParametrizedLinear\) is "
+                                         r"parametrized"):
+        Parallel(*new, fuse=True)
+    for b in branches:
+        getattr(nn.utils, f"remove_{norm}")(b[0])
+    p = Parallel(*branches, fuse=True)
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("where", ["branch", "submodule"])
+def test_a_branch_in_another_mode_is_told_the_calls_that_fix_it(where):
+    # Before: "the branch is in eval mode, expected training", and only the general advice
+    # to make the branches identical.
+    torch.manual_seed(0)
+    p = Parallel(mlp(), mlp(), mlp(), fuse="auto")
+    x = torch.randn(4, 16)
+    p(x)
+    member = p[1] if where == "branch" else p[1][0]
+    member.eval()
+    assert_close(p(x), reference(p, x))  # "auto": that branch runs unfused
+    assert p.explain()["fused"] == [["0", "2"]] and "1" in p.explain()["unfused"]
+    which = "this branch" if where == "branch" else r"this branch's submodule '0'"
+    what = "the branch" if where == "branch" else "submodule '0'"
+    with pytest.raises(ValueError, match=rf"branch '1' differs from branch '0': {what} is in eval mode, expected "
+                                         rf"training \(as in the first branch\): put every branch in one mode with "
+                                         rf"block\.train\(\) or block\.eval\(\) on the whole block, or call "
+                                         rf"\.train\(\) on {which}; fuse='auto' runs a branch in another mode "
+                                         rf"unfused"):
+        p.fuse = True
+    p.train()  # the fix it names
+    p.fuse = True
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+    p.fuse = False
+    p[0].eval()  # the first branch in eval: the others are told to call .eval()
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch is in training mode, "
+                                         r"expected eval .*call \.eval\(\) on this branch"):
+        p.fuse = True
+    p.eval()
+    p.fuse = True
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_explain_after_a_hook_on_a_member_says_what_the_next_call_finds(fuse, monkeypatch):
     # Before (a hunt): fuse=True went on listing the group fused while every call raised; "auto"
@@ -4048,10 +4122,11 @@ def test_explain_after_a_hook_on_a_member_says_what_the_next_call_finds(fuse, mo
     assert info["fused"] == [] and not any("fused," in s and "unfused" not in s for s in info["schedules"].values())
     if fuse is True:
         assert "no longer all identical" in info["unfused"]["0"]
-        with pytest.raises(ValueError, match="has hooks"):
+        with pytest.raises(ValueError, match="has hooks") as refused:
             p(x)
+        assert "weight_norm" not in str(refused.value)  # (a hook of the user's: no norm's advice)
     else:
-        assert "has hooks" in info["unfused"]["0"]
+        assert "has hooks" in info["unfused"]["0"] and "weight_norm" not in info["unfused"]["0"]
         assert info["unfused"]["1"] == ("no other branch is identical to it but index 0, which cannot be fused "
                                         "(see there)")
         batched.clear()
