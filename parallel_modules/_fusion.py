@@ -461,7 +461,7 @@ def _unfusable(branch: nn.Module) -> str | None:
 
 
 # The hook-based (deprecated) weight and spectral norms, by their forward pre-hooks' classes: each
-# utility's name, its remover's, and that of the parametrized form replacing it.
+# utility's name (the parametrized form's too, under torch.nn.utils.parametrizations) and its remover's.
 _NORM_HOOKS = ((WeightNorm, "weight_norm", "remove_weight_norm"),
                (SpectralNorm, "spectral_norm", "remove_spectral_norm"))
 
