@@ -1683,9 +1683,11 @@ class Parallel(nn.Module):
             plan = None
         if plan is not None and not (plan.cuda and _capture_underway()):
             # A decided schedule (those that do not fork usually run inline in ``forward``).
+            tuner = self._tuner  # (a reset by another thread meanwhile: see below)
             outputs = self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
                                 self._fusion_for(args, kwargs) if plan.fused else None, False)
-            if plan.forked and self.streams == "auto" and torch.is_grad_enabled() and _records(outputs):
+            if (plan.forked and self.streams == "auto" and torch.is_grad_enabled() and _records(outputs)
+                    and self._tuner is tuner):
                 # "auto" forked this signature with nothing to train, and a parameter has been
                 # unfrozen since (``requires_grad_()`` registers nothing; inputs' requires_grad
                 # is in the signature): chosen again at the next call, which does not fork in
@@ -1694,7 +1696,8 @@ class Parallel(nn.Module):
                 # Kept as it is, without the fork: the outputs may also record through a
                 # tensor that is neither a parameter nor an input (a closure, a weight tied
                 # from outside), which _candidates cannot see, and tuning again would
-                # choose to fork again, call after call.
+                # choose to fork again, call after call. (Not after a reset by another thread
+                # while the branches ran: the plan was of the old settings or branches.)
                 self._remember(key, plan._replace(forked=False))
             return outputs
         # What was learnt before this call's settings and branches: a reset by another thread while
@@ -1734,7 +1737,7 @@ class Parallel(nn.Module):
             if (self.streams is not False or reordered) and key not in self._unwritten:
                 device = _input_device(args, kwargs) if _unversioned(args, kwargs) else None
                 if device is not None and device.type == "cuda" and not _capture_underway():
-                    return self._first_unversioned(key, args, kwargs, fusion)
+                    return self._first_unversioned(key, args, kwargs, fusion, tuner)
             plan = self._plan(key, args, kwargs, fusion, watch_first=reordered, tuner=tuner)
             if plan is _CPU_FUSED and reordered:  # the first call runs in turn and looks
                 # (Remembered once it has looked: other threads' calls of the signature
@@ -1839,7 +1842,8 @@ class Parallel(nn.Module):
             _graph_state.variant = saved
         return outputs, watch.wrote or _changed(watched, versions)
 
-    def _first_unversioned(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None) -> Any:
+    def _first_unversioned(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None,
+                           tuner: _ScheduleTuner) -> Any:
         r"""The first call of a signature whose inputs include inference tensors: the branches run one
         after another, watched for writes to those tensors.
 
@@ -1851,10 +1855,15 @@ class Parallel(nn.Module):
         here keeps the signature sequential (``"auto"``) or is refused (``streams=True``), as such a
         branch is where versions show it; otherwise the signature's calls
         are scheduled as any other's. (Once per signature: a branch that
-        writes to its input on some calls only is not seen.)
+        writes to its input on some calls only is not seen.) ``tuner``: the
+        one the call began with; what it saw is not remembered after a reset
+        by another thread meanwhile (``block.fuse = False``), being of the old
+        settings or branches.
         """
         fused = fusion if self.fuse is True else None
         outputs, wrote = self._run_watched(args, kwargs, fused)
+        if self._tuner is not tuner:
+            return outputs  # (the next call watches again)
         if not wrote:
             _bounded_add(self._unwritten, key)
         elif self.streams is True:

@@ -263,6 +263,50 @@ def test_a_fork_chosen_while_frozen_is_dropped_when_training_starts(forks):
     assert p[0].weight.grad is not None
 
 
+def test_a_fork_dropped_across_a_setting_change_is_not_kept(forks):
+    # Before: a call of a signature "auto" had forked while frozen, which saw its outputs record
+    # (training had started), kept the signature's plan without the fork, even when another
+    # thread set fuse=True while the branches ran: the unfused plan landed among those made
+    # anew for fuse=True, and the signature's calls never ran the branches fused.
+    inside, go = threading.Event(), threading.Event()
+
+    class Gated(nn.Module):  # alike: fuse=True groups them
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if threading.current_thread() is not threading.main_thread():
+                inside.set()
+                assert go.wait(5)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    p = Parallel(Gated(), Gated(), streams="auto")
+    p.requires_grad_(False)
+    x = torch.randn(2, 4)
+    for _ in range(_TRIAL):
+        p(x)
+    assert any(plan.forked for plan in p._plans.values())
+    p.requires_grad_(True)
+    outputs = []
+    t = threading.Thread(target=lambda: outputs.append(p(x)))
+    t.start()
+    try:
+        assert inside.wait(5)
+        p.fuse = True  # set by another thread while the call runs
+    finally:
+        go.set()
+        t.join(5)
+    assert not t.is_alive() and len(outputs) == 1 and outputs[0].requires_grad
+    expected = torch.cat([b.lin(x) for b in p], 1)
+    torch.testing.assert_close(outputs[0], expected, rtol=0, atol=0)
+    for _ in range(2):
+        torch.testing.assert_close(p(x), expected)
+    assert p.explain()["fused"] == [["0", "1"]]
+    assert p._plans and all(plan.fused for plan in p._plans.values())
+
+
 def test_a_decision_made_across_a_setting_change_is_dropped(forks):
     gate_in, gate_out, count = threading.Event(), threading.Event(), [0]
 
