@@ -238,10 +238,31 @@ def _describe_tensor(t: torch.Tensor | None) -> str:
     return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}{grad}{made}"
 
 
-def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True) -> str | None:
+def _in_another_mode(branches: list[nn.Module], i: int, fusable: Iterable[int]) -> str:
+    r"""What keeps branch ``i`` from the ``fusable`` branches it is identical to but for a train/eval
+    mode (a branch left in eval mode by mistake), or ``""`` where none is.
+
+    ``fuse=True`` refuses such a branch, naming the mode; ``"auto"`` runs it
+    unfused, and its ``explain()`` says why, or the user would look for a
+    difference in the layers.
+    """
+    twin = next((j for j in fusable if j != i and _difference(branches[j], branches[i], modes=False) is None), None)
+    if twin is None:
+        return ""
+    path, mode = next((name, m.training) for (name, m), t in zip(branches[i].named_modules(), branches[twin].modules())
+                      if m.training != t.training and type(m) not in _MODE_FREE)
+    where = f"its submodule {path!r} is" if path else "it is"
+    other = "training" if not mode else "eval"
+    return (f": {where} in {'training' if mode else 'eval'} mode, and branch index {twin}, alike otherwise, in "
+            f"{other} (put every branch in one mode with block.train() or block.eval() on the whole block to "
+            f"fuse them)")
+
+
+def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True, modes: bool = True) -> str | None:
     r"""How module ``b`` differs in structure from ``a``, or ``None`` if identical.
 
     ``tensors=False``: attributes holding tensors (not parameters or buffers) are not compared.
+    ``modes=False``: nor are the modules' train/eval modes.
     """
     where = f"submodule {path!r}" if path else "the branch"
     if type(a) is not type(b):
@@ -249,7 +270,7 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
             return (f"{where} is {_class_name(type(b))}, expected {_class_name(type(a))}: another class of the same "
                     f"name (define the class once and make every branch from it)")
         return f"{where} is {type(b).__name__}, expected {type(a).__name__}"
-    if a.training != b.training:
+    if modes and a.training != b.training and type(a) not in _MODE_FREE:  # (the same answer in either mode)
         got, expected = ("training", "eval") if b.training else ("eval", "training")
         fix = "train" if a.training else "eval"
         member = f"this branch's submodule {path!r}" if path else "this branch"
@@ -302,7 +323,7 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
         if (ca is None) != (cb is None):
             return f"submodule {_join(path, name)!r} is {cb!r}, expected {ca!r}"
         if ca is not None:
-            diff = _difference(ca, cb, _join(path, name), tensors)
+            diff = _difference(ca, cb, _join(path, name), tensors, modes)
             if diff is not None:
                 return diff
     return None
@@ -673,7 +694,8 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
             # (Identical ones that cannot be fused themselves: a hook on one, say.)
             alike = [j for j in unfusable if _difference(branches[j], branches[group[0]]) is None]
             reasons[group[0]] = "no other branch is identical to it" + (
-                f" but index {', '.join(map(str, alike))}, which cannot be fused (see there)" if alike else "")
+                f" but index {', '.join(map(str, alike))}, which cannot be fused (see there)" if alike
+                else _in_another_mode(branches, group[0], ids))
             continue
         members = []
         for i in group:

@@ -273,7 +273,9 @@ class Parallel(nn.Module):
             old gradients. Default: ``False``.
         fuse: ``True`` to run structurally identical branches (same module
             types, hyper-parameters, parameter shapes, dtypes and device, no
-            hooks) as one batched computation per layer, their parameters
+            hooks, and the same train/eval mode for layers whose output
+            depends on it: dropout and norms, not ``Linear`` or activations)
+            as one batched computation per layer, their parameters
             stacked; an error names the branch that differs. ``"auto"``
             fuses each identical group and times fused against unfused
             (eagerly, or by capturing both with ``cuda_graph=True``), keeping

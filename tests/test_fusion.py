@@ -4122,16 +4122,21 @@ def test_a_hook_based_norm_is_named_with_its_fix(norm, fuse):
 def test_a_branch_in_another_mode_is_told_the_calls_that_fix_it(where):
     # Before: "the branch is in eval mode, expected training", and only the general advice
     # to make the branches identical.
+    # (A dropout, whose mode decides what it computes, p=0 to fuse in training too.)
     torch.manual_seed(0)
-    p = Parallel(mlp(), mlp(), mlp(), fuse="auto")
+    p = Parallel(*[nn.Sequential(mlp(), nn.Dropout(0.0)) for _ in range(3)], fuse="auto")
     x = torch.randn(4, 16)
     p(x)
-    member = p[1] if where == "branch" else p[1][0]
+    member = p[1] if where == "branch" else p[1][1]
     member.eval()
     assert_close(p(x), reference(p, x))  # "auto": that branch runs unfused
-    assert p.explain()["fused"] == [["0", "2"]] and "1" in p.explain()["unfused"]
-    which = "this branch" if where == "branch" else r"this branch's submodule '0'"
-    what = "the branch" if where == "branch" else "submodule '0'"
+    assert p.explain()["fused"] == [["0", "2"]]
+    # (And explain() says why, as fuse=True would: the branch is alike but for its mode.)
+    # (Both name the dropout, the layer whose mode matters: a branch's own or a Linear's is not compared.)
+    assert p.explain()["unfused"] == {"1": "no other branch is identical to it: its submodule '1' is in eval mode, "
+                                           "and branch index 0, alike otherwise, in training (put every branch in one "
+                                           "mode with block.train() or block.eval() on the whole block to fuse them)"}
+    which, what = r"this branch's submodule '1'", "submodule '1'"
     with pytest.raises(ValueError, match=rf"branch '1' differs from branch '0': {what} is in eval mode, expected "
                                          rf"training \(as in the first branch\): put every branch in one mode with "
                                          rf"block\.train\(\) or block\.eval\(\) on the whole block, or call "
@@ -4144,11 +4149,30 @@ def test_a_branch_in_another_mode_is_told_the_calls_that_fix_it(where):
     assert p.explain()["fused"] == [["0", "1", "2"]]
     p.fuse = False
     p[0].eval()  # the first branch in eval: the others are told to call .eval()
-    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch is in training mode, "
-                                         r"expected eval .*call \.eval\(\) on this branch"):
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': submodule '1' is in training mode, "
+                                         r"expected eval .*call \.eval\(\) on this branch's submodule '1'"):
         p.fuse = True
     p.eval()
     p.fuse = True
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_layer_whose_mode_changes_nothing_fuses_in_either_mode(fuse):
+    # Before: a branch of Linear and GELU layers put in eval mode alone was not identical to the
+    # others ("auto" ran it unfused, fuse=True refused the block) though its layers compute the
+    # same in either mode; and once back in training mode, "auto" never grouped it again, as
+    # the modes of such layers are not watched.
+    torch.manual_seed(0)
+    p = Parallel(mlp(), mlp(), mlp(), fuse="auto")
+    x = torch.randn(4, 16)
+    p[1].eval()
+    p[2][0].eval()
+    p.fuse = fuse
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]] and p.explain()["unfused"] == {}
+    p[1].train()
     assert_close(p(x), reference(p, x))
     assert p.explain()["fused"] == [["0", "1", "2"]]
 
