@@ -1434,8 +1434,12 @@ class Parallel(nn.Module):
         checkpointing (:meth:`_checkpointed`), is seen here, by the inputs'
         versions, as a fork sees it. That call's result is not the sequential
         one: refused, and the block kept in branch order from then on
-        (:meth:`_keep_in_order`).
+        (:meth:`_keep_in_order`). Neither that nor a watched first call is
+        remembered after a reset by another thread while the units ran
+        (``block.fuse = ...``, a branch replaced): it was of the old settings
+        or branches, and the new ones' first call is watched again.
         """
+        tuner = self._tuner  # (a reset by another thread meanwhile makes a new one)
         watched = _watched(args, kwargs)
         seen = self._first_inference_fused(units, args, kwargs)
         first = watched[0] if len(watched) == 1 else None  # the common case: one int compared per unit
@@ -1462,8 +1466,8 @@ class Parallel(nn.Module):
                     version = first._version if first is not None else 0
                     versions = [t._version for t in watched] if versions else None
                     continue
-                raise self._refused_write(wrote)
-        if seen is not None:
+                raise self._refused_write(wrote, learnt=self._tuner is tuner)
+        if seen is not None and self._tuner is tuner:
             _bounded_add(self._watched_fused, seen[0])
         return outputs
 
@@ -1499,11 +1503,14 @@ class Parallel(nn.Module):
                         else "(seen from its layers before it ran, which leaves the input as it was)")
                 raise _with_context(self._refused_write(unit.indices, before=True), note)
 
-    def _refused_write(self, wrote: list[int], before: bool = False) -> RuntimeError:
+    def _refused_write(self, wrote: list[int], before: bool = False, learnt: bool = True) -> RuntimeError:
         r"""The error of a fused call in which the branches ``wrote`` (one, or a group's members) changed
         the shared input in place out of branch order; with ``fuse="auto"`` the block is kept in order
-        from then on. ``before``: refused before they ran, from their layers (``fuse=True``)."""
-        self._saw_write = True
+        from then on. ``before``: refused before they ran, from their layers (``fuse=True``).
+        ``learnt=False``: the block was reset by another thread while they ran, and neither the write
+        nor the order is remembered (the branches or settings it was seen with are gone)."""
+        if learnt:
+            self._saw_write = True
         names = list(self._modules)
         which = [names[j] for j in wrote]
         how = ("runs fused groups out of branch order" if len(which) == 1 else
@@ -1518,14 +1525,19 @@ class Parallel(nn.Module):
                 f"branch's first operation out of place (inplace=False, x = x + 1), or pass fuse='auto' (which "
                 f"then keeps such branches in order) or fuse=False."
             )
-        self._keep_in_order()
+        if learnt:
+            self._keep_in_order()
+            then = ("From the next call on, the block runs its branches one after another (set fuse='auto' "
+                    "again to time them anew).")
+        else:
+            then = ("Its branches or settings were changed by another thread while they ran: the next calls "
+                    "are planned anew, and watched again.")
         return RuntimeError(
             f"{type(self).__name__}: fuse='auto' {how}, and "
             f"{'branch' if len(which) == 1 else 'one of branches'} {which[0] if len(which) == 1 else which!r} "
             f"changed the shared input in place on this call, which the block had not seen it do on the first "
             f"call of this input signature: the branches after it did not all see the change, so the result "
-            f"would differ from calling them one after another. From the next call on, the block runs its "
-            f"branches one after another (set fuse='auto' again to time them anew). To keep them fused, make "
+            f"would differ from calling them one after another. {then} To keep them fused, make "
             f"the branch's first operation out of place (inplace=False, x = x + 1)."
         )
 
@@ -1627,12 +1639,13 @@ class Parallel(nn.Module):
                     x = args[0] if len(args) == 1 and not kwargs else None
                     if type(x) is not torch.Tensor or x.is_inference():
                         return self._joined(self._run(args, kwargs, None, fusion, False))
-                    version = x._version if x is not None else 0
+                    version, tuner = x._version if x is not None else 0, self._tuner
                     out = self._run_group(fusion, units[0], args, kwargs, eager=True)
                     if (x is not None and x._version != version and type(out) is not _Unfused
                             and not _clamps_its_input(units[0])):
-                        # (Unfused: the members ran in turn, as called one after another.)
-                        raise self._refused_write(units[0].indices)
+                        # (Unfused: the members ran in turn, as called one after another. Not kept
+                        # in order after a reset by another thread meanwhile: see _run_units_watched.)
+                        raise self._refused_write(units[0].indices, learnt=self._tuner is tuner)
                     return self._joined(fusion.scatter(units, [out]))
                 # Mixed groups (or none left): what ``_outputs`` runs for this plan,
                 # with the groups already found.

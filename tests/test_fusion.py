@@ -6409,3 +6409,92 @@ def test_an_instance_attribute_hiding_a_members_parameter_is_seen_for_a_new_sign
     x = torch.randn(7, 16)
     assert_close(p(x), reference(p, x))
     assert fused_groups(p) == [["0", "2"]]
+
+
+class _GatedInThread(nn.Module):
+    r"""A Linear whose forward, called from a thread other than the main one, waits for ``go`` there
+    (``inside`` set); ``write``: adds 1 to its input in place first (``"thread"``: in that thread only)."""
+
+    def __init__(self, inside: threading.Event, go: threading.Event, write: bool | str = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.inside, self.go, self.write = inside, go, write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_thread = threading.current_thread() is not threading.main_thread()
+        if in_thread:
+            self.inside.set()
+            assert self.go.wait(5)
+        if self.write is True or self.write == "thread" and in_thread:
+            x.add_(1)
+        return self.lin(x)
+
+
+def _call_while_reset(block: Parallel, x: torch.Tensor, reset: Any, inference: bool = False) -> list[Any]:
+    r"""``block(x)`` in a thread, and ``reset()`` in this one while the thread's call runs the branches:
+    what the call returned or raised."""
+    inside, go = block[0].inside, block[0].go
+    result: list[Any] = []
+
+    def call() -> None:
+        try:
+            with torch.inference_mode(inference):
+                result.append(block(x))
+        except Exception as e:
+            result.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        assert inside.wait(5)
+        reset()
+    finally:
+        go.set()
+        t.join(5)
+    assert not t.is_alive() and len(result) == 1
+    return result
+
+
+def test_a_write_refused_across_a_reset_does_not_keep_the_new_branches_in_order():
+    # Before: a fused call refused for a branch writing the input (fuse="auto") kept the block in
+    # branch order from then on, even where another thread had replaced the branches (or set fuse
+    # again, "to time them anew", as the error advises) while it ran: the new branches, which write
+    # nothing, never ran fused.
+    inside, go = threading.Event(), threading.Event()
+    torch.manual_seed(0)
+    block = Parallel(_GatedInThread(inside, go, "thread"), _GatedInThread(inside, go, "thread"), fuse="auto")
+    x = torch.randn(2, 4)
+    block(x)  # the first call, in turn and watched: nothing written in the main thread
+    assert block.explain()["fused"] == [["0", "1"]]
+
+    def replace() -> None:
+        block[0], block[1] = _GatedInThread(inside, go), _GatedInThread(inside, go)
+
+    (error,) = _call_while_reset(block, x.clone(), replace)
+    assert isinstance(error, RuntimeError) and "changed the shared input in place" in str(error)
+    assert "From the next call on" not in str(error)
+    for _ in range(2):
+        assert_close(block(x), torch.cat([b(x) for b in block], 1))
+    assert block._plans and all(plan.fused for plan in block._plans.values())
+
+
+def test_a_first_inference_call_watched_across_a_reset_leaves_the_new_branches_watched():
+    # Before: the first fuse=True call of a signature with an inference-tensor input, watched for
+    # writes to it (which no version shows), marked the signature watched even where another thread
+    # had replaced the branches while it ran: the new branches' first call was not watched, and
+    # their group, writing the shared input once for both members, gave another result than the
+    # branches called one after another, silently.
+    inside, go = threading.Event(), threading.Event()
+    torch.manual_seed(0)
+    block = Parallel(_GatedInThread(inside, go), _GatedInThread(inside, go), fuse=True)
+    with torch.inference_mode():
+        x = torch.randn(2, 4)
+
+    def replace() -> None:
+        block[0] = _GatedInThread(inside, go, write=True)
+        block[1] = _GatedInThread(inside, go, write=True)
+
+    (out,) = _call_while_reset(block, x, replace, inference=True)
+    assert isinstance(out, torch.Tensor)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="changed the shared input in place"):
+        block(x.clone())
