@@ -161,6 +161,26 @@ _POOLING = (
 # Modules whose batched rule does not depend on train/eval mode.
 _MODE_FREE = frozenset((*_POINTWISE, *_POOLING, nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
                         nn.LayerNorm, nn.Flatten))
+
+
+def _mode_free(m: nn.Module, enclosed_by_free: bool = True) -> bool:
+    r"""Whether ``m``'s train/eval mode changes nothing it computes: a ``_MODE_FREE`` type with its stock
+    forward, enclosed (below the branch) by such modules only. A module of the user's may read a
+    child's mode (``self.lin.training``), which then matters as any other."""
+    return enclosed_by_free and type(m) in _MODE_FREE and "forward" not in vars(m)
+
+
+def _moded(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    r"""The submodules of ``root`` (itself too), named, whose train/eval mode may change what it computes
+    (see :func:`_mode_free`), in ``named_modules()`` order: what grouping compares and the watches watch."""
+    found, stack = [], [("", root, True)]
+    while stack:
+        name, m, enclosed_by_free = stack.pop()
+        free = _mode_free(m, enclosed_by_free)
+        if not free:
+            found.append((name, m))
+        stack.extend((_join(name, n), c, free) for n, c in reversed(m._modules.items()) if c is not None)
+    return found
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # Hooks registered for every module (``register_module_forward_hook`` ...): torch mutates
 # these dicts in place, so holding them is enough to see one registered later.
@@ -249,8 +269,8 @@ def _in_another_mode(branches: list[nn.Module], i: int, fusable: Iterable[int]) 
     twin = next((j for j in fusable if j != i and _difference(branches[j], branches[i], modes=False) is None), None)
     if twin is None:
         return ""
-    path, mode = next((name, m.training) for (name, m), t in zip(branches[i].named_modules(), branches[twin].modules())
-                      if m.training != t.training and type(m) not in _MODE_FREE)
+    path, mode = next((name, m.training) for (name, m), (_, t) in zip(_moded(branches[i]), _moded(branches[twin]))
+                      if m.training != t.training)
     where = f"its submodule {path!r} is" if path else "it is"
     other = "training" if not mode else "eval"
     return (f": {where} in {'training' if mode else 'eval'} mode, and branch index {twin}, alike otherwise, in "
@@ -258,11 +278,13 @@ def _in_another_mode(branches: list[nn.Module], i: int, fusable: Iterable[int]) 
             f"fuse them)")
 
 
-def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True, modes: bool = True) -> str | None:
+def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True, modes: bool = True,
+                enclosed_by_free: bool = True) -> str | None:
     r"""How module ``b`` differs in structure from ``a``, or ``None`` if identical.
 
     ``tensors=False``: attributes holding tensors (not parameters or buffers) are not compared.
-    ``modes=False``: nor are the modules' train/eval modes.
+    ``modes=False``: nor are the modules' train/eval modes (else those :func:`_moded` lists).
+    ``enclosed_by_free``: (recursing) whether only :func:`_mode_free` modules enclose ``a``.
     """
     where = f"submodule {path!r}" if path else "the branch"
     if type(a) is not type(b):
@@ -270,7 +292,8 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
             return (f"{where} is {_class_name(type(b))}, expected {_class_name(type(a))}: another class of the same "
                     f"name (define the class once and make every branch from it)")
         return f"{where} is {type(b).__name__}, expected {type(a).__name__}"
-    if modes and a.training != b.training and type(a) not in _MODE_FREE:  # (the same answer in either mode)
+    free = _mode_free(a, enclosed_by_free) and "forward" not in vars(b)  # (the same answer in either mode)
+    if modes and a.training != b.training and not free:
         got, expected = ("training", "eval") if b.training else ("eval", "training")
         fix = "train" if a.training else "eval"
         member = f"this branch's submodule {path!r}" if path else "this branch"
@@ -323,7 +346,7 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
         if (ca is None) != (cb is None):
             return f"submodule {_join(path, name)!r} is {cb!r}, expected {ca!r}"
         if ca is not None:
-            diff = _difference(ca, cb, _join(path, name), tensors, modes)
+            diff = _difference(ca, cb, _join(path, name), tensors, modes, free)
             if diff is not None:
                 return diff
     return None
@@ -2921,7 +2944,7 @@ class _Fusion:
         # Grouping depended on these submodules' train/eval modes (BatchNorm,
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.
-        self.modes = [(m, m.training) for branch in branches for m in branch.modules() if type(m) not in _MODE_FREE]
+        self.modes = [(m, m.training) for branch in branches for _, m in _moded(branch)]
         # And on settings that decide whether a fused member's layer may run batched at all
         # (see _unfusable): a dropout's ``p`` raised from 0 (a dropout schedule), an embedding
         # given a ``max_norm`` or made sparse. Set in place, they register nothing; batched,

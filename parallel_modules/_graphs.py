@@ -91,7 +91,7 @@ from torch.utils import _pytree as pytree
 from ._compile import _WHOLE
 from . import _watch
 from ._watch import _has_scalars, _swapped
-from ._fusion import _GLOBAL_HOOKS, _MODE_FREE, _Handle, _functorch_active, _hook_dicts
+from ._fusion import _GLOBAL_HOOKS, _Handle, _moded, _functorch_active, _hook_dicts
 from ._inputs import _BY_VALUE, _bounded_add, _grad_and_training, _input_device, _signature, _value_key
 from ._saved import _saved_storages
 from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dense, _dispatch_modes,
@@ -1604,7 +1604,10 @@ class _CudaGraphs:
         self._differentiable = params + [b for b in owner.buffers() if b.is_floating_point() or b.is_complex()]
         # Submodules whose behaviour may depend on their own train/eval mode, which a
         # user may set apart from the owner's (a frozen BatchNorm in a training model).
-        self._moded = [m for m in owner.modules() if m is not owner and type(m) not in _MODE_FREE]
+        # (A block reads no child's mode: its children are looked at as branches are. A stage
+        # called itself, a module of the user's, may read any of its submodules'.)
+        roots = [owner] if self.calls_owner else list(owner.children())
+        self._moded = [m for root in roots for _, m in _moded(root) if m is not owner]
         # (TorchScript modules keep theirs in C++, behind a view that is not a dict;
         # ``torch.func.functional_call`` refuses those modules, so nothing swaps them.)
         self._slots = [d for m in owner.modules() for d in (m._parameters, m._buffers)

@@ -6498,3 +6498,33 @@ def test_a_first_inference_call_watched_across_a_reset_leaves_the_new_branches_w
     assert isinstance(out, torch.Tensor)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="changed the shared input in place"):
         block(x.clone())
+
+
+class _ScaledInTraining(nn.Module):
+    r"""A Linear whose output its parent doubles while the Linear is in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (2 if self.lin.training else 1)
+
+
+def test_a_mode_free_layer_whose_mode_a_module_of_the_users_reads_still_parts_branches():
+    # Before: a Linear's mode was not compared (its output does not depend on it), though the
+    # module holding it read it: the branch whose Linear was put in eval() was fused with one
+    # in training, and computed as the group's first member does, doubled.
+    torch.manual_seed(0)
+    branches = [_ScaledInTraining(), _ScaledInTraining()]
+    branches[1].lin.eval()
+    block = Parallel(*branches, fuse="auto")
+    x = torch.randn(2, 4)
+    assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+    assert block.explain()["fused"] == []
+    # Grouped while alike, a mode switched since is seen (the watch watches what grouping compares).
+    branches[1].lin.train()
+    block(x)
+    assert block.explain()["fused"] == [["0", "1"]]
+    branches[1].lin.eval()
+    assert_close(block(x), torch.cat([b(x) for b in branches], 1))
