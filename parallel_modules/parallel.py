@@ -1783,9 +1783,11 @@ class Parallel(nn.Module):
             return self._run(args, kwargs, device if self.streams is not False else None, fusion, True)
         if plan is not None:
             return self._run(args, kwargs, device if plan.forked else None, fusion if plan.fused else None, False)
-        tuner, candidates = self._tuner, self._candidates(fusion, args, kwargs)
+        # (``tuner`` is the one the call began with, not read again: a reset by another thread
+        # since then, while the groups were found, leaves this call's choice unremembered.)
+        candidates = self._candidates(fusion, args, kwargs)
         if checkpointed and len(candidates) > 1:
-            return self._checkpointed(key, args, kwargs, device, fusion, candidates)
+            return self._checkpointed(key, args, kwargs, device, fusion, candidates, tuner)
         watched = _watched(args, kwargs)
         versions = [a._version for a in watched]
         # Each schedule is timed with its join: the user pays for it, and it is not
@@ -1819,7 +1821,7 @@ class Parallel(nn.Module):
         return out
 
     def _checkpointed(self, key: Hashable, args: tuple, kwargs: dict, device: torch.device | None,
-                      fusion: _Fusion | None, candidates: list[_Schedule]) -> Any:
+                      fusion: _Fusion | None, candidates: list[_Schedule], tuner: _ScheduleTuner) -> Any:
         r"""The first call of a signature under ``torch.utils.checkpoint`` or in backward: the most fused of
         ``candidates``, forked only if none runs in order, kept for the signature without timing.
 
@@ -1832,10 +1834,12 @@ class Parallel(nn.Module):
         line there anyway, see ``_streams._autograd_in_line``). Under
         ``fuse="auto"`` the fused call watches for a branch changing the input
         in place (see :meth:`_run_units_watched`), where an unhooked first call
-        runs the branches in order and looks.
+        runs the branches in order and looks. ``tuner``: the one the call began
+        with; after a reset by another thread the choice is not remembered.
         """
         s = max(candidates, key=lambda c: (c.fused, not c.forked))
-        self._remember(key, s)
+        if self._tuner is tuner:
+            self._remember(key, s)
         return self._run(args, kwargs, device if s.forked else None, fusion if s.fused else None, False)
 
     def _run_watched(self, args: tuple, kwargs: dict, fusion: _Fusion | None) -> tuple[Any, bool]:
