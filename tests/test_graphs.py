@@ -2593,6 +2593,40 @@ def test_child_mode_changed_after_capture_is_seen(child):
     assert all(torch.equal(a, b) for a, b in zip(block.buffers(), stats))  # eval BatchNorm keeps its statistics
 
 
+class _DoubledInTraining(nn.Module):
+    r"""Doubles its Linear's output while the Linear is in training mode: reads a child's mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (2 if self.lin.training else 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("owner", ["Parallel", "ParallelSequential"])
+def test_a_linears_mode_read_by_a_module_of_the_users_is_not_replayed_stale(owner):
+    # Before: a Linear's mode was left out of the graph's key (its output does not depend on
+    # it), though the module holding it read it: switched after capture, the replay returned
+    # the doubled output the eager call no longer computes.
+    torch.manual_seed(0)
+    if owner == "Parallel":
+        block = Parallel(_DoubledInTraining(), nn.Linear(16, 16), cuda_graph=True).cuda()
+        expected = lambda x: _cat_of_branches(block, x)  # noqa: E731
+    else:
+        block = ParallelSequential(_DoubledInTraining(), nn.Linear(16, 16), chunks=2, cuda_graph=True).cuda()
+        expected = lambda x: block[1](block[0](x))  # noqa: E731
+    x = torch.randn(8, 16, device="cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            block(x)
+        block[0].lin.eval()
+        assert torch.equal(block(x), expected(x))
+        block[0].lin.train()
+        assert torch.equal(block(x), expected(x))
+
+
 @pytest.mark.cuda
 def test_pipeline_mode_toggles_and_chunks_changes():
     from parallel_modules import ParallelSequential
