@@ -485,6 +485,12 @@ def _unfusable(branch: nn.Module) -> str | None:
             # (A subclass's forward of its own may draw masks in eval too: Monte Carlo dropout.)
             return (f"{where} draws random masks{' in training mode' if m.training else ''}; fused, its masks "
                     f"could not match the unfused module's")
+        if isinstance(m, nn.MultiheadAttention) and m.dropout > 0 and m.training:
+            # (Its attention weights' dropout, drawn inside its functional call: vmap refuses
+            # random operations, and a group stacked while the rate was 0 ran without any.)
+            return (f"{where} draws random masks on its attention weights in training mode "
+                    f"(dropout={m.dropout}); fused, its masks could not match the unfused module's (call .eval() on it, "
+                    f"or set its dropout to 0, to fuse it)")
         for kind, tensors in (("parameter", m._parameters), ("buffer", m._buffers)):
             for name, t in tensors.items():
                 if t is not None and (type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided):
@@ -530,9 +536,12 @@ def _norm_hooks(m: nn.Module) -> str:
 
 def _fusable_settings(m: nn.Module) -> tuple | None:
     r"""The settings of ``m`` that :func:`_unfusable` reads, which a user may set in place after grouping
-    (``None`` for a layer without any): a dropout's rate, an embedding's ``sparse`` and ``max_norm``."""
+    (``None`` for a layer without any): a dropout's rate (an attention layer's too), an embedding's
+    ``sparse`` and ``max_norm``."""
     if isinstance(m, (_DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)):
         return (m.p,)
+    if isinstance(m, nn.MultiheadAttention):
+        return (m.dropout,)
     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
         return (m.sparse, m.max_norm)
     return None

@@ -6528,3 +6528,42 @@ def test_a_mode_free_layer_whose_mode_a_module_of_the_users_reads_still_parts_br
     assert block.explain()["fused"] == [["0", "1"]]
     branches[1].lin.eval()
     assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+
+
+def test_an_attention_dropout_rate_raised_after_grouping_unfuses_its_members():
+    # Before (a hunt): an nn.MultiheadAttention's own dropout (a float it hands to its
+    # functional call, not a Dropout submodule) was neither refused nor watched: attention
+    # layers grouped in training with dropout=0, once called, kept running batched after a schedule raised
+    # it in place (registering nothing), without any dropout, where each branch called in
+    # turn drops its attention weights; fuse=True did not refuse it, explain() said fused.
+    # Grouped with dropout > 0, the first batched call failed (vmap refuses random operations).
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    first = Attend()
+    block = Parallel(*[copy.deepcopy(first) for _ in range(3)], join="stack", dim=0, fuse="auto").train()
+    x = torch.randn(2, 5, 8)
+    block(x)
+    block(x)
+    assert fused_groups(block) == [["0", "1", "2"]]
+    for branch in block:
+        branch.attention.dropout = 0.5
+    out = block(x)
+    # Each member its own masks, as unfused: identical members no longer agree, nor match no dropout.
+    assert not torch.equal(out[0], out[1]) and not torch.allclose(out[0], first(x))
+    assert fused_groups(block) == []
+    assert "draws random masks on its attention weights" in block.explain()["unfused"]["0"]
+    strict = Parallel(*[copy.deepcopy(first) for _ in range(2)], fuse=True).train()
+    strict(x)
+    strict[0].attention.dropout = strict[1].attention.dropout = 0.1
+    with pytest.raises(ValueError, match=r"'attention' \(MultiheadAttention\) draws random masks .*\(dropout=0.1\)"):
+        strict(x)
+    strict.eval()  # (eval: no dropout, fused again)
+    strict(x)
+    assert fused_groups(strict) == [["0", "1"]]
