@@ -2954,11 +2954,12 @@ class _Fusion:
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.
         self.modes = [(m, m.training) for branch in branches for _, m in _moded(branch)]
-        # And on settings that decide whether a fused member's layer may run batched at all
-        # (see _unfusable): a dropout's ``p`` raised from 0 (a dropout schedule), an embedding
-        # given a ``max_norm`` or made sparse. Set in place, they register nothing; batched,
-        # the members would share one dropout mask, or skip the renormalization.
-        self.settings = [(m, s) for g in self.groups for member in g.members for m in member.modules()
+        # And on settings that decide whether a layer may run batched at all (see _unfusable):
+        # a dropout's ``p`` raised from 0 (a dropout schedule), an embedding given a ``max_norm``
+        # or made sparse. Set in place, they register nothing; batched, the members would share
+        # one dropout mask, or skip the renormalization. (Of every branch, as the modes are: one
+        # left out for its dropout's rate fuses once the rate is lowered to 0.)
+        self.settings = [(m, s) for branch in branches for m in branch.modules()
                          for s in (_fusable_settings(m),) if s is not None]
         # Hooks registered on a fused member after grouping would not run: the hook
         # dicts of every module of every fused member, which must stay empty. (About

@@ -6530,6 +6530,24 @@ def test_a_mode_free_layer_whose_mode_a_module_of_the_users_reads_still_parts_br
     assert_close(block(x), torch.cat([b(x) for b in branches], 1))
 
 
+def test_a_dropout_rate_lowered_to_zero_after_grouping_lets_its_branches_fuse():
+    # Before: only fused members' settings were watched; branches left out for their dropout's
+    # rate in training were never grouped again once it was set to 0 in place (a dropout
+    # schedule ending), and explain() went on saying they draw random masks.
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1)) for _ in range(3)], fuse="auto")
+    x = torch.randn(4, 16)
+    p(x)
+    assert p.explain()["fused"] == [] and "draws random masks" in p.explain()["unfused"]["0"]
+    for b in p:
+        b[1].p = 0.0
+    assert_close(p(x), torch.cat([b(x) for b in p], 1))
+    assert p.explain()["fused"] == [["0", "1", "2"]] and p.explain()["unfused"] == {}
+    p[1][1].p = 0.5  # (and raised again on one: refused again, that branch unfused)
+    p(x)
+    assert p.explain()["fused"] == [["0", "2"]] and "draws random masks" in p.explain()["unfused"]["1"]
+
+
 def test_an_attention_dropout_rate_raised_after_grouping_unfuses_its_members():
     # Before (a hunt): an nn.MultiheadAttention's own dropout (a float it hands to its
     # functional call, not a Dropout submodule) was neither refused nor watched: attention
