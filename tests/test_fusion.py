@@ -3208,53 +3208,6 @@ def test_fuse_true_refuses_members_writing_a_shared_inference_tensor(device, fir
             assert_close(block(x.clone()), _in_order(Parallel(*heads), x.clone()))
 
 
-@pytest.mark.cuda
-def test_fuse_turned_off_during_another_threads_first_inference_call_is_kept():
-    # Before: the first CUDA call of a signature with inference tensors runs watched for writes
-    # to them, then remembers its schedule; with fuse=True turned off by another thread
-    # meanwhile, the fused schedule landed among those made anew for fuse=False, and later
-    # calls of the signature ran the branches fused again.
-    inside, go = threading.Event(), threading.Event()
-
-    class Gated(nn.Module):  # every member alike (fuse=True groups them all); holds the other thread's call
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 4)
-
-        def forward(self, x):
-            if threading.current_thread() is not threading.main_thread():
-                inside.set()
-                assert go.wait(10)
-            return self.lin(x)
-
-    torch.manual_seed(0)
-    block = Parallel(*[Gated() for _ in range(3)], fuse=True).cuda()
-    with torch.inference_mode():
-        x = torch.randn(6, 8, device="cuda")
-    outputs = []
-
-    def first_call():
-        with torch.inference_mode():
-            outputs.append(block(x))
-
-    thread = threading.Thread(target=first_call)
-    thread.start()
-    try:
-        assert inside.wait(10)
-        block.fuse = False
-    finally:
-        go.set()
-        thread.join(10)
-    assert not thread.is_alive() and len(outputs) == 1
-    with torch.inference_mode():
-        expected = torch.cat([b(x) for b in block], 1)
-        torch.testing.assert_close(outputs[0], expected)
-        assert torch.equal(block(x), expected)  # (unfused: the same kernels as the branches in turn)
-    assert block.explain()["fused"] == []
-    assert block._fusion is None
-    assert all(s.startswith("unfused") for s in block.explain()["schedules"].values())
-
-
 @pytest.mark.parametrize("make", [lambda: nn.GroupNorm(2, 8), lambda: nn.InstanceNorm1d(8, affine=True)],
                          ids=["group-norm", "instance-norm"])
 def test_a_norm_kept_in_float32_under_bfloat16_inputs_returns_their_dtype(make):
@@ -6453,6 +6406,31 @@ def _call_while_reset(block: Parallel, x: torch.Tensor, reset: Any, inference: b
         t.join(5)
     assert not t.is_alive() and len(result) == 1
     return result
+
+
+@pytest.mark.cuda
+def test_fuse_turned_off_during_another_threads_first_inference_call_is_kept():
+    # Before: the first CUDA call of a signature with inference tensors runs watched for writes
+    # to them, then remembers its schedule; with fuse=True turned off by another thread
+    # meanwhile, the fused schedule landed among those made anew for fuse=False, and later
+    # calls of the signature ran the branches fused again.
+    inside, go = threading.Event(), threading.Event()
+    torch.manual_seed(0)
+    block = Parallel(*[_GatedInThread(inside, go) for _ in range(3)], fuse=True).cuda()
+    with torch.inference_mode():
+        x = torch.randn(6, 4, device="cuda")
+
+    def fuse_off() -> None:
+        block.fuse = False
+
+    (out,) = _call_while_reset(block, x, fuse_off, inference=True)
+    with torch.inference_mode():
+        expected = torch.cat([b(x) for b in block], 1)
+        assert_close(out, expected)
+        assert torch.equal(block(x), expected)  # (unfused: the same kernels as the branches in turn)
+    assert block.explain()["fused"] == []
+    assert block._fusion is None
+    assert all(s.startswith("unfused") for s in block.explain()["schedules"].values())
 
 
 def test_a_write_refused_across_a_reset_does_not_keep_the_new_branches_in_order():
