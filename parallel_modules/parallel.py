@@ -727,40 +727,58 @@ class Parallel(nn.Module):
 
     # ---------------------------------------------------------------- fusion
     def explain(self) -> dict[str, Any]:
-        r"""How this module runs its branches, for inspection.
+        r"""Describe how the next call runs the branches: which are fused, and each input signature's schedule.
 
-        Returns a dict with ``"fused"``: the groups of identical branch names
-        that may run as one batched computation (with ``fuse=True`` or
-        ``"auto"``); ``"unfused"``: every other branch with the reason it is
-        not fused; ``"schedules"``: for each input signature seen so far, the
-        schedule in use, which says whether its calls run those groups batched
-        (``"fused"``/``"unfused"`` and ``"streams"``/``"sequential"``, as
-        chosen by ``"auto"`` or forced, and why ``"auto"`` keeps the groups
-        unfused, or the branches in order, where timing did not decide it, and
-        the CPU and GPU time per call it measured for each schedule it timed;
-        for a CUDA graph, ``"CUDA graph, ..."`` with the variant replayed: the
-        order its branches are launched in, a branch on a high-priority stream
-        (each graph its own entry: graphs of one input signature, captured under
-        autocast or another default dtype, in inference mode, with submodules in
-        another mode, parameters frozen, other kernel settings or inputs at
-        another alignment, named by what sets them apart);
-        with ``compile=``,
-        also ``"compiled branches"`` or ``"eager branches"``, or ``"the block
-        compiled as one, one stream"``, whichever replayed fastest; ``"(input
-        read in place)"``: a graph also reads inputs found where the first
-        call's lay without copying them in); if the latest eager call that ran
-        a group fused fell back to its members unfused for that call alone
-        (under autocast, or an attention layer in ``eval()`` with grad
-        enabled), ``"fallback"``: for each such group, a tuple of its names,
-        why (calls that run the group unfused by their schedule do not
-        change it); if the block could not be compiled (or captured) as
-        one program, ``"not compiled as one"``: why; and, with
-        ``compile_fallback=True``, ``"compile fallback"``: each branch that runs
-        eagerly on the input signatures it failed to compile for, and why.
+        It describes the branches as they are now: after a change to them (a
+        layer replaced, a hook registered on one) it gives the groups the next
+        call will find, and only the schedules that call keeps.
 
-        It says what the next call will find: after a change to the branches
-        (a layer replaced, a hook registered on one), the groups as they are
-        now, and only the schedules that call keeps.
+        Returns:
+            A dict with the keys
+
+            * ``"fused"``: the groups (lists of branch names) of identical
+              branches that may run as one batched computation (``fuse=True``
+              or ``"auto"``).
+            * ``"unfused"``: every other branch's name, mapped to why it is not
+              fused.
+            * ``"schedules"``: for each input signature seen so far, the
+              schedule in use: ``"fused"`` or ``"unfused"``, and ``"streams"``
+              or ``"sequential"``, as ``"auto"`` chose them or as forced; then
+              the CPU and GPU time per call ``"auto"`` measured for each
+              schedule it timed or, where timing did not decide, why
+              ``"auto"`` keeps the groups unfused or the branches in order.
+              A CUDA graph reads ``"CUDA graph, ..."`` with the variant it
+              replays: the order its branches are launched in, a branch on a
+              high-priority stream, with ``compile=`` ``"compiled branches"``,
+              ``"eager branches"`` or ``"the block compiled as one, one
+              stream"`` (whichever replayed fastest), and ``"(input read in
+              place)"`` where it also reads inputs found where the first
+              call's lay without copying them in. Each graph is an entry of
+              its own, named by what sets it apart from the others of its
+              input signature (autocast or another default dtype, inference
+              mode, submodules in another mode, frozen parameters, other
+              kernel settings, inputs at another alignment).
+            * ``"fallback"``, if the latest eager call that ran a group fused
+              fell back to its members unfused for that call alone (under
+              autocast, or an attention layer in ``eval()`` with grad
+              enabled): each such group's tuple of names, mapped to why.
+              Calls that run the group unfused by their schedule do not
+              change it.
+            * ``"not compiled as one"``, if the block could not be compiled (or
+              captured) as one program: why.
+            * ``"compile fallback"``, with ``compile_fallback=True``: each
+              branch that runs eagerly on the input signatures it failed to
+              compile for, mapped to why.
+
+        Example::
+
+            >>> block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2), fuse="auto")
+            >>> _ = block(torch.randn(2, 4))
+            >>> info = block.explain()
+            >>> info["fused"], info["unfused"]
+            ([['0', '1']], {'2': 'no other branch is identical to it'})
+            >>> info["schedules"]  # on the CPU: fused without timing, the branches in turn
+            {'Tensor(2, 4) float32 on cpu, training': 'fused, sequential'}
         """
         fusion = held = self._fusion
         # What the next calls will find (as ``forward``, ``_fusion_for`` and the groups look): the

@@ -82,17 +82,35 @@ def test_constructor_parameters_are_documented(cls):
         assert re.search(rf"^\s+{re.escape(shown)}:", args, re.M), f"{cls.__name__}: {shown} is not under Args:"
 
 
-@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
-def test_docstring_examples_on_the_cpu(cls):
+def _run_examples(cls: type, name: str, doc: str) -> None:
     # As the README's example: what needs a GPU is moved to the CPU, the rest runs as printed.
-    text = cls.__doc__.replace(".cuda()", "").replace(".pin_memory()", "")
-    test = doctest.DocTestParser().get_doctest(
-        text, {"torch": torch, "nn": nn, cls.__name__: cls}, cls.__name__, None, 0)
-    assert test.examples, f"{cls.__name__}: no >>> example"
+    text = doc.replace(".cuda()", "").replace(".pin_memory()", "")
+    test = doctest.DocTestParser().get_doctest(text, {"torch": torch, "nn": nn, cls.__name__: cls}, name, None, 0)
+    assert test.examples, f"{name}: no >>> example"
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     report: list[str] = []
     runner.run(test, out=report.append)
     assert not runner.failures, "".join(report)
+
+
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_docstring_examples_on_the_cpu(cls):
+    _run_examples(cls, cls.__name__, cls.__doc__)
+
+
+def _method_examples() -> list[tuple[type, str]]:
+    return [(cls, name) for cls in _public_classes() for name, value in vars(cls).items()
+            if not name.startswith("_") and ">>>" in (getattr(value, "__doc__", None) or "")]
+
+
+def test_explain_has_an_example():
+    # (So that the test below, parametrized by what it finds, cannot pass by finding nothing.)
+    assert (parallel_modules.Parallel, "explain") in _method_examples()
+
+
+@pytest.mark.parametrize(("cls", "name"), _method_examples(), ids=lambda v: getattr(v, "__name__", v))
+def test_method_docstring_examples_on_the_cpu(cls, name):
+    _run_examples(cls, f"{cls.__name__}.{name}", vars(cls)[name].__doc__)
 
 
 @pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
