@@ -207,7 +207,8 @@ class Parallel(nn.Module):
     capture like any other module.
 
     On the CPU, or while ``torch.compile``/``torch.export`` trace the model,
-    branches run one after the other with identical results.
+    branches run one after the other with identical results (groups fused
+    with ``fuse`` run batched there too, equal up to rounding).
 
     Branches are registered like :class:`torch.nn.Sequential`'s children:
     ``"0"``, ``"1"``, ... or the names of an ``OrderedDict``, so the state dict
@@ -232,7 +233,8 @@ class Parallel(nn.Module):
             faster one (as ``torch.backends.cudnn.benchmark`` does); while
             autograd records (a parameter or an input requires grad),
             ``"auto"`` runs sequentially (the backward cannot be timed in
-            advance). Default: ``"auto"``. While ``cuda_graph`` captures, ``"auto"`` forks.
+            advance); while ``cuda_graph=True`` captures, ``"auto"`` forks.
+            Default: ``"auto"``.
         cuda_graph: ``True`` to capture the whole forward pass -- and, when
             autograd records and an input or a parameter requires grad, the
             backward pass -- in a CUDA graph per input signature, and replay
@@ -273,29 +275,32 @@ class Parallel(nn.Module):
             old gradients. Default: ``False``.
         fuse: ``True`` to run structurally identical branches (same module
             types, hyper-parameters, parameter shapes, dtypes and device, no
-            hooks, and the same train/eval mode for layers whose output
-            depends on it: dropout and norms, not ``Linear`` or activations)
-            as one batched computation per layer, their parameters
-            stacked; an error names the branch that differs. ``"auto"``
-            fuses each identical group and times fused against unfused
-            (eagerly, or by capturing both with ``cuda_graph=True``), keeping
-            the faster (on the CPU it fuses without timing) -- except with :func:`torch.use_deterministic_algorithms`
-            on, where it keeps the branches unfused, since fused results may
-            differ from them in the last bits and timing may choose differently
-            between runs. ``False`` never fuses. ``explain()`` says what was
-            fused and why the rest was not. Captured in a CUDA graph for
-            inference on at most 16 rows, a group of ``Linear`` layers and
-            activations runs each layer, bias and activation as one Triton
-            kernel (float32 accumulation) where Triton is available. Groups are found when the
-            branches are set (construction, ``append``, ``.to()``), and again once a submodule, parameter or buffer below is
-            replaced or registered, a hook added or a train/eval mode
-            changed. A group runs its first member's layers for every member:
-            a hyper-parameter changed in place later (``conv.padding = 0``,
-            ``norm.eps = 1e-3``) is seen once ``fuse`` is set again
-            (``block.fuse = block.fuse``), and Python side effects of a
-            member's ``forward`` (a call counter) happen once per call. Fused
-            parameters are views of one stacked tensor per layer: saving one
-            branch's ``state_dict`` saves every member's values (clone them
+            hooks, and the same train/eval mode for layers whose output depends
+            on it: dropout and norms, not ``Linear`` or activations) as one
+            batched computation per layer, their parameters stacked; an error
+            names the branch that differs. Dropout with a rate above 0 and
+            BatchNorm fuse only in evaluation mode (in training, dropout draws
+            random masks and BatchNorm updates its statistics). ``"auto"`` fuses each
+            identical group and times fused against unfused (eagerly, or by
+            capturing both with ``cuda_graph=True``), keeping the faster (on
+            the CPU it fuses without timing) -- except with
+            :func:`torch.use_deterministic_algorithms` on, where it keeps the
+            branches unfused, since fused results may differ from them in the
+            last bits and timing may choose differently between runs. ``False``
+            never fuses. ``explain()`` says what was fused and why the rest was
+            not. Captured in a CUDA graph for inference on at most 16 rows, a
+            group of ``Linear`` layers and activations runs each layer, bias
+            and activation as one Triton kernel (float32 accumulation) where
+            Triton is available. Groups are found when the branches are set
+            (construction, ``append``, ``.to()``), and again once a submodule,
+            parameter or buffer below is replaced or registered, a hook added
+            or a train/eval mode changed. A group runs its first member's
+            layers for every member: a hyper-parameter changed in place later
+            (``conv.padding = 0``, ``norm.eps = 1e-3``) is seen once ``fuse``
+            is set again (``block.fuse = block.fuse``), and Python side effects
+            of a member's ``forward`` (a call counter) happen once per call.
+            Fused parameters are views of one stacked tensor per layer: saving
+            one branch's ``state_dict`` saves every member's values (clone them
             first to save one). Default: ``False``.
         compile: compile each branch on its own, at its first call, and run
             the compiled code under this module's streams and CUDA graph:
@@ -305,11 +310,11 @@ class Parallel(nn.Module):
             engine per input signature). The state dict does not change.
             Branches fused with ``fuse`` run batched instead. With
             ``cuda_graph=True``, an inference signature is also captured with
-            the branches as they are, and the faster replay kept. Default:
-            ``None``. With a :func:`torch.compile` backend, the block compiled as
-            a whole (the branches one after another, on one stream, with the
-            compiler's fusion across them) is captured too, and kept where it
-            replays fastest. See the README's "Compilers" section.
+            the branches as they are, and, with a :func:`torch.compile`
+            backend, the block compiled as a whole (the branches one after
+            another, on one stream, with the compiler's fusion across them);
+            the fastest replay is kept. See the README's "Compilers" section.
+            Default: ``None``.
         compile_options: keyword arguments for :func:`torch.compile`
             (``dynamic`` defaults to ``False``: one compilation per input
             signature; modes with CUDA graphs are refused, ``cuda_graph=True``

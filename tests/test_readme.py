@@ -94,6 +94,20 @@ def _run_examples(cls: type, name: str, doc: str) -> None:
 
 
 @pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_constructor_defaults_are_documented_last(cls):
+    # As PyTorch's docstrings: each keyword's entry under Args: ends with "Default: <its default>",
+    # the value the signature gives, so a default changed in one place cannot go unnoticed.
+    args = cls.__doc__.split("Args:", 1)[1].split("\n\n", 1)[0]
+    entries = dict(re.findall(r"^ {8}(\w+): (.*?)(?=^ {8}\w+:|\Z)", args, re.M | re.S))
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+        if parameter.kind is not parameter.KEYWORD_ONLY:
+            continue
+        text = " ".join(entries[name].split())
+        default = re.escape(f"Default: ``{parameter.default!r}``.".replace("'", '"'))
+        assert re.search(rf"{default}$", text), f"{cls.__name__}: {name} does not end with {default}: {text[-80:]!r}"
+
+
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
 def test_docstring_examples_on_the_cpu(cls):
     _run_examples(cls, cls.__name__, cls.__doc__)
 
