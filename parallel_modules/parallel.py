@@ -710,8 +710,15 @@ class Parallel(nn.Module):
         self._reset()
         return self
 
+    @overload
+    def pop(self, idx: slice) -> "Parallel": ...
+
+    @overload
+    def pop(self, idx: int) -> nn.Module: ...
+
     def pop(self, idx: int | slice) -> "nn.Module | Parallel":
-        r"""Remove the branch (or the slice of branches) at ``idx`` and return it, as :meth:`nn.ModuleList.pop`."""
+        r"""Remove the branch at ``idx`` and return it, as :meth:`nn.ModuleList.pop`; a slice returns
+        the branches it removes as a block with this one's settings."""
         value = self[idx]
         del self[idx]
         return value

@@ -1606,10 +1606,28 @@ class ParallelSequential(nn.Sequential):
             return empty
         return _new_like(self, operation, "stage", OrderedDict(items), **self._settings())
 
-    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
+    @overload
+    def __getitem__(self, idx: slice) -> "ParallelSequential": ...  # type: ignore[override]
+
+    @overload
+    def __getitem__(self, idx: int) -> nn.Module: ...
+
+    def __getitem__(self, idx: int | slice) -> "nn.Module | ParallelSequential":  # type: ignore[override]
         if isinstance(idx, slice):
             return self._like(list(self._modules.items())[idx], f"a slice, pipe[{_slice_text(idx)}],")
         return self._modules[_child_key(type(self).__name__, list(self._modules), idx, "stage")]
+
+    @overload
+    def pop(self, key: slice) -> "ParallelSequential": ...
+
+    @overload
+    def pop(self, key: int) -> nn.Module: ...
+
+    def pop(self, key: int | slice) -> "nn.Module | ParallelSequential":
+        r"""Remove the stage at ``key`` and return it, as :meth:`nn.Sequential.pop`; a slice returns
+        the stages it removes as a pipeline with this one's settings."""
+        # (Only typed here: nn.Sequential's says Module, which a slice's result is not only.)
+        return super().pop(key)
 
     # ``+`` and ``*`` as nn.Sequential's (which would return a plain nn.Sequential), with the
     # left operand's settings.

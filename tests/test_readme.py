@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import inspect
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,14 @@ def test_public_signatures_are_fully_typed(cls):
         if missing or signature.return_annotation is inspect.Signature.empty:
             untyped.append(f"{name}({', '.join(missing)}{'; no return type' if signature.return_annotation is inspect.Signature.empty else ''})")
     assert not untyped, f"{cls.__name__}: public methods without full type hints: {untyped}"
+
+
+@pytest.mark.parametrize(("cls", "method"), [(cls, method) for cls in _public_classes()
+                                             for method in ("__getitem__", "pop")],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_indexing_is_typed_by_its_argument(cls, method):
+    # As nn.ModuleList's: an int gives a module, a slice a block of the same class, so that
+    # ``block[0].weight`` and ``block[1:].explain()`` type-check without casts.
+    overloads = typing.get_overloads(getattr(cls, method))
+    hints = sorted((next(iter(h.values())).__name__, h["return"]) for h in map(typing.get_type_hints, overloads))
+    assert hints == [("int", nn.Module), ("slice", cls)], f"{cls.__name__}.{method}: {hints}"
