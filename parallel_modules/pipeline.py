@@ -1359,7 +1359,12 @@ class ParallelSequential(nn.Sequential):
     # ------------------------------------------------------------------ state
     @property
     def chunks(self) -> int:
-        r"""Number of micro-batches each call is split into."""
+        r"""Number of micro-batches each call is split into; settable (``pipe.chunks = 2``).
+
+        An int >= 1 (a ``TypeError`` or ``ValueError`` otherwise), at most the
+        batch size, which each call checks. A new value drops the CUDA graphs
+        captured with the old one.
+        """
         return self._chunks
 
     @chunks.setter
