@@ -139,16 +139,17 @@ def _check_name(cls: type, kind: str, name: Any, taken: frozenset[str] = frozens
                          f"attribute of the {owner}). Choose another name.")
 
 
-def _insert_index(owner: str, index: Any, n: int, plural: str) -> int:
-    r"""``index`` of ``insert`` into a container of ``n`` children (``plural``: what they are called), as
-    an int; refused naming ``owner`` where it is no int or out of range (``-n <= index <= n``, as a list's)."""
+def _insert_index(owner: str, index: Any, n: int, kind: str, plural: str) -> int:
+    r"""``index`` of ``insert`` into a container of ``n`` children (``kind``: what one is called, ``plural``:
+    what several are), as an int; refused naming ``owner`` where it is no int or out of range (``-n <= index
+    <= n``, as a list's)."""
     try:
         index = operator.index(index)  # (a NumPy integer too)
     except TypeError:
         raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}") from None
     if not -n <= index <= n:
-        raise IndexError(f"{owner}: insert index {index} is out of range for {n} {plural} "
-                         f"(expected {-n} <= index <= {n})")
+        raise IndexError(f"{owner}: insert index {index} is out of range for {n} {kind if n == 1 else plural} "
+                         f"(expected {-n} <= index <= {n}).")
     return index
 
 

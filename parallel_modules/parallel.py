@@ -697,7 +697,7 @@ class Parallel(nn.Module):
         or kept through a slice of named branches).
         """
         owner, n = type(self).__name__, len(self._modules)
-        index = _insert_index(owner, index, n, "branches")
+        index = _insert_index(owner, index, n, "branch", "branches")
         _check_numbered(owner, list(self._modules), "branches", "insert", "given in an OrderedDict, or kept through "
                         "a slice or a deletion of named branches", "Build a new one with the branches in the order "
                         "you want.")

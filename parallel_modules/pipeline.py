@@ -1490,7 +1490,7 @@ class ParallelSequential(nn.Sequential):
         """
         # (Named by the position it would take, as the inserted stage is: -1 of 2 stages is "1".)
         owner, n = type(self).__name__, len(self)
-        index = _insert_index(owner, index, n, "stages")  # (nn.Sequential's own check names no module)
+        index = _insert_index(owner, index, n, "stage", "stages")  # (nn.Sequential's own check names no module)
         position = index + n if index < 0 else index
         _check_stage(type(self).__name__, str(position), module, container=self)
         # (nn.Sequential's insert moves stages "0".."n-1" up by one: on names kept through a

@@ -274,6 +274,8 @@ def test_insert_pop_and_iadd_behave_as_module_lists_do(fuse):
         assert_same(p(x), torch.cat([m(x) for m in p], 1))
     with pytest.raises(IndexError, match=r"insert index 9 is out of range for 4 branches"):
         p.insert(9, nn.Linear(4, 4))
+    with pytest.raises(IndexError, match=r"insert index 2 is out of range for 1 branch \(expected -1 <= index <= 1\)\.$"):
+        Parallel(nn.Linear(4, 4)).insert(2, nn.Linear(4, 4))
     with pytest.raises(TypeError, match=r"cannot be a branch|not a Module|callable"):
         p.insert(0, 3)
     assert len(p) == 4  # (refused, left as it was)
