@@ -2191,22 +2191,29 @@ class ParallelSequential(nn.Sequential):
             if sequences and not _is_tracing() and not _functorch_active():
                 # (Eagerly: a compiler would trace the hooks as side effects. Stages compiled with
                 # compile= run uncompiled for it, as for the softmax check: see _checked.)
-                key = ("sequences", _signature_dims(input), self._modes(), tuple(id(m) for _, _, m in sequences))
+                modes = self._modes()
+                key = ("sequences", _signature_dims(input), modes, tuple(id(m) for _, _, m in sequences))
                 if key not in self._softmax_checked:
                     batch = _batch_size(input) or 0
+                    # (The modes and hooks as found before the check's own hooks go on the layers.)
                     with _unbatched_refused(self, plan, sequences, batch):
-                        output = self._checked(plan, input, uncompiled=self._compiler is not None)
+                        output = self._checked(plan, input, uncompiled=self._compiler is not None, modes=modes)
                     if batch:  # (an empty batch: the next call of the signature checks)
                         self._softmax_checked.add(key)
                     return output
             return self._checked(plan, input)
         return self._forward(input)
 
-    def _modes(self) -> tuple[bool, ...]:
-        r"""The train/eval mode of the pipeline and of every module below it, found as they are now (a
-        module put in by writing a container's dict registers nothing), without ``modules()``'s names
-        and repeats (which cost 75 us a call on a 12-layer transformer encoder)."""
-        modes = [self.training]
+    def _modes(self) -> tuple[Any, ...]:
+        r"""The train/eval mode of the pipeline and of every module below it, and their forward hooks, found
+        as they are now (a module put in by writing a container's dict registers nothing, and nor does a
+        hook), without ``modules()``'s names and repeats (which cost 75 us a call on a 12-layer transformer
+        encoder): what decides the path a stage takes to its layers, and the inputs they get.
+
+        Hooks by their handles' ids, which are never reused: one removed and another added differs."""
+        hooks = nn.modules.module
+        modes: list[Any] = [self.training, tuple(hooks._global_forward_pre_hooks),
+                            tuple(hooks._global_forward_hooks)]
         seen = {id(self)}
         stack = list(self._modules.values())
         while stack:
@@ -2214,23 +2221,27 @@ class ParallelSequential(nn.Sequential):
             if m is not None and id(m) not in seen:
                 seen.add(id(m))
                 modes.append(m.training)
+                if m._forward_pre_hooks or m._forward_hooks:
+                    modes.append((tuple(m._forward_pre_hooks), tuple(m._forward_hooks)))
                 stack.extend(m._modules.values())
         return tuple(modes)
 
-    def _checked(self, plan: _Plan, input: Any, uncompiled: bool = False) -> Any:
+    def _checked(self, plan: _Plan, input: Any, uncompiled: bool = False, modes: tuple[Any, ...] | None = None) -> Any:
         r"""``_forward(input)`` in micro-batches, the first call of an input signature under the softmax check.
 
-        ``uncompiled``: the stages as they are, not their compiled forms (under another check's hooks)."""
+        ``uncompiled``: the stages as they are, not their compiled forms (under another check's hooks);
+        ``modes``: :meth:`_modes` as found before that check's hooks went on."""
         layers = [(i, q, m) for i, q, m in plan.mixers if isinstance(m, _SOFTMAXES)
                   and (_softmax_dim(m) is None or _softmax_dim(m) < 0) and getattr(m, "mixes_batch", None) is None]
         if layers:
             # (The mode too: a stage may take another path in eval, logits in training and
             # probabilities in eval.)
-            # (Every module's mode: a stage switched to eval alone may reach a layer it skipped.)
+            # (Every module's mode: a stage switched to eval alone may reach a layer it skipped.
+            # And their hooks: one added since may hand a layer an input of other dims.)
             # (Not while tracing, which checks at every trace: a compiler guards on each id()
             # it traces, and would compile the pipeline again for every instance of it.)
             tracing = _is_tracing()
-            key = None if tracing else (_signature_dims(input), self._modes(),
+            key = None if tracing else (_signature_dims(input), self._modes() if modes is None else modes,
                                         tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
             # (Under torch.func transforms the stages run on the whole input: see _forward.)
             if tracing or key not in self._softmax_checked and not _functorch_active():

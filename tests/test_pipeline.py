@@ -3163,3 +3163,41 @@ def test_a_stage_appended_by_another_thread_during_a_call_is_not_run_by_that_cal
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), nn.Sequential(*stages)(x))
         torch.testing.assert_close(pipe(x), nn.Sequential(*stages, added)(x))
+
+
+def test_the_softmax_check_sees_a_hook_added_after_the_first_call():
+    # Before: the check's key held the input's dims and the modules' modes, not their hooks: a
+    # forward hook added to stage 0 after the first call, making its output 3-D, had Softmax()
+    # resolve its dim to 0 unchecked (the batch normalized per micro-batch, off nn.Sequential's),
+    # where a new pipeline with the hook is refused.
+    torch.manual_seed(0)
+    pipe = ParallelSequential(nn.Linear(4, 4), nn.Softmax(dim=-2), chunks=2)
+    x = torch.randn(6, 3, 4)  # (Softmax(dim=-2) on 3-D: dim 1, within each sample)
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
+    handle = pipe[0].register_forward_hook(lambda m, args, out: out.flatten(1))  # (2-D: dim -2 is 0)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"stage '1' \(index 1\) contains '1' \(Softmax\(dim=-2\)\)"):
+            pipe(x)
+    handle.remove()  # (as it was: works again, and equals nn.Sequential)
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
+
+
+def test_the_unbatched_sequence_check_sees_a_pre_hook_added_after_the_first_call():
+    # Before: as for the softmax check, a pre-hook added to the recurrent stage after the first
+    # call, handing it each micro-batch's first step (a 2-D input: one unbatched sequence, cut by
+    # the micro-batches), went unchecked.
+    class Gru(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(4, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rnn(x)[0]
+
+    torch.manual_seed(0)
+    pipe = ParallelSequential(nn.Linear(4, 4), Gru(), chunks=2)
+    x = torch.randn(6, 5, 4)
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
+    pipe[1].rnn.register_forward_pre_hook(lambda m, args: (args[0][:, 0],))
+    with pytest.raises(RuntimeError, match=r"contains '1.rnn' \(GRU, batch_first=True\), given a 2-D input"):
+        pipe(x)
