@@ -1032,7 +1032,7 @@ _SEQUENCE_NAMES = frozenset(cls.__name__ for cls in (nn.RNN, nn.LSTM, nn.GRU, *_
 
 @contextlib.contextmanager
 def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]],
-                       batch: int) -> Iterator[None]:
+                       batch: int, chunks: int) -> Iterator[None]:
     r"""Refuse, while active (a pipeline's first call of an input signature), a sequence layer given an unbatched input.
 
     A batch-first layer (``batch_first=False`` ones are refused whatever they
@@ -1043,7 +1043,7 @@ def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tu
     one: a stage may well call the layer on each sample's own sequence.
     """
     thread = threading.get_ident()
-    rows = {batch // owner._chunks + (batch % owner._chunks > 0), batch // owner._chunks}
+    rows = {batch // chunks + (batch % chunks > 0), batch // chunks}
     where = {id(m): (i, qual) for i, qual, m in layers}
 
     def check(m: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -1055,7 +1055,7 @@ def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tu
             raise RuntimeError(
                 f"{type(owner).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
                 f"({type(m).__name__}, batch_first=True), given a 2-D input {tuple(first.shape)} (of a "
-                f"micro-batch): it reads one unbatched sequence, its rows the steps, which chunks={owner._chunks} "
+                f"micro-batch): it reads one unbatched sequence, its rows the steps, which chunks={chunks} "
                 f"cuts along dimension 0 into shorter sequences, and the result would differ from running the "
                 f"whole batch. Give it batched 3-D inputs (batch, sequence, features), or use chunks=1; if the "
                 f"stage runs it on "
@@ -1789,14 +1789,14 @@ class ParallelSequential(nn.Sequential):
             f"module with .to({str(device)!r})."
         )
 
-    def _split(self, input: Any, copied: bool = False, watched: list[_Shared] | None = None) -> list[Any]:
+    def _split(self, input: Any, chunks: int, copied: bool = False, watched: list[_Shared] | None = None) -> list[Any]:
         r"""``input`` as ``chunks`` micro-batches along dimension 0 (``torch.tensor_split``).
 
         ``copied``: the pieces are copied to the GPU before any stage reads them.
         ``watched``: receives the input's tensors that share elements across
         micro-batches, whose writes :meth:`_call` refuses.
         """
-        owner, chunks = type(self).__name__, self._chunks
+        owner = type(self).__name__
         if isinstance(input, torch.Tensor):
             leaves, spec = [input], None
         else:
@@ -2175,7 +2175,10 @@ class ParallelSequential(nn.Sequential):
         return [(_COMPILED,), (_EAGER,)] + ([(_WHOLE,)] if compiler.compiles_whole else [])
 
     def _eager(self, input: Any) -> Any:
-        if self._chunks == 1:
+        # Read once: another thread setting ``chunks`` during the call must not have the input
+        # cut into more micro-batches than the checks of batch-mixing modules were made for.
+        chunks = self._chunks
+        if chunks == 1:
             # The plain Sequential, as cheap as nn.Sequential: one attribute
             # read and one device comparison more.
             home = self._home if not _is_tracing() else self._get_plan().home  # (see _get_plan)
@@ -2184,7 +2187,7 @@ class ParallelSequential(nn.Sequential):
             if home is None or (isinstance(home, torch.device) and isinstance(input, torch.Tensor)
                                 and input.device == home):
                 return self._in_order(self._stages(), input)
-        if self._chunks > 1:
+        if chunks > 1:
             plan = self._get_plan()
             # (A declared ``mixes_batch`` decides, as in _mixing_error.)
             sequences = [(i, q, m) for i, q, m in plan.sequences if getattr(m, "mixes_batch", None) is None]
@@ -2196,13 +2199,14 @@ class ParallelSequential(nn.Sequential):
                 if key not in self._softmax_checked:
                     batch = _batch_size(input) or 0
                     # (The modes and hooks as found before the check's own hooks go on the layers.)
-                    with _unbatched_refused(self, plan, sequences, batch):
-                        output = self._checked(plan, input, uncompiled=self._compiler is not None, modes=modes)
+                    with _unbatched_refused(self, plan, sequences, batch, chunks):
+                        output = self._checked(plan, input, chunks, uncompiled=self._compiler is not None,
+                                               modes=modes)
                     if batch:  # (an empty batch: the next call of the signature checks)
                         self._softmax_checked.add(key)
                     return output
-            return self._checked(plan, input)
-        return self._forward(input)
+            return self._checked(plan, input, chunks)
+        return self._forward(input, chunks)
 
     def _modes(self) -> tuple[Any, ...]:
         r"""The train/eval mode of the pipeline and of every module below it, and their forward hooks, found
@@ -2226,7 +2230,8 @@ class ParallelSequential(nn.Sequential):
                 stack.extend(m._modules.values())
         return tuple(modes)
 
-    def _checked(self, plan: _Plan, input: Any, uncompiled: bool = False, modes: tuple[Any, ...] | None = None) -> Any:
+    def _checked(self, plan: _Plan, input: Any, chunks: int, uncompiled: bool = False,
+                 modes: tuple[Any, ...] | None = None) -> Any:
         r"""``_forward(input)`` in micro-batches, the first call of an input signature under the softmax check.
 
         ``uncompiled``: the stages as they are, not their compiled forms (under another check's hooks);
@@ -2248,19 +2253,20 @@ class ParallelSequential(nn.Sequential):
                 smallest, batch = None, None
                 if not (tracing and _symbolic_batch(input)):
                     batch = _batch_size(input) or 0
-                    smallest = max(batch // self._chunks, 1)
+                    smallest = max(batch // chunks, 1)
                 check = _SoftmaxDims(self, plan, layers, smallest)
                 # A compiler traces the mode (which puts nothing in its graph) and would trace
                 # hooks as side effects. Stages compiled with compile= run uncompiled under it:
                 # compiled code guards on the mode, and would compile again for the next call.
                 with check.inside() if plan.scoped and not tracing and self._compiler is None else check:
-                    output = self._forward(input, uncompiled=uncompiled or not tracing and self._compiler is not None)
+                    output = self._forward(input, chunks,
+                                           uncompiled=uncompiled or not tracing and self._compiler is not None)
                 # (each trace checks: a tracer would record the add as a side effect. An empty
                 # batch has no rows for the check to see: the next call of the signature checks.)
                 if not tracing and batch:
                     self._softmax_checked.add(key)
                 return output
-        return self._forward(input, uncompiled=uncompiled)
+        return self._forward(input, chunks, uncompiled=uncompiled)
 
     def _in_order(self, calls: Any, input: Any) -> Any:
         r"""The stages one after another on the whole ``input``: ``nn.Sequential.forward``, naming the failing stage."""
@@ -2292,13 +2298,14 @@ class ParallelSequential(nn.Sequential):
                             f"pipeline with {type(self).__name__}.to(...) is seen at once.)")
         return _with_context(error, context)
 
-    def _forward(self, input: Any, uncompiled: bool = False) -> Any:
-        r"""The stages on ``input``, micro-batch by micro-batch; ``uncompiled``: not their compiled forms."""
+    def _forward(self, input: Any, chunks: int, uncompiled: bool = False) -> Any:
+        r"""The stages on ``input``, in ``chunks`` micro-batches (``_chunks`` as the call read it once, see
+        ``_eager``); ``uncompiled``: not their compiled forms."""
         plan = self._get_plan()
         tracing = _is_tracing()
         # (Not asked of a compiler, which would record the question in its graph.)
         transformed = not tracing and _functorch_active()
-        if self._chunks > 1 and not transformed:  # (which runs the whole input: see below)
+        if chunks > 1 and not transformed:  # (which runs the whole input: see below)
             self._refuse_mixing(plan)
         device = _device(input)
         copy_to = None
@@ -2319,7 +2326,7 @@ class ParallelSequential(nn.Sequential):
                   and not uncompiled else None)
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
-        if self._chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (
+        if chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (
                 tracing and _symbolic_batch(input)) or transformed:
             # (Under torch.func transforms -- vmap(grad(...)) for per-sample gradients sees
             # one sample at a time -- the stages run on the whole input: the same result,
@@ -2341,7 +2348,7 @@ class ParallelSequential(nn.Sequential):
             return self._in_order(calls, input)
 
         watched: list[_Shared] = []
-        pieces = self._split(input, copied=copy_to is not None, watched=watched)
+        pieces = self._split(input, chunks, copied=copy_to is not None, watched=watched)
         # The blocks whose results the stages return, whose first micro-batch's output _call
         # looks at (see _refuse_stacked).
         stages = list(zip(plan.names, calls, map(_stock_parallel, plan.stages)))

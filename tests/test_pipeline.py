@@ -861,8 +861,8 @@ def test_pieces_copied_to_the_gpu_are_views() -> None:
     model = ParallelSequential(nn.Linear(4, 4), chunks=2)
     x = torch.randn(4, 4)
     views = [x.data_ptr(), x[2:].data_ptr()]
-    assert not {p.data_ptr() for p in model._split(x)} & set(views)
-    assert [p.data_ptr() for p in model._split(x, copied=True)] == views
+    assert not {p.data_ptr() for p in model._split(x, model.chunks)} & set(views)
+    assert [p.data_ptr() for p in model._split(x, model.chunks, copied=True)] == views
 
 
 def test_fx_symbolic_trace_with_chunks() -> None:
@@ -3201,3 +3201,31 @@ def test_the_unbatched_sequence_check_sees_a_pre_hook_added_after_the_first_call
     pipe[1].rnn.register_forward_pre_hook(lambda m, args: (args[0][:, 0],))
     with pytest.raises(RuntimeError, match=r"contains '1.rnn' \(GRU, batch_first=True\), given a 2-D input"):
         pipe(x)
+
+
+class _PickX(nn.Module):
+    def forward(self, d):
+        return d["x"]
+
+
+def test_chunks_set_by_another_thread_during_a_call_cuts_no_input_the_checks_did_not_see():
+    # Before: a call read ``chunks`` again and again: set from 1 to 2 by another thread after the
+    # call had skipped the check of batch-mixing modules (chunks=1) but before it cut the input,
+    # a BatchNorm in training ran on micro-batches, silently, a result of neither setting (off
+    # nn.Sequential's by 0.7). The interleaving is forced here where the call takes its stages.
+    torch.manual_seed(0)
+    pipe = ParallelSequential(_PickX(), nn.Linear(4, 4), nn.BatchNorm1d(4), chunks=1)
+    reference = copy.deepcopy(nn.Sequential(*pipe))
+    x = torch.randn(8, 4)
+    stages = pipe._stages
+
+    def set_meanwhile():
+        pipe.chunks = 2
+        return stages()
+
+    pipe._stages = set_meanwhile
+    torch.testing.assert_close(pipe({"x": x}), reference({"x": x}))  # (as with chunks=1)
+    del pipe._stages
+    torch.testing.assert_close(pipe[2].running_mean, reference[2].running_mean)
+    with pytest.raises(RuntimeError, match=r"stage '2' \(index 2\) contains '2' \(BatchNorm1d\)"):
+        pipe({"x": x})  # (the later call: chunks=2)
