@@ -6409,28 +6409,29 @@ def _call_while_reset(block: Parallel, x: torch.Tensor, reset: Any, inference: b
 
 
 @pytest.mark.cuda
-def test_fuse_turned_off_during_another_threads_first_inference_call_is_kept():
-    # Before: the first CUDA call of a signature with inference tensors runs watched for writes
-    # to them, then remembers its schedule; with fuse=True turned off by another thread
-    # meanwhile, the fused schedule landed among those made anew for fuse=False, and later
-    # calls of the signature ran the branches fused again.
+def test_fuse_set_during_another_threads_first_inference_call_is_kept():
+    # Before: the first CUDA call of a signature with inference tensors runs the branches in turn,
+    # watched for writes to them (which no version shows); one seen writing kept the signature
+    # in turn -- even where another thread set fuse=True while the call ran: the in-turn
+    # schedule landed among those made anew for fuse=True, and the block never fused (its
+    # branches, which write only in that thread, write nothing here).
     inside, go = threading.Event(), threading.Event()
     torch.manual_seed(0)
-    block = Parallel(*[_GatedInThread(inside, go) for _ in range(3)], fuse=True).cuda()
+    block = Parallel(*[_GatedInThread(inside, go, "thread") for _ in range(3)], fuse="auto").cuda()
     with torch.inference_mode():
         x = torch.randn(6, 4, device="cuda")
 
-    def fuse_off() -> None:
-        block.fuse = False
+    def fuse_on() -> None:
+        block.fuse = True
 
-    (out,) = _call_while_reset(block, x, fuse_off, inference=True)
+    (out,) = _call_while_reset(block, x.clone(), fuse_on, inference=True)
     with torch.inference_mode():
-        expected = torch.cat([b(x) for b in block], 1)
-        assert_close(out, expected)
-        assert torch.equal(block(x), expected)  # (unfused: the same kernels as the branches in turn)
-    assert block.explain()["fused"] == []
-    assert block._fusion is None
-    assert all(s.startswith("unfused") for s in block.explain()["schedules"].values())
+        # (In turn: each branch added 1 to the input before its Linear read it.)
+        assert_close(out, torch.cat([b(x + i + 1) for i, b in enumerate(block)], 1))
+        for _ in range(2):
+            assert_close(block(x), torch.cat([b(x) for b in block], 1))
+    assert block.explain()["fused"] == [["0", "1", "2"]]
+    assert block._plans and all(plan.fused for plan in block._plans.values())
 
 
 def test_a_write_refused_across_a_reset_does_not_keep_the_new_branches_in_order():
