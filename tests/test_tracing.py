@@ -1147,3 +1147,24 @@ def test_a_pipeline_whose_first_stage_is_a_jit_traced_dropout_in_training_is_jit
     assert model.training
     traced = torch.jit.trace(model, (x.clone(),), check_trace=False)
     torch.testing.assert_close(traced(x), model(x))
+
+
+@pytest.mark.parametrize("how", ["compile", "export", "export strict"])
+def test_members_alike_but_for_a_linears_mode_are_traced_fused_once(how):
+    # A Linear computes the same in either mode: members differing only there fuse, and
+    # switching that mode neither splits the group nor makes a compiler trace again.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)], fuse=True, join="sum")
+    block[1][0].eval()
+    x = torch.randn(4, 8)
+    if how == "compile":
+        compiled = torch.compile(block, backend="eager", fullgraph=True)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for mode in (False, True, False):
+                block[1][0].train(mode)
+                assert_close(compiled(x), block(x), rtol=RTOL, atol=ATOL)
+    else:
+        program = torch.export.export(block, (x,), strict=how == "export strict")
+        y = torch.randn(4, 8)  # (a fresh input: the batch is static)
+        assert_close(program.module()(y), block(y), rtol=RTOL, atol=ATOL)
+    assert [g.indices for g in block._fusion.groups] == [[0, 1, 2]]
