@@ -6424,7 +6424,9 @@ def test_fuse_set_during_another_threads_first_inference_call_is_kept():
     def fuse_on() -> None:
         block.fuse = True
 
-    (out,) = _call_while_reset(block, x.clone(), fuse_on, inference=True)
+    with torch.inference_mode():
+        xi = x.clone()  # (an inference tensor: the first call watches it as it watches x)
+    (out,) = _call_while_reset(block, xi, fuse_on, inference=True)
     with torch.inference_mode():
         # (In turn: each branch added 1 to the input before its Linear read it.)
         assert_close(out, torch.cat([b(x + i + 1) for i, b in enumerate(block)], 1))
