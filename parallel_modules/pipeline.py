@@ -275,9 +275,10 @@ class _SoftmaxDims(TorchFunctionMode):
     _STOCK_FORWARDS = frozenset(c.forward for c in _SOFTMAXES)
 
     def __init__(self, owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]],
-                 smallest: int | None) -> None:
+                 smallest: int | None, chunks: int) -> None:
         super().__init__()
         self.owner, self.plan, self.layers, self.smallest = owner, plan, layers, smallest
+        self.chunks = chunks  # the call's (``owner.chunks`` may be set meanwhile: see ``_eager``)
         self.entered: list[nn.Module] = []  # the layers whose forward runs now, under inside()
 
     @contextlib.contextmanager
@@ -343,7 +344,7 @@ class _SoftmaxDims(TorchFunctionMode):
                     f"{type(self.owner).__name__}: stage {self.plan.names[i]!r} (index {i}) contains {qual!r} "
                     f"({type(m).__name__}({'' if isinstance(m, nn.Softmax2d) else f'dim={m.dim}'})), which on its "
                     f"{ndim}-D input normalizes along dimension 0, across the batch, so "
-                    f"with chunks={self.owner._chunks} the result would differ from running the whole batch. "
+                    f"with chunks={self.chunks} the result would differ from running the whole batch. "
                     + ("Give it a batched 4-D input, or use nn.Softmax(dim=1) for the channels, or use "
                        "chunks=1; if what it " if isinstance(m, nn.Softmax2d) else
                        "Give it the non-negative dim it should normalize along, or use chunks=1; if what it ")
@@ -1656,19 +1657,19 @@ class ParallelSequential(nn.Sequential):
         return text + (", " + self._compiler.extra_repr() if self._compiler is not None else "")
 
     # ---------------------------------------------------------------- checks
-    def _refuse_mixing(self, plan: _Plan) -> None:
-        error = self._mixing_error(plan)
+    def _refuse_mixing(self, plan: _Plan, chunks: int) -> None:
+        error = self._mixing_error(plan, chunks)
         if error is not None:
             # Looked at again before refusing: a module deleted or inserted below a stage
             # (``del stage[1]``, ``nn.Sequential.insert``) registers nothing, and the call
             # that follows the advice must not be refused for what is gone.
             self._plan = None
-            error = self._mixing_error(self._get_plan())
+            error = self._mixing_error(self._get_plan(), chunks)
             if error is not None:
                 raise error
 
-    def _mixing_error(self, plan: _Plan) -> RuntimeError | None:
-        r"""The error refusing a stage that mixes samples across the batch, or ``None``."""
+    def _mixing_error(self, plan: _Plan, chunks: int) -> RuntimeError | None:
+        r"""The error refusing a stage that mixes samples across the batch, or ``None``; ``chunks``: the call's."""
         # (An instance attribute set after the plan was made registers nothing: read on every call.
         # So is a sequence layer's ``batch_first``, set to False since: its input split along
         # dimension 0 is then split along its sequence.)
@@ -1685,7 +1686,7 @@ class ParallelSequential(nn.Sequential):
                 return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
                     f"({_layer_name(m)}) with batch_first=False, which reads its input as (sequence, "
-                    f"batch, ...); with chunks={self._chunks} the input is split along dimension 0, "
+                    f"batch, ...); with chunks={chunks} the input is split along dimension 0, "
                     "which for it is the sequence, and the result would differ from running the whole "
                     "batch. Construct it with batch_first=True and feed it batch-first inputs, or use "
                     "chunks=1; if the stage itself moves the batch to dimension 1 before it, say so "
@@ -1767,7 +1768,7 @@ class ParallelSequential(nn.Sequential):
                 return RuntimeError(
                     f"{type(self).__name__}: stage {plan.names[i]!r} (index {i}) contains {qual!r} "
                     f"({_layer_name(m)}), which {why}, so with "
-                    f"chunks={self._chunks} each micro-batch would be treated on its own and the "
+                    f"chunks={chunks} each micro-batch would be treated on its own and the "
                     f"result{' (and its running statistics)' if norm is not None else ''} would "
                     f"differ from running the whole batch. "
                     f"To fix it, {fix}"
@@ -2254,7 +2255,7 @@ class ParallelSequential(nn.Sequential):
                 if not (tracing and _symbolic_batch(input)):
                     batch = _batch_size(input) or 0
                     smallest = max(batch // chunks, 1)
-                check = _SoftmaxDims(self, plan, layers, smallest)
+                check = _SoftmaxDims(self, plan, layers, smallest, chunks)
                 # A compiler traces the mode (which puts nothing in its graph) and would trace
                 # hooks as side effects. Stages compiled with compile= run uncompiled under it:
                 # compiled code guards on the mode, and would compile again for the next call.
@@ -2306,7 +2307,7 @@ class ParallelSequential(nn.Sequential):
         # (Not asked of a compiler, which would record the question in its graph.)
         transformed = not tracing and _functorch_active()
         if chunks > 1 and not transformed:  # (which runs the whole input: see below)
-            self._refuse_mixing(plan)
+            self._refuse_mixing(plan, chunks)
         device = _device(input)
         copy_to = None
         if device is not None and plan.home is not None and device != plan.home:
@@ -2429,7 +2430,10 @@ class ParallelSequential(nn.Sequential):
               watched: list[_Shared] | None = None) -> Any:
         r"""Stage ``s`` on micro-batch ``m``; ``held``: each micro-batch's lists and dicts, refused changed (see
         _forward); ``block``: the ``Parallel`` whose result the stage returns, if any (see :meth:`_refuse_stacked`);
-        ``watched``: input tensors sharing elements across micro-batches, refused written (see :meth:`_split`)."""
+        ``watched``: input tensors sharing elements across micro-batches, refused written (see :meth:`_split`).
+        ``count``: the number of micro-batches, the call's ``chunks`` wherever ``held`` or ``watched`` are
+        kept (only for pieces cut by ``tensor_split(chunks)``), which the errors name (``self.chunks`` may
+        have been set since the call read it)."""
         if held is not None and s == 0:
             # (Those the first stage gets: on a host input, the copy's, which are the micro-batch's own too.)
             held[m] = _containers(value)
@@ -2454,7 +2458,7 @@ class ParallelSequential(nn.Sequential):
                     raise RuntimeError(
                         f"{type(self).__name__}: stage {name!r} (index {s}) changed {what} in place on "
                         f"micro-batch {m} of {count} ({change}), where the "
-                        f"input's lists and dicts are expected left as they came: with chunks={self._chunks} each "
+                        f"input's lists and dicts are expected left as they came: with chunks={count} each "
                         f"micro-batch gets a {kind} of its own (holding its part of the input's tensors), so "
                         f"yours would not see the change, where nn.Sequential makes it in yours, once, for the "
                         f"whole batch. Return what the stage computes instead of writing it into its input "
@@ -2465,12 +2469,12 @@ class ParallelSequential(nn.Sequential):
             if any(t._version != v for t, v in shared.versions[m]):
                 why = (
                     "input tensors that share memory across micro-batches (as (x[:-1], x[1:]) do): with "
-                    f"chunks={self._chunks}, one micro-batch's stages write elements that another micro-batch "
+                    f"chunks={count}, one micro-batch's stages write elements that another micro-batch "
                     "reads through the other tensor, before or after the write, so the result would not be "
                     "nn.Sequential's, which writes them once for the whole batch (and without autograd the input "
                     "tensors are now written in part)" if shared.across else
                     "input tensors that share memory in a layout that no one tensor holds with the batch along "
-                    f"dimension 0: with chunks={self._chunks}, while autograd records, each micro-batch of them "
+                    f"dimension 0: with chunks={count}, while autograd records, each micro-batch of them "
                     "is a copy of its own, so the write does not show in the other tensor, as it does in "
                     "nn.Sequential")
                 raise RuntimeError(

@@ -3229,3 +3229,60 @@ def test_chunks_set_by_another_thread_during_a_call_cuts_no_input_the_checks_did
     torch.testing.assert_close(pipe[2].running_mean, reference[2].running_mean)
     with pytest.raises(RuntimeError, match=r"stage '2' \(index 2\) contains '2' \(BatchNorm1d\)"):
         pipe({"x": x})  # (the later call: chunks=2)
+
+
+class _SettingChunks(nn.Module):
+    r"""Sets its pipeline's ``chunks`` to 4 while a call of it runs (as another thread could), then ``then(x)``."""
+
+    def __init__(self, then: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.then = then
+        self.pipe: list[ParallelSequential] = []  # (a list: not registered as a child)
+
+    def forward(self, x: Any) -> Any:
+        self.pipe[0].chunks = 4
+        return self.then(x)
+
+
+class _BatchNormSettingChunks(nn.BatchNorm1d):
+    pipe: list[ParallelSequential] = []
+
+    @property
+    def mixes_batch(self) -> None:  # (read by the check of batch-mixing modules, which it then refuses)
+        type(self).pipe[0].chunks = 4
+        return None
+
+
+def _written_in_place(d: dict) -> torch.Tensor:
+    d["seen"] = True
+    return d["x"]
+
+
+@pytest.mark.parametrize("case", ["mixing", "softmax", "held", "shared"])
+def test_errors_name_the_chunks_the_call_used_when_set_during_it(case: str) -> None:
+    # Before: the errors read ``chunks`` anew, and named 4, set (as by another thread) during a call
+    # cut into 2 micro-batches, which the call had read once; the number named must be the call's.
+    x = torch.randn(8, 3)
+    if case == "mixing":
+        norm = _BatchNormSettingChunks(3)
+        pipe = ParallelSequential(nn.Linear(3, 3), norm, chunks=2)
+        _BatchNormSettingChunks.pipe = [pipe]
+        expected, input = r"\(_BatchNormSettingChunks\), which normalizes .* so with chunks=2 each", x
+    elif case == "softmax":
+        setting = _SettingChunks(lambda v: v.unsqueeze(1))
+        pipe = ParallelSequential(setting, nn.Softmax(), chunks=2)
+        setting.pipe.append(pipe)
+        expected, input = r"across the batch, so with chunks=2 the result", x
+    elif case == "held":
+        setting = _SettingChunks(_written_in_place)
+        pipe = ParallelSequential(setting, chunks=2)
+        setting.pipe.append(pipe)
+        expected, input = r"left as they came: with chunks=2 each micro-batch", {"x": x}
+    else:
+        setting = _SettingChunks(lambda v: v[0].add_(1))
+        pipe = ParallelSequential(setting, chunks=2)
+        setting.pipe.append(pipe)
+        expected, input = r"\(as \(x\[:-1\], x\[1:\]\) do\): with chunks=2, one", (x[:-1], x[1:])
+    with pytest.raises(RuntimeError, match=rf"(?s){expected}"):
+        with torch.no_grad():
+            pipe(input)
