@@ -181,6 +181,8 @@ def _moded(root: nn.Module) -> list[tuple[str, nn.Module]]:
             found.append((name, m))
         stack.extend((_join(name, n), c, free) for n, c in reversed(m._modules.items()) if c is not None)
     return found
+
+
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # Hooks registered for every module (``register_module_forward_hook`` ...): torch mutates
 # these dicts in place, so holding them is enough to see one registered later.
@@ -489,8 +491,8 @@ def _unfusable(branch: nn.Module) -> str | None:
             # (Its attention weights' dropout, drawn inside its functional call: vmap refuses
             # random operations, and a group stacked while the rate was 0 ran without any.)
             return (f"{where} draws random masks on its attention weights in training mode "
-                    f"(dropout={m.dropout}); fused, its masks could not match the unfused module's (call .eval() on it, "
-                    f"or set its dropout to 0, to fuse it)")
+                    f"(dropout={m.dropout}); fused, its masks could not match the unfused module's "
+                    f"(call .eval() on it, or set its dropout to 0, to fuse it)")
         for kind, tensors in (("parameter", m._parameters), ("buffer", m._buffers)):
             for name, t in tensors.items():
                 if t is not None and (type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided):
