@@ -277,5 +277,16 @@ def test_tensors_inside_dataclasses_are_moved():
     assert out.y.__class__ is _OnCuda  # the branch's own object is left as it was
 
 
-def test_recording_a_single_cpu_output_is_a_no_op():
-    _streams._record_on(torch.randn(2), None)  # a remote branch returned a CPU tensor
+def test_recording_a_single_cpu_output_is_a_no_op(monkeypatch):
+    # A remote branch returned a CPU tensor: nothing is recorded (record_stream has no CPU kernel).
+    recorded: list = []
+    monkeypatch.setattr(_streams, "_record_tensor", lambda t, s: recorded.append((t, s)))
+    cpu = torch.randn(2)
+    _streams._record_on(cpu, "side")
+    _streams._record_on((cpu, {"a": [cpu]}), "side")
+    assert recorded == []
+    # (The spy is the one called: a tensor that says it is on CUDA is recorded, alone or nested.)
+    on_cuda = torch.randn(2).as_subclass(_OnCuda)
+    _streams._record_on(on_cuda, "side")
+    _streams._record_on((cpu, {"a": [on_cuda]}), "side")
+    assert [(t is on_cuda, s) for t, s in recorded] == [(True, "side"), (True, "side")]
