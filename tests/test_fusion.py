@@ -3852,9 +3852,17 @@ def test_forward_mode_tangents_through_a_fused_functional_call():
     import torch.autograd.forward_ad as fwAD
 
     p, x = _fused_then_a_registration()
+    unfused = Parallel(*copy.deepcopy(list(p)))
+    torch.manual_seed(1)
+    tangents = {k: torch.randn_like(v) for k, v in p.named_parameters()}
+    got = {}
     with fwAD.dual_level():
-        duals = {k: fwAD.make_dual(v.detach(), torch.ones_like(v)) for k, v in p.named_parameters()}
-        assert fwAD.unpack_dual(torch.func.functional_call(p, duals, (x,))).tangent is not None
+        for name, block in (("fused", p), ("unfused", unfused)):
+            duals = {k: fwAD.make_dual(v.detach(), tangents[k]) for k, v in block.named_parameters()}
+            got[name] = fwAD.unpack_dual(torch.func.functional_call(block, duals, (x,)))
+    assert got["fused"].tangent is not None
+    torch.testing.assert_close(got["fused"].primal, got["unfused"].primal)
+    torch.testing.assert_close(got["fused"].tangent, got["unfused"].tangent)
 
 
 def test_fused_complex_parameters_get_gradients():
