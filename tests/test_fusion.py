@@ -3846,6 +3846,9 @@ def test_functional_call_of_an_equal_one_element_parameter_reaches_it():
         assert group.swapped()
     torch.func.functional_call(p, {"0.1.weight": slope}, (x,)).sum().backward()
     assert slope.grad is not None
+    unfused, ref_slope = Parallel(*copy.deepcopy(list(p))), slope.detach().clone().requires_grad_()
+    torch.func.functional_call(unfused, {"0.1.weight": ref_slope}, (x,)).sum().backward()
+    torch.testing.assert_close(slope.grad, ref_slope.grad)
 
 
 def test_forward_mode_tangents_through_a_fused_functional_call():
