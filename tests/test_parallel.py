@@ -274,7 +274,8 @@ def test_insert_pop_and_iadd_behave_as_module_lists_do(fuse):
         assert_same(p(x), torch.cat([m(x) for m in p], 1))
     with pytest.raises(IndexError, match=r"insert index 9 is out of range for 4 branches"):
         p.insert(9, nn.Linear(4, 4))
-    with pytest.raises(IndexError, match=r"insert index 2 is out of range for 1 branch \(expected -1 <= index <= 1\)\.$"):
+    with pytest.raises(IndexError,
+                       match=r"insert index 2 is out of range for 1 branch \(expected -1 <= index <= 1\)\.$"):
         Parallel(nn.Linear(4, 4)).insert(2, nn.Linear(4, 4))
     with pytest.raises(TypeError, match=r"cannot be a branch|not a Module|callable"):
         p.insert(0, 3)
@@ -354,7 +355,7 @@ def test_delitem_renumbers():
     assert keys(p) == ["0"] and list(p) == [bs[3]]
     assert_same(p(x), (bs[3](x),))
     assert list(p.state_dict()) == list(nn.ModuleList([bs[3]]).state_dict())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"Parallel: cannot delete every branch; at least one must remain"):
         del p[0]  # the last branch cannot go
     assert list(p) == [bs[3]]
     assert_same(p(x), (bs[3](x),))

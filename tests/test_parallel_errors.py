@@ -67,9 +67,10 @@ def test_branch_not_module_or_callable(bad):
     # Replacing or adding a bad branch on a working module leaves it unchanged.
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     p = Parallel(a, b, join="sum")
-    with pytest.raises(TypeError):
+    got = type(bad).__name__
+    with pytest.raises(TypeError, match=rf"Parallel: branch '1' must be an nn.Module or a callable, got {got}"):
         p[1] = bad
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=rf"Parallel: branch '2' must be an nn.Module or a callable, got {got}"):
         p.append(bad)
     assert list(p) == [a, b]
     x = torch.randn(3, 2)
