@@ -45,6 +45,18 @@ class ScaleBy(nn.Module):
         return x * self.s
 
 
+class DoubledInTraining(nn.Module):
+    r"""A ``Linear(width, width)`` whose output this module doubles while the Linear is in training mode:
+    a module of the user's that reads a child's train/eval mode."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (2 if self.lin.training else 1)
+
+
 class Steps(nn.Module):
     r"""Counts its calls in a buffer it assigns anew at each one (``self.steps = self.steps + 1``)."""
 

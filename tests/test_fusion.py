@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import Queries, ScaleBy, cpu_and_cuda
+from tests._helpers import DoubledInTraining, Queries, ScaleBy, cpu_and_cuda
 from tests._reference import assert_same, reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -3907,9 +3907,9 @@ def test_checkpointing_a_fused_block(device, mixed, monkeypatch):
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
         super().__init__()
-        self.attention = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attention(x, x, x, need_weights=False)[0]
@@ -6492,23 +6492,12 @@ def test_a_first_inference_call_watched_across_a_reset_leaves_the_new_branches_w
         block(x.clone())
 
 
-class _ScaledInTraining(nn.Module):
-    r"""A Linear whose output its parent doubles while the Linear is in training mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * (2 if self.lin.training else 1)
-
-
 def test_a_mode_free_layer_whose_mode_a_module_of_the_users_reads_still_parts_branches():
     # Before: a Linear's mode was not compared (its output does not depend on it), though the
     # module holding it read it: the branch whose Linear was put in eval() was fused with one
     # in training, and computed as the group's first member does, doubled.
     torch.manual_seed(0)
-    branches = [_ScaledInTraining(), _ScaledInTraining()]
+    branches = [DoubledInTraining(), DoubledInTraining()]
     branches[1].lin.eval()
     block = Parallel(*branches, fuse="auto")
     x = torch.randn(2, 4)
@@ -6547,16 +6536,8 @@ def test_an_attention_dropout_rate_raised_after_grouping_unfuses_its_members():
     # it in place (registering nothing), without any dropout, where each branch called in
     # turn drops its attention weights; fuse=True did not refuse it, explain() said fused.
     # Grouped with dropout > 0, the first batched call failed (vmap refuses random operations).
-    class Attend(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.attention(x, x, x, need_weights=False)[0]
-
     torch.manual_seed(0)
-    first = Attend()
+    first = _SelfAttention(8, 2)
     block = Parallel(*[copy.deepcopy(first) for _ in range(3)], join="stack", dim=0, fuse="auto").train()
     x = torch.randn(2, 5, 8)
     block(x)

@@ -27,7 +27,7 @@ from torch import nn
 
 from parallel_modules import Parallel, ParallelSequential
 from parallel_modules._cases import inception_branches, mlp_branches
-from tests._helpers import ScaleBy, Steps
+from tests._helpers import DoubledInTraining, ScaleBy, Steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 cuda = pytest.mark.cuda
@@ -2593,17 +2593,6 @@ def test_child_mode_changed_after_capture_is_seen(child):
     assert all(torch.equal(a, b) for a, b in zip(block.buffers(), stats))  # eval BatchNorm keeps its statistics
 
 
-class _DoubledInTraining(nn.Module):
-    r"""Doubles its Linear's output while the Linear is in training mode: reads a child's mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * (2 if self.lin.training else 1)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("owner", ["Parallel", "ParallelSequential"])
 def test_a_linears_mode_read_by_a_module_of_the_users_is_not_replayed_stale(owner):
@@ -2612,10 +2601,10 @@ def test_a_linears_mode_read_by_a_module_of_the_users_is_not_replayed_stale(owne
     # the doubled output the eager call no longer computes.
     torch.manual_seed(0)
     if owner == "Parallel":
-        block = Parallel(_DoubledInTraining(), nn.Linear(16, 16), cuda_graph=True).cuda()
+        block = Parallel(DoubledInTraining(16), nn.Linear(16, 16), cuda_graph=True).cuda()
         expected = lambda x: _cat_of_branches(block, x)  # noqa: E731
     else:
-        block = ParallelSequential(_DoubledInTraining(), nn.Linear(16, 16), chunks=2, cuda_graph=True).cuda()
+        block = ParallelSequential(DoubledInTraining(16), nn.Linear(16, 16), chunks=2, cuda_graph=True).cuda()
         expected = lambda x: block[1](block[0](x))  # noqa: E731
     x = torch.randn(8, 16, device="cuda")
     with torch.no_grad():

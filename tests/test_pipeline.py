@@ -986,19 +986,22 @@ def test_a_sequence_layer_run_on_each_sample_is_not_refused() -> None:
         torch.testing.assert_close(model(x), model[0](x))
 
 
+class _Gru(nn.Module):
+    r"""A batch-first ``GRU(4, 4)`` returning its outputs alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(4, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x)[0]
+
+
 def test_a_failure_while_hooking_the_sequence_layers_leaves_no_hook_on_them() -> None:
     # The refusal's pre-hooks were registered before its ``try``: one failing (an interrupt
     # between two) left the ones before it on the user's layers, checking every later call.
-    class Gru(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gru = nn.GRU(4, 4, batch_first=True)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.gru(x)[0]
-
     torch.manual_seed(0)
-    model = ParallelSequential(Gru(), Gru(), chunks=2)
+    model = ParallelSequential(_Gru(), _Gru(), chunks=2)
     first, second = model[0].gru, model[1].gru
 
     def failing(*args, **kwargs):
@@ -3186,20 +3189,12 @@ def test_the_unbatched_sequence_check_sees_a_pre_hook_added_after_the_first_call
     # Before: as for the softmax check, a pre-hook added to the recurrent stage after the first
     # call, handing it each micro-batch's first step (a 2-D input: one unbatched sequence, cut by
     # the micro-batches), went unchecked.
-    class Gru(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn = nn.GRU(4, 4, batch_first=True)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.rnn(x)[0]
-
     torch.manual_seed(0)
-    pipe = ParallelSequential(nn.Linear(4, 4), Gru(), chunks=2)
+    pipe = ParallelSequential(nn.Linear(4, 4), _Gru(), chunks=2)
     x = torch.randn(6, 5, 4)
     torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))
-    pipe[1].rnn.register_forward_pre_hook(lambda m, args: (args[0][:, 0],))
-    with pytest.raises(RuntimeError, match=r"contains '1.rnn' \(GRU, batch_first=True\), given a 2-D input"):
+    pipe[1].gru.register_forward_pre_hook(lambda m, args: (args[0][:, 0],))
+    with pytest.raises(RuntimeError, match=r"contains '1.gru' \(GRU, batch_first=True\), given a 2-D input"):
         pipe(x)
 
 
