@@ -793,11 +793,16 @@ def test_group_cut_to_one_member_holds_nothing_back():
 def test_output_changed_in_place_leaves_the_others_saved_for_backward(build, shape):
     # Unfused, each branch's output has its own version counter; views of one batched tensor share one.
     p = Parallel(build(), build(), join=None, fuse=True)
-    a, b = p(torch.randn(shape))
+    plain = copy.deepcopy(list(p))
+    x = torch.randn(shape)
+    a, b = p(x)
     loss = (b * b).sum()  # saves b for backward
     a.add_(1)
     (loss + a.sum()).backward()
-    assert all(q.grad is not None for q in p.parameters())
+    ar, br = (m(x) for m in plain)
+    ((br * br).sum() + ar.sum()).backward()
+    for (name, q), r in zip(p.named_parameters(), (r for m in plain for r in m.parameters()), strict=True):
+        torch.testing.assert_close(q.grad, r.grad, **TOL, msg=name)
 
 
 @pytest.mark.parametrize("build, why", [

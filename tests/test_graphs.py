@@ -1232,10 +1232,16 @@ def test_training_backward_with_create_graph_is_refused(direct):
         out.sum().backward()  # nothing was consumed: the plain backward still runs
     block.zero_grad()
     block.cuda_graph = False  # what the error advises: the penalty then reaches the weights
+    plain = nn.ModuleList(copy.deepcopy(list(block))).cuda()
     x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
     (g,) = torch.autograd.grad(block(x).sum(), x, create_graph=True)
     g.square().sum().backward()
-    assert all(p.grad is not None for p in block.parameters() if p.dim() > 1)
+    (gr,) = torch.autograd.grad(_reference(plain, xr).sum(), xr, create_graph=True)
+    gr.square().sum().backward()
+    for (name, p), r in zip(block.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and p.grad.abs().sum() > 0, name  # (each layer's GELU' reads its bias)
+        torch.testing.assert_close(p.grad, r.grad, msg=name)
 
 
 @cuda
@@ -3335,8 +3341,12 @@ def test_static_outputs_changed_in_place_before_backward_are_refused():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
     block.zero_grad()
-    block(x).sum().backward()  # the next call works
-    assert block[0].weight.grad is not None
+    block(x).sum().backward()  # the next call works, with the gradients of the eager pipeline
+    plain = copy.deepcopy(block[0])
+    plain.zero_grad()
+    torch.relu(plain(x)).sum().backward()
+    torch.testing.assert_close(block[0].weight.grad, plain.weight.grad)
+    torch.testing.assert_close(block[0].bias.grad, plain.bias.grad)
 
 
 @pytest.mark.cuda
