@@ -158,9 +158,13 @@ _POOLING = (
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
     nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
 )
+# Activations whose forward reads no train/eval mode but which are no ``_POINTWISE`` module
+# (they mix a row, or hold a parameter), run through vmap: a member's put in ``eval()`` inside a
+# training block computes as its twins do, so it must not part them (``nn.RReLU`` reads its mode).
+_MODE_FREE_ACTIVATIONS = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.PReLU)
 # Modules whose batched rule does not depend on train/eval mode.
-_MODE_FREE = frozenset((*_POINTWISE, *_POOLING, nn.Sequential, nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
-                        nn.LayerNorm, nn.Flatten))
+_MODE_FREE = frozenset((*_POINTWISE, *_POOLING, *_MODE_FREE_ACTIVATIONS, nn.Sequential, nn.Linear, nn.Conv1d,
+                        nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.Flatten))
 
 
 def _mode_free(m: nn.Module, enclosed_by_free: bool = True) -> bool:

@@ -6516,6 +6516,22 @@ def test_a_mode_free_layer_whose_mode_a_module_of_the_users_reads_still_parts_br
     assert_close(block(x), torch.cat([b(x) for b in branches], 1))
 
 
+@pytest.mark.parametrize("act", [nn.Softmax(dim=-1), nn.LogSoftmax(dim=-1), nn.GLU(), nn.PReLU()],
+                         ids=lambda a: type(a).__name__)
+def test_an_activation_without_a_pointwise_rule_put_in_eval_in_a_training_block_stays_fused(act):
+    # Before (a hunt): only pointwise activations counted as mode-free, so a Softmax (a
+    # transformer head's) switched to eval() in a training block parted its branch from its
+    # twins, and fuse=True refused the call, though it computes the same in either mode.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(4, 6), copy.deepcopy(act)) for _ in range(3)]
+    block = Parallel(*branches, fuse=True)
+    x = torch.randn(2, 4)
+    block(x)
+    branches[1][1].eval()
+    assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+    assert block.explain()["fused"] == [["0", "1", "2"]]
+
+
 def test_a_dropout_rate_lowered_to_zero_after_grouping_lets_its_branches_fuse():
     # Before: only fused members' settings were watched; branches left out for their dropout's
     # rate in training were never grouped again once it was set to 0 in place (a dropout
