@@ -158,12 +158,14 @@ _POOLING = (
     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
     nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
 )
-# Activations whose forward reads no train/eval mode but which are no ``_POINTWISE`` module
-# (they mix a row, or hold a parameter), run through vmap: a member's put in ``eval()`` inside a
-# training block computes as its twins do, so it must not part them (``nn.RReLU`` reads its mode).
-_MODE_FREE_ACTIVATIONS = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.PReLU)
+# Layers whose forward reads no train/eval mode but which are no ``_POINTWISE`` module (they
+# mix a row, hold a parameter or keep no running statistics), run through vmap: a member's put
+# in ``eval()`` inside a training block computes as its twins do, so it must not part them.
+# (Not ``nn.RReLU``, the instance norms or attention, which read their mode.)
+_MODE_FREE_LAYERS = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.PReLU, nn.GroupNorm,
+                     nn.Embedding, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Unflatten)
 # Modules whose batched rule does not depend on train/eval mode.
-_MODE_FREE = frozenset((*_POINTWISE, *_POOLING, *_MODE_FREE_ACTIVATIONS, nn.Sequential, nn.Linear, nn.Conv1d,
+_MODE_FREE = frozenset((*_POINTWISE, *_POOLING, *_MODE_FREE_LAYERS, nn.Sequential, nn.Linear, nn.Conv1d,
                         nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.Flatten))
 
 

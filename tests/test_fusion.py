@@ -6516,18 +6516,27 @@ def test_a_mode_free_layer_whose_mode_a_module_of_the_users_reads_still_parts_br
     assert_close(block(x), torch.cat([b(x) for b in branches], 1))
 
 
-@pytest.mark.parametrize("act", [nn.Softmax(dim=-1), nn.LogSoftmax(dim=-1), nn.GLU(), nn.PReLU()],
-                         ids=lambda a: type(a).__name__)
-def test_an_activation_without_a_pointwise_rule_put_in_eval_in_a_training_block_stays_fused(act):
-    # Before (a hunt): only pointwise activations counted as mode-free, so a Softmax (a
-    # transformer head's) switched to eval() in a training block parted its branch from its
-    # twins, and fuse=True refused the call, though it computes the same in either mode.
+@pytest.mark.parametrize("build, input", [
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.Softmax(dim=-1)), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.LogSoftmax(dim=-1)), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.GLU()), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU()), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6)), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (6, 1))), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Unflatten(1, (4, 1)), nn.ConvTranspose1d(4, 3, 2)), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Embedding(10, 3), nn.Flatten()), lambda: torch.randint(0, 10, (2, 5))),
+], ids=["Softmax", "LogSoftmax", "GLU", "PReLU", "GroupNorm", "Unflatten", "ConvTranspose1d", "Embedding"])
+def test_a_layer_that_reads_no_mode_put_in_eval_in_a_training_block_stays_fused(build, input):
+    # Before (a hunt): only Linear, convolutions, LayerNorm and pointwise activations counted as
+    # mode-free, so a Softmax (a transformer head's), a GroupNorm or an embedding switched to
+    # eval() in a training block parted its branch from its twins, and fuse=True refused the
+    # call, though each computes the same in either mode.
     torch.manual_seed(0)
-    branches = [nn.Sequential(nn.Linear(4, 6), copy.deepcopy(act)) for _ in range(3)]
+    branches = [build() for _ in range(3)]
     block = Parallel(*branches, fuse=True)
-    x = torch.randn(2, 4)
+    x = input()
     block(x)
-    branches[1][1].eval()
+    [m for m in branches[1] if not isinstance(m, nn.Flatten)][-1].eval()  # (the layer named in the test's id)
     assert_close(block(x), torch.cat([b(x) for b in branches], 1))
     assert block.explain()["fused"] == [["0", "1", "2"]]
 
