@@ -266,24 +266,30 @@ def _describe_tensor(t: torch.Tensor | None) -> str:
     return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}{grad}{made}"
 
 
-def _in_another_mode(branches: list[nn.Module], i: int, fusable: Iterable[int]) -> str:
+def _alike_but(branches: list[nn.Module], i: int, fusable: Iterable[int]) -> str:
     r"""What keeps branch ``i`` from the ``fusable`` branches it is identical to but for a train/eval
-    mode (a branch left in eval mode by mistake), or ``""`` where none is.
+    mode (a branch left in eval mode by mistake) or a tensor attribute's values (a mask or scale held
+    as a plain attribute), or ``""`` where none is.
 
-    ``fuse=True`` refuses such a branch, naming the mode; ``"auto"`` runs it
+    ``fuse=True`` refuses such a branch, naming the difference; ``"auto"`` runs it
     unfused, and its ``explain()`` says why, or the user would look for a
     difference in the layers.
     """
-    twin = next((j for j in fusable if j != i and _difference(branches[j], branches[i], modes=False) is None), None)
-    if twin is None:
-        return ""
-    path, mode = next((name, m.training) for (name, m), (_, t) in zip(_moded(branches[i]), _moded(branches[twin]))
-                      if m.training != t.training)
-    where = f"its submodule {path!r} is" if path else "it is"
-    other = "training" if not mode else "eval"
-    return (f": {where} in {'training' if mode else 'eval'} mode, and branch index {twin}, alike otherwise, in "
-            f"{other} (put every branch in one mode with block.train() or block.eval() on the whole block to "
-            f"fuse them)")
+    for j in fusable:
+        if j == i:
+            continue
+        if _difference(branches[j], branches[i], modes=False) is None:
+            path, mode = next((name, m.training) for (name, m), (_, t) in zip(_moded(branches[i]),
+                                                                                _moded(branches[j]))
+                              if m.training != t.training)
+            where = f"its submodule {path!r} is" if path else "it is"
+            other = "training" if not mode else "eval"
+            return (f": {where} in {'training' if mode else 'eval'} mode, and branch index {j}, alike otherwise, "
+                    f"in {other} (put every branch in one mode with block.train() or block.eval() on the whole "
+                    f"block to fuse them)")
+        if _difference(branches[j], branches[i], tensors=False) is None:
+            return f"; beside branch index {j}, alike otherwise, {_difference(branches[j], branches[i])}"
+    return ""
 
 
 def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True, modes: bool = True,
@@ -321,7 +327,7 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
             # fuse=True block).
             if not _same_tensor(ha[k], hb[k]):
                 return (f"{where} holds {k!r}, a tensor that is not a parameter or buffer "
-                        f"({_describe_tensor(hb[k])}), with other values than the first member's (or one "
+                        f"({_describe_tensor(hb[k])}), with other values than in the other branch (or one "
                         f"that requires grad), which fusion cannot stack for each branch: register it "
                         f"with register_buffer (or as a parameter)")
         elif k not in ha or k not in hb or not _same_value(ha[k], hb[k]):
@@ -735,7 +741,7 @@ def _groups(branches: Sequence[nn.Module]) -> tuple[list[list[int]], dict[int, s
             alike = [j for j in unfusable if _difference(branches[j], branches[group[0]]) is None]
             reasons[group[0]] = "no other branch is identical to it" + (
                 f" but index {', '.join(map(str, alike))}, which cannot be fused (see there)" if alike
-                else _in_another_mode(branches, group[0], ids))
+                else _alike_but(branches, group[0], ids))
             continue
         members = []
         for i in group:

@@ -1873,7 +1873,7 @@ def test_fuse_true_describes_a_tensor_attribute_without_its_values():
     other.scale = torch.full((4,), 2.0)
     with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch holds 'scale', a tensor that "
                                          r"is not a parameter or buffer \(\(4,\) float32 on cpu\), with other values "
-                                         r"than the first member's .*register it with register_buffer"):
+                                         r"than in the other branch .*register it with register_buffer"):
         Parallel(Scaled(), other, fuse=True)
 
 
@@ -4085,6 +4085,29 @@ def test_a_hook_based_norm_is_named_with_its_fix(norm, fuse):
     p = Parallel(*branches, fuse=True)
     assert_close(p(x), reference(p, x))
     assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
+def test_a_branch_alike_but_for_a_tensor_attributes_values_is_told_so_by_explain():
+    # Before (a hunt): fuse=True named the tensor, explain() said only "no other branch is
+    # identical to it", and the user looked for a difference in the layers.
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.scale = nn.Linear(4, 4), torch.ones(4)  # (a plain attribute: not stacked)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    branches = [Scaled() for _ in range(3)]
+    branches[1].scale = branches[1].scale * 3
+    p = Parallel(*branches, fuse="auto")
+    x = torch.randn(2, 4)
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "2"]]
+    assert re.fullmatch(r"no other branch is identical to it; beside branch index 0, alike otherwise, the branch "
+                        r"holds 'scale', a tensor that is not a parameter or buffer \(\(4,\) float32 on cpu\), with "
+                        r"other values than in the other branch .*register it with register_buffer .*",
+                        p.explain()["unfused"]["1"])
 
 
 @pytest.mark.parametrize("where", ["branch", "submodule"])
