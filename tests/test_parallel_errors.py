@@ -324,6 +324,29 @@ def test_a_module_join_is_called_not_registered_as_a_branch():
     assert len(p) == 2 and list(p._modules) == ["0", "1"]
 
 
+
+class _ModalJoin(nn.Module):
+    r"""A join that behaves by its mode: the sum in training, the first output in eval."""
+
+    def forward(self, outputs: list) -> torch.Tensor:
+        return sum(outputs) if self.training else outputs[0]
+
+
+def test_a_module_join_keeps_its_own_mode():
+    # Called, not registered: the block's eval() and train() do not reach it.
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    join = _ModalJoin()
+    p = Parallel(a, b, join=join)
+    x = torch.randn(2, 4)
+    p.eval()
+    assert join.training and not a.training
+    assert_same(p(x), a(x) + b(x))
+    join.eval()
+    p.train()
+    assert not join.training
+    assert_same(p(x), a(x))
+
+
 def test_a_module_join_with_parameters_is_refused():
     with pytest.raises(ValueError, match=r"Parallel: join=Linear\(...\) has parameters.*nn.Sequential"):
         Parallel(nn.Identity(), nn.Identity(), join=nn.Linear(4, 4))
@@ -337,6 +360,25 @@ def test_none_leaves_of_structured_outputs_are_passed_on():
     out = Parallel(m1, m2, join="sum")(q, q, q, need_weights=False)
     assert_same(out[0], m1(q, q, q, need_weights=False)[0] + m2(q, q, q, need_weights=False)[0])
     assert out[1] is None
+
+
+
+class _Tagged(nn.Module):
+    def __init__(self, tag: object) -> None:
+        super().__init__()
+        self.linear, self.tag = nn.Linear(4, 4), tag
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return self.linear(x), {"tag": self.tag}
+
+
+@pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
+def test_a_non_tensor_leaf_every_branch_returns_alike_is_passed_on(join):
+    # Equal, not only the same object: each branch holds a string of its own.
+    a, b = _Tagged("".join(["he", "ad"])), _Tagged("".join(["hea", "d"]))
+    assert a.tag is not b.tag
+    out = Parallel(a, b, join=join, dim=1)(torch.randn(2, 4))
+    assert out[1] == {"tag": "head"} and out[1]["tag"] is a.tag
 
 
 def test_a_leaf_that_is_a_tensor_in_one_branch_only_is_named():
