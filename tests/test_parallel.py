@@ -438,6 +438,23 @@ def test_callable_branches(device):
     assert_same(p(x), torch.cat([torch.relu(x), x * 2, torch.clamp(x, -0.5, 0.5), x], 1))
 
 
+
+def test_a_callable_branch_is_held_but_the_modules_it_calls_are_not_registered():
+    # README: the holder is block[i] (listed, counted), block[i].fn the callable; the modules the
+    # callable calls are its owner's to register: the block's parameters, state dict, .to() and
+    # .eval() do not reach them.
+    called = nn.Linear(4, 4)
+    p = Parallel(called.forward, torch.relu, nn.Linear(4, 4), join="cat")
+    assert len(p) == 3 and p[0].fn == called.forward and p[1].fn is torch.relu
+    assert [name for name, _ in p.named_modules()] == ["", "0", "1", "2"]
+    assert list(p.state_dict()) == ["2.weight", "2.bias"]
+    assert not any(q is called.weight for q in p.parameters())
+    p.eval()
+    assert called.training and not p[2].training
+    p.to(torch.float64)
+    assert called.weight.dtype == torch.float32 and p[2].weight.dtype == torch.float64
+
+
 def _nested(streams):
     inner_sum = Parallel(nn.Linear(16, 8), mlp(16, 8), join="sum", streams=streams)
     stacked = Parallel(nn.Linear(16, 4), nn.Linear(16, 4), join="stack", dim=1, streams=streams)
