@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ._fusion import _DROPOUTS, _STOCK_DROPOUT
+from ._inputs import _with_context
 from ._joins import _NAMED_JOINS
 
 __all__: list[str] = []
@@ -188,22 +189,31 @@ def _new_like(block: nn.Module, operation: str, kind: str, *args: Any, **setting
     before it is called, saying both.
     """
     cls = type(block)
+    # (This package's class, not one of a package whose name merely begins with this one's; the
+    # package may be vendored under another, ``vendor.parallel_modules``.)
+    base = next(c for c in cls.__mro__ if c.__module__.startswith(f"{__package__}.")).__name__
+    plural = _plural(kind)
+    fix = (f"Let {cls.__name__}.__init__ take them and pass them on to {base}.__init__, "
+           f"or build a {base} of the {plural} yourself, {base}(*{plural}).")
     try:
         inspect.signature(cls).bind(*args, **settings)
     except TypeError as error:
-        # (This package's class, not one of a package whose name merely begins with this one's; the
-        # package may be vendored under another, ``vendor.parallel_modules``.)
-        base = next(c for c in cls.__mro__ if c.__module__.startswith(f"{__package__}."))
-        plural = _plural(kind)
         raise TypeError(
             f"{cls.__name__}: {operation} builds a new {cls.__name__} of the {plural} with the settings of this one "
-            f"({', '.join(settings)}), as {base.__name__}.__init__ takes them, but {cls.__name__}.__init__ does "
-            f"not ({error}). Let {cls.__name__}.__init__ take them and pass them on to {base.__name__}.__init__, "
-            f"or build a {base.__name__} of the {plural} yourself, {base.__name__}(*{plural})."
+            f"({', '.join(settings)}), as {base}.__init__ takes them, but {cls.__name__}.__init__ does "
+            f"not ({error}). {fix}"
         ) from None
     except ValueError:  # (no signature to read: left to the call)
         pass
-    return cls(*args, **settings)
+    try:
+        return cls(*args, **settings)
+    except Exception as error:
+        # A signature that binds them may still mean other things by them (``__init__(self, width,
+        # *branches, **settings)`` takes the branches for its width): the error, raised deep in a
+        # layer's constructor, said nothing of the operation that called it.
+        raise _with_context(error, (
+            f"(raised by {cls.__name__}.__init__, which {operation} called with the {plural} by position and "
+            f"the settings of this one ({', '.join(settings)}) by keyword, as {base}.__init__ takes them. {fix})"))
 
 
 def _child_key(owner: str, names: list[str], idx: Any, kind: str, slices: bool = True) -> str:

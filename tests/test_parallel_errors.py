@@ -7,6 +7,7 @@ good call.
 from __future__ import annotations
 
 import copy
+import re
 import traceback
 import warnings
 from collections import OrderedDict
@@ -1275,6 +1276,32 @@ def test_a_subclass_whose_init_takes_other_arguments_is_told_how_to_slice_and_ad
                                             rf"not \(.*\)\. Let {cls}.__init__ take them .*{base}\(\*{kind}\)"):
             eval(how)
         assert list(block) == before  # (pop: refused before anything was deleted)
+
+
+
+class _Widths(Parallel):
+    r"""A user's block whose ``__init__`` binds the branches and settings, but takes its first for a width."""
+
+    def __init__(self, width: int, *branches: nn.Module, **settings) -> None:
+        super().__init__(*[nn.Linear(width, width) for _ in range(2)], *branches, **settings)
+
+
+class _PipeWidths(ParallelSequential):
+    def __init__(self, width: int, **settings) -> None:
+        super().__init__(nn.Linear(width, width), nn.Linear(width, width), **settings)
+
+
+def test_a_subclass_whose_init_fails_on_the_branches_names_the_operation_and_the_fix():
+    # Its signature binds the call, so it is not refused beforehand: its own error, raised in
+    # nn.Linear's constructor ("empty(): argument 'size' ..."), named neither the slice nor the fix.
+    for block, base, kind in ((_Widths(4), "Parallel", "branches"), (_PipeWidths(4), "ParallelSequential", "stages")):
+        cls = type(block).__name__
+        with pytest.raises(TypeError) as info:
+            block[:1]
+        assert "empty()" in str(info.value)  # (torch's own error, its type and message kept)
+        assert re.search(rf"raised by {cls}\.__init__, which a slice, \w+\[:1\], called with the {kind} by position"
+                         rf".* as {base}\.__init__ takes them\. Let {cls}\.__init__ take them .*{base}\(\*{kind}\)",
+                         info.value.__notes__[-1])
 
 
 def test_a_slice_of_a_subclass_names_the_slice_and_the_base_of_this_package():
