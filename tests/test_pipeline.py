@@ -2208,6 +2208,43 @@ def test_a_calibrating_observer_whose_state_depends_on_the_cut_is_refused() -> N
     ParallelSequential(nn.Linear(16, 16), quantizer, chunks=2)(x)
 
 
+def test_a_stage_s_hooks_run_once_per_micro_batch_on_its_part() -> None:
+    # The README: each stage is called once per micro-batch, so its forward and backward hooks run
+    # ``chunks`` times, each on its part of the batch, and a hook keeping an activation keeps the
+    # last micro-batch's.
+    torch.manual_seed(0)
+    first = nn.Linear(3, 3)
+    forward, backward, kept = [], [], []
+    first.register_forward_hook(lambda m, args, out: forward.append(args[0]) or kept.append(out.detach()))
+    first.register_full_backward_hook(lambda m, grad_in, grad_out: backward.append(grad_out[0]))
+    model = ParallelSequential(first, nn.Linear(3, 1), chunks=3)
+    x = torch.randn(6, 3)
+    model(x).sum().backward()
+    assert [a.shape[0] for a in forward] == [2, 2, 2]
+    assert all(torch.equal(a, p) for a, p in zip(forward, x.tensor_split(3)))
+    assert len(backward) == 3 and all(g.shape == (2, 3) for g in backward)
+    torch.testing.assert_close(kept[-1], first(x[4:]).detach(), rtol=0, atol=0)
+
+
+def test_the_batch_mixing_check_runs_again_after_the_mode_or_chunks_change() -> None:
+    # The check is made on every call, not once: a pipeline run in eval mode, or with chunks=1,
+    # refuses BatchNorm in training mode once it is switched back, or chunks is raised, and
+    # takes it again once the advice is followed.
+    model = ParallelSequential(nn.Linear(3, 3), nn.BatchNorm1d(3), chunks=2).eval()
+    x = torch.randn(4, 3)
+    model(x)
+    model.train()
+    with pytest.raises(RuntimeError, match=r"stage '1' \(index 1\) contains '1' \(BatchNorm1d\).*training mode"):
+        model(x)
+    model.chunks = 1
+    model(x)
+    model.chunks = 2
+    with pytest.raises(RuntimeError, match=r"stage '1' \(index 1\) contains '1' \(BatchNorm1d\).*training mode"):
+        model(x)
+    model[1].eval()  # (the layer alone, as the advice allows)
+    model(x)
+
+
 def test_per_sample_gradients_through_vmap_of_grad() -> None:
     # Before: vmap(grad(...)) sees one sample at a time, and chunks=4 refused a batch of one.
     torch.manual_seed(0)
