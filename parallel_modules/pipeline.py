@@ -1184,6 +1184,13 @@ def _layout(m: nn.Module) -> tuple[int, int] | None:
                         f"states hold the batch along dimension 1: joined along dimension 0 they would be wrong "
                         f"(end each such branch in a module returning them batch-first, h.transpose(0, 1))")
     rank, batch = layouts[0]
+    if join == "cat" and (rank, batch) == (3, 1) and dim % rank in (0, 1):
+        # (Refused below too, as rows not batched like the micro-batches: said here as the fix it needs.)
+        what = "batch-first outputs" if dim % rank == 0 else "final hidden states"
+        raise TypeError(f"the last stage is a Parallel joining recurrent branches by 'cat' along dimension {dim}, "
+                        f"where their {what} hold the batch: the whole batch's result has one branch's samples "
+                        f"after another's, which micro-batches joined cannot give. Join along the features "
+                        f"(dim=-1)")
     if join != "stack":
         return rank, batch
     return rank + 1, batch + (dim % (rank + 1) <= batch)  # (the new dimension before the batch's, or after)

@@ -2534,13 +2534,27 @@ def test_a_parallel_of_parallels_of_recurrent_branches_keeps_their_hidden_states
         ParallelSequential(nn.Identity(), apart, chunks=4)(x.float())
 
 
-@pytest.mark.parametrize("join, dim", [("cat", 0), ("cat", 1)])
-def test_a_parallel_of_recurrent_branches_joined_along_the_batch_is_refused(join, dim):
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("dim, where", [(0, "batch-first outputs"), (-3, "batch-first outputs"),
+                                        (1, "final hidden states"), (-2, "final hidden states")])
+def test_a_parallel_of_recurrent_branches_joined_along_the_batch_is_refused(device, dim, where):
     # A cat along the batch of the output (dim 0) or of the hidden states (dim 1): the whole
-    # batch's interleaves the branches' samples, which micro-batches cannot reproduce.
-    heads = Parallel(nn.GRU(5, 3, batch_first=True), nn.GRU(5, 3, batch_first=True), join=join, dim=dim)
-    with pytest.raises(ValueError, match="cannot concatenate the outputs of the last stage"):
-        ParallelSequential(nn.Identity(), heads, chunks=2)(torch.randn(4, 2, 5))
+    # batch's interleaves the branches' samples, which micro-batches cannot reproduce. The
+    # error says which, and the fix (Parallel's default dim=1 is the hidden states' batch).
+    heads = Parallel(nn.GRU(5, 3, batch_first=True), nn.GRU(5, 3, batch_first=True), join="cat", dim=dim)
+    model = ParallelSequential(nn.Identity(), heads, chunks=2).to(device)
+    x = torch.randn(4, 2, 5, device=device)
+    for grad in (True, False):  # (without autograd on the GPU the last lane joins as results come)
+        with torch.set_grad_enabled(grad), pytest.raises(
+                ValueError, match=rf"(?s)cannot concatenate the outputs of the last stage.*joining recurrent "
+                                  rf"branches by 'cat' along dimension {dim}, where their {where} hold the batch.*"
+                                  rf"Join along the features \(dim=-1\)"):
+            model(x)
+    heads.dim = -1  # the fix it names
+    out, h = model(x)
+    plain = [m(x) for m in heads]
+    torch.testing.assert_close(out, torch.cat([o for o, _ in plain], -1))
+    torch.testing.assert_close(h, torch.cat([hidden for _, hidden in plain], -1))
 
 
 def test_a_parallel_joining_recurrent_and_other_branches_is_refused_as_a_last_stage():
