@@ -623,6 +623,24 @@ def _fork_overhead(results: list[dict[str, Any]], key: str = "median_us") -> dic
     return out
 
 
+def _unwritable(path: str) -> str | None:
+    r"""Why ``path`` cannot be opened for writing, or ``None``; an existing file is left as it is.
+
+    Tried by opening it, as the writes will: permissions (and root, who has
+    them all), read-only file systems and special folders such as ``/proc``
+    each refuse in their own way, which a check of the mode bits cannot tell.
+    """
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):  # (appending truncates nothing)
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        os.remove(path)
+    return None
+
+
 def _write_json(path: str, env: dict[str, Any], results: list[dict[str, Any]]) -> None:
     with open(path, "w") as f:
         json.dump({"environment": env, "results": results}, f, indent=1)
@@ -681,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"cannot write {path!r}: its folder {os.path.dirname(os.path.abspath(path))!r} does not exist")
         if path and os.path.isdir(path):
             p.error(f"{flag} {path!r} is a folder: give a file in it, e.g. {os.path.join(path, example)!r}")
+        if path and (why := _unwritable(path)):
+            p.error(f"{flag}: cannot write {path!r} ({why}); give a path in a folder you can write to")
     if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
         # The plot, written last, would replace the figures.
         p.error(f"--json and --plot both name {args.json!r}: give each its own file")

@@ -125,6 +125,37 @@ def test_the_bench_command_refuses_a_folder_or_a_shared_file_for_its_outputs(cap
     assert measured == [] and list(tmp_path.iterdir()) == []
 
 
+def test_the_bench_command_refuses_an_output_it_cannot_write_before_measuring(capsys, monkeypatch, tmp_path):
+    import parallel_modules.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    measured = []
+    monkeypatch.setattr(bench, "run_case", lambda *a, **k: measured.append(a))
+    # (A folder that exists but refuses the file -- permissions, a read-only file system, /proc --
+    # made it a traceback after the first case; patched, as root may write where the mode bits say no.)
+    real_open = open
+
+    def refuse(path, *args, **kwargs):
+        if str(path).endswith(".refused"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "open", refuse, raising=False)
+    for flag in ("--json", "--plot"):
+        with pytest.raises(SystemExit):
+            main(["--case", "heads", flag, str(tmp_path / "bench.refused")])
+        assert f"{flag}: cannot write {str(tmp_path / 'bench.refused')!r} (Permission denied)" in capsys.readouterr().err
+    # The check leaves no file behind where none was, and a file that was there as it was.
+    kept = tmp_path / "kept.json"
+    kept.write_text("figures")
+    for json_path in (tmp_path / "new.json", kept):
+        with pytest.raises(SystemExit):
+            main(["--case", "heads", "--json", str(json_path), "--plot", str(tmp_path)])
+        capsys.readouterr()
+    assert measured == [] and sorted(f.name for f in tmp_path.iterdir()) == ["kept.json"]
+    assert kept.read_text() == "figures"
+
+
 def test_the_bench_command_names_a_case_that_no_mode_filter_matches(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["--case", "tiny8", "--mode", "fuzed", "--mode", "graph", "--reps", "2", "--group", "1"]) == 0
