@@ -646,20 +646,30 @@ def _write_json(path: str, env: dict[str, Any], results: list[dict[str, Any]]) -
         json.dump({"environment": env, "results": results}, f, indent=1)
 
 
-def _plot(results: list[dict[str, Any]], path: str) -> None:
+def _pyplot() -> Any:
+    r"""``matplotlib.pyplot`` drawing to files, or ``SystemExit`` saying how to install it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - optional extra
-        raise SystemExit("bench: --plot needs matplotlib: pip install 'parallel_modules[plot]'") from e
+    except ImportError as e:
+        raise SystemExit("bench: --plot needs matplotlib, which cannot be imported "
+                         f"({e}): pip install 'parallel_modules[plot]', or leave out --plot") from e
+    return plt
+
+
+def _plot(results: list[dict[str, Any]], path: str) -> None:
+    plt = _pyplot()
     labels = [f"{r['case']} b{r['batch']} {r['dtype']}" for r in results]
-    modes = [m for m in results[0]["modes"] if m != "eager seq"]
+    # Every case's modes, in the order first met: cases differ in theirs (a pipeline's chunk counts, the
+    # fused modes of identical branches, compiled modes), and the first case's alone left the others' out.
+    modes = list(dict.fromkeys(m for r in results for m in r["modes"] if m != "eager seq"))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
     width = 0.8 / max(1, len(modes))
     for j, mode in enumerate(modes):
-        ys = [r["modes"].get(mode, {}).get("speedup_vs_eager_seq", 0) for r in results]
+        # (A case without the mode gets no bar: NaN, where a 0 has no place on the log scale.)
+        ys = [r["modes"].get(mode, {}).get("speedup_vs_eager_seq", float("nan")) for r in results]
         ax.bar([i + j * width for i in range(len(labels))], ys, width, label=mode)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(labels))], labels, rotation=30, ha="right")
@@ -704,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
         # The plot, written last, would replace the figures.
         p.error(f"--json and --plot both name {args.json!r}: give each its own file")
+    if args.plot:
+        _pyplot()  # (matplotlib missing: said now, not after the measurements)
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -156,6 +156,41 @@ def test_the_bench_command_refuses_an_output_it_cannot_write_before_measuring(ca
     assert kept.read_text() == "figures"
 
 
+def test_the_bench_plot_draws_every_cases_modes_not_only_the_firsts(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    import parallel_modules.bench as bench
+
+    def result(case, **speedups):
+        return {"case": case, "batch": 2, "dtype": "float32",
+                "modes": {name: {"speedup_vs_eager_seq": s} for name, s in {"eager seq": 1.0, **speedups}.items()}}
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    # (A Parallel case and a pipeline case have no mode in common but the reference.)
+    bench._plot([result("tiny2", **{"eager Parallel": 0.9}),
+                 result("encdec", **{"ParallelSequential chunks=2": 1.5})], str(tmp_path / "bench.png"))
+    (ax,) = saved[0].axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["eager Parallel", "ParallelSequential chunks=2"]
+    heights = [[bar.get_height() for bar in bars] for bars in ax.containers]
+    assert heights[0][0] == 0.9 and heights[1][1] == 1.5  # (each on its own case; NaN, no bar, on the other)
+
+
+def test_the_bench_command_says_a_plot_needs_matplotlib_before_measuring(capsys, monkeypatch, tmp_path):
+    import sys
+
+    import parallel_modules.bench as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    measured = []
+    monkeypatch.setattr(bench, "run_case", lambda *a, **k: measured.append(a))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (an import of it then raises ImportError)
+    with pytest.raises(SystemExit, match=r"--plot needs matplotlib.*pip install 'parallel_modules\[plot\]'"):
+        main(["--case", "heads", "--plot", str(tmp_path / "bench.png")])
+    assert measured == [] and list(tmp_path.iterdir()) == []
+
+
 def test_the_bench_command_names_a_case_that_no_mode_filter_matches(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["--case", "tiny8", "--mode", "fuzed", "--mode", "graph", "--reps", "2", "--group", "1"]) == 0
