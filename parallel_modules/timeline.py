@@ -607,8 +607,11 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
         >>> tl.overlap_fraction
     """
     name = label or type(module).__name__
-    if calls < 1:
-        raise ValueError(f"record_timeline: calls must be >= 1, got {calls}")
+    # Checked before anything runs, on the CPU too: a float or a string failed only in range(), after the
+    # warm-up, and a negative warm-up ran none, then went on as if some calls still tried schedules.
+    for arg, value, least in (("calls", calls, 1), ("warmup", warmup, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"record_timeline({name}): {arg} must be an int >= {least}, got {value!r}")
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"record_timeline({name}): stream timelines need a CUDA GPU, and torch.cuda.is_available() is False "

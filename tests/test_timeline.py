@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -348,6 +349,21 @@ def test_record_without_cuda_says_so() -> None:
     block = Parallel(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     with pytest.raises(RuntimeError, match=r"record_timeline\(Parallel\): stream timelines need a CUDA GPU"):
         record_timeline(block, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"calls": 0}, "calls must be an int >= 1, got 0"),
+    ({"calls": 2.5}, "calls must be an int >= 1, got 2.5"),
+    ({"calls": "3"}, "calls must be an int >= 1, got '3'"),
+    ({"warmup": -1}, "warmup must be an int >= 0, got -1"),
+    ({"warmup": True}, "warmup must be an int >= 0, got True"),
+])
+def test_record_refuses_bad_counts_before_running_anything(kwargs, message) -> None:
+    # (Before the CUDA checks: said on any machine, and before a warm-up of the module.)
+    calls = []
+    with pytest.raises(ValueError, match=r"record_timeline\(block\): " + re.escape(message)):
+        record_timeline(lambda x: calls.append(x), torch.randn(2), label="block", **kwargs)
+    assert calls == []
 
 
 def test_plot_one_row_per_stream() -> None:
