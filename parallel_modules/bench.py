@@ -699,8 +699,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the speed-ups (needs matplotlib)")
     args = p.parse_args(argv)
-    if args.reps is not None and args.reps < 2 or args.group < 1:
-        p.error("--reps must be at least 2 (medians and spreads need two samples) and --group at least 1")
+    if args.reps is not None and args.reps < 2:
+        p.error(f"--reps must be at least 2 (medians and spreads need two samples), got {args.reps}")
+    if args.group < 1:
+        p.error(f"--group must be at least 1 (calls per sample), got {args.group}")
     if args.batch and min(args.batch) < 1:
         p.error(f"--batch must be at least 1, got {min(args.batch)}")
     for flag, path, example in (("--json", args.json, "bench.json"), ("--plot", args.plot, "bench.png")):

@@ -85,6 +85,11 @@ def test_the_bench_command_refuses_what_it_cannot_run(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:  # a median and a spread need two samples
         main(["--case", "heads", "--reps", "1"])
     assert exit_.value.code == 2 and "--reps must be at least 2" in capsys.readouterr().err
+    # Each flag's error names it alone and the value given (--group 0 read as a complaint about --reps).
+    with pytest.raises(SystemExit):
+        main(["--case", "heads", "--group", "0"])
+    err = capsys.readouterr().err
+    assert "--group must be at least 1 (calls per sample), got 0" in err and "--reps" not in err.splitlines()[-1]
     # Cases too slow for the CPU suite are named, not dropped in silence with an empty table.
     assert main(["--case", "compute", "--dtype", "fp16"]) == 2
     out, err = capsys.readouterr()
