@@ -667,15 +667,20 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
     modes = list(dict.fromkeys(m for r in results for m in r["modes"] if m != "eager seq"))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
     width = 0.8 / max(1, len(modes))
+    # (Colours of a qualitative map with a colour for each mode, not the default cycle's ten, which
+    # repeats past the tenth mode and gave two modes of one case one colour.)
+    colours = plt.get_cmap("tab20" if len(modes) <= 20 else "turbo")
     for j, mode in enumerate(modes):
         # (A case without the mode gets no bar: NaN, where a 0 has no place on the log scale.)
         ys = [r["modes"].get(mode, {}).get("speedup_vs_eager_seq", float("nan")) for r in results]
-        ax.bar([i + j * width for i in range(len(labels))], ys, width, label=mode)
+        colour = colours(j if len(modes) <= 20 else j / max(1, len(modes) - 1))
+        ax.bar([i + j * width for i in range(len(labels))], ys, width, label=mode, color=colour)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(labels))], labels, rotation=30, ha="right")
     ax.set_ylabel("speed-up over eager sequential")
     ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    # (Beside the axes, not over them: with every case's modes it covered the last cases' bars.)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
