@@ -120,8 +120,7 @@ def _place(module: "Parallel") -> "_Placement | None":
     Branches spread over CUDA and another device type are refused, naming
     them; nothing is remembered then, so a fixed module works on its next call.
     """
-    names = list(module._modules)
-    homes, seen = _homes(module)
+    names, homes, seen = _homes(module)
     placement = None
     if len(seen) > 1:
         where = _where(seen)
@@ -138,16 +137,20 @@ def _place(module: "Parallel") -> "_Placement | None":
     return placement
 
 
-def _homes(module: "Parallel") -> tuple[list[torch.device | None], dict[torch.device, str]]:
-    r"""Each branch's one device (``None``: none, or several), and the first branch seen on each device."""
+def _homes(module: "Parallel") -> tuple[list[str], list[torch.device | None], dict[torch.device, str]]:
+    r"""The branches' names, each branch's one device (``None``: none, or several), and the first branch
+    seen on each device."""
+    # (A snapshot, names and branches at once: another thread appending a branch during the call
+    # would change the dict under the loop, or between reading the names and the branches.)
+    branches = tuple(module._modules.items())
     homes: list[torch.device | None] = []
     seen: dict[torch.device, str] = {}
-    for name, child in module._modules.items():
+    for name, child in branches:
         devices = _module_devices(child)
         for d in devices:
             seen.setdefault(d, name)
         homes.append(next(iter(devices)) if len(devices) == 1 else None)
-    return homes, seen
+    return [name for name, _ in branches], homes, seen
 
 
 def _where(seen: dict[torch.device, str]) -> str:
@@ -167,7 +170,7 @@ def _moved(module: "Parallel") -> str | None:
     placement = module._placement
     if placement is _UNPLACED or _is_tracing():
         return None
-    homes, seen = _homes(module)
+    _, homes, seen = _homes(module)
     if (placement.homes == homes) if placement is not None else len(seen) <= 1:
         return None
     module._placement = _UNPLACED

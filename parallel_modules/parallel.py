@@ -1985,7 +1985,9 @@ class Parallel(nn.Module):
         r"""The device of the call's tensors, once the branches' parameters are seen to live there."""
         device = _input_device(args, kwargs)
         if device is not None:
-            _check_devices(type(self).__name__, list(self._modules), self._modules.values(), device)
+            # (One snapshot for names and branches: another thread may append a branch meanwhile.)
+            branches = tuple(self._modules.items())
+            _check_devices(type(self).__name__, [n for n, _ in branches], [b for _, b in branches], device)
         return device
 
     def _plan(self, key: Hashable, args: tuple, kwargs: dict, fusion: _Fusion | None,

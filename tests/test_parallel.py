@@ -12,8 +12,10 @@ import functools
 import io
 import numbers
 import pickle
+import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -1079,6 +1081,50 @@ def test_a_branch_appended_by_another_thread_during_a_call_is_not_run_by_that_ca
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in branches], 1))
         handle.remove()
         torch.testing.assert_close(block(x), torch.cat([b(x) for b in (*branches, added)], 1))
+
+
+class _AppendingWhenLookedAt(nn.Linear):
+    r"""A Linear whose ``look``-th ``parameters()`` call after ``arm(block)`` appends ``added`` to ``block``
+    from another thread and waits for it: an append landing while a call walks the branches."""
+
+    def __init__(self, look: int, added: nn.Module) -> None:
+        super().__init__(8, 4)
+        self.look, self.looks, self.added = look, 0, [added]  # (a list: not registered as a child)
+        self.block: list[nn.Module] = []
+
+    def arm(self, block: nn.Module) -> None:
+        self.block.append(block)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        if self.block:
+            self.looks += 1
+            if self.looks == self.look:
+                thread = threading.Thread(target=self.block[0].append, args=(self.added[0],))
+                thread.start()
+                thread.join()
+        return super().parameters(recurse)
+
+
+@pytest.mark.parametrize("look", [1, 2], ids=["placing the branches", "checking their devices"])
+@pytest.mark.parametrize("fuse", [False, "auto"])
+def test_a_branch_appended_by_another_thread_while_a_first_call_looks_at_the_devices_does_not_raise(look, fuse):
+    # A signature's first call walks the live dict of branches to place them (their devices) and
+    # to check the input's device against theirs; another thread's append in the middle raised
+    # "dictionary changed size during iteration". The call runs the branches it started with or
+    # the new ones, as a call before or after the append would; the next call sees the new one.
+    torch.manual_seed(0)
+    added = nn.Linear(8, 4)
+    first = _AppendingWhenLookedAt(look, added)
+    block = Parallel(first, nn.Linear(8, 4), nn.Linear(8, 4), fuse=fuse)
+    first.arm(block)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        out = block(x)
+        ran = out.shape[1] // 4
+        assert ran in (3, 4)
+        torch.testing.assert_close(out, torch.cat([b(x) for b in list(block)[:ran]], 1))
+        assert len(block) == 4
+        torch.testing.assert_close(block(x), torch.cat([b(x) for b in block], 1))
 
 
 class _Scores(nn.Module):
