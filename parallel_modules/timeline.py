@@ -41,6 +41,7 @@ import decimal
 import gzip
 import json
 import math
+import numbers
 import os
 import platform
 import tempfile
@@ -610,7 +611,7 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
     # Checked before anything runs, on the CPU too: a float or a string failed only in range(), after the
     # warm-up, and a negative warm-up ran none, then went on as if some calls still tried schedules.
     for arg, value, least in (("calls", calls, 1), ("warmup", warmup, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:  # (numpy's too)
             raise ValueError(f"record_timeline({name}): {arg} must be an int >= {least}, got {value!r}")
     if not torch.cuda.is_available():
         raise RuntimeError(

@@ -366,6 +366,15 @@ def test_record_refuses_bad_counts_before_running_anything(kwargs, message) -> N
     assert calls == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the count's acceptance by the CPU's refusal")
+def test_record_takes_numpy_integer_counts() -> None:
+    # (A count from numpy -- an argparse type, a config array -- is an integer as an int is: the
+    # call goes on to the check that a GPU is there.)
+    np = pytest.importorskip("numpy")
+    with pytest.raises(RuntimeError, match="need a CUDA GPU"):
+        record_timeline(lambda x: x, torch.randn(2), label="block", calls=np.int64(2), warmup=np.int32(0))
+
+
 def test_plot_one_row_per_stream() -> None:
     try:  # in the test extra: fail rather than skip where it is missing, as CI must run this
         import matplotlib
