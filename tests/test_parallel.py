@@ -440,7 +440,6 @@ def test_callable_branches(device):
     assert_same(p(x), torch.cat([torch.relu(x), x * 2, torch.clamp(x, -0.5, 0.5), x], 1))
 
 
-
 def test_a_callable_branch_is_held_but_the_modules_it_calls_are_not_registered():
     # README: the holder is block[i] (listed, counted), block[i].fn the callable; the modules the
     # callable calls are its owner's to register: the block's parameters, state dict, .to() and
