@@ -42,6 +42,7 @@ import gzip
 import json
 import math
 import numbers
+import operator
 import os
 import platform
 import tempfile
@@ -567,6 +568,21 @@ def _cuda_device(args: Sequence[Any], kwargs: Mapping[str, Any], module: Any) ->
     return None
 
 
+def _count(name: str, arg: str, value: Any, least: int) -> int:
+    r"""``value``, a count of calls given to ``record_timeline(name)`` as ``arg``, as an ``int`` of at least ``least``.
+
+    Any integer (numpy's too) is taken as the ``int`` it is: the timeline's
+    metadata keeps it, and JSON holds no numpy scalar (``save_timelines``
+    refused such a timeline). ``bool`` is refused, though ``int`` takes it.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"record_timeline({name}): {arg} must be an int >= {least}, got {value!r} "
+                        f"({type(value).__name__})")
+    if value < least:
+        raise ValueError(f"record_timeline({name}): {arg} must be an int >= {least}, got {value!r}")
+    return operator.index(value)
+
+
 def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, calls: int = 3,
                     label: str | None = None, **kwargs: Any) -> Timeline:
     r"""Profiles ``calls`` calls of ``module(*args, **kwargs)`` and returns their GPU kernels.
@@ -610,9 +626,7 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
     name = label or type(module).__name__
     # Checked before anything runs, on the CPU too: a float or a string failed only in range(), after the
     # warm-up, and a negative warm-up ran none, then went on as if some calls still tried schedules.
-    for arg, value, least in (("calls", calls, 1), ("warmup", warmup, 0)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:  # (numpy's too)
-            raise ValueError(f"record_timeline({name}): {arg} must be an int >= {least}, got {value!r}")
+    calls, warmup = _count(name, "calls", calls, 1), _count(name, "warmup", warmup, 0)
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"record_timeline({name}): stream timelines need a CUDA GPU, and torch.cuda.is_available() is False "

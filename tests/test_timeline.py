@@ -351,28 +351,31 @@ def test_record_without_cuda_says_so() -> None:
         record_timeline(block, torch.randn(2, 4))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"calls": 0}, "calls must be an int >= 1, got 0"),
-    ({"calls": 2.5}, "calls must be an int >= 1, got 2.5"),
-    ({"calls": "3"}, "calls must be an int >= 1, got '3'"),
-    ({"warmup": -1}, "warmup must be an int >= 0, got -1"),
-    ({"warmup": True}, "warmup must be an int >= 0, got True"),
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"calls": 0}, ValueError, "calls must be an int >= 1, got 0"),
+    ({"calls": 2.5}, TypeError, "calls must be an int >= 1, got 2.5 (float)"),
+    ({"calls": "3"}, TypeError, "calls must be an int >= 1, got '3' (str)"),
+    ({"warmup": -1}, ValueError, "warmup must be an int >= 0, got -1"),
+    ({"warmup": True}, TypeError, "warmup must be an int >= 0, got True (bool)"),
 ])
-def test_record_refuses_bad_counts_before_running_anything(kwargs, message) -> None:
+def test_record_refuses_bad_counts_before_running_anything(kwargs, error, message) -> None:
     # (Before the CUDA checks: said on any machine, and before a warm-up of the module.)
     calls = []
-    with pytest.raises(ValueError, match=r"record_timeline\(block\): " + re.escape(message)):
+    with pytest.raises(error, match=r"record_timeline\(block\): " + re.escape(message)):
         record_timeline(lambda x: calls.append(x), torch.randn(2), label="block", **kwargs)
     assert calls == []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the count's acceptance by the CPU's refusal")
-def test_record_takes_numpy_integer_counts() -> None:
-    # (A count from numpy -- an argparse type, a config array -- is an integer as an int is: the
-    # call goes on to the check that a GPU is there.)
+def test_a_numpy_count_is_kept_as_an_int() -> None:
+    # A count from numpy is an integer as an int is, and is kept as one: the timeline's metadata
+    # holds it, and save_timelines refused a timeline holding np.int64 (JSON holds no numpy scalar).
+    from parallel_modules.timeline import _count
+
     np = pytest.importorskip("numpy")
-    with pytest.raises(RuntimeError, match="need a CUDA GPU"):
-        record_timeline(lambda x: x, torch.randn(2), label="block", calls=np.int64(2), warmup=np.int32(0))
+    for value in (np.int64(2), np.int32(0), 5):
+        count = _count("block", "calls", value, 0)
+        assert type(count) is int and count == value
+    json.dumps({"calls": _count("block", "calls", np.int64(2), 1)})
 
 
 def test_plot_one_row_per_stream() -> None:
