@@ -193,15 +193,14 @@ def _new_like(block: nn.Module, operation: str, kind: str, *args: Any, **setting
     # package may be vendored under another, ``vendor.parallel_modules``.)
     base = next(c for c in cls.__mro__ if c.__module__.startswith(f"{__package__}.")).__name__
     plural = _plural(kind)
-    fix = (f"Let {cls.__name__}.__init__ take them and pass them on to {base}.__init__, "
-           f"or build a {base} of the {plural} yourself, {base}(*{plural}).")
+    yourself = f"or build a {base} of the {plural} yourself, {base}(*{plural})."
     try:
         inspect.signature(cls).bind(*args, **settings)
     except TypeError as error:
         raise TypeError(
             f"{cls.__name__}: {operation} builds a new {cls.__name__} of the {plural} with the settings of this one "
             f"({', '.join(settings)}), as {base}.__init__ takes them, but {cls.__name__}.__init__ does "
-            f"not ({error}). {fix}"
+            f"not ({error}). Let {cls.__name__}.__init__ take them and pass them on to {base}.__init__, {yourself}"
         ) from None
     except ValueError:  # (no signature to read: left to the call)
         pass
@@ -213,7 +212,9 @@ def _new_like(block: nn.Module, operation: str, kind: str, *args: Any, **setting
         # layer's constructor, said nothing of the operation that called it.
         raise _with_context(error, (
             f"(raised by {cls.__name__}.__init__, which {operation} called with the {plural} by position and "
-            f"the settings of this one ({', '.join(settings)}) by keyword, as {base}.__init__ takes them. {fix})"))
+            f"the settings of this one ({', '.join(settings)}) by keyword, as {base}.__init__ takes them: "
+            f"{cls.__name__}.__init__ takes them, but not as {base}.__init__ does. Let it take the {plural} "
+            f"by position and the settings by keyword and pass them on to {base}.__init__, {yourself})"))
 
 
 def _child_key(owner: str, names: list[str], idx: Any, kind: str, slices: bool = True) -> str:

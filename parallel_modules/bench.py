@@ -630,14 +630,17 @@ def _unwritable(path: str) -> str | None:
     them all), read-only file systems and special folders such as ``/proc``
     each refuse in their own way, which a check of the mode bits cannot tell.
     """
-    existed = os.path.exists(path)
+    # (The file the path names, a symbolic link's target too: a link to nothing is left as it was,
+    # and the file the check made at its target removed.)
+    target = os.path.realpath(path)
+    existed = os.path.exists(target)
     try:
         with open(path, "a"):  # (appending truncates nothing)
             pass
     except OSError as e:
         return e.strerror or str(e)
     if not existed:
-        os.remove(path)
+        os.remove(target)
     return None
 
 

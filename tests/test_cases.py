@@ -161,6 +161,17 @@ def test_the_bench_command_refuses_an_output_it_cannot_write_before_measuring(ca
     assert kept.read_text() == "figures"
 
 
+def test_the_bench_commands_write_check_leaves_a_link_to_nothing_as_it_was(tmp_path):
+    # A symbolic link to a file not yet made: the check opened it (making the file at its target),
+    # then removed the link, and left the made file behind.
+    from parallel_modules.bench import _unwritable
+
+    link = tmp_path / "bench.json"
+    link.symlink_to(tmp_path / "later.json")
+    assert _unwritable(str(link)) is None
+    assert link.is_symlink() and not (tmp_path / "later.json").exists()
+
+
 def test_the_bench_plot_draws_every_cases_modes_not_only_the_firsts(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.figure

@@ -1300,7 +1300,8 @@ def test_a_subclass_whose_init_fails_on_the_branches_names_the_operation_and_the
             block[:1]
         assert "empty()" in str(info.value)  # (torch's own error, its type and message kept)
         assert re.search(rf"raised by {cls}\.__init__, which a slice, \w+\[:1\], called with the {kind} by position"
-                         rf".* as {base}\.__init__ takes them\. Let {cls}\.__init__ take them .*{base}\(\*{kind}\)",
+                         rf".* as {base}\.__init__ takes them: {cls}\.__init__ takes them, but not as {base}\.__init__ "
+                         rf"does\. Let it take the {kind} by position and the settings by keyword .*{base}\(\*{kind}\)",
                          info.value.__notes__[-1])
 
 
