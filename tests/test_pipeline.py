@@ -2217,13 +2217,18 @@ def test_a_stage_s_hooks_run_once_per_micro_batch_on_its_part() -> None:
     forward, backward, kept = [], [], []
     first.register_forward_hook(lambda m, args, out: forward.append(args[0]) or kept.append(out.detach()))
     first.register_full_backward_hook(lambda m, grad_in, grad_out: backward.append(grad_out[0]))
-    model = ParallelSequential(first, nn.Linear(3, 1), chunks=3)
-    x = torch.randn(6, 3)
-    model(x).sum().backward()
+    second = nn.Linear(3, 1)
+    model = ParallelSequential(first, second, chunks=3)
+    x, w = torch.randn(6, 3), torch.randn(6, 1)  # (a weight per sample: each part's gradient its own)
+    (model(x) * w).sum().backward()
     assert [a.shape[0] for a in forward] == [2, 2, 2]
     assert all(torch.equal(a, p) for a, p in zip(forward, x.tensor_split(3)))
-    assert len(backward) == 3 and all(g.shape == (2, 3) for g in backward)
-    torch.testing.assert_close(kept[-1], first(x[4:]).detach(), rtol=0, atol=0)
+    # (The micro-batches' backward passes in whichever order autograd takes them.)
+    expected = [part @ second.weight.detach() for part in w.tensor_split(3)]
+    assert len(backward) == 3
+    assert all(sum(torch.allclose(g, e) for g in backward) == 1 for e in expected)
+    torch.testing.assert_close(kept[-1], nn.functional.linear(x[4:], first.weight, first.bias).detach(),
+                               rtol=0, atol=0)
 
 
 def test_the_batch_mixing_check_runs_again_after_the_mode_or_chunks_change() -> None:
