@@ -140,8 +140,9 @@ def _place(module: "Parallel") -> "_Placement | None":
 def _homes(module: "Parallel") -> tuple[list[str], list[torch.device | None], dict[torch.device, str]]:
     r"""The branches' names, each branch's one device (``None``: none, or several), and the first branch
     seen on each device."""
-    # (A snapshot, names and branches at once: another thread appending a branch during the call
-    # would change the dict under the loop, or between reading the names and the branches.)
+    # (A snapshot, names and branches at once -- ``tuple()`` copies the dict under the GIL: another
+    # thread appending a branch during the call would change the dict under the loop, or between
+    # reading the names and the branches.)
     branches = tuple(module._modules.items())
     homes: list[torch.device | None] = []
     seen: dict[torch.device, str] = {}

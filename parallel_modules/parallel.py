@@ -1985,7 +1985,8 @@ class Parallel(nn.Module):
         r"""The device of the call's tensors, once the branches' parameters are seen to live there."""
         device = _input_device(args, kwargs)
         if device is not None:
-            # (One snapshot for names and branches: another thread may append a branch meanwhile.)
+            # (One snapshot for names and branches, copied under the GIL: another thread may append a
+            # branch meanwhile.)
             branches = tuple(self._modules.items())
             _check_devices(type(self).__name__, [n for n, _ in branches], [b for _, b in branches], device)
         return device
