@@ -106,14 +106,20 @@ def test_compile_fullgraph_eager_backend(device, kind):
 
 
 def test_bad_input_under_compile_carries_the_librarys_message():
-    # README: under fullgraph=True Dynamo reports any exception raised in traced code as
-    # "Observed exception", the library's message in its debug context; without fullgraph the
-    # error comes as eager calls raise it. Either way the module works on the next good call.
+    # README: under fullgraph=True and a strict export Dynamo reports any exception raised in
+    # traced code as "Observed exception", the library's message in its debug context; without
+    # fullgraph, and under a non-strict export, the error comes as eager calls raise it. Either
+    # way the module works on the next good call.
     model = ParallelSequential(nn.Linear(4, 4), nn.ReLU(), chunks=3)
     message = r"chunks=3 is larger than the batch size 2.*Use chunks <= 2"
     with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
         torch.compile(model, fullgraph=True, backend="eager")(torch.randn(2, 4))
     torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message):
+        torch.export.export(model, (torch.randn(2, 4),), strict=True)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=message):
+        torch.export.export(model, (torch.randn(2, 4),), strict=False)
     compiled = torch.compile(model, backend="eager")
     with pytest.raises(ValueError, match=message):
         compiled(torch.randn(2, 4))
