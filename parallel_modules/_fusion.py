@@ -162,8 +162,9 @@ _POOLING = (
 # mix a row, hold a parameter or keep no running statistics), run through vmap: a member's put
 # in ``eval()`` inside a training block computes as its twins do, so it must not part them.
 # (Not ``nn.RReLU``, the instance norms or attention, which read their mode.)
-_MODE_FREE_LAYERS = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.PReLU, nn.GroupNorm,
-                     nn.Embedding, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Unflatten)
+_MODE_FREE_LAYERS = (nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d, nn.GLU, nn.PReLU, nn.Threshold,
+                     nn.Hardshrink, nn.Softshrink, nn.GroupNorm, nn.Embedding, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                     nn.ConvTranspose3d, nn.Unflatten)
 # Modules whose batched rule does not depend on train/eval mode.
 _MODE_FREE = frozenset((*_POINTWISE, *_POOLING, *_MODE_FREE_LAYERS, nn.Sequential, nn.Linear, nn.Conv1d,
                         nn.Conv2d, nn.Conv3d, nn.LayerNorm, nn.Flatten))

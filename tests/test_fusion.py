@@ -6546,14 +6546,17 @@ def test_a_mode_free_layer_whose_mode_a_module_of_the_users_reads_still_parts_br
     (lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.Softmax2d(), nn.Flatten()), lambda: torch.randn(2, 2, 3, 3)),
     (lambda: nn.Sequential(nn.Linear(4, 6), nn.GLU()), lambda: torch.randn(2, 4)),
     (lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU()), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.Threshold(0.1, 0.0)), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.Hardshrink()), lambda: torch.randn(2, 4)),
+    (lambda: nn.Sequential(nn.Linear(4, 6), nn.Softshrink()), lambda: torch.randn(2, 4)),
     (lambda: nn.Sequential(nn.Linear(4, 6), nn.GroupNorm(2, 6)), lambda: torch.randn(2, 4)),
     (lambda: nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (6, 1))), lambda: torch.randn(2, 4)),
     (lambda: nn.Sequential(nn.Unflatten(1, (4, 1)), nn.ConvTranspose1d(4, 3, 2)), lambda: torch.randn(2, 4)),
     (lambda: nn.Sequential(nn.ConvTranspose2d(2, 3, 2), nn.Flatten()), lambda: torch.randn(2, 2, 3, 3)),
     (lambda: nn.Sequential(nn.ConvTranspose3d(2, 3, 2), nn.Flatten()), lambda: torch.randn(2, 2, 2, 2, 2)),
     (lambda: nn.Sequential(nn.Embedding(10, 3), nn.Flatten()), lambda: torch.randint(0, 10, (2, 5))),
-], ids=["Softmax", "LogSoftmax", "Softmin", "Softmax2d", "GLU", "PReLU", "GroupNorm", "Unflatten", "ConvTranspose1d",
-        "ConvTranspose2d", "ConvTranspose3d", "Embedding"])
+], ids=["Softmax", "LogSoftmax", "Softmin", "Softmax2d", "GLU", "PReLU", "Threshold", "Hardshrink", "Softshrink",
+        "GroupNorm", "Unflatten", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "Embedding"])
 def test_a_layer_that_reads_no_mode_put_in_eval_in_a_training_block_stays_fused(build, input):
     # Before (a hunt): only Linear, convolutions, LayerNorm and pointwise activations counted as
     # mode-free, so a Softmax (a transformer head's), a GroupNorm or an embedding switched to
