@@ -111,12 +111,18 @@ def test_the_bench_command_refuses_bad_sizes_and_paths_before_measuring(capsys, 
     assert [r.split()[3:] [:2] for r in rows] == [["eager", "seq"], ["ParallelSequential", "chunks=1"]]
 
 
-def test_the_bench_command_refuses_a_folder_or_a_shared_file_for_its_outputs(capsys, monkeypatch, tmp_path):
+@pytest.fixture
+def measured(monkeypatch) -> list:
+    r"""The cases the bench command measures on the CPU suite, recorded instead of run (none, where it refuses)."""
     import parallel_modules.bench as bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    measured = []
-    monkeypatch.setattr(bench, "run_case", lambda *a, **k: measured.append(a))
+    cases: list = []
+    monkeypatch.setattr(bench, "run_case", lambda *a, **k: cases.append(a))
+    return cases
+
+
+def test_the_bench_command_refuses_a_folder_or_a_shared_file_for_its_outputs(capsys, measured, tmp_path):
     # (A folder passed the check of its parent, then failed to open after the first case.)
     for flag in ("--json", "--plot"):
         with pytest.raises(SystemExit):
@@ -130,12 +136,10 @@ def test_the_bench_command_refuses_a_folder_or_a_shared_file_for_its_outputs(cap
     assert measured == [] and list(tmp_path.iterdir()) == []
 
 
-def test_the_bench_command_refuses_an_output_it_cannot_write_before_measuring(capsys, monkeypatch, tmp_path):
+def test_the_bench_command_refuses_an_output_it_cannot_write_before_measuring(capsys, monkeypatch, measured,
+                                                                            tmp_path):
     import parallel_modules.bench as bench
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    measured = []
-    monkeypatch.setattr(bench, "run_case", lambda *a, **k: measured.append(a))
     # (A folder that exists but refuses the file -- permissions, a read-only file system, /proc --
     # made it a traceback after the first case; patched, as root may write where the mode bits say no.)
     real_open = open
@@ -193,14 +197,9 @@ def test_the_bench_plot_draws_every_cases_modes_not_only_the_firsts(tmp_path, mo
     assert heights[0][0] == 0.9 and heights[1][1] == 1.5  # (each on its own case; NaN, no bar, on the other)
 
 
-def test_the_bench_command_says_a_plot_needs_matplotlib_before_measuring(capsys, monkeypatch, tmp_path):
+def test_the_bench_command_says_a_plot_needs_matplotlib_before_measuring(capsys, monkeypatch, measured, tmp_path):
     import sys
 
-    import parallel_modules.bench as bench
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    measured = []
-    monkeypatch.setattr(bench, "run_case", lambda *a, **k: measured.append(a))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # (an import of it then raises ImportError)
     with pytest.raises(SystemExit, match=r"--plot needs matplotlib.*pip install 'parallel_modules\[plot\]'"):
         main(["--case", "heads", "--plot", str(tmp_path / "bench.png")])
