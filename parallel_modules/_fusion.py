@@ -269,28 +269,49 @@ def _describe_tensor(t: torch.Tensor | None) -> str:
 
 def _alike_but(branches: list[nn.Module], i: int, fusable: Iterable[int]) -> str:
     r"""What keeps branch ``i`` from the ``fusable`` branches it is identical to but for a train/eval
-    mode (a branch left in eval mode by mistake) or a tensor attribute's values (a mask or scale held
-    as a plain attribute), or ``""`` where none is.
+    mode (a branch left in eval mode by mistake), a tensor attribute's values (a mask or scale held
+    as a plain attribute), or both, or ``""`` where none is.
 
     ``fuse=True`` refuses such a branch, naming the difference; ``"auto"`` runs it
     unfused, and its ``explain()`` says why, or the user would look for a
     difference in the layers.
     """
+    fusable = [j for j in fusable if j != i]
     for j in fusable:
-        if j == i:
-            continue
         if _difference(branches[j], branches[i], modes=False) is None:
-            path, mode = next((name, m.training) for (name, m), (_, t) in zip(_moded(branches[i]),
-                                                                                _moded(branches[j]))
-                              if m.training != t.training)
-            where = f"its submodule {path!r} is" if path else "it is"
-            other = "training" if not mode else "eval"
-            return (f": {where} in {'training' if mode else 'eval'} mode, and branch index {j}, alike otherwise, "
-                    f"in {other} (put every branch in one mode with block.train() or block.eval() on the whole "
-                    f"block to fuse them)")
+            return f": {_mode_apart(branches, i, j, 'alike otherwise')} ({_MODE_FIX} to fuse them)"
         if _difference(branches[j], branches[i], tensors=False) is None:
             return f"; beside branch index {j}, alike otherwise, {_difference(branches[j], branches[i])}"
+    # (Only then a twin apart in both, whose first difference alone would send the user
+    # to fix it and find the other.)
+    for j in fusable:
+        both = _mode_and_tensor_apart(branches[j], branches[i])
+        if both is not None:
+            return (f": {_mode_apart(branches, i, j, 'alike but for that and a tensor attribute')} ({_MODE_FIX}); "
+                    f"and {both[1]}")
     return ""
+
+
+_MODE_FIX = "put every branch in one mode with block.train() or block.eval() on the whole block"
+
+
+def _mode_apart(branches: list[nn.Module], i: int, j: int, alike: str) -> str:
+    r"""Which submodule of branch ``i`` is in another train/eval mode than in branch ``j`` (``alike``
+    but for modes, or tensor attributes too), for :func:`_alike_but`."""
+    path, mode = next((name, m.training) for (name, m), (_, t) in zip(_moded(branches[i]), _moded(branches[j]))
+                      if m.training != t.training)
+    where = f"its submodule {path!r} is" if path else "it is"
+    other = "training" if not mode else "eval"
+    return f"{where} in {'training' if mode else 'eval'} mode, and branch index {j}, {alike}, in {other}"
+
+
+def _mode_and_tensor_apart(a: nn.Module, b: nn.Module) -> tuple[str, str] | None:
+    r"""Where ``b`` is identical to ``a`` but for both a train/eval mode and a tensor attribute's values,
+    the two differences as :func:`_difference` names them (the mode's, the tensor's); else ``None``."""
+    if _difference(a, b, tensors=False, modes=False) is not None:
+        return None
+    mode, tensor = _difference(a, b, tensors=False), _difference(a, b, modes=False)
+    return None if mode is None or tensor is None else (mode, tensor)
 
 
 def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True, modes: bool = True,
@@ -3189,6 +3210,9 @@ def _required_error(owner: str, names: list[str], branches: list[nn.Module], rea
             lines.append(f"branch {names[i]!r} cannot be fused: {why}")
             continue
         diff = _difference(branches[first], b)
+        both = _mode_and_tensor_apart(branches[first], b) if diff is not None else None
+        if both is not None:  # (both named: the first alone would be fixed, then the other found)
+            diff = f"{both[0]}; and, alike otherwise, {both[1]}"
         if diff is not None:
             lines.append(f"branch {names[i]!r} differs from branch {names[first]!r}: {diff}")
         elif i in reasons:  # identical, but not fusable with the others (shared parameters)

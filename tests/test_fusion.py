@@ -4087,18 +4087,21 @@ def test_a_hook_based_norm_is_named_with_its_fix(norm, fuse):
     assert p.explain()["fused"] == [["0", "1", "2"]]
 
 
+class _AttributeScaled(nn.Module):
+    r"""A Linear scaled by a plain tensor attribute (not stacked: a group reads its first member's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(4, 4), torch.ones(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
 def test_a_branch_alike_but_for_a_tensor_attributes_values_is_told_so_by_explain():
     # Before (a hunt): fuse=True named the tensor, explain() said only "no other branch is
     # identical to it", and the user looked for a difference in the layers.
-    class Scaled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin, self.scale = nn.Linear(4, 4), torch.ones(4)  # (a plain attribute: not stacked)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x) * self.scale
-
-    branches = [Scaled() for _ in range(3)]
+    branches = [_AttributeScaled() for _ in range(3)]
     branches[1].scale = branches[1].scale * 3
     p = Parallel(*branches, fuse="auto")
     x = torch.randn(2, 4)
@@ -4108,6 +4111,33 @@ def test_a_branch_alike_but_for_a_tensor_attributes_values_is_told_so_by_explain
                         r"holds 'scale', a tensor that is not a parameter or buffer \(\(4,\) float32 on cpu\), with "
                         r"other values than in the other branch .*register it with register_buffer .*",
                         p.explain()["unfused"]["1"])
+
+
+def test_a_branch_alike_but_for_its_mode_and_a_tensor_attribute_is_told_both():
+    # Before: explain() said only "no other branch is identical to it" (neither difference alone
+    # parts it from its twins), and fuse=True named the first difference alone: fixed, the
+    # block was refused again for the other.
+    branches = [_AttributeScaled() for _ in range(3)]  # (a module of the user's: its mode is compared)
+    branches[1].eval()
+    branches[1].scale = branches[1].scale * 3
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': the branch is in eval mode, expected "
+                                         r"training \(as in the first branch\): .* fuse='auto' runs a branch in "
+                                         r"another mode unfused; and, alike otherwise, the branch holds 'scale', a "
+                                         r"tensor that is not a parameter or buffer .*register it with register_buffer"):
+        Parallel(*branches, fuse=True)
+    p = Parallel(*branches, fuse="auto")
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "2"]]
+    assert re.fullmatch(r"no other branch is identical to it: it is in eval mode, and branch index 0, alike but for "
+                        r"that and a tensor attribute, in training \(put every branch in one mode with block\.train\(\) "
+                        r"or block\.eval\(\) on the whole block\); and the branch holds 'scale', a tensor that is not "
+                        r"a parameter or buffer \(\(4,\) float32 on cpu\), with other values than in the other "
+                        r"branch .*register it with register_buffer .*", p.explain()["unfused"]["1"])
+    p.train()  # (one fixed: the other is told alone)
+    p(x)
+    assert p.explain()["unfused"]["1"].startswith("no other branch is identical to it; beside branch index 0, alike "
+                                                  "otherwise, the branch holds 'scale'")
 
 
 @pytest.mark.parametrize("where", ["branch", "submodule"])
