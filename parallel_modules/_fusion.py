@@ -173,8 +173,15 @@ _MODE_FREE = frozenset((*_POINTWISE, *_POOLING, *_MODE_FREE_LAYERS, nn.Sequentia
 def _mode_free(m: nn.Module, enclosed_by_free: bool = True) -> bool:
     r"""Whether ``m``'s train/eval mode changes nothing it computes: a ``_MODE_FREE`` type with its stock
     forward, enclosed (below the branch) by such modules only. A module of the user's may read a
-    child's mode (``self.lin.training``), which then matters as any other."""
-    return enclosed_by_free and type(m) in _MODE_FREE and "forward" not in vars(m)
+    child's mode (``self.lin.training``), which then matters as any other.
+
+    So too a torch dropout whose rate is 0, the identity in either mode (``p=0`` ends a dropout
+    schedule, or switches dropout off in one head): left in ``eval()`` it stays fused with its
+    twins. Its rate, set in place later, is watched (see ``_Fusion.settings``): raised above 0,
+    the branches are grouped anew, and its mode compared again.
+    """
+    return enclosed_by_free and "forward" not in vars(m) and (
+        type(m) in _MODE_FREE or type(m) in _DROPOUTS and m.p == 0)
 
 
 def _moded(root: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -328,7 +335,9 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
             return (f"{where} is {_class_name(type(b))}, expected {_class_name(type(a))}: another class of the same "
                     f"name (define the class once and make every branch from it)")
         return f"{where} is {type(b).__name__}, expected {type(a).__name__}"
-    free = _mode_free(a, enclosed_by_free) and "forward" not in vars(b)  # (the same answer in either mode)
+    # (The same answer in either mode. Where only one is free, another difference parts them
+    # -- a dropout's rate, a forward of its own -- which is the one to name: not the mode.)
+    free = _mode_free(a, enclosed_by_free) or _mode_free(b, enclosed_by_free)
     if modes and a.training != b.training and not free:
         got, expected = ("training", "eval") if b.training else ("eval", "training")
         fix = "train" if a.training else "eval"

@@ -276,7 +276,7 @@ class Parallel(nn.Module):
         fuse: ``True`` to run structurally identical branches (same module
             types, hyper-parameters, parameter shapes, dtypes and device, no
             hooks, and the same train/eval mode for layers whose output depends
-            on it: dropout and norms, not ``Linear`` or activations) as one
+            on it: dropout above rate 0 and norms, not ``Linear`` or activations) as one
             batched computation per layer, their parameters stacked; an error
             names the branch that differs. Dropout with a rate above 0 and
             BatchNorm fuse only in evaluation mode (in training, dropout draws

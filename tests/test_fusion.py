@@ -4144,9 +4144,10 @@ def test_a_branch_alike_but_for_its_mode_and_a_tensor_attribute_is_told_both():
 def test_a_branch_in_another_mode_is_told_the_calls_that_fix_it(where):
     # Before: "the branch is in eval mode, expected training", and only the general advice
     # to make the branches identical.
-    # (A dropout, whose mode decides what it computes, p=0 to fuse in training too.)
+    # (A module of the user's reading its mode, which fuses in either: not a dropout, whose mode
+    # decides nothing at p=0, nor fuses in training at p>0.)
     torch.manual_seed(0)
-    p = Parallel(*[nn.Sequential(mlp(), nn.Dropout(0.0)) for _ in range(3)], fuse="auto")
+    p = Parallel(*[nn.Sequential(mlp(), DoubledInTraining(16)) for _ in range(3)], fuse="auto")
     x = torch.randn(4, 16)
     p(x)
     member = p[1] if where == "branch" else p[1][1]
@@ -4154,7 +4155,7 @@ def test_a_branch_in_another_mode_is_told_the_calls_that_fix_it(where):
     assert_close(p(x), reference(p, x))  # "auto": that branch runs unfused
     assert p.explain()["fused"] == [["0", "2"]]
     # (And explain() says why, as fuse=True would: the branch is alike but for its mode.)
-    # (Both name the dropout, the layer whose mode matters: a branch's own or a Linear's is not compared.)
+    # (Both name the module whose mode matters: a branch's own or a Linear's is not compared.)
     assert p.explain()["unfused"] == {"1": "no other branch is identical to it: its submodule '1' is in eval mode, "
                                            "and branch index 0, alike otherwise, in training (put every branch in one "
                                            "mode with block.train() or block.eval() on the whole block to fuse them)"}
@@ -6618,6 +6619,35 @@ def test_a_dropout_rate_lowered_to_zero_after_grouping_lets_its_branches_fuse():
     p[1][1].p = 0.5  # (and raised again on one: refused again, that branch unfused)
     p(x)
     assert p.explain()["fused"] == [["0", "2"]] and "draws random masks" in p.explain()["unfused"]["1"]
+
+
+@pytest.mark.parametrize("dropout, dims", [(nn.Dropout, 2), (nn.Dropout1d, 3), (nn.Dropout2d, 4), (nn.Dropout3d, 5),
+                                           (nn.AlphaDropout, 2), (nn.FeatureAlphaDropout, 4)])
+def test_a_dropout_of_rate_zero_in_another_mode_stays_fused_until_its_rate_is_raised(dropout, dims):
+    # Before: a dropout with p=0 (the identity in either mode) left in eval() inside a training
+    # block parted its branch from its twins: run unfused, and refused by fuse=True.
+    torch.manual_seed(0)
+    x = torch.randn(*[2] * (dims - 1), 8)
+    for fuse in ("auto", True):
+        p = Parallel(*[nn.Sequential(nn.Linear(8, 8), dropout(0.0)) for _ in range(3)], fuse=fuse)
+        p[1][1].eval()
+        assert_close(p(x), reference(p, x))
+        assert p.explain()["fused"] == [["0", "1", "2"]]
+    # Its rate raised in place (registering nothing) on the one in eval: it no longer matches
+    # its twins, grouped anew (fuse=True refuses it, naming the rate).
+    p[1][1].p = 0.5
+    with pytest.raises(ValueError, match=r"branch '1' differs from branch '0': submodule '1' is "
+                                         rf"{dropout.__name__}\(p=0\.5, inplace=False\), expected "
+                                         rf"{dropout.__name__}\(p=0\.0, inplace=False\)"):
+        p(x)
+    p.fuse = "auto"
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "2"]]
+    # And on one in training: its masks drawn, it runs unfused (the one in eval, alike again, fused).
+    p[1][1].p = 0.0
+    p[0][1].p = 0.5
+    assert p(x).shape == reference(p, x).shape
+    assert p.explain()["fused"] == [["1", "2"]] and "draws random masks" in p.explain()["unfused"]["0"]
 
 
 def test_an_attention_dropout_rate_raised_after_grouping_unfuses_its_members():
