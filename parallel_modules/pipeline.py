@@ -1412,8 +1412,8 @@ class ParallelSequential(nn.Sequential):
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""
         self._plan: _Plan | None = None
         self._home: Any = _UNKNOWN
-        # Input dims and modes seen by softmax layers (see _SoftmaxDims) and by sequence
-        # layers (see _unbatched_refused).
+        # Input dims and modes seen by softmax layers (see _SoftmaxDims; and whether pieces of one
+        # sample, see _checked) and by sequence layers (see _unbatched_refused).
         self._softmax_checked: set[Hashable] = set()
         # Each stage's graphs for host inputs (``_stage_graphs``), by stage name.
         self._per_stage: dict[str, _CudaGraphs] = {}
@@ -2253,15 +2253,21 @@ class ParallelSequential(nn.Sequential):
             # And their hooks: one added since may hand a layer an input of other dims.)
             # (Not while tracing, which checks at every trace: a compiler guards on each id()
             # it traces, and would compile the pipeline again for every instance of it.)
+            # (And whether the micro-batches hold one sample, more, or either: a stage's ``x.squeeze()``
+            # drops the batch's dimension of a piece of one, and a layer reads the dims anew --
+            # ``Softmax()`` normalizing along dim 1 on pieces of one sample, and along dim 0, across
+            # the batch, on larger pieces. Dims depend on a size only where it is 1: not keyed by
+            # the batch size itself, which would check each new one, a checked call costing 60%
+            # more eagerly, and stages compiled with compile= running uncompiled in it.)
             tracing = _is_tracing()
-            key = None if tracing else (_signature_dims(input), self._modes() if modes is None else modes,
+            batch = _batch_size(input)
+            batch = None if isinstance(batch, torch.SymInt) else batch or 0  # (a compiler's dynamic batch size)
+            key = None if tracing else (_signature_dims(input), min(batch // chunks, 2), min(-(-batch // chunks), 2),
+                                        self._modes() if modes is None else modes,
                                         tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
             # (Under torch.func transforms the stages run on the whole input: see _forward.)
             if tracing or key not in self._softmax_checked and not _functorch_active():
-                smallest, batch = None, None
-                if not (tracing and _symbolic_batch(input)):
-                    batch = _batch_size(input) or 0
-                    smallest = max(batch // chunks, 1)
+                smallest = None if batch is None else max(batch // chunks, 1)
                 check = _SoftmaxDims(self, plan, layers, smallest, chunks)
                 # A compiler traces the mode (which puts nothing in its graph) and would trace
                 # hooks as side effects. Stages compiled with compile= run uncompiled under it:

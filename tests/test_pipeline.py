@@ -1873,6 +1873,33 @@ def test_an_empty_batch_leaves_the_softmax_check_to_the_next_call() -> None:
     torch.testing.assert_close(model(x), nn.Sequential(*model)(x))
 
 
+class _Squeezed(nn.Module):
+    r"""``x.squeeze()`` then ``Softmax()``, rows flattened: on a piece of one sample the batch's dimension is
+    dropped, and the softmax reads dim 1 of the 2-D rest; on larger pieces it reads dim 0, the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sm = nn.Softmax()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sm(x.squeeze()).reshape(-1, x[0].numel())
+
+
+def test_the_softmax_check_of_pieces_of_one_sample_does_not_stand_for_larger_ones() -> None:
+    # Before: the check was kept per input dims alone: a first call of pieces of one sample
+    # (batch 2, chunks=2) let batch 8 through unchecked, normalized across each piece of 4.
+    model = ParallelSequential(nn.Linear(4, 4), _Squeezed(), chunks=2)
+    x = torch.randn(8, 3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (implicit softmax dims are deprecated)
+        model(torch.randn(2, 3, 4))
+        refused = r"contains '1.sm' \(Softmax\(dim=None\)\).*3-D input.*dimension 0"
+        with pytest.raises(RuntimeError, match=refused):
+            model(torch.randn(3, 3, 4))  # (pieces of 2 and 1)
+        with pytest.raises(RuntimeError, match=refused):
+            model(x)
+
+
 class _EvalProbabilities(nn.Module):
     r"""Logits in training, probabilities along dim -2 in eval: the softmax is reached in eval only."""
 
