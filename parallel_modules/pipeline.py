@@ -41,7 +41,7 @@ from ._children import (_check_name, _check_numbered, _check_stage, _child_key, 
                         _new_like, _scripted_in_turn, _slice_text, _state_to_copy, _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
-from ._inputs import _BY_VALUE, _leaf_device, _module_devices, _with_context
+from ._inputs import _BY_VALUE, _dynamo_compiling, _leaf_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
 from ._fusion import _FAST_PATHS  # (also turned off by any torch function mode: see _Plan.scoped)
@@ -1874,11 +1874,15 @@ class ParallelSequential(nn.Sequential):
         if batch == 0:  # nothing to split: one (empty) micro-batch, as nn.Sequential runs it
             return [input]
         if chunks > batch:
-            raise ValueError(
+            error = ValueError(
                 f"{owner}: chunks={chunks} is larger than the batch size {batch}; every micro-batch "
                 f"needs at least one sample. Use chunks <= {batch} (set model.chunks), a larger "
                 "batch, or drop_last=True in the DataLoader for a short last batch."
             )
+            if not _dynamo_compiling():  # (which cannot trace setting an exception's attribute)
+                # Which pipeline, for one it is nested in to name: see _nested_short.
+                error._short_pipeline = self  # type: ignore[attr-defined]
+            raise error
         # Recording autograd, each piece gets memory of its own: views of one input share
         # its version counter, so an in-place first operation (ReLU(inplace=True)) on one
         # piece would spoil what was saved for backward on another (by that operation, or
@@ -2290,9 +2294,31 @@ class ParallelSequential(nn.Sequential):
                 input = module(input)
                 s += 1
         except Exception as e:
-            raise self._stage_error(e, f"(raised in stage {list(self._modules)[s]!r} (index {s}) of "
-                                       f"{type(self).__name__})")
+            name = list(self._modules)[s]
+            raise self._stage_error(e, f"(raised in stage {name!r} (index {s}) of {type(self).__name__}"
+                                       f"{self._nested_short(e, name, 1)})")
         return input
+
+    def _nested_short(self, error: Exception, name: str, count: int) -> str:
+        r"""For ``error`` raised by a pipeline in stage ``name`` given fewer samples than its chunks (see
+        :meth:`_split`), which one, by its path in this pipeline: its message's ``model.chunks`` is not this
+        one's, nor is its batch this one's where ``count`` (this call's micro-batches) is more than 1."""
+        inner = None if _dynamo_compiling() else getattr(error, "_short_pipeline", None)  # (see _split)
+        if inner is None:
+            return ""
+        # (Named once, by the nearest pipeline it is nested in: the ones around that name their stage.)
+        del error._short_pipeline  # type: ignore[attr-defined]
+        path = next((f"{name}.{q}" if q else name for q, m in self._modules[name].named_modules() if m is inner),
+                    None)
+        if path is None:  # (not one of the stage's modules: held by an attribute, say)
+            return ""
+        owner, kind = type(self).__name__, type(inner).__name__
+        who = f"the stage, a {kind}" if path == name else f"the {kind} {path!r} in it"
+        fix = f"lower its chunks (`model.get_submodule({path!r}).chunks`, `model` this {owner})"
+        if count == 1:
+            return f"; raised by {who}: {fix}"
+        return (f"; raised by {who}, which cuts again what it gets of each of this {owner}'s {count} "
+                f"micro-batches: {fix} or this one's")
 
     def _stage_error(self, error: Exception, context: str) -> Exception:
         r"""``error``, raised in a stage, with ``context`` and, where a stage was moved by a ``.to()`` of
@@ -2460,7 +2486,7 @@ class ParallelSequential(nn.Sequential):
                 # sample is not. Shape errors are RuntimeErrors; an id out of range, an IndexError, is not.)
                 context += ("; the input is 1-D, cut into micro-batches along its only dimension: if it is one "
                             "unbatched sample rather than a batch, use chunks=1")
-            raise self._stage_error(e, context + ")")
+            raise self._stage_error(e, context + self._nested_short(e, name, count) + ")")
         if held is not None:
             for h in held[m] or ():
                 change = _change(h)

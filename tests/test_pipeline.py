@@ -345,6 +345,37 @@ def test_chunks_larger_than_batch(device: str) -> None:
     assert torch.equal(model(x), _pieces_reference(model, x, 4))
 
 
+@pytest.mark.parametrize("where,path", [("stage", "1"), ("branch", "1.b"), ("deeper", "1.1")])
+def test_a_nested_pipeline_with_chunks_larger_than_its_pieces_is_named(where: str, path: str) -> None:
+    # Before: the error read "chunks=4 is larger than the batch size 3 ... (set model.chunks)" for a
+    # batch of 6, naming neither the nested pipeline nor that it got the outer one's micro-batches.
+    inner = ParallelSequential(nn.Linear(4, 4), chunks=4)
+    stage = {"stage": inner, "branch": Parallel(OrderedDict(a=nn.Identity(), b=inner)),
+             "deeper": nn.Sequential(nn.ReLU(), inner)}[where]
+    model = ParallelSequential(nn.Linear(4, 4), stage, chunks=2)
+    with pytest.raises(ValueError, match="chunks=4 is larger than the batch size 3") as caught:
+        model(torch.randn(6, 4))
+    who = "the stage, a ParallelSequential" if where == "stage" else f"the ParallelSequential '{path}' in it"
+    notes = [n for n in caught.value.__notes__ if "raised by" in n]
+    assert len(notes) == 1 and f"raised by {who}, which cuts again what it gets of each of this " \
+        f"ParallelSequential's 2 micro-batches: lower its chunks (`model.get_submodule('{path}').chunks`" in notes[0]
+    model.get_submodule(path).chunks = 3  # (as it says)
+    model(torch.randn(6, 4))
+
+
+def test_a_nested_pipeline_given_the_whole_batch_is_named_for_its_chunks() -> None:
+    # Named once, by the nearest pipeline it is nested in; those around that one name their stage.
+    inner = ParallelSequential(nn.Linear(4, 4), chunks=8)
+    middle = ParallelSequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), inner))
+    for model in (middle, ParallelSequential(nn.ReLU(), middle, chunks=2)):
+        with pytest.raises(ValueError, match="chunks=8 is larger than the batch size") as caught:
+            model(torch.randn(6, 4))
+        notes = [n for n in caught.value.__notes__ if "raised by" in n]
+        assert len(notes) == 1 and notes[0].startswith("(raised in stage '1' (index 1) of ParallelSequential; raised "
+                                                       "by the ParallelSequential '1.1' in it: lower its chunks "
+                                                       "(`model.get_submodule('1.1').chunks`")
+
+
 @pytest.mark.parametrize("device", cpu_and_cuda())
 def test_mismatched_batch_sizes(device: str) -> None:
     class Two(nn.Module):
