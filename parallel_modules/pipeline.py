@@ -41,7 +41,7 @@ from ._children import (_check_name, _check_numbered, _check_stage, _child_key, 
                         _new_like, _scripted_in_turn, _slice_text, _state_to_copy, _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
-from ._inputs import _BY_VALUE, _dynamo_compiling, _leaf_device, _module_devices, _with_context
+from ._inputs import _BY_VALUE, _bounded_add, _dynamo_compiling, _leaf_device, _module_devices, _with_context
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
 from ._fusion import _FAST_PATHS  # (also turned off by any torch function mode: see _Plan.scoped)
@@ -1413,8 +1413,11 @@ class ParallelSequential(nn.Sequential):
         self._plan: _Plan | None = None
         self._home: Any = _UNKNOWN
         # Input dims and modes seen by softmax layers (see _SoftmaxDims; and whether pieces of one
-        # sample, see _checked) and by sequence layers (see _unbatched_refused).
-        self._softmax_checked: set[Hashable] = set()
+        # sample, see _checked) and by sequence layers (see _unbatched_refused), the oldest dropped
+        # beyond _MAX_PLANS: the modes hold the ids of forward hooks, never reused, and a hook added
+        # and removed around every call (a profiler's, an activation logger's) makes a new key at
+        # each call.
+        self._softmax_checked: dict[Hashable, None] = {}
         # Each stage's graphs for host inputs (``_stage_graphs``), by stage name.
         self._per_stage: dict[str, _CudaGraphs] = {}
         graphs = self.__dict__.get("_graphs")
@@ -2215,7 +2218,7 @@ class ParallelSequential(nn.Sequential):
                         output = self._checked(plan, input, chunks, uncompiled=self._compiler is not None,
                                                modes=modes)
                     if batch:  # (an empty batch: the next call of the signature checks)
-                        self._softmax_checked.add(key)
+                        _bounded_add(self._softmax_checked, key)
                     return output
             return self._checked(plan, input, chunks)
         return self._forward(input, chunks)
@@ -2282,7 +2285,7 @@ class ParallelSequential(nn.Sequential):
                 # (each trace checks: a tracer would record the add as a side effect. An empty
                 # batch has no rows for the check to see: the next call of the signature checks.)
                 if not tracing and batch:
-                    self._softmax_checked.add(key)
+                    _bounded_add(self._softmax_checked, key)
                 return output
         return self._forward(input, chunks, uncompiled=uncompiled)
 

@@ -3312,6 +3312,24 @@ def test_the_unbatched_sequence_check_sees_a_pre_hook_added_after_the_first_call
         pipe(x)
 
 
+@pytest.mark.parametrize("stage", [lambda: nn.Softmax(dim=-1), lambda: _Gru()])
+def test_the_first_call_checks_remember_a_bounded_number_of_keys(monkeypatch, stage):
+    # Before (a CPU hunt for unbounded growth): the softmax and unbatched-sequence checks kept
+    # every key they had seen, in a set without bound, and their keys hold the ids of forward
+    # hooks, never reused: a hook added and removed around each call (an activation logger)
+    # grew it by one at every call, for the life of the pipeline.
+    from parallel_modules import _inputs
+    monkeypatch.setattr(_inputs, "_MAX_PLANS", 8)
+    pipe = ParallelSequential(nn.Linear(4, 4), stage(), chunks=2)
+    x = torch.randn(4, 3, 4)
+    for _ in range(20):
+        handle = pipe[0].register_forward_hook(lambda m, args, out: None)
+        pipe(x)
+        handle.remove()
+    assert len(pipe._softmax_checked) == 8
+    torch.testing.assert_close(pipe(x), nn.Sequential(*pipe)(x))  # (checked again, as before)
+
+
 class _PickX(nn.Module):
     def forward(self, d):
         return d["x"]
