@@ -1509,11 +1509,13 @@ class _Group:
         takes = self.kernel_shapes.get(key)
         if takes is None:
             # (Made anew by bind whenever it stacks: a member cast or moved is stacked anew.)
-            takes = self.kernel_shapes[key] = not any(
+            takes = not any(
                 t.dtype != x.dtype or t.device != x.device for m in self.template.modules() if type(m) is nn.Linear
                 for t in (m.weight, m.bias) if t is not None) and all(
                 _batched_linear.supported(x.shape[0], i, o, x.dtype, x.device)
                 and self.n * i * o < _batched_linear._MAX_ELEMENTS for i, o in shapes)
+            # (Bounded: rows of flattened tokens of variable-length batches make a new key at each call.)
+            _bounded_add(self.kernel_shapes, key, takes)
         return takes and _batched_linear._failure is None  # (a kernel that failed since: torch's layers)
 
     def run(self, x: torch.Tensor, cat_joined: bool = False, eager: bool = False, side_bias: bool = True,

@@ -270,6 +270,19 @@ def test_which_groups_the_kernel_takes(monkeypatch, branch, takes):
         assert not group.kernel_layers(torch.zeros(4, 32, dtype=torch.float64))  # not the weights' dtype
 
 
+def test_the_kernel_answers_by_row_count_are_bounded(monkeypatch):
+    # Before (a CPU hunt for unbounded growth): kernel_layers remembered its answer for every
+    # row count it was asked of, eagerly at every call on CUDA, without bound: tokens of
+    # variable-length batches flattened into rows made a new entry at each call.
+    from parallel_modules import _inputs
+    monkeypatch.setattr(_inputs, "_MAX_PLANS", 8)
+    group = group_of(Parallel(*[mlp().eval() for _ in range(3)], fuse=True).eval())
+    with torch.no_grad():
+        for rows in range(1, 21):
+            group.kernel_layers(torch.zeros(rows, 32))
+    assert list(group.kernel_shapes) == [(rows, torch.float32, torch.device("cpu")) for rows in range(13, 21)]
+
+
 @pytest.mark.parametrize("branch, paired", [
     (mlp, True), (lambda: nn.Linear(32, 32), False), (lambda: nn.Sequential(nn.Linear(32, 32), nn.Tanh()), False),
     (lambda: nn.Sequential(nn.GELU(), nn.Linear(32, 32)), False),
