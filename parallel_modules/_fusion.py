@@ -75,6 +75,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils import _pytree as pytree
@@ -492,7 +493,8 @@ def _unfusable(branch: nn.Module) -> str | None:
             return (f"{where} has uninitialized lazy parameters; call the block once (with fuse=False or "
                     f"'auto'), or the branch, to initialize them first")
         if any(getattr(m, h, None) for h in _HOOKS):
-            return f"{where} has hooks, which a batched call would not run once per branch" + _norm_hooks(m)
+            return (f"{where} has hooks, which a batched call would not run once per branch"
+                    + (_norm_hooks(m) or _pruning_hooks(m)))
         if "forward" in vars(m):
             return f"{where} has its forward replaced on the instance"
         hidden = _hidden_by_instance(vars(m))
@@ -577,6 +579,24 @@ def _norm_hooks(m: nn.Module) -> str:
             f"renormalized: for inference, or training on without it); the parametrized {news} is not fused "
             f"either (a parametrized module is refused alike). Otherwise fuse='auto' runs such a branch "
             f"unfused, on its own stream")
+
+
+def _pruning_hooks(m: nn.Module) -> str:
+    r"""Which tensors of ``m`` ``torch.nn.utils.prune`` masks with its forward pre-hook, and how to fix it, to
+    end :func:`_unfusable`'s message; ``""`` if none is pruned.
+
+    Whoever pruned identical branches registered no hook themselves: "has
+    hooks" alone does not tell them that ``prune.remove`` lets them fuse.
+    """
+    # (Pruning a tensor again chains the methods in one PruningContainer, itself a BasePruningMethod.)
+    names = [hook._tensor_name for hook in m._forward_pre_hooks.values() if isinstance(hook, BasePruningMethod)]
+    if not names:
+        return ""
+    pruned = " and ".join(repr(name) for name in names)
+    removes = " and ".join(f"torch.nn.utils.prune.remove(module, {name!r})" for name in names)
+    return (f": the forward pre-hook of torch.nn.utils.prune (on {pruned}), which masks the tensor before each "
+            f"call. To fuse the branch, make the pruning permanent with {removes}; otherwise fuse='auto' runs "
+            f"such a branch unfused")
 
 
 def _fusable_settings(m: nn.Module) -> tuple | None:

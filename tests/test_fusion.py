@@ -1809,6 +1809,34 @@ def test_fuse_true_says_two_classes_of_one_name_are_two_classes():
         Parallel(make(), make(), fuse=True)
 
 
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_pruned_branch_is_named_with_its_fix(fuse):
+    # Before (a CPU hunt): "has hooks, which a batched call would not run once per branch", where
+    # the user registered no hook: prune's forward pre-hook, undone by prune.remove, was not named.
+    torch.manual_seed(0)
+    p = Parallel(mlp(), mlp(), mlp(), fuse=fuse)
+    x = torch.randn(4, 16)
+    p(x)
+    prune.l1_unstructured(p[1][0], "weight", amount=0.5)
+    prune.random_unstructured(p[1][0], "weight", amount=0.2)  # (chained: one PruningContainer)
+    prune.l1_unstructured(p[1][0], "bias", amount=0.5)
+    told = (r"submodule '0' \(Linear\) has hooks, which a batched call would not run once per branch: the forward "
+            r"pre-hook of torch\.nn\.utils\.prune \(on 'weight' and 'bias'\).*torch\.nn\.utils\.prune\.remove\("
+            r"module, 'weight'\) and torch\.nn\.utils\.prune\.remove\(module, 'bias'\).*fuse='auto' runs such a "
+            r"branch unfused")
+    if fuse is True:
+        with pytest.raises(ValueError, match=r"branch '1' cannot be fused: " + told):
+            p(x)
+    else:
+        assert_close(p(x), reference(p, x))
+        assert p.explain()["fused"] == [["0", "2"]] and re.match(told, p.explain()["unfused"]["1"])
+    # What the message says holds: made permanent, the branch fuses with its twins again.
+    prune.remove(p[1][0], "weight")
+    prune.remove(p[1][0], "bias")
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 @pytest.mark.parametrize("undo", ["prune", "weight_norm", "parametrization"])
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_a_weight_registered_again_after_the_bias_still_fuses(undo, fuse):
