@@ -1279,7 +1279,11 @@ class Parallel(nn.Module):
         wrote = False
         try:
             for i in group.indices:
-                copied = x.clone()
+                # (An inference tensor's copy made outside inference mode is an ordinary tensor, which
+                # autograd may save: the members would pass on it where on ``x`` they fail, and the
+                # error would claim they run on their own. The copy is one like ``x``.)
+                with torch.inference_mode(True) if x.is_inference() else contextlib.nullcontext():
+                    copied = x.clone()
                 # (Made under inference mode, a copy of a tensor that keeps a version keeps none.)
                 before = copied._version if versioned and not copied.is_inference() else None
                 self._call(i, (copied,), kwargs)

@@ -1747,6 +1747,20 @@ def test_fuse_true_refusing_a_group_in_inference_mode_leaves_its_buffers_as_they
         assert _counted(block) == [0.0, 0.0, 0.0]
 
 
+def test_fuse_true_on_an_inference_tensor_outside_inference_mode_raises_the_members_own_error():
+    # Before (a CPU hunt over dtypes and shapes): the members were tried one by one on a copy of the
+    # input made outside inference mode, an ordinary tensor on which they ran, so the error said they
+    # "run on their own" -- where each, as in a loop, fails on the inference tensor itself.
+    block = Parallel(*[nn.Linear(8, 4) for _ in range(3)], fuse=True)
+    with torch.inference_mode():
+        x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward") as caught:
+        block[0](x)  # (the sequential computation's error)
+    with pytest.raises(RuntimeError, match=re.escape(str(caught.value).splitlines()[0])) as raised:
+        block(x)
+    assert "failed to run batched" not in str(raised.value)
+
+
 def _counted(block: nn.Module) -> list[float]:
     return [b.calls.sum().item() if b.update != "grown" else float(b.calls.numel()) for b in block]
 
