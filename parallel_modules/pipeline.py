@@ -1910,9 +1910,12 @@ class ParallelSequential(nn.Sequential):
             own = not copied and (torch.is_grad_enabled() if torch.compiler.is_compiling() else _jit_tracing()) and (
                 len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values()))))
 
+        # Not inference tensors, which no stage can write outside inference mode (nor autograd
+        # record them): copied here, outside it, they became ordinary tensors, and the pipeline
+        # ran where nn.Sequential, and chunks=1, raise torch's "cannot be saved for backward".
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)
-            return [p.clone() for p in pieces] if own else list(pieces)
+            return [p.clone() for p in pieces] if own and not t.is_inference() else list(pieces)
 
         if spec is None:
             return split(input)
@@ -1935,7 +1938,7 @@ class ParallelSequential(nn.Sequential):
         # the same rows.
         sets = _shared(leaves) if not tracing and not copied and (
             own or any(t._base is not None for t in tensors)) else []
-        done = _copied_together(sets, chunks) if own else []
+        done = _copied_together([m for m in sets if not m[0].is_inference()], chunks) if own else []
         together = {id(t) for t, _ in done}  # (cut from one holder's pieces: never across micro-batches)
 
         def pieces(t: torch.Tensor) -> list[torch.Tensor]:

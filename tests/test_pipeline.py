@@ -1598,6 +1598,33 @@ def test_a_pipeline_runs_under_inference_mode(chunks) -> None:
                                    nn.Sequential(*stages)(x))
 
 
+class _ScaledSum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, d: dict) -> torch.Tensor:
+        return d["x"][:, :2] * self.scale + d["view"]  # (mul saves its input for the scale's gradient)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("viewed", [False, True])
+def test_an_inference_tensor_recorded_by_autograd_raises_as_in_nn_sequential(chunks, viewed) -> None:
+    # Before (a CPU hunt over dtypes and shapes): recording autograd, each micro-batch was copied outside
+    # inference mode into an ordinary tensor, so with chunks > 1 the pipeline trained on an input made
+    # under torch.inference_mode() where nn.Sequential, and chunks=1, raise torch's error.
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        x = torch.randn(6, 4)
+    stages = [nn.Linear(4, 4), nn.Linear(4, 2)]
+    if viewed:  # (views of one tensor, copied together: see _copied_together)
+        stages, x = [_ScaledSum(), nn.Linear(2, 2)], {"x": x, "view": x[:, 1:3]}
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        nn.Sequential(*stages)(x)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        ParallelSequential(*stages, chunks=chunks)(x)
+
+
 class _Wrap(nn.Module):
     def forward(self, t: torch.Tensor) -> tuple[torch.Tensor]:
         return (t,)
