@@ -576,9 +576,16 @@ def _norm_hooks(m: nn.Module) -> str:
     news = " / ".join(dict.fromkeys(f"torch.nn.utils.parametrizations.{util}" for util, _, _ in found))
     return (f": the forward pre-hook of the old-style {utils}, which recomputes the weight before each call. "
             f"To fuse the branch, remove it with {removes} (the weight stays as it is now, no longer "
-            f"renormalized: for inference, or training on without it); the parametrized {news} is not fused "
-            f"either (a parametrized module is refused alike). Otherwise fuse='auto' runs such a branch "
+            f"renormalized: for inference, or training on without it){_other_hooks(m, len(found))}; the "
+            f"parametrized {news} is not fused either (a parametrized module is refused alike). Otherwise fuse='auto' runs such a branch "
             f"unfused, on its own stream")
+
+
+def _other_hooks(m: nn.Module, named: int) -> str:
+    r"""For the fixes :func:`_norm_hooks` and :func:`_pruning_hooks` name: where ``m`` holds hooks beyond the
+    ``named`` ones they undo, that those must go too (else the branch, fixed as told, stays unfused)."""
+    held = sum(len(getattr(m, h, None) or ()) for h in _HOOKS)
+    return "" if held <= named else f", and remove its {held - named} other hook{'s' if held - named > 1 else ''}"
 
 
 def _pruning_hooks(m: nn.Module) -> str:
@@ -593,7 +600,8 @@ def _pruning_hooks(m: nn.Module) -> str:
     if not names:
         return ""
     pruned = " and ".join(repr(name) for name in names)
-    removes = " and ".join(f"torch.nn.utils.prune.remove(module, {name!r})" for name in names)
+    removes = " and ".join(f"torch.nn.utils.prune.remove(module, {name!r})" for name in names) + _other_hooks(
+        m, len(names))
     return (f": the forward pre-hook of torch.nn.utils.prune (on {pruned}), which masks the tensor before each "
             f"call. To fuse the branch, make the pruning permanent with {removes}; otherwise fuse='auto' runs "
             f"such a branch unfused")

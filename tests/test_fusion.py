@@ -1851,6 +1851,41 @@ def test_a_pruned_branch_is_named_with_its_fix(fuse):
     assert p.explain()["fused"] == [["0", "1", "2"]]
 
 
+@pytest.mark.parametrize("undo", ["prune", "weight_norm"])
+def test_a_pruned_or_normed_layer_with_hooks_of_its_own_is_told_those_must_go_too(undo):
+    # Before (a review): the message's fix, prune.remove / remove_weight_norm, was told as the one
+    # to fuse the branch, which its own hooks still kept unfused once it was followed.
+    torch.manual_seed(0)
+    p = Parallel(mlp(), mlp(), mlp(), fuse="auto")
+    x = torch.randn(4, 16)
+    p(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (the hook-based norm is deprecated)
+        if undo == "prune":
+            prune.l1_unstructured(p[1][0], "weight", amount=0.5)
+        else:
+            nn.utils.weight_norm(p[1][0])
+    handles = [p[1][0].register_forward_hook(lambda m, args, out: None),
+               p[1][0].register_full_backward_hook(lambda m, gin, gout: None)]
+    p(x)
+    assert ", and remove its 2 other hooks" in p.explain()["unfused"]["1"]
+    # What it says holds: both gone, the branch fuses (and with the fix alone, not yet).
+    if undo == "prune":
+        prune.remove(p[1][0], "weight")
+    else:
+        nn.utils.remove_weight_norm(p[1][0])
+    p(x)
+    assert p.explain()["fused"] == [["0", "2"]]
+    for h in handles:
+        h.remove()
+    assert_close(p(x), reference(p, x))
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+    # (One pruned alone is told nothing more.)
+    prune.l1_unstructured(p[1][0], "weight", amount=0.5)
+    p(x)
+    assert "other hook" not in p.explain()["unfused"]["1"]
+
+
 @pytest.mark.parametrize("undo", ["prune", "weight_norm", "parametrization"])
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_a_weight_registered_again_after_the_bias_still_fuses(undo, fuse):
