@@ -1913,7 +1913,9 @@ class ParallelSequential(nn.Sequential):
         # Not inference tensors, which no stage can write outside inference mode (nor autograd
         # record them): copied here, outside it, they became ordinary tensors, and the pipeline
         # ran where nn.Sequential, and chunks=1, raise torch's "cannot be saved for backward".
-        # (Asked eagerly only: Dynamo cannot trace ``is_inference()``, and a traced input is none.)
+        # (Asked eagerly only: Dynamo cannot trace ``is_inference()``. Compiled, the pieces are still
+        # copied where the first stage writes its input: an inference tensor given to the compiled
+        # pipeline runs where a compiled nn.Sequential raises.)
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)
             return [p.clone() for p in pieces] if own and (tracing or not t.is_inference()) else list(pieces)
