@@ -2317,8 +2317,9 @@ class ParallelSequential(nn.Sequential):
             return ""
         # (Named once, by the nearest pipeline it is nested in: the ones around that name their stage.)
         del error._short_pipeline  # type: ignore[attr-defined]
-        path = next((f"{name}.{q}" if q else name for q, m in self._modules[name].named_modules() if m is inner),
-                    None)
+        stage = self._modules.get(name)  # (removed by another thread meanwhile: the user's error, unnamed)
+        path = None if stage is None else next(
+            (f"{name}.{q}" if q else name for q, m in stage.named_modules() if m is inner), None)
         if path is None:  # (not one of the stage's modules: held by an attribute, say)
             return ""
         owner, kind = type(self).__name__, type(inner).__name__
