@@ -411,7 +411,7 @@ class Parallel(nn.Module):
                  compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None: ...
 
     @overload
-    def __init__(self, branches: "OrderedDict[str, nn.Module | Callable[..., Any]]", /, *, join: JoinSpec = "cat",
+    def __init__(self, branches: OrderedDict[str, nn.Module | Callable[..., Any]], /, *, join: JoinSpec = "cat",
                  dim: int = 1, streams: Streams = "auto", cuda_graph: bool = False, max_graphs: int = 8,
                  static_outputs: bool = False, graph_fallback: bool = False, direct_grads: bool = False,
                  fuse: Fuse = False, compile: Backend | None = None,
@@ -594,12 +594,12 @@ class Parallel(nn.Module):
         return _child_key(type(self).__name__, list(self._modules), idx, "branch", slices)
 
     @overload
-    def __getitem__(self, idx: slice) -> "Parallel": ...
+    def __getitem__(self, idx: slice) -> Parallel: ...
 
     @overload
     def __getitem__(self, idx: int) -> nn.Module: ...
 
-    def __getitem__(self, idx: int | slice) -> "nn.Module | Parallel":
+    def __getitem__(self, idx: int | slice) -> nn.Module | Parallel:
         if isinstance(idx, slice):
             items = list(self._modules.items())
             chosen = items[idx]
@@ -649,7 +649,7 @@ class Parallel(nn.Module):
             _watch._children_changed()
             self._reset()
 
-    def append(self, module: nn.Module | Callable[..., Any]) -> "Parallel":
+    def append(self, module: nn.Module | Callable[..., Any]) -> Parallel:
         r"""Append a branch at the end; returns ``self``."""
         key = str(len(self._modules))
         if key in self._modules:
@@ -662,7 +662,7 @@ class Parallel(nn.Module):
         self._reset()
         return self
 
-    def extend(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> "Parallel":
+    def extend(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> Parallel:
         r"""Append every module of an iterable; returns ``self``."""
         owner, n = type(self).__name__, len(self._modules)
         # All checked before any is appended: a bad one leaves the block as it was.
@@ -677,10 +677,10 @@ class Parallel(nn.Module):
             self.append(m)
         return self
 
-    def __iadd__(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> "Parallel":
+    def __iadd__(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> Parallel:
         return self.extend(modules)
 
-    def __add__(self, other: Iterable[nn.Module | Callable[..., Any]]) -> "Parallel":
+    def __add__(self, other: Iterable[nn.Module | Callable[..., Any]]) -> Parallel:
         r"""A new block with this one's settings and the branches of both, numbered anew.
 
         As :class:`nn.ModuleList`'s ``+``: the branches are shared, not copied, and
@@ -689,7 +689,7 @@ class Parallel(nn.Module):
         others = _listed(type(self).__name__, "+", "branch", other)
         return _new_like(self, "+", "branch", *self._modules.values(), *others, **self._settings())
 
-    def insert(self, index: int, module: nn.Module | Callable[..., Any]) -> "Parallel":
+    def insert(self, index: int, module: nn.Module | Callable[..., Any]) -> Parallel:
         r"""Insert a branch before position ``index`` (as :meth:`nn.ModuleList.insert`); returns ``self``.
 
         The branches after it move up by one, so they must be named by their
@@ -711,12 +711,12 @@ class Parallel(nn.Module):
         return self
 
     @overload
-    def pop(self, idx: slice) -> "Parallel": ...
+    def pop(self, idx: slice) -> Parallel: ...
 
     @overload
     def pop(self, idx: int) -> nn.Module: ...
 
-    def pop(self, idx: int | slice) -> "nn.Module | Parallel":
+    def pop(self, idx: int | slice) -> nn.Module | Parallel:
         r"""Remove the branch at ``idx`` and return it, as :meth:`nn.ModuleList.pop`; a slice returns
         the branches it removes as a block with this one's settings."""
         value = self[idx]
@@ -974,10 +974,10 @@ class Parallel(nn.Module):
         """
         return self.fuse == "auto" and torch.are_deterministic_algorithms_enabled()
 
-    def __prepare_scriptable__(self) -> "Parallel":
+    def __prepare_scriptable__(self) -> Parallel:
         raise TypeError(_NOT_SCRIPTABLE.format(name=type(self).__name__))
 
-    def train(self, mode: bool = True) -> "Parallel":
+    def train(self, mode: bool = True) -> Parallel:
         r"""Set the block and its branches to training or evaluation mode; returns ``self``.
 
         As :meth:`torch.nn.Module.train`. Which branches are fused depends on

@@ -274,7 +274,7 @@ class _SoftmaxDims(TorchFunctionMode):
     _watches_only = True
     _STOCK_FORWARDS = frozenset(c.forward for c in _SOFTMAXES)
 
-    def __init__(self, owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]],
+    def __init__(self, owner: ParallelSequential, plan: _Plan, layers: list[tuple[int, str, nn.Module]],
                  smallest: int | None, chunks: int) -> None:
         super().__init__()
         self.owner, self.plan, self.layers, self.smallest = owner, plan, layers, smallest
@@ -1032,7 +1032,7 @@ _SEQUENCE_NAMES = frozenset(cls.__name__ for cls in (nn.RNN, nn.LSTM, nn.GRU, *_
 
 
 @contextlib.contextmanager
-def _unbatched_refused(owner: "ParallelSequential", plan: _Plan, layers: list[tuple[int, str, nn.Module]],
+def _unbatched_refused(owner: ParallelSequential, plan: _Plan, layers: list[tuple[int, str, nn.Module]],
                        batch: int, chunks: int) -> Iterator[None]:
     r"""Refuse, while active (a pipeline's first call of an input signature), a sequence layer given an unbatched input.
 
@@ -1330,7 +1330,7 @@ class ParallelSequential(nn.Sequential):
                  compile_fallback: bool = False) -> None: ...
 
     @overload
-    def __init__(self, stages: "OrderedDict[str, nn.Module]", /, *, chunks: int = 1, cuda_graph: bool = False,
+    def __init__(self, stages: OrderedDict[str, nn.Module], /, *, chunks: int = 1, cuda_graph: bool = False,
                  max_graphs: int = 8, static_outputs: bool = False, graph_fallback: bool = False,
                  direct_grads: bool = False, compile: Backend | None = None,
                  compile_options: dict[str, Any] | None = None, compile_fallback: bool = False) -> None: ...
@@ -1458,7 +1458,7 @@ class ParallelSequential(nn.Sequential):
                              f"names stages by their index. Build a new one, "
                              f"{type(self).__name__}(*pipe, new_stage), or name them with an OrderedDict.")
 
-    def append(self, module: nn.Module) -> "ParallelSequential":
+    def append(self, module: nn.Module) -> ParallelSequential:
         r"""Append a stage at the end, named by its index; returns ``self``.
 
         As :meth:`nn.Sequential.append`, except where a stage of that name is kept
@@ -1469,7 +1469,7 @@ class ParallelSequential(nn.Sequential):
         self._check_free(1)
         return super().append(module)
 
-    def extend(self, sequential: Iterable[nn.Module]) -> "ParallelSequential":
+    def extend(self, sequential: Iterable[nn.Module]) -> ParallelSequential:
         r"""Append every module of an iterable, as :meth:`append` does; returns ``self``.
 
         Every stage is checked before any is appended, so a refused one leaves the
@@ -1483,7 +1483,7 @@ class ParallelSequential(nn.Sequential):
         self._check_free(len(stages))
         return super().extend(stages)
 
-    def __iadd__(self, other: nn.Sequential) -> "ParallelSequential":
+    def __iadd__(self, other: nn.Sequential) -> ParallelSequential:
         if isinstance(other, nn.Sequential):  # (what nn.Sequential adds: its stages, one by one)
             for i, module in enumerate(other):
                 _check_stage(type(self).__name__, str(len(self) + i), module, container=self)
@@ -1492,7 +1492,7 @@ class ParallelSequential(nn.Sequential):
             other = nn.Sequential(*other)
         return super().__iadd__(other)
 
-    def insert(self, index: int, module: nn.Module) -> "ParallelSequential":
+    def insert(self, index: int, module: nn.Module) -> ParallelSequential:
         r"""Insert a stage before position ``index`` (as :meth:`nn.Sequential.insert`); returns ``self``.
 
         The stages after it move up by one, so they must be named by their
@@ -1513,7 +1513,7 @@ class ParallelSequential(nn.Sequential):
         self._reset()
         return self
 
-    def __imul__(self, other: int) -> "ParallelSequential":
+    def __imul__(self, other: int) -> ParallelSequential:
         if isinstance(other, int) and other > 1:  # (anything else: nn.Sequential's errors, or nothing added)
             # (nn.Sequential's *= copies stage str(i) to str(i + n): on names kept through a slice,
             # or given, it failed half done, replaced a stage, or repeated them in another order.)
@@ -1614,7 +1614,7 @@ class ParallelSequential(nn.Sequential):
                 "direct_grads": self.direct_grads,
                 **(self._compiler.settings() if self._compiler else {})}
 
-    def _like(self, items: list[tuple[str, nn.Module]], operation: str) -> "ParallelSequential":
+    def _like(self, items: list[tuple[str, nn.Module]], operation: str) -> ParallelSequential:
         r"""A new container of ``items`` with this one's settings (``chunks``, ``cuda_graph``, ...)."""
         if not items:  # as nn.Sequential's: an empty container, the identity
             empty = _new_like(self, operation, "stage", nn.Identity(), **self._settings())
@@ -1623,23 +1623,23 @@ class ParallelSequential(nn.Sequential):
         return _new_like(self, operation, "stage", OrderedDict(items), **self._settings())
 
     @overload
-    def __getitem__(self, idx: slice) -> "ParallelSequential": ...  # type: ignore[override]
+    def __getitem__(self, idx: slice) -> ParallelSequential: ...  # type: ignore[override]
 
     @overload
     def __getitem__(self, idx: int) -> nn.Module: ...
 
-    def __getitem__(self, idx: int | slice) -> "nn.Module | ParallelSequential":  # type: ignore[override]
+    def __getitem__(self, idx: int | slice) -> nn.Module | ParallelSequential:  # type: ignore[override]
         if isinstance(idx, slice):
             return self._like(list(self._modules.items())[idx], f"a slice, pipe[{_slice_text(idx)}],")
         return self._modules[_child_key(type(self).__name__, list(self._modules), idx, "stage")]
 
     @overload
-    def pop(self, key: slice) -> "ParallelSequential": ...
+    def pop(self, key: slice) -> ParallelSequential: ...
 
     @overload
     def pop(self, key: int) -> nn.Module: ...
 
-    def pop(self, key: int | slice) -> "nn.Module | ParallelSequential":
+    def pop(self, key: int | slice) -> nn.Module | ParallelSequential:
         r"""Remove the stage at ``key`` and return it, as :meth:`nn.Sequential.pop`; a slice returns
         the stages it removes as a pipeline with this one's settings."""
         # (Only typed here: nn.Sequential's says Module, which a slice's result is not only.)
@@ -1647,16 +1647,16 @@ class ParallelSequential(nn.Sequential):
 
     # ``+`` and ``*`` as nn.Sequential's (which would return a plain nn.Sequential), with the
     # left operand's settings.
-    def __add__(self, other: nn.Sequential) -> "ParallelSequential":  # type: ignore[override]
+    def __add__(self, other: nn.Sequential) -> ParallelSequential:  # type: ignore[override]
         return self._like(list(super().__add__(other)._modules.items()), "+")
 
-    def __mul__(self, other: int) -> "ParallelSequential":  # type: ignore[override]
+    def __mul__(self, other: int) -> ParallelSequential:  # type: ignore[override]
         return self._like(list(super().__mul__(other)._modules.items()), "*")
 
-    def __rmul__(self, other: int) -> "ParallelSequential":  # type: ignore[override]
+    def __rmul__(self, other: int) -> ParallelSequential:  # type: ignore[override]
         return self.__mul__(other)
 
-    def __prepare_scriptable__(self) -> "ParallelSequential":
+    def __prepare_scriptable__(self) -> ParallelSequential:
         raise TypeError(_NOT_SCRIPTABLE.format(name=type(self).__name__))
 
     def extra_repr(self) -> str:

@@ -159,6 +159,20 @@ def test_public_signatures_are_fully_typed(cls):
     assert not untyped, f"{cls.__name__}: public methods without full type hints: {untyped}"
 
 
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_public_signatures_show_in_help_as_written(cls):
+    # Under ``from __future__ import annotations`` every hint is kept as its source text: a hint
+    # quoted as well (``-> "Parallel"``) is kept as the string "'Parallel'", which help() and
+    # pydoc print quoted twice (``-> "'Parallel'"``).
+    quoted = []
+    for name, value in vars(cls).items():
+        function = getattr(value, "__func__", value)
+        for overload in (function, *typing.get_overloads(function)) if inspect.isfunction(function) else ():
+            quoted += [f"{name}: {arg} -> {hint}" for arg, hint in overload.__annotations__.items()
+                       if isinstance(hint, str) and hint[:1] in "'\""]
+    assert not quoted, f"{cls.__name__}: hints quoted twice: {quoted}"
+
+
 @pytest.mark.parametrize(("cls", "method"), [(cls, method) for cls in _public_classes()
                                              for method in ("__getitem__", "pop")],
                          ids=lambda v: getattr(v, "__name__", v))
