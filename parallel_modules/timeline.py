@@ -63,7 +63,15 @@ _PathLike = Union[str, "os.PathLike[str]"]
 _FORMAT = "parallel_modules.timeline/1"
 
 class KernelEvent(NamedTuple):
-    r"""One GPU kernel: its name, the CUDA stream and device it ran on, and when (microseconds)."""
+    r"""One GPU kernel: its name, the CUDA stream and device it ran on, and when (microseconds).
+
+    Args:
+        name: the kernel's name.
+        stream: the id of the CUDA stream it ran on.
+        start_us: when it started, in microseconds.
+        end_us: when it ended, in microseconds (at least ``start_us``).
+        device: the index of the GPU it ran on. Default: ``0``.
+    """
 
     name: str
     stream: int
@@ -73,6 +81,7 @@ class KernelEvent(NamedTuple):
 
     @property
     def duration_us(self) -> float:
+        r"""``end_us - start_us``."""
         return self.end_us - self.start_us
 
 
@@ -135,7 +144,9 @@ class Timeline:
     Args:
         kernels: the kernels, in any order.
         label: a name for the recording, e.g. ``"eager sequential"``.
-        metadata: where and how it was recorded (GPU, versions, date, ...).
+            Default: ``"trace"``.
+        metadata: where and how it was recorded (GPU, versions, date, ...),
+            copied. Default: ``None`` (none).
 
     Example::
 
@@ -184,18 +195,22 @@ class Timeline:
 
     @property
     def span_us(self) -> float:
+        r"""Time from the first kernel's start to the last kernel's end (``0.0`` without kernels)."""
         return max((k.end_us for k in self.kernels), default=0.0)
 
     @property
     def busy_us(self) -> float:
+        r"""Time during which at least one stream runs a kernel."""
         return _time_with_at_least(self._busy(), 1)
 
     @property
     def overlap_us(self) -> float:
+        r"""Time during which kernels of two or more streams run together."""
         return _time_with_at_least(self._busy(), 2)
 
     @property
     def overlap_fraction(self) -> float:
+        r"""``overlap_us / busy_us``: ``0.0`` fully serial (or without kernels), near ``1.0`` almost always overlapped."""
         busy = self._busy()
         total = _time_with_at_least(busy, 1)
         return _time_with_at_least(busy, 2) / total if total > 0 else 0.0
@@ -220,8 +235,8 @@ class Timeline:
         A grey band above the rows marks where two or more streams run at once.
 
         Args:
-            ax: a matplotlib ``Axes`` to draw into; a new figure when ``None``.
-            title: the title; defaults to the label and the overlap fraction.
+            ax: a matplotlib ``Axes`` to draw into. Default: ``None`` (a new figure).
+            title: the title. Default: ``None`` (the label and the overlap fraction).
         """
         plt = _pyplot()
         own_figure = ax is None
@@ -506,6 +521,7 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
         path: where to write.
         *timelines: the timelines, with distinct labels.
         metadata: extra facts about the whole file (e.g. what was recorded).
+            Default: ``None``.
 
     Metadata is saved as JSON, which holds strings, numbers, booleans, None,
     lists and dicts, keys objects by strings and holds no NaN or infinity:
@@ -615,7 +631,7 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
         *args, **kwargs: its inputs.
         warmup: calls before profiling. Default: ``30``.
         calls: profiled calls. Default: ``3``.
-        label: the timeline's label. Default: the module's class name.
+        label: the timeline's label. Default: ``None`` (the module's class name).
 
     Example::
 

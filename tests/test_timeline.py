@@ -585,3 +585,45 @@ def test_load_something_that_is_neither_a_path_nor_a_trace_says_what_it_takes(tr
     # It failed inside os.fspath or str.endswith, with no word of load_timelines or of what it reads.
     with pytest.raises(TypeError, match=r"load_timelines: expected the path of a trace file .* or its parsed JSON"):
         load_timelines(trace)
+
+
+# The public API's docstrings, as tests/test_readme.py checks those of the blocks: what
+# help(parallel_modules.timeline) shows documents every name, parameter and default.
+_TIMELINE_API = [KernelEvent, Timeline, Timeline.plot, load_timelines, save_timelines, record_timeline]
+
+
+def test_timeline_api_is_documented():
+    import inspect
+
+    import parallel_modules.timeline as timeline
+
+    undocumented = [name for name in timeline.__all__ if not (getattr(timeline, name).__doc__ or "").strip()]
+    undocumented += [f"{cls.__name__}.{name}" for cls in (KernelEvent, Timeline) for name, value in vars(cls).items()
+                     if not name.startswith("_") and isinstance(value, property) and not (value.fget.__doc__ or "").strip()]
+    assert not undocumented, f"without a docstring: {undocumented}"
+    for api in _TIMELINE_API:
+        # (A NamedTuple's __init__ is tuple's: its fields are the parameters, as __new__ takes them.)
+        signature = inspect.signature(api.__new__ if api is KernelEvent else api)
+        args = api.__doc__.split("Args:", 1)[1]
+        indent = re.match(r"\n( +)", args).group(1)  # (an entry's; its continuation lines are deeper)
+        for name, parameter in signature.parameters.items():
+            if name in ("self", "_cls", "kwargs"):  # (**kwargs: documented with *args)
+                continue
+            shown = f"*{name}" if parameter.kind is parameter.VAR_POSITIONAL else name
+            entry = re.search(rf"^{indent}{re.escape(shown)}(?:, \*\*\w+)?: (.*?)(?=^{indent}[*\w]|\n\n|\Z)",
+                              args, re.M | re.S)
+            assert entry, f"{api.__qualname__}: {shown} is not under Args:"
+            if parameter.default is not parameter.empty:
+                default = f"Default: ``{parameter.default!r}``".replace("'", '"')
+                assert default in " ".join(entry.group(1).split()), f"{api.__qualname__}: {name} lacks {default}"
+
+
+def test_timeline_class_example_runs():
+    import doctest
+
+    test = doctest.DocTestParser().get_doctest(Timeline.__doc__, {"Timeline": Timeline, "KernelEvent": KernelEvent},
+                                               "Timeline", None, 0)
+    runner = doctest.DocTestRunner()
+    report: list[str] = []
+    runner.run(test, out=report.append)
+    assert test.examples and not runner.failures, "".join(report)
