@@ -691,21 +691,28 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
 _GPU_ONLY = ("compute", "h2d", "conv4")  # cases the CPU suite skips
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="parallel-modules-bench", description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="Without a CUDA GPU: the reduced CPU suite (eager modes, float32, at most 5 samples of 2 calls; "
                f"{', '.join(_GPU_ONLY)} skipped), which checks every mode against the sequential module.")
     p.add_argument("--quick", action="store_true", help="fewer cases and runs, no torch.compile modes")
-    p.add_argument("--case", action="append", choices=sorted({**CASES, **PIPELINES}), help="run only these cases")
-    p.add_argument("--batch", type=int, action="append", help="override the cases' batch sizes")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), action="append", help="override the cases' dtypes")
+    p.add_argument("--case", action="append", choices=sorted({**CASES, **PIPELINES}), help="run only this case; repeatable")
+    p.add_argument("--batch", type=int, action="append", help="run this batch size instead of the cases' own; repeatable")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), action="append", help="run this dtype instead of the cases' own; repeatable")
     p.add_argument("--mode", action="append", metavar="TEXT",
                    help="run only the modes whose name contains TEXT (and 'eager seq'); repeatable")
     p.add_argument("--reps", type=int, default=None, help="samples per mode, each of --group calls (default 40, quick 20)")
-    p.add_argument("--group", type=int, default=20, help="back-to-back calls per sample")
+    p.add_argument("--group", type=int, default=20, help="back-to-back calls per sample (default 20; fewer for modes "
+                   "whose calls take milliseconds)")
     p.add_argument("--json", metavar="PATH", help="write every figure and the environment as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the speed-ups (needs matplotlib)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    r"""Run the benchmark with the command line ``argv`` (``sys.argv[1:]`` when ``None``); returns the exit status."""
+    p = _parser()
     args = p.parse_args(argv)
     if args.reps is not None and args.reps < 2:
         p.error(f"--reps must be at least 2 (medians and spreads need two samples), got {args.reps}")

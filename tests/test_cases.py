@@ -4,6 +4,8 @@ The benchmark checks every mode against the sequential module before timing
 it; these tests run the same checks on every case at a small batch, so a case
 that stops matching its reference fails CI, not only a GPU run.
 """
+import argparse
+
 import pytest
 import torch
 from torch import nn
@@ -478,3 +480,18 @@ def test_the_goals_table_refuses_a_cpu_run_and_dashes_modes_a_gpu_run_lacks(tmp_
     rows = {goal: figure for _, goal, figure in cells}
     assert rows["fork/join per side branch, N = 8 [≤ 10 µs]"].split()[1] == "µs"  # (a figure)
     assert rows["mlp8 graphed vs eager seq [≥ 15×]"] == "–"
+
+
+def test_bench_help_gives_defaults_and_repeatable_options():
+    # What --help says is all a user of the command sees: an option taken several times
+    # (action="append") says so, and one with a default names it.
+    from parallel_modules.bench import _parser
+
+    for action in _parser()._actions:
+        if action.help is argparse.SUPPRESS or action.dest == "help":
+            continue
+        if isinstance(action, argparse._AppendAction):
+            assert "repeatable" in action.help, f"{action.option_strings[0]}: {action.help!r} does not say it repeats"
+        if action.default not in (None, False):
+            assert f"default {action.default}" in action.help, (
+                f"{action.option_strings[0]}: {action.help!r} does not give its default, {action.default!r}")
