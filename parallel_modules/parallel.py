@@ -321,7 +321,10 @@ class Parallel(nn.Module):
             captures the compiled branches instead), or for
             ``torch_tensorrt.compile``. Default: ``None``.
         compile_fallback: when a branch fails to compile, warn once and run it
-            eagerly from then on instead of raising. Default: ``False``.
+            eagerly from then on instead of raising.
+            ``compile``, ``compile_options`` and ``compile_fallback`` are fixed
+            once the module is built: setting one raises ``AttributeError``.
+            Default: ``False``.
 
     Example::
 

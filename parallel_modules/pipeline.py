@@ -1272,7 +1272,10 @@ class ParallelSequential(nn.Sequential):
             as :class:`~parallel_modules.Parallel`'s ``compile``. Default: ``None``.
         compile_options: as :class:`~parallel_modules.Parallel`'s. Default: ``None``.
         compile_fallback: warn once and run a stage that fails to compile
-            eagerly instead of raising. Default: ``False``.
+            eagerly instead of raising.
+            ``compile``, ``compile_options`` and ``compile_fallback`` are fixed
+            once the module is built: setting one raises ``AttributeError``.
+            Default: ``False``.
 
     Example::
 
