@@ -68,6 +68,15 @@ _install_lock = threading.Lock()
 
 
 def _count(*_: Any) -> None:
+    # Not while Dynamo traces: the hooks above are the process's, and run for every model it
+    # compiles. Read and written there, the count became a global Dynamo guards on and
+    # replays, so that a compiled model of no block's whose forward registers a module
+    # (``self.layers[:3](x)``, a ``Sequential`` made per call) was compiled again at every
+    # call, and a strict export of it warned of the side effect. A registration replayed
+    # on a real module after the graph (Dynamo's ``setattr``) runs the hooks eagerly, and
+    # is counted there; blocks take their tracing path under Dynamo and read no count.
+    if torch.compiler.is_compiling():
+        return
     global _changes
     _changes += 1
 

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import re
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -1190,3 +1191,33 @@ def test_members_alike_but_for_a_linears_mode_are_traced_fused_once(how):
         y = torch.randn(4, 8)  # (a fresh input: the batch is static)
         assert_close(program.module()(y), block(y), rtol=RTOL, atol=ATOL)
     assert [g.indices for g in block._fusion.groups] == [[0, 1, 2]]
+
+
+def test_a_model_of_no_block_registering_modules_in_forward_compiles_once_and_exports_quietly():
+    # Before (a CPU hunt): once a block was built, the library's process-wide registration hooks
+    # (see _watch) counted into a global that Dynamo read, guarded on and replayed, so that a
+    # compiled model of no block's slicing a Sequential in forward compiled again at every call,
+    # and a strict export of it warned of a side effect in the library's module.
+    from torch._dynamo.testing import CompileCounter
+
+    Parallel(nn.Linear(4, 4), nn.Linear(4, 4))  # (installs the hooks)
+
+    class Sliced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[:3](x)  # (a Sequential registering three children, at every call)
+
+    torch.manual_seed(0)
+    model, counter = Sliced(), CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    for _ in range(4):
+        x = torch.randn(2, 4)
+        assert torch.equal(compiled(x), model(x))
+    assert counter.frame_count == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the side-effect warning is a UserWarning)
+        exported = torch.export.export(model, (x,), strict=True)
+    assert torch.equal(exported.module()(x), model(x))
