@@ -415,6 +415,10 @@ def _check_attribute(module: nn.Module, name: str, settings: frozenset[str], del
                              f"{', and would hide nn.Module.compile' if name == 'compile' else ''}).")
 
 
+# (Run eagerly where a compiled function changes a block's structure, ``block[1] = layer``:
+# Dynamo in torch 2.13 raised an internal error, a guard naming ``___tuple_iterator_getitem``
+# it had not defined, resuming in the loop below after the graph break that change makes.)
+@torch.compiler.disable
 def _placement(module: nn.Module) -> list[tuple]:
     r"""Each parameter and buffer below ``module``: the tensor, where its memory is, and its layout.
 

@@ -1221,3 +1221,35 @@ def test_a_model_of_no_block_registering_modules_in_forward_compiles_once_and_ex
         warnings.simplefilter("error")  # (the side-effect warning is a UserWarning)
         exported = torch.export.export(model, (x,), strict=True)
     assert torch.equal(exported.module()(x), model(x))
+
+
+@pytest.mark.parametrize("change", ["setitem", "append", "parameter", "made inside"])
+@pytest.mark.parametrize("fuse", [False, "auto"])
+def test_a_block_changed_inside_a_compiled_function_runs_its_new_branches_eagerly(fuse, change):
+    # Before (a CPU hunt): torch.compile of a function replacing or adding a branch raised
+    # Dynamo's InternalTorchDynamoError (NameError: '___tuple_iterator_getitem' is not
+    # defined) in torch 2.13, resuming in the block's walk of its tensors (_watch._placement)
+    # after the graph break of the change; nn.Sequential changed so compiles.
+    torch.manual_seed(0)
+    block = Parallel(nn.Linear(4, 4), nn.Linear(4, 4), fuse=fuse)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        block(x)
+    new, weight = nn.Linear(4, 4), nn.Parameter(torch.randn(4, 4))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if change == "setitem":
+            block[1] = new
+        elif change == "append":
+            block.append(new)
+        elif change == "parameter":
+            block[1].weight = weight
+        else:
+            block[1] = nn.Sequential(nn.Linear(4, 4))
+        return x + 1
+
+    torch.compile(step, backend="eager")(x)
+    if change in ("setitem", "append"):
+        assert block[-1] is new
+    with torch.no_grad():
+        assert_close(block(x), torch.cat([branch(x) for branch in block], 1))
