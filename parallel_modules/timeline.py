@@ -119,6 +119,18 @@ def _time_with_at_least(per_stream: Mapping[int, list[tuple[float, float]]], k: 
     return total
 
 
+def _check_label(owner: str, label: Any, fix: str) -> None:
+    r"""Refuses a ``label`` that is not a ``str``, saying how to give one (``fix``, formatted with ``name=``).
+
+    A label names the timeline in summaries and plots and keys the dict :func:`load_timelines`
+    returns, and a file written by :func:`save_timelines` keeps it as a string: an int would be
+    read back as a string, a float or ``None`` not at all.
+    """
+    if not isinstance(label, str):
+        raise TypeError(f"{owner}: a timeline's label must be a str, got {label!r} ({type(label).__name__}); "
+                        f"give it a name, e.g. {fix.format(name=repr(str(label)))}")
+
+
 class Timeline:
     r"""The GPU kernels of a profiled call, grouped by CUDA stream, and how much they overlap.
 
@@ -143,7 +155,7 @@ class Timeline:
 
     Args:
         kernels: the kernels, in any order.
-        label: a name for the recording, e.g. ``"eager sequential"``.
+        label: a name for the recording, a ``str``, e.g. ``"eager sequential"``.
             Default: ``"trace"``.
         metadata: where and how it was recorded (GPU, versions, date, ...),
             copied. Default: ``None`` (none).
@@ -157,6 +169,7 @@ class Timeline:
 
     def __init__(self, kernels: Iterable[KernelEvent], label: str = "trace",
                  metadata: Mapping[str, Any] | None = None) -> None:
+        _check_label("Timeline", label, "Timeline(kernels, {name})")
         kernels = sorted(kernels, key=lambda k: (k.start_us, k.end_us, k.stream))
         devices = sorted({k.device for k in kernels})
         if len(devices) > 1:
@@ -433,11 +446,13 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
         out = {}
         for pid in sorted(set(runs) | set(by_pid)):
             run = runs.get(pid, {"label": f"run {pid}"})
-            if run["label"] in out:
+            # (Labels are strings; save_timelines once also wrote ints, read here as the strings they print as.)
+            label = str(run["label"])
+            if label in out:
                 raise ValueError(f"parallel_modules.timeline: this file holds two recordings labelled "
-                                 f"{run['label']!r}; save_timelines writes distinct labels, so it was edited "
+                                 f"{label!r}; save_timelines writes distinct labels, so it was edited "
                                  f"since. Give each of its 'runs' its own label.")
-            out[run["label"]] = Timeline(by_pid.get(pid, []), run["label"],
+            out[label] = Timeline(by_pid.get(pid, []), label,
                                          {**meta, **_plain({k: v for k, v in run.items() if k not in ("label", "pid")})})
         return out
     kernels = _kernels(trace["traceEvents"])
@@ -533,10 +548,8 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
         raise ValueError(f"save_timelines: metadata keys {sorted(reserved)} are reserved by the file format")
     labels = [t.label for t in timelines]
     for tl in timelines:
-        # (What load_timelines reads back as a label: a file with any other would not load.)
-        if not isinstance(tl.label, (str, int)):
-            raise ValueError(f"save_timelines: a timeline's label must be a string, got {type(tl.label).__name__} "
-                             f"({tl.label!r}); give it one, e.g. Timeline(kernels, 'eager sequential')")
+        # (Timeline checks the label it is given, but the attribute can be set since.)
+        _check_label("save_timelines", tl.label, "timeline.label = {name}")
     for owner, meta in [("the file", metadata or {}), *((f"timeline {t.label!r}", t.metadata) for t in timelines)]:
         why = _unsaved(meta, "metadata")
         if why is not None:
@@ -639,6 +652,8 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
         ...     tl = record_timeline(block, x)
         >>> tl.overlap_fraction
     """
+    if label is not None:
+        _check_label(f"record_timeline({type(module).__name__})", label, "record_timeline(..., label={name})")
     name = label or type(module).__name__
     # Checked before anything runs, on the CPU too: a float or a string failed only in range(), after the
     # warm-up, and a negative warm-up ran none, then went on as if some calls still tried schedules.

@@ -192,17 +192,48 @@ def test_save_refuses_metadata_keys_the_format_uses(tmp_path, file_meta, meta) -
     assert not (tmp_path / "t.json").exists()
 
 
-@pytest.mark.parametrize("label, file_meta, meta", [
-    (None, None, None), (1.5, None, None),  # the file was written, and load_timelines refused it
-    ("t", None, {1: "one", "1": "str"}), ("t", {"sizes": {64: 1.0}}, None),  # int keys came back as strings (and one)
-    ("t", None, {"ms": float("nan")}), ("t", {"x": [float("inf")]}, None),  # not JSON: trace viewers refuse the file
+@pytest.mark.parametrize("file_meta, meta", [
+    (None, {1: "one", "1": "str"}), ({"sizes": {64: 1.0}}, None),  # int keys came back as strings (and one)
+    (None, {"ms": float("nan")}), ({"x": [float("inf")]}, None),  # not JSON: trace viewers refuse the file
 ])
-def test_save_refuses_what_would_not_load_back_as_it_was(tmp_path, label, file_meta, meta) -> None:
-    with pytest.raises(ValueError, match=r"save_timelines: .*(label must be a string|key (1|64) \(int\)|JSON cannot hold)"):
-        save_timelines(tmp_path / "t.json", two_streams(label, meta), metadata=file_meta)
+def test_save_refuses_what_would_not_load_back_as_it_was(tmp_path, file_meta, meta) -> None:
+    with pytest.raises(ValueError, match=r"save_timelines: .*(key (1|64) \(int\)|JSON cannot hold)"):
+        save_timelines(tmp_path / "t.json", two_streams("t", meta), metadata=file_meta)
     assert not (tmp_path / "t.json").exists()
-    save_timelines(tmp_path / "t.json", two_streams(3, {"sizes": {"64": 1.0}, "ms": None}))  # what loads back
-    assert load_timelines(tmp_path / "t.json")[3].metadata == {"sizes": {"64": 1.0}, "ms": None}
+    save_timelines(tmp_path / "t.json", two_streams("t", {"sizes": {"64": 1.0}, "ms": None}))  # what loads back
+    assert load_timelines(tmp_path / "t.json")["t"].metadata == {"sizes": {"64": 1.0}, "ms": None}
+
+
+@pytest.mark.parametrize("label", [3, None, 1.5])
+def test_a_label_that_is_not_a_str_is_refused_with_a_type_error(tmp_path, label) -> None:
+    # A label keys the dict load_timelines returns and a file keeps it as a string. save_timelines took
+    # an int, though its message said "must be a string" (a float or None was written, then not read).
+    shown = rf"got {re.escape(repr(label))} \({type(label).__name__}\); give it a name, e\.g\. "
+    with pytest.raises(TypeError, match=rf"^Timeline: a timeline's label must be a str, {shown}"
+                                        rf"Timeline\(kernels, '{re.escape(str(label))}'\)$"):
+        two_streams(label)
+    tl, path = two_streams(), tmp_path / "t.json"
+    tl.label = label  # (an attribute: set after Timeline checked it)
+    with pytest.raises(TypeError, match=rf"^save_timelines: .* must be a str, {shown}timeline\.label = "):
+        save_timelines(path, tl)
+    assert not path.exists()
+    if label is None:  # (record_timeline's default: the module's class name)
+        return
+    calls = []
+    with pytest.raises(TypeError, match=rf"^record_timeline\(function\): .* must be a str, {shown}"
+                                        rf"record_timeline\(\.\.\., label="):
+        record_timeline(lambda x: calls.append(x), torch.randn(2), label=label)
+    assert calls == []  # refused before the warm-up, on any machine
+
+
+def test_an_int_label_in_a_file_loads_as_a_str(tmp_path) -> None:
+    # save_timelines once wrote int labels: such a file still loads, with labels as str as all others.
+    path = tmp_path / "t.json"
+    save_timelines(path, two_streams("3"))
+    doc = json.loads(path.read_text())
+    doc["otherData"]["runs"][0]["label"] = 3
+    path.write_text(json.dumps(doc))
+    assert {label: tl.label for label, tl in load_timelines(path).items()} == {"3": "3"}
 
 
 def test_each_device_gets_its_own_gpu_name() -> None:
