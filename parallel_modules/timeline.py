@@ -543,9 +543,18 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
     other values, other keys and such floats are refused, as they would not
     load back as they were.
     """
-    reserved = {"format", "runs"} & set(metadata or {}) | {"label", "pid"} & {k for t in timelines for k in t.metadata}
-    if reserved:
-        raise ValueError(f"save_timelines: metadata keys {sorted(reserved)} are reserved by the file format")
+    # The file format writes these keys itself, which such metadata would have replaced: the file's format
+    # marker and list of recordings, each recording's label and process id (its row).
+    used = [k for k in ("format", "runs") if k in (metadata or {})]
+    if used:
+        raise ValueError(f"save_timelines: the file's metadata has the key(s) {used}, which the file format reserves "
+                         f"('format' and 'runs'); rename them, e.g. {used[0]!r} to {used[0] + '_'!r}")
+    for tl in timelines:
+        used = [k for k in ("label", "pid") if k in tl.metadata]
+        if used:
+            raise ValueError(f"save_timelines: the metadata of timeline {tl.label!r} has the key(s) {used}, which the "
+                             f"file format reserves for each timeline ('label' and 'pid'); rename them, e.g. "
+                             f"timeline.metadata[{used[0] + '_'!r}] = timeline.metadata.pop({used[0]!r})")
     labels = [t.label for t in timelines]
     for tl in timelines:
         # (Timeline checks the label it is given, but the attribute can be set since.)

@@ -183,11 +183,22 @@ def test_a_save_that_fails_leaves_the_old_file(tmp_path) -> None:
     assert load_timelines(path)["t"].overlap_us == 5
 
 
-@pytest.mark.parametrize("file_meta, meta", [({"format": "NCHW"}, None), ({"runs": 3}, None),
-                                             (None, {"pid": 4242}), (None, {"label": "x"})])
-def test_save_refuses_metadata_keys_the_format_uses(tmp_path, file_meta, meta) -> None:
-    # Such keys would have replaced the file's format marker, a timeline's row or its label.
-    with pytest.raises(ValueError, match="reserved"):
+@pytest.mark.parametrize("file_meta, meta, message", [
+    ({"format": "NCHW"}, None, "the file's metadata has the key(s) ['format'], which the file format reserves "
+                               "('format' and 'runs'); rename them, e.g. 'format' to 'format_'"),
+    ({"runs": 3}, None, "the file's metadata has the key(s) ['runs'], which the file format reserves "
+                        "('format' and 'runs'); rename them, e.g. 'runs' to 'runs_'"),
+    (None, {"pid": 4242}, "the metadata of timeline 'a' has the key(s) ['pid'], which the file format reserves for "
+                          "each timeline ('label' and 'pid'); rename them, e.g. "
+                          "timeline.metadata['pid_'] = timeline.metadata.pop('pid')"),
+    (None, {"label": "x", "pid": 1}, "the metadata of timeline 'a' has the key(s) ['label', 'pid'], which the file "
+                                     "format reserves for each timeline ('label' and 'pid'); rename them, e.g. "
+                                     "timeline.metadata['label_'] = timeline.metadata.pop('label')"),
+])
+def test_save_refuses_metadata_keys_the_format_uses(tmp_path, file_meta, meta, message) -> None:
+    # Such keys would have replaced the file's format marker, a timeline's row or its label: the message
+    # says which keys are reserved, and how to keep the facts (under another key).
+    with pytest.raises(ValueError, match=f"^save_timelines: {re.escape(message)}$"):
         save_timelines(tmp_path / "t.json", two_streams("a", meta), two_streams("b"), metadata=file_meta)
     assert not (tmp_path / "t.json").exists()
 
