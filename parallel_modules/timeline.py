@@ -13,16 +13,22 @@ the GPU's busy time had kernels running on two or more streams at once (see
 
 Example::
 
+    >>> import torch
+    >>> from torch import nn
     >>> from parallel_modules import Parallel
-    >>> from parallel_modules.timeline import record_timeline, save_timelines, load_timelines
+    >>> from parallel_modules.timeline import load_timelines, record_timeline, save_timelines
     >>> block = Parallel(nn.Conv2d(192, 64, 1), nn.Conv2d(192, 32, 3, padding=1),
     ...                  cuda_graph=True).cuda().eval()  # needs a CUDA GPU
     >>> with torch.no_grad():
     ...     tl = record_timeline(block, torch.randn(1, 192, 35, 35, device="cuda"))
-    >>> print(tl.summary())
-    >>> tl.plot()                                      # one row per stream (matplotlib)
-    >>> save_timelines("trace.json", tl)              # kernels only: small enough to commit
-    >>> load_timelines("trace.json")["Parallel"].overlap_fraction
+    >>> print(tl.summary())  # doctest: +ELLIPSIS
+    Parallel: ... kernels on ... stream(s)
+    ...
+      >= 2 streams at once: ... us = ...% of busy time
+    >>> ax = tl.plot()  # one row per stream (matplotlib)
+    >>> save_timelines("trace.json", tl)  # kernels only: small enough to commit
+    >>> load_timelines("trace.json")["Parallel"].streams == tl.streams
+    True
 
 Kernels replayed from a CUDA graph are in the trace too: the profiler
 (Kineto) records CUPTI's per-kernel activity records, which include the

@@ -420,8 +420,8 @@ def test_a_numpy_count_is_kept_as_an_int() -> None:
     json.dumps({"calls": _count("block", "calls", np.int64(2), 1)})
 
 
-def test_plot_one_row_per_stream() -> None:
-    try:  # in the test extra: fail rather than skip where it is missing, as CI must run this
+def _agg_pyplot():
+    try:  # in the test extra: fail rather than skip where it is missing, as CI must run the plots
         import matplotlib
     except ImportError:
         if os.environ.get("PARALLEL_MODULES_ALLOW_MISSING_EXTRAS"):
@@ -430,6 +430,11 @@ def test_plot_one_row_per_stream() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def test_plot_one_row_per_stream() -> None:
+    plt = _agg_pyplot()
     (tl,) = load_timelines(hand_trace()).values()
     ax = tl.plot()
     try:
@@ -669,3 +674,47 @@ def test_timeline_class_example_runs():
     report: list[str] = []
     runner.run(test, out=report.append)
     assert test.examples and not runner.failures, "".join(report)
+
+
+
+def _run_module_example(doc: str) -> None:
+    import doctest
+
+    test = doctest.DocTestParser().get_doctest(doc, {}, "parallel_modules.timeline", None, 0)
+    runner = doctest.DocTestRunner()
+    report: list[str] = []
+    runner.run(test, out=report.append)
+    assert test.examples and not runner.failures, "".join(report)
+
+
+def test_module_example_runs_on_the_cpu_given_a_recording(tmp_path, monkeypatch) -> None:
+    # The module docstring's example as printed, less the recording, which needs CUDA: moved to the
+    # CPU and handed a recorded trace, it must import every name it uses (it used nn and torch
+    # without) and print what it shows.
+    import parallel_modules.timeline as timeline
+
+    def recorded(module, *args, **kwargs):
+        (tl,) = load_timelines(hand_trace()).values()
+        tl.label = type(module).__name__
+        return tl
+
+    plt = _agg_pyplot()
+    monkeypatch.setattr(timeline, "record_timeline", recorded)  # (the example imports it from the module)
+    monkeypatch.chdir(tmp_path)
+    try:
+        _run_module_example(timeline.__doc__.replace(".cuda()", "").replace('device="cuda"', 'device="cpu"'))
+    finally:
+        plt.close("all")
+    assert load_timelines(tmp_path / "trace.json")["Parallel"].overlap_us == 9
+
+
+@pytest.mark.cuda
+def test_module_example_runs_as_printed(tmp_path, monkeypatch) -> None:
+    import parallel_modules.timeline as timeline
+
+    plt = _agg_pyplot()
+    monkeypatch.chdir(tmp_path)  # (it writes trace.json)
+    try:
+        _run_module_example(timeline.__doc__)
+    finally:
+        plt.close("all")
