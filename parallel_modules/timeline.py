@@ -453,13 +453,13 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
         for pid in sorted(set(runs) | set(by_pid)):
             run = runs.get(pid, {"label": f"run {pid}"})
             # (Labels are strings; save_timelines once also wrote ints, read here as the strings they print as.)
-            label = str(run["label"])
-            if label in out:
+            name = str(run["label"])  # (not the argument ``label``: that names a foreign trace)
+            if name in out:
                 raise ValueError(f"parallel_modules.timeline: this file holds two recordings labelled "
-                                 f"{label!r}; save_timelines writes distinct labels, so it was edited "
+                                 f"{name!r}; save_timelines writes distinct labels, so it was edited "
                                  f"since. Give each of its 'runs' its own label.")
-            out[label] = Timeline(by_pid.get(pid, []), label,
-                                         {**meta, **_plain({k: v for k, v in run.items() if k not in ("label", "pid")})})
+            out[name] = Timeline(by_pid.get(pid, []), name,
+                                 {**meta, **_plain({k: v for k, v in run.items() if k not in ("label", "pid")})})
         return out
     kernels = _kernels(trace["traceEvents"])
     devices = sorted({k.device for k in kernels})
