@@ -1253,3 +1253,24 @@ def test_a_block_changed_inside_a_compiled_function_runs_its_new_branches_eagerl
         assert block[-1] is new
     with torch.no_grad():
         assert_close(block(x), torch.cat([branch(x) for branch in block], 1))
+
+
+@pytest.mark.xfail(strict=True, reason="_watch._count skips registrations made under Dynamo (ed0d195), and "
+                   "Dynamo replays a nested module's new child without running the registration hooks: "
+                   "the block's fused stack keeps the replaced layer's weights")
+def test_a_layer_replaced_below_a_fused_branch_inside_a_compiled_function_is_seen_eagerly():
+    # A review's CPU repro: a change two levels below the block (not through the block's own
+    # __setitem__, which resets it) made in compiled code, then an eager call.
+    torch.manual_seed(0)
+    block = Parallel(*(nn.Sequential(nn.Linear(4, 4)) for _ in range(3)), fuse="auto")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        block(x)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        block[1][0] = nn.Linear(4, 4)
+        return x + 1
+
+    torch.compile(step, backend="eager")(x)
+    with torch.no_grad():
+        assert_close(block(x), torch.cat([branch(x) for branch in block], 1))
