@@ -57,6 +57,7 @@ import torch
 import torch.nn.utils.stateless
 from torch import nn
 
+from ._inputs import _dynamo_compiling
 from ._streams import _storage_address
 
 __all__: list[str] = []
@@ -68,17 +69,23 @@ _install_lock = threading.Lock()
 
 
 def _count(*_: Any) -> None:
-    # Not while Dynamo traces: the hooks above are the process's, and run for every model it
-    # compiles. Read and written there, the count became a global Dynamo guards on and
-    # replays, so that a compiled model of no block's whose forward registers a module
-    # (``self.layers[:3](x)``, a ``Sequential`` made per call) was compiled again at every
-    # call, and a strict export of it warned of the side effect. A registration replayed
-    # on a real module after the graph (Dynamo's ``setattr``) runs the hooks eagerly, and
-    # is counted there; blocks take their tracing path under Dynamo and read no count.
-    if torch.compiler.is_compiling():
+    # Not while a strict ``torch.export`` traces (Dynamo, exporting): it replays nothing on the
+    # real modules, and warned of the count's store as a side effect of the model's forward.
+    # Under ``torch.compile`` the count is kept: Dynamo writes the registrations it replays
+    # into the modules' dicts without running the hooks, and only the count's store, replayed
+    # after the graph, tells a block of a layer replaced below it inside compiled code. (It is
+    # a global Dynamo guards on: a compiled model registering modules at every call compiles
+    # again at every call once a block is built, as README says.)
+    if _exporting() and _dynamo_compiling():
         return
     global _changes
     _changes += 1
+
+
+# Whether a strict ``torch.export`` traces, as Dynamo reads it. Not asked before torch 2.13,
+# whose Dynamo also read ``is_exporting()`` as true under ``torch.compile`` (2.11 did), where
+# the registrations it traces must be counted (see above): such exports warn there.
+_exporting = torch.compiler.is_exporting if torch.__version__ >= (2, 13) else lambda: False
 
 
 def _children_changed() -> None:

@@ -1193,13 +1193,13 @@ def test_members_alike_but_for_a_linears_mode_are_traced_fused_once(how):
     assert [g.indices for g in block._fusion.groups] == [[0, 1, 2]]
 
 
-def test_a_model_of_no_block_registering_modules_in_forward_compiles_once_and_exports_quietly():
+@pytest.mark.skipif(torch.__version__ < (2, 13), reason="Dynamo before torch 2.13 reads is_exporting() as true "
+                    "under torch.compile too: the count cannot tell an export (_watch._exporting)")
+def test_a_model_of_no_block_registering_modules_in_forward_exports_quietly():
     # Before (a CPU hunt): once a block was built, the library's process-wide registration hooks
-    # (see _watch) counted into a global that Dynamo read, guarded on and replayed, so that a
-    # compiled model of no block's slicing a Sequential in forward compiled again at every call,
-    # and a strict export of it warned of a side effect in the library's module.
-    from torch._dynamo.testing import CompileCounter
-
+    # (see _watch) stored their count while a strict export traced a model of no block's slicing
+    # a Sequential in forward, and the export warned of a side effect in the library's module.
+    # (Compiled, such a model still compiles again at every call: README, and _watch._count.)
     Parallel(nn.Linear(4, 4), nn.Linear(4, 4))  # (installs the hooks)
 
     class Sliced(nn.Module):
@@ -1211,12 +1211,7 @@ def test_a_model_of_no_block_registering_modules_in_forward_compiles_once_and_ex
             return self.layers[:3](x)  # (a Sequential registering three children, at every call)
 
     torch.manual_seed(0)
-    model, counter = Sliced(), CompileCounter()
-    compiled = torch.compile(model, backend=counter)
-    for _ in range(4):
-        x = torch.randn(2, 4)
-        assert torch.equal(compiled(x), model(x))
-    assert counter.frame_count == 1
+    model, x = Sliced(), torch.randn(2, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (the side-effect warning is a UserWarning)
         exported = torch.export.export(model, (x,), strict=True)
@@ -1255,12 +1250,11 @@ def test_a_block_changed_inside_a_compiled_function_runs_its_new_branches_eagerl
         assert_close(block(x), torch.cat([branch(x) for branch in block], 1))
 
 
-@pytest.mark.xfail(strict=True, reason="_watch._count skips registrations made under Dynamo (ed0d195), and "
-                   "Dynamo replays a nested module's new child without running the registration hooks: "
-                   "the block's fused stack keeps the replaced layer's weights")
 def test_a_layer_replaced_below_a_fused_branch_inside_a_compiled_function_is_seen_eagerly():
-    # A review's CPU repro: a change two levels below the block (not through the block's own
-    # __setitem__, which resets it) made in compiled code, then an eager call.
+    # Before (a review's CPU repro): a change two levels below the block (not through the block's
+    # own __setitem__, which resets it) made in compiled code went uncounted -- Dynamo writes its
+    # replayed registrations straight into the modules' dicts, and _watch._count skipped those it
+    # traced -- and the next eager call ran the fused stack of the replaced layer's weights.
     torch.manual_seed(0)
     block = Parallel(*(nn.Sequential(nn.Linear(4, 4)) for _ in range(3)), fuse="auto")
     x = torch.randn(2, 4)
