@@ -577,8 +577,8 @@ def _norm_hooks(m: nn.Module) -> str:
     return (f": the forward pre-hook of the old-style {utils}, which recomputes the weight before each call. "
             f"To fuse the branch, remove it with {removes} (the weight stays as it is now, no longer "
             f"renormalized: for inference, or training on without it){_other_hooks(m, len(found))}; the "
-            f"parametrized {news} is not fused either (a parametrized module is refused alike). Otherwise fuse='auto' runs such a branch "
-            f"unfused, on its own stream")
+            f"parametrized {news} is not fused either (a parametrized module is refused alike). Otherwise "
+            f"fuse='auto' runs such a branch unfused, on its own stream")
 
 
 def _other_hooks(m: nn.Module, named: int) -> str:
@@ -600,11 +600,10 @@ def _pruning_hooks(m: nn.Module) -> str:
     if not names:
         return ""
     pruned = " and ".join(repr(name) for name in names)
-    removes = " and ".join(f"torch.nn.utils.prune.remove(module, {name!r})" for name in names) + _other_hooks(
-        m, len(names))
+    removes = " and ".join(f"torch.nn.utils.prune.remove(module, {name!r})" for name in names)
     return (f": the forward pre-hook of torch.nn.utils.prune (on {pruned}), which masks the tensor before each "
-            f"call. To fuse the branch, make the pruning permanent with {removes}; otherwise fuse='auto' runs "
-            f"such a branch unfused")
+            f"call. To fuse the branch, make the pruning permanent with {removes}{_other_hooks(m, len(names))}; "
+            f"otherwise fuse='auto' runs such a branch unfused")
 
 
 def _fusable_settings(m: nn.Module) -> tuple | None:

@@ -68,6 +68,12 @@ _installed = False
 _install_lock = threading.Lock()
 
 
+# Whether a strict ``torch.export`` traces, as Dynamo reads it. Not asked before torch 2.13,
+# whose Dynamo also read ``is_exporting()`` as true under ``torch.compile`` (2.11 did), where
+# the registrations it traces must be counted (see _count): such exports warn there.
+_exporting = torch.compiler.is_exporting if torch.__version__ >= (2, 13) else lambda: False
+
+
 def _count(*_: Any) -> None:
     # Not while a strict ``torch.export`` traces (Dynamo, exporting): it replays nothing on the
     # real modules, and warned of the count's store as a side effect of the model's forward.
@@ -80,12 +86,6 @@ def _count(*_: Any) -> None:
         return
     global _changes
     _changes += 1
-
-
-# Whether a strict ``torch.export`` traces, as Dynamo reads it. Not asked before torch 2.13,
-# whose Dynamo also read ``is_exporting()`` as true under ``torch.compile`` (2.11 did), where
-# the registrations it traces must be counted (see above): such exports warn there.
-_exporting = torch.compiler.is_exporting if torch.__version__ >= (2, 13) else lambda: False
 
 
 def _children_changed() -> None:

@@ -697,9 +697,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Without a CUDA GPU: the reduced CPU suite (eager modes, float32, at most 5 samples of 2 calls; "
                f"{', '.join(_GPU_ONLY)} skipped), which checks every mode against the sequential module.")
     p.add_argument("--quick", action="store_true", help="fewer cases and runs, no torch.compile modes")
-    p.add_argument("--case", action="append", choices=sorted({**CASES, **PIPELINES}), help="run only this case; repeatable")
-    p.add_argument("--batch", type=int, action="append", help="run this batch size instead of the cases' own; repeatable")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), action="append", help="run this dtype instead of the cases' own; repeatable")
+    p.add_argument("--case", action="append", choices=sorted({**CASES, **PIPELINES}),
+                   help="run only this case; repeatable")
+    p.add_argument("--batch", type=int, action="append",
+                   help="run this batch size instead of the cases' own; repeatable")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), action="append",
+                   help="run this dtype instead of the cases' own; repeatable")
     p.add_argument("--mode", action="append", metavar="TEXT",
                    help="run only the modes whose name contains TEXT (and 'eager seq'); repeatable")
     p.add_argument("--reps", type=int, default=None, help="samples per mode, each of --group calls (default 40, quick 20)")

@@ -229,7 +229,8 @@ class Timeline:
 
     @property
     def overlap_fraction(self) -> float:
-        r"""``overlap_us / busy_us``: ``0.0`` fully serial (or without kernels), near ``1.0`` almost always overlapped."""
+        r"""``overlap_us / busy_us``: ``0.0`` fully serial (or without kernels), near ``1.0`` almost always
+        overlapped."""
         busy = self._busy()
         total = _time_with_at_least(busy, 1)
         return _time_with_at_least(busy, 2) / total if total > 0 else 0.0
