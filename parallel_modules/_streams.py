@@ -66,6 +66,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.fx import _symbolic_trace
 from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
 from torch.utils._device import DeviceContext as _DeviceContext
@@ -755,7 +756,9 @@ class _Writes(TorchDispatchMode):
 
 
 def _storage_address(t: torch.Tensor) -> int:
-    r"""Where ``t``'s memory starts (0: none, or no storage to speak of: sparse, nested)."""
+    r"""Where ``t``'s memory starts (0: none, or no storage to speak of: sparse, nested, fake)."""
+    if isinstance(t, _FakeTensor):  # (a module built under FakeTensorMode: asking warns, and tells nothing)
+        return 0
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

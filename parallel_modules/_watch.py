@@ -58,7 +58,7 @@ import torch.nn.utils.stateless
 from torch import nn
 
 from ._inputs import _dynamo_compiling
-from ._streams import _storage_address
+from ._streams import _FakeTensor, _storage_address
 
 __all__: list[str] = []
 
@@ -435,6 +435,7 @@ def _placement(module: nn.Module) -> list[tuple]:
     """
     return [(id(t), t.dtype, t.device, *(
         ("uninitialized",) if isinstance(t, _Uninitialized)  # (a lazy module's: no memory yet)
+        else ("fake", t.stride()) if isinstance(t, _FakeTensor)  # (built under FakeTensorMode: no memory)
         else (t.data_ptr(), t.stride()) if t.layout == torch.strided else (t.layout,)))
         for t in (*module.parameters(), *module.buffers())]
 

@@ -48,8 +48,9 @@ from ._fusion import _FAST_PATHS  # (also turned off by any torch function mode:
 from .parallel import Parallel
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
-from ._streams import (_capture_underway, _current_stream, _functorch_active, _graph_state, _hidden_attributes,
-                       _is_tracing, _jit_tracing, _join_backward, _pool, _record, _record_on, _set_stream, _wait)
+from ._streams import (_FakeTensor, _capture_underway, _current_stream, _functorch_active, _graph_state,
+                       _hidden_attributes, _is_tracing, _jit_tracing, _join_backward, _pool, _record, _record_on,
+                       _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
 
@@ -591,8 +592,9 @@ def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
 
 
 def _storage(t: Any) -> int | None:
-    r"""Where ``t``'s memory starts; ``None`` where it has no plain memory (a wrapper subclass, a nested tensor)."""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested:
+    r"""Where ``t``'s memory starts; ``None`` where it has no plain memory (a wrapper subclass, a nested
+    tensor, a fake tensor: see :func:`_storage_address`)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested or isinstance(t, _FakeTensor):
         return None
     try:
         return t.untyped_storage().data_ptr()

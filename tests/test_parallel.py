@@ -848,6 +848,35 @@ def test_a_0_dim_cpu_tensor_first_does_not_set_the_device():
     assert out.shape == (2, 8) and out.device.type == "meta"
 
 
+@pytest.mark.parametrize("fuse", [False, "auto"])
+def test_built_and_called_under_fake_tensor_mode_without_asking_for_addresses(fuse, monkeypatch):
+    # Shapes only, as a model's memory is sized before it is made: a block built under
+    # FakeTensorMode has fake parameters, whose data pointers torch warns about being asked
+    # for ("will error", once a process: hence the spies); the blocks asked for them to tell
+    # where parameters lie.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from parallel_modules import ParallelSequential
+
+    asked = []
+    for cls, fake in ((FakeTensor, lambda t: True), (torch.UntypedStorage, lambda s: s.device.type == "meta")):
+        def spy(self, _original=cls.data_ptr, _fake=fake):
+            if _fake(self):
+                asked.append(type(self).__name__)
+            return _original(self)
+        monkeypatch.setattr(cls, "data_ptr", spy)
+    with FakeTensorMode():
+        p = Parallel(*[nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2)], fuse=fuse)
+        assert p(torch.randn(3, 4)).shape == (3, 8)
+        pipe = ParallelSequential(nn.Linear(4, 4), p, chunks=3)
+        x = torch.randn(6, 4, requires_grad=True)
+        pipe(x).sum().backward()
+        assert x.grad.shape == (6, 4) and pipe[0].weight.grad.shape == (4, 4)
+        p.train(False)
+        assert pipe(torch.randn(6, 4)).shape == (6, 8)
+    assert not asked
+
+
 def test_explain_keeps_signatures_apart_that_differ_only_in_strides_grad_or_values():
     class Scale(nn.Module):
         def forward(self, x, factor=1.0):
