@@ -70,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import numbers
 import operator
 import os
 import statistics
@@ -220,12 +221,13 @@ _GRAPH_SETTINGS = frozenset({"cuda_graph", "max_graphs", "static_outputs", "grap
 
 def _check_graph_setting(owner: str, name: str, value: Any) -> Any:
     if name == "max_graphs":
-        if isinstance(value, bool) or not isinstance(value, int):
+        # (A NumPy integer is one, kept as the int it is, as ``chunks`` and ``dim`` take it; not a bool.)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got "
                             f"{type(value).__name__} ({value!r}).")
         if value < 1:
             raise ValueError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got {value!r}.")
-        return value
+        return operator.index(value)
     if not isinstance(value, bool):  # (not bool(value): "False" would be True)
         raise TypeError(f"{owner}: {name} must be True or False, got {type(value).__name__} ({value!r}).")
     return value

@@ -1635,10 +1635,17 @@ def test_graph_settings_set_later_are_checked_and_reach_the_cache():
     with pytest.raises(ValueError, match=r"ParallelSequential: max_graphs must be an int >= 1 .*got -1"):
         pipe.max_graphs = -1
     assert pipe.max_graphs == 8 and pipe._graphs.max_graphs == 8
+    for wrong in (True, 2.0, "2"):
+        with pytest.raises(TypeError, match=rf"ParallelSequential: max_graphs must be an int >= 1 .*got "
+                                            rf"{type(wrong).__name__} \({wrong!r}\)"):
+            pipe.max_graphs = wrong
     pipe.max_graphs, pipe.static_outputs, pipe.direct_grads = 3, True, True
     assert (pipe._graphs.max_graphs, pipe._graphs.static_outputs, pipe._graphs.direct_grads) == (3, True, True)
     x = torch.randn(4, 8)
     assert torch.equal(pipe(x), nn.Sequential(*pipe)(x))
+    np = pytest.importorskip("numpy")
+    pipe.max_graphs = np.int64(5)  # (an integer as chunks takes it: kept as the int it is)
+    assert type(pipe.max_graphs) is int and pipe._graphs.max_graphs == 5
 
 
 # ------------------------------------------------------------------ found by a review
