@@ -141,6 +141,26 @@ def _is_tracing() -> bool:
     return torch.compiler.is_compiling() or _symbolic_trace._is_fx_tracing_flag or _jit_tracing()
 
 
+def _size(t: torch.Tensor, dim: int = 0) -> int:
+    r"""``t.shape[dim]``, as a plain int under ``torch.jit.trace`` too, for checks of the input.
+
+    The tracer hands sizes out as 0-dim tensors, so that the operations taking
+    them generalize to other shapes; one compared in Python becomes a constant
+    of the trace, and torch warns ("TracerWarning: Converting a tensor to a
+    Python boolean might cause the trace to be incorrect") at every trace of a
+    module that only checks the example input with it. Read untraced, the
+    check is what it is eagerly, and the trace records nothing of it.
+    """
+    if torch.compiler.is_compiling() or not _jit_tracing():  # (is_compiling first: see _is_tracing)
+        return t.shape[dim]
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        return t.shape[dim]
+    finally:
+        torch._C._set_tracing_state(state)
+
+
 # Where autograd needs a call's items on the caller's stream (see _autograd_in_line).
 _saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)

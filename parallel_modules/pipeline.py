@@ -49,7 +49,7 @@ from .parallel import Parallel
 # (The C-level stream and event calls of ``_streams``: a call records and waits on events
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
 from ._streams import (_FakeTensor, _capture_underway, _current_stream, _functorch_active, _graph_state,
-                       _hidden_attributes, _is_tracing, _jit_tracing, _join_backward, _pool, _record, _record_on,
+                       _hidden_attributes, _is_tracing, _jit_tracing, _join_backward, _pool, _record, _record_on, _size,
                        _set_stream, _wait)
 
 __all__ = ["ParallelSequential"]
@@ -613,9 +613,11 @@ def _one_view(column: Sequence[Any], sizes: list[int | None]) -> bool:
     compiler traces, whose tensors keep no addresses.
     """
     first = column[0]
-    if (not isinstance(first, torch.Tensor) or type(first) not in (torch.Tensor, nn.Parameter)
+    # (Tracing asked before the shapes are compared: torch.jit.trace's sizes are tensors, whose
+    # comparison in Python it warns of as a constant of the trace.)
+    if (not isinstance(first, torch.Tensor) or type(first) not in (torch.Tensor, nn.Parameter) or _is_tracing()
             or any(not isinstance(t, torch.Tensor) or t.shape != first.shape for t in column[1:])
-            or first.dim() and all(first.shape[0] == n for n in sizes) or _is_tracing() or first.is_meta):
+            or first.dim() and all(first.shape[0] == n for n in sizes) or first.is_meta):
         return False
     where = _storage(first)
     return bool(where) and all(
@@ -961,10 +963,11 @@ def _symbolic_batch(input: Any) -> bool:
 
 
 def _batch_size(piece: Any) -> int | None:
-    r"""The number of samples in a micro-batch: dimension 0 of its first batched tensor."""
+    r"""The number of samples in a micro-batch: dimension 0 of its first batched tensor (an int under
+    ``torch.jit.trace`` too, for the checks that read it: see :func:`_size`)."""
     if isinstance(piece, torch.Tensor):
-        return piece.shape[0]
-    return next((t.shape[0] for t in _leaves(piece) if isinstance(t, torch.Tensor) and t.dim()), None)
+        return _size(piece)
+    return next((_size(t) for t in _leaves(piece) if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
 # The containers of the input that a stage could change in place, rebuilt for each micro-batch (by
@@ -1852,8 +1855,10 @@ class ParallelSequential(nn.Sequential):
                 f"but it holds {kind} ({_describe(t)}), which cannot be sliced into views along it. "
                 f"Use chunks=1 for such inputs, or make them dense (.to_dense(), or pad nested ones)."
             )
-        batch = tensors[0].shape[0]
-        if any(t.shape[0] != batch for t in tensors[1:]):
+        # (Plain ints under torch.jit.trace too, which records the split, tensor_split, for any
+        # batch size: the checks below concern the example input only. See _size.)
+        batch = _size(tensors[0])
+        if any(_size(t) != batch for t in tensors[1:]):
             paths = pytree.tree_flatten_with_path(input)[0]
             listing = ", ".join(
                 f"input{pytree.keystr(p)}: {t.shape[0]}" for p, t in paths if isinstance(t, torch.Tensor) and t.dim()
@@ -1868,7 +1873,7 @@ class ParallelSequential(nn.Sequential):
             # transformers BatchEncoding) would hand each micro-batch the whole batch's rows: the
             # stage would compute on, or return, them where nn.Sequential gives it its own rows.
             # (Tensors of other sizes in it, a table or weights, hold no samples: passed whole.)
-            found = next(((name, t) for name, t in held if t.dim() and t.shape[0] == batch), None)
+            found = next(((name, t) for name, t in held if t.dim() and _size(t) == batch), None)
             if found is not None:
                 where = pytree.keystr(pytree.tree_flatten_with_path(_exposed(input))[0][i][0])
                 raise ValueError(
@@ -2022,8 +2027,8 @@ class ParallelSequential(nn.Sequential):
             return t
 
         def batched(column: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
-            if any(t.dim() <= dim or t.shape[dim] != n for t, n in zip(column, sizes)):
-                rows = ", ".join(str(t.shape[dim]) if t.dim() > dim else f"{t.dim()}-D" for t in column)
+            if any(t.dim() <= dim or _size(t, dim) != n for t, n in zip(column, sizes)):
+                rows = ", ".join(str(_size(t, dim)) if t.dim() > dim else f"{t.dim()}-D" for t in column)
                 raise TypeError(f"tensors not batched like the micro-batches: [{rows}] rows along dimension {dim} "
                                 f"for micro-batches of {sizes} samples, where one row per sample is expected (a "
                                 f"reduction over the batch, or a reshape folding another dimension into the "

@@ -1268,3 +1268,21 @@ def test_a_layer_replaced_below_a_fused_branch_inside_a_compiled_function_is_see
     torch.compile(step, backend="eager")(x)
     with torch.no_grad():
         assert_close(block(x), torch.cat([branch(x) for branch in block], 1))
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_jit_trace_of_a_pipeline_warns_of_nothing_and_generalizes(chunks):
+    # Before (a CPU hunt): torch.jit.trace hands sizes out as tensors, and the pipeline's checks of
+    # the example input (the batch against chunks, the outputs' rows against the micro-batches')
+    # compared them in Python: every trace warned "TracerWarning: Converting a tensor to a Python
+    # boolean might cause the trace to be incorrect". The split itself is recorded for any batch.
+    model = nn.Sequential(nn.Linear(8, 8), ParallelSequential(
+        mlp(8, 8), Parallel(mlp(8, 8), mlp(8, 8), join="sum"), chunks=chunks), nn.ReLU()).eval()
+    x = torch.randn(6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        traced = torch.jit.trace(model, (x,))
+    for n in (6, 7, 13):
+        x = torch.randn(n, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(traced(x), model(x))
