@@ -2238,20 +2238,22 @@ def test_an_exported_vmapped_group_unflattens_decomposed(strict):
     assert_same(unflattened(x), model(x))
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
-def test_an_exported_vmapped_group_is_saved_and_loaded(strict):
+def test_an_exported_vmapped_group_is_saved_and_loaded(strict, device):
     # The program holds vmap's own calls (a level entered, the decompositions loaded), which
     # torch 2.11's serializer refuses for any program of torch.vmap ("Failed serializing node
     # lazy_load_decompositions"): there the README's way is to save the program decomposed, which
     # leaves plain ATen operations. Both are saved, loaded and run on another input of the
-    # example's shape (vmap specializes the batch).
+    # example's shape (vmap specializes the batch). On CUDA too: the members' parameters are views
+    # of their group's stacks, which torch.export.save warns "may cause issues" off the CPU.
     torch.manual_seed(0)
-    model = WithVmappedBlock().eval()
-    ep = torch.export.export(model, (torch.randn(5, 16),), strict=strict)
+    model = WithVmappedBlock().eval().to(device)
+    ep = torch.export.export(model, (torch.randn(5, 16, device=device),), strict=strict)
     programs = [ep.run_decompositions()]
     if torch.__version__ >= (2, 13):
         programs.append(ep)
-    x = torch.randn(5, 16)
+    x = torch.randn(5, 16, device=device)
     for program in programs:
         buffer = io.BytesIO()
         torch.export.save(program, buffer)
