@@ -15,6 +15,7 @@ import collections.abc
 import copy
 import inspect
 import operator
+import reprlib
 import sys
 from typing import Any, Callable, Iterator
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from ._fusion import _DROPOUTS, _STOCK_DROPOUT
 from ._inputs import _with_context
-from ._joins import _NAMED_JOINS
+from ._joins import _NAMED_JOINS, _describe
 
 __all__: list[str] = []
 
@@ -91,6 +92,18 @@ def _unfit(owner: str, kind: str, name: str, child: Any, constructing: bool = Fa
     return None
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxother = _SHORT.maxstring = 120  # (a function's repr, with its address, whole)
+
+
+def _shown(value: Any) -> str:
+    r"""``value``, refused as a child, for an error: its type and a repr cut short, a tensor by its shape,
+    dtype and device (its repr prints its data, pages of it for a weight passed by mistake)."""
+    if isinstance(value, torch.Tensor):
+        return _describe(value)
+    return f"{type(value).__name__} ({_SHORT.repr(value)})"
+
+
 def _as_branch(owner: str, name: str, branch: Any, constructing: bool = False,
                container: nn.Module | None = None) -> nn.Module:
     r"""``branch`` as a module: itself, or a plain callable held by :class:`_Function`."""
@@ -102,8 +115,8 @@ def _as_branch(owner: str, name: str, branch: Any, constructing: bool = False,
     if callable(branch):
         return _Function(branch)
     raise TypeError(
-        f"{owner}: branch {name!r} must be an nn.Module or a callable, got "
-        f"{type(branch).__name__} ({branch!r}). Wrap it in a module or pass a function."
+        f"{owner}: branch {name!r} must be an nn.Module or a callable, got {_shown(branch)}. "
+        "Wrap it in a module or pass a function."
     )
 
 
@@ -114,8 +127,7 @@ def _check_stage(owner: str, name: str, stage: Any, constructing: bool = False,
         raise TypeError(why)
     if not isinstance(stage, nn.Module):
         raise TypeError(
-            f"{owner}: stage {name!r} must be an nn.Module, got {type(stage).__name__} "
-            f"({stage!r}). Wrap functions in a module."
+            f"{owner}: stage {name!r} must be an nn.Module, got {_shown(stage)}. Wrap functions in a module."
         )
 
 

@@ -555,6 +555,26 @@ def test_a_setting_passed_by_position_is_refused_with_its_keyword():
         ParallelSequential(OrderedDict(a=a, b=2))
 
 
+def test_a_tensor_passed_as_a_child_is_shown_by_shape_not_data():
+    # Before: the message held the tensor's repr, 13 lines of numbers for a (100, 100)
+    # weight passed where a module was meant, and no shape.
+    a, weight = nn.Linear(2, 2), torch.randn(100, 100)
+    with pytest.raises(TypeError) as ei:
+        Parallel(a, weight)
+    assert str(ei.value) == ("Parallel: branch '1' must be an nn.Module or a callable, got Tensor(100, 100) "
+                             "float32 on cpu. Wrap it in a module or pass a function.")
+    with pytest.raises(TypeError) as ei:
+        ParallelSequential(a, weight)
+    assert str(ei.value) == ("ParallelSequential: stage '1' must be an nn.Module, got Tensor(100, 100) float32 "
+                             "on cpu. Wrap functions in a module.")
+    block, x = Parallel(a, join="sum"), torch.randn(3, 2)
+    before = block(x)
+    with pytest.raises(TypeError, match=r"got Tensor\(100, 100\) float32 on cpu\. Wrap"):
+        block.append(weight)
+    assert len(block) == 1
+    assert_same(block(x), before)
+
+
 # --------------------------------------------------- found by a review of errors
 @pytest.mark.parametrize("join", ["cat", "stack", "sum", "mean"])
 def test_named_joins_of_no_tensor_at_all_are_refused(join):
