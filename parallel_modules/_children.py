@@ -159,7 +159,8 @@ def _insert_index(owner: str, index: Any, n: int, kind: str, plural: str) -> int
     try:
         index = operator.index(index)  # (a NumPy integer too)
     except TypeError:
-        raise TypeError(f"{owner}: insert takes an int index, got {type(index).__name__}") from None
+        raise TypeError(f"{owner}: insert takes an int index, got {_shown(index)}; call it as "
+                        f"insert(index, module).") from None
     if not -n <= index <= n:
         raise IndexError(f"{owner}: insert index {index} is out of range for {n} {kind if n == 1 else plural} "
                          f"(expected {-n} <= index <= {n}).")

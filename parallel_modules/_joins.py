@@ -291,12 +291,19 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
         elif not any(isinstance(v, _LEAVES) for v in column) and all(_same_leaf(v, column[0]) for v in column):
             joined.append(column[0])  # the same non-tensor from every branch (``None``): passed on
         else:
-            raise ValueError(
-                f"{owner}: join={how!r} joins the outputs leaf by leaf, but leaf {i} of the outputs is not a "
-                f"tensor in every branch, nor the same value in all: "
-                f"{', '.join(f'branch {n!r}: {_describe_leaf(v)}' for n, v in zip(names, column))}.\n"
-                f"{_listing(names, outputs)}\nReturn a tensor there from every branch (or the same non-tensor "
-                "value), or pass join=None to receive the outputs as a tuple."
+            # A TypeError where some branches return a tensor there (as where no branch returned
+            # one), a ValueError where none does and their values differ. The structures are listed
+            # only where the outputs are structures: a single leaf's would repeat the line above it.
+            where = _leaf_path(outputs[0], i)
+            got = ", ".join(f"branch {n!r}: {_describe_leaf(v)}" for n, v in zip(names, column))
+            raise (TypeError if any(isinstance(v, _LEAVES) for v in column) else ValueError)(
+                f"{owner}: join={how!r} joins tensors, but the outputs at {where} are not a tensor in every "
+                f"branch, nor the same value in all: {got}.\n{_listing(names, outputs)}\nReturn a tensor "
+                "there from every branch (or the same non-tensor value), or pass join=None to receive the "
+                "outputs as a tuple." if where else
+                f"{owner}: join={how!r} joins tensors, but the branch outputs are not a tensor in every "
+                f"branch, nor the same value in all: {got}. Return a tensor from every branch (or the same "
+                "non-tensor value), or pass join=None to receive the outputs as a tuple."
             )
     return pytree.tree_unflatten(joined, spec)
 

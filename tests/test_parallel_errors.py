@@ -384,7 +384,7 @@ def test_a_non_tensor_leaf_every_branch_returns_alike_is_passed_on(join):
 
 def test_a_leaf_that_is_a_tensor_in_one_branch_only_is_named():
     p = Parallel(OrderedDict(a=lambda t: (t, None), b=lambda t: (t, t)), join="sum")
-    with pytest.raises(ValueError, match=r"leaf 1 .*branch 'a': None, branch 'b': Tensor"):
+    with pytest.raises(TypeError, match=r"outputs at \[1\] .*branch 'a': None, branch 'b': Tensor"):
         p(torch.randn(2, 2))
 
 
@@ -572,6 +572,21 @@ def test_a_tensor_passed_as_a_child_is_shown_by_shape_not_data():
     with pytest.raises(TypeError, match=r"got Tensor\(100, 100\) float32 on cpu\. Wrap"):
         block.append(weight)
     assert len(block) == 1
+    assert_same(block(x), before)
+
+
+@pytest.mark.parametrize("cls", [Parallel, ParallelSequential])
+def test_insert_with_its_arguments_swapped_shows_the_index_and_the_call(cls):
+    # Before: "insert takes an int index, got Linear", unlike its siblings, which show the value
+    # and how to fix it; the index and the module swapped is the likely mistake.
+    a, x = nn.Linear(2, 2), torch.randn(3, 2)
+    block = cls(a)
+    before = block(x)
+    with pytest.raises(TypeError) as ei:
+        block.insert(nn.Linear(2, 2), 0)
+    assert str(ei.value) == (f"{cls.__name__}: insert takes an int index, got Linear (Linear(in_features=2, "
+                             "out_features=2, bias=True)); call it as insert(index, module).")
+    assert list(block) == [a]
     assert_same(block(x), before)
 
 
@@ -877,7 +892,7 @@ def test_non_tensor_output_leaves_that_differ_are_named_with_their_values():
     # Before: "branch '0': int, branch '1': int" (no values), and a NumPy leaf escaped as a bare
     # "truth value of an array is ambiguous" naming neither the block nor a branch.
     x = torch.randn(2, 3)
-    with pytest.raises(ValueError, match=r"leaf 1 of the outputs .* branch '0': int 3, branch '1': int 4"):
+    with pytest.raises(ValueError, match=r"outputs at \[1\] .* branch '0': int 3, branch '1': int 4"):
         Parallel(lambda x: (x, 3), lambda x: (x, 4))(x)
     np = pytest.importorskip("numpy")
     with pytest.raises(ValueError, match=r"^Parallel: join='cat' .* branch '0': ndarray array\(\[1, 2\]\)"):
@@ -1175,14 +1190,32 @@ def test_a_first_branch_returning_a_number_where_another_returns_a_tensor_names_
     # Before: "joins tensors, but no branch returned one", listing branch 'b''s tensor under it --
     # only the first branch's outputs were looked at.
     p = Parallel(OrderedDict(a=lambda x: 2, b=lambda x: x), join=join)
-    with pytest.raises(ValueError, match=r"(?s)leaf 0 of the outputs is not a tensor in every branch.*"
-                                         r"branch 'a': int 2, branch 'b': Tensor\(2, 2\)"):
+    with pytest.raises(TypeError) as ei:
         p(torch.randn(2, 2))
+    # (A TypeError, as where no branch returned a tensor; outputs that are single leaves are not listed
+    # again below the line that names them.)
+    assert str(ei.value) == (f"Parallel: join={join!r} joins tensors, but the branch outputs are not a tensor in "
+                             "every branch, nor the same value in all: branch 'a': int 2, branch 'b': Tensor(2, 2) "
+                             "float32 on cpu. Return a tensor from every branch (or the same non-tensor value), "
+                             "or pass join=None to receive the outputs as a tuple.")
     p[0] = lambda x: x + 1  # (still usable)
     x = torch.randn(2, 2)
     expected = {"cat": torch.cat([x + 1, x], 1), "stack": torch.stack([x + 1, x], 1), "sum": (x + 1) + x,
                 "mean": ((x + 1) + x) / 2}[join]
     assert torch.equal(p(x), expected)
+
+
+def test_a_non_tensor_leaf_of_structured_outputs_is_named_by_its_path():
+    # Before: a ValueError naming "leaf 2 of the outputs", a number the user had to count out of
+    # the flattened structure.
+    p = Parallel(lambda x: {"a": x, "b": (x, x)}, lambda x: {"a": x, "b": (x, "s")})
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match=r"(?s)join='cat' joins tensors, but the outputs at \['b'\]\[1\] are not a "
+                                        r"tensor in every branch.*branch '1': str 's'\.\n  branch '0': \{'a'"):
+        p(x)
+    p[1] = lambda x: {"a": x, "b": (x, x + 1)}  # (still usable)
+    out = p(x)
+    assert_same(out["b"][1], torch.cat([x, x + 1], 1))
 
 
 @pytest.mark.parametrize("how", ["append", "extend", "iadd", "insert", "setitem", "held"])
