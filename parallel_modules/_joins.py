@@ -296,15 +296,15 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
             # only where the outputs are structures: a single leaf's would repeat the line above it.
             where = _leaf_path(outputs[0], i)
             got = ", ".join(f"branch {n!r}: {_describe_leaf(v)}" for n, v in zip(names, column))
-            raise (TypeError if any(isinstance(v, _LEAVES) for v in column) else ValueError)(
-                f"{owner}: join={how!r} joins tensors, but the outputs at {where} are not a tensor in every "
-                f"branch, nor the same value in all: {got}.\n{_listing(names, outputs)}\nReturn a tensor "
-                "there from every branch (or the same non-tensor value), or pass join=None to receive the "
-                "outputs as a tuple." if where else
-                f"{owner}: join={how!r} joins tensors, but the branch outputs are not a tensor in every "
-                f"branch, nor the same value in all: {got}. Return a tensor from every branch (or the same "
-                "non-tensor value), or pass join=None to receive the outputs as a tuple."
-            )
+            error = TypeError if any(isinstance(v, _LEAVES) for v in column) else ValueError
+            fix = "or pass join=None to receive the outputs as a tuple."
+            if not where:  # (plain outputs)
+                raise error(f"{owner}: join={how!r} joins tensors, but the branch outputs are not a tensor in "
+                            f"every branch, nor the same value in all: {got}. Return a tensor from every branch "
+                            f"(or the same non-tensor value), {fix}")
+            raise error(f"{owner}: join={how!r} joins tensors, but the outputs at {where} are not a tensor in every "
+                        f"branch, nor the same value in all: {got}.\n{_listing(names, outputs)}\nReturn a tensor "
+                        f"there from every branch (or the same non-tensor value), {fix}")
     return pytree.tree_unflatten(joined, spec)
 
 
