@@ -550,6 +550,15 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
     other values, other keys and such floats are refused, as they would not
     load back as they were.
     """
+    for i, tl in enumerate(timelines):
+        # (Else an AttributeError on ``.metadata`` below: a list passed as one argument, or the path
+        # and a timeline swapped.)
+        if not isinstance(tl, Timeline):
+            fix = ("pass them as separate arguments, save_timelines(path, *timelines)" if isinstance(tl, (list, tuple))
+                   else "the path comes first, save_timelines(path, timeline, ...)" if isinstance(tl, (str, os.PathLike))
+                   else "pass the Timeline objects record_timeline and load_timelines return")
+            raise TypeError(f"save_timelines: timeline #{i} (argument {i + 2}) must be a Timeline, got "
+                            f"{type(tl).__name__}; {fix}")
     # The file format writes these keys itself, which such metadata would have replaced: the file's format
     # marker and list of recordings, each recording's label and process id (its row).
     used = [k for k in ("format", "runs") if k in (metadata or {})]

@@ -718,3 +718,19 @@ def test_module_example_runs_as_printed(tmp_path, monkeypatch) -> None:
         _run_module_example(timeline.__doc__)
     finally:
         plt.close("all")
+
+
+@pytest.mark.parametrize("args, fix", [
+    (lambda path: (path, [Timeline([], "a"), Timeline([], "b")]), "list; pass them as separate arguments"),
+    (lambda path: (Timeline([], "a"), path), "str; the path comes first"),
+    (lambda path: (path, {"a": Timeline([], "a")}), "dict; pass the Timeline objects"),
+])
+def test_save_refuses_what_is_not_a_timeline(tmp_path, args, fix) -> None:
+    # Before: AttributeError: 'list' object has no attribute 'metadata', naming neither the function nor the fix.
+    path = str(tmp_path / "t.json")
+    with pytest.raises(TypeError, match=rf"^save_timelines: timeline #0 \(argument 2\) must be a Timeline, got {fix}"):
+        save_timelines(*args(path))
+    assert not os.path.exists(path)
+    save_timelines(path, Timeline([], "a"), Timeline([], "b"))  # (the right call works after it)
+    assert sorted(load_timelines(path)) == ["a", "b"]
+
