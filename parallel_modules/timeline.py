@@ -433,8 +433,16 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
     if isinstance(trace, list):  # the JSON array format of Chrome traces
         trace = {"traceEvents": trace}
     if not isinstance(trace, Mapping) or not isinstance(trace.get("traceEvents"), list):
+        # (A dict is the expected kind of object: its keys tell what it is instead, e.g. a
+        # profiler's summary, or the trace's events under another name.)
+        if not isinstance(trace, Mapping):
+            got = type(trace).__name__
+        elif "traceEvents" in trace:
+            got = f"a 'traceEvents' of type {type(trace['traceEvents']).__name__}"
+        else:
+            got = f"an object with the keys {sorted(map(str, trace))!r:.200}"
         raise ValueError("parallel_modules.timeline: not a Chrome trace: expected a JSON object with a "
-                         f"'traceEvents' list (or a list of events), got {type(trace).__name__}")
+                         f"'traceEvents' list (or a list of events), got {got}")
     other = trace.get("otherData")
     other = other if isinstance(other, Mapping) else {}
     written = other.get("format")

@@ -734,3 +734,13 @@ def test_save_refuses_what_is_not_a_timeline(tmp_path, args, fix) -> None:
     save_timelines(path, Timeline([], "a"), Timeline([], "b"))  # (the right call works after it)
     assert sorted(load_timelines(path)) == ["a", "b"]
 
+
+@pytest.mark.parametrize("trace, got", [
+    ({"events": [], "otherData": {}}, r"an object with the keys \['events', 'otherData'\]"),
+    ({"traceEvents": {"a": 1}}, r"a 'traceEvents' of type dict"),
+])
+def test_not_a_trace_says_what_came(trace, got) -> None:
+    # Before: a dict without a 'traceEvents' list was refused as "got dict", which is what was expected.
+    with pytest.raises(ValueError, match=r"not a Chrome trace: expected a JSON object with a 'traceEvents' list "
+                                         r"\(or a list of events\), got " + got + "$"):
+        load_timelines(trace)
