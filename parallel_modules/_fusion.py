@@ -2754,7 +2754,8 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         if changed:
             raise RuntimeError(
                 f"{type(m).__name__} assigns a new tensor to {changed[0]!r} in forward, which a batched "
-                f"call cannot hand back to each branch")
+                f"call cannot hand back to each branch; update it in place instead (`self.buf.add_(1)`, "
+                f"`self.buf.copy_(new)`), registering it with a tensor in __init__ where it starts as None")
         # (Set by every call, not only where leaves are no tensors: a member calling its own
         # block runs other steps inside this one's call, which may have set it.)
         leaves, spec = ([out], None) if isinstance(out, torch.Tensor) else pytree.tree_flatten(out)

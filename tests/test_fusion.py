@@ -690,6 +690,19 @@ def test_buffer_assigned_in_forward_runs_unfused():
         Parallel(*copy.deepcopy(branches), fuse=True)(x)
 
 
+def test_buffer_assigned_in_forward_refusal_says_how_to_fix():
+    # Before: the refusal said what a batched call cannot do, and not what to write instead.
+    branches = [nn.Sequential(nn.Linear(8, 8), RunningMean()) for _ in range(2)]
+    p = Parallel(*copy.deepcopy(branches), fuse=True)
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match=r"assigns a new tensor to 'avg' in forward, .*; update it in place "
+                                           r"instead \(`self\.buf\.add_\(1\)`, `self\.buf\.copy_\(new\)`\), "
+                                           r"registering it with a tensor in __init__ where it starts as None"):
+        p(x)
+    p.fuse = False  # (the block still works after the refusal, as the error's other fix runs it)
+    assert_close(p(x), Parallel(*copy.deepcopy(branches))(x))
+
+
 class LazyScale(nn.Module):
     r"""A buffer registered as None, set by forward at its first call (from the layer's own weight)."""
 
