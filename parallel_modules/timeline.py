@@ -562,9 +562,12 @@ def save_timelines(path: _PathLike, *timelines: Timeline, metadata: Mapping[str,
         # (Else an AttributeError on ``.metadata`` below: a list passed as one argument, or the path
         # and a timeline swapped.)
         if not isinstance(tl, Timeline):
-            fix = ("pass them as separate arguments, save_timelines(path, *timelines)" if isinstance(tl, (list, tuple))
-                   else "the path comes first, save_timelines(path, timeline, ...)" if isinstance(tl, (str, os.PathLike))
-                   else "pass the Timeline objects record_timeline and load_timelines return")
+            if isinstance(tl, (list, tuple)):
+                fix = "pass them as separate arguments, save_timelines(path, *timelines)"
+            elif isinstance(tl, (str, os.PathLike)):
+                fix = "the path comes first, save_timelines(path, timeline, ...)"
+            else:
+                fix = "pass the Timeline objects record_timeline and load_timelines return"
             raise TypeError(f"save_timelines: timeline #{i} (argument {i + 2}) must be a Timeline, got "
                             f"{type(tl).__name__}; {fix}")
     # The file format writes these keys itself, which such metadata would have replaced: the file's format
