@@ -1808,7 +1808,8 @@ class _CudaGraphs:
             if not _all_on(tensors, device):
                 self._warn_once("devices", f"{self.name}: cuda_graph=True needs every tensor input on "
                                            f"{device}; got {sorted({str(t.device) for t in tensors})}. "
-                                           f"Running eagerly.")
+                                           f"Running eagerly (move every tensor input to {device} to replay "
+                                           f"a graph).")
                 return forward(*args, **kwargs)
         owner = self._owner()
         if owner is None:
@@ -1841,7 +1842,8 @@ class _CudaGraphs:
                 if not hiding:
                     self._warn_once("unhashable", f"{self.name}: cuda_graph=True cannot key a graph on "
                                                   f"unhashable arguments ({[t for t, _ in extra]}); running "
-                                                  f"eagerly.")
+                                                  f"eagerly (pass such values as tensors, or hashable ones, a "
+                                                  f"tuple for a list, to replay a graph).")
                 elif not self.fallback:  # (a dict subclass holding the tensors: said as such)
                     raise _CaptureError(self._hidden_inputs(tensors, hiding))
                 else:

@@ -707,7 +707,9 @@ def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, ca
     from torch.profiler import ProfilerActivity, profile
 
     if ProfilerActivity.CUDA not in torch.profiler.supported_activities():
-        raise RuntimeError(f"record_timeline({name}): this torch build's profiler cannot record CUDA activity")
+        raise RuntimeError(f"record_timeline({name}): this torch build's profiler cannot record CUDA activity "
+                           f"(torch.profiler.supported_activities() lacks ProfilerActivity.CUDA); a CUDA build "
+                           f"of torch with the Kineto profiler can")
     _autotune._warm_up(lambda: module(*args, **kwargs), warmup)
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -3914,3 +3914,25 @@ def test_attention_backends_priority_changed_after_capture_captures_anew():
         with sdpa_kernel(backends[::-1], set_priority=True):
             assert torch.equal(block(x), math)  # before: the flash graph replayed
     assert block._graphs.captures == 2
+
+
+# ------------------------------------------------ messages (audit of session 78)
+class _Second(nn.Module):
+    r"""A branch taking a second argument it does not read."""
+
+    def forward(self, x: torch.Tensor, other: object) -> torch.Tensor:
+        return x * 2
+
+
+@cuda
+def test_inputs_no_graph_can_take_run_eagerly_with_a_warning_that_says_how_to_replay():
+    block = Parallel(_Second(), _Second(), cuda_graph=True).cuda()
+    x = torch.randn(2, 3, device="cuda")
+    expected = torch.cat([x * 2, x * 2], 1)
+    with pytest.warns(UserWarning, match=r"unhashable arguments .*running eagerly \(pass such values as tensors, "
+                                         r"or hashable ones, a tuple for a list, to replay a graph\)"):
+        assert torch.equal(block(x, {1, 2}), expected)  # (a set: a leaf of the inputs, and unhashable)
+    with pytest.warns(UserWarning, match=r"needs every tensor input on cuda:0; got \['cpu', 'cuda:0'\]\. Running "
+                                         r"eagerly \(move every tensor input to cuda:0 to replay a graph\)"):
+        assert torch.equal(block(x, torch.randn(2, 3)), expected)
+    assert torch.equal(block(x, 1), expected) and len(block._graphs) == 1  # (and then a graph replays)
