@@ -154,10 +154,11 @@ def _members(root: nn.Module) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]
     r"""The submodules, parameters and settings revisions of ``root`` (see :func:`_change_setting`), and its buffers.
 
     One walk of the tree, each module's own dicts read as they are: a module
-    or tensor held twice is listed twice, in both snapshots compared.
+    or tensor held twice is listed twice, in both snapshots compared. ``root``
+    itself is not listed: it is the one compared (see :class:`_Tree`).
     """
     modules = tuple(root.modules())
-    members = (*modules, *[p for m in modules for p in m._parameters.values() if p is not None],
+    members = (*modules[1:], *[p for m in modules for p in m._parameters.values() if p is not None],
                *[m.__dict__.get("_revision") for m in modules])
     return members, tuple([b for m in modules for b in m._buffers.values() if b is not None])
 
@@ -190,6 +191,11 @@ class _Tree:
     ``children``: also hold the dicts of children below ``root`` and a copy of
     each, which the block's calls compare (see :meth:`rewritten`): a pipeline's
     (see the module's docstring for why not a ``Parallel``'s).
+
+    ``root`` itself is not held, only what is below it: the block keeps its tree,
+    and a tree holding the block would make every block a reference cycle, freed
+    with its parameters only when the cyclic garbage collector next runs, not
+    when the last reference to it goes. Every look is given ``root`` again.
     """
 
     __slots__ = ("seen", "walked", "members", "buffers", "parameters", "modules", "children", "copies")
@@ -201,7 +207,7 @@ class _Tree:
         self.seen, self.walked = -1, _changes
         # Held (not only their ids), so that an id is not reused by a new object while compared.
         self.members, self.buffers = _members(root)
-        self.modules = tuple(root.modules())
+        self.modules = tuple(root.modules())[1:]  # (below root: see above)
         # Without walking the tree again (whether any is trained, on a hot path).
         self.parameters = tuple(root.parameters())
         # The modules' dicts of children (those holding any, and torch's containers, which may be
@@ -238,7 +244,8 @@ class _Tree:
             return False
         now = tuple(root.modules())
         swapped = _swapped_in(now)
-        if len(now) != len(self.modules) or any([a is not b for a, b in zip(now, self.modules)]):
+        below = now[1:]
+        if len(below) != len(self.modules) or any([a is not b for a, b in zip(below, self.modules)]):
             return _WHILE_SWAPPED if swapped else True
         return not swapped
 
