@@ -225,3 +225,19 @@ def test_a_join_closing_over_the_model_is_freed_by_the_collector() -> None:
         del model
     gc.collect()
     assert not _alive(refs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_a_cuda_block_is_freed_at_del_after_record_timeline(cuda_graph: bool) -> None:
+    from parallel_modules.timeline import record_timeline
+
+    model = ParallelSequential(nn.Linear(16, 16), Parallel(*_branches(), join="sum", fuse="auto"), chunks=2,
+                               cuda_graph=cuda_graph).cuda()
+    refs = _refs(model)
+    x = torch.randn(4, 16, device="cuda")
+    record_timeline(model, x, warmup=3, calls=1)
+    model(x).sum().backward()
+    del model
+    torch.cuda.synchronize()
+    assert not _alive(refs)
