@@ -188,14 +188,15 @@ _WHILE_SWAPPED = "while swapped"
 class _Tree:
     r"""The submodules, parameters and buffers of ``root`` when it was last looked at.
 
-    ``children``: also hold the dicts of children below ``root`` and a copy of
-    each, which the block's calls compare (see :meth:`rewritten`): a pipeline's
-    (see the module's docstring for why not a ``Parallel``'s).
+    ``children``: also hold the dicts of children of ``root`` and below it, and
+    a copy of each, which the block's calls compare (see :meth:`rewritten`): a
+    pipeline's (see the module's docstring for why not a ``Parallel``'s).
 
-    ``root`` itself is not held, only what is below it: the block keeps its tree,
-    and a tree holding the block would make every block a reference cycle, freed
-    with its parameters only when the cyclic garbage collector next runs, not
-    when the last reference to it goes. Every look is given ``root`` again.
+    ``root`` itself is not held, only what is below it and its dict of children
+    (which does not hold it): the block keeps its tree, and a tree holding the
+    block would make every block a reference cycle, freed with its parameters
+    only when the cyclic garbage collector next runs, not when the last
+    reference to it goes. Every look is given ``root`` again.
     """
 
     __slots__ = ("seen", "walked", "members", "buffers", "parameters", "modules", "children", "copies")
@@ -207,13 +208,15 @@ class _Tree:
         self.seen, self.walked = -1, _changes
         # Held (not only their ids), so that an id is not reused by a new object while compared.
         self.members, self.buffers = _members(root)
-        self.modules = tuple(root.modules())[1:]  # (below root: see above)
+        modules = tuple(root.modules())
+        self.modules = modules[1:]  # (below root: see above)
         # Without walking the tree again (whether any is trained, on a hot path).
         self.parameters = tuple(root.parameters())
         # The modules' dicts of children (those holding any, and torch's containers, which may be
         # filled later), the dicts themselves, and their copies (see rewritten). (TorchScript
-        # modules keep theirs in C++, behind a view that is not a dict.)
-        self.children = [m._modules for m in self.modules if (m._modules or isinstance(m, _CONTAINERS))
+        # modules keep theirs in C++, behind a view that is not a dict.) The root's own dict too
+        # (``pipe._modules["1"] = nn.Tanh()``): the dict does not hold the root.
+        self.children = [m._modules for m in modules if (m._modules or isinstance(m, _CONTAINERS))
                          and isinstance(m._modules, dict)] if children else []
         self.copies = [d.copy() for d in self.children]
 

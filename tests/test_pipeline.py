@@ -835,6 +835,25 @@ def test_a_layer_written_into_a_dict_of_children_is_seen(how: str) -> None:
     torch.testing.assert_close(model(x), _pieces_reference(model, x, 2))
 
 
+def test_a_stage_written_into_the_pipelines_own_dict_of_stages_clears_its_graphs(monkeypatch) -> None:
+    # Before (a review of session 78): the tree stopped holding the pipeline to break a reference
+    # cycle, and with it the pipeline's own ``_modules`` dict: a stage without tensors written into
+    # it (``pipe._modules["1"] = nn.Tanh()``) registers nothing, and the pipeline kept what it had
+    # learnt, its CUDA graphs replaying the old stage (see test_pipeline_cuda). On the CPU the graph
+    # cache is cleared all the same: that is what is watched here.
+    model = ParallelSequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), chunks=2)
+    x = torch.randn(4, 4)
+    for _ in range(3):  # (the tree taken as settled: later calls walk nothing)
+        model(x)
+    cleared = []
+    clear = type(model._graphs).clear
+    monkeypatch.setattr(type(model._graphs), "clear", lambda graphs: (cleared.append(graphs), clear(graphs))[1])
+    graphs = model._graphs
+    model._modules["1"] = nn.Tanh()
+    torch.testing.assert_close(model(x), _pieces_reference(model, x, 2), rtol=0, atol=0)
+    assert graphs in cleared
+
+
 class _EachOf(nn.Module):
     r"""Runs the layers of its ``nn.ModuleDict`` in turn."""
 

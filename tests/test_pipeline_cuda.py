@@ -688,6 +688,19 @@ def test_a_layer_written_into_a_dict_of_children_below_a_graphed_pipeline_is_see
         torch.testing.assert_close(m(x), expected)
 
 
+def test_a_stage_written_into_a_graphed_pipelines_own_dict_of_stages_is_run():
+    # As above, one level up: the pipeline's own dict of stages (the tree no longer holds the
+    # pipeline, but still watches its dict). Before the fix the graphs replayed the old ReLU.
+    torch.manual_seed(0)
+    m = ParallelSequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), chunks=2, cuda_graph=True).cuda().eval()
+    with torch.no_grad():
+        for _ in range(4):
+            m(torch.randn(4, 8, device="cuda"))
+        m._modules["1"] = nn.Tanh()
+        x = torch.randn(4, 8, device="cuda")
+        torch.testing.assert_close(m(x), nn.Sequential(*m)(x))
+
+
 class _WritesFirstReadsSecond(nn.Module):
     def forward(self, inputs):
         first, second = inputs
