@@ -70,7 +70,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import numbers
 import operator
 import os
 import statistics
@@ -93,7 +92,8 @@ from ._compile import _WHOLE
 from . import _watch
 from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _Handle, _moded, _functorch_active, _hook_dicts
-from ._inputs import _BY_VALUE, _bounded_add, _grad_and_training, _input_device, _signature, _value_key
+from ._inputs import (_BY_VALUE, _bounded_add, _grad_and_training, _input_device, _integer, _signature,
+                      _value_key)
 from ._saved import _saved_storages
 from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dense, _dispatch_modes,
                        _graph_state, _hidden_tensors, _in_backward, _is_tracing, _pools, _result_changing_function_modes,
@@ -221,13 +221,13 @@ _GRAPH_SETTINGS = frozenset({"cuda_graph", "max_graphs", "static_outputs", "grap
 
 def _check_graph_setting(owner: str, name: str, value: Any) -> Any:
     if name == "max_graphs":
-        # (A NumPy integer is one, kept as the int it is, as ``chunks`` and ``dim`` take it; not a bool.)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        count = _integer(value)  # (as ``dim`` and ``chunks`` take integers)
+        if count is None:
             raise TypeError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got "
                             f"{type(value).__name__} ({value!r}).")
-        if value < 1:
-            raise ValueError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got {value!r}.")
-        return operator.index(value)
+        if count < 1:
+            raise ValueError(f"{owner}: max_graphs must be an int >= 1 (graphs kept per module), got {count!r}.")
+        return count
     if not isinstance(value, bool):  # (not bool(value): "False" would be True)
         raise TypeError(f"{owner}: {name} must be True or False, got {type(value).__name__} ({value!r}).")
     return value

@@ -3,6 +3,7 @@ r"""What a call receives: its device, its signature, and errors that name a bran
 from __future__ import annotations
 
 import numbers
+import operator
 import sys
 from typing import Any, Hashable, Iterable
 
@@ -11,6 +12,25 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 __all__: list[str] = []
+
+
+def _integer(value: Any) -> int | None:
+    r"""``value`` as the ``int`` it is, where it is an integer: an ``int``, a NumPy integer, or a 0-dim
+    integer tensor (as ``torch.cat``'s ``dim`` and ``torch.tensor_split``'s sections take them); ``None``
+    for anything else.
+
+    The one rule of the integer settings (``dim``, ``chunks``, ``max_graphs``) and counts
+    (``record_timeline``'s): kept as an ``int``, which JSON and a graph's key hold. ``bool``
+    is refused, though Python counts it an ``int``: ``chunks=True`` is a mistake, not 1.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    if (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool
+            and not (value.is_floating_point() or value.is_complex())):
+        return operator.index(value)
+    return None
 
 
 def _leaves(args: tuple, kwargs: dict) -> list[Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import operator
 from collections import OrderedDict
 import time
 import warnings
@@ -24,8 +23,8 @@ from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _G
 from ._fusion import _lock as _fusion_lock
 from ._fusion import _numbered
 from ._graphs import _GRAPH_SETTINGS, _any_autocast, _autocast_state, _check_graph_setting, _CudaGraphs, _graph_variant
-from ._inputs import (_bounded_add, _check_devices, _grad_and_training, _input_device, _put_back, _signature,
-                      _with_context)
+from ._inputs import (_bounded_add, _check_devices, _grad_and_training, _input_device, _integer, _put_back,
+                      _signature, _with_context)
 from ._joins import JoinSpec, _check_join, _first_line, _join_outputs, _out_of_memory
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
@@ -142,11 +141,10 @@ def _check_setting(owner: str, name: str, value: Any) -> Any:
     if name == "join":
         return _check_join(owner, value)
     if name == "dim":
-        # (A NumPy integer is one, as torch.cat takes it; not a bool, nor a tensor or an array,
-        # which ``__index__`` would take.)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        dim = _integer(value)  # (a NumPy integer or a 0-dim integer tensor too, as torch.cat takes them)
+        if dim is None:
             raise TypeError(f"{owner}: dim must be an int, got {type(value).__name__} ({value!r}).")
-        value = operator.index(value)
+        value = dim
         if not -_MAX_DIM <= value < _MAX_DIM:  # (torch cannot even take it as an index: no message of ours)
             raise ValueError(f"{owner}: dim={value} is out of range for any tensor; pass the dimension of the "
                              f"branch outputs to join along, e.g. dim=1 or dim=-1.")

@@ -24,7 +24,6 @@ import functools
 import math
 import importlib
 import itertools
-import operator
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -41,7 +40,8 @@ from ._children import (_check_name, _check_numbered, _check_stage, _child_key, 
                         _new_like, _scripted_in_turn, _slice_text, _state_to_copy, _uncompiled, _writes_its_input)
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._joins import _describe, _in_order_of, _out_of_memory
-from ._inputs import _BY_VALUE, _bounded_add, _dynamo_compiling, _leaf_device, _module_devices, _with_context
+from ._inputs import (_BY_VALUE, _bounded_add, _dynamo_compiling, _integer, _leaf_device, _module_devices,
+                      _with_context)
 from ._graphs import _GRAPH_SETTINGS, _check_graph_setting, _CudaGraphs, _graph_variant
 from . import _watch
 from ._fusion import _FAST_PATHS  # (also turned off by any torch function mode: see _Plan.scoped)
@@ -1385,19 +1385,13 @@ class ParallelSequential(nn.Sequential):
 
     @chunks.setter
     def chunks(self, value: int) -> None:
-        if (not isinstance(value, (bool, int)) and hasattr(type(value), "__index__")
-                and not (isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim()))):
-            try:
-                value = operator.index(value)  # (a NumPy integer, as ``tensor_split`` takes)
-            except TypeError:
-                pass  # (a float tensor: refused below)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            error = TypeError if isinstance(value, bool) or not isinstance(value, int) else ValueError
-            raise error(
+        count = _integer(value)  # (a NumPy integer or a 0-dim integer tensor too, as tensor_split takes them)
+        if count is None or count < 1:
+            raise (TypeError if count is None else ValueError)(
                 f"{type(self).__name__}: chunks must be an int >= 1 (the number of micro-batches "
-                f"each call is split into), got {value!r}"
-                + (f" (a {type(value).__name__})." if error is TypeError else ".")
+                f"each call is split into), got {value!r}" + (f" (a {type(value).__name__})." if count is None else ".")
             )
+        value = count
         graphs = self.__dict__.get("_graphs")
         if graphs is not None and value != self.__dict__.get("_chunks"):
             graphs.clear()  # captured for the old number of micro-batches

@@ -47,8 +47,6 @@ import decimal
 import gzip
 import json
 import math
-import numbers
-import operator
 import os
 import platform
 import tempfile
@@ -60,6 +58,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _autotune
+from ._inputs import _integer
 
 __all__ = ["KernelEvent", "Timeline", "record_timeline", "load_timelines", "save_timelines"]
 
@@ -636,16 +635,17 @@ def _cuda_device(args: Sequence[Any], kwargs: Mapping[str, Any], module: Any) ->
 def _count(name: str, arg: str, value: Any, least: int) -> int:
     r"""``value``, a count of calls given to ``record_timeline(name)`` as ``arg``, as an ``int`` of at least ``least``.
 
-    Any integer (numpy's too) is taken as the ``int`` it is: the timeline's
-    metadata keeps it, and JSON holds no numpy scalar (``save_timelines``
-    refused such a timeline). ``bool`` is refused, though ``int`` takes it.
+    Any integer (see :func:`~parallel_modules._inputs._integer`) is taken as the ``int`` it is: the
+    timeline's metadata keeps it, and JSON holds no numpy scalar (``save_timelines`` refused such
+    a timeline). ``bool`` is refused, though ``int`` takes it.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    count = _integer(value)
+    if count is None:
         raise TypeError(f"record_timeline({name}): {arg} must be an int >= {least}, got {value!r} "
                         f"({type(value).__name__})")
-    if value < least:
+    if count < least:
         raise ValueError(f"record_timeline({name}): {arg} must be an int >= {least}, got {value!r}")
-    return operator.index(value)
+    return count
 
 
 def record_timeline(module: Callable[..., Any], *args: Any, warmup: int = 30, calls: int = 3,

@@ -826,10 +826,13 @@ def test_dim_takes_an_integer_of_another_type_as_torch_cat_does():
     p.dim = Integer(1)
     assert p.dim == 1 and type(p.dim) is int
     assert_same(p(x), reference(p, x))
-    for wrong in (1.0, torch.tensor(True), torch.tensor([1])):  # (torch.cat refuses these too)
+    for wrong in (1.0, torch.tensor(True), torch.tensor([1]), torch.tensor(1.0)):  # (torch.cat refuses these too)
         with pytest.raises(TypeError, match=r"Parallel: dim must be an int, got (float|Tensor)"):
             p.dim = wrong
     assert p.dim == 1
+    p.dim = torch.tensor(-1)  # (as torch.cat takes it, and chunks and max_graphs do: kept as an int)
+    assert p.dim == -1 and type(p.dim) is int
+    assert_same(p(x), reference(p, x))
 
 
 class _Scaled(nn.Module):
@@ -874,6 +877,10 @@ def test_built_and_called_under_fake_tensor_mode_without_asking_for_addresses(fu
         assert x.grad.shape == (6, 4) and pipe[0].weight.grad.shape == (4, 4)
         p.train(False)
         assert pipe(torch.randn(6, 4)).shape == (6, 8)
+        # (The pipeline's checks of outputs lying in its input's memory ask this, on paths these
+        # calls do not take: a fake tensor has no address to give.)
+        from parallel_modules.pipeline import _storage
+        assert _storage(x) is None
     assert not asked
 
 

@@ -1654,10 +1654,12 @@ def test_graph_settings_set_later_are_checked_and_reach_the_cache():
     with pytest.raises(ValueError, match=r"ParallelSequential: max_graphs must be an int >= 1 .*got -1"):
         pipe.max_graphs = -1
     assert pipe.max_graphs == 8 and pipe._graphs.max_graphs == 8
-    for wrong in (True, 2.0, "2"):
+    for wrong in (True, 2.0, "2", torch.tensor(2.0)):
         with pytest.raises(TypeError, match=rf"ParallelSequential: max_graphs must be an int >= 1 .*got "
-                                            rf"{type(wrong).__name__} \({wrong!r}\)"):
+                                            rf"{type(wrong).__name__} \({re.escape(repr(wrong))}\)"):
             pipe.max_graphs = wrong
+    pipe.max_graphs = torch.tensor(4)  # (an integer as chunks and dim take it: kept as an int)
+    assert type(pipe.max_graphs) is int and pipe._graphs.max_graphs == 4
     pipe.max_graphs, pipe.static_outputs, pipe.direct_grads = 3, True, True
     assert (pipe._graphs.max_graphs, pipe._graphs.static_outputs, pipe._graphs.direct_grads) == (3, True, True)
     x = torch.randn(4, 8)

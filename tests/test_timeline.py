@@ -408,6 +408,18 @@ def test_record_refuses_bad_counts_before_running_anything(kwargs, error, messag
     assert calls == []
 
 
+def test_a_0_dim_integer_tensor_count_is_kept_as_an_int() -> None:
+    # As the blocks' integer settings take it (one rule: _inputs._integer); a float or bool tensor is refused.
+    from parallel_modules.timeline import _count
+
+    count = _count("block", "calls", torch.tensor(3), 1)
+    assert type(count) is int and count == 3
+    json.dumps({"calls": count})
+    for wrong in (torch.tensor(3.0), torch.tensor(True), torch.tensor([3])):
+        with pytest.raises(TypeError, match=r"record_timeline\(block\): calls must be an int >= 1"):
+            _count("block", "calls", wrong, 1)
+
+
 def test_a_numpy_count_is_kept_as_an_int() -> None:
     # A count from numpy is an integer as an int is, and is kept as one: the timeline's metadata
     # holds it, and save_timelines refused a timeline holding np.int64 (JSON holds no numpy scalar).
