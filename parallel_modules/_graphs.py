@@ -1843,7 +1843,8 @@ class _CudaGraphs:
                     self._warn_once("unhashable", f"{self.name}: cuda_graph=True cannot key a graph on "
                                                   f"unhashable arguments ({[t for t, _ in extra]}); running "
                                                   f"eagerly (pass such values as tensors, or hashable ones, a "
-                                                  f"tuple for a list, to replay a graph).")
+                                                  f"tuple for a list, a frozenset for a set, to replay a "
+                                                  f"graph).")
                 elif not self.fallback:  # (a dict subclass holding the tensors: said as such)
                     raise _CaptureError(self._hidden_inputs(tensors, hiding))
                 else:

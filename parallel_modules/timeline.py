@@ -49,6 +49,7 @@ import json
 import math
 import os
 import platform
+import reprlib
 import tempfile
 import zlib
 from collections import defaultdict
@@ -439,7 +440,7 @@ def _timelines_from_trace(trace: Any, label: str) -> dict[str, Timeline]:
         elif "traceEvents" in trace:
             got = f"a 'traceEvents' of type {type(trace['traceEvents']).__name__}"
         else:
-            got = f"an object with the keys {sorted(map(str, trace))!r:.200}"
+            got = f"an object with the keys {reprlib.repr(sorted(map(str, trace)))}"  # (a long list cut, marked so)
         raise ValueError("parallel_modules.timeline: not a Chrome trace: expected a JSON object with a "
                          f"'traceEvents' list (or a list of events), got {got}")
     other = trace.get("otherData")
