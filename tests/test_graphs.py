@@ -3930,7 +3930,8 @@ def test_inputs_no_graph_can_take_run_eagerly_with_a_warning_that_says_how_to_re
     x = torch.randn(2, 3, device="cuda")
     expected = torch.cat([x * 2, x * 2], 1)
     with pytest.warns(UserWarning, match=r"unhashable arguments .*running eagerly \(pass such values as tensors, "
-                                         r"or hashable ones, a tuple for a list, a frozenset for a set, to replay a graph\)"):
+                                         r"or hashable ones, a tuple for a list, a frozenset for a set, to "
+                                         r"replay a graph\)"):
         assert torch.equal(block(x, {1, 2}), expected)  # (a set: a leaf of the inputs, and unhashable)
     with pytest.warns(UserWarning, match=r"needs every tensor input on cuda:0; got \['cpu', 'cuda:0'\]\. Running "
                                          r"eagerly \(move every tensor input to cuda:0 to replay a graph\)"):
