@@ -156,9 +156,10 @@ _EXACT = frozenset((int, bool, str, type(None), torch.dtype, torch.device, torch
 
 
 def _module_devices(module: nn.Module) -> set[torch.device]:
-    devices = {p.device for p in module.parameters()}
-    devices.update(b.device for b in module.buffers())
-    return devices
+    # (Set displays, not ``set.update(generator)``: dynamo records consuming a generator as a mutation
+    # of its iterator and keeps that record, holding the tracer and so the module, in a reference cycle
+    # after the trace -- a compiled block would be freed only by the cyclic collector, not at del.)
+    return {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
 
 
 def _check_devices(owner: str, names: Iterable[str], children: Iterable[nn.Module], device: torch.device) -> None:
