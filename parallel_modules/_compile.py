@@ -105,6 +105,7 @@ import re
 import threading
 import types
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Mapping, Union
 
@@ -392,7 +393,10 @@ class _Child:
     __slots__ = ("compiler", "module", "index", "name", "fn", "failed", "reason", "hooks", "failed_tree")
 
     def __init__(self, compiler: "_Compiler", module: nn.Module, index: int, name: str) -> None:
-        self.compiler = compiler
+        # A proxy: the compiler holds its children, and a strong reference back would make every
+        # module with compile= a reference cycle after its first call, its parameters freed only
+        # by the cyclic collector, not at del. (A child runs only as its compiler's, which is alive.)
+        self.compiler = weakref.proxy(compiler)
         self.module = module
         self.index = index
         self.name = name

@@ -150,6 +150,17 @@ def test_a_parallel_compiled_whole_is_freed_at_del(join: str) -> None:
     assert not _freed_at_del(lambda: Parallel(*_branches(), join=join), use)
 
 
+@pytest.mark.parametrize("block", ["parallel", "pipeline"])
+def test_a_block_with_compiled_children_is_freed_at_del(block: str) -> None:
+    # The first call builds each child's compiled form, which its compiler holds.
+    def build() -> nn.Module:
+        if block == "pipeline":
+            return ParallelSequential(nn.Linear(16, 16), nn.Linear(16, 8), chunks=2, compile="eager")
+        return Parallel(*_branches(), compile="eager")
+
+    assert not _freed_at_del(build, _call)
+
+
 class _Raises(nn.Module):
     def __init__(self) -> None:
         super().__init__()
