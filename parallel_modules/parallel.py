@@ -356,7 +356,8 @@ class Parallel(nn.Module):
           writes its input, and ``explain()`` marks it "(input read in
           place)"; see the README's "CUDA graphs"). Changes the module makes
           to its inputs in place (as autograd's version counter sees them)
-          are not seen by the caller;
+          are copied back into the caller's tensors after each replay, as
+          an eager call makes them;
           parameters and buffers are read in place, so optimizer steps between
           calls work. ``module.to()``, ``.cuda()``, ``.half()`` and changing
           the branches drop the graphs, which are captured again. A branch
