@@ -1298,9 +1298,11 @@ class ParallelSequential(nn.Sequential):
         signature), no host synchronisation (``.item()``, ``.cpu()``,
         ``torch.cuda.synchronize()``) and no Python control flow on tensor
         values. Breaking a rule raises a ``RuntimeError`` naming the stage (or,
-        with ``graph_fallback=True``, warns once and runs eagerly). Outputs are
-        fresh tensors unless ``static_outputs=True``, whose buffers the next
-        call overwrites.
+        with ``graph_fallback=True``, warns once and runs eagerly). Outputs you
+        hold are never overwritten, as :class:`~parallel_modules.Parallel`'s:
+        they are clones, or the graph's own buffers once the module sees every
+        output released before the next call; with ``static_outputs=True``
+        they are always the buffers, which the next call overwrites.
 
     .. note::
         Micro-batching changes the result of modules that mix samples across
@@ -1309,7 +1311,7 @@ class ParallelSequential(nn.Sequential):
         refuses to run such stages and says which module is at fault: call
         ``.eval()`` on it, use ``chunks=1``, or use a per-sample normalization
         such as :class:`torch.nn.GroupNorm` or :class:`torch.nn.LayerNorm`.
-        So it refuses modules that change their weights at each call (a
+        It also refuses modules that change their weights at each call (a
         spectral norm in training mode, an embedding with ``max_norm`` whose
         weight another layer also reads), a softmax along the batch, and
         layers that take the batch along dimension 1. Custom modules declare
