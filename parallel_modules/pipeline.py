@@ -1411,6 +1411,11 @@ class ParallelSequential(nn.Sequential):
                 _watch._change_setting(self, name, value, self._reset)
                 return
         super().__setattr__(name, value)
+        if name == "_modules" and "_tree" in self.__dict__:
+            # The tree watches the dict of stages it was built with: given a new one holding the
+            # same stages (``pipe._modules = OrderedDict(pipe._modules)``), its walk finds nothing
+            # changed and a stage written into the new dict later would go unseen.
+            self._reset()
 
     def _reset(self) -> None:
         r"""Forget what was learnt about the stages (placement, batch-mixing modules)."""

@@ -701,6 +701,20 @@ def test_a_stage_written_into_a_graphed_pipelines_own_dict_of_stages_is_run():
         torch.testing.assert_close(m(x), nn.Sequential(*m)(x))
 
 
+def test_a_stage_written_into_a_graphed_pipelines_dict_of_stages_given_anew_is_run():
+    # As above, into a dict of stages given anew that holds the same stages (the tree kept
+    # watching the old dict). Before the fix the graphs replayed the old ReLU.
+    torch.manual_seed(0)
+    m = ParallelSequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), chunks=2, cuda_graph=True).cuda().eval()
+    m._modules = OrderedDict(m._modules)
+    with torch.no_grad():
+        for _ in range(4):
+            m(torch.randn(4, 8, device="cuda"))
+        m._modules["1"] = nn.Tanh()
+        x = torch.randn(4, 8, device="cuda")
+        torch.testing.assert_close(m(x), nn.Sequential(*m)(x))
+
+
 class _WritesFirstReadsSecond(nn.Module):
     def forward(self, inputs):
         first, second = inputs
