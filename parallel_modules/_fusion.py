@@ -2372,8 +2372,10 @@ class _TrainedLinear(torch.autograd.Function):
             return None, None, None
         x, w = ctx.saved_tensors
         wants_x, wants_w, wants_bias = ctx.needs_input_grad
-        return (torch.bmm(grad, w) if wants_x else None,
-                torch.bmm(grad.mT, x) if wants_w else None,
+        # (Conjugated, as autograd's own: complex members' gradients. A real tensor's
+        # ``conj()`` is the tensor itself, a complex one's a lazy view that bmm reads.)
+        return (torch.bmm(grad, w.conj()) if wants_x else None,
+                torch.bmm(grad.mT, x.conj()) if wants_w else None,
                 grad.sum(1, keepdim=True) if ctx.bias and wants_bias else None)
 
 

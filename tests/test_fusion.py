@@ -6801,3 +6801,25 @@ def test_fused_linear_weights_keep_their_slices_of_one_gradient_on_the_cpu():
         grads = [fused[i][j].weight.grad for i in range(3)]
         assert all(g.is_contiguous() for g in grads)
         assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+
+
+def test_fused_complex_linear_layers_train_as_unfused_on_the_cpu():
+    # A fused Linear's own backward (CPU training) must conjugate, as autograd's does: the
+    # gradients of y = x @ w.mT are grad @ w.conj() and grad.mT @ x.conj(). Before, complex
+    # members' weights and inputs got the unconjugated products (the single-layer test above
+    # takes the cat join's F.linear path, which autograd differentiates). Double backward too.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(4, 3, dtype=torch.cfloat), nn.Linear(3, 2, dtype=torch.cfloat))
+                for _ in range(2)]
+    fused = Parallel(*branches, fuse=True)
+    unfused = Parallel(*copy.deepcopy(branches))
+    x = torch.randn(5, 4, dtype=torch.cfloat, requires_grad=True)
+    got = {}
+    for name, block in (("fused", fused), ("unfused", unfused)):
+        wrt = [x, *block.parameters()]
+        grads = torch.autograd.grad(block(x).abs().square().sum(), wrt, create_graph=True)
+        penalty = sum(g.abs().square().sum() for g in grads)
+        got[name] = grads + torch.autograd.grad(penalty, wrt)
+    assert fused_groups(fused) == [["0", "1"]]
+    for a, b in zip(got["fused"], got["unfused"]):
+        assert_close(a, b)
