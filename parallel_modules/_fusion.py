@@ -859,7 +859,8 @@ class _Unstack(torch.autograd.Function):
             # into it would write into ``g`` (changing what later passes read) or into every
             # member's at once, and so would any in-place change (clipping). Unfused, the
             # bias's gradient is a sum, a tensor of its own. (Weights' come transposed, which
-            # autograd copies anyway; the copy here is of a bias-sized gradient.)
+            # autograd copies anyway, or on the CPU in training as a product of their own, no view:
+            # see _TrainedLinear. The copy here is of a bias-sized gradient.)
             grad = grad.clone(memory_format=torch.contiguous_format)
         got = ctx.received.got() if ctx.received is not None else None
         if got is None:
