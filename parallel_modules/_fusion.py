@@ -2362,7 +2362,10 @@ class _TrainedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor,  # type: ignore[override]
                 bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
+        # (Each only where the other's gradient needs it, as autograd's own node saves them: a weight
+        # changed in place before the backward then fails it exactly where it fails unfused.)
+        wants_x, wants_w, _ = ctx.needs_input_grad
+        ctx.save_for_backward(x if wants_w else None, w if wants_x else None)
         ctx.bias = bias is not None
         ctx.set_materialize_grads(False)  # (no gradient came: none goes on, as autograd's own node does)
         return torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias, x, w.mT)
