@@ -28,7 +28,7 @@ def _integer(value: Any) -> int | None:
     if isinstance(value, numbers.Integral):
         return operator.index(value)
     if (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool
-            and not (value.is_floating_point() or value.is_complex())):
+            and not (value.is_floating_point() or value.is_complex() or value.is_meta)):  # (meta: no value)
         return operator.index(value)
     return None
 

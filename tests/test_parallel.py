@@ -826,7 +826,8 @@ def test_dim_takes_an_integer_of_another_type_as_torch_cat_does():
     p.dim = Integer(1)
     assert p.dim == 1 and type(p.dim) is int
     assert_same(p(x), reference(p, x))
-    for wrong in (1.0, torch.tensor(True), torch.tensor([1]), torch.tensor(1.0)):  # (torch.cat refuses these too)
+    for wrong in (1.0, torch.tensor(True), torch.tensor([1]), torch.tensor(1.0),  # (torch.cat refuses these too)
+                  torch.tensor(1, device="meta")):  # (no value to take: refused as the others, not by torch)
         with pytest.raises(TypeError, match=r"Parallel: dim must be an int, got (float|Tensor)"):
             p.dim = wrong
     assert p.dim == 1
