@@ -58,6 +58,9 @@ class Config:
     hook: str = "none"  # in branch b, between its Linear and activation: "none", "sleep", "rogue"
     cuda_graph: bool = False
     streams: Any = "auto"
+    # fuse=True: the pipeline's Parallel gets two identical branches, fused (on the CPU their
+    # Linear layers train through the library's own backward: see _fusion._TrainedLinear)
+    fuse: Any = False
     width: int = 32
     batch: int = 8  # per rank
 
@@ -133,8 +136,8 @@ class Net(nn.Module):
             join="dict", streams=cfg.streams, cuda_graph=cfg.cuda_graph,
         )
         self.pipe = ParallelSequential(
-            Parallel(nn.Linear(w, w // 2), nn.Sequential(nn.Linear(w, w // 2), nn.ReLU()), join="cat",
-                     streams=cfg.streams),
+            Parallel(nn.Sequential(nn.Linear(w, w // 2), nn.ReLU()) if cfg.fuse else nn.Linear(w, w // 2),
+                     nn.Sequential(nn.Linear(w, w // 2), nn.ReLU()), join="cat", streams=cfg.streams, fuse=cfg.fuse),
             nn.Linear(w, 8),
             chunks=2, cuda_graph=cfg.cuda_graph,
         )

@@ -28,6 +28,7 @@ CONFIGS = [
     D.Config("ddp-gradient-as-bucket-view", ddp={"gradient_as_bucket_view": True}),
     D.Config("ddp-static-graph", ddp={"static_graph": True}),
     D.Config("ddp-find-unused-branch", ddp={"find_unused_parameters": True}, use_c=False),
+    D.Config("ddp-fused", fuse=True),
     D.Config("fsdp2", wrapper="fsdp2"),
     D.Config("fsdp2-branches", wrapper="fsdp2-branches"),
     D.Config("control-no-averaging", wrapper="none"),  # must NOT match: proves the comparison
