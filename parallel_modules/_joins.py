@@ -293,18 +293,16 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
         else:
             # A TypeError where some branches return a tensor there (as where no branch returned
             # one), a ValueError where none does and their values differ. The structures are listed
-            # only where the outputs are structures: a single leaf's would repeat the line above it.
+            # only where the outputs are structures (a leaf's path): a single leaf's would repeat
+            # the line above it.
             where = _leaf_path(outputs[0], i)
             got = ", ".join(f"branch {n!r}: {_describe_leaf(v)}" for n, v in zip(names, column))
-            error = TypeError if any(isinstance(v, _LEAVES) for v in column) else ValueError
-            fix = "or pass join=None to receive the outputs as a tuple."
-            if not where:  # (plain outputs)
-                raise error(f"{owner}: join={how!r} joins tensors, but the branch outputs are not a tensor in "
-                            f"every branch, nor the same value in all: {got}. Return a tensor from every branch "
-                            f"(or the same non-tensor value), {fix}")
-            raise error(f"{owner}: join={how!r} joins tensors, but the outputs at {where} are not a tensor in every "
-                        f"branch, nor the same value in all: {got}.\n{_listing(names, outputs)}\nReturn a tensor "
-                        f"there from every branch (or the same non-tensor value), {fix}")
+            what, between, there = ((f"the outputs at {where}", f".\n{_listing(names, outputs)}\n", " there") if where
+                                    else ("the branch outputs", ". ", ""))
+            raise (TypeError if any(isinstance(v, _LEAVES) for v in column) else ValueError)(
+                f"{owner}: join={how!r} joins tensors, but {what} are not a tensor in every branch, nor the same "
+                f"value in all: {got}{between}Return a tensor{there} from every branch (or the same non-tensor "
+                f"value), or pass join=None to receive the outputs as a tuple.")
     return pytree.tree_unflatten(joined, spec)
 
 
