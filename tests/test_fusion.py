@@ -6773,8 +6773,9 @@ def test_an_attention_dropout_rate_raised_after_grouping_unfuses_its_members():
     assert fused_groups(strict) == [["0", "1"]]
 
 
-# ---------------------------------------------- fused training on the CPU (session 78)
-def test_fused_linear_weights_keep_their_slices_of_one_gradient_on_the_cpu():
+# ---------------------------------------------- fused Linear layers' own backward (sessions 78-79)
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_fused_linear_weights_keep_their_slices_of_one_gradient(device):
     # Before: the stacked weights' gradient came as autograd's transposed view, which each
     # member's accumulator copied into its .grad (a transposing copy per member and layer:
     # a fused training step of 8 small MLPs ran 0.8x the unfused one on the CPU). Now each
@@ -6782,9 +6783,9 @@ def test_fused_linear_weights_keep_their_slices_of_one_gradient_on_the_cpu():
     # them (a gradient penalty), equal the unfused block's.
     torch.manual_seed(0)
     branches = [nn.Sequential(nn.Linear(16, 12), nn.GELU(), nn.Linear(12, 8)) for _ in range(3)]
-    fused = Parallel(*branches, fuse=True)
-    unfused = Parallel(*copy.deepcopy(branches))
-    x = torch.randn(5, 16, requires_grad=True)
+    fused = Parallel(*branches, fuse=True).to(device)
+    unfused = Parallel(*copy.deepcopy(branches)).to(device)
+    x = torch.randn(5, 16, device=device, requires_grad=True)
     for block in (fused, unfused):
         out = block(x)
         g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
@@ -6803,17 +6804,18 @@ def test_fused_linear_weights_keep_their_slices_of_one_gradient_on_the_cpu():
         assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
 
 
-def test_fused_complex_linear_layers_train_as_unfused_on_the_cpu():
-    # A fused Linear's own backward (CPU training) must conjugate, as autograd's does: the
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_fused_complex_linear_layers_train_as_unfused(device):
+    # A fused Linear's own backward (training) must conjugate, as autograd's does: the
     # gradients of y = x @ w.mT are grad @ w.conj() and grad.mT @ x.conj(). Before, complex
     # members' weights and inputs got the unconjugated products (the single-layer test above
     # takes the cat join's F.linear path, which autograd differentiates). Double backward too.
     torch.manual_seed(0)
     branches = [nn.Sequential(nn.Linear(4, 3, dtype=torch.cfloat), nn.Linear(3, 2, dtype=torch.cfloat))
                 for _ in range(2)]
-    fused = Parallel(*branches, fuse=True)
-    unfused = Parallel(*copy.deepcopy(branches))
-    x = torch.randn(5, 4, dtype=torch.cfloat, requires_grad=True)
+    fused = Parallel(*branches, fuse=True).to(device)
+    unfused = Parallel(*copy.deepcopy(branches)).to(device)
+    x = torch.randn(5, 4, dtype=torch.cfloat, device=device, requires_grad=True)
     got = {}
     for name, block in (("fused", fused), ("unfused", unfused)):
         wrt = [x, *block.parameters()]
