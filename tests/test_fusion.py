@@ -5088,14 +5088,18 @@ def _change_buffer(layer: nn.Module, case: str) -> None:
         layer.s.mul_(3)
 
 
+@pytest.mark.parametrize("layers", ["ours", "vmapped"])
 @pytest.mark.parametrize("input_grad", [False, True])
-def test_a_frozen_member_updated_before_backward_passes_or_fails_as_unfused(input_grad):
+def test_a_frozen_member_updated_before_backward_passes_or_fails_as_unfused(input_grad, layers):
     # Before: an EMA teacher kept frozen beside its students and updated in place before their
     # backward was refused fused ("modified by an inplace operation"), where unfused nothing of
-    # it is saved for backward; with an input that requires grad, both refuse.
+    # it is saved for backward; with an input that requires grad, both refuse. "vmapped": a
+    # block of the user's, whose output requires grad for every member when any member's does
+    # (its weights are told frozen by the member's parameters, not by what flows through it).
     torch.manual_seed(0)
-    heads = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(3)]
-    x = torch.randn(5, 8, requires_grad=input_grad)
+    heads = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) if layers == "ours"
+             else nn.Sequential(_TanhBlock(), nn.Linear(6, 4)) for _ in range(3)]
+    x = torch.randn(5, 8 if layers == "ours" else 6, requires_grad=input_grad)
     outcomes = []
     for fuse in (False, True):
         block = Parallel(*copy.deepcopy(heads), fuse=fuse)
