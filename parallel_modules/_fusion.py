@@ -2007,8 +2007,10 @@ class _Joined:
             if joined is t or joined._base is base:
                 if _is_tracing():  # (a compiler's trace shows no saved results: copied whatever saved it)
                     return joined.clone()
-                fn = base.grad_fn  # (a Python Function's ``ctx`` may have saved anything)
-                if hasattr(fn, "_saved_result") or isinstance(fn, torch.autograd.function.BackwardCFunction):
+                fn = base.grad_fn  # (a Python Function's ``ctx`` may have saved anything; not
+                # _TrainedLinear's, which saves its inputs alone, as autograd's own product does)
+                if hasattr(fn, "_saved_result") or (isinstance(fn, torch.autograd.function.BackwardCFunction)
+                                                    and type(fn) is not _TrainedLinear._backward_cls):
                     return joined.clone()
         return joined
 
