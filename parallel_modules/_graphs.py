@@ -2304,8 +2304,9 @@ def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:
     Autograd keeps a returned gradient as a leaf's ``.grad`` only if its strides
     are the leaf's (for a dense leaf); any other it copies on every backward, an
     allocation and a launch each (a fused group's weight gradients come
-    transposed: ``w.mT`` is what its products read). Copied once in the
-    backward graph instead.
+    transposed where autograd differentiates its products, which read ``w.mT``:
+    under autocast; elsewhere they come laid out as the weights, see
+    ``_fusion._TrainedLinear``). Copied once in the backward graph instead.
     """
     out = []
     for g, t in zip(grads, tensors):
