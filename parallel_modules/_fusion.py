@@ -886,22 +886,27 @@ class _Received:
     one call's graph may be differentiated again (``retain_graph=True``) with
     other members' outputs used; the last few only. Where nothing was
     reported for the pass (a join read off the batched value, a split by
-    torch's own operations), every member received one; so for every pass
-    after one that made a graph of its own (``create_graph=True``, a gradient
-    penalty), whose gradients may reach the stacks through that graph, past the
-    split (that pass itself reaches them through the split alone).
+    torch's own operations), every member received one. A pass that made a
+    graph of its own (``create_graph=True``, a gradient penalty) lets later
+    passes reach the stacks through that graph, past the split: they count
+    every member it received too. Only those: the graph it made is linear in
+    the gradients it got, zeros for the others, so it hands their slices zeros
+    (and a penalty on one head must leave the heads it never reached
+    without a gradient, as unfused).
     """
 
     __slots__ = ("passes", "higher")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
-        self.higher: int | None = None  # the first pass with create_graph=True
+        self.higher: set[int] | None = None  # the members passes with create_graph=True received
 
     def add(self, member: int) -> None:
         task = _graph_task()
-        if self.higher is None and torch.is_grad_enabled():  # (a backward's grad mode is its create_graph)
-            self.higher = task
+        if torch.is_grad_enabled():  # (a backward's grad mode is its create_graph)
+            if self.higher is None:
+                self.higher = set()
+            self.higher.add(member)
         seen = self.passes.get(task)
         if seen is None:
             seen = set()
@@ -909,8 +914,12 @@ class _Received:
         seen.add(member)
 
     def got(self) -> set[int] | None:
-        task = _graph_task()
-        return None if self.higher is not None and self.higher != task else self.passes.get(task)
+        seen = self.passes.get(_graph_task())
+        if self.higher is None:
+            return seen
+        # (A pass that reported nothing, where an earlier one did: the call's outputs are
+        # split, so it reached the stacks through a create_graph pass's graph alone.)
+        return self.higher if seen is None else seen | self.higher
 
 
 class _Split(torch.autograd.Function):

@@ -6852,3 +6852,29 @@ def test_fused_complex_linear_layers_train_as_unfused(device):
     assert fused_groups(fused) == [["0", "1"]]
     for a, b in zip(got["fused"], got["unfused"]):
         assert_close(a, b)
+
+
+@pytest.mark.parametrize("with_loss", [True, False])
+def test_a_gradient_penalty_on_one_head_leaves_the_others_without_gradient(with_loss):
+    # (Session 79's training hunt.) Before: every backward pass after a create_graph one handed
+    # every member zeros, so a penalty on head 0 gave heads 1 and 2 zero gradients where unfused
+    # they get None: SGD's weight decay and momentum then moved them. Now later passes count only
+    # the members the create_graph pass reached. With the loss or the penalty alone.
+    torch.manual_seed(0)
+    heads = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(3)]
+    fused = Parallel(*heads, join=None, fuse=True)
+    unfused = Parallel(*copy.deepcopy(heads), join=None)
+    for block in (fused, unfused):
+        opt = torch.optim.SGD(block.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        for step in range(2):
+            opt.zero_grad()
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            outs = block(x)
+            g, = torch.autograd.grad(outs[0].sum(), x, create_graph=True)
+            (g.square().sum() + (outs[0].square().sum() if with_loss else 0)).backward()
+            opt.step()
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    for name, p in fused.named_parameters():
+        q = unfused.get_parameter(name)
+        assert (p.grad is None) == (q.grad is None), name
+        assert_close(p, q)
