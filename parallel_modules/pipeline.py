@@ -1243,7 +1243,10 @@ class ParallelSequential(nn.Sequential):
     ``torch.export`` trace the model, micro-batches run one after the other,
     with the results of the stages applied to each micro-batch (equal to the
     whole batch's up to rounding: a smaller batch may pick another kernel, or
-    sum in another order). Indexing, slicing (which keeps ``chunks``),
+    sum in another order). Stages drawing random numbers (dropout in training)
+    draw them for one micro-batch at a time, so their masks are not the ones
+    :class:`torch.nn.Sequential` draws for the same seed, though from the same
+    distribution; ``chunks=1`` draws those. Indexing, slicing (which keeps ``chunks``),
     ``append`` and the state dict are those of :class:`torch.nn.Sequential`,
     except that appending where the next index names a stage kept (a slice
     keeps its stages' names) raises, where ``nn.Sequential`` replaces that

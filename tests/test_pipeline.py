@@ -3473,3 +3473,22 @@ def test_errors_name_the_chunks_the_call_used_when_set_during_it(case: str) -> N
     with pytest.raises(RuntimeError, match=rf"(?s){expected}"):
         with torch.no_grad():
             pipe(input)
+
+
+def test_dropout_in_training_draws_its_masks_micro_batch_by_micro_batch() -> None:
+    # What the docs promise for random stages: with chunks=1 the masks nn.Sequential draws for the
+    # same seed; with more, each stage draws for one micro-batch at a time, in the order the CPU
+    # runs them (every stage on micro-batch 0, then on 1, ...), so not nn.Sequential's masks.
+    stages = [nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5)]
+    x = torch.randn(6, 8)
+    ref = nn.Sequential(*stages)
+    torch.manual_seed(0)
+    expected = ref(x)
+    torch.manual_seed(0)
+    assert torch.equal(ParallelSequential(*stages)(x), expected)
+    model = ParallelSequential(*stages, chunks=3)
+    torch.manual_seed(0)
+    pieces = _pieces_reference(model, x, 3)
+    torch.manual_seed(0)
+    out = model(x)
+    assert torch.equal(out, pieces) and not torch.equal(out, expected)
