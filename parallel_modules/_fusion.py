@@ -860,7 +860,8 @@ class _Unstack(torch.autograd.Function):
             # member's at once, and so would any in-place change (clipping). Unfused, the
             # bias's gradient is a sum, a tensor of its own. (Weights' come transposed, which
             # autograd copies anyway, or, on the CPU and CUDA in training, as a product of
-            # their own, no view: see _TrainedLinear. The copy here is of a bias-sized gradient.)
+            # their own, no view: see _TrainedLinear, whose biases' gradient is a sum of its
+            # own too. The copy here is of a bias-sized gradient.)
             grad = grad.clone(memory_format=torch.contiguous_format)
         got = ctx.received.got() if ctx.received is not None else None
         if got is None:
@@ -2375,7 +2376,7 @@ def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
                 and flat.dtype == w.dtype and not (_is_tracing() or _functorch_active()
                                                    or _forward_ad._current_level >= 0
                                                    or torch.is_autocast_enabled(flat.device.type))):
-            out = _TrainedLinear.apply(flat, w, bias)
+            out = _TrainedLinear.apply(flat, w, b)
         else:
             out = torch.bmm(flat, wt) if bias is None else torch.baddbmm(bias, flat, wt)
         return _Value(out if lead is None else out.view(n, *lead, out.shape[-1]), _STACKED)
@@ -2388,8 +2389,8 @@ _OWN_LINEAR_BACKWARD = ("cpu", "cuda")
 
 
 class _TrainedLinear(torch.autograd.Function):
-    r"""``baddbmm(bias, x, w.mT)`` (``bmm`` without a bias) for stacked weights ``w`` ``[N, out, in]``,
-    whose backward lays the weights' gradient out as the weights are.
+    r"""``baddbmm(b.unsqueeze(1), x, w.mT)`` (``bmm`` without a bias) for stacked weights ``w`` ``[N, out, in]``
+    and biases ``b`` ``[N, out]``, whose backward lays the weights' gradient out as the weights are.
 
     Autograd's own gives the gradient of ``w.mT``, ``x.mT @ grad`` ``[N, in, out]``, so that
     of ``w`` is its transposed view; each member's slice of it (see :class:`_Unstack`)
@@ -2402,7 +2403,9 @@ class _TrainedLinear(torch.autograd.Function):
     ``tools/exp_train_ab.py``). Other devices keep autograd's own, unmeasured. Not under
     autocast (the backward would meet the half-precision gradient with the float32 weight),
     forward-mode AD or functorch transforms (no rules here), nor while a compiler traces.
-    Double backward differentiates the products below.
+    Double backward differentiates the products below. The biases' gradient is a sum of
+    its own, ``[N, out]``: returned for ``b.unsqueeze(1)``, it would reach :class:`_Unstack`
+    as a view, which takes it for memory that is not the backward's own and copies it.
     """
 
     @staticmethod
@@ -2414,7 +2417,7 @@ class _TrainedLinear(torch.autograd.Function):
         ctx.save_for_backward(x if wants_w else None, w if wants_x else None)
         ctx.bias = bias is not None
         ctx.set_materialize_grads(False)  # (no gradient came: none goes on, as autograd's own node does)
-        return torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias, x, w.mT)
+        return torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, w.mT)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
@@ -2426,7 +2429,7 @@ class _TrainedLinear(torch.autograd.Function):
         # ``conj()`` is the tensor itself, a complex one's a lazy view that bmm reads.)
         return (torch.bmm(grad, w.conj()) if wants_x else None,
                 torch.bmm(grad.mT, x.conj()) if wants_w else None,
-                grad.sum(1, keepdim=True) if ctx.bias and wants_bias else None)
+                grad.sum(1) if ctx.bias and wants_bias else None)
 
 
 def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, str, int] | None = None
