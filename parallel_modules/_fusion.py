@@ -2306,11 +2306,16 @@ def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
         t, layout = v.t, v.layout
         if views[0] is w and views[2] is b:
             wt, bias = views[1], views[3]
+        elif w.requires_grad or b is not None and b.requires_grad:
+            # Trained: views of the stacks made anew at every call (see _Group._stacked), which
+            # _TrainedLinear takes as they are; the products below make theirs where they run.
+            wt = bias = None
+            if not _is_tracing():  # (a trace's stacks are its own; written, a guard of it would fail)
+                views[:] = [None] * 6
         else:
             wt, bias = w.mT, None if b is None else b.unsqueeze(1)
-            if not _is_tracing():  # (a trace's stacks are its own; written, a guard of it would fail)
-                views[:] = [w, wt, b, bias, None, None] if not w.requires_grad and (
-                    b is None or not b.requires_grad) else [None] * 6
+            if not _is_tracing():
+                views[:] = [w, wt, b, bias, None, None]
         fewer = call.fewer_kernels
         if (fewer or (last and call.cat_joined)) and layout == _SHARED and t.dim() == 2:
             # Every member reads the same rows: one product with the members' weights
@@ -2378,6 +2383,8 @@ def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
                                                    or torch.is_autocast_enabled(flat.device.type))):
             out = _TrainedLinear.apply(flat, w, b)
         else:
+            if wt is None:  # (trained, where _TrainedLinear is not taken: see above)
+                wt, bias = w.mT, None if b is None else b.unsqueeze(1)
             out = torch.bmm(flat, wt) if bias is None else torch.baddbmm(bias, flat, wt)
         return _Value(out if lead is None else out.view(n, *lead, out.shape[-1]), _STACKED)
 
