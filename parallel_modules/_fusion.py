@@ -1231,6 +1231,24 @@ class _Group:
                 return False
             return self._bind()
 
+    def rebind(self) -> bool | None:
+        r"""Bind anew where :meth:`swapped` holds outside a swap for one call, as :meth:`bind` returns.
+
+        ``nn.Parameter``\ s written into a member's dict without registration
+        (``layer._parameters["weight"] = p``, as weight-loading and tying tools
+        do) are kept there: taken for tensors swapped in, the group would stack
+        every member's tensors anew at every later call, with nothing watched
+        for changes in place before backward (see :meth:`_run`). ``None``
+        where they are swapped in for the call after all (see :meth:`bind`), or
+        the members are no longer what was grouped (a tensor set to ``None``,
+        deleted, or unlike the others': see :meth:`changed`), which the call
+        finds, and the groups are found anew.
+        """
+        if _watch._swapped_in(self.owners) or self.changed():
+            return None
+        with _lock:
+            return self._bind()
+
     def _bind(self) -> bool:
         moved = checked = False
         stacks: dict[str, torch.Tensor] = {}

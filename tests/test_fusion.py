@@ -6908,3 +6908,37 @@ def test_a_pass_beside_a_create_graph_pass_leaves_the_heads_it_does_not_reach_wi
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             assert_close(p.grad, q.grad)
+
+
+def test_a_parameter_written_into_a_members_dict_is_bound_anew():
+    # (Session 79's review.) ``layer._parameters["weight"] = nn.Parameter(...)`` registers
+    # nothing, and outside functional_call it is kept there, not swapped in for one call.
+    # Before, the group stayed bound to the old parameter and took the new one for a swap:
+    # every later call stacked every member's tensors anew, with nothing watched, so a
+    # change in place to a trained weight before backward passed where unfused autograd
+    # refuses it. Now the group is bound anew: gradients as unfused, and the change refused
+    # as unfused.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(3)]
+    fused = Parallel(*branches, fuse=True)
+    unfused = Parallel(*copy.deepcopy(branches))
+    x = torch.randn(4, 6)
+    for _ in range(2):  # (the block's look at its tree settled: see _watch._Tree.same)
+        fused(x)
+    group = fused._fusion.units[0]
+    new = torch.randn(3, 8)
+    for block in (fused, unfused):
+        block[1][2]._parameters["weight"] = nn.Parameter(new.clone())
+    for block in (fused, unfused):
+        block(x).square().sum().backward()
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    assert fused._fusion.units[0] is group and not group.swapped(), "bound anew to the parameter written"
+    assert fused[1][2].weight.data_ptr() == group.stacks["2.weight"][1].data_ptr()
+    for name, p in fused.named_parameters():
+        assert_close(p.grad, unfused.get_parameter(name).grad)
+    for block in (fused, unfused):
+        loss = block(x).square().sum()
+        with torch.no_grad():
+            block[1][2].weight.mul_(2)  # (a step before backward: saved for the Tanh output's gradient)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
