@@ -6854,16 +6854,20 @@ def test_fused_complex_linear_layers_train_as_unfused(device):
         assert_close(a, b)
 
 
+def _three_heads() -> tuple[Parallel, Parallel]:
+    r"""Three small heads fused with ``join=None``, and the same heads unfused (the gradient-penalty tests)."""
+    torch.manual_seed(0)
+    heads = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(3)]
+    return Parallel(*heads, join=None, fuse=True), Parallel(*copy.deepcopy(heads), join=None)
+
+
 @pytest.mark.parametrize("with_loss", [True, False])
 def test_a_gradient_penalty_on_one_head_leaves_the_others_without_gradient(with_loss):
     # (Session 79's training hunt.) Before: every backward pass after a create_graph one handed
     # every member zeros, so a penalty on head 0 gave heads 1 and 2 zero gradients where unfused
     # they get None: SGD's weight decay and momentum then moved them. Now later passes count only
     # the members the create_graph pass reached. With the loss or the penalty alone.
-    torch.manual_seed(0)
-    heads = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(3)]
-    fused = Parallel(*heads, join=None, fuse=True)
-    unfused = Parallel(*copy.deepcopy(heads), join=None)
+    fused, unfused = _three_heads()
     for block in (fused, unfused):
         opt = torch.optim.SGD(block.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
         for step in range(2):
@@ -6890,10 +6894,7 @@ def test_a_pass_beside_a_create_graph_pass_leaves_the_heads_it_does_not_reach_wi
     # where unfused it gets None (SGD's weight decay and momentum then move it). Telling the two
     # apart needs to know whether the later pass runs the graph the create_graph pass made,
     # which reaches the stacks through torch's own nodes, not the block's.
-    torch.manual_seed(0)
-    heads = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(3)]
-    fused = Parallel(*heads, join=None, fuse=True)
-    unfused = Parallel(*copy.deepcopy(heads), join=None)
+    fused, unfused = _three_heads()
     for block in (fused, unfused):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
         outs = block(x)
