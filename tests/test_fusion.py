@@ -6943,3 +6943,37 @@ def test_a_parameter_written_into_a_members_dict_is_bound_anew():
             block[1][2].weight.mul_(2)  # (a step before backward: saved for the Tanh output's gradient)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+class _HalvesItsMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones(4))
+
+    def forward(self, x):
+        self.mask.mul_(0.5)
+        return self.fc(x) * self.mask
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_one_buffer_written_into_every_members_dict_is_written_by_each_in_turn(fuse):
+    # One buffer object written into every member's dict, registering nothing, which each
+    # member's forward then writes in place: unfused it is halved once per member and call.
+    # The group must not bind it anew (see _Group.rebind): stacked copies of it, one per
+    # member, would each be halved once, and the members would read their own copies.
+    torch.manual_seed(0)
+    fused = Parallel(*[_HalvesItsMask() for _ in range(3)], fuse=fuse)
+    unfused = copy.deepcopy(fused)
+    unfused.fuse = False
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        fused(x), unfused(x)
+    for block in (fused, unfused):
+        shared = torch.full((4,), 2.0)
+        for branch in block:
+            branch._buffers["mask"] = shared
+    for _ in range(3):
+        assert_close(fused(x), unfused(x))
+        assert_close(fused[0].mask, unfused[0].mask)
+    assert fused_groups(fused) == [["0", "1", "2"]]
