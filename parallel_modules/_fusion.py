@@ -1231,27 +1231,6 @@ class _Group:
                 return False
             return self._bind()
 
-    def rebind(self) -> bool | None:
-        r"""Bind anew where :meth:`swapped` holds outside a swap for one call, as :meth:`bind` returns.
-
-        ``nn.Parameter``\ s written into a member's dict without registration
-        (``layer._parameters["weight"] = p``, as weight-loading and tying tools
-        do) are kept there: taken for tensors swapped in, the group would stack
-        every member's tensors anew at every later call, with nothing watched
-        for changes in place before backward (see :meth:`_run`). ``None``
-        where they are swapped in for the call after all (see :meth:`bind`), the
-        members are no longer what was grouped (a tensor set to ``None``,
-        deleted, or unlike the others': see :meth:`changed`), which the call
-        finds, and the groups are found anew, or members were given one tensor
-        (or views of one), which stacked copies would untie: a call that stacks
-        them runs the members that write it in turn, as unfused (see :meth:`_stacked`).
-        """
-        if _watch._swapped_in(self.owners) or self.changed() or any(
-                _share_memory([t for t in self._tensors(e) if t is not None]) for e in self.entries.values()):
-            return None
-        with _lock:
-            return self._bind()
-
     def _bind(self) -> bool:
         moved = checked = False
         stacks: dict[str, torch.Tensor] = {}

@@ -42,9 +42,8 @@ by. Not seen until the next registration anywhere: a dict of children replaced
 whole below a block (``layer._modules = {...}``, the old one left as it was; a
 block's own is), and the same children put back in another order under the
 same names (popped and set again). (A parameter or buffer written into
-``_parameters`` or ``_buffers`` registers nothing either: fused groups compare
-their members' dicts with copies at every call and bind it anew, see
-``_fusion._Group.swapped`` and ``rebind``.)
+``_parameters`` or ``_buffers`` registers nothing either: fused groups see it
+by its address, see ``_fusion._Group._bound``.)
 """
 
 from __future__ import annotations

@@ -1132,19 +1132,13 @@ class Parallel(nn.Module):
         try:
             # (None: tensors swapped in for this call, left unbound -- the call stacks them.)
             moved = group.bind() if not tracing else False
-            swapped = not tracing and moved is not None and group.swapped()
-            if swapped and not _functorch_active():
-                # Not swapped in for this call: written into a member's dict and kept there
-                # (see _Group.rebind).
-                moved = group.rebind()
-                swapped = moved is not None and group.swapped()
             if moved:  # a parameter was replaced: stacked anew
                 self._param_moves += 1
             # Tensors swapped in without registration (torch.func.functional_call), or
             # functorch transforms, which need the members' tensors as they are: stacked
             # for this call (its layers write those stacks, not the bound ones: nothing
             # of those to judge or keep below).
-            restack = not tracing and (moved is None or swapped or _functorch_active())
+            restack = not tracing and (moved is None or group.swapped() or _functorch_active())
             # (``tracing`` first: a compiler would guard on ``group.ran``, which an eager call sets.)
             # Layers that ran batched before one failed may have updated buffers (an
             # InstanceNorm's running statistics): put back before the members run unfused.

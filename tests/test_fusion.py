@@ -6911,14 +6911,17 @@ def test_a_pass_beside_a_create_graph_pass_leaves_the_heads_it_does_not_reach_wi
             assert_close(p.grad, q.grad)
 
 
+@pytest.mark.xfail(strict=True, reason="a tensor written into a member's dict without registration is restacked at "
+                                       "every call, not bound anew (session 79: binding it anew untied views and "
+                                       "ties the restack keeps; README says so)")
 def test_a_parameter_written_into_a_members_dict_is_bound_anew():
     # (Session 79's review.) ``layer._parameters["weight"] = nn.Parameter(...)`` registers
-    # nothing, and outside functional_call it is kept there, not swapped in for one call.
-    # Before, the group stayed bound to the old parameter and took the new one for a swap:
-    # every later call stacked every member's tensors anew, with nothing watched, so a
-    # change in place to a trained weight before backward passed where unfused autograd
-    # refuses it. Now the group is bound anew: gradients as unfused, and the change refused
-    # as unfused.
+    # nothing, and outside functional_call it is kept there, not swapped in for one call. The
+    # group takes it for a swap: every later call stacks every member's tensors anew (results
+    # as unfused), with nothing watched, so a change in place to a trained weight before
+    # backward passes where unfused autograd refuses it. Binding it anew (tried in session 79)
+    # copied apart a view of an outside tensor, or views tied within a member, which the
+    # restack keeps, and refused inference tensors written into one member.
     torch.manual_seed(0)
     branches = [nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(3)]
     fused = Parallel(*branches, fuse=True)
@@ -6926,15 +6929,12 @@ def test_a_parameter_written_into_a_members_dict_is_bound_anew():
     x = torch.randn(4, 6)
     for _ in range(2):  # (the block's look at its tree settled: see _watch._Tree.same)
         fused(x)
-    group = fused._fusion.units[0]
     new = torch.randn(3, 8)
     for block in (fused, unfused):
         block[1][2]._parameters["weight"] = nn.Parameter(new.clone())
     for block in (fused, unfused):
         block(x).square().sum().backward()
     assert fused_groups(fused) == [["0", "1", "2"]]
-    assert fused._fusion.units[0] is group and not group.swapped(), "bound anew to the parameter written"
-    assert fused[1][2].weight.data_ptr() == group.stacks["2.weight"][1].data_ptr()
     for name, p in fused.named_parameters():
         assert_close(p.grad, unfused.get_parameter(name).grad)
     for block in (fused, unfused):
@@ -6960,8 +6960,8 @@ class _HalvesItsMask(nn.Module):
 def test_one_buffer_written_into_every_members_dict_is_written_by_each_in_turn(fuse):
     # One buffer object written into every member's dict, registering nothing, which each
     # member's forward then writes in place: unfused it is halved once per member and call.
-    # The group must not bind it anew (see _Group.rebind): stacked copies of it, one per
-    # member, would each be halved once, and the members would read their own copies.
+    # Stacked copies of it, one per member, would each be halved once, and the members would
+    # read their own copies (as when session 79 bound such tensors anew into the group).
     torch.manual_seed(0)
     fused = Parallel(*[_HalvesItsMask() for _ in range(3)], fuse=fuse)
     unfused = copy.deepcopy(fused)
