@@ -1259,7 +1259,9 @@ def _exported_call_works(block: Parallel) -> None:
     x = torch.randn(5, 4)
     with torch.no_grad():
         expected = torch.cat([branch(x) for branch in block], 1)
-        assert_same(block(x), expected)
+        # (A group fused for good runs batched kernels, which may round otherwise, as the
+        # CPU's BLAS decides: bit for bit on some CPUs, not on others.)
+        (assert_close if block.fuse is True else assert_same)(block(x), expected)
         # (Exported, a fused group runs its traced batched kernels, which may round otherwise.)
         assert_close(torch.export.export(block, (x,), strict=False).module()(x), expected)
 
