@@ -887,6 +887,8 @@ except AttributeError:  # another torch: Function.apply as it is
 
 def _unstack(received: _Received | None, stacked: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
     r"""``_Unstack.apply(received, stacked, *tensors)`` (see above)."""
+    if received is not None:
+        received.tensors.append(tensors)
     if _unstack_apply is None or torch._C._are_functorch_transforms_active():
         return _Unstack.apply(received, stacked, *tensors)
     return _unstack_apply(received, stacked, *tensors)
@@ -906,40 +908,88 @@ class _Received:
     one call's graph may be differentiated again (``retain_graph=True``) with
     other members' outputs used; the last few only. Where nothing was
     reported for the pass (a join read off the batched value, a split by
-    torch's own operations), every member received one. A pass that made a
-    graph of its own (``create_graph=True``, a gradient penalty) lets later
-    passes reach the stacks through that graph, past the split: they count
-    every member it received too. Only those: the graph it made is linear in
-    the gradients it got, zeros for the others, so it hands their slices zeros
-    (and a penalty on one head must leave the heads it never reached
-    without a gradient, as unfused).
+    torch's own operations), every member received one.
+
+    A pass that makes a graph of its own (``create_graph=True``, a gradient
+    penalty) lets later passes reach the stacks through that graph, past the
+    split, by torch's own nodes. That graph is linear in the gradients the
+    pass got, zeros for the members it did not reach, so a later pass through
+    it hands those members' slices zeros: unfused, they get none (a penalty on
+    one head must leave the others without a gradient). So each member it
+    reached has its gradient marked there (:meth:`mark`), and a later pass
+    counts a member whose mark the autograd engine will run in that pass --
+    not one whose mark lies in a graph the pass leaves out (a loss on another
+    head after the penalty's input gradient). Per member, not per parameter: a
+    stack's gradient is one batched tensor, so a parameter of a member reached
+    that the made graph does not depend on (the last bias, where the loss is
+    linear in the head's output) gets zeros, where unfused it gets none.
     """
 
-    __slots__ = ("passes", "higher")
+    __slots__ = ("passes", "tensors", "marks")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
-        self.higher: set[int] | None = None  # the members passes with create_graph=True received
+        # Per stack the call differentiates, the members' tensors of it (see _Unstack).
+        self.tensors: list[list[torch.Tensor]] = []
+        # The members create_graph passes reached, with their marks' nodes (weakly: a mark's node
+        # lives as long as the graph that pass made, which the caller may drop).
+        self.marks: list[tuple[int, weakref.ref]] = []
 
     def add(self, member: int) -> None:
         task = _graph_task()
-        if torch.is_grad_enabled():  # (a backward's grad mode is its create_graph)
-            if self.higher is None:
-                self.higher = set()
-            self.higher.add(member)
         seen = self.passes.get(task)
         if seen is None:
             seen = set()
             _bounded_add(self.passes, task, seen, limit=4)
         seen.add(member)
 
+    def mark(self, member: int, grad: torch.Tensor) -> torch.Tensor:
+        r"""``grad``, member ``member``'s gradient in a pass with ``create_graph=True``, through a
+        :class:`_Mark` of that member (see above)."""
+        # (Tied to the member's own trained tensors: a later torch.autograd.grad for them then
+        # counts the mark as run, where it runs that pass's graph; one for other tensors need not.)
+        anchors = [tensors[member] for tensors in self.tensors if tensors[member].requires_grad]
+        if not anchors:
+            return grad
+        marked = _Mark.apply(grad, *anchors)
+        self.marks = [(i, ref) for i, ref in self.marks if ref() is not None]
+        self.marks.append((member, weakref.ref(marked.grad_fn)))
+        return marked
+
     def got(self) -> set[int] | None:
         seen = self.passes.get(_graph_task())
-        if self.higher is None:
-            return seen
-        # (A pass that reported nothing, where an earlier one did: the call's outputs are
-        # split, so it reached the stacks through a create_graph pass's graph alone.)
-        return self.higher if seen is None else seen | self.higher
+        if self.marks:
+            reached = {i for i, ref in self.marks if (node := ref()) is not None and _will_run(node)}
+            if reached:
+                return reached if seen is None else seen | reached
+        return seen
+
+
+# Whether the autograd engine runs a node in the backward pass under way; without it (another
+# torch), every mark counts: zeros for a member a create_graph pass reached, never a lost gradient.
+_will_run: Callable[[Any], bool] = getattr(torch._C, "_will_engine_execute_node", lambda node: True)
+
+
+class _Mark(torch.autograd.Function):
+    r"""The identity on a member's gradient in a pass with ``create_graph=True``, whose node tells a
+    later pass that it runs that pass's graph for this member (see :class:`_Received`).
+
+    Its other inputs, the member's trained tensors, give the node a place in
+    the graph (the gradient itself may require none) and are handed nothing.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        return (grad, *(None for _ in ctx.needs_input_grad[1:]))
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor | None, *_: Any) -> torch.Tensor | None:  # type: ignore[override]
+        return None if tangent is None else tangent.view_as(tangent)
 
 
 class _Split(torch.autograd.Function):
@@ -963,6 +1013,8 @@ class _Split(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
         if grad is not None:  # (run all the same for an undefined one: a reentrant checkpoint's unused input)
             ctx.received.add(ctx.i)
+            if torch.is_grad_enabled():  # (a backward's grad mode is its create_graph)
+                grad = ctx.received.mark(ctx.i, grad)
         return grad, None, None
 
 

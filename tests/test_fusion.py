@@ -18,7 +18,7 @@ import pickle
 import re
 import threading
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import pytest
 import torch
@@ -6884,16 +6884,13 @@ def test_a_gradient_penalty_on_one_head_leaves_the_others_without_gradient(with_
         assert_close(p, q)
 
 
-@pytest.mark.xfail(strict=True, reason="a pass after a create_graph one counts every member that pass reached, "
-                                       "whether or not it goes through the graph that pass made (see _Received)")
 @pytest.mark.parametrize("how", ["unused", "retained"])
 def test_a_pass_beside_a_create_graph_pass_leaves_the_heads_it_does_not_reach_without_gradient(how):
-    # (Session 79's autodiff hunt.) A create_graph pass over head 0 (a gradient penalty's input
-    # gradient) makes ``_Received.higher`` count member 0 in every later pass over the call, so a
-    # later pass over head 1 alone, which never touches that pass's graph, hands head 0 zeros
-    # where unfused it gets None (SGD's weight decay and momentum then move it). Telling the two
-    # apart needs to know whether the later pass runs the graph the create_graph pass made,
-    # which reaches the stacks through torch's own nodes, not the block's.
+    # (Session 79's autodiff hunt.) Before: a create_graph pass over head 0 (a gradient
+    # penalty's input gradient) made every later pass over the call count member 0, so a later
+    # pass over head 1 alone, which never touches that pass's graph, handed head 0 zeros where
+    # unfused it gets None (SGD's weight decay and momentum then move it). Now the member's
+    # gradient in that pass is marked, and a later pass counts it only where it runs the mark.
     fused, unfused = _three_heads()
     for block in (fused, unfused):
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
@@ -6909,6 +6906,47 @@ def test_a_pass_beside_a_create_graph_pass_leaves_the_heads_it_does_not_reach_wi
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             assert_close(p.grad, q.grad)
+
+
+def _penalty_grads(block: Parallel, wrt: str, loss: Callable[[torch.Tensor], torch.Tensor]) -> tuple:
+    r"""``torch.autograd.grad`` of a gradient penalty on heads 0 and 2 of :func:`_three_heads`' ``block``, for
+    the parameters of the heads ``wrt`` names (``allow_unused``)."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    outs = block(x)
+    g, = torch.autograd.grad(loss(outs[0]) + outs[2].square().sum(), x, create_graph=True)
+    wanted = [p for n, p in block.named_parameters() if wrt == "all" or n.startswith(wrt[-1] + ".")]
+    return torch.autograd.grad(g.square().sum(), wanted, allow_unused=True)
+
+
+def _assert_same_grads(got: Sequence, expected: Sequence) -> None:
+    for a, b in zip(got, expected, strict=True):
+        assert (a is None) == (b is None)
+        if b is not None:
+            assert_close(a, b)
+
+
+@pytest.mark.parametrize("wrt", ["all", "head 0", "head 1"])
+def test_a_penalty_differentiated_for_chosen_parameters_gives_what_unfused_gives(wrt):
+    # The heads the penalty's pass reached get their gradients, the others none
+    # (``allow_unused``), as unfused: the engine runs a member's mark only where the
+    # parameters asked for lie behind it (see _Received).
+    fused, unfused = _three_heads()
+    got, expected = (_penalty_grads(block, wrt, lambda out: out.square().sum()) for block in (fused, unfused))
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    _assert_same_grads(got, expected)
+    assert any(b is None for b in expected) == (wrt != "head 0")
+
+
+@pytest.mark.xfail(strict=True, reason="a member a create_graph pass reached gets a gradient for each of its "
+                                       "parameters, zeros for one that pass's graph does not depend on (see _Received)")
+def test_a_penalty_leaves_a_parameter_its_graph_does_not_depend_on_without_gradient():
+    # A loss linear in head 0's output: its input gradient does not depend on the head's last
+    # bias, which unfused gets no gradient from the penalty. Fused, the bias's stack gets one
+    # batched gradient, and the member's slice of it is zeros.
+    fused, unfused = _three_heads()
+    got, expected = (_penalty_grads(block, "head 0", lambda out: out.sum()) for block in (fused, unfused))
+    assert expected[-1] is None
+    _assert_same_grads(got, expected)
 
 
 @pytest.mark.xfail(strict=True, reason="a tensor written into a member's dict without registration is restacked at "
