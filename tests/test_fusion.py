@@ -6949,6 +6949,51 @@ def test_a_penalty_leaves_a_parameter_its_graph_does_not_depend_on_without_gradi
     _assert_same_grads(got, expected)
 
 
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_penalty_leaves_the_hooks_of_a_parameter_its_graph_does_not_depend_on_uncalled(hook):
+    # (Session 80's review.) A loss linear in head 0's output: its input gradient does not
+    # depend on the head's last bias, whose hooks unfused the penalty's pass never calls. A
+    # member's mark (see _Received) takes its trained tensors as inputs, so the pass ran the
+    # bias's accumulator, handed nothing: its hook was called with None, a post-accumulate-grad
+    # hook with ``.grad`` None, each of which fails as users write them.
+    fused, unfused = _three_heads()
+    calls = []
+    for block in (fused, unfused):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        bias = block.get_parameter("0.2.bias")
+        getattr(bias, hook)(lambda t: calls.append(None if t is None else t.grad if hook != "register_hook" else t))
+        outs = block(x)
+        g, = torch.autograd.grad(outs[0].sum(), x, create_graph=True)
+        g.square().sum().backward()
+        assert bias.grad is None
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    assert calls == []
+
+
+@pytest.mark.parametrize("how", ["hessian", "jacobian"])
+def test_a_batched_create_graph_pass_gives_what_unfused_gives(how):
+    # (Session 80's review.) ``vectorize=True`` differentiates with ``is_grads_batched=True``,
+    # whose gradients are batched tensors: autograd records on their batched values, and a
+    # mark (see _Received) applied to one cut it from the graph the pass makes -- a Hessian's
+    # gradient lost its terms through the head's output gradient, and a Jacobian penalty's
+    # later passes found no mark, handing every member zeros.
+    fused, unfused = _three_heads()
+    for block in (fused, unfused):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        if how == "hessian":
+            h = torch.autograd.functional.hessian(lambda x: block(x)[0].square().sum(), x, create_graph=True,
+                                                  vectorize=True)
+        else:
+            h = torch.autograd.functional.jacobian(lambda x: block(x)[0], x, create_graph=True, vectorize=True)
+        h.square().sum().backward()
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    for name, p in fused.named_parameters():
+        q = unfused.get_parameter(name)
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert_close(p.grad, q.grad)
+
+
 @pytest.mark.xfail(strict=True, reason="a tensor written into a member's dict without registration is restacked at "
                                        "every call, not bound anew (session 79: binding it anew untied views and "
                                        "ties the restack keeps; README says so)")
