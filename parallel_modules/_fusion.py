@@ -947,8 +947,11 @@ class _Received:
         r"""``grad``, member ``member``'s gradient in a pass with ``create_graph=True``, through a
         :class:`_Mark` of that member (see above)."""
         # (Tied to the member's own trained tensors: a later torch.autograd.grad for them then
-        # counts the mark as run, where it runs that pass's graph; one for other tensors need not.)
-        anchors = [tensors[member] for tensors in self.tensors if tensors[member].requires_grad]
+        # counts the mark as run, where it runs that pass's graph; one for other tensors need not.
+        # Not to hooked ones, which _Unstack hands their slices anyway: a pass running the mark
+        # runs their accumulators, handed nothing where the made graph does not depend on them,
+        # and their hooks with them, called with None, where unfused they are not called.)
+        anchors = [t for t in (tensors[member] for tensors in self.tensors) if t.requires_grad and not _hooked(t)]
         if not anchors:
             return grad
         marked = _Mark.apply(grad, *anchors)
