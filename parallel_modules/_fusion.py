@@ -923,9 +923,12 @@ class _Received:
     stack's gradient is one batched tensor, so a parameter of a member reached
     that the made graph does not depend on (the last bias, where the loss is
     linear in the head's output) gets zeros, where unfused it gets none.
+    A batched gradient (``is_grads_batched=True``, ``torch.autograd.functional``'s
+    ``vectorize=True``) is not marked: a member a pass reached with one counts
+    in every later pass.
     """
 
-    __slots__ = ("passes", "tensors", "marks")
+    __slots__ = ("passes", "tensors", "marks", "batched")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
@@ -934,6 +937,7 @@ class _Received:
         # The members create_graph passes reached, with their marks' nodes (weakly: a mark's node
         # lives as long as the graph that pass made, which the caller may drop).
         self.marks: list[tuple[int, weakref.ref]] = []
+        self.batched: set[int] | None = None  # the members create_graph passes reached with batched gradients
 
     def add(self, member: int) -> None:
         task = _graph_task()
@@ -946,6 +950,13 @@ class _Received:
     def mark(self, member: int, grad: torch.Tensor) -> torch.Tensor:
         r"""``grad``, member ``member``'s gradient in a pass with ``create_graph=True``, through a
         :class:`_Mark` of that member (see above)."""
+        if _is_legacy_batched(grad):
+            # (Autograd records under a batched tensor, on its batched value: a Function applied
+            # to it is cut from the graph the pass makes, and the gradients through it lost.)
+            if self.batched is None:
+                self.batched = set()
+            self.batched.add(member)
+            return grad
         # (Tied to the member's own trained tensors: a later torch.autograd.grad for them then
         # counts the mark as run, where it runs that pass's graph; one for other tensors need not.
         # Not to hooked ones, which _Unstack hands their slices anyway: a pass running the mark
@@ -961,8 +972,10 @@ class _Received:
 
     def got(self) -> set[int] | None:
         seen = self.passes.get(_graph_task())
-        if self.marks:
+        if self.marks or self.batched:
             reached = {i for i, ref in self.marks if (node := ref()) is not None and _will_run(node)}
+            if self.batched:
+                reached |= self.batched
             if reached:
                 return reached if seen is None else seen | reached
         return seen
