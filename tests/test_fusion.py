@@ -6993,6 +6993,26 @@ def test_a_batched_create_graph_pass_gives_what_unfused_gives(how):
         if q.grad is not None:
             assert_close(p.grad, q.grad)
 
+@pytest.mark.xfail(strict=True, reason="a pass over a create_graph pass's graph alone, past the block's output, "
+                                       "checks no member's version (see _refuse_changed_members)")
+def test_a_step_between_passes_over_a_penalty_s_graph_is_refused():
+    # (Session 80's review; as before marks.) A loss linear in head 0's output: the graph its
+    # input gradient made reaches the stacks by torch's own nodes, which saved views of the
+    # stacks, whose version an optimizer's step on the members' own parameters does not move;
+    # and the check on the block's output runs only where a pass goes through that output.
+    # Unfused, the made graph saved the parameters themselves, and autograd refuses the pass.
+    # (Where a later pass runs the member's mark, the mark could run the check; a pass for the
+    # input's gradient alone runs none.)
+    fused, unfused = _three_heads()
+    for block in (fused, unfused):
+        opt = torch.optim.SGD(block.parameters(), lr=0.1)
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        g, = torch.autograd.grad(block(x)[0].sum(), x, create_graph=True)
+        g.square().sum().backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            g.square().sum().backward()
+
 
 @pytest.mark.xfail(strict=True, reason="a tensor written into a member's dict without registration is restacked at "
                                        "every call, not bound anew (session 79: binding it anew untied views and "
