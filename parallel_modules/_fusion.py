@@ -928,10 +928,11 @@ class _Received:
     in every later pass.
     """
 
-    __slots__ = ("passes", "tensors", "marks", "batched")
+    __slots__ = ("passes", "dropped", "tensors", "marks", "batched")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
+        self.dropped = -1  # the latest graph task whose entry in ``passes`` was dropped (ids only grow)
         # Per stack the call differentiates, the members' tensors of it (see _Unstack).
         self.tensors: list[list[torch.Tensor]] = []
         # The members create_graph passes reached, with their marks' nodes (weakly: a mark's node
@@ -944,6 +945,8 @@ class _Received:
         seen = self.passes.get(task)
         if seen is None:
             seen = set()
+            if len(self.passes) >= 4:  # (as _bounded_add drops it)
+                self.dropped = max(self.dropped, next(iter(self.passes), -1))
             _bounded_add(self.passes, task, seen, limit=4)
         seen.add(member)
 
@@ -971,7 +974,13 @@ class _Received:
         return marked
 
     def got(self) -> set[int] | None:
-        seen = self.passes.get(_graph_task())
+        task = _graph_task()
+        seen = self.passes.get(task)
+        if seen is None and task <= self.dropped:
+            # A pass whose report later passes may have dropped (other threads', or ones a hook
+            # ran): every member, as where none was reported -- never the marks alone, which
+            # would leave out a member reported and dropped.
+            return None
         if self.marks or self.batched:
             reached = {i for i, ref in self.marks if (node := ref()) is not None and _will_run(node)}
             if self.batched:

@@ -7013,6 +7013,33 @@ def test_a_step_between_passes_over_a_penalty_s_graph_is_refused():
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             g.square().sum().backward()
 
+def test_a_pass_whose_report_was_dropped_counts_every_member():
+    # (Session 80's review.) A call keeps the members reported by its last four passes (see
+    # _Received): passes run meanwhile -- other threads', or, here, ones a hook runs --
+    # drop an earlier pass's report still under way. That pass then counted the marks it runs
+    # alone: a penalty's pass with a loss on head 1 gave head 1 none of its gradient. (Seen in
+    # three threads each differentiating one head's penalty over one call.) It counts every
+    # member now, as a pass none reported.
+    fused, unfused = _three_heads()
+    for block in (fused, unfused):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        outs = block(x)
+        g, = torch.autograd.grad(outs[0].sum(), x, create_graph=True)
+        loss = outs[2].sum()  # (made here: the hook runs with grad mode off, as the pass does)
+
+        def passes_meanwhile(*_: Any, loss: torch.Tensor = loss, x: torch.Tensor = x) -> None:
+            for _ in range(4):
+                torch.autograd.grad(loss, x, retain_graph=True)
+
+        outs[1].grad_fn.register_hook(passes_meanwhile)
+        (g.square().sum() + outs[1].sum()).backward(retain_graph=True)
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    for name, p in fused.named_parameters():
+        q = unfused.get_parameter(name)
+        if q.grad is not None:  # (head 0's last bias gets zeros: see above)
+            assert p.grad is not None, name
+            assert_close(p.grad, q.grad)
+
 
 @pytest.mark.xfail(strict=True, reason="a tensor written into a member's dict without registration is restacked at "
                                        "every call, not bound anew (session 79: binding it anew untied views and "
