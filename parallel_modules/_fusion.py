@@ -938,7 +938,8 @@ class _Received:
         # The members create_graph passes reached, with their marks' nodes (weakly: a mark's node
         # lives as long as the graph that pass made, which the caller may drop).
         self.marks: list[tuple[int, weakref.ref]] = []
-        self.batched: set[int] | None = None  # the members create_graph passes reached with batched gradients
+        # The members create_graph passes reached with batched gradients (see mark).
+        self.batched: frozenset[int] | None = None
 
     def add(self, member: int) -> None:
         task = _graph_task()
@@ -956,9 +957,8 @@ class _Received:
         if _is_legacy_batched(grad):
             # (Autograd records under a batched tensor, on its batched value: a Function applied
             # to it is cut from the graph the pass makes, and the gradients through it lost.)
-            if self.batched is None:
-                self.batched = set()
-            self.batched.add(member)
+            with _marks_lock:
+                self.batched = (self.batched or frozenset()) | {member}
             return grad
         # (Tied to the member's own trained tensors: a later torch.autograd.grad for them then
         # counts the mark as run, where it runs that pass's graph; one for other tensors need not.
@@ -969,8 +969,9 @@ class _Received:
         if not anchors:
             return grad
         marked = _Mark.apply(grad, *anchors)
-        self.marks = [(i, ref) for i, ref in self.marks if ref() is not None]
-        self.marks.append((member, weakref.ref(marked.grad_fn)))
+        with _marks_lock:
+            self.marks = [(i, ref) for i, ref in self.marks if ref() is not None] + [
+                (member, weakref.ref(marked.grad_fn))]
         return marked
 
     def got(self) -> set[int] | None:
@@ -989,6 +990,10 @@ class _Received:
                 return reached if seen is None else seen | reached
         return seen
 
+
+# Taken to change a call's marks, which other threads' passes over the call may be making or reading
+# at the same time: changed by copy, so that a reader, taking none, iterates what it read as it was.
+_marks_lock = threading.Lock()
 
 # Whether the autograd engine runs a node in the backward pass under way; without it (another
 # torch), every mark counts: zeros for a member a create_graph pass reached, never a lost gradient.
