@@ -928,7 +928,7 @@ class _Received:
     in every later pass.
     """
 
-    __slots__ = ("passes", "dropped", "tensors", "marks", "batched")
+    __slots__ = ("passes", "dropped", "tensors", "marks", "batched", "watched")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
@@ -940,6 +940,9 @@ class _Received:
         self.marks: list[tuple[int, weakref.ref]] = []
         # The members create_graph passes reached with batched gradients (see mark).
         self.batched: frozenset[int] | None = None
+        # What the call's members must not have changed in place, and the group's branches by
+        # member (see _refuse_changed_members), checked by the marks too.
+        self.watched: tuple[list, Sequence[int]] | None = None
 
     def add(self, member: int) -> None:
         task = _graph_task()
@@ -968,7 +971,7 @@ class _Received:
         anchors = [t for t in (tensors[member] for tensors in self.tensors) if t.requires_grad and not _hooked(t)]
         if not anchors:
             return grad
-        marked = _Mark.apply(grad, *anchors)
+        marked = _Mark.apply(grad, self, *anchors)
         with _marks_lock:
             self.marks = [(i, ref) for i, ref in self.marks if ref() is not None] + [
                 (member, weakref.ref(marked.grad_fn))]
@@ -1006,15 +1009,25 @@ class _Mark(torch.autograd.Function):
 
     Its other inputs, the member's trained tensors, give the node a place in
     the graph (the gradient itself may require none) and are handed nothing.
+    Its backward refuses the members' weights changed in place since the call,
+    as the check on the call's output does (:func:`_refuse_changed_members`):
+    a pass through the made graph alone reaches the stacks past that output,
+    through torch's nodes, which saved views of the stacks, whose version an
+    optimizer's step on the members' own parameters does not move.
     """
 
     @staticmethod
-    def forward(ctx: Any, grad: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, grad: torch.Tensor, received: _Received,  # type: ignore[override]
+                *anchors: torch.Tensor) -> torch.Tensor:
         ctx.set_materialize_grads(False)
+        ctx.received = received
         return grad.view_as(grad)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
+        watched = ctx.received.watched
+        if watched is not None:
+            _refuse_changed(watched[0], ctx.received, watched[1])
         return (grad, *(None for _ in ctx.needs_input_grad[1:]))
 
     @staticmethod
@@ -1860,27 +1873,36 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
     differentiates only its own head's saved tensors.
     """
     def check(grad: torch.Tensor) -> None:
-        got = received.got() if received is not None else None
-        used = None if got is None else {indices[k] for k in got}
-        for what, branches, tensors, versions in watched:
-            for i, (t, v) in enumerate(zip(tensors, versions)):
-                if t._version != v and (used is None or branches[i] in used):
-                    raise RuntimeError(
-                        f"one of the variables needed for gradient computation has been modified by an "
-                        f"inplace operation: {what} of the branch at index {branches[i]} (fused with "
-                        f"the branches at {[k for k in indices or branches if k != branches[i]]}) is at version {t._version}; "
-                        f"expected version {v} instead ("
-                        + ("changed after the forward pass, as by an optimizer.step() between a "
-                           "backward(retain_graph=True) and another backward" if what.startswith("parameter") else
-                           "changed in place since the forward pass, as by reset_running_stats(), "
-                           "load_state_dict() or a call in training mode")
-                        + "). Unfused, autograd refuses this backward too: run every backward pass before "
-                          "changing the branches, or compute the loss anew.")
+        _refuse_changed(watched, received, indices)
 
+    if received is not None:  # (for a pass through a create_graph pass's graph alone: see _Mark)
+        received.watched = (watched, indices)
     leaves = [value.t] if isinstance(value, _Value) else pytree.tree_leaves(value)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             leaf.register_hook(check)
+
+
+def _refuse_changed(watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]],
+                    received: _Received | None, indices: Sequence[int]) -> None:
+    r"""Raise if a member this backward pass differentiates changed a tensor of ``watched`` in place (see
+    :func:`_refuse_changed_members`)."""
+    got = received.got() if received is not None else None
+    used = None if got is None else {indices[k] for k in got}
+    for what, branches, tensors, versions in watched:
+        for i, (t, v) in enumerate(zip(tensors, versions)):
+            if t._version != v and (used is None or branches[i] in used):
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: {what} of the branch at index {branches[i]} (fused with "
+                    f"the branches at {[k for k in indices or branches if k != branches[i]]}) is at version {t._version}; "
+                    f"expected version {v} instead ("
+                    + ("changed after the forward pass, as by an optimizer.step() between a "
+                       "backward(retain_graph=True) and another backward" if what.startswith("parameter") else
+                       "changed in place since the forward pass, as by reset_running_stats(), "
+                       "load_state_dict() or a call in training mode")
+                    + "). Unfused, autograd refuses this backward too: run every backward pass before "
+                      "changing the branches, or compute the loss anew.")
 
 
 def _only_writes_watched() -> bool:
