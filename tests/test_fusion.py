@@ -6901,11 +6901,7 @@ def test_a_pass_beside_a_create_graph_pass_leaves_the_heads_it_does_not_reach_wi
             block.zero_grad()
         outs[1].sum().backward()
     assert fused_groups(fused) == [["0", "1", "2"]]
-    for name, p in fused.named_parameters():
-        q = unfused.get_parameter(name)
-        assert (p.grad is None) == (q.grad is None), name
-        if q.grad is not None:
-            assert_close(p.grad, q.grad)
+    _assert_same_param_grads(fused, unfused)
 
 
 def _penalty_grads(block: Parallel, wrt: str, loss: Callable[[torch.Tensor], torch.Tensor]) -> tuple:
@@ -6916,6 +6912,11 @@ def _penalty_grads(block: Parallel, wrt: str, loss: Callable[[torch.Tensor], tor
     g, = torch.autograd.grad(loss(outs[0]) + outs[2].square().sum(), x, create_graph=True)
     wanted = [p for n, p in block.named_parameters() if wrt == "all" or n.startswith(wrt[-1] + ".")]
     return torch.autograd.grad(g.square().sum(), wanted, allow_unused=True)
+
+
+def _assert_same_param_grads(fused: nn.Module, unfused: nn.Module) -> None:
+    r"""Each parameter of ``fused`` has a gradient where its twin in ``unfused`` has one, and the same."""
+    _assert_same_grads([p.grad for p in fused.parameters()], [q.grad for q in unfused.parameters()])
 
 
 def _assert_same_grads(got: Sequence, expected: Sequence) -> None:
@@ -6987,11 +6988,7 @@ def test_a_batched_create_graph_pass_gives_what_unfused_gives(how):
             h = torch.autograd.functional.jacobian(lambda x: block(x)[0], x, create_graph=True, vectorize=True)
         h.square().sum().backward()
     assert fused_groups(fused) == [["0", "1", "2"]]
-    for name, p in fused.named_parameters():
-        q = unfused.get_parameter(name)
-        assert (p.grad is None) == (q.grad is None), name
-        if q.grad is not None:
-            assert_close(p.grad, q.grad)
+    _assert_same_param_grads(fused, unfused)
 
 
 # A pass for the input's gradient alone needs no stack's gradient, so it runs neither the
