@@ -928,7 +928,7 @@ class _Received:
     in every later pass.
     """
 
-    __slots__ = ("passes", "dropped", "tensors", "marks", "batched", "watched")
+    __slots__ = ("passes", "dropped", "tensors", "marks", "batched")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
@@ -940,18 +940,18 @@ class _Received:
         self.marks: list[tuple[int, weakref.ref]] = []
         # The members create_graph passes reached with batched gradients (see mark).
         self.batched: frozenset[int] | None = None
-        # What the call's members must not have changed in place, and the group's branches by
-        # member (see _refuse_changed_members), checked by the marks too.
-        self.watched: tuple[list, Sequence[int]] | None = None
 
     def add(self, member: int) -> None:
         task = _graph_task()
         seen = self.passes.get(task)
         if seen is None:
             seen = set()
-            if len(self.passes) >= 4:  # (as _bounded_add drops it)
-                self.dropped = max(self.dropped, next(iter(self.passes), -1))
-            _bounded_add(self.passes, task, seen, limit=4)
+            # (The choice of the report to drop and its drop as one: two passes starting at once
+            # would each choose the oldest, and the second drop the next, recorded by neither.)
+            with _marks_lock:
+                if len(self.passes) >= 4:  # (as _bounded_add drops it)
+                    self.dropped = max(self.dropped, next(iter(self.passes), -1))
+                _bounded_add(self.passes, task, seen, limit=4)
         seen.add(member)
 
     def mark(self, member: int, grad: torch.Tensor) -> torch.Tensor:
@@ -971,13 +971,16 @@ class _Received:
         anchors = [t for t in (tensors[member] for tensors in self.tensors) if t.requires_grad and not _hooked(t)]
         if not anchors:
             return grad
-        marked = _Mark.apply(grad, self, *anchors)
+        marked = _Mark.apply(grad, *anchors)
         with _marks_lock:
             self.marks = [(i, ref) for i, ref in self.marks if ref() is not None] + [
                 (member, weakref.ref(marked.grad_fn))]
         return marked
 
-    def got(self) -> set[int] | None:
+    def got(self, marked: bool = True) -> set[int] | None:
+        r"""The members this backward pass differentiates (``None``: every one); not, where ``marked`` is
+        false and the pass reported any, those it counts only as their marks run (see
+        :func:`_refuse_changed_members`)."""
         task = _graph_task()
         seen = self.passes.get(task)
         if seen is None and task <= self.dropped:
@@ -985,8 +988,10 @@ class _Received:
             # ran): every member, as where none was reported -- never the marks alone, which
             # would leave out a member reported and dropped.
             return None
-        if self.marks or self.batched:
-            reached = {i for i, ref in self.marks if (node := ref()) is not None and _will_run(node)}
+        marked = marked or seen is None
+        if self.marks and marked or self.batched:
+            reached = ({i for i, ref in self.marks if (node := ref()) is not None and _will_run(node)}
+                       if marked else set())
             if self.batched:
                 reached |= self.batched
             if reached:
@@ -995,7 +1000,8 @@ class _Received:
 
 
 # Taken to change a call's marks, which other threads' passes over the call may be making or reading
-# at the same time: changed by copy, so that a reader, taking none, iterates what it read as it was.
+# at the same time: changed by copy, so that a reader, taking none, iterates what it read as it was;
+# and to drop a report of its passes (see _Received.add).
 _marks_lock = threading.Lock()
 
 # Whether the autograd engine runs a node in the backward pass under way; without it (another
@@ -1009,25 +1015,15 @@ class _Mark(torch.autograd.Function):
 
     Its other inputs, the member's trained tensors, give the node a place in
     the graph (the gradient itself may require none) and are handed nothing.
-    Its backward refuses the members' weights changed in place since the call,
-    as the check on the call's output does (:func:`_refuse_changed_members`):
-    a pass through the made graph alone reaches the stacks past that output,
-    through torch's nodes, which saved views of the stacks, whose version an
-    optimizer's step on the members' own parameters does not move.
     """
 
     @staticmethod
-    def forward(ctx: Any, grad: torch.Tensor, received: _Received,  # type: ignore[override]
-                *anchors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, grad: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.set_materialize_grads(False)
-        ctx.received = received
         return grad.view_as(grad)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
-        watched = ctx.received.watched
-        if watched is not None:
-            _refuse_changed(watched[0], ctx.received, watched[1])
         return (grad, *(None for _ in ctx.needs_input_grad[1:]))
 
     @staticmethod
@@ -1870,13 +1866,21 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
     likewise, where saved (see :meth:`_Group._watch_buffers`). And members
     whose outputs this backward pass leaves out (``received``, by position
     among the group's branches ``indices``): unfused, a loss per head
-    differentiates only its own head's saved tensors.
+    differentiates only its own head's saved tensors. Not checked: a pass
+    through a ``create_graph=True`` pass's graph alone (a gradient penalty's),
+    which reaches the stacks past ``value``, through torch's nodes; they saved
+    views of the stacks, whose version a change to a member's parameter does
+    not move. (Checked at the member's mark, see :class:`_Received`, it
+    refused changes that graph does not read, which unfused lets pass.)
     """
     def check(grad: torch.Tensor) -> None:
-        _refuse_changed(watched, received, indices)
+        # (Not a member this pass reaches through a create_graph pass's graph alone, past its
+        # output, by its mark: that graph reads what it saved, which may not be what the call
+        # saved -- a loss linear in a head's output made one that reads the head's last Linear's
+        # weight against no gradient of its own, and saves none of it, unfused.)
+        got = received.got(marked=False) if received is not None else None
+        _refuse_changed(watched, None if got is None else {indices[k] for k in got}, indices)
 
-    if received is not None:  # (for a pass through a create_graph pass's graph alone: see _Mark)
-        received.watched = (watched, indices)
     leaves = [value.t] if isinstance(value, _Value) else pytree.tree_leaves(value)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
@@ -1884,11 +1888,9 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
 
 
 def _refuse_changed(watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]],
-                    received: _Received | None, indices: Sequence[int]) -> None:
-    r"""Raise if a member this backward pass differentiates changed a tensor of ``watched`` in place (see
+                    used: set[int] | None, indices: Sequence[int]) -> None:
+    r"""Raise if a branch of ``used`` (``None``: any) changed a tensor of ``watched`` in place (see
     :func:`_refuse_changed_members`)."""
-    got = received.got() if received is not None else None
-    used = None if got is None else {indices[k] for k in got}
     for what, branches, tensors, versions in watched:
         for i, (t, v) in enumerate(zip(tensors, versions)):
             if t._version != v and (used is None or branches[i] in used):

@@ -6991,22 +6991,18 @@ def test_a_batched_create_graph_pass_gives_what_unfused_gives(how):
     _assert_same_param_grads(fused, unfused)
 
 
-# A pass for the input's gradient alone needs no stack's gradient, so it runs neither the
-# block's output check nor a member's mark, and reads the stepped weights through the views the
-# made graph saved. (Catching it would take a node on the path to the input, in the made graph:
-# one more in every create_graph pass.)
-_INPUT_ALONE = pytest.mark.xfail(strict=True, reason="a pass for the input's gradient alone over a create_graph "
-                                                     "pass's graph runs no mark, and checks no member's version")
-
-
-@pytest.mark.parametrize("wrt", ["parameters", pytest.param("input", marks=_INPUT_ALONE)])
+@pytest.mark.xfail(strict=True, reason="a pass through a create_graph pass's graph alone checks no member's version "
+                                       "(see _refuse_changed_members)")
+@pytest.mark.parametrize("wrt", ["parameters", "input"])
 def test_a_step_between_passes_over_a_penalty_s_graph_is_refused(wrt):
-    # (Session 80's review.) Before: a loss linear in head 0's output: the graph its input
-    # gradient made reaches the stacks by torch's own nodes, which saved views of the stacks,
-    # whose version an optimizer's step on the members' own parameters does not move; and the
-    # check on the block's output runs only where a pass goes through that output. Unfused,
-    # the made graph saved the parameters themselves, and autograd refuses the pass. Now the
-    # member's mark runs the check.
+    # (Session 80's review.) A loss linear in head 0's output, then a penalty on its input
+    # gradient, differentiated twice with an optimizer step between: the graph the
+    # create_graph pass made reaches the stacks by torch's own nodes, which saved views of the
+    # stacks, whose version a step on the members' own parameters does not move; and the check
+    # on the block's output runs only where a pass goes through that output. Unfused, the made
+    # graph saved the parameters themselves, and autograd refuses the pass. (The members' marks
+    # ran the check for a while this session: they refused changes the made graph does not
+    # read, which unfused lets pass -- see the test below.)
     fused, unfused = _three_heads()
     for block in (fused, unfused):
         opt = torch.optim.SGD(block.parameters(), lr=0.1)
@@ -7019,6 +7015,69 @@ def test_a_step_between_passes_over_a_penalty_s_graph_is_refused(wrt):
                 torch.autograd.grad(g.square().sum(), x)
             else:
                 g.square().sum().backward()
+
+
+def _heads(*layers: Callable[[], nn.Module]) -> tuple[Parallel, Parallel]:
+    r"""Three heads of ``layers`` fused with ``join=None``, and the same heads unfused."""
+    torch.manual_seed(0)
+    heads = [nn.Sequential(*(layer() for layer in layers)) for _ in range(3)]
+    return Parallel(*heads, join=None, fuse=True), Parallel(*copy.deepcopy(heads), join=None)
+
+
+@pytest.mark.parametrize("case", ["one layer, stepped", "one layer, loaded", "last weight changed",
+                                  "penalty on the weights' gradients", "an RMSNorm last",
+                                  "beside a head whose gradient requires grad", "beside a head's square",
+                                  "a Flatten after the last layer"])
+def test_a_change_between_passes_that_a_penalty_s_graph_does_not_read_passes(case):
+    # (Session 80's second review.) A loss linear in head 0's output: unfused, the graph its
+    # create_graph pass makes reads the last Linear's weight (an RMSNorm's, on the CPU) only
+    # against the head's gradient, which requires none -- that graph saves no copy of the
+    # weight, and a change in place after it (a step, a load) passes the later pass; so does
+    # the first Linear's weight where the input requires no grad (a penalty on the weights'
+    # gradients), where it is not even saved. Fused, a member's mark (see _Received) makes
+    # that gradient one that requires grad: the marks' check of the members' versions refused
+    # the pass for a weight nothing it computes reads, and so did the check on the call's
+    # output, which a pass through head 1's gradient reaches, counting the members reached by
+    # their marks alone.
+    layers = {"one layer, stepped": [lambda: nn.Linear(4, 2)], "one layer, loaded": [lambda: nn.Linear(4, 2)],
+              "an RMSNorm last": [lambda: nn.Linear(4, 8), nn.Tanh, lambda: nn.Linear(8, 2), lambda: nn.RMSNorm(2)],
+              "a Flatten after the last layer": [lambda: nn.Linear(4, 8), nn.Tanh, lambda: nn.Linear(8, 2), nn.Flatten]}
+    fused, unfused = _heads(*layers.get(case, [lambda: nn.Linear(4, 8), nn.Tanh, lambda: nn.Linear(8, 2)]))
+    for block in (fused, unfused):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0),
+                        requires_grad=case != "penalty on the weights' gradients")
+        outs = block(x)
+        out = outs[0]
+        if case == "penalty on the weights' gradients":
+            grads = torch.autograd.grad(out.sum(), list(block[0].parameters()), create_graph=True)
+            penalty = sum(g.square().sum() for g in grads)
+        elif case == "beside a head whose gradient requires grad":
+            scale = torch.ones(5, 2, requires_grad=True)
+            g, = torch.autograd.grad(out.sum() + (outs[1] * scale).sum(), x, create_graph=True)
+            penalty = g.square().sum()
+        elif case == "beside a head's square":
+            g, = torch.autograd.grad(out.sum() + outs[1].square().sum(), x, create_graph=True)
+            penalty = g.square().sum()
+        else:
+            g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+            penalty = g.square().sum()
+        penalty.backward(retain_graph=True)
+        if case in ("last weight changed", "an RMSNorm last", "a Flatten after the last layer",
+                    "beside a head whose gradient requires grad", "beside a head's square"):
+            with torch.no_grad():
+                block[0][-1 if case == "an RMSNorm last" else 2].weight.mul_(0.5)
+        elif case == "one layer, loaded":
+            block.load_state_dict({k: v * 0.5 for k, v in block.state_dict().items()})
+        else:
+            torch.optim.SGD(block.parameters(), lr=0.1).step()
+        block.zero_grad()
+        penalty.backward()
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    if case == "beside a head's square":  # (head 0's last bias gets zeros, its stack reached: see _Received)
+        _assert_same_grads([p.grad for p in fused.parameters() if p is not fused[0][2].bias],
+                           [q.grad for q in unfused.parameters() if q is not unfused[0][2].bias])
+    else:
+        _assert_same_param_grads(fused, unfused)
 
 
 def test_a_pass_whose_report_was_dropped_counts_every_member():
@@ -7038,6 +7097,55 @@ def test_a_pass_whose_report_was_dropped_counts_every_member():
         def passes_meanwhile(*_: Any, loss: torch.Tensor = loss, x: torch.Tensor = x) -> None:
             for _ in range(4):
                 torch.autograd.grad(loss, x, retain_graph=True)
+
+        outs[1].grad_fn.register_hook(passes_meanwhile)
+        (g.square().sum() + outs[1].sum()).backward(retain_graph=True)
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    for name, p in fused.named_parameters():
+        q = unfused.get_parameter(name)
+        if q.grad is not None:  # (head 0's last bias gets zeros: see above)
+            assert p.grad is not None, name
+            assert_close(p.grad, q.grad)
+
+
+def test_a_pass_whose_report_two_threads_dropped_at_once_counts_every_member(monkeypatch):
+    # (Session 80's second review.) As above, the report dropped by two other threads' passes
+    # starting at once: each read the oldest report as the one it drops (the create_graph pass's),
+    # then each dropped one -- the second this pass's -- so the call recorded the older alone as
+    # dropped, and this pass counted the marks it runs alone: head 1 got none of its gradient.
+    from parallel_modules import _fusion
+    both = threading.Barrier(2, timeout=1)
+    racing = threading.local()
+    bounded_add = _fusion._bounded_add
+
+    def meet_then_add(*args: Any, **kwargs: Any) -> None:
+        if getattr(racing, "on", False):
+            # (Both threads past the choice of what they drop, before either drops it. Where the
+            # choice and the drop are one step, the second waits for the first, and times out.)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both.wait()
+        bounded_add(*args, **kwargs)
+
+    monkeypatch.setattr(_fusion, "_bounded_add", meet_then_add)
+    fused, unfused = _three_heads()
+    for block in (fused, unfused):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        outs = block(x)
+        g, = torch.autograd.grad(outs[0].sum(), x, create_graph=True)
+        loss = outs[2].sum()
+
+        def race(loss: torch.Tensor = loss, x: torch.Tensor = x) -> None:
+            racing.on = True
+            torch.autograd.grad(loss, x, retain_graph=True)
+
+        def passes_meanwhile(*_: Any, loss: torch.Tensor = loss, x: torch.Tensor = x) -> None:
+            for _ in range(2):
+                torch.autograd.grad(loss, x, retain_graph=True)
+            threads = [threading.Thread(target=race) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
 
         outs[1].grad_fn.register_hook(passes_meanwhile)
         (g.square().sum() + outs[1].sum()).backward(retain_graph=True)
