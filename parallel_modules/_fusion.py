@@ -1879,32 +1879,26 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
         # saved -- a loss linear in a head's output made one that reads the head's last Linear's
         # weight against no gradient of its own, and saves none of it, unfused.)
         got = received.got(marked=False) if received is not None else None
-        _refuse_changed(watched, None if got is None else {indices[k] for k in got}, indices)
+        used = None if got is None else {indices[k] for k in got}
+        for what, branches, tensors, versions in watched:
+            for i, (t, v) in enumerate(zip(tensors, versions)):
+                if t._version != v and (used is None or branches[i] in used):
+                    raise RuntimeError(
+                        f"one of the variables needed for gradient computation has been modified by an "
+                        f"inplace operation: {what} of the branch at index {branches[i]} (fused with "
+                        f"the branches at {[k for k in indices or branches if k != branches[i]]}) is at version {t._version}; "
+                        f"expected version {v} instead ("
+                        + ("changed after the forward pass, as by an optimizer.step() between a "
+                           "backward(retain_graph=True) and another backward" if what.startswith("parameter") else
+                           "changed in place since the forward pass, as by reset_running_stats(), "
+                           "load_state_dict() or a call in training mode")
+                        + "). Unfused, autograd refuses this backward too: run every backward pass before "
+                          "changing the branches, or compute the loss anew.")
 
     leaves = [value.t] if isinstance(value, _Value) else pytree.tree_leaves(value)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             leaf.register_hook(check)
-
-
-def _refuse_changed(watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]],
-                    used: set[int] | None, indices: Sequence[int]) -> None:
-    r"""Raise if a branch of ``used`` (``None``: any) changed a tensor of ``watched`` in place (see
-    :func:`_refuse_changed_members`)."""
-    for what, branches, tensors, versions in watched:
-        for i, (t, v) in enumerate(zip(tensors, versions)):
-            if t._version != v and (used is None or branches[i] in used):
-                raise RuntimeError(
-                    f"one of the variables needed for gradient computation has been modified by an "
-                    f"inplace operation: {what} of the branch at index {branches[i]} (fused with "
-                    f"the branches at {[k for k in indices or branches if k != branches[i]]}) is at version {t._version}; "
-                    f"expected version {v} instead ("
-                    + ("changed after the forward pass, as by an optimizer.step() between a "
-                       "backward(retain_graph=True) and another backward" if what.startswith("parameter") else
-                       "changed in place since the forward pass, as by reset_running_stats(), "
-                       "load_state_dict() or a call in training mode")
-                    + "). Unfused, autograd refuses this backward too: run every backward pass before "
-                      "changing the branches, or compute the loss anew.")
 
 
 def _only_writes_watched() -> bool:
