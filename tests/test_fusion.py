@@ -7159,6 +7159,51 @@ def test_a_pass_whose_report_two_threads_dropped_at_once_counts_every_member(mon
     _assert_no_gradient_lost(fused, unfused)  # (head 0's last bias gets zeros: see _Received)
 
 
+@pytest.mark.parametrize("asked", ["every parameter", "one weight"])
+def test_a_hook_removed_after_a_penalty_s_pass_loses_no_gradient(asked):
+    # (Session 80's last review.) A member's mark (see _Received) was tied to its unhooked
+    # trained tensors only: a hook on head 1's parameters during the penalty's create_graph
+    # pass, removed before the penalty's backward, left the mark tied to too few -- a later
+    # pass for the weight alone never ran it, nor, with every parameter hooked, was there one
+    # to run -- and head 1 got no gradient where unfused it gets one. Such a member now counts
+    # in every later pass.
+    fused, unfused = _three_heads()
+    got = []
+    for block in (fused, unfused):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        hooked = list(block[1].parameters()) if asked == "every parameter" else [block[1][0].weight]
+        handles = [p.register_hook(lambda grad: grad) for p in hooked]
+        outs = block(x)
+        g, = torch.autograd.grad(outs[0].square().sum() + outs[1].sum(), x, create_graph=True)
+        for handle in handles:
+            handle.remove()
+        if asked == "every parameter":
+            g.square().sum().backward()
+        else:
+            got.append(torch.autograd.grad(g.square().sum(), block[1][0].weight, allow_unused=True))
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    if asked == "every parameter":
+        _assert_no_gradient_lost(fused, unfused)  # (head 1's last bias gets zeros: see _Received)
+    else:
+        _assert_same_grads(*got)
+
+
+def test_vmap_over_a_create_graph_pass_runs_as_unfused():
+    # (Session 80's last review.) A Jacobian by torch.func.vmap over torch.autograd.grad with
+    # create_graph=True (one vector-Jacobian product per vector), then a penalty on it: a
+    # member's mark, an autograd.Function without setup_context, was applied under vmap, which
+    # refuses it -- fused raised where unfused runs. Such a member now counts in every later pass.
+    fused, unfused = _three_heads()
+    for block in (fused, unfused):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        outs = block(x)
+        vjp = lambda v, out=outs[0], x=x: torch.autograd.grad(out, x, v, create_graph=True, retain_graph=True)[0]
+        jacobian = torch.func.vmap(vjp)(torch.eye(2).expand(5, 2, 2).permute(1, 0, 2))
+        (jacobian.square().sum() + outs[2].sum()).backward()
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    _assert_no_gradient_lost(fused, unfused)  # (head 0's last bias gets zeros: see _Received)
+
+
 @pytest.mark.xfail(strict=True, reason="a tensor written into a member's dict without registration is restacked at "
                                        "every call, not bound anew (session 79: binding it anew untied views and "
                                        "ties the restack keeps; README says so)")
