@@ -924,8 +924,9 @@ class _Received:
     that the made graph does not depend on (the last bias, where the loss is
     linear in the head's output) gets zeros, where unfused it gets none.
     A batched gradient (``is_grads_batched=True``, ``torch.autograd.functional``'s
-    ``vectorize=True``) is not marked: a member a pass reached with one counts
-    in every later pass.
+    ``vectorize=True``), one under ``torch.func.vmap``, and a member with hooked
+    trained tensors are not marked: a member a pass reached so counts in every
+    later pass.
     """
 
     __slots__ = ("passes", "dropped", "tensors", "marks", "batched")
@@ -957,20 +958,24 @@ class _Received:
     def mark(self, member: int, grad: torch.Tensor) -> torch.Tensor:
         r"""``grad``, member ``member``'s gradient in a pass with ``create_graph=True``, through a
         :class:`_Mark` of that member (see above)."""
-        if _is_legacy_batched(grad):
-            # (Autograd records under a batched tensor, on its batched value: a Function applied
-            # to it is cut from the graph the pass makes, and the gradients through it lost.)
+        trained = [t for t in (tensors[member] for tensors in self.tensors) if t.requires_grad]
+        # (Counted in every later pass, unmarked: a gradient batched by legacy vmap, under which
+        # autograd records on its batched value, so a Function applied to it is cut from the graph
+        # the pass makes, and the gradients through it lost; one under torch.func's vmap, which
+        # refuses a Function without setup_context; and a member with hooked trained tensors,
+        # which the mark cannot be tied to (a pass running it would run their accumulators,
+        # handed nothing where the made graph does not depend on them, and their hooks with
+        # None, where unfused they are not called) -- untied, a later pass for them alone would
+        # not run the mark, nor would one after the hooks' removal, and lose their gradients.)
+        if _is_legacy_batched(grad) or torch._C._are_functorch_transforms_active() or any(map(_hooked, trained)):
             with _marks_lock:
                 self.batched = (self.batched or frozenset()) | {member}
             return grad
         # (Tied to the member's own trained tensors: a later torch.autograd.grad for them then
-        # counts the mark as run, where it runs that pass's graph; one for other tensors need not.
-        # Not to hooked ones, which _Unstack hands their slices anyway: a pass running the mark
-        # runs their accumulators, handed nothing where the made graph does not depend on them,
-        # and their hooks with them, called with None, where unfused they are not called.)
-        anchors = [t for t in (tensors[member] for tensors in self.tensors) if t.requires_grad and not _hooked(t)]
-        if not anchors:
+        # counts the mark as run, where it runs that pass's graph; one for other tensors need not.)
+        if not trained:
             return grad
+        anchors = trained
         marked = _Mark.apply(grad, *anchors)
         with _marks_lock:
             self.marks = [(i, ref) for i, ref in self.marks if ref() is not None] + [
