@@ -929,7 +929,7 @@ class _Received:
     later pass.
     """
 
-    __slots__ = ("passes", "dropped", "tensors", "marks", "batched")
+    __slots__ = ("passes", "dropped", "tensors", "marks", "unmarked")
 
     def __init__(self) -> None:
         self.passes: dict[int, set[int]] = {}
@@ -939,8 +939,8 @@ class _Received:
         # The members create_graph passes reached, with their marks' nodes (weakly: a mark's node
         # lives as long as the graph that pass made, which the caller may drop).
         self.marks: list[tuple[int, weakref.ref]] = []
-        # The members create_graph passes reached with batched gradients (see mark).
-        self.batched: frozenset[int] | None = None
+        # The members create_graph passes reached unmarked (see mark), counted in every later pass.
+        self.unmarked: frozenset[int] | None = None
 
     def add(self, member: int) -> None:
         task = _graph_task()
@@ -969,14 +969,13 @@ class _Received:
         # not run the mark, nor would one after the hooks' removal, and lose their gradients.)
         if _is_legacy_batched(grad) or torch._C._are_functorch_transforms_active() or any(map(_hooked, trained)):
             with _marks_lock:
-                self.batched = (self.batched or frozenset()) | {member}
+                self.unmarked = (self.unmarked or frozenset()) | {member}
             return grad
         # (Tied to the member's own trained tensors: a later torch.autograd.grad for them then
         # counts the mark as run, where it runs that pass's graph; one for other tensors need not.)
         if not trained:
             return grad
-        anchors = trained
-        marked = _Mark.apply(grad, *anchors)
+        marked = _Mark.apply(grad, *trained)
         with _marks_lock:
             self.marks = [(i, ref) for i, ref in self.marks if ref() is not None] + [
                 (member, weakref.ref(marked.grad_fn))]
@@ -994,11 +993,11 @@ class _Received:
             # would leave out a member reported and dropped.
             return None
         marked = marked or seen is None
-        if self.marks and marked or self.batched:
+        if self.marks and marked or self.unmarked:
             reached = ({i for i, ref in self.marks if (node := ref()) is not None and _will_run(node)}
                        if marked else set())
-            if self.batched:
-                reached |= self.batched
+            if self.unmarked:
+                reached |= self.unmarked
             if reached:
                 return reached if seen is None else seen | reached
         return seen
