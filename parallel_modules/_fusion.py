@@ -950,9 +950,9 @@ class _Received:
             # (The choice of the report to drop and its drop as one: two passes starting at once
             # would each choose the oldest, and the second drop the next, recorded by neither.)
             with _marks_lock:
-                if len(self.passes) >= 4:  # (as _bounded_add drops it)
-                    self.dropped = max(self.dropped, next(iter(self.passes), -1))
-                _bounded_add(self.passes, task, seen, limit=4)
+                dropped = _bounded_add(self.passes, task, seen, limit=4)
+                if dropped is not None:
+                    self.dropped = max(self.dropped, dropped)
         seen.add(member)
 
     def mark(self, member: int, grad: torch.Tensor) -> torch.Tensor:

@@ -227,14 +227,19 @@ def _with_context(error: BaseException, context: str) -> BaseException:
 _MAX_PLANS = 1024
 
 
-def _bounded_add(seen: dict[Hashable, Any], key: Hashable, value: Any = None, limit: int | None = None) -> None:
-    r"""Set ``seen[key]``, dropping the oldest entry beyond ``limit`` (by signature: dynamic shapes make many).
+def _bounded_add(seen: dict[Hashable, Any], key: Hashable, value: Any = None,
+                 limit: int | None = None) -> Hashable | None:
+    r"""Set ``seen[key]``, dropping the oldest entry beyond ``limit`` (by signature: dynamic shapes make many);
+    the key dropped, if one was.
 
     ``None``: :data:`_MAX_PLANS`, read at the call (tests lower it)."""
     limit = _MAX_PLANS if limit is None else limit
+    dropped = None
     if key not in seen and len(seen) >= limit:  # (a key set anew takes no more room: nothing goes)
-        seen.pop(next(iter(seen), None), None)  # (another thread may have dropped the same one)
+        dropped = next(iter(seen), None)
+        seen.pop(dropped, None)  # (another thread may have dropped the same one)
     seen[key] = value
+    return dropped
 
 
 def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:

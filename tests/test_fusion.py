@@ -7130,7 +7130,7 @@ def test_a_pass_whose_report_two_threads_dropped_at_once_counts_every_member(mon
             # choice and the drop are one step, the second waits for the first, and times out.)
             with contextlib.suppress(threading.BrokenBarrierError):
                 both.wait()
-        bounded_add(*args, **kwargs)
+        return bounded_add(*args, **kwargs)
 
     monkeypatch.setattr(_fusion, "_bounded_add", meet_then_add)
     fused, unfused = _three_heads()
