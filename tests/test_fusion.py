@@ -6854,11 +6854,16 @@ def test_fused_complex_linear_layers_train_as_unfused(device):
         assert_close(a, b)
 
 
+def _heads(*layers: Callable[[], nn.Module]) -> tuple[Parallel, Parallel]:
+    r"""Three heads of ``layers`` fused with ``join=None``, and the same heads unfused."""
+    torch.manual_seed(0)
+    heads = [nn.Sequential(*(layer() for layer in layers)) for _ in range(3)]
+    return Parallel(*heads, join=None, fuse=True), Parallel(*copy.deepcopy(heads), join=None)
+
+
 def _three_heads() -> tuple[Parallel, Parallel]:
     r"""Three small heads fused with ``join=None``, and the same heads unfused (the gradient-penalty tests)."""
-    torch.manual_seed(0)
-    heads = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(3)]
-    return Parallel(*heads, join=None, fuse=True), Parallel(*copy.deepcopy(heads), join=None)
+    return _heads(lambda: nn.Linear(4, 8), nn.Tanh, lambda: nn.Linear(8, 2))
 
 
 @pytest.mark.parametrize("with_loss", [True, False])
@@ -7025,13 +7030,6 @@ def test_a_step_between_passes_over_a_penalty_s_graph_is_refused(wrt):
                 torch.autograd.grad(g.square().sum(), x)
             else:
                 g.square().sum().backward()
-
-
-def _heads(*layers: Callable[[], nn.Module]) -> tuple[Parallel, Parallel]:
-    r"""Three heads of ``layers`` fused with ``join=None``, and the same heads unfused."""
-    torch.manual_seed(0)
-    heads = [nn.Sequential(*(layer() for layer in layers)) for _ in range(3)]
-    return Parallel(*heads, join=None, fuse=True), Parallel(*copy.deepcopy(heads), join=None)
 
 
 @pytest.mark.parametrize("case", ["one layer, stepped", "one layer, loaded", "last weight changed",
