@@ -2381,7 +2381,7 @@ def _kernel_linear(v: _Value, w: torch.Tensor, b: torch.Tensor | None, n: int, c
     if (w.dtype != x.dtype or w.device != x.device  # (torch's layers refuse these as they would unfused)
             or b is not None and (b.dtype != x.dtype or b.device != x.device)
             or _batched_linear.linear(x, w, b, out, code, chained=bool(call.chained)) is None):
-        y = torch.bmm(x, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), x, w.mT)
+        y = _stacked_linear(x, w, b)
         out.copy_(y if activation is None else activation(y))
     if call.chained is not None:
         # The layers after the call's first may load their weights while the one before
@@ -2487,12 +2487,18 @@ def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
                                                    or torch.is_autocast_enabled(flat.device.type))):
             out = _TrainedLinear.apply(flat, w, b)
         else:
-            if wt is None:  # (trained, where _TrainedLinear is not taken: see above)
-                wt, bias = w.mT, None if b is None else b.unsqueeze(1)
-            out = torch.bmm(flat, wt) if bias is None else torch.baddbmm(bias, flat, wt)
+            # (Trained, where _TrainedLinear is not taken, the views are made here: see above.)
+            out = (_stacked_linear(flat, w, b) if wt is None
+                   else torch.bmm(flat, wt) if bias is None else torch.baddbmm(bias, flat, wt))
         return _Value(out if lead is None else out.view(n, *lead, out.shape[-1]), _STACKED)
 
     return linear
+
+
+def _stacked_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    r"""``N`` ``Linear`` layers at once: ``x`` ``[N, rows, in]``, their stacked weights ``[N, out, in]``
+    and biases ``[N, out]``."""
+    return torch.bmm(x, w.mT) if b is None else torch.baddbmm(b.unsqueeze(1), x, w.mT)
 
 
 # Where fused ``Linear`` layers train through :class:`_TrainedLinear` (see there), not autograd's own.
@@ -2528,7 +2534,7 @@ class _TrainedLinear(torch.autograd.Function):
         ctx.save_for_backward(x if wants_w else None, w if wants_x else None)
         ctx.bias = bias is not None
         ctx.set_materialize_grads(False)  # (no gradient came: none goes on, as autograd's own node does)
-        return torch.bmm(x, w.mT) if bias is None else torch.baddbmm(bias.unsqueeze(1), x, w.mT)
+        return _stacked_linear(x, w, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple:  # type: ignore[override]
