@@ -3162,13 +3162,15 @@ class _ScaledByAttribute(nn.Module):
 
 @pytest.mark.parametrize("fuse", [True, "auto"])
 @pytest.mark.parametrize("who", ["first", "another", "all"])
-@pytest.mark.parametrize("how", ["in place", "assigned"])
+@pytest.mark.parametrize("how", ["in place", "assigned", "swapped"])
 def test_a_tensor_attribute_changed_between_calls_is_not_read_off_the_first_member(fuse, who, how):
     # Before: the members' tensor attributes were compared when grouped and at the group's first
     # call only: one scaled in place later (``block[2].scale.mul_(2)``) went unseen, and every
     # member went on reading the first member's (silently wrong for one member, or all but one).
     # Now a call sees it: the members found apart are grouped anew ("auto"; fuse=True refuses
-    # the call, naming the attribute); changed alike, they stay fused.
+    # the call, naming the attribute); changed alike, they stay fused. ``torch.utils.swap_tensors``
+    # keeps the attribute's object and hands it the other tensor's version counter, as often at
+    # the same version: it went unseen too (member 2 read member 0's scale).
     torch.manual_seed(0)
     branches = [_ScaledByAttribute() for _ in range(3)]
     block = Parallel(*branches, join=None, fuse=fuse)
@@ -3178,6 +3180,8 @@ def test_a_tensor_attribute_changed_between_calls_is_not_read_off_the_first_memb
     for b in {"first": branches[:1], "another": branches[2:], "all": branches}[who]:
         if how == "in place":
             b.scale.mul_(2)
+        elif how == "swapped":
+            torch.utils.swap_tensors(b.scale, b.scale * 2)
         else:
             b.scale = b.scale * 2
     if fuse is True and who != "all":
