@@ -430,20 +430,25 @@ def _attributes_set_apart(a: nn.Module, b: nn.Module) -> str | None:
     return None
 
 
-_Attribute = tuple[str, str, dict, str, torch.Tensor, "int | None"]
+_Attribute = tuple[str, str, dict, str, torch.Tensor, "int | None", int]
 
 
 def _attribute_changed(attributes: list[_Attribute]) -> _Attribute | None:
     r"""The first member's tensor attribute (see :meth:`_Group._compare_attributes`) that is no longer the
-    tensor it was, at the version it was -- changed in place (``.mul_()``) or assigned anew since -- or ``None``.
+    tensor it was, at the version it was -- changed in place (``.mul_()``), assigned anew or swapped since -- or
+    ``None``.
+
+    ``torch.utils.swap_tensors`` keeps the object and swaps in another tensor's
+    contents and version counter, often at the same version: the address of
+    its C++ tensor (``_cdata``) tells.
 
     (Looked at on every eager call of a group whose members hold any: a dict look-up and a
     version per attribute. An inference tensor keeps no version: written in place under
     ``inference_mode``, it is not seen.)
     """
     for a in attributes:
-        _, _, d, k, t, v = a
-        if d.get(k) is not t or v is not None and t._version != v:
+        _, _, d, k, t, v, c = a
+        if d.get(k) is not t or t._cdata != c or v is not None and t._version != v:
             return a
     return None
 
@@ -1569,7 +1574,7 @@ class _Group:
                     f", where branch {self.names[0]!r} has its own, {since} (register a tensor each member "
                     f"keeps apart with register_buffer)")
                 raise _MembersChanged(f"the branches are no longer identical: in branch {name!r}, {diff}{first}")
-        self.attributes = [(name, _join(path, k), vars(m), k, t, None if t.is_inference() else t._version)
+        self.attributes = [(name, _join(path, k), vars(m), k, t, None if t.is_inference() else t._version, t._cdata)
                            for name, member in zip(self.names, self.members) for path, m in member.named_modules()
                            for k, t in _tensor_attributes(m).items()]
 
@@ -1758,7 +1763,7 @@ class _Group:
             # Changed between calls (``block[2].scale.mul_(2)``): compared again, and the steps made
             # anew, whose layers run through vmap hold the attributes of when they were made (one
             # assigned anew alike in every member would not be read).
-            program, since = None, "changed since the group's last call (in place, or assigned anew)"
+            program, since = None, "changed since the group's last call (in place, assigned anew or swapped)"
         if program is None:
             if keep:
                 self._compare_attributes(since)
