@@ -44,6 +44,17 @@ block's own is), and the same children put back in another order under the
 same names (popped and set again). (A parameter or buffer written into
 ``_parameters`` or ``_buffers`` registers nothing either: fused groups see it
 by its address, see ``_fusion._Group._bound``.)
+
+``torch.utils.swap_tensors`` gives a parameter or buffer another tensor's
+memory, dtype and shape, keeping the object, and registers nothing: with
+``torch.__future__.set_swap_module_params_on_conversion(True)``, ``.to()``,
+``.half()`` and ``load_state_dict(assign=True)`` swap every tensor they change.
+Wrapped once too (:func:`_counted_swap`), a swap counts as a change; a walk after
+one also compares where the tree's tensors lie with where they lay when the
+block last made its state anew (``_placed``, see :func:`_reset_if_moved`): CUDA
+graphs read them by address, and eager calls would read them anew, but the
+graphs would replay the old memory. (A swap that moved nothing -- ``.float()``
+of float tensors under the flag -- changes nothing.)
 """
 
 from __future__ import annotations
@@ -64,6 +75,8 @@ __all__: list[str] = []
 
 # Module, parameter and buffer registrations anywhere in the process so far.
 _changes = 0
+# ``torch.utils.swap_tensors`` calls anywhere in the process so far (each also counted in _changes).
+_swaps = 0
 _installed = False
 _install_lock = threading.Lock()
 
@@ -127,6 +140,21 @@ def _counted(method: Callable[..., Any]) -> Callable[..., Any]:
     return counted
 
 
+def _counted_swap(swap: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    r"""``torch.utils.swap_tensors``, counting the swap (see the module's docstring)."""
+
+    @functools.wraps(swap)
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        global _swaps
+        try:
+            return swap(t1, t2)
+        finally:
+            _swaps += 1
+            _count()
+
+    return swap_tensors
+
+
 # torch's container methods that change children by writing ``_modules`` directly (see above).
 _DIRECT_WRITERS = ((nn.Sequential, "insert"), (nn.ModuleList, "insert"), (nn.ModuleDict, "__delitem__"),
                    (nn.ModuleDict, "clear"))
@@ -147,6 +175,9 @@ def _install() -> None:
             nn.Module.__delattr__ = _counted_delattr(nn.Module.__delattr__)  # type: ignore[method-assign]
             for cls, name in _DIRECT_WRITERS:
                 setattr(cls, name, _counted(cls.__dict__[name]))
+            # (Looked up on ``torch.utils`` at each call by ``nn.Module._apply`` and
+            # ``_load_from_state_dict``; a name imported from it before is not counted.)
+            torch.utils.swap_tensors = _counted_swap(torch.utils.swap_tensors)
             _installed = True
 
 
@@ -199,13 +230,14 @@ class _Tree:
     reference to it goes. Every look is given ``root`` again.
     """
 
-    __slots__ = ("seen", "walked", "members", "buffers", "parameters", "modules", "children", "copies")
+    __slots__ = ("seen", "walked", "swaps", "members", "buffers", "parameters", "modules", "children", "copies")
 
     def __init__(self, root: nn.Module, children: bool = False) -> None:
         _install()
         # The count at the last walk that found the tree settled, and at the last walk (see same):
         # the next call walks once more.
         self.seen, self.walked = -1, _changes
+        self.swaps = _swaps  # (see same)
         # Held (not only their ids), so that an id is not reused by a new object while compared.
         self.members, self.buffers = _members(root)
         modules = tuple(root.modules())
@@ -264,13 +296,16 @@ class _Tree:
         anew, CUDA graphs see tensors swapped in). Made anew at every call,
         schedules were tuned anew at every call. A buffer tied to another
         tensor of the tree (the same one, or its memory) changes it: fused
-        groups refuse branches that share tensors.
+        groups refuse branches that share tensors. After a
+        ``torch.utils.swap_tensors`` anywhere, a tensor that no longer lies
+        where it lay when ``root`` last made its state anew changes it too
+        (see the module's docstring).
         """
         if self.rewritten():
             # (Even where the walk would find the same modules in the same order, renamed:
             # grouping compares the names of the members' children too.)
             return False
-        seen = _changes  # (before the walk: a registration during it is looked at next time)
+        seen, swaps = _changes, _swaps  # (before the walk: a registration during it is looked at next time)
         if self.seen == seen:
             return True
         now, buffers = _members(root)
@@ -287,6 +322,13 @@ class _Tree:
                 held = [_storage(t) for t in (*root.parameters(), *buffers)]
                 if any(held.count(p) > 1 for p in mine):
                     return False
+        if swaps != self.swaps:
+            # A tensor swapped somewhere: the same objects may now lie elsewhere, or be of another
+            # dtype or shape (see the module's docstring). ``_placed`` is set when the root makes
+            # its state anew, after its fused groups stack the parameters.
+            if _placement(root) != root.__dict__.get("_placed"):
+                return False
+            self.swaps = swaps
         self.buffers = buffers
         # torch runs the registration hooks before it stores what they announce: a walk
         # from another thread between the two saw the old tree. So the tree is walked once
