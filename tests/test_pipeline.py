@@ -2349,6 +2349,44 @@ def test_a_stage_s_hooks_run_once_per_micro_batch_on_its_part() -> None:
                                rtol=0, atol=0)
 
 
+def test_a_stage_s_backward_hooks_keep_another_micro_batch_than_its_forward_hooks() -> None:
+    # The README: autograd reaches the micro-batches' backward passes last one first on the CPU,
+    # so a gradient kept by a stage's backward hook is micro-batch 0's, while an activation kept by
+    # its forward hook is the last one's (Grad-CAM pairing them would mix micro-batches). A hook on
+    # the activation tensor, registered by the forward hook, pairs each gradient with its own
+    # activation; the pipeline's own hooks run once per call on the whole batch, as nn.Sequential's.
+    torch.manual_seed(0)
+    model = ParallelSequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1), chunks=3)
+    reference = nn.Sequential(*copy.deepcopy(list(model)))
+    x, w = torch.randn(7, 3), torch.randn(7, 1)  # (a weight per sample: each part's gradient its own)
+    backward, paired = [], []
+
+    def pair(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        i = len(paired)
+        paired.append(None)
+        out.register_hook(lambda g: paired.__setitem__(i, g))
+
+    model[1].register_full_backward_hook(lambda m, grad_in, grad_out: backward.append(grad_out[0]))
+    model[1].register_forward_hook(pair)
+    whole = {}
+    for name, module in (("model", model), ("reference", reference)):
+        module.register_forward_hook(lambda m, args, out, name=name: whole.setdefault(name, []).append(out))
+        module.register_full_backward_hook(
+            lambda m, grad_in, grad_out, name=name: whole.setdefault(name, []).append(grad_in[0]))
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (model(a) * w).sum().backward()
+    (reference(b) * w).sum().backward()
+    expected = [part @ model[2].weight.detach() for part in w.tensor_split(3)]
+    assert len(backward) == 3
+    for g, e in zip(backward, reversed(expected)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    for g, e in zip(paired, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert len(whole["model"]) == len(whole["reference"]) == 2
+    for got, want in zip(whole["model"], whole["reference"]):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_the_batch_mixing_check_runs_again_after_the_mode_or_chunks_change() -> None:
     # The check is made on every call, not once: a pipeline run in eval mode, or with chunks=1,
     # refuses BatchNorm in training mode once it is switched back, or chunks is raised, and
