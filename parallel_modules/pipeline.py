@@ -1930,9 +1930,17 @@ class ParallelSequential(nn.Sequential):
         # (Asked eagerly only: Dynamo cannot trace ``is_inference()``. Compiled, the pieces are still
         # copied where the first stage writes its input: an inference tensor given to the compiled
         # pipeline runs where a compiled nn.Sequential raises.)
+        # Nor the caller's leaf that requires grad, which no stage may write in place (autograd raises, as
+        # in nn.Sequential): copied, a stage wrote it where nn.Sequential raises, which hid wrong gradients
+        # under torch.utils.checkpoint(use_reentrant=True): its forward runs without autograd on the
+        # caller's tensor (written there, as by nn.Sequential), and its recomputation, from a detached
+        # leaf of that written tensor, wrote a copy again. (A graph's static copy of an input is a leaf
+        # standing for the caller's tensor, which may be a layer's output: copied, as that would be.)
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)
-            return [p.clone() for p in pieces] if own and (tracing or not t.is_inference()) else list(pieces)
+            cloned = own and (tracing or not (t.is_inference() or t.requires_grad and t.is_leaf
+                                              and not (t.is_cuda and _capture_underway())))
+            return [p.clone() for p in pieces] if cloned else list(pieces)
 
         if spec is None:
             return split(input)

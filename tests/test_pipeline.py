@@ -1085,6 +1085,33 @@ def test_in_place_first_operation_under_autograd() -> None:
     assert torch.allclose(grad, a.grad, rtol=RTOL, atol=ATOL)
 
 
+class _Doubles(nn.Module):
+    r"""Doubles its input in place (not idempotent, as ``nn.ReLU(inplace=True)`` is)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2)
+
+
+def test_a_first_stage_writing_an_input_leaf_that_requires_grad_raises_as_in_nn_sequential() -> None:
+    # Before (a CPU hunt): each micro-batch of an input was copied while autograd recorded, so a
+    # first stage writing its input in place wrote a copy of a leaf that requires grad, where
+    # nn.Sequential (and chunks=1) raise. Under torch.utils.checkpoint(use_reentrant=True) that
+    # hid wrong gradients: its forward runs without autograd, on the caller's tensor, which the
+    # stage writes (as nn.Sequential's does); its recomputation, from a detached leaf of that
+    # written tensor, then wrote a copy again, and the gradients were those of another input.
+    torch.manual_seed(0)
+    stages = [nn.Sequential(_Doubles(), nn.Linear(4, 3)), nn.Linear(3, 2)]
+    x = torch.randn(6, 4, requires_grad=True)
+    for model in (nn.Sequential(*stages), ParallelSequential(*stages), ParallelSequential(*stages, chunks=3)):
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad is being used in an in-place"):
+            model(x)
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad is being used in an in-place"):
+            torch.utils.checkpoint.checkpoint(model, x * 1, use_reentrant=True).sum().backward()
+    # An input that is no leaf is the caller's to have written, as in nn.Sequential; while autograd
+    # records, each micro-batch writes a copy of its own (the caller's is left as it was).
+    torch.testing.assert_close(ParallelSequential(*stages, chunks=3)(x * 1), nn.Sequential(*stages)(x * 1))
+
+
 def test_errors_name_the_stage_with_one_chunk() -> None:
     model = ParallelSequential(OrderedDict(enc=nn.Linear(4, 4), dec=nn.Linear(5, 2)))
     with pytest.raises(RuntimeError) as info:
