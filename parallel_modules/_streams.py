@@ -161,6 +161,22 @@ def _size(t: torch.Tensor, dim: int = 0) -> int:
         torch._C._set_tracing_state(state)
 
 
+def _symbolic(size: Any) -> bool:
+    r"""Whether ``size`` is a dynamic size of a compiler's trace, one that may take other values.
+
+    Not ``isinstance(size, torch.SymInt)``, which Dynamo (``torch.compile``, a strict
+    ``torch.export``) answers ``False``: it hands the code it traces a ``SymInt`` as an int.
+    ``has_static_value`` is answered from the symbol there, and by the ``SymInt`` elsewhere.
+    Called only while a compiler traces (see :func:`._joins._guard_or_false` for why).
+    """
+    from torch.fx.experimental import symbolic_shapes
+
+    static = getattr(symbolic_shapes, "has_static_value", None)  # (PyTorch 2.6 and later)
+    if static is None:
+        return isinstance(size, torch.SymInt)
+    return isinstance(size, (int, torch.SymInt)) and not static(size)
+
+
 # Where autograd needs a call's items on the caller's stream (see _autograd_in_line).
 _saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)

@@ -50,7 +50,7 @@ from .parallel import Parallel
 # twice per piece and lane, where the Python wrappers cost microseconds each.)
 from ._streams import (_FakeTensor, _capture_underway, _current_stream, _functorch_active, _graph_state,
                        _hidden_attributes, _is_tracing, _jit_tracing, _join_backward, _pool, _record, _record_on, _size,
-                       _set_stream, _wait)
+                       _set_stream, _symbolic, _wait)
 
 __all__ = ["ParallelSequential"]
 
@@ -327,7 +327,7 @@ class _SoftmaxDims(TorchFunctionMode):
         if isinstance(t, nn.Parameter) or not t.dim():
             return False
         rows = t.shape[0]
-        return isinstance(rows, torch.SymInt) if self.smallest is None else rows >= self.smallest
+        return _symbolic(rows) if self.smallest is None else rows >= self.smallest
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -959,7 +959,7 @@ def _signature_dims(input: Any) -> Hashable:
 
 def _symbolic_batch(input: Any) -> bool:
     r"""Whether a compiler traces ``input`` with a dynamic batch size (a ``SymInt`` dimension 0)."""
-    return isinstance(_batch_size(input), torch.SymInt)
+    return _symbolic(_batch_size(input))
 
 
 def _batch_size(piece: Any) -> int | None:
@@ -1812,6 +1812,24 @@ class ParallelSequential(nn.Sequential):
             f"module with .to({str(device)!r})."
         )
 
+    def _refuse_short(self, chunks: int, batch: int) -> None:
+        r"""Raise where ``batch`` samples cannot make ``chunks`` micro-batches of at least one each.
+
+        (Traced with a dynamic batch, the compiler guards on ``batch >= chunks``: a
+        ``torch.export`` Dim that allows fewer is refused as the program is made.)
+        """
+        if chunks > batch:
+            owner = type(self).__name__
+            error = ValueError(
+                f"{owner}: chunks={chunks} is larger than the batch size {batch}; every micro-batch "
+                f"needs at least one sample. Use chunks <= {batch} (set model.chunks), a larger "
+                "batch, or drop_last=True in the DataLoader for a short last batch."
+            )
+            if not _dynamo_compiling():  # (which cannot trace setting an exception's attribute)
+                # Which pipeline, for one it is nested in to name: see _nested_short.
+                error._short_pipeline = self  # type: ignore[attr-defined]
+            raise error
+
     def _split(self, input: Any, chunks: int, copied: bool = False, watched: list[_Shared] | None = None) -> list[Any]:
         r"""``input`` as ``chunks`` micro-batches along dimension 0 (``torch.tensor_split``).
 
@@ -1890,16 +1908,7 @@ class ParallelSequential(nn.Sequential):
                 )
         if batch == 0:  # nothing to split: one (empty) micro-batch, as nn.Sequential runs it
             return [input]
-        if chunks > batch:
-            error = ValueError(
-                f"{owner}: chunks={chunks} is larger than the batch size {batch}; every micro-batch "
-                f"needs at least one sample. Use chunks <= {batch} (set model.chunks), a larger "
-                "batch, or drop_last=True in the DataLoader for a short last batch."
-            )
-            if not _dynamo_compiling():  # (which cannot trace setting an exception's attribute)
-                # Which pipeline, for one it is nested in to name: see _nested_short.
-                error._short_pipeline = self  # type: ignore[attr-defined]
-            raise error
+        self._refuse_short(chunks, batch)
         # Recording autograd, each piece gets memory of its own: views of one input share
         # its version counter, so an in-place first operation (ReLU(inplace=True)) on one
         # piece would spoil what was saved for backward on another (by that operation, or
@@ -2296,7 +2305,7 @@ class ParallelSequential(nn.Sequential):
             # more eagerly, and stages compiled with compile= running uncompiled in it.)
             tracing = _is_tracing()
             batch = _batch_size(input)
-            batch = None if isinstance(batch, torch.SymInt) else batch or 0  # (a compiler's dynamic batch size)
+            batch = None if tracing and batch is not None and _symbolic(batch) else batch or 0  # (a dynamic batch size)
             key = None if tracing else (_signature_dims(input), min(batch // chunks, 2), min(-(-batch // chunks), 2),
                                         self._modes() if modes is None else modes,
                                         tuple((id(m), _softmax_dim(m)) for _, _, m in layers))
@@ -2398,8 +2407,11 @@ class ParallelSequential(nn.Sequential):
                   and not uncompiled else None)
         if graphs is not None:
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
-        if chunks == 1 or (_symbolic_trace._is_fx_tracing_flag and _proxies(input)) or (
-                tracing and _symbolic_batch(input)) or transformed:
+        proxies = _symbolic_trace._is_fx_tracing_flag and _proxies(input)
+        symbolic = chunks > 1 and tracing and not proxies and _symbolic_batch(input)
+        if symbolic:  # (refused as in _split: the program must not run a batch the module refuses)
+            self._refuse_short(chunks, _batch_size(input))
+        if chunks == 1 or proxies or symbolic or transformed:
             # (Under torch.func transforms -- vmap(grad(...)) for per-sample gradients sees
             # one sample at a time -- the stages run on the whole input: the same result,
             # where micro-batches would gain nothing and a batch of one could not be cut.

@@ -667,18 +667,64 @@ def test_buffers_a_fused_group_updates_are_updated_under_compile(fuse):
         torch.testing.assert_close(a, b, msg=name)
 
 
-def test_pipeline_exported_with_a_dynamic_batch():
+@pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
+def test_pipeline_exported_with_a_dynamic_batch(strict):
     # Cut into micro-batches, the program guarded on batch % chunks: a Dim batch was refused, and
-    # Dim.AUTO specialised to batches of one remainder.
+    # Dim.AUTO specialised to batches of one remainder. (Strict, before a CPU hunt: still so, as
+    # Dynamo hands the traced code a dynamic size as an int, not a SymInt.)
     model = ParallelSequential(mlp(16, 16), mlp(16, 8), chunks=3).eval()
     for dim in (torch.export.Dim("batch", min=3, max=64), torch.export.Dim.AUTO):
-        program = torch.export.export(model, (torch.randn(9, 16),), dynamic_shapes=({0: dim},))
+        program = torch.export.export(model, (torch.randn(9, 16),), strict=strict, dynamic_shapes=({0: dim},))
         for n in (9, 7, 4):
             x = torch.randn(n, 16)
             with torch.no_grad():
                 torch.testing.assert_close(program.module()(x), model(x))
 
 
+
+@pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
+def test_a_pipeline_compiled_with_a_dynamic_batch_and_sequence_compiles_once(how):
+    # Before (a CPU hunt): Dynamo hands the traced code a dynamic size as an int, so the
+    # pipeline missed that its batch was symbolic and cut it into micro-batches: one graph per
+    # batch % chunks (and per pieces of one sample), 4 frames for these 6 sizes.
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = ParallelSequential(mlp(16, 16), Parallel(mlp(16, 8), mlp(16, 8), join="sum"), nn.Linear(8, 4),
+                               chunks=3).eval()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=how == "dynamic=True")
+    with torch.no_grad():
+        for batch, steps in ((6, 5), (7, 9), (8, 3), (10, 7), (11, 4), (13, 6)):
+            x = torch.randn(batch, steps, 16)
+            if how == "mark_dynamic":
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(x, 1)
+            assert_close(compiled(x), model(x), RTOL, ATOL)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("how", ["dynamic=True", "export", "export strict"])
+def test_a_pipeline_traced_with_a_dynamic_batch_refuses_fewer_samples_than_chunks(how):
+    # A dynamic batch runs the stages on the whole batch (see above); before (a CPU hunt), a
+    # batch smaller than chunks, which the eager pipeline refuses, then ran: a Dim of min=2
+    # exported for chunks=3 and the program took a batch of 2.
+    model = ParallelSequential(mlp(16, 16), nn.ReLU(), chunks=3).eval()
+    short = r"chunks=3 is larger than the batch size 2"
+    with pytest.raises(ValueError, match=short):
+        model(torch.randn(2, 16))
+    if how == "dynamic=True":
+        compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=True)
+        with torch.no_grad():
+            compiled(torch.randn(6, 16))
+            # (fullgraph=True: dynamo reports the exception it traced, as its own error)
+            with pytest.raises(Exception, match=short):
+                compiled(torch.randn(2, 16))
+        return
+    # Refused as the program is made: its batch must allow chunks samples (torch's message says how).
+    with pytest.raises(Exception, match=r"(?s)Constraints violated \(b\).*b = Dim\('b', min=3, max=64\)"):
+        torch.export.export(model, (torch.randn(9, 16),), strict=how == "export strict",
+                            dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},))
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
 @pytest.mark.parametrize("fuse", [False, True])
