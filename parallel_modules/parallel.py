@@ -29,7 +29,7 @@ from ._joins import JoinSpec, _check_join, _first_line, _join_outputs, _out_of_m
 from ._placement import _UNPLACED, _moved, _place
 from ._streams import (_capture_underway, _changed, _changed_in_place, _ChangedInPlace, _current_device,
                        _checkpoint_recording, _current_stream, _fork_join, _graph_state, _in_backward, _is_tracing,
-                       _jit_tracing, _run_forked, _tensor_leaves, _unversioned, _watched, _Writes)
+                       _jit_tracing, _run_forked, _symbolic, _tensor_leaves, _unversioned, _watched, _Writes)
 from . import _watch
 
 __all__ = ["Parallel"]
@@ -1411,7 +1411,7 @@ class Parallel(nn.Module):
 
             def run(i: int, unit: Any) -> Any:
                 if isinstance(unit, _Group):
-                    if tracing and _traced_unfused(unit):
+                    if tracing and _traced_unfused(unit, args[0]):
                         return _Unfused([self._call(j, args, kwargs, branches) for j in unit.indices])
                     return self._run_group(fusion, unit, args, kwargs)
                 return self._call(unit, args, kwargs, branches)
@@ -2033,8 +2033,8 @@ def _unit_indices(unit: Any) -> list[int]:
     return unit.indices if isinstance(unit, _Group) else [unit]
 
 
-def _traced_unfused(group: _Group) -> bool:
-    r"""Whether a trace runs ``group``'s members one after another, not fused.
+def _traced_unfused(group: _Group, x: torch.Tensor) -> bool:
+    r"""Whether a trace runs ``group``'s members one after another, not fused, on the shared input ``x``.
 
     A trace cannot watch the input's version nor write back into the members'
     buffers what a batched layer wrote into their stacks: members whose layers
@@ -2042,10 +2042,13 @@ def _traced_unfused(group: _Group) -> bool:
     write buffers (:func:`_writes_buffers`) are traced unfused. So is every
     group under ``torch.jit.trace``, where ``torch.func.functional_call`` --
     which runs the layers fusion hands to vmap (a GroupNorm, a module of the
-    user's) -- refuses to run.
+    user's) -- refuses to run; and a group with such layers on an input of a
+    dynamic size, which torch's batching rules do not all take: ``F.linear``
+    with a bias on a 3-D input asks the batched tensor for ``sizes()`` and
+    fails, a layer norm specializes them (torch 2.11 and 2.13).
     """
     return (not torch.compiler.is_compiling() and _jit_tracing() or _writes_shared_input(group)
-            or _writes_buffers(group))
+            or _writes_buffers(group) or group.vmapped and any([_symbolic(n) for n in x.shape]))
 
 
 def _writes_shared_input(group: _Group) -> bool:

@@ -25,7 +25,7 @@ from torch import nn
 from parallel_modules import Parallel, ParallelSequential
 from parallel_modules._streams import _is_tracing
 from tests._helpers import cpu_and_cuda
-from tests._reference import assert_close, reference
+from tests._reference import assert_close, assert_same, reference
 from tests._helpers import fresh_dynamo, mlp  # noqa: F401 (fresh_dynamo: an autouse fixture)
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -553,6 +553,70 @@ def test_block_switched_to_eval_exports_fused(fuse, strict):
         assert_close(program.module()(x), reference(model, x))
     assert model.explain()["fused"] == [["0", "1"]]
 
+
+class _ScaledHead(nn.Module):
+    r"""A module of the user's (run through vmap when fused): a learned scale, then a ``Linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+        self.lin = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * self.scale)
+
+
+class _NormedHead(nn.Module):
+    r"""A module of the user's (run through vmap when fused): a ``LayerNorm``, then a ``Linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(8), nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.norm(x))
+
+
+@pytest.mark.parametrize("how", ["compile", "export", "export strict"])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("head, shapes", [
+    (_ScaledHead, [(4, 10, 8), (3, 17, 8), (9, 2, 8)]),  # (a dynamic batch and sequence)
+    (_NormedHead, [(4, 8), (3, 8), (9, 8)]),  # (a dynamic batch)
+], ids=["3-D", "2-D"])
+def test_a_vmapped_group_traced_with_dynamic_sizes_runs_unfused(head, shapes, fuse, how):
+    # Before (a CPU hunt): torch's batching rules do not all take symbolic sizes. Under vmap,
+    # F.linear with a bias on a 3-D input asks a batched tensor for sizes() ("Cannot call
+    # sizes() on tensor with symbolic sizes/strides", torch 2.11 and 2.13): no trace at all;
+    # a layer norm specializes them (compiled anew for every batch size; export: "your code
+    # specialized it to be a constant"). Such groups now trace unfused where the input has a
+    # dynamic size: the plain branches' program, the same kernels as eager calls of them.
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    block = Parallel(*[head() for _ in range(3)], join="cat", dim=-1, fuse=fuse).eval()
+    example = torch.randn(shapes[0])
+    with torch.no_grad():
+        block(example)  # (fused eagerly)
+    dims = {i: torch.export.Dim(f"d{i}", min=2, max=64) for i in range(len(shapes[0]) - 1)}
+    if how == "compile":
+        counter = CompileCounter()
+        traced = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+    else:
+        program = torch.export.export(block, (example,), strict=how == "export strict",
+                                      dynamic_shapes={"args": (dims,)})
+        traced = program.module()
+    for shape in shapes:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            assert_same(traced(x), torch.cat([b(x) for b in block], -1))
+            if how != "compile":
+                assert_same(torch.export.unflatten(program)(x), torch.cat([b(x) for b in block], -1))
+    if how == "compile":
+        assert counter.frame_count == 1
+    assert block.explain()["fused"] == [["0", "1", "2"]]  # (eagerly, still fused)
+    # Static sizes still trace the group fused, through vmap.
+    static = torch.export.export(block, (example,), strict=how == "export strict")
+    assert any("vmap" in str(n.target) for n in static.graph.nodes)
 
 @pytest.mark.parametrize("how", ["compile", "export"])
 def test_conv_batchnorm_groups_after_a_mode_switch_trace(how):
