@@ -1812,30 +1812,15 @@ class ParallelSequential(nn.Sequential):
             f"module with .to({str(device)!r})."
         )
 
-    def _refuse_short(self, chunks: int, batch: int) -> None:
-        r"""Raise where ``batch`` samples cannot make ``chunks`` micro-batches of at least one each.
-
-        (Traced with a dynamic batch, the compiler guards on ``batch >= chunks``: a
-        ``torch.export`` Dim that allows fewer is refused as the program is made.)
-        """
-        if chunks > batch:
-            owner = type(self).__name__
-            error = ValueError(
-                f"{owner}: chunks={chunks} is larger than the batch size {batch}; every micro-batch "
-                f"needs at least one sample. Use chunks <= {batch} (set model.chunks), a larger "
-                "batch, or drop_last=True in the DataLoader for a short last batch."
-            )
-            if not _dynamo_compiling():  # (which cannot trace setting an exception's attribute)
-                # Which pipeline, for one it is nested in to name: see _nested_short.
-                error._short_pipeline = self  # type: ignore[attr-defined]
-            raise error
-
-    def _split(self, input: Any, chunks: int, copied: bool = False, watched: list[_Shared] | None = None) -> list[Any]:
+    def _split(self, input: Any, chunks: int, copied: bool = False, watched: list[_Shared] | None = None,
+               whole: bool = False) -> list[Any]:
         r"""``input`` as ``chunks`` micro-batches along dimension 0 (``torch.tensor_split``).
 
         ``copied``: the pieces are copied to the GPU before any stage reads them.
         ``watched``: receives the input's tensors that share elements across
         micro-batches, whose writes :meth:`_call` refuses.
+        ``whole``: ``[input]``, uncut, once checked as for cutting (a compiler's dynamic
+        batch, see :meth:`_forward`).
         """
         owner = type(self).__name__
         if isinstance(input, torch.Tensor):
@@ -1908,7 +1893,20 @@ class ParallelSequential(nn.Sequential):
                 )
         if batch == 0:  # nothing to split: one (empty) micro-batch, as nn.Sequential runs it
             return [input]
-        self._refuse_short(chunks, batch)
+        # (A dynamic batch: the compiler guards on ``batch >= chunks``, and a torch.export Dim that
+        # allows fewer is refused as the program is made.)
+        if chunks > batch:
+            error = ValueError(
+                f"{owner}: chunks={chunks} is larger than the batch size {batch}; every micro-batch "
+                f"needs at least one sample. Use chunks <= {batch} (set model.chunks), a larger "
+                "batch, or drop_last=True in the DataLoader for a short last batch."
+            )
+            if not _dynamo_compiling():  # (which cannot trace setting an exception's attribute)
+                # Which pipeline, for one it is nested in to name: see _nested_short.
+                error._short_pipeline = self  # type: ignore[attr-defined]
+            raise error
+        if whole:
+            return [input]
         # Recording autograd, each piece gets memory of its own: views of one input share
         # its version counter, so an in-place first operation (ReLU(inplace=True)) on one
         # piece would spoil what was saved for backward on another (by that operation, or
@@ -2409,8 +2407,8 @@ class ParallelSequential(nn.Sequential):
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
         proxies = _symbolic_trace._is_fx_tracing_flag and _proxies(input)
         symbolic = chunks > 1 and tracing and not proxies and _symbolic_batch(input)
-        if symbolic:  # (refused as in _split: the program must not run a batch the module refuses)
-            self._refuse_short(chunks, _batch_size(input))
+        if symbolic:  # (checked as if cut: the program refuses what eager calls refuse, a batch below chunks)
+            self._split(input, chunks, whole=True)
         if chunks == 1 or proxies or symbolic or transformed:
             # (Under torch.func transforms -- vmap(grad(...)) for per-sample gradients sees
             # one sample at a time -- the stages run on the whole input: the same result,

@@ -790,6 +790,37 @@ def test_a_pipeline_traced_with_a_dynamic_batch_refuses_fewer_samples_than_chunk
         torch.export.export(model, (torch.randn(9, 16),), strict=how == "export strict",
                             dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},))
 
+
+class _Pairwise(nn.Module):
+    r"""Takes a pair ``(x, y)`` and returns ``(lin(x), y)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = pair
+        return self.lin(x), y
+
+
+@pytest.mark.parametrize("how", ["dynamic=True", "export", "export strict"])
+def test_a_pipeline_traced_with_a_dynamic_batch_refuses_tensors_of_unequal_batches(how):
+    # Before (a CPU hunt): run whole on a dynamic batch, the pipeline skipped the checks that
+    # cutting the input makes: a pair of 6 and 4 rows, refused eagerly, ran compiled and exported.
+    model = ParallelSequential(_Pairwise(), chunks=2)
+    pair = (torch.randn(6, 8), torch.randn(4, 8))
+    unequal = r"every tensor of the input must have the same batch size"
+    with pytest.raises(ValueError, match=unequal):
+        model(pair)
+    # (fullgraph=True, a strict export: dynamo reports the exception it traced, as its own error)
+    with torch.no_grad(), pytest.raises(Exception, match=unequal):
+        if how == "dynamic=True":
+            torch.compile(model, backend="eager", fullgraph=True, dynamic=True)(pair)
+        else:
+            torch.export.export(model, (pair,), strict=how == "export strict",
+                                dynamic_shapes=(({0: torch.export.Dim("a")}, {0: torch.export.Dim("b")}),))
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["non_strict", "strict"])
 @pytest.mark.parametrize("fuse", [False, True])
 def test_a_parallel_exported_as_the_root_takes_its_dynamic_shapes_by_the_name_args(fuse, strict):
