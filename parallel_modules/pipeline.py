@@ -1819,8 +1819,8 @@ class ParallelSequential(nn.Sequential):
         ``copied``: the pieces are copied to the GPU before any stage reads them.
         ``watched``: receives the input's tensors that share elements across
         micro-batches, whose writes :meth:`_call` refuses.
-        ``whole``: ``[input]``, uncut, once checked as for cutting (a compiler's dynamic
-        batch, see :meth:`_forward`).
+        ``whole``: the input as one piece, checked as for cutting and copied where the
+        pieces would be (a compiler's dynamic batch, see :meth:`_forward`).
         """
         owner = type(self).__name__
         if isinstance(input, torch.Tensor):
@@ -1905,8 +1905,6 @@ class ParallelSequential(nn.Sequential):
                 # Which pipeline, for one it is nested in to name: see _nested_short.
                 error._short_pipeline = self  # type: ignore[attr-defined]
             raise error
-        if whole:
-            return [input]
         # Recording autograd, each piece gets memory of its own: views of one input share
         # its version counter, so an in-place first operation (ReLU(inplace=True)) on one
         # piece would spoil what was saved for backward on another (by that operation, or
@@ -1930,6 +1928,11 @@ class ParallelSequential(nn.Sequential):
         else:  # (torch.fx.symbolic_trace: neither, its graph the plain model's)
             own = not copied and (torch.is_grad_enabled() if torch.compiler.is_compiling() else _jit_tracing()) and (
                 len(self._modules) > 0 and _writes_its_input(next(iter(self._modules.values()))))
+
+        if whole:  # (one piece: the input, or where the pieces would be copies, a copy of it)
+            if not own:
+                return [input]
+            chunks = 1
 
         # Not inference tensors, which no stage can write outside inference mode (nor autograd
         # record them): copied here, outside it, they became ordinary tensors, and the pipeline
@@ -2407,8 +2410,8 @@ class ParallelSequential(nn.Sequential):
             calls = [lambda v, c=cache, f=stage: c(f, (v,), {}) for stage, cache in zip(calls, graphs)]
         proxies = _symbolic_trace._is_fx_tracing_flag and _proxies(input)
         symbolic = chunks > 1 and tracing and not proxies and _symbolic_batch(input)
-        if symbolic:  # (checked as if cut: the program refuses what eager calls refuse, a batch below chunks)
-            self._split(input, chunks, whole=True)
+        if symbolic:  # (as if cut: the program refuses what eager calls refuse, a batch below chunks, and copies)
+            (input,) = self._split(input, chunks, whole=True)
         if chunks == 1 or proxies or symbolic or transformed:
             # (Under torch.func transforms -- vmap(grad(...)) for per-sample gradients sees
             # one sample at a time -- the stages run on the whole input: the same result,

@@ -943,6 +943,27 @@ def test_a_pipeline_whose_first_stage_writes_its_input_trains_traced(how, first)
     _trains_as_eager(model, traced, x)
 
 
+@pytest.mark.parametrize("how", ["compile", "export", "export strict"])
+def test_a_pipeline_whose_first_stage_writes_its_input_leaves_it_as_it_was_traced_with_a_dynamic_batch(how):
+    # Recording autograd, the micro-batches are copies of the input where the first stage writes
+    # it (see above), and the caller's tensor is left as it was. Before (a CPU hunt), run whole on
+    # a dynamic batch, the stage wrote the caller's tensor, as nn.Sequential does.
+    torch.manual_seed(0)
+    model = ParallelSequential(_FIRST_WRITES["relu"](), nn.Linear(8, 4), chunks=2)
+    x = torch.randn(6, 8)
+    if how == "compile":
+        traced = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    else:
+        traced = torch.export.export(model, (x,), strict=how == "export strict",
+                                     dynamic_shapes=({0: torch.export.Dim("batch", min=2, max=64)},)).module()
+    for n in (6, 7):
+        x = torch.randn(n, 8)
+        for run in (model, traced):
+            given = x * 1
+            run(given)
+            assert_close(given, x, 0, 0)
+    _trains_as_eager(model, traced, torch.randn(7, 8))
+
 @pytest.mark.parametrize("first", ["relu", "sequential"])
 def test_a_pipeline_whose_first_stage_writes_its_input_in_torchscript_trains_jit_traced(first):
     # Before: neither twin of the check read a TorchScript module, which keeps the stock layer's
