@@ -171,7 +171,7 @@ def _symbolic(size: Any) -> bool:
     """
     from torch.fx.experimental import symbolic_shapes
 
-    static = getattr(symbolic_shapes, "has_static_value", None)  # (PyTorch 2.6 and later)
+    static = getattr(symbolic_shapes, "has_static_value", None)  # (absent from older PyTorch releases)
     if static is None:
         return isinstance(size, torch.SymInt)
     return isinstance(size, (int, torch.SymInt)) and not static(size)
