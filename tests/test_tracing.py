@@ -618,6 +618,22 @@ def test_a_vmapped_group_traced_with_dynamic_sizes_runs_unfused(head, shapes, fu
     static = torch.export.export(block, (example,), strict=how == "export strict")
     assert any("vmap" in str(n.target) for n in static.graph.nodes)
 
+@pytest.mark.xfail(strict=True, reason="torch bug (2.11, 2.13): under torch.vmap, F.linear with a bias on a 3-D "
+                   "input of symbolic sizes calls sizes() on the batched tensor: 'Cannot call sizes() on tensor "
+                   "with symbolic sizes/strides'", raises=torch._dynamo.exc.TorchRuntimeError)
+def test_torch_vmaps_a_linear_over_a_3d_input_of_dynamic_sizes():
+    # Why groups run through vmap trace unfused on an input of a dynamic size (see the test
+    # above and parallel._traced_unfused). Torch's own vmap, no block: should this pass, that
+    # rule may be narrowed (a layer norm under vmap still specializes such sizes).
+    weight, bias = torch.randn(3, 6, 8), torch.randn(3, 6)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(lambda w, b: torch.nn.functional.linear(x, w, b))(weight, bias)
+
+    compiled = torch.compile(heads, backend="eager", fullgraph=True, dynamic=True)
+    x = torch.randn(4, 10, 8)
+    assert_close(compiled(x), heads(x))
+
 @pytest.mark.xfail(strict=True, reason="a strict export names the members of a fused group traced unfused by "
                    "the fusion's attributes (_fusion.groups[0].template, _fusion.branches[1], _fusion.trees[...]): "
                    "unflatten warns that they 'do not form a stack' and folds their work into the block")
