@@ -1111,3 +1111,22 @@ def test_a_failure_to_compile_under_autocast_is_not_held_against_calls_without_i
                 with pytest.raises(RuntimeError, match="failed to compile"):
                     model(x)
     assert len(model._compiler._calls[0].failed) == 1
+
+
+def test_a_swap_elsewhere_does_not_forget_a_childs_failure_to_compile():
+    # Before: the tree that watches a failed child (a module of the user's, which keeps no
+    # placement of its last reset) took any torch.utils.swap_tensors in the process, of tensors
+    # it does not hold, as its change: the failure was forgotten, the child compiled again and
+    # warned again, and explain() left it out meanwhile.
+    recorder = Recorder(fail_on="tanh")
+    block = Parallel(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), compile=recorder,
+                     compile_fallback=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        block(x)
+        torch.utils.swap_tensors(torch.zeros(2), torch.ones(2))  # (tensors of no block's)
+        assert list(block.explain()["compile fallback"]) == ["1"]
+        assert_same(block(x), cat_reference(block, x))
+    assert len([w for w in record if "failed to compile" in str(w.message)]) == 1
+    assert recorder.failures == 1
