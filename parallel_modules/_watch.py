@@ -325,8 +325,11 @@ class _Tree:
         if swaps != self.swaps:
             # A tensor swapped somewhere: the same objects may now lie elsewhere, or be of another
             # dtype or shape (see the module's docstring). ``_placed`` is set when the root makes
-            # its state anew, after its fused groups stack the parameters.
-            if _placement(root) != root.__dict__.get("_placed"):
+            # its state anew, after its fused groups stack the parameters. (A module of the user's,
+            # watched for its failure to compile, keeps none: that failure holds wherever its
+            # tensors lie, as it does across a ``.to()`` without the flag.)
+            placed = root.__dict__.get("_placed")
+            if placed is not None and _placement(root) != placed:
                 return False
             self.swaps = swaps
         self.buffers = buffers
