@@ -6870,6 +6870,12 @@ def _three_heads() -> tuple[Parallel, Parallel]:
     return _heads(lambda: nn.Linear(4, 8), nn.Tanh, lambda: nn.Linear(8, 2))
 
 
+def _penalty_input() -> torch.Tensor:
+    r"""The input of :func:`_three_heads`' blocks in the gradient-penalty tests: the same values at every call, a
+    leaf that requires grad (the penalty differentiates it)."""
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+
 @pytest.mark.parametrize("with_loss", [True, False])
 def test_a_gradient_penalty_on_one_head_leaves_the_others_without_gradient(with_loss):
     # (Session 79's training hunt.) Before: every backward pass after a create_graph one handed
@@ -6902,7 +6908,7 @@ def test_a_pass_beside_a_create_graph_pass_leaves_the_heads_it_does_not_reach_wi
     # gradient in that pass is marked, and a later pass counts it only where it runs the mark.
     fused, unfused = _three_heads()
     for block in (fused, unfused):
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = _penalty_input()
         outs = block(x)
         g, = torch.autograd.grad(outs[0].sum(), x, create_graph=True)
         if how == "retained":
@@ -6916,7 +6922,7 @@ def test_a_pass_beside_a_create_graph_pass_leaves_the_heads_it_does_not_reach_wi
 def _penalty_grads(block: Parallel, wrt: str, loss: Callable[[torch.Tensor], torch.Tensor]) -> tuple:
     r"""``torch.autograd.grad`` of a gradient penalty on heads 0 and 2 of :func:`_three_heads`' ``block``, for
     the parameters of the heads ``wrt`` names (``allow_unused``)."""
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    x = _penalty_input()
     outs = block(x)
     g, = torch.autograd.grad(loss(outs[0]) + outs[2].square().sum(), x, create_graph=True)
     wanted = [p for n, p in block.named_parameters() if wrt == "all" or n.startswith(wrt[-1] + ".")]
@@ -6979,7 +6985,7 @@ def test_a_penalty_leaves_the_hooks_of_a_parameter_its_graph_does_not_depend_on_
     fused, unfused = _three_heads()
     calls = []
     for block in (fused, unfused):
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = _penalty_input()
         bias = block.get_parameter("0.2.bias")
         getattr(bias, hook)(lambda t: calls.append(t if hook == "register_hook" else t.grad))
         outs = block(x)
@@ -6999,7 +7005,7 @@ def test_a_batched_create_graph_pass_gives_what_unfused_gives(how):
     # later passes found no mark, handing every member zeros.
     fused, unfused = _three_heads()
     for block in (fused, unfused):
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = _penalty_input()
         if how == "hessian":
             h = torch.autograd.functional.hessian(lambda x: block(x)[0].square().sum(), x, create_graph=True,
                                                   vectorize=True)
@@ -7025,7 +7031,7 @@ def test_a_step_between_passes_over_a_penalty_s_graph_is_refused(wrt):
     fused, unfused = _three_heads()
     for block in (fused, unfused):
         opt = torch.optim.SGD(block.parameters(), lr=0.1)
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = _penalty_input()
         g, = torch.autograd.grad(block(x)[0].sum(), x, create_graph=True)
         g.square().sum().backward(retain_graph=True)
         opt.step()
@@ -7101,7 +7107,7 @@ def test_a_pass_whose_report_was_dropped_counts_every_member():
     # member now, as a pass none reported.
     fused, unfused = _three_heads()
     for block in (fused, unfused):
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = _penalty_input()
         outs = block(x)
         g, = torch.autograd.grad(outs[0].sum(), x, create_graph=True)
         loss = outs[2].sum()  # (made here: the hook runs with grad mode off, as the pass does)
@@ -7137,7 +7143,7 @@ def test_a_pass_whose_report_two_threads_dropped_at_once_counts_every_member(mon
     monkeypatch.setattr(_fusion, "_bounded_add", meet_then_add)
     fused, unfused = _three_heads()
     for block in (fused, unfused):
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = _penalty_input()
         outs = block(x)
         g, = torch.autograd.grad(outs[0].sum(), x, create_graph=True)
         loss = outs[2].sum()
@@ -7172,7 +7178,7 @@ def test_a_hook_removed_after_a_penalty_s_pass_loses_no_gradient(asked):
     fused, unfused = _three_heads()
     got = []
     for block in (fused, unfused):
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = _penalty_input()
         hooked = list(block[1].parameters()) if asked == "every parameter" else [block[1][0].weight]
         handles = [p.register_hook(lambda grad: grad) for p in hooked]
         outs = block(x)
@@ -7197,7 +7203,7 @@ def test_vmap_over_a_create_graph_pass_runs_as_unfused():
     # refuses it -- fused raised where unfused runs. Such a member now counts in every later pass.
     fused, unfused = _three_heads()
     for block in (fused, unfused):
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = _penalty_input()
         outs = block(x)
         vjp = lambda v, out=outs[0], x=x: torch.autograd.grad(out, x, v, create_graph=True, retain_graph=True)[0]
         jacobian = torch.func.vmap(vjp)(torch.eye(2).expand(5, 2, 2).permute(1, 0, 2))
