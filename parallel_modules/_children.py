@@ -15,7 +15,6 @@ import collections.abc
 import copy
 import inspect
 import operator
-import reprlib
 import sys
 from typing import Any, Callable, Iterator
 
@@ -24,7 +23,7 @@ from torch import nn
 
 from ._fusion import _DROPOUTS, _STOCK_DROPOUT
 from ._inputs import _with_context
-from ._joins import _NAMED_JOINS, _describe
+from ._joins import _NAMED_JOINS, _shown
 
 __all__: list[str] = []
 
@@ -90,18 +89,6 @@ def _unfit(owner: str, kind: str, name: str, child: Any, constructing: bool = Fa
         return (f"{owner}: {kind} {name!r} is the {type(child).__name__} {child!r}, not a module. Settings are "
                 f"keyword-only: {owner}(..., {setting}={child!r}).")
     return None
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxother = _SHORT.maxstring = 120  # (a function's repr, with its address, whole)
-
-
-def _shown(value: Any) -> str:
-    r"""``value``, refused as a child, for an error: its type and a repr cut short, a tensor by its shape,
-    dtype and device (its repr prints its data, pages of it for a weight passed by mistake)."""
-    if isinstance(value, torch.Tensor):
-        return _describe(value)
-    return f"{type(value).__name__} ({_SHORT.repr(value)})"
 
 
 def _as_branch(owner: str, name: str, branch: Any, constructing: bool = False,

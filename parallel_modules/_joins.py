@@ -84,11 +84,18 @@ def _same_leaf(value: Any, first: Any) -> bool:
         return False
 
 
-def _describe_leaf(value: Any) -> str:
-    r"""An output leaf for an error: a tensor as :func:`_describe` has it, anything else with its value too."""
+_SHORT = reprlib.Repr()
+_SHORT.maxother = _SHORT.maxstring = 120  # (a function's repr, with its address, whole)
+
+
+def _shown(value: Any) -> str:
+    r"""``value`` for an error: a tensor by its shape, dtype and device (its repr prints its data, pages of
+    it for a weight passed by mistake), anything else by its type and a repr cut short."""
     if value is None:
         return "None"
-    return _describe(value) if isinstance(value, torch.Tensor) else f"{type(value).__name__} {reprlib.repr(value)}"
+    if isinstance(value, torch.Tensor):
+        return _describe(value)
+    return f"{type(value).__name__} ({_SHORT.repr(value)})"
 
 
 def _listing(names: Sequence[str], outputs: Sequence[Any]) -> str:
@@ -296,7 +303,7 @@ def _structured_join(owner: str, how: str, dim: int, names: list[str], outputs: 
             # only where the outputs are structures (a leaf's path): a single leaf's would repeat
             # the line above it.
             where = _leaf_path(outputs[0], i)
-            got = ", ".join(f"branch {n!r}: {_describe_leaf(v)}" for n, v in zip(names, column))
+            got = ", ".join(f"branch {n!r}: {_shown(v)}" for n, v in zip(names, column))
             what, between, there = ((f"the outputs at {where}", f".\n{_listing(names, outputs)}\n", " there") if where
                                     else ("the branch outputs", ". ", ""))
             raise (TypeError if any(isinstance(v, _LEAVES) for v in column) else ValueError)(

@@ -59,7 +59,7 @@ def test_branch_not_module_or_callable(bad):
     with pytest.raises(TypeError) as ei:
         Parallel(nn.Linear(2, 2), bad)
     msg = str(ei.value)
-    assert "Parallel" in msg and "'1'" in msg and type(bad).__name__ in msg
+    assert "Parallel" in msg and "'1'" in msg and ("got None" if bad is None else type(bad).__name__) in msg
 
     with pytest.raises(TypeError) as ei:
         Parallel(OrderedDict(good=nn.Linear(2, 2), broken=bad))
@@ -68,7 +68,7 @@ def test_branch_not_module_or_callable(bad):
     # Replacing or adding a bad branch on a working module leaves it unchanged.
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     p = Parallel(a, b, join="sum")
-    got = type(bad).__name__
+    got = "None" if bad is None else type(bad).__name__
     with pytest.raises(TypeError, match=rf"Parallel: branch '1' must be an nn.Module or a callable, got {got}"):
         p[1] = bad
     with pytest.raises(TypeError, match=rf"Parallel: branch '2' must be an nn.Module or a callable, got {got}"):
@@ -760,7 +760,7 @@ def test_append_onto_a_name_already_taken_says_why_and_how():
 
 def test_extend_with_a_bad_module_appends_none():
     p = Parallel(nn.Identity(), nn.Identity())
-    with pytest.raises(TypeError, match="branch '3' must be an nn.Module or a callable, got NoneType"):
+    with pytest.raises(TypeError, match="branch '3' must be an nn.Module or a callable, got None\."):
         p.extend([nn.ReLU(), None])
     assert len(p) == 2
     x = torch.randn(2, 2)
@@ -892,10 +892,10 @@ def test_non_tensor_output_leaves_that_differ_are_named_with_their_values():
     # Before: "branch '0': int, branch '1': int" (no values), and a NumPy leaf escaped as a bare
     # "truth value of an array is ambiguous" naming neither the block nor a branch.
     x = torch.randn(2, 3)
-    with pytest.raises(ValueError, match=r"outputs at \[1\] .* branch '0': int 3, branch '1': int 4"):
+    with pytest.raises(ValueError, match=r"outputs at \[1\] .* branch '0': int \(3\), branch '1': int \(4\)"):
         Parallel(lambda x: (x, 3), lambda x: (x, 4))(x)
     np = pytest.importorskip("numpy")
-    with pytest.raises(ValueError, match=r"^Parallel: join='cat' .* branch '0': ndarray array\(\[1, 2\]\)"):
+    with pytest.raises(ValueError, match=r"^Parallel: join='cat' .* branch '0': ndarray \(array\(\[1, 2\]\)\)"):
         Parallel(lambda x: (x, np.array([1, 2])), lambda x: (x, np.array([1, 2])))(x)
     out = Parallel(lambda x: (x, "tag"), lambda x: (x * 2, "tag"))(x)  # the same value: passed on
     torch.testing.assert_close(out[0], torch.cat([x, x * 2], 1))
@@ -1195,7 +1195,7 @@ def test_a_first_branch_returning_a_number_where_another_returns_a_tensor_names_
     # (A TypeError, as where no branch returned a tensor; outputs that are single leaves are not listed
     # again below the line that names them.)
     assert str(ei.value) == (f"Parallel: join={join!r} joins tensors, but the branch outputs are not a tensor in "
-                             "every branch, nor the same value in all: branch 'a': int 2, branch 'b': Tensor(2, 2) "
+                             "every branch, nor the same value in all: branch 'a': int (2), branch 'b': Tensor(2, 2) "
                              "float32 on cpu. Return a tensor from every branch (or the same non-tensor value), "
                              "or pass join=None to receive the outputs as a tuple.")
     p[0] = lambda x: x + 1  # (still usable)
@@ -1211,7 +1211,7 @@ def test_a_non_tensor_leaf_of_structured_outputs_is_named_by_its_path():
     p = Parallel(lambda x: {"a": x, "b": (x, x)}, lambda x: {"a": x, "b": (x, "s")})
     x = torch.randn(2, 4)
     with pytest.raises(TypeError, match=r"(?s)join='cat' joins tensors, but the outputs at \['b'\]\[1\] are not a "
-                                        r"tensor in every branch.*branch '1': str 's'\.\n  branch '0': \{'a'"):
+                                        r"tensor in every branch.*branch '1': str \('s'\)\.\n  branch '0': \{'a'"):
         p(x)
     p[1] = lambda x: {"a": x, "b": (x, x + 1)}  # (still usable)
     out = p(x)
