@@ -5115,6 +5115,73 @@ def _change_buffer(layer: nn.Module, case: str) -> None:
         layer.s.mul_(3)
 
 
+def _swap(t: torch.Tensor) -> None:
+    r"""Give ``t`` another tensor's memory, half its values, as ``.to()`` and ``load_state_dict(assign=True)`` do
+    under ``torch.__future__.set_swap_module_params_on_conversion(True)`` (a parameter stays one)."""
+    new = t.detach() * 0.5
+    torch.utils.swap_tensors(t, nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
+                             else new)
+
+
+@pytest.mark.parametrize("case", ["frozen-weight", "weight", "frozen-conv", "buffer", "vmapped-buffer",
+                                  "frozen-bias", "frozen-first-layer", "vmapped-unsaved-buffer",
+                                  "weight-no-input-grad"])
+def test_a_tensor_swapped_before_backward_passes_or_is_refused_as_unfused(case):
+    # Before: fused, a frozen weight swapped by torch.utils.swap_tensors between the forward and
+    # the backward failed the backward with "modified by an inplace operation" (the version read
+    # was the new tensor's), naming no swap; a buffer whose new tensor had the old one's version
+    # passed, the backward reading the old stack. Unfused, autograd holds each tensor it saved,
+    # and torch refuses to swap a tensor held elsewhere: the swap fails and nothing changes. Fused,
+    # autograd holds the stacks, so the swap passes and the backward is refused, saying why. A
+    # tensor autograd did not save swaps either way; a trained weight's accumulator, left for the
+    # old tensor, fails the backward either way (torch's error).
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, requires_grad=case not in ("frozen-first-layer", "weight-no-input-grad"))
+    layer = {"buffer": lambda: nn.BatchNorm1d(8).eval(), "vmapped-buffer": _Scale,
+             "vmapped-unsaved-buffer": lambda: _Scale(shift=True)}.get(case, nn.Tanh)
+    if case == "frozen-conv":
+        make, x = (lambda: nn.Conv2d(3, 4, 3)), torch.randn(2, 3, 6, 6, requires_grad=True)
+    else:
+        make = lambda: nn.Sequential(nn.Linear(8, 8), layer(), nn.Linear(8, 4))  # noqa: E731
+    fused = Parallel(*[make() for _ in range(3)], fuse=True)
+    if case.startswith("frozen"):
+        (fused if case != "frozen-first-layer" else nn.ModuleList([b[0] for b in fused])).requires_grad_(False)
+    plain = copy.deepcopy(fused)
+    plain.fuse = False
+    name = {"frozen-conv": "weight", "buffer": "1.running_var", "vmapped-buffer": "1.s",
+            "vmapped-unsaved-buffer": "1.s", "frozen-bias": "0.bias"}.get(case, "0.weight")
+    outcomes = []
+    for block in (plain, fused):
+        if x.grad is not None:
+            x.grad = None
+        loss = block(x).square().sum()
+        try:
+            _swap(block[0].get_parameter(name) if "buffer" not in case else block[0].get_buffer(name))
+        except RuntimeError:  # (torch's own check: held elsewhere)
+            outcomes.append("swap refused")
+            continue
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            outcomes.append(str(e))
+            continue
+        outcomes.append([p.grad.clone() for p in block.parameters() if p.grad is not None]
+                        + ([x.grad.clone()] if x.requires_grad else []))
+    saved = case in ("frozen-weight", "weight", "frozen-conv", "buffer", "vmapped-buffer")
+    assert (outcomes[0] == "swap refused") == saved
+    if saved:
+        what = "buffer" if "buffer" in case else "parameter"
+        assert isinstance(outcomes[1], str) and re.fullmatch(
+            rf"Parallel: {what} '{re.escape(name)}' of the branch at index 0 \(fused with the branches at \[1, 2\]\) "
+            rf"was swapped for another tensor \(torch\.utils\.swap_tensors\) .*, or compute the loss anew\.",
+            outcomes[1], re.S), outcomes[1]
+    elif case == "weight-no-input-grad":
+        assert "poisoned by swap_tensors" in outcomes[0] and outcomes[1] == outcomes[0]
+    else:
+        for a, b in zip(*outcomes, strict=True):
+            assert_close(a, b)
+
+
 @pytest.mark.parametrize("layers", ["ours", "vmapped"])
 @pytest.mark.parametrize("input_grad", [False, True])
 def test_a_frozen_member_updated_before_backward_passes_or_fails_as_unfused(input_grad, layers):
