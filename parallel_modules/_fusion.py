@@ -1154,7 +1154,8 @@ class _Group:
     r"""One group of identical branches, evaluated as one batched computation."""
 
     def __init__(self, indices: list[int], names: list[str], members: list[nn.Module],
-                 others: Sequence[nn.Module] = ()) -> None:
+                 others: Sequence[nn.Module] = (), owner: str = "Parallel") -> None:
+        self.owner = owner  # the block's class name, for messages
         self.indices = indices
         self.names = names  # the block's names of the members, for messages
         self.members = members
@@ -1826,13 +1827,13 @@ class _Group:
                       if not any([p.requires_grad for p in params])}
             if frozen:
                 entries, watched = watched, []
-                for what, indices, tensors, versions in entries:
+                for what, indices, tensors, versions, impls in entries:
                     kept = [k for k, i in enumerate(indices) if i not in frozen]  # (by branch: entries may hold some)
                     if kept:
                         watched.append((what, [indices[k] for k in kept], [tensors[k] for k in kept],
-                                        [versions[k] for k in kept]))
+                                        [versions[k] for k in kept], [impls[k] for k in kept]))
         if watched:
-            _refuse_changed_members(value, watched, received, self.indices)
+            _refuse_changed_members(value, watched, received, self.indices, self.owner)
         if received is not None:
             value = value._replace(received=received) if isinstance(value, _Value) else _Structured(value, received)
         if written:
@@ -1847,17 +1848,19 @@ class _Group:
 
 
 def _watch_saved(watched: list, what: str, indices: list[int], tensors: list[torch.Tensor], saved: list[bool]) -> None:
-    r"""Add the members' ``tensors`` that autograd ``saved``, with their versions now, to ``watched``."""
-    if all(saved):
-        watched.append((what, indices, tensors, [t._version for t in tensors]))
-    elif any(saved):
+    r"""Add the members' ``tensors`` that autograd ``saved``, with their versions and C++ tensors
+    (``_cdata``, which ``torch.utils.swap_tensors`` replaces) now, to ``watched``."""
+    if not all(saved):
+        if not any(saved):
+            return
         kept = [k for k, s in enumerate(saved) if s]
-        watched.append((what, [indices[k] for k in kept], [tensors[k] for k in kept],
-                        [tensors[k]._version for k in kept]))
+        indices, tensors = [indices[k] for k in kept], [tensors[k] for k in kept]
+    watched.append((what, indices, tensors, [t._version for t in tensors], [t._cdata for t in tensors]))
 
 
-def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list[torch.Tensor], list[int]]],
-                             received: _Received | None = None, indices: Sequence[int] = ()) -> None:
+def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list[torch.Tensor], list[int], list[int]]],
+                             received: _Received | None = None, indices: Sequence[int] = (),
+                             owner: str = "Parallel") -> None:
     r"""Make a backward through ``value`` refuse members' weights (and saved buffers) changed in place since this call.
 
     Autograd saves views of the stacks, whose version counter is the stack's:
@@ -1881,6 +1884,14 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
     views of the stacks, whose version a change to a member's parameter does
     not move. (Checked at the member's mark, see :class:`_Received`, it
     refused changes that graph does not read, which unfused lets pass.)
+
+    A member's tensor swapped for another since this call
+    (``torch.utils.swap_tensors``, as ``.to()`` and ``load_state_dict(assign=True)``
+    swap them under ``torch.__future__.set_swap_module_params_on_conversion(True)``)
+    is refused too, by its C++ tensor: unfused, autograd holds the tensor it
+    saved, and torch refuses to swap one held elsewhere; fused, autograd holds
+    the stack, and the swap passes. (Its version, the new tensor's, tells
+    nothing: an equal one let the backward read the old stack silently.)
     """
     def check(grad: torch.Tensor) -> None:
         # (Not a member this pass reaches through a create_graph pass's graph alone, past its
@@ -1889,13 +1900,22 @@ def _refuse_changed_members(value: Any, watched: list[tuple[str, list[int], list
         # weight against no gradient of its own, and saves none of it, unfused.)
         got = received.got(marked=False) if received is not None else None
         used = None if got is None else {indices[k] for k in got}
-        for what, branches, tensors, versions in watched:
-            for i, (t, v) in enumerate(zip(tensors, versions)):
-                if t._version != v and (used is None or branches[i] in used):
+        for what, branches, tensors, versions, impls in watched:
+            for i, (t, v, c) in enumerate(zip(tensors, versions, impls)):
+                if (t._cdata != c or t._version != v) and (used is None or branches[i] in used):
+                    others = [k for k in indices or branches if k != branches[i]]
+                    if t._cdata != c:
+                        raise RuntimeError(
+                            f"{owner}: {what} of the branch at index {branches[i]} (fused with the branches at "
+                            f"{others}) was swapped for another tensor (torch.utils.swap_tensors) since the forward "
+                            f"pass, which saved it for this backward. Unfused, torch refuses that swap (autograd "
+                            f"holds the tensor): run every backward pass before swapping the branches' tensors "
+                            f"(as .to(), .half() and load_state_dict(assign=True) swap them under "
+                            f"torch.__future__.set_swap_module_params_on_conversion(True)), or compute the loss anew.")
                     raise RuntimeError(
                         f"one of the variables needed for gradient computation has been modified by an "
                         f"inplace operation: {what} of the branch at index {branches[i]} (fused with "
-                        f"the branches at {[k for k in indices or branches if k != branches[i]]}) is at version {t._version}; "
+                        f"the branches at {others}) is at version {t._version}; "
                         f"expected version {v} instead ("
                         + ("changed after the forward pass, as by an optimizer.step() between a "
                            "backward(retain_graph=True) and another backward" if what.startswith("parameter") else
@@ -3241,7 +3261,7 @@ class _Fusion:
         if required and len(branches) > 1 and (len(groups) != 1 or len(groups[0]) != len(branches)):
             raise ValueError(_required_error(owner, names, branches, self.reasons))
         self.groups = [_Group(g, [names[i] for i in g], [branches[i] for i in g],
-                              [b for i, b in enumerate(branches) if i not in g]) for g in groups]
+                              [b for i, b in enumerate(branches) if i not in g], owner) for g in groups]
         # Grouping depended on these submodules' train/eval modes (BatchNorm,
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.
