@@ -626,6 +626,154 @@ def test_dropout_branches_draw_like_sequential(device):
     assert_same(p(x), (x, x, x))
 
 
+# ------------------------------------------------------------------- module hooks
+class _Loop(nn.Module):
+    r"""The plain module a ``cat`` block stands for: its branches, under the same names, called in a loop."""
+
+    def __init__(self, branches: list[nn.Module]) -> None:
+        super().__init__()
+        for i, branch in enumerate(branches):
+            self.add_module(str(i), branch)
+
+    def __getitem__(self, i: int) -> nn.Module:
+        return self._modules[str(i)]
+
+    def forward(self, *args, **kwargs):
+        return torch.cat([branch(*args, **kwargs) for branch in self._modules.values()], 1)
+
+
+def _shapes(value):
+    r"""What a hook was handed, for comparing two modules' hook calls: tensors by shape."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (tuple, list)):
+        return tuple(_shapes(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _shapes(v) for k, v in value.items()}
+    return value
+
+
+def _rewriting_hooks(root: nn.Module, target: nn.Module, log: list) -> None:
+    r"""Hooks of every kind on ``target``, logging by name below ``root``; the forward pre-hook, the
+    forward hook and the backward pre-hook rewrite what they are handed."""
+    name = {m: n for n, m in root.named_modules()}[target]
+
+    def pre(m, args, kwargs):
+        log.append(("pre", name, _shapes(args), _shapes(kwargs)))
+        return (args[0] * 2, *args[1:]), kwargs
+
+    def forward(m, args, kwargs, out):
+        log.append(("forward", name, _shapes(args), _shapes(kwargs), _shapes(out)))
+        return out.tanh()
+
+    def backward_pre(m, grad_out):
+        log.append(("backward pre", name, _shapes(grad_out)))
+        return (grad_out[0] * 3,)
+
+    target.register_forward_pre_hook(pre, with_kwargs=True)
+    target.register_forward_hook(forward, with_kwargs=True)
+    target.register_forward_hook(lambda m, a, out: log.append(("always", name, _shapes(out))), always_call=True)
+    target.register_full_backward_pre_hook(backward_pre)
+    target.register_full_backward_hook(lambda m, gi, go: log.append(("backward", name, _shapes(gi), _shapes(go))))
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("where", ["block", "branch", "layer"])
+def test_hooks_rewriting_inputs_outputs_and_gradients_run_as_on_the_plain_module(device, where):
+    # Hooks with keywords rewriting a call's arguments and its output, a backward pre-hook
+    # rewriting the gradient, and one always called: on the block itself, on a branch or on a
+    # layer inside one, each runs as often, handed the same, as on the branches called in a loop.
+    # (Forked on CUDA: hooks of branches on side streams run there.)
+    torch.manual_seed(0)
+    branches = three_branches()
+    ref = _Loop(copy.deepcopy(branches)).to(device)
+    p = Parallel(*branches, streams=True).to(device)
+    logs = []
+    for module in (p, ref):
+        target = {"block": module, "branch": module[0], "layer": module[0][2]}[where]
+        logs.append([])
+        _rewriting_hooks(module, target, logs[-1])
+    for _ in range(2):
+        x = torch.randn(4, 16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, expected = p(x), ref(xr)
+        assert_same(out, expected)
+        w = torch.randn_like(out)
+        (out * w).sum().backward()
+        (expected * w).sum().backward()
+        assert_same(x.grad, xr.grad)
+        for a, b in _pairs(p, ref):
+            assert_same(a.grad, b.grad)
+    assert logs[0] == logs[1] and len(logs[0]) == 2 * 5
+
+
+@pytest.mark.parametrize("join", ["cat", "sum", "stack"])
+def test_always_called_hooks_run_when_the_join_refuses_and_the_block_works_after(join):
+    # The join's own error, raised from the block's forward: hooks registered with
+    # always_call=True run as around the plain module's torch.cat failing (handed no output),
+    # the block's, a branch's and those registered for the whole process; the next call works.
+    outer = {"cat": lambda outs: torch.cat(outs, 1), "sum": sum, "stack": lambda outs: torch.stack(outs, 1)}[join]
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_module("0", nn.Flatten())
+            self.add_module("1", nn.Identity())
+
+        def forward(self, x):
+            return outer([branch(x) for branch in self._modules.values()])
+
+    p, ref = Parallel(nn.Flatten(), nn.Identity(), join=join), Plain()
+    logs = [], []
+    for module, log in zip((p, ref), logs):
+        for name, target in (("block", module), ("branch", module[0] if module is p else module._modules["0"])):
+            target.register_forward_hook(lambda m, a, out, log=log, name=name: log.append((name, _shapes(out))),
+                                         always_call=True)
+    global_log = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: global_log.append((type(m).__name__, _shapes(out))), always_call=True)
+    try:
+        for module in (p, ref):
+            with pytest.raises(RuntimeError):
+                module(torch.randn(2, 3, 4))  # a 2-D and a 3-D output: no join takes them
+    finally:
+        handle.remove()
+    assert logs[0] == logs[1] == [("branch", (2, 12)), ("block", None)]
+    assert global_log[:3] == [("Flatten", (2, 12)), ("Identity", (2, 3, 4)), ("Parallel", None)]
+    assert [kind for kind, _ in global_log[3:]] == ["Flatten", "Identity", "Plain"]
+    x = torch.randn(2, 4)
+    assert_same(p(x), ref(x))
+    assert logs[0][-2:] == logs[1][-2:] == [("branch", (2, 4)), ("block", tuple(ref(x).shape))]
+
+
+def test_state_dict_hooks_run_as_on_the_plain_module():
+    # The state dict's hooks, on the block, a branch and a layer inside one: those adding a key
+    # and changing a value, and a load post-hook clearing what it does not expect.
+    torch.manual_seed(0)
+    branches = three_branches()
+    results = []
+    for module in (Parallel(*copy.deepcopy(branches)), _Loop(copy.deepcopy(branches))):
+        log = []
+        module(torch.randn(2, 16))
+        module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, log=log: log.append(("pre", prefix)))
+
+        def extra(m, state, prefix, local, log=log):
+            log.append(("post", prefix))
+            state[prefix + "extra"] = torch.ones(1)
+
+        module[0]._register_state_dict_hook(extra)
+        module[2][0]._register_state_dict_hook(lambda m, state, prefix, local: state[prefix + "weight"].mul_(0))
+        module.register_load_state_dict_post_hook(
+            lambda m, keys, log=log: log.append(("load", list(keys.unexpected_keys))) or keys.unexpected_keys.clear())
+        state = module.state_dict()
+        module.load_state_dict({k: v + 1 for k, v in state.items()})
+        results.append((log, list(state), module(torch.ones(2, 16))))
+    (log, keys, out), (ref_log, ref_keys, expected) = results
+    assert log == ref_log == [("pre", ""), ("post", "0."), ("load", ["0.extra"])]
+    assert keys == ref_keys and "0.extra" in keys
+    assert_same(out, expected)
+
+
 # ------------------------------------------------------------ execution settings
 @pytest.mark.parametrize("device", cpu_and_cuda())
 def test_streams_settings_give_identical_results(device):
