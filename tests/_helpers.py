@@ -79,6 +79,57 @@ class EqualByClass(nn.Linear):
     __hash__ = nn.Module.__hash__
 
 
+class Loop(nn.Module):
+    r"""The plain module a ``cat`` block stands for: its branches, under the same names, called in a loop."""
+
+    def __init__(self, branches: list[nn.Module]) -> None:
+        super().__init__()
+        for i, branch in enumerate(branches):
+            self.add_module(str(i), branch)
+
+    def __getitem__(self, i: int) -> nn.Module:
+        return self._modules[str(i)]
+
+    def forward(self, *args, **kwargs):
+        return torch.cat([branch(*args, **kwargs) for branch in self._modules.values()], 1)
+
+
+def hook_shapes(value):
+    r"""What a hook was handed, for comparing two modules' hook calls: tensors by shape."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (tuple, list)):
+        return tuple(hook_shapes(v) for v in value)
+    if isinstance(value, dict):
+        return {k: hook_shapes(v) for k, v in value.items()}
+    return value
+
+
+def rewriting_hooks(root: nn.Module, target: nn.Module, log: list) -> None:
+    r"""Hooks of every kind on ``target``, logging by name below ``root``; the forward pre-hook, the
+    forward hook and the backward pre-hook rewrite what they are handed."""
+    name = {m: n for n, m in root.named_modules()}[target]
+
+    def pre(m, args, kwargs):
+        log.append(("pre", name, hook_shapes(args), hook_shapes(kwargs)))
+        return (args[0] * 2, *args[1:]), kwargs
+
+    def forward(m, args, kwargs, out):
+        log.append(("forward", name, hook_shapes(args), hook_shapes(kwargs), hook_shapes(out)))
+        return out.tanh()
+
+    def backward_pre(m, grad_out):
+        log.append(("backward pre", name, hook_shapes(grad_out)))
+        return (grad_out[0] * 3,)
+
+    target.register_forward_pre_hook(pre, with_kwargs=True)
+    target.register_forward_hook(forward, with_kwargs=True)
+    target.register_forward_hook(lambda m, a, out: log.append(("always", name, hook_shapes(out))), always_call=True)
+    target.register_full_backward_pre_hook(backward_pre)
+    target.register_full_backward_hook(
+        lambda m, grad_in, grad_out: log.append(("backward", name, hook_shapes(grad_in), hook_shapes(grad_out))))
+
+
 def assert_same_backward(model: nn.Module, ref: nn.Module, x: torch.Tensor, rtol: float, atol: float) -> None:
     r"""Backward of ``model`` and of ``ref`` (a copy of its parameters, run otherwise) on copies of ``x``:
     the input's gradients and the parameters', in order, agree."""

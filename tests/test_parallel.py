@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from parallel_modules import Parallel
-from tests._helpers import Steps, appending_from_another_thread, cpu_and_cuda
+from tests._helpers import Loop, Steps, appending_from_another_thread, cpu_and_cuda, hook_shapes, rewriting_hooks
 from tests._reference import assert_same, join_reference, reference
 
 STREAMS = (True, False, "auto")
@@ -627,56 +627,6 @@ def test_dropout_branches_draw_like_sequential(device):
 
 
 # ------------------------------------------------------------------- module hooks
-class _Loop(nn.Module):
-    r"""The plain module a ``cat`` block stands for: its branches, under the same names, called in a loop."""
-
-    def __init__(self, branches: list[nn.Module]) -> None:
-        super().__init__()
-        for i, branch in enumerate(branches):
-            self.add_module(str(i), branch)
-
-    def __getitem__(self, i: int) -> nn.Module:
-        return self._modules[str(i)]
-
-    def forward(self, *args, **kwargs):
-        return torch.cat([branch(*args, **kwargs) for branch in self._modules.values()], 1)
-
-
-def _shapes(value):
-    r"""What a hook was handed, for comparing two modules' hook calls: tensors by shape."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
-    if isinstance(value, (tuple, list)):
-        return tuple(_shapes(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _shapes(v) for k, v in value.items()}
-    return value
-
-
-def _rewriting_hooks(root: nn.Module, target: nn.Module, log: list) -> None:
-    r"""Hooks of every kind on ``target``, logging by name below ``root``; the forward pre-hook, the
-    forward hook and the backward pre-hook rewrite what they are handed."""
-    name = {m: n for n, m in root.named_modules()}[target]
-
-    def pre(m, args, kwargs):
-        log.append(("pre", name, _shapes(args), _shapes(kwargs)))
-        return (args[0] * 2, *args[1:]), kwargs
-
-    def forward(m, args, kwargs, out):
-        log.append(("forward", name, _shapes(args), _shapes(kwargs), _shapes(out)))
-        return out.tanh()
-
-    def backward_pre(m, grad_out):
-        log.append(("backward pre", name, _shapes(grad_out)))
-        return (grad_out[0] * 3,)
-
-    target.register_forward_pre_hook(pre, with_kwargs=True)
-    target.register_forward_hook(forward, with_kwargs=True)
-    target.register_forward_hook(lambda m, a, out: log.append(("always", name, _shapes(out))), always_call=True)
-    target.register_full_backward_pre_hook(backward_pre)
-    target.register_full_backward_hook(lambda m, gi, go: log.append(("backward", name, _shapes(gi), _shapes(go))))
-
-
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("where", ["block", "branch", "layer"])
 def test_hooks_rewriting_inputs_outputs_and_gradients_run_as_on_the_plain_module(device, where):
@@ -686,13 +636,13 @@ def test_hooks_rewriting_inputs_outputs_and_gradients_run_as_on_the_plain_module
     # (Forked on CUDA: hooks of branches on side streams run there.)
     torch.manual_seed(0)
     branches = three_branches()
-    ref = _Loop(copy.deepcopy(branches)).to(device)
+    ref = Loop(copy.deepcopy(branches)).to(device)
     p = Parallel(*branches, streams=True).to(device)
     logs = []
     for module in (p, ref):
         target = {"block": module, "branch": module[0], "layer": module[0][2]}[where]
         logs.append([])
-        _rewriting_hooks(module, target, logs[-1])
+        rewriting_hooks(module, target, logs[-1])
     for _ in range(2):
         x = torch.randn(4, 16, device=device, requires_grad=True)
         xr = x.detach().clone().requires_grad_()
@@ -727,11 +677,11 @@ def test_always_called_hooks_run_when_the_join_refuses_and_the_block_works_after
     logs = [], []
     for module, log in zip((p, ref), logs):
         for name, target in (("block", module), ("branch", module[0] if module is p else module._modules["0"])):
-            target.register_forward_hook(lambda m, a, out, log=log, name=name: log.append((name, _shapes(out))),
+            target.register_forward_hook(lambda m, a, out, log=log, name=name: log.append((name, hook_shapes(out))),
                                          always_call=True)
     global_log = []
     handle = nn.modules.module.register_module_forward_hook(
-        lambda m, a, out: global_log.append((type(m).__name__, _shapes(out))), always_call=True)
+        lambda m, a, out: global_log.append((type(m).__name__, hook_shapes(out))), always_call=True)
     try:
         for module in (p, ref):
             with pytest.raises(RuntimeError):
@@ -752,7 +702,7 @@ def test_state_dict_hooks_run_as_on_the_plain_module():
     torch.manual_seed(0)
     branches = three_branches()
     results = []
-    for module in (Parallel(*copy.deepcopy(branches)), _Loop(copy.deepcopy(branches))):
+    for module in (Parallel(*copy.deepcopy(branches)), Loop(copy.deepcopy(branches))):
         log = []
         module(torch.randn(2, 16))
         module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, log=log: log.append(("pre", prefix)))
