@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import DoubledInTraining, Queries, ScaleBy, cpu_and_cuda
+from tests._helpers import DoubledInTraining, Loop, Queries, ScaleBy, cpu_and_cuda, hook_shapes, rewriting_hooks
 from tests._reference import assert_same, reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -1315,6 +1315,127 @@ def test_checkpoint_across_the_flop_counter(counted, fuse):
         y.sum().backward()
     expected = torch.autograd.grad(reference(p, x).sum(), x)[0]
     assert_close(x.grad, expected)
+
+
+def _batched_groups(monkeypatch) -> list:
+    r"""The names of each group that runs batched from now on, appended as it runs."""
+    from parallel_modules._fusion import _Group
+
+    batched, run = [], _Group.run
+    monkeypatch.setattr(_Group, "run", lambda self, *a, **k: batched.append(self.names) or run(self, *a, **k))
+    return batched
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_hooks_on_a_fused_block_itself_run_as_on_the_plain_module(fuse, device, monkeypatch):
+    # Hooks on the block, not its members, leave the group batched: the forward hooks with
+    # keywords rewriting the call's input and output, the backward pre-hook rewriting the
+    # gradient and the one always called run around it as around the plain module; state dict
+    # hooks on a member, which a call never runs, leave it in the group.
+    torch.manual_seed(0)
+    branches = [mlp() for _ in range(3)]
+    p, ref = Parallel(*copy.deepcopy(branches), fuse=fuse).to(device), Loop(branches).to(device)
+    logs = [], []
+    for module, log in zip((p, ref), logs):
+        rewriting_hooks(module, module, log)
+        module[1]._register_state_dict_hook(lambda m, state, prefix, local: state.pop(prefix + "0.bias"))
+    batched = _batched_groups(monkeypatch)
+    for _ in range(3):  # ("auto" runs a signature's first calls in turn, to watch them, or times them)
+        x = torch.randn(5, 16, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, expected = p(x), ref(xr)
+        assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_close(x.grad, xr.grad)
+        for a, b in zip(p.parameters(), ref.parameters(), strict=True):
+            assert_close(a.grad, b.grad)
+    assert batched or fuse == "auto" and device == "cuda"  # ("auto" may keep it unfused there, timed)
+    assert logs[0] == logs[1] and len(logs[0]) == 3 * 5
+    assert fused_groups(p) == [["0", "1", "2"]]
+    assert list(p.state_dict()) == list(ref.state_dict()) and "1.0.bias" not in p.state_dict()
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_pre_and_backward_hooks_for_the_whole_process_see_each_layer_as_unfused(fuse, device):
+    # As the forward hooks FlopCounterMode registers (above): the forward pre-hooks and the
+    # backward ones registered for every module, rewriting what they are handed, see each
+    # member's layers called and differentiated, with the same tensors as the plain module's.
+    torch.manual_seed(0)
+    branches = [mlp() for _ in range(3)]
+    p, ref = Parallel(*copy.deepcopy(branches), fuse=fuse).to(device), Loop(branches).to(device)
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    for _ in range(3):
+        p(x)
+    logs = {}
+    for module in (p, ref):
+        names = {m: n for n, m in module.named_modules()}
+        logs[module] = []
+
+        def pre(m, args, log=logs[module], names=names):
+            if m in names:
+                log.append(("pre", names[m], hook_shapes(args)))
+                return (args[0] * 2,) if isinstance(m, nn.Linear) else None
+
+        def backward_pre(m, grad_out, log=logs[module], names=names):
+            if m in names:
+                log.append(("backward pre", names[m], hook_shapes(grad_out)))
+                return (grad_out[0] * 3,) if isinstance(m, nn.GELU) else None
+
+        def backward(m, grad_in, grad_out, log=logs[module], names=names):
+            if m in names:
+                log.append(("backward", names[m], hook_shapes(grad_in), hook_shapes(grad_out)))
+
+        handles = [nn.modules.module.register_module_forward_pre_hook(pre),
+                   nn.modules.module.register_module_full_backward_pre_hook(backward_pre),
+                   nn.modules.module.register_module_full_backward_hook(backward)]
+        try:
+            xi = x.detach().clone().requires_grad_()
+            out = module(xi)
+            out.square().sum().backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        logs[module].append((out.detach(), xi.grad, [q.grad for q in module.parameters()]))
+    *seen, (out, grad, grads) = logs[p]
+    *expected_seen, (expected, expected_grad, expected_grads) = logs[ref]
+    assert seen == expected_seen and len(seen) > 3 * (1 + 2 * 4)  # each member's layers, both ways
+    assert_close(out, expected)
+    assert_close(grad, expected_grad)
+    for a, b in zip(grads, expected_grads, strict=True):
+        assert_close(a, b)
+    assert_close(p(x), reference(p, x))
+    assert fused_groups(p) == [["0", "1", "2"]]
+
+
+@pytest.mark.xfail(strict=True, reason="under checkpoint, fused groups run batched past hooks for the whole process")
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_hook_for_the_whole_process_changing_layer_outputs_under_checkpoint(fuse):
+    # What is wrong: under torch.utils.checkpoint the groups run as planned however module hooks
+    # for the whole process stand (README), so such a hook that changes a layer's output is not
+    # applied to a fused member's layers, and the result differs from the plain module's (a layer
+    # of the user's run through vmap is seen as one call of a copy of the first member's). Why it
+    # is hard: the forward and its recomputation must run alike, and the hooks may be registered
+    # around one of them only (FlopCounterMode around the forward or the backward, see
+    # test_checkpoint_across_the_flop_counter); the recomputation cannot tell which schedule the
+    # forward it repeats ran.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    p = Parallel(*[mlp() for _ in range(3)], fuse=fuse)
+    x = torch.randn(5, 16, requires_grad=True)
+    for _ in range(3):
+        p(x)
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: out * 2 if isinstance(m, nn.Linear) else None)
+    try:
+        expected = reference(p, x)
+        out = checkpoint(p, x, use_reentrant=False)
+    finally:
+        handle.remove()
+    assert_close(out, expected)
 
 
 def test_module_hooks_leave_the_device_check_in_place():
