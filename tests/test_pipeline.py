@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import EqualByClass, Queries, appending_from_another_thread, assert_same_backward, cpu_and_cuda
+from tests._helpers import (EqualByClass, Loop, Queries, appending_from_another_thread, assert_same_backward,
+                            cpu_and_cuda, rewriting_hooks)
 
 # Gradients and whole-batch outputs may come from different kernels (another
 # batch size, another summation order), so they are compared within fp32
@@ -2412,6 +2413,71 @@ def test_a_stage_s_backward_hooks_keep_another_micro_batch_than_its_forward_hook
     assert len(whole["model"]) == len(whole["reference"]) == 2
     for got, want in zip(whole["model"], whole["reference"]):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_hooks_rewriting_inputs_outputs_and_gradients_run_per_micro_batch(device, chunks) -> None:
+    # The README: a stage's hooks (and those of the layers inside it) run once per micro-batch, on
+    # its part, the pipeline's own once per call on the whole batch. Hooks that rewrite the call's
+    # input and output with keywords, and the gradient, give nn.Sequential's result either way
+    # (each acts on every sample alone); each is handed what it is handed with the pipeline's
+    # micro-batches run through nn.Sequential one after another.
+    def model(pipelined: bool, log: list) -> nn.Module:
+        torch.manual_seed(0)
+        branches = [nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 3)) for _ in range(2)]
+        stages = [nn.Linear(4, 6), Parallel(*branches) if pipelined else Loop(branches), nn.Linear(6, 2)]
+        m = (ParallelSequential(*stages, chunks=chunks) if pipelined else nn.Sequential(*stages)).to(device)
+        for target in (m, m[1], m[1][0][2]):
+            rewriting_hooks(m, target, log)
+        return m
+
+    log, whole, parts = [], [], []
+    pipe, ref, ref_parts = model(True, log), model(False, whole), model(False, parts)
+    for _ in range(2):
+        log.clear(), whole.clear(), parts.clear()
+        x = torch.randn(7, 4, device=device, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        out, expected = pipe(x), ref(xr)
+        torch.testing.assert_close(out, expected, rtol=RTOL, atol=ATOL)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, rtol=RTOL, atol=ATOL)
+        for a, b in zip(pipe.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=ATOL)
+        for part in x.detach().tensor_split(chunks):
+            ref_parts(part.requires_grad_()).square().sum().backward()
+        # (The micro-batches' backward passes in whichever order autograd takes them.)
+        assert [e for e in log if e[1] == ""] == [e for e in whole if e[1] == ""]
+        assert sorted(repr(e) for e in log if e[1]) == sorted(repr(e) for e in parts if e[1])
+        assert len([e for e in log if e[1]]) == chunks * 2 * 5
+
+
+def test_always_called_hooks_run_when_a_stage_fails_on_a_micro_batch() -> None:
+    # A stage raising on micro-batch 1 of 3: its hook registered with always_call=True runs on
+    # micro-batch 0 with its output, then on micro-batch 1 with none, as around nn.Sequential's
+    # call that raises (once, on the whole batch); the pipeline's own runs once, with none; the
+    # next call works.
+    def hooked(module: nn.Module, log: list) -> nn.Module:
+        for name, target in (("pipe", module), ("stage", module[1])):
+            target.register_forward_hook(
+                lambda m, args, out, name=name: log.append((name, None if out is None else out.shape[0])),
+                always_call=True)
+        return module
+
+    log, ref_log = [], []
+    pipe = hooked(ParallelSequential(nn.Linear(4, 4), FailOnCall(1), nn.Linear(4, 2), chunks=3), log)
+    ref = hooked(nn.Sequential(*copy.deepcopy(list(pipe)[:1]), FailOnCall(0), *copy.deepcopy(list(pipe)[2:])),
+                 ref_log)
+    x = torch.randn(6, 4)
+    for module in (pipe, ref):
+        with pytest.raises(KeyError, match="boom"):
+            module(x)
+    assert log == [("stage", 2), ("stage", None), ("pipe", None)]
+    assert ref_log == [("stage", None), ("pipe", None)]
+    log.clear()
+    torch.testing.assert_close(pipe(x), ref(x), rtol=RTOL, atol=ATOL)
+    assert log == [("stage", 2)] * 3 + [("pipe", 6)]
 
 
 def test_the_batch_mixing_check_runs_again_after_the_mode_or_chunks_change() -> None:
