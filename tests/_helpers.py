@@ -105,9 +105,10 @@ def hook_shapes(value):
     return value
 
 
-def rewriting_hooks(root: nn.Module, target: nn.Module, log: list) -> None:
+def rewriting_hooks(root: nn.Module, target: nn.Module, log: list, backward: bool = True) -> None:
     r"""Hooks of every kind on ``target``, logging by name below ``root``; the forward pre-hook, the
-    forward hook and the backward pre-hook rewrite what they are handed."""
+    forward hook and the backward pre-hook rewrite what they are handed. ``backward=False``: the
+    forward ones only (Dynamo traces no backward hook of a module it inlines)."""
     name = {m: n for n, m in root.named_modules()}[target]
 
     def pre(m, args, kwargs):
@@ -125,6 +126,8 @@ def rewriting_hooks(root: nn.Module, target: nn.Module, log: list) -> None:
     target.register_forward_pre_hook(pre, with_kwargs=True)
     target.register_forward_hook(forward, with_kwargs=True)
     target.register_forward_hook(lambda m, a, out: log.append(("always", name, hook_shapes(out))), always_call=True)
+    if not backward:
+        return
     target.register_full_backward_pre_hook(backward_pre)
     target.register_full_backward_hook(
         lambda m, grad_in, grad_out: log.append(("backward", name, hook_shapes(grad_in), hook_shapes(grad_out))))
