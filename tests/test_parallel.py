@@ -657,6 +657,34 @@ def test_hooks_rewriting_inputs_outputs_and_gradients_run_as_on_the_plain_module
     assert logs[0] == logs[1] and len(logs[0]) == 2 * 5
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad", [True, False])
+def test_hooks_on_a_graphed_block_itself_run_at_every_call(grad):
+    # README: with cuda_graph=True the block's own hooks run around its graphs -- at every call,
+    # replays included, rewriting the input the graph copies in, its output and its gradient as
+    # on the plain module (those of the modules below run only while capturing).
+    torch.manual_seed(0)
+    branches = three_branches()
+    ref = Loop(copy.deepcopy(branches)).cuda()
+    p = Parallel(*branches, cuda_graph=True).cuda()
+    logs = [], []
+    for module, log in zip((p, ref), logs):
+        rewriting_hooks(module, module, log)
+    for _ in range(4):  # (captured at a call, replayed at the later ones)
+        x = torch.randn(4, 16, device="cuda", requires_grad=grad)
+        xr = x.detach().clone().requires_grad_(grad)
+        with torch.enable_grad() if grad else torch.no_grad():
+            out, expected = p(x), ref(xr)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        if grad:
+            (out * 2).sum().backward()
+            (expected * 2).sum().backward()
+            torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+            for a, b in _pairs(p, ref):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert logs[0] == logs[1] and len(logs[0]) == 4 * (5 if grad else 3)
+
+
 @pytest.mark.parametrize("join", ["cat", "sum", "stack"])
 def test_always_called_hooks_run_when_the_join_refuses_and_the_block_works_after(join):
     # The join's own error, raised from the block's forward: hooks registered with
