@@ -675,6 +675,9 @@ class _Graph:
         # Which outputs the backward graph reads (an activation autograd saved): with
         # ``static_outputs``, a change made to one in place before backward is refused.
         self.out_saved: list[bool] = []
+        # The owner's parameters and buffers the backward graph reads (a weight autograd
+        # saved): a change made to one in place, or a swap, before backward is refused.
+        self.state_saved: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: list[torch.Tensor | None] = []
         self.grad_inputs: list[torch.Tensor | None] = []
         # Copies of the inputs' gradients (to autograd) and of the parameters' (to
@@ -989,12 +992,16 @@ class _Replay(torch.autograd.Function):
             if graph.written:  # (inputs that require no grad: see _CudaGraphs._written_leaf)
                 graph._copy_back(inputs[: len(graph.inputs)])
             outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
-        if static_outputs:
-            # The backward graph reads those of these buffers that autograd saved as they
-            # were left: saved here too, so that autograd refuses a backward after they
-            # were changed in place, as it refuses one through an eager layer that saved
-            # its output (and accepts changes to the others, as eager does).
-            ctx.save_for_backward(*[o for o, saved in zip(outs, graph.out_saved) if saved])
+        # The backward graph reads, where the forward left them, the tensors its autograd
+        # graph saved: the static outputs among them, and the owner's parameters and
+        # buffers (which it reads in place, not as inputs). Saved here too, so that autograd
+        # refuses a backward after one was changed in place (an optimizer step before
+        # ``backward()``), as it refuses one through an eager layer that saved it, and
+        # accepts changes to the others (a bias), as eager does. (torch.utils.swap_tensors
+        # then refuses to swap them, as it refuses a tensor an eager layer saved.)
+        saved = [o for o, s in zip(outs, graph.out_saved) if s] if static_outputs else []
+        if saved or graph.state_saved:
+            ctx.save_for_backward(*saved, *graph.state_saved)
         ctx.graph = graph
         frozen = [o for o, g in zip(outs, graph.out_grad) if not g]
         if frozen:
@@ -2198,6 +2205,7 @@ class _CudaGraphs:
             diff = [o for o in outputs if o.requires_grad]
             if self.static_outputs:
                 graph.out_saved = _saved_outputs(outputs)
+            graph.state_saved = _saved_state(self._owner(), outputs)
             with _backward_autocast():
                 grads = captured(graph.bwd, lambda: _in_layout(torch.autograd.grad(
                     diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
@@ -2296,6 +2304,23 @@ def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
     if hit is None:
         return [True] * len(outputs)
     return [o.untyped_storage().data_ptr() in hit and o.numel() > 0 for o in outputs]  # (all empty ones share 0)
+
+
+def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    r"""Those of ``owner``'s parameters and buffers whose memory autograd saved for the backward of ``outputs``.
+
+    Looked up on the graph's nodes, once per capture, by memory: they saved the
+    aliases the capture ran with (see :func:`_with_aliases`), or views. A graph
+    whose saved values cannot be read counts as saving them all, as for outputs.
+    """
+    if owner is None:
+        return ()
+    state = list({id(t): t for t in itertools.chain(owner.parameters(), owner.buffers())}.values())
+    hit = _saved_storages([o.grad_fn for o in outputs])
+    if hit is None:
+        return tuple(state)
+    return tuple(t for t in state if t.layout == torch.strided and t.numel() > 0  # (all empty ones share 0)
+                 and t.untyped_storage().data_ptr() in hit)
 
 
 def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:

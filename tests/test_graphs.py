@@ -545,7 +545,7 @@ def test_gradients_still_out_are_taken_back_under_the_hand_outs_lock(monkeypatch
     monkeypatch.setattr(_graphs, "_current_stream", lambda device: _Stream("caller"))
     monkeypatch.setattr(_graphs, "_launch", lambda g: None)
     graph.lock, graph.last, graph.pending, graph.gen = threading.Lock(), None, None, 0
-    graph.fwd, graph.outputs, graph.out_grad = None, [], []
+    graph.fwd, graph.outputs, graph.out_grad, graph.state_saved = None, [], [], ()
     for p in graph.params:
         p.grad = None
     _graphs._Replay.forward(_Ctx(), graph, False, True)
@@ -591,6 +591,7 @@ def test_a_create_graph_backward_through_a_training_replay_is_refused(monkeypatc
     graph.lends_grads = graph.grads_lent = graph.expanded = False
     graph.inputs, graph.outputs = [torch.zeros(3)], [torch.zeros(3)]
     graph.out_grad, graph.out_saved, graph.grad_outputs = [True], [], [torch.zeros(3)]
+    graph.state_saved = ()
     graph.params, graph.grad_inputs = (), [torch.zeros(3)]
     graph.plan_grads()
     graph.fwd, graph.bwd = "fwd", "bwd"
@@ -3438,6 +3439,101 @@ def test_torchscript_stage_is_graphed_in_training():
     y.mul_(2)  # the Sigmoid's output, which its backward reads: refused, as eager refuses it
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_the_state_a_backward_graph_reads_is_what_autograd_saved():
+    # The parameters and buffers a replay saves for its backward (so that autograd refuses a
+    # change in place before it, as eagerly): those whose memory the captured call's autograd
+    # graph saved -- a weight whose layer's input requires grad, BatchNorm's running statistics
+    # (which its training forward updates without a new version) --, not a bias nor the first
+    # weight of a call whose input requires none.
+    from parallel_modules._graphs import _saved_state
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    names = {id(t): n for n, t in [*m.named_parameters(), *m.named_buffers()]}
+    for requires_grad, expected in [(True, ["0.weight", "2.weight", "3.weight", "3.running_mean", "3.running_var"]),
+                                    (False, ["2.weight", "3.weight", "3.running_mean", "3.running_var"])]:
+        out = m(torch.randn(3, 4, requires_grad=requires_grad))
+        assert [names[id(t)] for t in _saved_state(m, [out])] == expected
+    m[2].weight.requires_grad_(False)  # (frozen, and read by the backward all the same)
+    out = m(torch.randn(3, 4, requires_grad=True))
+    assert "2.weight" in [names[id(t)] for t in _saved_state(m, [out])]
+
+
+def _changed_before_backward(block: nn.Module, x: torch.Tensor, change: str) -> tuple:
+    r"""What ``block`` gives for a backward after ``change`` to its tensors since the forward:
+    the error, or the gradients."""
+    block.zero_grad()
+    x.grad = None
+    y = block(x)
+    layer = block[1][2]
+    with torch.no_grad():
+        if change == "bias":
+            layer.bias.mul_(0.5)
+        else:  # (as an optimizer's step between forward and backward)
+            layer.weight.mul_(0.5)
+    try:
+        y.sum().backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e), e
+        return ("refused",)
+    return ("passed", x.grad.clone(), *[p.grad.clone() for p in block.parameters() if p.grad is not None])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fuse", [False, True], ids=["streams", "fused"])
+@pytest.mark.parametrize("direct", [False, True], ids=["accumulated", "direct_grads"])
+@pytest.mark.parametrize("change", ["weight", "frozen weight", "bias"])
+def test_block_tensors_changed_before_the_backward_of_a_replay_are_refused_as_eagerly(change, direct, fuse):
+    # Before (a hunt): the backward graph read the block's weights where the forward graph
+    # had, not as saved tensors, so a change in place between a replay and its backward (an
+    # optimizer step before backward()) gave the gradients of the new weights silently, where
+    # eager autograd refuses. A bias, which no backward reads, may change, as eagerly.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)) for _ in range(4)]
+    eager = Parallel(*copy.deepcopy(branches), join="sum", fuse=fuse).cuda()
+    graphed = Parallel(*copy.deepcopy(branches), join="sum", fuse=fuse, cuda_graph=True, direct_grads=direct).cuda()
+    if change == "frozen weight":
+        for block in (eager, graphed):
+            for branch in block:
+                branch[2].weight.requires_grad_(False)
+    x = torch.randn(8, 32, device="cuda", requires_grad=True)  # (so that frozen weights are saved too)
+    for _ in range(3):  # captured, then replayed
+        graphed(x).sum().backward()
+    assert graphed._graphs.captures == 1
+    for _ in range(2):  # (refused once, the next call works: changed alike, both blocks stay equal)
+        want = _changed_before_backward(eager, x, change)
+        got = _changed_before_backward(graphed, x, change)
+        assert got[0] == want[0] == ("passed" if change == "bias" else "refused")
+        for g, w in zip(got[1:], want[1:], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    graphed.zero_grad()
+    eager.zero_grad()
+    graphed(x).sum().backward()
+    eager(x).sum().backward()
+    for p, q in zip(graphed.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert graphed._graphs.captures == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("direct", [False, True], ids=["accumulated", "direct_grads"])
+def test_a_weight_swapped_before_the_backward_of_a_replay_is_refused(direct):
+    # As eagerly, where torch.utils.swap_tensors refuses to swap a tensor autograd saved:
+    # the replay's backward would otherwise read the memory the weight left.
+    torch.manual_seed(0)
+    block = Parallel(*_mlp(2, 32), join="sum", cuda_graph=True, direct_grads=direct).cuda()
+    x = torch.randn(8, 32, device="cuda", requires_grad=True)
+    for _ in range(3):  # captured, then replayed
+        block(x).sum().backward()
+    y = block(x)
+    weight = block[1][2].weight
+    with pytest.raises(RuntimeError):
+        torch.utils.swap_tensors(weight, nn.Parameter(weight.detach() * 0.5))
+    y.sum().backward()
+    block.zero_grad()
+    block(x).sum().backward()
+    assert block._graphs.captures == 1 and weight.grad is not None
 
 
 @pytest.mark.cuda
