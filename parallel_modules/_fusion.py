@@ -2166,8 +2166,10 @@ class _Joined:
                 if _is_tracing():  # (a compiler's trace shows no saved results: copied whatever saved it)
                     return joined.clone()
                 fn = base.grad_fn  # (a Python Function's ``ctx`` may have saved anything; not
-                # _TrainedLinear's, which saves its inputs alone, as autograd's own product does)
-                if hasattr(fn, "_saved_result") or (isinstance(fn, torch.autograd.function.BackwardCFunction)
+                # _TrainedLinear's, which saves its inputs alone, as autograd's own product does.
+                # Asked of the node's class: reading the node's saved value runs saved-tensor hooks'
+                # unpack, which under checkpoint(use_reentrant=False) recomputes the whole forward.)
+                if hasattr(type(fn), "_saved_result") or (isinstance(fn, torch.autograd.function.BackwardCFunction)
                                                     and type(fn) is not _TrainedLinear._backward_cls):
                     return joined.clone()
         return joined

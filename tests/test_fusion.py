@@ -7467,3 +7467,29 @@ def test_one_buffer_written_into_every_members_dict_is_written_by_each_in_turn(f
         assert_close(fused(x), unfused(x))
         assert_close(fused[0].mask, unfused[0].mask)
     assert fused_groups(fused) == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("conv", [True, False], ids=["conv-cat", "linear-stack"])
+def test_a_fused_join_unpacks_nothing_saved_before_backward(conv):
+    # The join asks whether the group's last layer saved its output, which it then copies.
+    # Asked by reading the node's saved value, it ran the unpack hook in the forward: under
+    # checkpoint(use_reentrant=False) that recomputed the whole block there, and kept what
+    # the recomputation saved until the backward (3 forwards of the block instead of 2).
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    # (The join is the group's ReLU output itself: a cat of convolutions' channels layout, a stack.)
+    fused = Parallel(*[nn.Sequential(nn.Conv1d(6, 4, 1) if conv else nn.Linear(6, 4), nn.ReLU()) for _ in range(3)],
+                     join="cat" if conv else "stack", dim=1 if conv else 0, fuse=True)
+    x = torch.randn(5, 6, 7, requires_grad=True) if conv else torch.randn(5, 6, requires_grad=True)
+    unpacked = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacked.append(t) or t):
+        out = fused(x)
+    assert unpacked == []
+    forwards = []
+    fused.register_forward_pre_hook(lambda *_: forwards.append(1))
+    out = checkpoint(fused, x, use_reentrant=False)
+    assert len(forwards) == 1
+    out.square().sum().backward()
+    assert len(forwards) == 2
+    assert_close(x.grad, torch.autograd.grad(reference(fused, x).square().sum(), x)[0])
