@@ -2830,6 +2830,50 @@ class _Running(threading.local):
     now = False
 
 
+class _Batching(threading.local):
+    r"""Per thread: the device type of the input that a vmapped step's batched call runs on, else ``None``."""
+
+    device: str | None = None
+
+
+_batching = _Batching()
+_autocast_watched = False
+
+
+def _watch_autocast() -> None:
+    r"""Make an autocast entered inside a vmapped step's batched call raise :class:`_UnbatchedNow`.
+
+    Wrapped once per process, as ``_watch`` wraps torch's registrations. A
+    member's ``forward`` entering autocast itself (``with torch.autocast(...)``,
+    or as a decorator) is not seen before the call, as the caller's autocast is;
+    batched, its layers would return another dtype than its own call (see
+    :class:`_UnbatchedNow`). Raised before autocast is entered: the members
+    then run unfused for the call.
+    """
+    global _autocast_watched
+    if _autocast_watched:
+        return
+    with _install_lock:
+        if _autocast_watched:
+            return
+        cls = torch.amp.autocast_mode.autocast
+        enter = cls.__enter__
+
+        @functools.wraps(enter)
+        def __enter__(self: Any) -> Any:
+            device = _batching.device
+            if device is not None and self.device == device and getattr(self, "_enabled", False):
+                raise _UnbatchedNow("a member enters autocast in its forward: batched, layers would return another "
+                                    "dtype than each member's own call")
+            return enter(self)
+
+        cls.__enter__ = __enter__
+        _autocast_watched = True
+
+
+_install_lock = threading.Lock()
+
+
 class _MembersChanged(RuntimeError):
     r"""A member's parameter or buffer no longer matches the others' since the group was found.
 
@@ -3028,6 +3072,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             kept.append(structure)
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
+    _watch_autocast()
     fast_paths = [sub for sub in m.modules() if isinstance(sub, _FAST_PATHS)]
     mixed_kernel = isinstance(m, (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm))
     shared = torch.vmap(call, in_dims=(0, None))
@@ -3070,6 +3115,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if guard is not None:
                 guard.now = True
+                batching, _batching.device = _batching.device, v.t.device.type
             try:
                 if v.layout == _SHARED and state:
                     out = run(state, _vmappable_layout(v.t, 0))
@@ -3080,6 +3126,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             finally:
                 if guard is not None:
                     guard.now = False
+                    _batching.device = batching
         if state and not tracing:  # (traced, the stacks are made in the graph: nothing to alias)
             out = _own_memory(out, state)
         itself = None if tracing else _structure.itself
