@@ -247,6 +247,87 @@ def test_a_member_entering_autocast_itself_returns_the_autocast_dtype(device, fu
     assert fused_groups(block) == [["0", "1", "2"]]  # (unfused on the calls that enter it)
 
 
+_AMP_MEMBERS = {
+    "mlp": (lambda: mlp(), lambda d: torch.randn(6, 16, device=d)),
+    "conv": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)),
+             lambda d: torch.randn(2, 3, 6, 6, device=d)),
+    "layer-norm": (lambda: nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 8)),
+                   lambda d: torch.randn(6, 16, device=d)),
+    "vmapped": (LinearNorm, lambda d: torch.randn(6, 16, device=d)),
+}
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("member", list(_AMP_MEMBERS))
+def test_a_fused_block_called_with_and_without_autocast_trains_as_unfused(device, member):
+    # Under autocast a group runs unfused for the call; the next call without it runs batched
+    # again: neither call's dtype, cast or stacked state may reach the other.
+    build, make = _AMP_MEMBERS[member]
+    torch.manual_seed(0)
+    block = Parallel(*[build() for _ in range(3)], fuse=True).to(device)
+    plain = copy.deepcopy(block)
+    plain.fuse = False
+    low = torch.float16 if device == "cuda" else torch.bfloat16
+    for on in (True, False, True, False):
+        x = make(device).requires_grad_()
+        grads = []
+        for module in (block, plain):
+            with torch.autocast(device, dtype=low, enabled=on):
+                out = module(x)
+            grads.append((out, *torch.autograd.grad(out.float().square().sum(), [x, *module.parameters()])))
+        # (CUDA's autocast runs group_norm in float32.)
+        assert grads[0][0].dtype == (low if on and not (member == "vmapped" and device == "cuda") else torch.float32)
+        for a, b in zip(*grads):
+            assert a.dtype == b.dtype
+            # Batched products under autocast round in half precision as the members' do, in another
+            # order; and the input's gradient sums the members' in float32 where the branches, whose
+            # casts of a leaf input autocast caches, sum them in half precision first.
+            torch.testing.assert_close(a, b, **(dict(rtol=2e-2, atol=2e-2) if on else dict(rtol=1e-4, atol=1e-4)))
+    assert fused_groups(block) == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("member", list(_AMP_MEMBERS))
+@pytest.mark.parametrize("how", ["hooks", "checkpoint", "checkpoint-reentrant", "save_on_cpu"])
+def test_saved_tensor_hooks_around_a_fused_block_give_the_unfused_gradients(device, member, how):
+    # Fused, a group saves its stacked tensors: fewer than its members would, each unpacked once,
+    # in the backward (see test_a_fused_join_unpacks_nothing_saved_before_backward).
+    from torch.utils.checkpoint import checkpoint
+
+    build, make = _AMP_MEMBERS[member]
+    torch.manual_seed(0)
+    block = Parallel(*[build() for _ in range(3)], fuse=True).to(device)
+    plain = copy.deepcopy(block)
+    plain.fuse = False
+    packed, unpacked = [], []
+
+    def run(module, x):
+        if how == "hooks":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
+                                                          lambda t: unpacked.append(1) or t):
+                return module(x)
+        if how == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                return module(x)
+        return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
+
+    for _ in range(2):
+        x = make(device).requires_grad_()
+        grads = []
+        for module in (block, plain):
+            packed.clear(), unpacked.clear()
+            out = run(module, x)
+            assert not unpacked
+            module.zero_grad(set_to_none=True)
+            x.grad = None
+            out.square().sum().backward()  # (a reentrant checkpoint refuses torch.autograd.grad: into .grad)
+            assert len(unpacked) == len(packed)
+            grads.append([out, x.grad, *(p.grad for p in module.parameters())])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # (a batched group norm sums in another order)
+    assert fused_groups(block) == [["0", "1", "2"]]
+
+
 # Eager calls see the member enter autocast (a wrapped ``autocast.__enter__`` refuses the batched
 # call); Dynamo does not run ``__enter__``, it traces autocast as a region of its own inside vmap's
 # graph, so nothing tells the trace to run the group unfused. README says to use fuse=False there.

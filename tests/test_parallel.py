@@ -1326,3 +1326,115 @@ def test_jacrev_and_batched_grads_match_sequential_with_integer_outputs(fuse):
     want = torch.autograd.grad(reference(xg)[0], [xg, *nn.ModuleList(ref).parameters()], cotangents,
                                is_grads_batched=True)
     torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------ mixed precision and saved tensors
+def _half(device: str) -> torch.dtype:
+    return torch.float16 if device == "cuda" else torch.bfloat16
+
+
+class _Float32Region(nn.Module):
+    r"""A ``Linear`` kept in float32 under autocast, as AMP recipes keep a loss head or a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return self.lin(x.float())
+
+
+class _OwnAutocast(nn.Module):
+    r"""A ``Linear`` under an autocast that its ``forward`` enters itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=_half(x.device.type)):
+            return self.lin(x)
+
+
+def _mixed_precision_block(device: str, streams, join) -> Parallel:
+    torch.manual_seed(0)
+    nested = Parallel(mlp(), nn.Linear(16, 8), join="sum", streams=streams)
+    return Parallel(mlp(), _Float32Region(), _OwnAutocast(), nested, join=join, streams=streams).to(device)
+
+
+def _grads(module: nn.Module, x: torch.Tensor, out) -> tuple[torch.Tensor, ...]:
+    loss = sum(o.float().square().sum() for o in (out if isinstance(out, tuple) else (out,)))
+    return torch.autograd.grad(loss, [x, *module.parameters()])
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("streams", STREAMS)
+@pytest.mark.parametrize("join", [None, "cat"])
+def test_autocast_around_a_block_gives_the_plain_branches_dtypes_values_and_gradients(device, streams, join):
+    # Branches under the caller's autocast, one leaving it for float32, one entering its own,
+    # and a nested block. Calls alternate with and without it: a schedule or a cast chosen under
+    # one must not carry over to the other (CUDA: "auto" keys its schedules by the autocast).
+    block = _mixed_precision_block(device, streams, join)
+    for on in (True, False, True, False, True):
+        x = torch.randn(6, 16, device=device, requires_grad=True)
+        with torch.autocast(device, dtype=_half(device), enabled=on):
+            out, expected = block(x), reference(block, x)
+        assert_same(out, expected)  # (dtypes included: half, float32, half, half for the branches)
+        if join is None:
+            assert [o.dtype for o in out] == [_half(device) if on else torch.float32, torch.float32,
+                                              _half(device), _half(device) if on else torch.float32]
+        # (The input's gradient sums the branches' in the order their backward ran.)
+        for g, e in zip(_grads(block, x, out), _grads(block, x, expected)):
+            torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("streams", STREAMS)
+@pytest.mark.parametrize("amp", [False, True])
+def test_saved_tensor_hooks_see_a_block_save_and_unpack_what_its_branches_do(device, streams, amp):
+    # Unfused, the block saves what its branches save, once each, and its backward unpacks
+    # each once: no more (a saved value read in the forward ran the unpack hook there, which
+    # under checkpoint(use_reentrant=False) recomputes the whole forward), no fewer.
+    block = _mixed_precision_block(device, streams, None)
+    counts = []
+    for module in (block, None):
+        x = torch.randn(6, 16, device=device, requires_grad=True)
+        packed, unpacked = [], []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
+                                                      lambda t: unpacked.append(1) or t):
+            with torch.autocast(device, dtype=_half(device), enabled=amp):
+                out = block(x) if module is block else reference(block, x)
+            before = len(unpacked)
+            _grads(block, x, out)
+        counts.append((len(packed), before, len(unpacked)))
+    assert counts[0] == counts[1] and counts[0][1] == 0 and counts[0][0] == counts[0][2], counts
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("streams", STREAMS)
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu"])
+def test_checkpoint_and_save_on_cpu_around_a_block_under_autocast_give_the_plain_gradients(device, streams, how):
+    from torch.utils.checkpoint import checkpoint
+
+    block = _mixed_precision_block(device, streams, "cat")
+
+    def run(module, x):
+        with torch.autocast(device, dtype=_half(device)):
+            if how == "save_on_cpu":
+                with torch.autograd.graph.save_on_cpu():
+                    return module(x)
+            return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
+
+    for _ in range(2):
+        x = torch.randn(6, 16, device=device, requires_grad=True)
+        out, expected = run(block, x), run(functools.partial(reference, block), x)
+        assert_same(out, expected)
+        grads = []
+        for y in (out, expected):  # (a reentrant checkpoint refuses torch.autograd.grad: into .grad)
+            block.zero_grad(set_to_none=True)
+            x.grad = None
+            y.float().square().sum().backward()
+            grads.append([x.grad, *(p.grad for p in block.parameters())])
+        for g, e in zip(*grads):
+            torch.testing.assert_close(g, e)

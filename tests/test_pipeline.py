@@ -3623,3 +3623,120 @@ def test_dropout_in_training_draws_its_masks_micro_batch_by_micro_batch() -> Non
     torch.manual_seed(0)
     out = model(x)
     assert torch.equal(out, pieces) and not torch.equal(out, expected)
+
+
+# ------------------------------------------------------------ mixed precision and saved tensors
+def _half(device: str) -> torch.dtype:
+    return torch.float16 if device == "cuda" else torch.bfloat16
+
+
+class _Float32Head(nn.Module):
+    r"""A ``Linear`` kept in float32 under autocast, as AMP recipes keep a loss head."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(i, o)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return self.lin(x.float())
+
+
+class _OwnAutocast(nn.Linear):
+    r"""A ``Linear`` under an autocast that its ``forward`` enters itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=_half(x.device.type)):
+            return super().forward(x)
+
+
+def _mixed_precision_pipeline(device: str) -> ParallelSequential:
+    torch.manual_seed(0)
+    return ParallelSequential(
+        nn.Sequential(nn.Linear(16, 32), nn.GELU()),
+        Parallel(*[nn.Sequential(nn.Linear(32, 16), nn.GELU()) for _ in range(2)], fuse=True),  # (fused: 32 wide)
+        Parallel(_OwnAutocast(32, 16), nn.Linear(32, 16), join="sum"),
+        _Float32Head(16, 8),
+        chunks=3,
+    ).to(device)
+
+
+def _pipeline_grads(model: nn.Module, x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(out.float().square().sum(), [x, *model.parameters()])
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_autocast_around_a_pipeline_gives_the_dtypes_values_and_gradients_of_its_stages(device):
+    # Micro-batches run on each stage's stream under the caller's autocast; calls alternate
+    # with and without it, so that nothing chosen under one carries over to the other.
+    model = _mixed_precision_pipeline(device)
+    plain = nn.Sequential(*model)
+    for on in (True, False, True, False):
+        x = torch.randn(7, 16, device=device, requires_grad=True)
+        with torch.autocast(device, dtype=_half(device), enabled=on):
+            out = model(x)
+            pieces = torch.cat([plain(p) for p in x.tensor_split(3)])
+            whole = plain(x)
+        assert out.dtype == pieces.dtype == whole.dtype == torch.float32  # (the head's)
+        assert torch.equal(out, pieces)  # (the same operations on the same micro-batches)
+        tol = dict(rtol=2e-2, atol=2e-2) if on else dict(rtol=RTOL, atol=ATOL)  # (other batch sizes' kernels)
+        torch.testing.assert_close(out, whole, **tol)
+        for g, e in zip(_pipeline_grads(model, x, out), _pipeline_grads(model, x, pieces)):
+            torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
+        # A half-precision input as autocast leaves it (the stage before the head casts none).
+        with torch.autocast(device, dtype=_half(device), enabled=on):
+            half = model[:3](x.detach())
+        assert half.dtype == (_half(device) if on else torch.float32)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("amp", [False, True])
+def test_saved_tensor_hooks_see_a_pipeline_save_each_micro_batch_once(device, amp):
+    # A pipeline saves what its stages save on each micro-batch, once, and its backward
+    # unpacks each once, none in the forward.
+    model = _mixed_precision_pipeline(device)
+    plain = nn.Sequential(*model)
+    counts = []
+    for pipelined in (True, False):
+        x = torch.randn(7, 16, device=device, requires_grad=True)
+        packed, unpacked = [], []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
+                                                      lambda t: unpacked.append(1) or t):
+            with torch.autocast(device, dtype=_half(device), enabled=amp):
+                out = model(x) if pipelined else torch.cat([plain(p) for p in x.tensor_split(3)])
+            before = len(unpacked)
+            _pipeline_grads(model, x, out)
+        counts.append((len(packed), before, len(unpacked)))
+    assert counts[0] == counts[1] and counts[0][1] == 0 and counts[0][0] == counts[0][2], counts
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu"])
+def test_checkpoint_and_save_on_cpu_around_a_pipeline_under_autocast_give_its_stages_gradients(device, how):
+    from torch.utils.checkpoint import checkpoint
+
+    model = _mixed_precision_pipeline(device)
+    plain = nn.Sequential(*model)
+
+    def pieces(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([plain(p) for p in x.tensor_split(3)])
+
+    def run(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device, dtype=_half(device)):
+            if how == "save_on_cpu":
+                with torch.autograd.graph.save_on_cpu():
+                    return module(x)
+            return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
+
+    for _ in range(2):
+        x = torch.randn(7, 16, device=device, requires_grad=True)
+        out, expected = run(model, x), run(pieces, x)
+        assert torch.equal(out, expected)
+        grads = []
+        for y in (out, expected):  # (a reentrant checkpoint refuses torch.autograd.grad: into .grad)
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            y.square().sum().backward()
+            grads.append([x.grad, *(p.grad for p in model.parameters())])
+        for g, e in zip(*grads):
+            torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
