@@ -4098,3 +4098,110 @@ def test_inputs_no_graph_can_take_run_eagerly_with_a_warning_that_says_how_to_re
                                          r"eagerly \(move every tensor input to cuda:0 to replay a graph\)"):
         assert torch.equal(block(x, torch.randn(2, 3)), expected)
     assert torch.equal(block(x, 1), expected) and len(block._graphs) == 1  # (and then a graph replays)
+
+
+# ------------------------------------------------------------ mixed precision and saved tensors
+@cuda
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("direct", [False, True])
+def test_grad_scaler_training_of_a_graphed_block_equals_the_plain_branches(direct, fuse):
+    # AMP: the forward under fp16 autocast, the scaled backward outside it, the scaler unscaling
+    # in place the gradients the graphed backward handed to .grad (the graph's own buffers), and
+    # skipping the step whose gradients are not finite, as for the plain branches.
+    branches = _mlp(4)
+    reference = _Cat(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches, direct_grads=direct, fuse=fuse)
+    models = (block, reference)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0 ** 10) for _ in models]
+    weight = torch.randn(8, 4 * 64, device="cuda")
+    # (Fused: batched products round in half precision in another order.)
+    tol = dict(rtol=1e-2, atol=1e-2) if fuse else {}
+    for step in range(6):
+        x = torch.randn(8, 64, device="cuda")
+        before = [p.detach().clone() for p in block.parameters()]
+        outs = []
+        for model, optimizer, scaler in zip(models, optimizers, scalers):
+            with torch.autocast("cuda", dtype=torch.float16):
+                out = model(x)
+            outs.append(out)
+            loss = (out.float() * weight).mean()
+            if step == 3:
+                loss = loss * float("inf")  # gradients that are not finite: the scaler skips the step
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        assert outs[0].dtype == outs[1].dtype == torch.float16
+        torch.testing.assert_close(outs[0], outs[1], **tol)
+        assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0 ** (9 if step >= 3 else 10)
+        if step == 3:
+            assert all(torch.equal(p, q) for p, q in zip(block.parameters(), before))
+        for p, q in zip(block.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, **(dict(rtol=1e-3, atol=1e-3) if fuse else {}))
+    assert block._graphs.captures == 1
+
+
+@cuda
+@pytest.mark.parametrize("build", ["Parallel", "fused", "ParallelSequential"])
+def test_a_training_graph_captured_under_autocast_is_not_replayed_without_it(build):
+    # The autocast dtype is part of a graph's key: each call replays the graph of its own
+    # autocast, whose forward casts (or not) and whose backward matches.
+    branches = _mlp(3)
+    if build == "ParallelSequential":
+        first = nn.Linear(64, 64)
+        reference = nn.Sequential(copy.deepcopy(first), _Cat(copy.deepcopy(branches))).cuda()
+        block = ParallelSequential(first, Parallel(*branches), chunks=2, cuda_graph=True).cuda()
+    else:
+        reference = _Cat(copy.deepcopy(branches)).cuda()
+        block = _graphed(branches, fuse=build == "fused")
+    # (Fused: batched products round in another order; in micro-batches, other batch sizes' kernels.)
+    exact = build == "Parallel"
+    for step in range(6):
+        on = step % 2 == 0
+        # (Not a leaf: autocast caches its cast of a leaf that requires grad for the thread, which a
+        # capture does without, so that the branches' gradients for it would sum in another precision.)
+        x = torch.randn(8, 64, device="cuda", requires_grad=True) * 1
+        grads = []
+        for model in (block, reference):
+            with torch.autocast("cuda", dtype=torch.float16, enabled=on):
+                out = model(x)
+            assert out.dtype == (torch.float16 if on else torch.float32)
+            grads.append((out, *torch.autograd.grad(out.float().square().sum(), [x, *model.parameters()])))
+        for a, b in zip(*grads):
+            if exact:
+                torch.testing.assert_close(a, b)
+            else:
+                torch.testing.assert_close(a, b, **(dict(rtol=1e-2, atol=1e-2) if on else dict(rtol=1e-4, atol=1e-4)))
+    assert len(block._graphs) == 2 and block._graphs.captures == 2
+
+
+@cuda
+@pytest.mark.parametrize("amp", [False, True])
+def test_saved_tensor_hooks_around_a_graphed_block_see_what_the_plain_branches_save(amp):
+    # Under saved-tensor hooks a graphed block runs eagerly (its graphs save nothing autograd
+    # could hand the hooks): they pack and unpack what the plain branches do, once each.
+    branches = _mlp(3)
+    reference = _Cat(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches)
+    for step in range(3):
+        x = torch.randn(8, 64, device="cuda", requires_grad=True) * 1  # (see the test above)
+        counts, grads = [], []
+        for model in (block, reference):
+            packed, unpacked = [], []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
+                                                          lambda t: unpacked.append(1) or t):
+                with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+                    out = model(x)
+                before = len(unpacked)
+                grads.append((out, *torch.autograd.grad(out.float().square().sum(), [x, *model.parameters()])))
+            counts.append((len(packed), before, len(unpacked)))
+        assert counts[0] == counts[1] and counts[0][1] == 0 and counts[0][0] == counts[0][2], counts
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
+        # Between them, calls without hooks replay the graph.
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+            out = block(x)
+        torch.testing.assert_close(out, grads[1][0])
+        out.float().sum().backward()
+    assert block._graphs.captures == 1

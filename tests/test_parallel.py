@@ -1363,6 +1363,17 @@ def _mixed_precision_block(device: str, streams, join) -> Parallel:
     return Parallel(mlp(), _Float32Region(), _OwnAutocast(), nested, join=join, streams=streams).to(device)
 
 
+def _not_a_leaf(device: str) -> torch.Tensor:
+    r"""An input requiring grad that is not a leaf, as a layer's output is.
+
+    Autocast caches its cast of a leaf that requires grad for the thread (meant for
+    parameters): branches called in turn share one cast of such an input and sum their
+    gradients for it in half precision, where forked branches, which cast for
+    themselves (see README), sum them in float32.
+    """
+    return torch.randn(6, 16, device=device, requires_grad=True) * 1
+
+
 def _grads(module: nn.Module, x: torch.Tensor, out) -> tuple[torch.Tensor, ...]:
     loss = sum(o.float().square().sum() for o in (out if isinstance(out, tuple) else (out,)))
     return torch.autograd.grad(loss, [x, *module.parameters()])
@@ -1377,7 +1388,7 @@ def test_autocast_around_a_block_gives_the_plain_branches_dtypes_values_and_grad
     # one must not carry over to the other (CUDA: "auto" keys its schedules by the autocast).
     block = _mixed_precision_block(device, streams, join)
     for on in (True, False, True, False, True):
-        x = torch.randn(6, 16, device=device, requires_grad=True)
+        x = _not_a_leaf(device)
         with torch.autocast(device, dtype=_half(device), enabled=on):
             out, expected = block(x), reference(block, x)
         assert_same(out, expected)  # (dtypes included: half, float32, half, half for the branches)
@@ -1399,7 +1410,7 @@ def test_saved_tensor_hooks_see_a_block_save_and_unpack_what_its_branches_do(dev
     block = _mixed_precision_block(device, streams, None)
     counts = []
     for module in (block, None):
-        x = torch.randn(6, 16, device=device, requires_grad=True)
+        x = _not_a_leaf(device)
         packed, unpacked = [], []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
                                                       lambda t: unpacked.append(1) or t):
@@ -1427,14 +1438,17 @@ def test_checkpoint_and_save_on_cpu_around_a_block_under_autocast_give_the_plain
             return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
 
     for _ in range(2):
-        x = torch.randn(6, 16, device=device, requires_grad=True)
-        out, expected = run(block, x), run(functools.partial(reference, block), x)
-        assert_same(out, expected)
-        grads = []
-        for y in (out, expected):  # (a reentrant checkpoint refuses torch.autograd.grad: into .grad)
+        w = torch.randn(6, 16, device=device, requires_grad=True)
+        outs, grads = [], []
+        for module in (block, functools.partial(reference, block)):
             block.zero_grad(set_to_none=True)
-            x.grad = None
-            y.float().square().sum().backward()
-            grads.append([x.grad, *(p.grad for p in block.parameters())])
-        for g, e in zip(*grads):
+            w.grad = None
+            outs.append(run(module, w * 1))  # (see _not_a_leaf)
+            outs[-1].float().square().sum().backward()  # (a reentrant checkpoint refuses torch.autograd.grad)
+            grads.append([w.grad, *(p.grad for p in block.parameters())])
+        assert_same(*outs)
+        # (A reentrant checkpoint hands the forward a detached input, a leaf: see _not_a_leaf.)
+        loose = how == "checkpoint-reentrant" and device == "cuda" and streams is not False
+        torch.testing.assert_close(grads[0][0], grads[1][0], **(dict(rtol=1e-2, atol=1e-2) if loose else {}))
+        for g, e in zip(grads[0][1:], grads[1][1:]):
             torch.testing.assert_close(g, e)
