@@ -1424,7 +1424,7 @@ def test_saved_tensor_hooks_see_a_block_save_and_unpack_what_its_branches_do(dev
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("streams", STREAMS)
-@pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu"])
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu", "save_on_cpu-pinned"])
 def test_checkpoint_and_save_on_cpu_around_a_block_under_autocast_give_the_plain_gradients(device, streams, how):
     from torch.utils.checkpoint import checkpoint
 
@@ -1432,8 +1432,10 @@ def test_checkpoint_and_save_on_cpu_around_a_block_under_autocast_give_the_plain
 
     def run(module, x):
         with torch.autocast(device, dtype=_half(device)):
-            if how == "save_on_cpu":
-                with torch.autograd.graph.save_on_cpu():
+            if how.startswith("save_on_cpu"):
+                # (Pinned, on CUDA: packed by a copy on the stream that saved, unpacked by a copy that
+                # does not wait, on the stream that runs the backward node.)
+                with torch.autograd.graph.save_on_cpu(pin_memory=how.endswith("pinned")):
                     return module(x)
             return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
 

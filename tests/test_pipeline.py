@@ -3711,7 +3711,7 @@ def test_saved_tensor_hooks_see_a_pipeline_save_each_micro_batch_once(device, am
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
-@pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu"])
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu", "save_on_cpu-pinned"])
 def test_checkpoint_and_save_on_cpu_around_a_pipeline_under_autocast_give_its_stages_gradients(device, how):
     from torch.utils.checkpoint import checkpoint
 
@@ -3723,8 +3723,10 @@ def test_checkpoint_and_save_on_cpu_around_a_pipeline_under_autocast_give_its_st
 
     def run(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device, dtype=_half(device)):
-            if how == "save_on_cpu":
-                with torch.autograd.graph.save_on_cpu():
+            if how.startswith("save_on_cpu"):
+                # (Pinned, on CUDA: packed by a copy on the stream that saved, unpacked by a copy that
+                # does not wait, on the stream that runs the backward node.)
+                with torch.autograd.graph.save_on_cpu(pin_memory=how.endswith("pinned")):
                     return module(x)
             return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
 
