@@ -223,28 +223,38 @@ class _CastsItself(nn.Module):
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
-@pytest.mark.parametrize("fuse", [True, "auto"])
 @pytest.mark.parametrize("decorated", [False, True], ids=["with", "decorator"])
-def test_a_member_entering_autocast_itself_returns_the_autocast_dtype(device, fuse, decorated):
+def test_a_member_entering_autocast_itself_returns_the_autocast_dtype(device, decorated):
     # The autocast a member enters inside its forward is as invisible before the batched call
     # as it is ignored by vmap's decomposition of its Linear (see the test above): fused, the
-    # block returned float32 where each branch returns bfloat16, and other values.
+    # block returned float32 where each branch returns bfloat16, and other values. Seen as it is
+    # entered: fuse="auto" runs the group unfused from then on, as one vmap cannot batch.
     torch.manual_seed(0)
-    block = Parallel(*[_CastsItself(device, decorated) for _ in range(3)], fuse=fuse).to(device)
+    block = Parallel(*[_CastsItself(device, decorated) for _ in range(3)], fuse="auto").to(device)
     plain = copy.deepcopy(block)
     plain.fuse = False
-    for _ in range(2):
-        x = torch.randn(6, 16, device=device, requires_grad=True)
-        out, expected = block(x), plain(x)
-        assert out.dtype == expected.dtype == torch.bfloat16
-        assert_same(out, expected)  # (run unfused: the same operations)
-        out.float().square().sum().backward()
-        expected.float().square().sum().backward()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(6, 16, device=device, requires_grad=True)
+            out, expected = block(x), plain(x)
+            assert out.dtype == expected.dtype == torch.bfloat16
+            assert_same(out, expected)  # (run unfused: the same operations)
+            out.float().square().sum().backward()
+            expected.float().square().sum().backward()
+    assert len([w for w in record if "autocast in its forward" in str(w.message)]) == 1
     for a, b in zip(block.parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad)
     with torch.no_grad():
         assert_same(block(x), plain(x))
-    assert fused_groups(block) == [["0", "1", "2"]]  # (unfused on the calls that enter it)
+    assert fused_groups(block) == []
+    # fuse=True refuses it, naming it.
+    block.fuse = True
+    with pytest.raises(RuntimeError, match=r"fuse=True, but branches \['0', '1', '2'\] failed to run batched(.|\n)*"
+                                           r"enters \w+ autocast in its forward"):
+        block(x)
+    block.fuse = False
+    assert_same(block(x), plain(x))
 
 
 _AMP_MEMBERS = {
