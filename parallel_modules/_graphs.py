@@ -675,8 +675,8 @@ class _Graph:
         # Which outputs the backward graph reads (an activation autograd saved): with
         # ``static_outputs``, a change made to one in place before backward is refused.
         self.out_saved: list[bool] = []
-        # The owner's parameters and buffers the backward graph reads (a weight autograd
-        # saved): a change made to one in place, or a swap, before backward is refused.
+        # The owner's parameters the backward graph reads (a weight autograd saved): a
+        # change made to one in place, or a swap, before backward is refused.
         self.state_saved: tuple[torch.Tensor, ...] = ()
         self.grad_outputs: list[torch.Tensor | None] = []
         self.grad_inputs: list[torch.Tensor | None] = []
@@ -993,8 +993,8 @@ class _Replay(torch.autograd.Function):
                 graph._copy_back(inputs[: len(graph.inputs)])
             outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
         # The backward graph reads, where the forward left them, the tensors its autograd
-        # graph saved: the static outputs among them, and the owner's parameters and
-        # buffers (which it reads in place, not as inputs). Saved here too, so that autograd
+        # graph saved: the static outputs among them, and the owner's parameters (which it
+        # reads in place, not as inputs). Saved here too, so that autograd
         # refuses a backward after one was changed in place (an optimizer step before
         # ``backward()``), as it refuses one through an eager layer that saved it, and
         # accepts changes to the others (a bias), as eager does. (torch.utils.swap_tensors
@@ -2307,20 +2307,24 @@ def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
 
 
 def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    r"""Those of ``owner``'s parameters and buffers whose memory autograd saved for the backward of ``outputs``.
+    r"""Those of ``owner``'s parameters whose memory autograd saved for the backward of ``outputs``.
 
     Looked up on the graph's nodes, once per capture, by memory: they saved the
     aliases the capture ran with (see :func:`_with_aliases`), or views. A graph
     whose saved values cannot be read counts as saving them all, as for outputs.
+    Not buffers: a capture puts them back in place after its warm-up (see
+    :meth:`_CudaGraphs._capture`), a change eagerly unseen -- BatchNorm updates
+    its running statistics, which autograd saves, without a new version -- that
+    would refuse the backward of an earlier call of another signature.
     """
     if owner is None:
         return ()
-    state = list({id(t): t for t in itertools.chain(owner.parameters(), owner.buffers())}.values())
+    params = list({id(p): p for p in owner.parameters()}.values())
     hit = _saved_storages([o.grad_fn for o in outputs])
     if hit is None:
-        return tuple(state)
-    return tuple(t for t in state if t.layout == torch.strided and t.numel() > 0  # (all empty ones share 0)
-                 and t.untyped_storage().data_ptr() in hit)
+        return tuple(params)
+    return tuple(p for p in params if p.layout == torch.strided and p.numel() > 0  # (all empty ones share 0)
+                 and p.untyped_storage().data_ptr() in hit)
 
 
 def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:
