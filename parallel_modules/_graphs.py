@@ -2310,8 +2310,11 @@ def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[
     r"""Those of ``owner``'s parameters whose memory autograd saved for the backward of ``outputs``.
 
     Looked up on the graph's nodes, once per capture, by memory: they saved the
-    aliases the capture ran with (see :func:`_with_aliases`), or views. A graph
-    whose saved values cannot be read counts as saving them all, as for outputs.
+    aliases the capture ran with (see :func:`_with_aliases`), or views. Not
+    what a node whose saved values Python cannot read saved (an in-place write
+    to part of a tensor, a TorchScript function): counted as saving them all,
+    such a graph refused changes that eager autograd lets pass (a bias). A
+    graph whose saved values cannot be read otherwise counts as saving them all.
     Not buffers: a capture puts them back in place after its warm-up (see
     :meth:`_CudaGraphs._capture`), a change eagerly unseen -- BatchNorm updates
     its running statistics, which autograd saves, without a new version -- that
@@ -2320,7 +2323,7 @@ def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[
     if owner is None:
         return ()
     params = list({id(p): p for p in owner.parameters()}.values())
-    hit = _saved_storages([o.grad_fn for o in outputs])
+    hit = _saved_storages([o.grad_fn for o in outputs], past_hidden=True)
     if hit is None:
         return tuple(params)
     return tuple(p for p in params if p.layout == torch.strided and p.numel() > 0  # (all empty ones share 0)

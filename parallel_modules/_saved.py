@@ -23,7 +23,7 @@ _HIDDEN_SAVES = frozenset({"CopySlices", "CppFunction"})
 _NAMES: dict[type, list[str]] = {}
 
 
-def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = ()) -> set[int] | None:
+def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = (), past_hidden: bool = False) -> set[int] | None:
     r"""The storages (data pointers) of the strided tensors that the autograd nodes from ``roots`` back save.
 
     Walked from the nodes ``roots`` along their inputs, not past those in
@@ -31,7 +31,9 @@ def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = ()) -> set[int] 
     be told: a node whose saved values Python cannot read, or a value saved
     through saved-tensor hooks (``torch.utils.checkpoint(use_reentrant=False)``,
     ``save_on_cpu``), which reading would unpack -- a checkpoint's recomputation
-    of its whole forward, whose activations it then keeps.
+    of its whole forward, whose activations it then keeps. ``past_hidden``:
+    a node whose saved values Python cannot read is walked past instead, and
+    what the others save is returned (some of what the graph saves).
     """
     hit: set[int] = set()
     seen: set[Any] = set(stop)
@@ -41,9 +43,10 @@ def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = ()) -> set[int] 
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ in _HIDDEN_SAVES:
+        hidden = type(node).__name__ in _HIDDEN_SAVES
+        if hidden and not past_hidden:
             return None
-        names = _NAMES.get(type(node))
+        names = () if hidden else _NAMES.get(type(node))
         if names is None:
             names = [n for n in dir(node) if n.startswith("_saved_")]
             if hasattr(type(node), "saved_tensors"):  # (on the node, the property would unpack)

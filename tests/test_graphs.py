@@ -3459,6 +3459,48 @@ def test_the_parameters_a_backward_graph_reads_are_those_autograd_saved():
     assert [names[id(t)] for t in _saved_state(m, [out])] == ["0.weight", "2.weight", "3.weight"]
 
 
+class _ScalesASlice(nn.Module):
+    r"""Scales part of its input in place: autograd records a ``CopySlices``, whose saved tensors Python cannot read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((2,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1
+        y[:, :2] *= self.scale
+        return y
+
+
+def test_the_state_saved_past_a_node_python_cannot_read_is_no_more_than_autograd_saved():
+    # Before (a review): a captured call with a node whose saved tensors Python cannot read (an
+    # in-place write to part of a tensor) counted as saving every parameter and buffer, and its
+    # replays refused a backward after a change in place that eager autograd lets pass: a bias,
+    # BatchNorm's count of batches (which the warm-up of another signature moves). Walked past,
+    # that node's own saves are not found -- a change to them passes, as before replays saved
+    # any --, the other nodes' are.
+    from parallel_modules._graphs import _saved_state
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), _ScalesASlice())
+    named = [*m.named_parameters(), *m.named_buffers()]
+    refused = set()
+    for name, t in named:
+        out = m(torch.randn(3, 4, requires_grad=True))
+        with torch.no_grad():
+            t.add_(0)  # (a new version, the same values)
+        try:
+            out.sum().backward()
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e), e
+            refused.add(name)
+    assert refused == {"0.weight", "1.weight", "1.running_mean", "1.running_var", "2.scale"}
+    names = {id(t): n for n, t in named}
+    saved = {names[id(t)] for t in _saved_state(m, [m(torch.randn(3, 4, requires_grad=True))])}
+    # (2.scale: saved by the in-place write's node, not found; the running statistics: buffers)
+    assert saved == refused - {"2.scale", "1.running_mean", "1.running_var"}
+
+
 def _changed_before_backward(block: nn.Module, x: torch.Tensor, change: str) -> tuple:
     r"""What ``block`` gives for a backward after ``change`` to its tensors since the forward:
     the error, or the gradients."""
