@@ -94,7 +94,7 @@ from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _Handle, _moded, _functorch_active, _hook_dicts
 from ._inputs import (_BY_VALUE, _bounded_add, _grad_and_training, _input_device, _integer, _signature,
                       _value_key)
-from ._saved import _saved_storages
+from ._saved import _saved_storages, _storage
 from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dense, _dispatch_modes,
                        _graph_state, _hidden_tensors, _in_backward, _is_tracing, _pools, _result_changing_function_modes,
                        _saved_hooks_recording, _use_count)
@@ -2312,9 +2312,10 @@ def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[
     Looked up on the graph's nodes, once per capture, by memory: they saved the
     aliases the capture ran with (see :func:`_with_aliases`), or views. Not
     what a node whose saved values Python cannot read saved (an in-place write
-    to part of a tensor, a TorchScript function): counted as saving them all,
-    such a graph refused changes that eager autograd lets pass (a bias). A
-    graph whose saved values cannot be read otherwise counts as saving them all.
+    to part of a tensor, a TorchScript function), nor a tensor without memory
+    of its own: counted as saving them all, such a graph refused changes that
+    eager autograd lets pass (a bias). A graph whose saved values cannot be
+    read otherwise counts as saving them all.
     Not buffers: a capture puts them back in place after its warm-up (see
     :meth:`_CudaGraphs._capture`), a change eagerly unseen -- BatchNorm updates
     its running statistics, which autograd saves, without a new version -- that
@@ -2327,7 +2328,7 @@ def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[
     if hit is None:
         return tuple(params)
     return tuple(p for p in params if p.layout == torch.strided and p.numel() > 0  # (all empty ones share 0)
-                 and p.untyped_storage().data_ptr() in hit)
+                 and _storage(p) in hit)  # (None, not in it, for a wrapper subclass)
 
 
 def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:
