@@ -2831,9 +2831,11 @@ class _Running(threading.local):
 
 
 class _Batching(threading.local):
-    r"""Per thread: the device type of the input that a vmapped step's batched call runs on, else ``None``."""
+    r"""Per thread: the device type of the input that a vmapped step's batched call runs on, else ``None``;
+    and the message of an autocast refused inside it (see :func:`_watch_autocast`), else ``None``."""
 
     device: str | None = None
+    refused: str | None = None
 
 
 _batching = _Batching()
@@ -2864,8 +2866,10 @@ def _watch_autocast() -> None:
         def __enter__(self: Any) -> Any:
             device = _batching.device
             if device is not None and self.device == device and getattr(self, "_enabled", False):
-                raise _AutocastEntered(f"a member enters {self.device} autocast in its forward: batched, its "
-                                       f"layers would return another dtype than its own call")
+                # (Kept too: a member that catches the error runs on without autocast.)
+                _batching.refused = (f"a member enters {self.device} autocast in its forward: batched, its "
+                                     f"layers would return another dtype than its own call")
+                raise _AutocastEntered(_batching.refused)
             return enter(self)
 
         cls.__enter__ = __enter__
@@ -3122,10 +3126,12 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         else:
             _structure.value = _structure.itself = None
             run = shared if v.layout == _SHARED and state else stacked
+        refused = None
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if guard is not None:
                 guard.now = True
                 batching, _batching.device = _batching.device, v.t.device.type
+                outer, _batching.refused = _batching.refused, None
             try:
                 if v.layout == _SHARED and state:
                     out = run(state, _vmappable_layout(v.t, 0))
@@ -3137,6 +3143,11 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 if guard is not None:
                     guard.now = False
                     _batching.device = batching
+                    refused, _batching.refused = _batching.refused, outer
+        if refused is not None:
+            # A member caught the error of the autocast it entered (``except RuntimeError``, to run
+            # without it) and ran on batched, in another dtype than its own call: a failure all the same.
+            raise _AutocastEntered(refused)
         if state and not tracing:  # (traced, the stacks are made in the graph: nothing to alias)
             out = _own_memory(out, state)
         itself = None if tracing else _structure.itself

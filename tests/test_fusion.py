@@ -257,6 +257,38 @@ def test_a_member_entering_autocast_itself_returns_the_autocast_dtype(device, de
     assert_same(block(x), plain(x))
 
 
+class _CastsItselfOrNot(_CastsItself):
+    r"""A ``Linear`` run under an autocast its ``forward`` enters, or without it where entering it fails."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            with torch.autocast(self.device_type, dtype=torch.bfloat16):
+                return self.lin(x)
+        except RuntimeError:  # (an autocast the device lacks, say: in full precision instead)
+            return self.lin(x)
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+def test_a_member_catching_the_error_of_its_autocast_returns_the_autocast_dtype(device):
+    # Before (a review): the batched call refused the member's autocast with an error that its
+    # forward caught, and it ran on batched without autocast: float32, and other values, where
+    # each branch returns bfloat16, silently. The group fails all the same once the call
+    # returns, and runs unfused, as where the error reaches the block.
+    torch.manual_seed(0)
+    block = Parallel(*[_CastsItselfOrNot(device, False) for _ in range(3)], fuse="auto").to(device)
+    plain = copy.deepcopy(block)
+    plain.fuse = False
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(6, 16, device=device, requires_grad=True)
+            out, expected = block(x), plain(x)
+            assert out.dtype == expected.dtype == torch.bfloat16
+            assert_same(out, expected)  # (run unfused: the same operations)
+    assert len([w for w in record if "autocast in its forward" in str(w.message)]) == 1
+    assert fused_groups(block) == []
+
+
 _AMP_MEMBERS = {
     "mlp": (lambda: mlp(), lambda d: torch.randn(6, 16, device=d)),
     "conv": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)),
