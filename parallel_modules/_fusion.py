@@ -2170,7 +2170,7 @@ class _Joined:
                 # Asked of the node's class: reading the node's saved value runs saved-tensor hooks'
                 # unpack, which under checkpoint(use_reentrant=False) recomputes the whole forward.)
                 if hasattr(type(fn), "_saved_result") or (isinstance(fn, torch.autograd.function.BackwardCFunction)
-                                                    and type(fn) is not _TrainedLinear._backward_cls):
+                                                          and type(fn) is not _TrainedLinear._backward_cls):
                     return joined.clone()
         return joined
 

@@ -997,7 +997,7 @@ class _Replay(torch.autograd.Function):
         # reads in place, not as inputs). Saved here too, so that autograd
         # refuses a backward after one was changed in place (an optimizer step before
         # ``backward()``), as it refuses one through an eager layer that saved it, and
-        # accepts changes to the others (a bias), as eager does. (torch.utils.swap_tensors
+        # accepts changes to the others (a Linear's bias), as eager does. (torch.utils.swap_tensors
         # then refuses to swap them, as it refuses a tensor an eager layer saved.)
         saved = [o for o, s in zip(outs, graph.out_saved) if s] if static_outputs else []
         if saved or graph.state_saved:
