@@ -3601,6 +3601,35 @@ def test_a_weight_swapped_before_the_backward_of_a_replay_is_refused(direct):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_a_capture_before_the_backward_of_another_signatures_replay_trains_as_eagerly(training):
+    # (A review.) A capture puts back the buffers its warm-up updated with copy_, which gives
+    # them new versions; had the replay of another signature, its backward yet to run, saved
+    # BatchNorm's running statistics (as eager autograd saves them), that backward would be
+    # refused ("modified by an inplace operation"), where eagerly, BatchNorm updating them
+    # without a new version, it passes: two input sizes through one block before one backward
+    # (multi-crop), the first time the second size comes. Replays save no buffers.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)) for _ in range(3)]
+    eager = Parallel(*copy.deepcopy(branches), join="sum", fuse=False).cuda().train(training)
+    graphed = Parallel(*copy.deepcopy(branches), join="sum", fuse=False, cuda_graph=True).cuda().train(training)
+    a = torch.randn(8, 16, device="cuda", requires_grad=True)
+    b = torch.randn(4, 16, device="cuda", requires_grad=True)
+    grads = []
+    for block in (eager, graphed):
+        for _ in range(2):  # a's signature captured, then replayed
+            block(a).sum().backward()
+        block.zero_grad()
+        a.grad = b.grad = None
+        (block(a).sum() + block(b).square().sum()).backward()  # (b's captured between a's replay and backward)
+        grads.append([a.grad.clone(), b.grad.clone(), *[p.grad.clone() for p in block.parameters()],
+                      *block.buffers()])
+    for g, w in zip(*grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert graphed._graphs.captures == 2
+
+
+@pytest.mark.cuda
 def test_static_outputs_no_backward_reads_may_change_in_place():
     # Linear's and cat's backward read no output: eager accepts y.mul_(2) before
     # backward (an in-place ReLU after the block, ``y += skip``), and so must the replay.
