@@ -226,3 +226,22 @@ class SlowGrad(nn.Module):
 
     def forward(self, x):
         return sleep_in_backward(x, self.cycles, self.streams)
+
+
+def half(device: str) -> torch.dtype:
+    r"""The reduced precision autocast runs ``device``'s matmuls in, for the mixed-precision tests."""
+    return torch.float16 if device == "cuda" else torch.bfloat16
+
+
+def under_autocast_saving(how: str, device: str, module: Callable[..., Any], x: torch.Tensor) -> Any:
+    r"""``module(x)`` under autocast, its saved tensors kept as ``how`` says: ``"checkpoint"`` (or
+    ``"checkpoint-reentrant"``) recomputes them, ``"save_on_cpu"`` (or ``"save_on_cpu-pinned"``) moves them."""
+    from torch.utils.checkpoint import checkpoint
+
+    with torch.autocast(device, dtype=half(device)):
+        if how.startswith("save_on_cpu"):
+            # (Pinned, on CUDA: packed by a copy on the stream that saved, unpacked by a copy that
+            # does not wait, on the stream that runs the backward node.)
+            with torch.autograd.graph.save_on_cpu(pin_memory=how.endswith("pinned")):
+                return module(x)
+        return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from parallel_modules import Parallel
-from tests._helpers import Loop, Steps, appending_from_another_thread, cpu_and_cuda, hook_shapes, rewriting_hooks
+from tests._helpers import (Loop, Steps, appending_from_another_thread, cpu_and_cuda, half, hook_shapes,
+                           rewriting_hooks, under_autocast_saving)
 from tests._reference import assert_same, join_reference, reference
 
 STREAMS = (True, False, "auto")
@@ -1329,10 +1330,6 @@ def test_jacrev_and_batched_grads_match_sequential_with_integer_outputs(fuse):
 
 
 # ------------------------------------------------------------ mixed precision and saved tensors
-def _half(device: str) -> torch.dtype:
-    return torch.float16 if device == "cuda" else torch.bfloat16
-
-
 class _Float32Region(nn.Module):
     r"""A ``Linear`` kept in float32 under autocast, as AMP recipes keep a loss head or a norm."""
 
@@ -1353,7 +1350,7 @@ class _OwnAutocast(nn.Module):
         self.lin = nn.Linear(16, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=_half(x.device.type)):
+        with torch.autocast(x.device.type, dtype=half(x.device.type)):
             return self.lin(x)
 
 
@@ -1389,12 +1386,12 @@ def test_autocast_around_a_block_gives_the_plain_branches_dtypes_values_and_grad
     block = _mixed_precision_block(device, streams, join)
     for on in (True, False, True, False, True):
         x = _not_a_leaf(device)
-        with torch.autocast(device, dtype=_half(device), enabled=on):
+        with torch.autocast(device, dtype=half(device), enabled=on):
             out, expected = block(x), reference(block, x)
         assert_same(out, expected)  # (dtypes included: half, float32, half, half for the branches)
         if join is None:
-            assert [o.dtype for o in out] == [_half(device) if on else torch.float32, torch.float32,
-                                              _half(device), _half(device) if on else torch.float32]
+            assert [o.dtype for o in out] == [half(device) if on else torch.float32, torch.float32,
+                                              half(device), half(device) if on else torch.float32]
         # (The input's gradient sums the branches' in the order their backward ran.)
         for g, e in zip(_grads(block, x, out), _grads(block, x, expected)):
             torch.testing.assert_close(g, e)
@@ -1414,7 +1411,7 @@ def test_saved_tensor_hooks_see_a_block_save_and_unpack_what_its_branches_do(dev
         packed, unpacked = [], []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
                                                       lambda t: unpacked.append(1) or t):
-            with torch.autocast(device, dtype=_half(device), enabled=amp):
+            with torch.autocast(device, dtype=half(device), enabled=amp):
                 out = block(x) if module is block else reference(block, x)
             before = len(unpacked)
             _grads(block, x, out)
@@ -1426,18 +1423,10 @@ def test_saved_tensor_hooks_see_a_block_save_and_unpack_what_its_branches_do(dev
 @pytest.mark.parametrize("streams", STREAMS)
 @pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu", "save_on_cpu-pinned"])
 def test_checkpoint_and_save_on_cpu_around_a_block_under_autocast_give_the_plain_gradients(device, streams, how):
-    from torch.utils.checkpoint import checkpoint
-
     block = _mixed_precision_block(device, streams, "cat")
 
     def run(module, x):
-        with torch.autocast(device, dtype=_half(device)):
-            if how.startswith("save_on_cpu"):
-                # (Pinned, on CUDA: packed by a copy on the stream that saved, unpacked by a copy that
-                # does not wait, on the stream that runs the backward node.)
-                with torch.autograd.graph.save_on_cpu(pin_memory=how.endswith("pinned")):
-                    return module(x)
-            return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
+        return under_autocast_saving(how, device, module, x)
 
     for _ in range(2):
         w = torch.randn(6, 16, device=device, requires_grad=True)

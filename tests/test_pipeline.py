@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from parallel_modules import Parallel, ParallelSequential
 from tests._helpers import (EqualByClass, Loop, Queries, appending_from_another_thread, assert_same_backward,
-                            cpu_and_cuda, rewriting_hooks)
+                           cpu_and_cuda, half, rewriting_hooks, under_autocast_saving)
 
 # Gradients and whole-batch outputs may come from different kernels (another
 # batch size, another summation order), so they are compared within fp32
@@ -3626,10 +3626,6 @@ def test_dropout_in_training_draws_its_masks_micro_batch_by_micro_batch() -> Non
 
 
 # ------------------------------------------------------------ mixed precision and saved tensors
-def _half(device: str) -> torch.dtype:
-    return torch.float16 if device == "cuda" else torch.bfloat16
-
-
 class _Float32Head(nn.Module):
     r"""A ``Linear`` kept in float32 under autocast, as AMP recipes keep a loss head."""
 
@@ -3646,7 +3642,7 @@ class _OwnAutocast(nn.Linear):
     r"""A ``Linear`` under an autocast that its ``forward`` enters itself."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=_half(x.device.type)):
+        with torch.autocast(x.device.type, dtype=half(x.device.type)):
             return super().forward(x)
 
 
@@ -3673,7 +3669,7 @@ def test_autocast_around_a_pipeline_gives_the_dtypes_values_and_gradients_of_its
     plain = nn.Sequential(*model)
     for on in (True, False, True, False):
         x = torch.randn(7, 16, device=device, requires_grad=True)
-        with torch.autocast(device, dtype=_half(device), enabled=on):
+        with torch.autocast(device, dtype=half(device), enabled=on):
             out = model(x)
             pieces = torch.cat([plain(p) for p in x.tensor_split(3)])
             whole = plain(x)
@@ -3684,9 +3680,9 @@ def test_autocast_around_a_pipeline_gives_the_dtypes_values_and_gradients_of_its
         for g, e in zip(_pipeline_grads(model, x, out), _pipeline_grads(model, x, pieces)):
             torch.testing.assert_close(g, e, rtol=RTOL, atol=ATOL)
         # A half-precision input as autocast leaves it (the stage before the head casts none).
-        with torch.autocast(device, dtype=_half(device), enabled=on):
-            half = model[:3](x.detach())
-        assert half.dtype == (_half(device) if on else torch.float32)
+        with torch.autocast(device, dtype=half(device), enabled=on):
+            reduced = model[:3](x.detach())
+        assert reduced.dtype == (half(device) if on else torch.float32)
 
 
 @pytest.mark.parametrize("device", cpu_and_cuda())
@@ -3702,7 +3698,7 @@ def test_saved_tensor_hooks_see_a_pipeline_save_each_micro_batch_once(device, am
         packed, unpacked = [], []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t,
                                                       lambda t: unpacked.append(1) or t):
-            with torch.autocast(device, dtype=_half(device), enabled=amp):
+            with torch.autocast(device, dtype=half(device), enabled=amp):
                 out = model(x) if pipelined else torch.cat([plain(p) for p in x.tensor_split(3)])
             before = len(unpacked)
             _pipeline_grads(model, x, out)
@@ -3713,22 +3709,14 @@ def test_saved_tensor_hooks_see_a_pipeline_save_each_micro_batch_once(device, am
 @pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("how", ["checkpoint", "checkpoint-reentrant", "save_on_cpu", "save_on_cpu-pinned"])
 def test_checkpoint_and_save_on_cpu_around_a_pipeline_under_autocast_give_its_stages_gradients(device, how):
-    from torch.utils.checkpoint import checkpoint
-
     model = _mixed_precision_pipeline(device)
     plain = nn.Sequential(*model)
 
     def pieces(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([plain(p) for p in x.tensor_split(3)])
 
-    def run(module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device, dtype=_half(device)):
-            if how.startswith("save_on_cpu"):
-                # (Pinned, on CUDA: packed by a copy on the stream that saved, unpacked by a copy that
-                # does not wait, on the stream that runs the backward node.)
-                with torch.autograd.graph.save_on_cpu(pin_memory=how.endswith("pinned")):
-                    return module(x)
-            return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
+    def run(module, x):
+        return under_autocast_saving(how, device, module, x)
 
     for _ in range(2):
         x = torch.randn(7, 16, device=device, requires_grad=True)
