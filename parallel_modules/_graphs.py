@@ -992,13 +992,12 @@ class _Replay(torch.autograd.Function):
             if graph.written:  # (inputs that require no grad: see _CudaGraphs._written_leaf)
                 graph._copy_back(inputs[: len(graph.inputs)])
             outs = tuple(o.detach() if static_outputs else o.clone() for o in graph.outputs)
-        # The backward graph reads, where the forward left them, the tensors its autograd
-        # graph saved: the static outputs among them, and the owner's parameters (which it
-        # reads in place, not as inputs). Saved here too, so that autograd
-        # refuses a backward after one was changed in place (an optimizer step before
-        # ``backward()``), as it refuses one through an eager layer that saved it, and
-        # accepts changes to the others (a Linear's bias), as eager does. (torch.utils.swap_tensors
-        # then refuses to swap them, as it refuses a tensor an eager layer saved.)
+        # The backward graph reads, where the forward left them, the tensors its autograd graph saved: the
+        # static outputs among them, and the owner's parameters (which it reads in place, not as inputs). Saved
+        # here too, so that autograd refuses a backward after one was changed in place (an optimizer step before
+        # ``backward()``), as it refuses one through an eager layer that saved it, and accepts changes to the
+        # others (a Linear's bias), as eager does. (torch.utils.swap_tensors then refuses to swap them, as it
+        # refuses a tensor an eager layer saved.)
         saved = [o for o, s in zip(outs, graph.out_saved) if s] if static_outputs else []
         if saved or graph.state_saved:
             ctx.save_for_backward(*saved, *graph.state_saved)
