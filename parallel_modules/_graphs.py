@@ -94,10 +94,10 @@ from ._watch import _has_scalars, _swapped
 from ._fusion import _GLOBAL_HOOKS, _Handle, _moded, _functorch_active, _hook_dicts
 from ._inputs import (_BY_VALUE, _bounded_add, _grad_and_training, _input_device, _integer, _signature,
                       _value_key)
-from ._saved import _saved_storages, _storage
+from ._saved import _saved_storages
 from ._streams import (_CAPTURE_PRIORITY, _capture_underway, _current_stream, _dense, _dispatch_modes,
                        _graph_state, _hidden_tensors, _in_backward, _is_tracing, _pools, _result_changing_function_modes,
-                       _saved_hooks_recording, _use_count)
+                       _saved_hooks_recording, _storage_address, _use_count)
 
 __all__: list[str] = []
 
@@ -2326,8 +2326,8 @@ def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[
     hit = _saved_storages([o.grad_fn for o in outputs], past_hidden=True)
     if hit is None:
         return tuple(params)
-    return tuple(p for p in params if p.layout == torch.strided and p.numel() > 0  # (all empty ones share 0)
-                 and _storage(p) in hit)  # (None, not in it, for a wrapper subclass)
+    hit.discard(0)  # (an empty tensor's address, and a wrapper subclass's, which has no memory of its own)
+    return tuple(p for p in params if p.layout == torch.strided and p.numel() > 0 and _storage_address(p) in hit)
 
 
 def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:

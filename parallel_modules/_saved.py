@@ -14,6 +14,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ._streams import _storage_address
+
 __all__: list[str] = []
 
 # Nodes whose saved tensors Python cannot read: an in-place change of part of a tensor
@@ -29,13 +31,14 @@ def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = (), past_hidden:
     Walked from the nodes ``roots`` along their inputs, not past those in
     ``stop`` (where an earlier computation begins). ``None`` where it cannot
     be told: a node whose saved values Python cannot read, or a value saved
-    through saved-tensor hooks (``torch.utils.checkpoint(use_reentrant=False)``,
-    ``save_on_cpu``), which reading would unpack -- a checkpoint's recomputation
-    of its whole forward, whose activations it then keeps; a saved tensor
-    without memory of its own (see :func:`_storage`). ``past_hidden``: a node
-    whose saved values Python cannot read is walked past instead, such a
-    tensor left out, and what the others save is returned (some of what the
-    graph saves).
+    through saved-tensor hooks
+    (``torch.utils.checkpoint(use_reentrant=False)``, ``save_on_cpu``), which
+    reading would unpack -- a checkpoint's recomputation of its whole forward,
+    whose activations it then keeps; a saved tensor without memory of its own
+    (a wrapper subclass: DTensor, torchao's float8 and quantized tensors,
+    whose memory is their inner tensors'). ``past_hidden``: a node whose saved
+    values Python cannot read is walked past instead, such a tensor left out,
+    and what the others save is returned (some of what the graph saves).
     """
     hit: set[int] = set()
     seen: set[Any] = set(stop)
@@ -63,22 +66,13 @@ def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = (), past_hidden:
                 return None
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    storage = _storage(t)
-                    if storage is not None:
-                        hit.add(storage)
+                    address = _storage_address(t)
+                    if address or not t.numel():  # (an empty one may have none)
+                        hit.add(address)
                     elif not past_hidden:  # (a wrapper subclass: its memory is its inner tensors')
                         return None
         stack.extend(next_node for next_node, _ in node.next_functions)
     return hit
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    r"""The data pointer of ``t``'s storage; ``None`` for a tensor without one of its own (a wrapper
-    subclass: DTensor, torchao's float8 and quantized tensors)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return None
 
 
 def _unpacked_by_hook(raw: Any) -> bool:
