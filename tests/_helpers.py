@@ -245,3 +245,19 @@ def under_autocast_saving(how: str, device: str, module: Callable[..., Any], x: 
             with torch.autograd.graph.save_on_cpu(pin_memory=how.endswith("pinned")):
                 return module(x)
         return checkpoint(module, x, use_reentrant=how == "checkpoint-reentrant")
+
+
+class Float32Region(nn.Linear):
+    r"""A ``Linear`` kept in float32 under autocast, as AMP recipes keep a loss head or a norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return super().forward(x.float())
+
+
+class OwnAutocast(nn.Linear):
+    r"""A ``Linear`` under an autocast (to :func:`half`) that its ``forward`` enters itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=half(x.device.type)):
+            return super().forward(x)

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from parallel_modules import Parallel
-from tests._helpers import (Loop, Steps, appending_from_another_thread, cpu_and_cuda, half, hook_shapes,
-                           rewriting_hooks, under_autocast_saving)
+from tests._helpers import (Float32Region, Loop, OwnAutocast, Steps, appending_from_another_thread,
+                           cpu_and_cuda, half, hook_shapes, rewriting_hooks, under_autocast_saving)
 from tests._reference import assert_same, join_reference, reference
 
 STREAMS = (True, False, "auto")
@@ -1330,34 +1330,10 @@ def test_jacrev_and_batched_grads_match_sequential_with_integer_outputs(fuse):
 
 
 # ------------------------------------------------------------ mixed precision and saved tensors
-class _Float32Region(nn.Module):
-    r"""A ``Linear`` kept in float32 under autocast, as AMP recipes keep a loss head or a norm."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return self.lin(x.float())
-
-
-class _OwnAutocast(nn.Module):
-    r"""A ``Linear`` under an autocast that its ``forward`` enters itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=half(x.device.type)):
-            return self.lin(x)
-
-
 def _mixed_precision_block(device: str, streams, join) -> Parallel:
     torch.manual_seed(0)
     nested = Parallel(mlp(), nn.Linear(16, 8), join="sum", streams=streams)
-    return Parallel(mlp(), _Float32Region(), _OwnAutocast(), nested, join=join, streams=streams).to(device)
+    return Parallel(mlp(), Float32Region(16, 8), OwnAutocast(16, 8), nested, join=join, streams=streams).to(device)
 
 
 def _not_a_leaf(device: str) -> torch.Tensor:

@@ -17,8 +17,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import (EqualByClass, Loop, Queries, appending_from_another_thread, assert_same_backward,
-                           cpu_and_cuda, half, rewriting_hooks, under_autocast_saving)
+from tests._helpers import (EqualByClass, Float32Region, Loop, OwnAutocast, Queries,
+                           appending_from_another_thread, assert_same_backward, cpu_and_cuda, half,
+                           rewriting_hooks, under_autocast_saving)
 
 # Gradients and whole-batch outputs may come from different kernels (another
 # batch size, another summation order), so they are compared within fp32
@@ -3626,33 +3627,13 @@ def test_dropout_in_training_draws_its_masks_micro_batch_by_micro_batch() -> Non
 
 
 # ------------------------------------------------------------ mixed precision and saved tensors
-class _Float32Head(nn.Module):
-    r"""A ``Linear`` kept in float32 under autocast, as AMP recipes keep a loss head."""
-
-    def __init__(self, i: int, o: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(i, o)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return self.lin(x.float())
-
-
-class _OwnAutocast(nn.Linear):
-    r"""A ``Linear`` under an autocast that its ``forward`` enters itself."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=half(x.device.type)):
-            return super().forward(x)
-
-
 def _mixed_precision_pipeline(device: str) -> ParallelSequential:
     torch.manual_seed(0)
     return ParallelSequential(
         nn.Sequential(nn.Linear(16, 32), nn.GELU()),
         Parallel(*[nn.Sequential(nn.Linear(32, 16), nn.GELU()) for _ in range(2)], fuse=True),  # (fused: 32 wide)
-        Parallel(_OwnAutocast(32, 16), nn.Linear(32, 16), join="sum"),
-        _Float32Head(16, 8),
+        Parallel(OwnAutocast(32, 16), nn.Linear(32, 16), join="sum"),
+        Float32Region(16, 8),
         chunks=3,
     ).to(device)
 
