@@ -135,6 +135,9 @@ _INPUT = 3
 # A group's final value only, stacked: every member returned a view of the group's input (one for all,
 # vmap's expansion of it), which each member gets a view of its own of (see _Group._run).
 _VIEWS = 4
+# The dtypes whose ``sum`` and ``mean`` accumulate in the dtype itself, as a join's additions do
+# (half and bfloat16 accumulate in float32; integers and bool promote to int64).
+_ACCUMULATED_IN_PLACE = frozenset((torch.float32, torch.float64, torch.complex64, torch.complex128))
 
 # Pointwise modules without parameters: applied to a value as it is, in any
 # layout (a shared value stays shared: every member would compute the same).
@@ -2204,10 +2207,12 @@ class _Joined:
             # (Dense, as torch.stack's: a layer's batched rule may leave the stack strided, a
             # Flatten of the channels layout.)
             return (t.contiguous() if d == 0 else t.movedim(0, d).contiguous()) if 0 <= d < t.dim() else None
-        if how in ("sum", "mean") and layout == _STACKED and (t.is_floating_point() or t.is_complex()):
+        if how in ("sum", "mean") and layout == _STACKED and t.dtype in _ACCUMULATED_IN_PLACE:
             # (Integer and bool outputs: ``sum(0)`` promotes to int64 and ``mean(0)``
-            # refuses, where the join's additions keep the outputs' dtype. Views of the input
-            # too: added as unfused, their sum keeps the input's strides.)
+            # refuses, where the join's additions keep the outputs' dtype. Half and bfloat16:
+            # ``sum(0)`` accumulates in float32 and rounds once, where the join's additions
+            # round at each one. Views of the input too: added as unfused, their sum keeps
+            # the input's strides.)
             return t.sum(0) if how == "sum" else t.mean(0)
         return None
 

@@ -4988,6 +4988,27 @@ def test_fused_sum_and_mean_of_integer_outputs_keep_the_joins_dtype(dtype, fuse)
         assert_same(got, want)
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_fused_sum_and_mean_of_half_outputs_round_as_the_joins_additions(device, dtype, fuse):
+    # Before: the batched value's sum(0) and mean(0) accumulated the members' half or bfloat16
+    # outputs in float32 and rounded once, where the join adds them left to right, rounding at
+    # each addition: from three members on, the fused result differed from the unfused one by
+    # a half-precision ulp or more, though each member's output was the same bit for bit
+    # (ScaleBy multiplies elementwise: batched, it computes the very same products).
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, dtype=dtype, device=device)
+    for join in ("sum", "mean"):
+        block = Parallel(*[ScaleBy(8) for _ in range(4)], join=join, fuse=fuse).to(device, dtype)
+        plain = copy.deepcopy(block)
+        plain.fuse = False
+        block(x)  # (fuse="auto" watches a signature's first call, unfused)
+        got = block(x)
+        assert fused_groups(block) == [["0", "1", "2", "3"]]
+        assert_same(got, plain(x))
+
+
 @pytest.mark.parametrize("join", ["stack", "cat"])
 def test_a_fused_join_of_returned_parameters_is_a_tensor_of_its_own(join):
     # Before: joined along dim 0, the block's output was the members' stacked parameter
