@@ -512,11 +512,19 @@ def _flatten(value: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[
 
 
 class _Shared(NamedTuple):
-    r"""Input tensors that share elements across micro-batches (see :func:`_across`), watched for writes."""
+    r"""Input tensors that share elements across micro-batches (see :func:`_across`), or a 0-dim one that every
+    micro-batch gets whole, watched for writes."""
 
-    names: str  # where they are in the input: "input[0] and input[1]"
+    # Where they are in the input: "input[0] and input[1]"; for a 0-dim tensor, what finds it (see _leaf_name).
+    names: str | Callable[[], str]
     versions: list[list[tuple[torch.Tensor, int]]]  # per micro-batch: each one's piece and its version at the split
     across: bool = True  # False: in the same micro-batches, but copied one by one (see _copied_together)
+    whole: bool = False  # one 0-dim tensor, the same object in every micro-batch (see ParallelSequential._split)
+
+
+def _leaf_name(value: Any, i: int) -> str:
+    r"""Where leaf ``i`` of ``value`` (an input, flattened by :func:`_flatten`) is in it: ``input[1]``."""
+    return f"input{pytree.keystr(pytree.tree_flatten_with_path(_exposed(value))[0][i][0])}"
 
 
 class _Returned(NamedTuple):
@@ -2003,6 +2011,17 @@ class ParallelSequential(nn.Sequential):
                 watched.append(_Shared(", ".join(names[:-1]) + f" and {names[-1]}",
                                        [[(columns[i][m], columns[i][m]._version) for i in at] for m in range(chunks)],
                                        across))
+        if watched is not None and not tracing and not copied:
+            # A 0-dim tensor goes to every micro-batch whole, the same object: a stage writing it in
+            # place (a counter, ``count.add_(1)``) would write it once per micro-batch, each reading
+            # the earlier ones' writes, where nn.Sequential writes it once for the whole batch. Watched,
+            # and a write refused (see _call). (Named only then: finding its path flattens the input
+            # again, 20 us. Not inference tensors, which keep no version; nor pieces copied to the GPU,
+            # where each micro-batch gets a copy of its own, written once.)
+            for i, t in enumerate(leaves):
+                if isinstance(t, torch.Tensor) and not t.dim() and not t.is_inference():
+                    watched.append(_Shared(functools.partial(_leaf_name, input, i), [[(t, t._version)]] * chunks,
+                                           whole=True))
         try:
             return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
         except TypeError as e:  # (a subclass of a container that cannot be rebuilt: see _rebuilt)
@@ -2551,6 +2570,16 @@ class ParallelSequential(nn.Sequential):
             # (Read on the host, in issue order: on the CUDA path too, a write shows in the
             # version as soon as the stage has issued it.)
             if any(t._version != v for t, v in shared.versions[m]):
+                if shared.whole:
+                    assert callable(shared.names)
+                    raise RuntimeError(
+                        f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "
+                        f"{count} into {shared.names()}, a 0-dim tensor (or into another view of its memory, whose "
+                        f"writes its version counter counts too), which every micro-batch gets whole, the same "
+                        f"object: with chunks={count} each micro-batch's stages would write it again after reading "
+                        f"the earlier micro-batches' writes, so the result would not be nn.Sequential's, which "
+                        f"writes it once for the whole batch. Write into a copy inside the stage (out-of-place "
+                        f"operations), or use chunks=1.")
                 why = (
                     "input tensors that share memory across micro-batches (as (x[:-1], x[1:]) do): with "
                     f"chunks={count}, one micro-batch's stages write elements that another micro-batch "

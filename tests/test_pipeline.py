@@ -1950,6 +1950,47 @@ def test_input_tensors_sharing_memory_across_micro_batches_are_refused_written_i
                 torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
 
 
+class _CountsInPlace(nn.Module):
+    r"""Adds 1 in place to the 0-dim counter it is handed with its input (where ``writes``), then scales by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.writes = True
+
+    def forward(self, inputs):
+        x, count = inputs
+        if self.writes:
+            count.add_(1)
+        return self.linear(x) * count
+
+
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_a_zero_dim_input_tensor_written_in_place_is_refused(device, grad, chunks):
+    # Before (a CPU hunt): a 0-dim tensor of the input goes whole to every micro-batch, the
+    # same object, so a stage adding to it in place added once per micro-batch, each reading
+    # the earlier ones' writes: the output and the caller's counter silently differed from
+    # nn.Sequential's, which writes it once for the whole batch. (On CUDA the lanes read it
+    # on their streams too; the write shows in its version as soon as the stage issues it.)
+    torch.manual_seed(0)
+    stage = _CountsInPlace().to(device)
+    pipe = ParallelSequential(stage, chunks=chunks)
+    x = torch.randn(6, 4, device=device, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        count = torch.zeros((), device=device)
+        with pytest.raises(RuntimeError, match=rf"ParallelSequential: stage '0' \(index 0\) wrote in place on "
+                                               rf"micro-batch 0 of {chunks} into input\[1\], a 0-dim tensor.*"
+                                               rf"every micro-batch.*chunks=1"):
+            pipe((x, count))
+        assert count.item() == 1  # (written once, by the first micro-batch, as nn.Sequential writes it)
+        # The pipeline still works: as nn.Sequential where the counter is only read.
+        stage.writes = False
+        count = torch.tensor(2.0, device=device)
+        torch.testing.assert_close(pipe((x, count)), nn.Sequential(stage)((x, count)), rtol=RTOL, atol=ATOL)
+
+
 def test_stages_set_later_are_checked_as_the_constructor_checks_them():
     s = ParallelSequential(nn.Identity(), nn.Identity())
     for change in (lambda: s.__setitem__(0, None), lambda: s.append(lambda t: t), lambda: s.insert(0, 3)):
