@@ -599,6 +599,12 @@ def _refuse_rewritten(returned: list[_Returned], pieces: list[Any]) -> None:
                     f"another. Return a new tensor from each call (e.g. .clone() it)")
 
 
+def _writes_refused(t: torch.Tensor) -> bool:
+    r"""Whether autograd refuses to write ``t`` in place: a leaf that requires grad, or a view of one
+    (``leaf[:, :4]``, ``weight.t()``), as its ``check_inplace`` finds them."""
+    return t.requires_grad and (t.is_leaf or t._base is not None and t._base.is_leaf)
+
+
 def _storage(t: Any) -> int | None:
     r"""Where ``t``'s memory starts; ``None`` where it has no plain memory (a wrapper subclass, a nested
     tensor, a fake tensor: see :func:`_storage_address`)."""
@@ -1948,16 +1954,20 @@ class ParallelSequential(nn.Sequential):
         # (Asked eagerly only: Dynamo cannot trace ``is_inference()``. Compiled, the pieces are still
         # copied where the first stage writes its input: an inference tensor given to the compiled
         # pipeline runs where a compiled nn.Sequential raises.)
-        # Nor the caller's leaf that requires grad, which no stage may write in place (autograd raises, as
-        # in nn.Sequential): copied, a stage wrote it where nn.Sequential raises, which hid wrong gradients
-        # under torch.utils.checkpoint(use_reentrant=True): its forward runs without autograd on the
-        # caller's tensor (written there, as by nn.Sequential), and its recomputation, from a detached
-        # leaf of that written tensor, wrote a copy again. (A graph's static copy of an input is a leaf
-        # standing for the caller's tensor, which may be a layer's output: copied, as that would be.)
+        # Nor the caller's leaf that requires grad, or a view of one (``w.t()``), which no stage may write
+        # in place (autograd raises, as in nn.Sequential): copied, a stage wrote it where nn.Sequential
+        # raises, which hid wrong gradients under torch.utils.checkpoint(use_reentrant=True): its forward
+        # runs without autograd on the caller's tensor (written there, as by nn.Sequential), and its
+        # recomputation, from a detached leaf of that written tensor, wrote a copy again. (A graph's
+        # static copy of an input is a leaf standing for the caller's tensor, which may be a layer's
+        # output: copied, as that would be.)
+        def kept(t: torch.Tensor) -> bool:
+            r"""Whether ``t``'s pieces are handed on uncopied, where autograd records (see above)."""
+            return t.is_inference() or _writes_refused(t) and not (t.is_cuda and _capture_underway())
+
         def split(t: torch.Tensor) -> list[torch.Tensor]:
             pieces = t.tensor_split(chunks)
-            cloned = own and (tracing or not (t.is_inference() or t.requires_grad and t.is_leaf
-                                              and not (t.is_cuda and _capture_underway())))
+            cloned = own and (tracing or not kept(t))
             return [p.clone() for p in pieces] if cloned else list(pieces)
 
         if spec is None:
@@ -1981,7 +1991,9 @@ class ParallelSequential(nn.Sequential):
         # the same rows.
         sets = _shared(leaves) if not tracing and not copied and (
             own or any(t._base is not None for t in tensors)) else []
-        done = _copied_together([m for m in sets if not m[0].is_inference()], chunks) if own else []
+        # (Not where one is kept uncopied: a copy of the set would be written where autograd refuses to write
+        # that one. Split one by one, each is kept or copied as it would be alone, and watched below.)
+        done = _copied_together([m for m in sets if not any(map(kept, m))], chunks) if own else []
         together = {id(t) for t, _ in done}  # (cut from one holder's pieces: never across micro-batches)
 
         def pieces(t: torch.Tensor) -> list[torch.Tensor]:

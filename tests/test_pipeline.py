@@ -1114,6 +1114,53 @@ def test_a_first_stage_writing_an_input_leaf_that_requires_grad_raises_as_in_nn_
     torch.testing.assert_close(ParallelSequential(*stages, chunks=3)(x * 1), nn.Sequential(*stages)(x * 1))
 
 
+@pytest.mark.parametrize("view", ["slice", "transposed", "expanded", "parameter"])
+def test_a_first_stage_writing_a_view_of_an_input_leaf_that_requires_grad_raises_as_in_nn_sequential(view) -> None:
+    # Before (a CPU hunt): only the leaf itself was handed on uncopied, so a view of it (a slice,
+    # ``w.t()``, a Parameter's ``.view()``) was copied piece by piece while autograd recorded, and a
+    # first stage writing it in place ran where nn.Sequential (and chunks=1) raise.
+    torch.manual_seed(0)
+    make = {"slice": lambda leaf: leaf[:, :4], "transposed": lambda leaf: leaf.t(),
+            "expanded": lambda leaf: leaf[:1, :4].expand(6, 4), "parameter": lambda leaf: leaf.view(6, 4)}[view]
+    leaf = (nn.Parameter(torch.randn(24)) if view == "parameter" else
+            torch.randn(4, 6, requires_grad=True) if view == "transposed" else torch.randn(6, 5, requires_grad=True))
+    stages = [nn.Sequential(_Doubles(), nn.Linear(4, 3)), nn.Linear(3, 2)]
+    for model in (nn.Sequential(*stages), ParallelSequential(*stages), ParallelSequential(*stages, chunks=3)):
+        with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad is being used in an in"):
+            model(make(leaf))
+    # Read only, the view's pieces give nn.Sequential's gradients.
+    stages[0][0] = nn.Identity()
+    grads = []
+    for model in (nn.Sequential(*stages), ParallelSequential(*stages, chunks=3)):
+        leaf.grad = None
+        model(make(leaf)).square().sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("first", ["leaf", "view"])
+def test_a_first_stage_writing_an_input_leaf_another_input_tensor_views_raises_as_in_nn_sequential(first) -> None:
+    # Before (a CPU hunt): input tensors that are views of one another, ``(w, w[:, :2])``, are copied
+    # together while autograd records (so that a write to one shows in the other), and that copy was
+    # made of a leaf that requires grad too: a stage writing it ran where nn.Sequential raises.
+    torch.manual_seed(0)
+    stage = _MaybeWritesOneReadsTheOther()
+    pipe = ParallelSequential(stage, chunks=3)
+    leaf = torch.randn(6, 4 if first == "leaf" else 5, requires_grad=True)
+    make = (lambda: (leaf, leaf[:, :4])) if first == "leaf" else (lambda: (leaf[:, :4], leaf[:, 1:]))
+    for model in (nn.Sequential(stage), pipe):
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad is being used in an in-place"):
+            model(make())
+    # Read only, they give nn.Sequential's gradients.
+    stage.writes = False
+    grads = []
+    for model in (nn.Sequential(stage), pipe):
+        leaf.grad = None
+        model(make()).square().sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=RTOL, atol=ATOL)
+
+
 def test_errors_name_the_stage_with_one_chunk() -> None:
     model = ParallelSequential(OrderedDict(enc=nn.Linear(4, 4), dec=nn.Linear(5, 2)))
     with pytest.raises(RuntimeError) as info:
