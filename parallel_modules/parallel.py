@@ -713,16 +713,16 @@ class Parallel(nn.Module):
         return self
 
     @overload
-    def pop(self, idx: slice) -> Parallel: ...
+    def pop(self, key: slice) -> Parallel: ...
 
     @overload
-    def pop(self, idx: int) -> nn.Module: ...
+    def pop(self, key: int) -> nn.Module: ...
 
-    def pop(self, idx: int | slice) -> nn.Module | Parallel:
-        r"""Remove the branch at ``idx`` and return it, as :meth:`nn.ModuleList.pop`; a slice returns
+    def pop(self, key: int | slice) -> nn.Module | Parallel:
+        r"""Remove the branch at ``key`` and return it, as :meth:`nn.ModuleList.pop`; a slice returns
         the branches it removes as a block with this one's settings."""
-        value = self[idx]
-        del self[idx]
+        value = self[key]
+        del self[key]
         return value
 
     def extra_repr(self) -> str:

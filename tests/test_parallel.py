@@ -266,7 +266,7 @@ def test_insert_pop_and_iadd_behave_as_module_lists_do(fuse):
             ref.insert(index if index >= 0 else index + len(ref), module)
             assert list(p) == list(ref) and list(p.state_dict()) == list(ref.state_dict())
             assert_same(p(x), torch.cat([m(x) for m in ref], 1))
-        assert p.pop(1) is ref.pop(1)
+        assert p.pop(key=1) is ref.pop(key=1)  # (by name too, as nn.ModuleList's)
         assert list(p) == list(ref) and keys(p) == ["0", "1", "2", "3"]
         assert_same(p(x), torch.cat([m(x) for m in ref], 1))
         popped = p.pop(slice(0, 2))

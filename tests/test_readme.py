@@ -182,3 +182,18 @@ def test_indexing_is_typed_by_its_argument(cls, method):
     overloads = typing.get_overloads(getattr(cls, method))
     hints = sorted((next(iter(h.values())).__name__, h["return"]) for h in map(typing.get_type_hints, overloads))
     assert hints == [("int", nn.Module), ("slice", cls)], f"{cls.__name__}.{method}: {hints}"
+
+
+@pytest.mark.parametrize(("cls", "base"), [(parallel_modules.Parallel, nn.ModuleList),
+                                           (parallel_modules.ParallelSequential, nn.Sequential)],
+                         ids=lambda v: v.__name__)
+def test_container_methods_take_their_arguments_by_torchs_names(cls, base):
+    # The README promises the methods "work as on nn.ModuleList" (nn.Sequential for pipelines),
+    # so a call that names its argument, ``block.pop(key=0)``, must work on both. Before (a CPU
+    # check of the docs): Parallel.pop took ``idx`` where nn.ModuleList.pop takes ``key``.
+    renamed = []
+    for name in ("append", "extend", "insert", "pop", "__getitem__", "__setitem__", "__delitem__"):
+        ours, theirs = (list(inspect.signature(getattr(c, name)).parameters) for c in (cls, base))
+        if ours != theirs:
+            renamed.append(f"{name}{tuple(ours)} where {base.__name__} has {tuple(theirs)}")
+    assert not renamed, f"{cls.__name__}: {renamed}"
