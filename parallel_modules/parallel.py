@@ -652,7 +652,12 @@ class Parallel(nn.Module):
             self._reset()
 
     def append(self, module: nn.Module | Callable[..., Any]) -> Parallel:
-        r"""Append a branch at the end; returns ``self``."""
+        r"""Append a branch at the end; returns ``self``.
+
+        Args:
+            module: the branch, a module or a callable (as the class's
+                ``*branches``).
+        """
         key = str(len(self._modules))
         if key in self._modules:
             # (Names kept by an OrderedDict or ``del block.name``: "0", "2".)
@@ -665,7 +670,11 @@ class Parallel(nn.Module):
         return self
 
     def extend(self, modules: Iterable[nn.Module | Callable[..., Any]]) -> Parallel:
-        r"""Append every module of an iterable; returns ``self``."""
+        r"""Append every module of an iterable; returns ``self``.
+
+        Args:
+            modules: the branches to append, in order.
+        """
         owner, n = type(self).__name__, len(self._modules)
         # All checked before any is appended: a bad one leaves the block as it was.
         branches = [_own_mode(self, _as_branch(owner, str(n + i), m, container=self), m)
@@ -697,6 +706,11 @@ class Parallel(nn.Module):
         The branches after it move up by one, so they must be named by their
         position, ``"0"``, ``"1"``, ... (not names given in an ``OrderedDict``
         or kept through a slice of named branches).
+
+        Args:
+            index: the position the branch takes, from ``-len(self)`` to
+                ``len(self)``.
+            module: the branch, a module or a callable.
         """
         owner, n = type(self).__name__, len(self._modules)
         index = _insert_index(owner, index, n, "branch", "branches")
@@ -720,7 +734,11 @@ class Parallel(nn.Module):
 
     def pop(self, key: int | slice) -> nn.Module | Parallel:
         r"""Remove the branch at ``key`` and return it, as :meth:`nn.ModuleList.pop`; a slice returns
-        the branches it removes as a block with this one's settings."""
+        the branches it removes as a block with this one's settings.
+
+        Args:
+            key: the position of the branch, or a slice of positions.
+        """
         value = self[key]
         del self[key]
         return value
@@ -983,8 +1001,13 @@ class Parallel(nn.Module):
         r"""Set the block and its branches to training or evaluation mode; returns ``self``.
 
         As :meth:`torch.nn.Module.train`. Which branches are fused depends on
-        their modes (BatchNorm and dropout fuse only in evaluation), so the
-        groups are found here, before a compiler may trace the next call.
+        their modes (BatchNorm, and dropout above rate 0, fuse only in
+        evaluation), so the groups are found here, before a compiler may trace
+        the next call.
+
+        Args:
+            mode: ``True`` for training mode, ``False`` for evaluation mode.
+                Default: ``True``.
         """
         super().train(mode)
         fusion = self.__dict__.get("_fusion")

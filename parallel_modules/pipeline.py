@@ -1490,6 +1490,9 @@ class ParallelSequential(nn.Sequential):
         As :meth:`nn.Sequential.append`, except where a stage of that name is kept
         (through a slice or ``del pipe.name``): ``nn.Sequential`` replaces it, this
         raises. The stage is checked as the constructor checks stages.
+
+        Args:
+            module: the stage.
         """
         _check_stage(type(self).__name__, str(len(self)), module, container=self)
         self._check_free(1)
@@ -1500,6 +1503,10 @@ class ParallelSequential(nn.Sequential):
 
         Every stage is checked before any is appended, so a refused one leaves the
         pipeline as it was.
+
+        Args:
+            sequential: the stages to append, in order (any iterable of modules,
+                as for :meth:`nn.Sequential.extend`).
         """
         # All checked before any is appended (nn.Sequential appends one by one): a bad one
         # leaves the pipeline as it was.
@@ -1524,6 +1531,11 @@ class ParallelSequential(nn.Sequential):
         The stages after it move up by one, so they must be named by their
         position, ``"0"``, ``"1"``, ... (not names given in an ``OrderedDict``
         or kept through a slice).
+
+        Args:
+            index: the position the stage takes, from ``-len(self)`` to
+                ``len(self)``.
+            module: the stage.
         """
         # (Named by the position it would take, as the inserted stage is: -1 of 2 stages is "1".)
         owner, n = type(self).__name__, len(self)
@@ -1667,7 +1679,11 @@ class ParallelSequential(nn.Sequential):
 
     def pop(self, key: int | slice) -> nn.Module | ParallelSequential:
         r"""Remove the stage at ``key`` and return it, as :meth:`nn.Sequential.pop`; a slice returns
-        the stages it removes as a pipeline with this one's settings."""
+        the stages it removes as a pipeline with this one's settings.
+
+        Args:
+            key: the position of the stage, or a slice of positions.
+        """
         # (Only typed here: nn.Sequential's says Module, which a slice's result is not only.)
         return super().pop(key)
 

@@ -83,6 +83,21 @@ def test_constructor_parameters_are_documented(cls):
         assert re.search(rf"^\s+{re.escape(shown)}:", args, re.M), f"{cls.__name__}: {shown} is not under Args:"
 
 
+@pytest.mark.parametrize("cls", _public_classes(), ids=lambda c: c.__name__)
+def test_method_parameters_are_documented(cls):
+    # As PyTorch's own (nn.ModuleList.insert, nn.Module.train): a public method that takes
+    # arguments lists each under "Args:". (``forward`` is documented by the class, as torch's
+    # layers document theirs.)
+    missing = []
+    for name, value in vars(cls).items():
+        if name.startswith("_") or name == "forward" or not inspect.isfunction(value):
+            continue
+        parameters = [p for p in inspect.signature(value).parameters if p != "self"]
+        args = (value.__doc__ or "").split("Args:", 1)[1] if "Args:" in (value.__doc__ or "") else ""
+        missing += [f"{name}({p})" for p in parameters if not re.search(rf"^\s+{re.escape(p)}:", args, re.M)]
+    assert not missing, f"{cls.__name__}: parameters not under Args: {missing}"
+
+
 def _run_examples(cls: type, name: str, doc: str) -> None:
     # As the README's example: what needs a GPU is moved to the CPU, the rest runs as printed.
     text = doc.replace(".cuda()", "").replace(".pin_memory()", "")
