@@ -895,6 +895,24 @@ def test_a_pipeline_traced_with_a_dynamic_batch_refuses_fewer_samples_than_chunk
                             dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},))
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["export", "export strict"])
+def test_a_pipeline_of_two_chunks_exported_for_a_batch_of_one_runs_it_whole(strict):
+    # The exception to the test above: torch takes a dynamic size to be 2 or more while it
+    # traces (its 0/1 specialization), so ``batch >= 2`` holds there without a guard, and a Dim
+    # allowing one sample is not refused for chunks=2. The program then runs a batch of one
+    # whole, giving nn.Sequential's result where the eager pipeline refuses that batch. (No
+    # check can be traced: torch._check(batch >= 2) is decided true before it is recorded.)
+    torch.manual_seed(0)
+    model = ParallelSequential(mlp(16, 16), nn.ReLU(), chunks=2).eval()
+    one = torch.randn(1, 16)
+    with pytest.raises(ValueError, match=r"chunks=2 is larger than the batch size 1"):
+        model(one)
+    program = torch.export.export(model, (torch.randn(9, 16),), strict=strict,
+                                  dynamic_shapes=({0: torch.export.Dim("b", min=1, max=64)},)).module()
+    with torch.no_grad():
+        assert_same(program(one), nn.Sequential(*model)(one))
+
+
 class _Pairwise(nn.Module):
     r"""Takes a pair ``(x, y)`` and returns ``(lin(x), y)``."""
 
