@@ -53,7 +53,7 @@ import reprlib
 import tempfile
 import zlib
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union, get_type_hints
 
 import torch
 from torch.utils import _pytree as pytree
@@ -89,6 +89,11 @@ class KernelEvent(NamedTuple):
     def duration_us(self) -> float:
         r"""``end_us - start_us``."""
         return self.end_us - self.start_us
+
+
+# typing.NamedTuple keeps the hints above, strings under ``from __future__ import annotations``,
+# on ``__new__`` as ForwardRef objects, which help() printed as ``name: ForwardRef('str')``.
+KernelEvent.__new__.__annotations__ = get_type_hints(KernelEvent)
 
 
 def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -8,6 +8,7 @@ The ``cuda`` tests record real ``Parallel`` calls and are run on the GPU machine
 from __future__ import annotations
 
 import gzip
+import inspect
 import json
 import os
 import random
@@ -756,3 +757,10 @@ def test_not_a_trace_says_what_came(trace, got) -> None:
     with pytest.raises(ValueError, match=r"not a Chrome trace: expected a JSON object with a 'traceEvents' list "
                                          r"\(or a list of events\), got " + got + "$"):
         load_timelines(trace)
+
+
+def test_kernel_event_shows_its_fields_types_in_help():
+    # typing.NamedTuple keeps the hints of ``from __future__ import annotations`` on __new__ as
+    # ForwardRef objects, which help() and inspect printed as ``name: ForwardRef('str')``.
+    assert str(inspect.signature(KernelEvent)) == (
+        "(name: str, stream: int, start_us: float, end_us: float, device: int = 0)")
