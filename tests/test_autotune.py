@@ -78,6 +78,7 @@ def test_a_win_inside_the_margin_keeps_the_sequential_schedule():
 # ----------------------------------------------------------------------------------------------
 # The tuner inside Parallel, on the CPU: CUDA-only pieces replaced by stand-ins.
 
+import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -557,6 +558,36 @@ def test_a_plan_set_anew_in_a_full_table_drops_no_other():
     assert plans == {"a": "sequential", "b": "sequential", "c": "streams"}
     _bounded_add(plans, "d", "sequential", limit=3)
     assert list(plans) == ["b", "c", "d"]
+
+
+def test_a_full_table_filled_from_several_threads_at_once_raises_nothing():
+    # Threads calling one block with new shapes add plans to its full table at once. Before: a
+    # thread switch between ``iter`` and ``next`` in the drop of the oldest entry let another
+    # thread change the table, and the call raised "dictionary changed size during iteration".
+    from parallel_modules._inputs import _bounded_add
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (a switch at almost every chance: without the fix it fails at once)
+    plans: dict[tuple[int, int], None] = {}
+    errors: list[BaseException] = []
+
+    def add(thread: int) -> None:
+        try:
+            for i in range(100_000):
+                _bounded_add(plans, (thread, i), limit=8)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=add, args=(t,)) for t in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert len(plans) <= 8 + len(threads)  # (each thread may add one past the limit at the same moment)
 
 
 def test_explain_says_why_a_block_streams_auto_forked_runs_in_order(forks, monkeypatch):
