@@ -229,15 +229,24 @@ _MAX_PLANS = 1024
 
 def _bounded_add(seen: dict[Hashable, Any], key: Hashable, value: Any = None,
                  limit: int | None = None) -> Hashable | None:
-    r"""Set ``seen[key]``, dropping the oldest entry beyond ``limit`` (by signature: dynamic shapes make many);
-    the key dropped, if one was.
+    r"""Set ``seen[key]``, dropping the oldest entries beyond ``limit`` (by signature: dynamic shapes make many);
+    the key dropped last, if one was (one, unless other threads added at once).
 
     ``None``: :data:`_MAX_PLANS`, read at the call (tests lower it)."""
     limit = _MAX_PLANS if limit is None else limit
     dropped = None
-    if key not in seen and len(seen) >= limit:  # (a key set anew takes no more room: nothing goes)
-        dropped = next(iter(seen), None)
-        seen.pop(dropped, None)  # (another thread may have dropped the same one)
+    if key not in seen:  # (a key set anew takes no more room: nothing goes)
+        # Down to the limit, not one key per add: threads adding at once may each drop the same
+        # oldest key and add their own, and the table would keep every such extra key for good.
+        while len(seen) >= limit:
+            try:
+                oldest = next(iter(seen))
+            except StopIteration:  # (emptied by another thread meanwhile)
+                break
+            except RuntimeError:  # (changed by another thread between ``iter`` and ``next``)
+                continue
+            seen.pop(oldest, None)  # (another thread may have dropped the same one)
+            dropped = oldest
     seen[key] = value
     return dropped
 

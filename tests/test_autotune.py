@@ -563,7 +563,9 @@ def test_a_plan_set_anew_in_a_full_table_drops_no_other():
 def test_a_full_table_filled_from_several_threads_at_once_raises_nothing():
     # Threads calling one block with new shapes add plans to its full table at once. Before: a
     # thread switch between ``iter`` and ``next`` in the drop of the oldest entry let another
-    # thread change the table, and the call raised "dictionary changed size during iteration".
+    # thread change the table, and the call raised "dictionary changed size during iteration";
+    # and two threads dropping the same oldest entry each added their own, one past the limit
+    # for good (42 entries of 8 here).
     from parallel_modules._inputs import _bounded_add
 
     interval = sys.getswitchinterval()
