@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_modules import Parallel, ParallelSequential
-from tests._helpers import DoubledInTraining, Loop, Queries, ScaleBy, cpu_and_cuda, hook_shapes, rewriting_hooks
+from tests._helpers import (DoubledInTraining, Loop, Queries, ScaleBy, Steps, cpu_and_cuda, hook_shapes,
+                            rewriting_hooks)
 from tests._reference import assert_same, reference
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -3222,6 +3223,23 @@ def test_statistics_a_norm_of_the_users_updates_in_eval_are_updated_once(fuse):
         for b, r in zip(branches, ref):
             assert_close(b[0].running_mean, r[0].running_mean)
 
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_group_of_inference_buffers_failing_batched_outside_inference_mode_runs_unfused(train):
+    # A member counting its calls (``Steps``) assigns its buffer anew: under inference_mode, an
+    # inference tensor, which the group stacks as one. Before: the next call, under no_grad (the
+    # same input signature), failed batched as ``Steps`` does, and putting the stack back raised
+    # "Inplace update to inference tensor outside InferenceMode", where the members run unfused
+    # -- though the batched attempt could not have written that stack either.
+    branches = [Steps(8).train(train) for _ in range(3)]
+    block, ref = Parallel(*copy.deepcopy(branches), fuse="auto"), Loop(copy.deepcopy(branches))
+    for mode in (torch.inference_mode, torch.no_grad, torch.no_grad):
+        with mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("... run unfused from now on")
+            x = torch.randn(4, 8)
+            assert_close(block(x), ref(x))
+    assert [b.steps.item() for b in block] == [3.0, 3.0, 3.0]
 
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_members_made_under_inference_mode_keep_working_fused(fuse):
