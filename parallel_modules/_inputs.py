@@ -256,6 +256,8 @@ def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
     if kept:
         with torch.no_grad():
             for b, saved in kept:
+                if b.is_inference() and not torch.is_inference_mode_enabled():
+                    continue  # (not writable here, so not written by what ran either)
                 if b.shape != saved.shape:  # (grown in place: resize_)
                     b.resize_(saved.shape)
                 b.copy_(saved)
