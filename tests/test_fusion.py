@@ -3225,21 +3225,23 @@ def test_statistics_a_norm_of_the_users_updates_in_eval_are_updated_once(fuse):
 
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
 @pytest.mark.parametrize("train", [True, False])
-def test_a_group_of_inference_buffers_failing_batched_outside_inference_mode_runs_unfused(train):
+def test_a_group_of_inference_buffers_failing_batched_outside_inference_mode_runs_unfused(train, device):
     # A member counting its calls (``Steps``) assigns its buffer anew: under inference_mode, an
     # inference tensor, which the group stacks as one. Before: the next call, under no_grad (the
     # same input signature), failed batched as ``Steps`` does, and putting the stack back raised
     # "Inplace update to inference tensor outside InferenceMode", where the members run unfused
     # -- though the batched attempt could not have written that stack either.
-    branches = [Steps(8).train(train) for _ in range(3)]
+    # (On CUDA, "auto" tries the unfused schedules first: the fused one runs by the fourth call.)
+    branches = [Steps(8).train(train).to(device) for _ in range(3)]
     block, ref = Parallel(*copy.deepcopy(branches), fuse="auto"), Loop(copy.deepcopy(branches))
-    for mode in (torch.inference_mode, torch.no_grad, torch.no_grad):
+    for mode in (torch.inference_mode, *[torch.no_grad] * 5):
         with mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # ("... run unfused from now on")
-            x = torch.randn(4, 8)
+            x = torch.randn(4, 8, device=device)
             assert_close(block(x), ref(x))
-    assert [b.steps.item() for b in block] == [3.0, 3.0, 3.0]
+    assert [b.steps.item() for b in block] == [6.0, 6.0, 6.0]
 
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_members_made_under_inference_mode_keep_working_fused(fuse):
