@@ -2207,13 +2207,19 @@ class _Joined:
             # (Dense, as torch.stack's: a layer's batched rule may leave the stack strided, a
             # Flatten of the channels layout.)
             return (t.contiguous() if d == 0 else t.movedim(0, d).contiguous()) if 0 <= d < t.dim() else None
-        if how in ("sum", "mean") and layout == _STACKED and t.dtype in _ACCUMULATED_IN_PLACE:
+        if how in ("sum", "mean") and layout == _STACKED:
+            if t.dtype in _ACCUMULATED_IN_PLACE:
+                return t.sum(0) if how == "sum" else t.mean(0)
             # (Integer and bool outputs: ``sum(0)`` promotes to int64 and ``mean(0)``
             # refuses, where the join's additions keep the outputs' dtype. Half and bfloat16:
             # ``sum(0)`` accumulates in float32 and rounds once, where the join's additions
-            # round at each one. Views of the input too: added as unfused, their sum keeps
-            # the input's strides.)
-            return t.sum(0) if how == "sum" else t.mean(0)
+            # round at each one.) The join's own additions, on the members' slices: split, each
+            # slice would be copied while autograd records, which doubled a call of 16 bfloat16
+            # members on the CPU. (Strided slices split, copied dense as unfused outputs are.
+            # Views of the input too: added as unfused, their sum keeps the input's strides.)
+            if _dense_members(t):
+                total = functools.reduce(torch.add, t.unbind(0))
+                return total / n if how == "mean" else total
         return None
 
 
