@@ -136,7 +136,9 @@ _INPUT = 3
 # vmap's expansion of it), which each member gets a view of its own of (see _Group._run).
 _VIEWS = 4
 # The dtypes whose ``sum`` and ``mean`` accumulate in the dtype itself, as a join's additions do
-# (half and bfloat16 accumulate in float32; integers and bool promote to int64).
+# (half and bfloat16 accumulate in float32; integers and bool promote to int64). Not in the join's
+# order, left to right, from five members on, on the CPU (its reduction keeps several partial
+# sums): the result agrees with the unfused one to the dtype's rounding, not bit for bit.
 _ACCUMULATED_IN_PLACE = frozenset((torch.float32, torch.float64, torch.complex64, torch.complex128))
 
 # Pointwise modules without parameters: applied to a value as it is, in any
