@@ -520,6 +520,7 @@ class _Shared(NamedTuple):
     versions: list[list[tuple[torch.Tensor, int]]]  # per micro-batch: each one's piece and its version at the split
     across: bool = True  # False: in the same micro-batches, but copied one by one (see _copied_together)
     whole: bool = False  # one 0-dim tensor, the same object in every micro-batch (see ParallelSequential._split)
+    uncopied: str = ""  # where ``across`` is False: those of them handed on uncopied, leaves that require grad
 
 
 def _leaf_name(value: Any, i: int) -> str:
@@ -2034,11 +2035,12 @@ class ParallelSequential(nn.Sequential):
                 at = [next(i for i, v in enumerate(leaves) if v is t) for t in members]
                 paths = pytree.tree_flatten_with_path(_exposed(input))[0]
                 names = [f"input{pytree.keystr(paths[i][0])}" for i in sorted(at)]
+                uncopied = [n for i, n in zip(sorted(at), names) if own and kept(leaves[i])]
                 # (Views of one tensor share its version: without autograd, a write through any
                 # view of the caller's tensor shows; with it, each piece is a copy of its own.)
                 watched.append(_Shared(", ".join(names[:-1]) + f" and {names[-1]}",
                                        [[(columns[i][m], columns[i][m]._version) for i in at] for m in range(chunks)],
-                                       across))
+                                       across, uncopied=" and ".join(uncopied)))
         if watched is not None and not tracing and not copied:
             # A 0-dim tensor goes to every micro-batch whole, the same object: a stage writing it in
             # place (a counter, ``count.add_(1)``) would write it once per micro-batch, each reading
@@ -2614,6 +2616,10 @@ class ParallelSequential(nn.Sequential):
                     "reads through the other tensor, before or after the write, so the result would not be "
                     "nn.Sequential's, which writes them once for the whole batch (and without autograd the input "
                     "tensors are now written in part)" if shared.across else
+                    f"input tensors that share memory, of which {shared.uncopied}, a leaf that requires grad (or a "
+                    f"view of one), is handed on uncopied, as autograd refuses to write it in place, and the others "
+                    f"copied while autograd records: the write does not show in {shared.uncopied}, as it does in "
+                    f"nn.Sequential" if shared.uncopied else
                     "input tensors that share memory in a layout that no one tensor holds with the batch along "
                     f"dimension 0: with chunks={count}, while autograd records, each micro-batch of them "
                     "is a copy of its own, so the write does not show in the other tensor, as it does in "

@@ -1161,6 +1161,22 @@ def test_a_first_stage_writing_an_input_leaf_another_input_tensor_views_raises_a
     torch.testing.assert_close(grads[1], grads[0], rtol=RTOL, atol=ATOL)
 
 
+def test_a_stage_writing_a_detached_view_of_an_input_leaf_that_requires_grad_is_refused_saying_why() -> None:
+    # ``(leaf.detach(), leaf)``: nn.Sequential writes the leaf's memory through the detached tensor,
+    # which autograd allows. While autograd records the pipeline hands the leaf on uncopied (no stage
+    # may write it) and copies the other, so a write to that copy would not show in the leaf: refused
+    # (before the leaf was kept uncopied, both were copied together). Before: the error blamed "a
+    # layout that no one tensor holds with the batch along dimension 0" and said both were copies.
+    torch.manual_seed(0)
+    stage = _MaybeWritesOneReadsTheOther()
+    leaf = torch.randn(6, 4, requires_grad=True)
+    nn.Sequential(stage)((leaf.detach(), leaf)).sum().backward()  # (runs)
+    with pytest.raises(RuntimeError, match=r"stage '0' \(index 0\) wrote in place on micro-batch 0 of 3 into "
+                                           r"input\[0\] and input\[1\] .*input\[1\], a leaf that requires grad "
+                                           r"\(or a view of one\), is handed on uncopied.*\.clone\(\) one of them"):
+        ParallelSequential(stage, chunks=3)((leaf.detach(), leaf))
+
+
 def test_errors_name_the_stage_with_one_chunk() -> None:
     model = ParallelSequential(OrderedDict(enc=nn.Linear(4, 4), dec=nn.Linear(5, 2)))
     with pytest.raises(RuntimeError) as info:
