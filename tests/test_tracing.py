@@ -460,6 +460,52 @@ def test_an_eager_call_between_compiled_calls_compiles_nothing_again(make):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("eager_between", [False, True], ids=["compiled-only", "eager-between"])
+@pytest.mark.parametrize("fuse", [False, "auto"])
+def test_settings_changed_between_compiled_calls_are_followed(fuse, eager_between):
+    # The settings a user may set on a built block (``block.join = "sum"``) are read by the
+    # trace as attributes of the module, on which Dynamo guards: a compiled program must be
+    # traced anew for each, not keep the join, dim or fusion it was traced with. An eager call
+    # in between (which remembers plans and groups, made anew as a setting changes) must not hide
+    # the change either.
+    torch.manual_seed(0)
+    block = Parallel(_small_mlp(), _small_mlp(), _small_mlp(), join="cat", fuse=fuse).eval()
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    x = torch.randn(4, 8)
+    changes = [("join", "sum"), ("dim", 0), ("join", "stack"), ("dim", -1), ("join", "mean"),
+               ("fuse", False if fuse else "auto"), ("join", "cat"), ("dim", 1), ("join", "tuple")]
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=len(changes) + 1):
+        compiled(x)
+        for name, value in changes:
+            setattr(block, name, value)
+            if eager_between:
+                block(x)
+            assert_close(compiled(x), reference(block, x))
+
+
+class _PlusBatchSize(nn.Module):
+    r"""Adds the size of the batch it is handed: tells apart the micro-batches a pipeline cut."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.shape[0]
+
+
+@pytest.mark.parametrize("eager_between", [False, True], ids=["compiled-only", "eager-between"])
+def test_chunks_changed_between_compiled_calls_are_followed(eager_between):
+    # As above for a pipeline's ``chunks``: a trace cuts the micro-batches of the setting at its call.
+    torch.manual_seed(0)
+    pipe = ParallelSequential(_small_mlp(), _PlusBatchSize(), chunks=2).eval()
+    compiled = torch.compile(pipe, fullgraph=True, backend="eager")
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        for chunks in [2, 3, 1, 6]:
+            pipe.chunks = chunks
+            if eager_between:
+                pipe(x)
+            expected = torch.cat([pipe[1](pipe[0](piece)) for piece in x.tensor_split(chunks)])
+            assert_close(compiled(x), expected)
+
+
 class _AddsOneInPlace(nn.Module):
     def forward(self, x):
         x += 1
