@@ -58,6 +58,7 @@ flow) is marked unfusable with the error as its reason.
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import copy
 import dataclasses
@@ -3091,6 +3092,13 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 f"{type(m).__name__} returns an object of type {type(held).__name__} holding tensors, which a "
                 f"batched call cannot split per branch; return tensors or tuples, lists or dicts of them, or "
                 f"register the class with torch.export.register_dataclass")
+        iterator = next((leaf for leaf in leaves if isinstance(leaf, collections.abc.Iterator)), None)
+        if iterator is not None:
+            # Likewise an iterator (a generator), whose tensors no field shows: and being one object,
+            # read once, it would be handed to every branch, the first taking all it yields.
+            raise RuntimeError(
+                f"{type(m).__name__} returns a {type(iterator).__name__}, which a batched call cannot split per "
+                f"branch; return tensors or tuples, lists or dicts of them (`tuple(...)` of what it yields)")
         # (Without the tensors, which must not leave vmap unbatched.)
         structure = (spec, [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
         if kept is None:

@@ -473,6 +473,37 @@ def test_fused_members_returning_a_dataclass_of_tensors_are_refused_or_run_unfus
         assert torch.equal(out.y, expected.y) and out.y.requires_grad
 
 
+class IterLinear(nn.Module):
+    def __init__(self, lazy: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lazy = lazy
+
+    def forward(self, x: torch.Tensor):
+        return (self.lin(t) for t in [x]) if self.lazy else iter([self.lin(x)])
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["generator", "iterator"])
+def test_fused_members_returning_an_iterator_are_refused_or_run_unfused(lazy):
+    # An iterator passed out of vmap as it was: one object, holding batched tensors, handed to
+    # every branch -- the first read one dead tensor out of it, the others nothing.
+    torch.manual_seed(0)
+    branches = [IterLinear(lazy) for _ in range(2)]
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match=r"IterLinear returns an? (generator|list_iterator), which a batched "
+                                           r"call cannot split per branch"):
+        Parallel(*branches, join=None, fuse=True)(x)
+    block = Parallel(*branches, join=None, fuse="auto")
+    for _ in range(3):  # (the first call runs unfused: the later ones would fuse)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the group disabled, with fuse="auto", says so)
+            outs = block(x)
+        assert outs[0] is not outs[1]
+        for out, branch in zip(outs, branches):
+            (got,) = list(out)
+            assert torch.equal(got, next(branch(x))) and got.requires_grad
+
+
 class _Kind(enum.Enum):
     LINEAR = 1
 
