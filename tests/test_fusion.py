@@ -1069,6 +1069,74 @@ def deep_mlp() -> nn.Sequential:
                          nn.Linear(32, 32), nn.Linear(32, 5))
 
 
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_optimizer_state_moves_between_a_fused_and_an_unfused_block(fuse):
+    # An optimizer's state dict is keyed by the parameters' order: a fused block must list its
+    # parameters as the unfused one does, so that a checkpoint resumes either way.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)) for _ in range(3)]
+    for fused_first in (False, True):
+        src = Parallel(*copy.deepcopy(branches), fuse=fuse if fused_first else False)
+        dst = Parallel(*copy.deepcopy(branches), fuse=False if fused_first else fuse)
+        src_opt = torch.optim.Adam(src.parameters(), lr=1e-2)
+        for _ in range(2):
+            src(torch.randn(5, 8)).square().mean().backward()
+            src_opt.step(), src_opt.zero_grad()
+        dst.load_state_dict(src.state_dict())
+        dst_opt = torch.optim.Adam(dst.parameters(), lr=1e-2)
+        dst_opt.load_state_dict(copy.deepcopy(src_opt.state_dict()))  # (load_state_dict would share the tensors)
+        for _ in range(2):
+            x = torch.randn(5, 8)
+            for m, o in ((src, src_opt), (dst, dst_opt)):
+                m(x).square().mean().backward()
+                o.step(), o.zero_grad()
+        for q, qr in zip(src.parameters(), dst.parameters()):
+            assert_close(q, qr)
+            assert_close(src_opt.state[q]["exp_avg_sq"], dst_opt.state[qr]["exp_avg_sq"])
+    assert fused_groups(src) == [["0", "1", "2"]]
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("join", ["cat", "sum"])
+def test_accumulated_clipped_gradients_train_as_unfused(fuse, join):
+    # A training loop's steps on the members' .grad, slices of one batched gradient: kept at
+    # zero (set_to_none=False) and accumulated over several backward passes, clipped in place,
+    # a branch frozen between steps (its zeroed .grad still moves it under momentum), an EMA
+    # copy updated with foreach ops, and one learning rate and weight decay for one branch.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(3)]
+    p, ref = Parallel(*copy.deepcopy(branches), join=join, fuse=fuse), Parallel(*branches, join=join)
+    ema, ref_ema = copy.deepcopy(p).requires_grad_(False), copy.deepcopy(ref).requires_grad_(False)
+
+    def groups(m):
+        return [{"params": m[1].parameters(), "lr": 0.3, "weight_decay": 0.1},
+                {"params": [q for i in (0, 2) for q in m[i].parameters()]}]
+
+    opt = torch.optim.SGD(groups(p), lr=0.05, momentum=0.9, foreach=True)
+    ref_opt = torch.optim.SGD(groups(ref), lr=0.05, momentum=0.9, foreach=True)
+    for step in range(4):
+        if step == 2:
+            p[2].requires_grad_(False), ref[2].requires_grad_(False)
+        for batch in (1, 5, 3):
+            x = torch.randn(batch, 8) * 4
+            p(x).square().mean().backward()
+            ref(x).square().mean().backward()
+        for m in (p, ref):
+            torch.nn.utils.clip_grad_value_(m[0].parameters(), 0.05)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        for (name, q), qr in zip(p.named_parameters(), ref.parameters()):
+            assert_close(q.grad, qr.grad)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(set_to_none=False), ref_opt.zero_grad(set_to_none=False)
+        with torch.no_grad():
+            torch._foreach_lerp_(list(ema.parameters()), list(p.parameters()), 0.1)
+            torch._foreach_lerp_(list(ref_ema.parameters()), list(ref.parameters()), 0.1)
+    assert fused_groups(p) == [["0", "1", "2"]]
+    x = torch.randn(5, 8)
+    assert_close(p(x), ref(x))
+    assert_close(ema(x), ref_ema(x))
+
+
 class CountOps(TorchDispatchMode):
     r"""Counts the operators a call dispatches, by name (``aten.addmm.default`` -> ``"addmm"``)."""
 
