@@ -84,6 +84,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 
 from . import _batched_linear, _watch
 from ._inputs import _BY_VALUE, _bounded_add
+from ._joins import _leaf_join
 from ._saved import _saved_storages
 from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _functorch_active, _graph_task,
                        _is_tracing, _jit_tracing, _pool, _saved_hooks_recording, _Writes)
@@ -2221,8 +2222,7 @@ class _Joined:
             # members on the CPU. (Strided slices split, copied dense as unfused outputs are.
             # Views of the input too: added as unfused, their sum keeps the input's strides.)
             if _dense_members(t):
-                total = functools.reduce(torch.add, t.unbind(0))
-                return total / n if how == "mean" else total
+                return _leaf_join(how, dim, list(t.unbind(0)))
         return None
 
 
