@@ -2322,7 +2322,7 @@ def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[
     """
     if owner is None:
         return ()
-    params = list({id(p): p for p in owner.parameters()}.values())
+    params = list(owner.parameters())  # (each once: ``parameters()`` leaves out those it has seen)
     hit = _saved_storages([o.grad_fn for o in outputs], past_hidden=True)
     if hit is None:
         return tuple(params)
