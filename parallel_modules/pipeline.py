@@ -515,17 +515,18 @@ class _Shared(NamedTuple):
     r"""Input tensors that share elements across micro-batches (see :func:`_across`), or a 0-dim one that every
     micro-batch gets whole, watched for writes."""
 
-    # Where they are in the input: "input[0] and input[1]"; for a 0-dim tensor, what finds it (see _leaf_name).
-    names: str | Callable[[], str]
+    # Where they are in the input: "input[0] and input[1]"; for a 0-dim tensor, what finds it (see _leaf_names).
+    names: str | Callable[[], list[str]]
     versions: list[list[tuple[torch.Tensor, int]]]  # per micro-batch: each one's piece and its version at the split
     across: bool = True  # False: in the same micro-batches, but copied one by one (see _copied_together)
     whole: bool = False  # one 0-dim tensor, the same object in every micro-batch (see ParallelSequential._split)
     uncopied: str = ""  # where ``across`` is False: those of them handed on uncopied, leaves that require grad
 
 
-def _leaf_name(value: Any, i: int) -> str:
-    r"""Where leaf ``i`` of ``value`` (an input, flattened by :func:`_flatten`) is in it: ``input[1]``."""
-    return f"input{pytree.keystr(pytree.tree_flatten_with_path(_exposed(value))[0][i][0])}"
+def _leaf_names(value: Any, indices: Iterable[int]) -> list[str]:
+    r"""Where leaves ``indices`` of ``value`` (an input, flattened by :func:`_flatten`) are in it: ``input[1]``."""
+    paths = pytree.tree_flatten_with_path(_exposed(value))[0]
+    return [f"input{pytree.keystr(paths[i][0])}" for i in indices]
 
 
 class _Returned(NamedTuple):
@@ -1913,10 +1914,10 @@ class ParallelSequential(nn.Sequential):
             # (Tensors of other sizes in it, a table or weights, hold no samples: passed whole.)
             found = next(((name, t) for name, t in held if t.dim() and _size(t) == batch), None)
             if found is not None:
-                where = pytree.keystr(pytree.tree_flatten_with_path(_exposed(input))[0][i][0])
+                where = _leaf_names(input, [i])[0]
                 raise ValueError(
                     f"{owner}: with chunks={chunks} the input is split into micro-batches along dimension 0, "
-                    f"but input{where}, an object of class {type(v).__qualname__}, which torch.utils._pytree "
+                    f"but {where}, an object of class {type(v).__qualname__}, which torch.utils._pytree "
                     f"cannot take apart, holds tensors batched along dimension 0 (.{found[0]}: {_describe(found[1])} "
                     f"for a batch of {batch}): every micro-batch would get it whole, with the whole batch's "
                     f"rows. Let the pipeline split it{_register_hint(others)}, pass its tensors in a "
@@ -2033,8 +2034,7 @@ class ParallelSequential(nn.Sequential):
                 if not (across or own):
                     continue
                 at = [next(i for i, v in enumerate(leaves) if v is t) for t in members]
-                paths = pytree.tree_flatten_with_path(_exposed(input))[0]
-                names = [f"input{pytree.keystr(paths[i][0])}" for i in sorted(at)]
+                names = _leaf_names(input, sorted(at))
                 uncopied = [n for i, n in zip(sorted(at), names) if own and kept(leaves[i])]
                 # (Views of one tensor share its version: without autograd, a write through any
                 # view of the caller's tensor shows; with it, each piece is a copy of its own.)
@@ -2050,7 +2050,7 @@ class ParallelSequential(nn.Sequential):
             # where each micro-batch gets a copy of its own, written once.)
             for i, t in enumerate(leaves):
                 if isinstance(t, torch.Tensor) and not t.dim() and not t.is_inference():
-                    watched.append(_Shared(functools.partial(_leaf_name, input, i), [[(t, t._version)]] * chunks,
+                    watched.append(_Shared(functools.partial(_leaf_names, input, [i]), [[(t, t._version)]] * chunks,
                                            whole=True))
         try:
             return [pytree.tree_unflatten([c[m] for c in columns], spec) for m in range(chunks)]
@@ -2604,7 +2604,7 @@ class ParallelSequential(nn.Sequential):
                     assert callable(shared.names)
                     raise RuntimeError(
                         f"{type(self).__name__}: stage {name!r} (index {s}) wrote in place on micro-batch {m} of "
-                        f"{count} into {shared.names()}, a 0-dim tensor (or into another view of its memory, whose "
+                        f"{count} into {shared.names()[0]}, a 0-dim tensor (or into another view of its memory, whose "
                         f"writes its version counter counts too), which every micro-batch gets whole, the same "
                         f"object: with chunks={count} each micro-batch's stages would write it again after reading "
                         f"the earlier micro-batches' writes, so the result would not be nn.Sequential's, which "
