@@ -2853,10 +2853,9 @@ class _Batching(threading.local):
 
 
 _batching = _Batching()
-_autocast_watched = False
-_install_lock = threading.Lock()
 
 
+@_watch._once
 def _watch_autocast() -> None:
     r"""Make an autocast entered inside a vmapped step's batched call raise :class:`_AutocastEntered`.
 
@@ -2867,27 +2866,20 @@ def _watch_autocast() -> None:
     :class:`_UnbatchedNow`). Raised before autocast is entered, as a failure
     of the batched call (see :class:`_AutocastEntered`).
     """
-    global _autocast_watched
-    if _autocast_watched:
-        return
-    with _install_lock:
-        if _autocast_watched:
-            return
-        cls = torch.amp.autocast_mode.autocast
-        enter = cls.__enter__
+    cls = torch.amp.autocast_mode.autocast
+    enter = cls.__enter__
 
-        @functools.wraps(enter)
-        def __enter__(self: Any) -> Any:
-            device = _batching.device
-            if device is not None and self.device == device and getattr(self, "_enabled", False):
-                # (Kept too: a member that catches the error runs on without autocast.)
-                _batching.refused = (f"a member enters {self.device} autocast in its forward: batched, its "
-                                     f"layers would return another dtype than its own call")
-                raise _AutocastEntered(_batching.refused)
-            return enter(self)
+    @functools.wraps(enter)
+    def __enter__(self: Any) -> Any:
+        device = _batching.device
+        if device is not None and self.device == device and getattr(self, "_enabled", False):
+            # (Kept too: a member that catches the error runs on without autocast.)
+            _batching.refused = (f"a member enters {self.device} autocast in its forward: batched, its "
+                                 f"layers would return another dtype than its own call")
+            raise _AutocastEntered(_batching.refused)
+        return enter(self)
 
-        cls.__enter__ = __enter__
-        _autocast_watched = True
+    cls.__enter__ = __enter__
 
 
 class _MembersChanged(RuntimeError):

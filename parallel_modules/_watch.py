@@ -77,8 +77,6 @@ __all__: list[str] = []
 _changes = 0
 # ``torch.utils.swap_tensors`` calls anywhere in the process so far (each also counted in _changes).
 _swaps = 0
-_installed = False
-_install_lock = threading.Lock()
 
 
 # Whether a strict ``torch.export`` traces, as Dynamo reads it. Not asked before torch 2.13,
@@ -160,25 +158,42 @@ _DIRECT_WRITERS = ((nn.Sequential, "insert"), (nn.ModuleList, "insert"), (nn.Mod
                    (nn.ModuleDict, "clear"))
 
 
+def _once(install: Callable[[], None]) -> Callable[[], None]:
+    r"""``install``, run at its first call only, however many threads make it at once.
+
+    For what wraps torch's own functions or registers global hooks, which done
+    twice would wrap or register them twice.
+    """
+    done = False
+    lock = threading.Lock()
+
+    @functools.wraps(install)
+    def once() -> None:
+        nonlocal done
+        if done:  # (no lock: a compiler tracing a call that groups branches anew cannot trace one)
+            return
+        with lock:
+            if not done:
+                install()
+                done = True
+
+    return once
+
+
+@_once
 def _install() -> None:
-    global _installed
-    if _installed:  # (no lock: a compiler tracing a call that groups branches anew cannot trace one)
-        return
-    with _install_lock:
-        if not _installed:
-            hooks = nn.modules.module
-            hooks.register_module_module_registration_hook(_count)
-            hooks.register_module_parameter_registration_hook(_count)
-            hooks.register_module_buffer_registration_hook(_count)
-            # (Wrapped once per process, as the hooks are registered once; a class defining
-            # its own -- a subclass's insert -- is wrapped where it calls torch's.)
-            nn.Module.__delattr__ = _counted_delattr(nn.Module.__delattr__)  # type: ignore[method-assign]
-            for cls, name in _DIRECT_WRITERS:
-                setattr(cls, name, _counted(cls.__dict__[name]))
-            # (Looked up on ``torch.utils`` at each call by ``nn.Module._apply`` and
-            # ``_load_from_state_dict``; a name imported from it before is not counted.)
-            torch.utils.swap_tensors = _counted_swap(torch.utils.swap_tensors)
-            _installed = True
+    hooks = nn.modules.module
+    hooks.register_module_module_registration_hook(_count)
+    hooks.register_module_parameter_registration_hook(_count)
+    hooks.register_module_buffer_registration_hook(_count)
+    # (Wrapped once per process, as the hooks are registered once; a class defining
+    # its own -- a subclass's insert -- is wrapped where it calls torch's.)
+    nn.Module.__delattr__ = _counted_delattr(nn.Module.__delattr__)  # type: ignore[method-assign]
+    for cls, name in _DIRECT_WRITERS:
+        setattr(cls, name, _counted(cls.__dict__[name]))
+    # (Looked up on ``torch.utils`` at each call by ``nn.Module._apply`` and
+    # ``_load_from_state_dict``; a name imported from it before is not counted.)
+    torch.utils.swap_tensors = _counted_swap(torch.utils.swap_tensors)
 
 
 def _members(root: nn.Module) -> tuple[tuple[Any, ...], tuple[torch.Tensor, ...]]:
