@@ -656,8 +656,8 @@ def _tensor_ids(branch: nn.Module) -> set[int]:
 def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     r"""The bytes ``t`` reads: its storage's address, the first byte and the byte after the last (``None``: no
     memory of its own to share)."""
-    address = _watch._storage(t)
-    if address == -1:
+    address = _watch._sharable_address(t)
+    if not address:
         return None
     start = t.storage_offset() * t.element_size()
     return address, start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
@@ -3216,10 +3216,10 @@ def _own_memory(out: Any, state: dict[str, torch.Tensor]) -> Any:
     records, a view it refuses to change), where unfused the join makes a new
     tensor. (The vmapped path only: the batched rules compute new tensors.)
     """
-    stacks = {_watch._storage(t) for t in state.values()} - {0, -1}
+    stacks = {_watch._sharable_address(t) for t in state.values()} - {0}
 
     def own(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and _watch._storage(t) in stacks:
+        if isinstance(t, torch.Tensor) and _watch._sharable_address(t) in stacks:
             return t.clone()
         return t
 
@@ -3280,7 +3280,7 @@ def _expanded(t: torch.Tensor) -> bool:
 def _views_of(t: torch.Tensor, x: torch.Tensor) -> bool:
     r"""Whether stacked ``t`` is one value for every member in the memory of the group's input ``x``: the
     expansion of views of ``x`` that the members made."""
-    return _expanded(t) and _watch._storage(t) == _watch._storage(x) != -1
+    return _expanded(t) and _watch._sharable_address(t) == _watch._sharable_address(x) != 0
 
 
 def _inputs_returned(value: Any, x: torch.Tensor, n: int) -> Any:

@@ -213,14 +213,20 @@ def _layout(t: torch.Tensor) -> tuple[Any, ...]:
     return type(t), t.layout, t.device, t.dtype, t.shape
 
 
-def _storage(t: torch.Tensor) -> int:
-    r"""The address of ``t``'s memory, or ``-1`` where it has none to share with another tensor."""
+def _sharable_address(t: torch.Tensor) -> int:
+    r"""Where ``t``'s memory starts, to tell tensors that share elements (tied, stacked, views); ``0``
+    where it has no element to share with another tensor.
+
+    Unlike :func:`._streams._storage_address`, ``0`` also for a tensor without elements (an empty
+    view of another's memory shares nothing with it), a meta tensor, an uninitialized parameter, and
+    one whose storage raises anything (wrapper subclasses, functorch wrappers, DTensor, XLA).
+    """
     if isinstance(t, _Uninitialized) or t.numel() == 0 or t.device.type == "meta":
-        return -1  # (no memory of its own to share)
+        return 0  # (no memory of its own to share)
     try:
-        return _storage_address(t) or -1
+        return _storage_address(t)
     except Exception:  # (no storage: wrapper subclasses, functorch wrappers, DTensor, XLA)
-        return -1
+        return 0
 
 
 # torch's containers, whose dicts of children are watched even while empty (see _Tree).
@@ -332,9 +338,9 @@ class _Tree:
         if changed:
             if any(_layout(a) != _layout(b) for a, b in changed):
                 return False
-            mine = [p for p in (_storage(b) for _, b in changed) if p != -1]  # (-1: nothing to tie; type compared above)
+            mine = [p for p in (_sharable_address(b) for _, b in changed) if p]  # (0: nothing to tie; type compared above)
             if mine:
-                held = [_storage(t) for t in (*root.parameters(), *buffers)]
+                held = [_sharable_address(t) for t in (*root.parameters(), *buffers)]
                 if any(held.count(p) > 1 for p in mine):
                     return False
         if swaps != self.swaps:

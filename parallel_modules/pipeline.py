@@ -607,9 +607,15 @@ def _writes_refused(t: torch.Tensor) -> bool:
     return t.requires_grad and (t.is_leaf or t._base is not None and t._base.is_leaf)
 
 
-def _storage(t: Any) -> int | None:
-    r"""Where ``t``'s memory starts; ``None`` where it has no plain memory (a wrapper subclass, a nested
-    tensor, a fake tensor: see :func:`_storage_address`)."""
+def _strided_address(t: Any) -> int | None:
+    r"""Where ``t``'s memory starts, for callers that read its elements' places from its offset and
+    strides; ``None`` where it has no plain strided memory (not a tensor, another layout, a nested
+    tensor, a fake tensor, a wrapper subclass).
+
+    Unlike :func:`._streams._storage_address`, which gives ``0`` both for no memory and for memory
+    at 0 (an empty or meta tensor's), ``None`` stands apart from ``0`` here; and a nested tensor,
+    whose strides do not say where its elements lie, has none.
+    """
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_nested or isinstance(t, _FakeTensor):
         return None
     try:
@@ -635,9 +641,9 @@ def _one_view(column: Sequence[Any], sizes: list[int | None]) -> bool:
             or any(not isinstance(t, torch.Tensor) or t.shape != first.shape for t in column[1:])
             or first.dim() and all(first.shape[0] == n for n in sizes) or first.is_meta):
         return False
-    where = _storage(first)
+    where = _strided_address(first)
     return bool(where) and all(
-        type(t) is type(first) and t.dtype == first.dtype and _storage(t) == where
+        type(t) is type(first) and t.dtype == first.dtype and _strided_address(t) == where
         and t.storage_offset() == first.storage_offset() and t.stride() == first.stride() for t in column[1:])
 
 
@@ -652,9 +658,9 @@ def _is_piece(t: Any, piece: Any) -> bool:
     r"""Whether ``t`` is (a view of exactly) a tensor of the micro-batch ``piece`` of the input."""
     if not isinstance(t, torch.Tensor):
         return False
-    where = _storage(t)
+    where = _strided_address(t)
     return where is not None and any(
-        isinstance(p, torch.Tensor) and _storage(p) == where and p.storage_offset() == t.storage_offset()
+        isinstance(p, torch.Tensor) and _strided_address(p) == where and p.storage_offset() == t.storage_offset()
         and p.shape == t.shape and p.stride() == t.stride() for p in _leaves(piece))
 
 
@@ -665,7 +671,7 @@ def _shared(leaves: list[Any]) -> list[list[torch.Tensor]]:
     for t in leaves:
         # (Not meta tensors: every one's memory is at 0.)
         if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.dim() and t.numel() and not t.is_meta:
-            where = _storage(t)
+            where = _strided_address(t)
             if where is not None:
                 groups.setdefault((t.device, where), {})[id(t)] = t  # (a tensor passed twice, once)
     return [members for group in groups.values() if len(group) > 1 for members in _sharing(list(group.values()))]
@@ -880,8 +886,8 @@ def _overlap(a: Any, b: Any) -> bool:
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not a.numel() or not b.numel():
         return False
-    where = _storage(a)
-    if where is None or where != _storage(b):
+    where = _strided_address(a)
+    if where is None or where != _strided_address(b):
         return False
 
     def span(t: torch.Tensor) -> tuple[int, int]:
