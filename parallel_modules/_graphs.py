@@ -2202,9 +2202,9 @@ class _CudaGraphs:
                 graph.grad_outputs = [torch.empty_like(o) if g else None for o, g in zip(outputs, graph.out_grad)]
             graph.bwd = torch.cuda.CUDAGraph()
             diff = [o for o in outputs if o.requires_grad]
+            out_saved, graph.state_saved = _saved(self._owner(), outputs)
             if self.static_outputs:
-                graph.out_saved = _saved_outputs(outputs)
-            graph.state_saved = _saved_state(self._owner(), outputs)
+                graph.out_saved = out_saved
             with _backward_autocast():
                 grads = captured(graph.bwd, lambda: _in_layout(torch.autograd.grad(
                     diff, surface, grad_outputs=[g for g in graph.grad_outputs if g is not None],
@@ -2292,42 +2292,40 @@ def _readable(graph: _Graph, tensors: list[torch.Tensor], outputs: list[torch.Te
         return False
 
 
-def _saved_outputs(outputs: list[torch.Tensor]) -> list[bool]:
-    r"""Which of ``outputs`` share memory with a tensor saved for backward in their autograd graph.
+def _saved(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[list[bool], tuple[torch.Tensor, ...]]:
+    r"""Which of ``outputs``, and which of ``owner``'s parameters, autograd saved for the backward of
+    ``outputs``: a flag for each output, and the parameters.
 
-    Looked up on the graph's nodes (see :func:`._saved._saved_storages`), once
-    per capture. A graph whose saved values cannot be read counts as saving
+    Looked up by memory on the graph's nodes in one walk (see
+    :func:`._saved._saved_storages`), once per capture: they saved the outputs
+    or views of them, and the aliases of the parameters the capture ran with
+    (see :func:`_with_aliases`).
+
+    Outputs: a graph whose saved values cannot all be read counts as saving
     every output: refusing a change in place is the safe side.
-    """
-    hit = _saved_storages([o.grad_fn for o in outputs])
-    if hit is None:
-        return [True] * len(outputs)
-    return [o.untyped_storage().data_ptr() in hit and o.numel() > 0 for o in outputs]  # (all empty ones share 0)
 
-
-def _saved_state(owner: nn.Module | None, outputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    r"""Those of ``owner``'s parameters whose memory autograd saved for the backward of ``outputs``.
-
-    Looked up on the graph's nodes, once per capture, by memory: they saved the
-    aliases the capture ran with (see :func:`_with_aliases`), or views. Not
-    what a node whose saved values Python cannot read saved (an in-place write
-    to part of a tensor, a TorchScript function), nor a tensor without memory
-    of its own: counted as saving them all, such a graph refused changes that
-    eager autograd lets pass (a bias). A graph whose saved values cannot be
-    read otherwise counts as saving them all.
+    Parameters: not what a node whose saved values Python cannot read saved
+    (an in-place write to part of a tensor, a TorchScript function), nor a
+    tensor without memory of its own: counted as saving them all, such a graph
+    refused changes that eager autograd lets pass (a bias). A graph whose
+    saved values cannot be read otherwise (saved-tensor hooks) counts as
+    saving them all.
     Not buffers: a capture puts them back in place after its warm-up (see
     :meth:`_CudaGraphs._capture`), a change eagerly unseen -- BatchNorm updates
     its running statistics, which autograd saves, without a new version -- that
     would refuse the backward of an earlier call of another signature.
     """
-    if owner is None:
-        return ()
-    params = list(owner.parameters())  # (each once: ``parameters()`` leaves out those it has seen)
-    hit = _saved_storages([o.grad_fn for o in outputs], past_hidden=True)
+    # (Each once: ``parameters()`` leaves out those it has seen.)
+    params = tuple(owner.parameters()) if owner is not None else ()
+    walked_past: list[Any] = []
+    hit = _saved_storages([o.grad_fn for o in outputs], walked_past=walked_past)
     if hit is None:
-        return tuple(params)
+        return [True] * len(outputs), params
+    out_saved = ([True] * len(outputs) if walked_past else
+                 [o.untyped_storage().data_ptr() in hit and o.numel() > 0 for o in outputs])  # (all empty ones share 0)
     hit.discard(0)  # (an empty tensor's address, and a wrapper subclass's, which has no memory of its own)
-    return tuple(p for p in params if p.layout == torch.strided and p.numel() > 0 and _storage_address(p) in hit)
+    return out_saved, tuple(p for p in params if p.layout == torch.strided and p.numel() > 0
+                            and _storage_address(p) in hit)
 
 
 def _in_layout(grads: tuple, tensors: tuple) -> list[torch.Tensor | None]:

@@ -25,7 +25,8 @@ _HIDDEN_SAVES = frozenset({"CopySlices", "CppFunction"})
 _NAMES: dict[type, list[str]] = {}
 
 
-def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = (), past_hidden: bool = False) -> set[int] | None:
+def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = (),
+                    walked_past: list[Any] | None = None) -> set[int] | None:
     r"""The storages (data pointers) of the strided tensors that the autograd nodes from ``roots`` back save.
 
     Walked from the nodes ``roots`` along their inputs, not past those in
@@ -36,9 +37,10 @@ def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = (), past_hidden:
     reading would unpack -- a checkpoint's recomputation of its whole forward,
     whose activations it then keeps; a saved tensor without memory of its own
     (a wrapper subclass: DTensor, torchao's float8 and quantized tensors,
-    whose memory is their inner tensors'). ``past_hidden``: a node whose saved
+    whose memory is their inner tensors'). ``walked_past``: a node whose saved
     values Python cannot read is walked past instead, such a tensor left out,
-    and what the others save is returned (some of what the graph saves).
+    each appended to it, and what the others save is returned (some of what
+    the graph saves; all of it where ``walked_past`` stays empty).
     """
     hit: set[int] = set()
     seen: set[Any] = set(stop)
@@ -49,8 +51,10 @@ def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = (), past_hidden:
             continue
         seen.add(node)
         hidden = type(node).__name__ in _HIDDEN_SAVES
-        if hidden and not past_hidden:
-            return None
+        if hidden:
+            if walked_past is None:
+                return None
+            walked_past.append(node)
         names = () if hidden else _NAMES.get(type(node))
         if names is None:
             names = [n for n in dir(node) if n.startswith("_saved_")]
@@ -69,8 +73,10 @@ def _saved_storages(roots: Iterable[Any], stop: Iterable[Any] = (), past_hidden:
                     address = _storage_address(t)
                     if address or not t.numel():  # (an empty one may have none)
                         hit.add(address)
-                    elif not past_hidden:  # (a wrapper subclass: its memory is its inner tensors')
+                    elif walked_past is None:  # (a wrapper subclass: its memory is its inner tensors')
                         return None
+                    else:
+                        walked_past.append(t)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return hit
 

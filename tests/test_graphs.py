@@ -656,7 +656,10 @@ def test_hand_outs_wait_for_earlier_ones_to_the_same_parameters_only(monkeypatch
 
 def test_saved_outputs_are_those_the_backward_reads():
     # static_outputs refuses a change in place before backward only to these, as eager does.
-    from parallel_modules._graphs import _saved_outputs
+    from parallel_modules._graphs import _saved
+
+    def _saved_outputs(outputs):
+        return _saved(None, outputs)[0]
 
     class Doubled(torch.autograd.Function):
         @staticmethod
@@ -3445,18 +3448,18 @@ def test_the_parameters_a_backward_graph_reads_are_those_autograd_saved():
     # The parameters a replay saves for its backward (so that autograd refuses a change in
     # place before it, as eagerly): those whose memory the captured call's autograd graph
     # saved -- a weight whose layer's input requires grad, frozen or not --, not a bias nor the
-    # first weight of a call whose input requires none, nor a buffer (see _saved_state).
-    from parallel_modules._graphs import _saved_state
+    # first weight of a call whose input requires none, nor a buffer (see _saved).
+    from parallel_modules._graphs import _saved
 
     m = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.BatchNorm1d(4))
     names = {id(t): n for n, t in m.named_parameters()}
     for requires_grad, expected in [(True, ["0.weight", "2.weight", "3.weight"]),
                                     (False, ["2.weight", "3.weight"])]:
         out = m(torch.randn(3, 4, requires_grad=requires_grad))
-        assert [names[id(t)] for t in _saved_state(m, [out])] == expected
+        assert [names[id(t)] for t in _saved(m, [out])[1]] == expected
     m[2].weight.requires_grad_(False)  # (frozen, and read by the backward all the same)
     out = m(torch.randn(3, 4, requires_grad=True))
-    assert [names[id(t)] for t in _saved_state(m, [out])] == ["0.weight", "2.weight", "3.weight"]
+    assert [names[id(t)] for t in _saved(m, [out])[1]] == ["0.weight", "2.weight", "3.weight"]
 
 
 class _ScalesASlice(nn.Module):
@@ -3479,7 +3482,7 @@ def test_the_state_saved_past_a_node_python_cannot_read_is_no_more_than_autograd
     # BatchNorm's count of batches (which the warm-up of another signature moves). Walked past,
     # that node's own saves are not found -- a change to them passes, as before replays saved
     # any --, the other nodes' are.
-    from parallel_modules._graphs import _saved_state
+    from parallel_modules._graphs import _saved
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), _ScalesASlice())
@@ -3496,7 +3499,7 @@ def test_the_state_saved_past_a_node_python_cannot_read_is_no_more_than_autograd
             refused.add(name)
     assert refused == {"0.weight", "1.weight", "1.running_mean", "1.running_var", "2.scale"}
     names = {id(t): n for n, t in named}
-    saved = {names[id(t)] for t in _saved_state(m, [m(torch.randn(3, 4, requires_grad=True))])}
+    saved = {names[id(t)] for t in _saved(m, [m(torch.randn(3, 4, requires_grad=True))])[1]}
     # (2.scale: saved by the in-place write's node, not found; the running statistics: buffers)
     assert saved == refused - {"2.scale", "1.running_mean", "1.running_var"}
 
@@ -3508,13 +3511,16 @@ def test_the_state_saved_leaves_out_tensors_without_memory_of_their_own():
     # captured). Left out, as what Python cannot read is: its memory is its inner tensors'.
     from torch.testing._internal.two_tensor import TwoTensor
 
-    from parallel_modules._graphs import _saved_state
+    from parallel_modules._graphs import _saved
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     m[1].weight = nn.Parameter(TwoTensor(torch.randn(4, 4), torch.randn(4, 4)))
     out = m(torch.randn(3, 4, requires_grad=True))
-    assert [t is m[0].weight for t in _saved_state(m, [out])] == [True]
+    out_saved, state_saved = _saved(m, [out])
+    assert [t is m[0].weight for t in state_saved] == [True]
+    # (The same walk, left incomplete for the outputs: counted as saved, the safe side.)
+    assert out_saved == [True]
 
 
 def _changed_before_backward(block: nn.Module, x: torch.Tensor, change: str) -> tuple:
