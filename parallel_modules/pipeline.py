@@ -2063,7 +2063,8 @@ class ParallelSequential(nn.Sequential):
         except TypeError as e:  # (a subclass of a container that cannot be rebuilt: see _rebuilt)
             raise TypeError(f"{owner}: cannot split the input into micro-batches with chunks={chunks}: {e}") from e
 
-    def _concat(self, outputs: list[Any], pieces: list[Any], returned: list[_Returned] | None = None) -> Any:
+    def _concat(self, outputs: list[Any], pieces: list[Any], returned: list[_Returned] | None = None,
+                rows: list[list[int | None]] | None = None) -> Any:
         r"""Join the micro-batch outputs of the last stage along dimension 0.
 
         A tensor every micro-batch returned alike (a parameter, a 0-dim input
@@ -2087,6 +2088,8 @@ class ParallelSequential(nn.Sequential):
         Non-tensor leaves pass on only where they are ``None`` or the input's
         own, the same object from every micro-batch: anything else a stage
         computed on a micro-batch (``x.shape[0]``) need not be the whole batch's.
+        Where they cannot be joined, the stage whose rows they kept is named
+        (``rows``: see :meth:`_row_changer`).
         """
         if len(outputs) == 1:
             return outputs[0]
@@ -2185,6 +2188,16 @@ class ParallelSequential(nn.Sequential):
             if _out_of_memory(e):
                 raise
             names = list(self._modules)
+            changer = self._row_changer(rows, sizes, len(names))
+            if changer is not None:
+                s, got = changer
+                raise ValueError(
+                    f"{type(self).__name__}: stage {names[s]!r} (index {s}) returned {got} rows along dimension 0 "
+                    f"for micro-batches of {sizes} samples, where one row per sample is expected: every stage after "
+                    f"it returned as many, and the outputs of the last stage {names[-1]!r} (index {len(names) - 1}) "
+                    f"cannot be concatenated into the whole batch's (a reduction over the batch, or a slice or "
+                    f"reshape along its dimension, cannot be). Make stage {names[s]!r} return per-sample outputs, "
+                    f"or use chunks=1.") from e
             listing = "\n".join(f"  micro-batch {m}: {_describe(o)}" for m, o in enumerate(outputs))
             # (the type Parallel's join raises: torch.cat's RuntimeError for tensors that do not agree)
             raise (RuntimeError if isinstance(e, RuntimeError) else ValueError)(
@@ -2195,6 +2208,32 @@ class ParallelSequential(nn.Sequential):
                 f"Make the last stage return per-sample outputs, or use chunks=1. "
                 f"({type(e).__name__}: {e})"
             ) from e
+
+    @staticmethod
+    def _row_changer(rows: list[list[int | None]] | None, sizes: list[int | None],
+                     count: int) -> tuple[int, list[int | None]] | None:
+        r"""Which stage before the last made the last stage's outputs other than one row per sample, and the
+        rows it returned for each micro-batch; ``None`` where the last stage did, or where its outputs are no
+        tensors or have one row per sample.
+
+        ``rows``: for each micro-batch, its ``count`` stages' outputs' sizes along
+        dimension 0, ``None`` for an output that is no tensor or is 0-dim (a structure
+        is not taken apart: what is read for every stage and micro-batch is one int);
+        ``sizes``: the micro-batches' samples. Named: the stage from which every output
+        had other rows than samples, not the first to have other rows, as one moving
+        the batch to dimension 1 has (``x.transpose(0, 1)`` around a sequence-first
+        layer, and another moving it back).
+        """
+        for kept, n in zip(rows or (), sizes):
+            if n is None or len(kept) != count or kept[-1] is None or kept[-1] == n:
+                continue
+            s = count - 1
+            while s and kept[s - 1] is not None and kept[s - 1] != n:
+                s -= 1
+            if s < count - 1:
+                return s, [r[s] for r in rows]  # type: ignore[union-attr]
+            return None  # (the last stage's own: the message naming it says so)
+        return None
 
     # ---------------------------------------------------------------- forward
     def forward(self, input: Any) -> Any:
@@ -2500,6 +2539,13 @@ class ParallelSequential(nn.Sequential):
         held: list[list[_Held] | None] | None = None
         if not tracing and not isinstance(input, torch.Tensor) and pieces[0] is not input and _containers(input):
             held = [None] * len(pieces)
+        # The rows each stage returns for each micro-batch, which name the stage that dropped
+        # some where the last stage's outputs cannot be joined (see _row_changer). (Not under
+        # torch.jit.trace, which would record each size read in its graph; asked only outside a
+        # compiler, which cannot trace the question, and again where ``tracing``: the code a compiler
+        # runs eagerly after a graph break keeps it as it was traced.)
+        rows: list[list[int | None]] | None = (
+            None if tracing and not torch.compiler.is_compiling() and _jit_tracing() else [[] for _ in pieces])
         if tracing or (copy_to is None and (device is None or device.type != "cuda")):
             # Compilers see the micro-batches one after the other (no stream
             # ops in the graph) and schedule them; the CPU runs them in order.
@@ -2513,11 +2559,11 @@ class ParallelSequential(nn.Sequential):
             returned = None if tracing else []  # (a trace's tensors keep no versions to compare)
             for m, value in enumerate(pieces):
                 for s, (name, stage, block) in enumerate(stages):
-                    value = self._call(s, name, stage, m, len(pieces), value, held, block, watched)
+                    value = self._call(s, name, stage, m, len(pieces), value, held, block, watched, rows)
                 if returned is not None:
                     returned.append(_returned(value))
                 outputs.append(value)
-            return self._concat(outputs, pieces, returned)
+            return self._concat(outputs, pieces, returned, rows)
 
         target = copy_to if copy_to is not None else device
         assert target is not None
@@ -2526,9 +2572,10 @@ class ParallelSequential(nn.Sequential):
         if target.index is not None and target.index != torch.cuda.current_device():
             with torch.cuda.device(target):
                 outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held,
-                                         watched)
+                                         watched, rows)
         else:
-            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held, watched)
+            outputs = self._pipeline(stages, input, pieces, target, copy_to is not None, ahead, seen, held, watched,
+                                     rows)
         if isinstance(outputs, _Gather):
             return outputs.out
         if not all(isinstance(o, torch.Tensor) and o.is_cuda for o in outputs) and any(
@@ -2537,7 +2584,7 @@ class ParallelSequential(nn.Sequential):
             # (``x.to("cpu", non_blocking=True)``): the host would concatenate pieces the
             # lanes' copies have yet to write. The caller's stream has joined every lane.
             torch.cuda.current_stream(target).synchronize()
-        return self._concat(outputs, pieces, seen if len(seen) == len(outputs) else None)
+        return self._concat(outputs, pieces, seen if len(seen) == len(outputs) else None, rows)
 
     def _handed(self, before: _Returned | None, value: Any, s: int, m: int, pieces: list[Any]) -> _Returned:
         r"""Refuse stage ``s``'s output for piece ``m`` where it overwrote its output for piece ``m - 1``
@@ -2566,10 +2613,11 @@ class ParallelSequential(nn.Sequential):
 
     def _call(self, s: int, name: str, stage: nn.Module, m: int, count: int, value: Any,
               held: list[list[_Held] | None] | None = None, block: Parallel | None = None,
-              watched: list[_Shared] | None = None) -> Any:
+              watched: list[_Shared] | None = None, rows: list[list[int | None]] | None = None) -> Any:
         r"""Stage ``s`` on micro-batch ``m``; ``held``: each micro-batch's lists and dicts, refused changed (see
         _forward); ``block``: the ``Parallel`` whose result the stage returns, if any (see :meth:`_refuse_stacked`);
-        ``watched``: input tensors sharing elements across micro-batches, refused written (see :meth:`_split`).
+        ``watched``: input tensors sharing elements across micro-batches, refused written (see :meth:`_split`);
+        ``rows``: each micro-batch's stages' rows along dimension 0, appended to (see :meth:`_row_changer`).
         ``count``: the number of micro-batches, the call's ``chunks`` wherever ``held`` or ``watched`` are
         kept (only for pieces cut by ``tensor_split(chunks)``), which the errors name (``self.chunks`` may
         have been set since the call read it)."""
@@ -2587,6 +2635,9 @@ class ParallelSequential(nn.Sequential):
                 context += ("; the input is 1-D, cut into micro-batches along its only dimension: if it is one "
                             "unbatched sample rather than a batch, use chunks=1")
             raise self._stage_error(e, context + self._nested_short(e, name, count) + ")")
+        if rows is not None:
+            # (An int kept, read only where the join fails: the outputs between stages are gone by then.)
+            rows[m].append(output.shape[0] if isinstance(output, torch.Tensor) and output.dim() else None)
         if held is not None:
             for h in held[m] or ():
                 change = _change(h)
@@ -2666,12 +2717,12 @@ class ParallelSequential(nn.Sequential):
     def _pipeline(
         self, stages: list[tuple[str, nn.Module]], input: Any, pieces: list[Any], device: torch.device, copy: bool,
         ahead: bool = False, seen: list[_Returned] | None = None, held: list[list[_Held] | None] | None = None,
-        watched: list[_Shared] | None = None,
+        watched: list[_Shared] | None = None, rows: list[list[int | None]] | None = None,
     ) -> list[Any] | _Gather:
         r"""Run every piece of ``input`` through every lane on the side streams.
 
         ``seen`` receives the versions of each piece's output, in order (see :meth:`_concat`);
-        ``held``, ``watched``: see :meth:`_call`.
+        ``held``, ``watched``, ``rows``: see :meth:`_call`.
 
         Returns the outputs per piece, or, where the last lane concatenated
         them as they came (:class:`_Gather`), the concatenation.
@@ -2709,7 +2760,7 @@ class ParallelSequential(nn.Sequential):
             lanes.append(copy_lane)
         for s, (name, stage, block) in enumerate(stages):
             lanes.append(lambda m, v, s=s, name=name, stage=stage, block=block:
-                         self._call(s, name, stage, m, count, v, held, block, watched))
+                         self._call(s, name, stage, m, count, v, held, block, watched, rows))
         n_lanes = len(lanes)
 
         capturing = _capture_underway()
