@@ -1507,7 +1507,7 @@ class _Group:
                 # moves under inference mode too (see _run).
                 with torch.inference_mode(False):
                     stacked = torch.stack(tensors)
-                written.append((stacked, tensors, stacked._version))
+                written.append((stacked, tensors, _version(stacked)))
             else:
                 stacked = torch.stack(tensors)
             # (Not under torch.func transforms, which hand gradients back, accumulating none. Nor
@@ -1735,7 +1735,7 @@ class _Group:
         watched: list | None = None
         # Restacked eagerly (tensors swapped in, or changed since bound): the buffers' stacks made
         # for the call, with their versions, which a layer writing its buffers moves (see below).
-        written: list | None = [] if restacked and not _functorch_active() else None
+        written: list | None = [] if restacked and not _differentiating() else None
         read: list[str] | None = None  # (by the step running: see _after_step)
         received: _Received | None = None
         # Whether each member's input to the step running requires grad (see _after_step).
@@ -1848,7 +1848,7 @@ class _Group:
             # statistics) goes back into the members' buffers, as their own calls write them.
             with torch.no_grad():
                 for stacked, tensors, version in written:
-                    if stacked._version != version:
+                    if _version(stacked) != version:
                         for t, row in zip(tensors, stacked.unbind(0)):
                             t.copy_(row)
         return value
@@ -2282,6 +2282,24 @@ def _dense_members(t: torch.Tensor) -> bool:
 
 
 _is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
+
+# torch.func's transforms that differentiate: run under one, a function's write in place into a
+# tensor from outside it is refused ("would mutate a captured Tensor"), where vmap and functionalize
+# make it.
+_DIFFERENTIATING = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+
+
+def _differentiating() -> bool:
+    r"""Whether a torch.func transform that differentiates (``grad``, ``vjp``, ``jvp``, ``jacrev``...) is active."""
+    return any([i.key() in _DIFFERENTIATING for i in torch._C._functorch.get_interpreter_stack() or ()])
+
+
+def _version(t: torch.Tensor) -> int:
+    r"""``t``'s version: under ``torch.vmap``, that of the tensor it batches, which a write in place moves
+    (a batched tensor's own stays as it was)."""
+    while torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t._version
 
 
 def _is_dense(t: torch.Tensor) -> bool:

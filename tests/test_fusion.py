@@ -4182,6 +4182,34 @@ def test_functional_call_of_one_buffer_for_several_members_counts_each_write():
     assert shared.item() == 2.0
 
 
+@pytest.mark.parametrize("how", ["vmap", "functionalize", "vmap over buffers given"])
+def test_a_write_into_the_members_buffers_is_kept_under_vmap_and_functionalize(how):
+    # (A CPU hunt.) Under torch.func transforms a group stacks its members' buffers for the call,
+    # and its layers' writes into those stacks went nowhere: a count of calls was lost under vmap
+    # and functionalize, where the plain module keeps it (torch refuses such a write only under
+    # the transforms that differentiate, grad and jvp: see the README).
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 4), _Counter()) for _ in range(2)], fuse=True)
+    plain = Loop(copy.deepcopy(list(p)))
+    xs = torch.randn(3, 8, 4)
+    p(xs[0])
+    plain(xs[0])
+    given = [{k: torch.zeros(3, *b.shape) for k, b in m.named_buffers()} for m in (p, plain)]
+
+    def run(m: nn.Module, buffers: dict) -> torch.Tensor:
+        if how == "vmap":
+            return torch.vmap(m)(xs)
+        if how == "functionalize":
+            return torch.func.functionalize(m)(xs[0])
+        params = dict(m.named_parameters())  # (an ensemble's stacked buffers, by stack_module_state)
+        return torch.vmap(lambda b, x: torch.func.functional_call(m, (params, b), (x,)))(buffers, xs)
+
+    outs = [run(m, buffers) for m, buffers in zip((p, plain), given)]
+    assert_close(outs[0], outs[1])
+    assert [b.tolist() for b in p.buffers()] == [b.tolist() for b in plain.buffers()]
+    assert [b.tolist() for b in given[0].values()] == [b.tolist() for b in given[1].values()]
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_functional_call_after_a_parameter_given_to_one_member(fuse):
     # (A fourth review.) Registered on one member, it changes the tree only at a call outside
