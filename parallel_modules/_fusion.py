@@ -1454,7 +1454,7 @@ class _Group:
     def _stacked(self, qual: str, tracing: bool, watched: list | None = None,
                  flow: list[bool] | None = None, received: _Received | None = None,
                  read: list[str] | None = None, buffers_grad: bool = False,
-                 written: list | None = None) -> torch.Tensor | None:
+                 written: list | None = None, made: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         r"""The stack of ``qual`` for this call (see :class:`_Unstack`, which ``received`` is handed).
 
         ``watched`` collects the members' tensors that autograd saves for
@@ -1464,7 +1464,8 @@ class _Group:
         buffers the step reads (see :meth:`_after_step`). ``buffers_grad``: a
         member's floating-point buffer requires grad. ``written`` collects a
         restacked buffer's stack, its members' tensors and its version (see
-        :meth:`_run`).
+        :meth:`_run`). ``made`` collects the stacks restacked eagerly while
+        ``watched`` is (see :meth:`_watch_buffers`).
         """
         entry = self.entries.get(qual)
         if entry is None:  # a parameter the template does not have (``Linear(bias=False)``'s bias)
@@ -1510,6 +1511,14 @@ class _Group:
                 written.append((stacked, tensors, _version(stacked)))
             else:
                 stacked = torch.stack(tensors)
+            if made is not None and read is not None:
+                # Restacked eagerly (tensors swapped in): autograd saves the stack, not the tensors
+                # given, so that one changed in place before the backward (an optimizer's step on
+                # functional_call's dict) would go unseen: watched as the bound members' are.
+                made[qual] = stacked
+                read.append(qual)
+                if watched is not None and entry.kind == "_parameters" and self._ruled(qual):
+                    self._watch_ruled(qual, watched, tensors, [t.requires_grad for t in tensors], flow)
             # (Not under torch.func transforms, which hand gradients back, accumulating none. Nor
             # under torch.export, whose programs hold no autograd.Function: a strict export runs
             # its forward with grad off, cutting the parameters from the gradient, and a non-strict
@@ -1531,15 +1540,7 @@ class _Group:
             grads = [t.requires_grad for t in tensors]
             trained = any(grads)  # (members may be frozen one by one)
             if watched is not None and self._ruled(qual):
-                # (See _refuse_changed_members.) Per member, as unfused: a Linear's weight where
-                # its input requires grad (autograd saves it for the input's gradient, frozen or
-                # not); the weight of the layers whose backward saves it whatever requires grad
-                # where either does. (Others, a vmapped layer's: see _after_step.)
-                if qual in self.saved_with_input:
-                    _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors, flow)
-                elif qual in self.saved_always:
-                    _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors,
-                                 [g or f for g, f in zip(grads, flow)])
+                self._watch_ruled(qual, watched, tensors, grads, flow)
             if read is not None:
                 read.append(qual)
             if trained:
@@ -1555,6 +1556,19 @@ class _Group:
                 if any([t.requires_grad for t in tensors]):
                     return _unstack(received, stacked, tensors)
         return stacked
+
+    def _watch_ruled(self, qual: str, watched: list, tensors: list[torch.Tensor], grads: list[bool],
+                     flow: list[bool]) -> None:
+        r"""Add the members' parameter ``qual``, of a rule of :func:`_program`'s layers, to ``watched`` where
+        autograd saves it (see :func:`_refuse_changed_members`); ``grads``: whether each requires grad."""
+        # Per member, as unfused: a Linear's weight where its input requires grad (autograd
+        # saves it for the input's gradient, frozen or not); the weight of the layers whose
+        # backward saves it whatever requires grad where either does. (Others, a vmapped
+        # layer's: see _after_step.)
+        if qual in self.saved_with_input:
+            _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors, flow)
+        elif qual in self.saved_always:
+            _watch_saved(watched, f"parameter {qual!r}", self.indices, tensors, [g or f for g, f in zip(grads, flow)])
 
     def _ruled(self, qual: str) -> bool:
         r"""Whether parameter ``qual`` is watched by a rule of :func:`_program`'s layers (a bias or an
@@ -1592,7 +1606,7 @@ class _Group:
         return [t for m in self.template.modules() for t in _tensor_attributes(m).values() if not t.is_inference()]
 
     def _after_step(self, watched: list, read: list[str], out: Any, before: torch.Tensor, flow: list[bool],
-                    vmapped: bool) -> None:
+                    vmapped: bool, made: dict[str, torch.Tensor] | None = None) -> None:
         r"""Watch what a step read that autograd saved (see :meth:`_watch_buffers`), and move ``flow`` on.
 
         ``flow[k]``: whether member ``k``'s input to the next step requires grad
@@ -1615,11 +1629,11 @@ class _Group:
                         for k, t in enumerate(self._tensors(entry)):
                             flowed[k] = flowed[k] or t.requires_grad
         if unruled:
-            self._watch_buffers(watched, unruled, out, before, flowed)
+            self._watch_buffers(watched, unruled, out, before, flowed, made)
         flow[:] = flowed
 
     def _watch_buffers(self, watched: list, buffers: list[str], out: Any, before: torch.Tensor,
-                       flowed: list[bool]) -> None:
+                       flowed: list[bool], made: dict[str, torch.Tensor] | None = None) -> None:
         r"""Add to ``watched`` the ``buffers`` a step read (from ``before``, its input, to ``out``) that autograd saved
         (and a vmapped layer's parameters, judged alike: see :meth:`_after_step`).
 
@@ -1632,7 +1646,8 @@ class _Group:
         the step requires grad (``flowed``: its input did, or a parameter of the
         step does); others where autograd saved their stack's memory (a vmapped
         ``x * self.scale`` saves it, ``x + self.shift`` does not), or cannot be
-        told (saved-tensor hooks).
+        told (saved-tensor hooks). ``made``: the stacks restacked for the call, where
+        not the bound ones (see :meth:`_stacked`).
         """
         leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not leaves:
@@ -1642,7 +1657,8 @@ class _Group:
             saved = _saved_storages([t.grad_fn for t in leaves], [before.grad_fn] if before.grad_fn else ())
         for qual in dict.fromkeys(buffers):
             entry = self.entries[qual]
-            if qual in self.buffers_saved or saved is None or self.stacks[qual].untyped_storage().data_ptr() in saved:
+            stacks = self.stacks if made is None else made
+            if qual in self.buffers_saved or saved is None or stacks[qual].untyped_storage().data_ptr() in saved:
                 what = f"{'buffer' if entry.kind == '_buffers' else 'parameter'} {qual!r}"
                 _watch_saved(watched, what, self.indices, self._tensors(entry), flowed)
 
@@ -1736,6 +1752,11 @@ class _Group:
         # Restacked eagerly (tensors swapped in, or changed since bound): the buffers' stacks made
         # for the call, with their versions, which a layer writing its buffers moves (see below).
         written: list | None = [] if restacked and not _differentiating() else None
+        # Restacked eagerly while autograd records: the stacks made for the call, watched as the
+        # bound ones are (see _stacked). (Not under torch.func transforms, whose wrapped tensors
+        # keep no versions.)
+        made: dict[str, torch.Tensor] | None = (
+            {} if restacked and torch.is_grad_enabled() and not _functorch_active() else None)
         read: list[str] | None = None  # (by the step running: see _after_step)
         received: _Received | None = None
         # Whether each member's input to the step running requires grad (see _after_step).
@@ -1752,7 +1773,7 @@ class _Group:
             # (Not under saved-tensor hooks -- checkpoint(use_reentrant=False), save_on_cpu --
             # with which autograd checks no saved tensor's version: unfused, a change in place
             # passes, the recomputation or the packed copy deciding what backward reads.)
-            watched = None if tracing or _saved_hooks_recording() else []
+            watched = None if tracing and made is None or _saved_hooks_recording() else []
             # (Told by the members' outputs' split: not under torch.func transforms, where they
             # are split by torch's operations, see _members.)
             if not tracing and _graph_task is not None and not _functorch_active():
@@ -1761,7 +1782,7 @@ class _Group:
             # (Once per call, not per buffer read: see _stacked.)
             buffers_grad = not tracing and any([t.requires_grad for t in self.float_buffers])
             get = lambda qual: self._stacked(qual, tracing, watched, flow, received, read,  # noqa: E731
-                                             buffers_grad, written)
+                                             buffers_grad, written, made)
         # (Neither read nor kept by a compiler's trace: assigned there, it was a side effect
         # the compiler guarded on, and the block was compiled a second time; read, an eager
         # call that made it since failed the guard, and compiled the block again.)
@@ -1791,7 +1812,7 @@ class _Group:
                 vmapped = getattr(step, "vmapped", False) and any(
                     isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
                 if read or vmapped:
-                    self._after_step(watched, read, value, before, flow, vmapped)
+                    self._after_step(watched, read, value, before, flow, vmapped, made)
                     read.clear()
         written_attribute = _attribute_changed(self.attributes) if keep else None
         if written_attribute is not None:

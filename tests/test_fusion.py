@@ -4210,6 +4210,28 @@ def test_a_write_into_the_members_buffers_is_kept_under_vmap_and_functionalize(h
     assert [b.tolist() for b in given[0].values()] == [b.tolist() for b in given[1].values()]
 
 
+@pytest.mark.parametrize("given", ["parameters", "buffers"])
+def test_a_tensor_swapped_in_and_changed_before_the_backward_is_refused(given):
+    # (A CPU hunt.) Restacked for a functional_call, the group saved its stack of the tensors
+    # given, not the tensors: one changed in place between the forward and the backward (an
+    # optimizer's step on the dict's tensors) went unseen, the gradient silently that of the
+    # old value, where unfused autograd refuses it. Watched as the members' own are.
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.BatchNorm1d(4).eval(), nn.Linear(4, 4))  # noqa: E731
+    p = Parallel(*[make() for _ in range(2)], fuse=True)
+    x = torch.randn(5, 4)
+    p(x)
+    for m in (p, Loop(copy.deepcopy(list(p)))):
+        state = {k: v.detach().clone().requires_grad_(given == "parameters") for k, v in m.named_parameters()}
+        if given == "buffers":  # (the statistics the BatchNorm's gradient reads)
+            state.update({k: v.clone() for k, v in m.named_buffers()})
+        out = torch.func.functional_call(m, state, (x.requires_grad_(),))
+        with torch.no_grad():
+            state["1.3.weight" if given == "parameters" else "1.2.running_var"].add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_functional_call_after_a_parameter_given_to_one_member(fuse):
     # (A fourth review.) Registered on one member, it changes the tree only at a call outside
@@ -7720,17 +7742,14 @@ def test_vmap_over_a_create_graph_pass_runs_as_unfused():
     _assert_no_gradient_lost(fused, unfused)  # (head 0's last bias gets zeros: see _Received)
 
 
-@pytest.mark.xfail(strict=True, reason="a tensor written into a member's dict without registration is restacked at "
-                                       "every call, not bound anew (session 79: binding it anew untied views and "
-                                       "ties the restack keeps; README says so)")
-def test_a_parameter_written_into_a_members_dict_is_bound_anew():
+def test_a_parameter_written_into_a_members_dict_is_watched_restacked():
     # (Session 79's review.) ``layer._parameters["weight"] = nn.Parameter(...)`` registers
     # nothing, and outside functional_call it is kept there, not swapped in for one call. The
     # group takes it for a swap: every later call stacks every member's tensors anew (results
-    # as unfused), with nothing watched, so a change in place to a trained weight before
-    # backward passes where unfused autograd refuses it. Binding it anew (tried in session 79)
-    # copied apart a view of an outside tensor, or views tied within a member, which the
-    # restack keeps, and refused inference tensors written into one member.
+    # as unfused; binding it anew, tried in session 79, copied apart a view of an outside
+    # tensor, or views tied within a member, which the restack keeps, and refused inference
+    # tensors written into one member). Before (a CPU hunt), nothing restacked was watched: a
+    # change in place to a trained weight before backward passed where unfused autograd refuses it.
     torch.manual_seed(0)
     branches = [nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(3)]
     fused = Parallel(*branches, fuse=True)
