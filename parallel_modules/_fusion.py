@@ -1499,6 +1499,7 @@ class _Group:
                     raise _MembersChanged(f"the branches are no longer what was grouped: {qual} of every branch "
                                           f"was set to None")
                 return None
+            unstacked = False
             if written is not None and entry.kind == "_buffers":
                 if _share_memory(tensors):
                     # One buffer given to several members (functional_call; or views of one): each
@@ -1510,7 +1511,13 @@ class _Group:
                     stacked = torch.stack(tensors)
                 written.append((stacked, tensors, _version(stacked)))
             else:
-                stacked = torch.stack(tensors)
+                # Restacked eagerly (tensors swapped in): a function of the members' tensors, as
+                # the bound stacks are, by _Unstack, which gives no gradient to a member none of
+                # whose outputs received one (torch.stack's backward hands it zeros).
+                unstacked = (received is not None and _forward_ad._current_level < 0
+                             and any([t.requires_grad for t in tensors]))
+                with torch.set_grad_enabled(not unstacked):
+                    stacked = torch.stack(tensors)
             if made is not None and read is not None:
                 # Restacked eagerly (tensors swapped in): autograd saves the stack, not the tensors
                 # given, so that one changed in place before the backward (an optimizer's step on
@@ -1519,6 +1526,8 @@ class _Group:
                 read.append(qual)
                 if watched is not None and entry.kind == "_parameters" and self._ruled(qual):
                     self._watch_ruled(qual, watched, tensors, [t.requires_grad for t in tensors], flow)
+            if unstacked:
+                return _unstack(received, stacked, tensors)
             # (Not under torch.func transforms, which hand gradients back, accumulating none. Nor
             # under torch.export, whose programs hold no autograd.Function: a strict export runs
             # its forward with grad off, cutting the parameters from the gradient, and a non-strict
@@ -1776,7 +1785,7 @@ class _Group:
             watched = None if tracing and made is None or _saved_hooks_recording() else []
             # (Told by the members' outputs' split: not under torch.func transforms, where they
             # are split by torch's operations, see _members.)
-            if not tracing and _graph_task is not None and not _functorch_active():
+            if (not tracing or made is not None) and _graph_task is not None and not _functorch_active():
                 received = _Received()
             read = None if watched is None else []
             # (Once per call, not per buffer read: see _stacked.)

@@ -4232,6 +4232,33 @@ def test_a_tensor_swapped_in_and_changed_before_the_backward_is_refused(given):
             out.sum().backward()
 
 
+class _Heads(Loop):
+    r"""The plain module a ``join=None`` block stands for: its branches' outputs, as a tuple."""
+
+    def forward(self, *args, **kwargs):
+        return tuple(branch(*args, **kwargs) for branch in self._modules.values())
+
+
+def test_functional_call_leaves_no_gradient_on_heads_the_loss_leaves_out():
+    # (A CPU hunt.) Restacked for a functional_call, a group's stacks were torch.stack's of the
+    # tensors given, whose backward hands every member its slice: the heads a loss left out got
+    # zeros where unfused their .grad stays None (an optimizer skips those, where zeros move them
+    # through momentum or weight decay), as the block's own parameters do fused.
+    torch.manual_seed(0)
+    p = Parallel(*[mlp(4, 2) for _ in range(3)], join=None, fuse=True)
+    x = torch.randn(5, 4)
+    p(x)
+    grads = []
+    for m in (p, _Heads(copy.deepcopy(list(p)))):
+        state = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+        torch.func.functional_call(m, state, (x,))[1].square().sum().backward()
+        grads.append({k: v.grad for k, v in state.items()})
+    assert [k for k, g in grads[0].items() if g is None] == [k for k, g in grads[1].items() if g is None] != []
+    for k, g in grads[1].items():
+        if g is not None:
+            assert_close(grads[0][k], g)
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_functional_call_after_a_parameter_given_to_one_member(fuse):
     # (A fourth review.) Registered on one member, it changes the tree only at a call outside
