@@ -4239,19 +4239,33 @@ class _Heads(Loop):
         return tuple(branch(*args, **kwargs) for branch in self._modules.values())
 
 
-def test_functional_call_leaves_no_gradient_on_heads_the_loss_leaves_out():
+@pytest.mark.parametrize("how", [
+    "eager",
+    # Under torch.func.vmap (an ensemble's stack_module_state, trained by backward) the stacks
+    # are still torch.stack's: _Unstack, which tells the members apart, is an autograd.Function
+    # without setup_context, which functorch refuses; one with it would need a vmap rule of its
+    # own for the members' batched tensors.
+    pytest.param("vmap", marks=pytest.mark.xfail(strict=True, reason="under torch.func.vmap the heads a loss "
+                                                 "leaves out get zeros: _Unstack cannot run there")),
+])
+def test_functional_call_leaves_no_gradient_on_heads_the_loss_leaves_out(how):
     # (A CPU hunt.) Restacked for a functional_call, a group's stacks were torch.stack's of the
     # tensors given, whose backward hands every member its slice: the heads a loss left out got
     # zeros where unfused their .grad stays None (an optimizer skips those, where zeros move them
     # through momentum or weight decay), as the block's own parameters do fused.
     torch.manual_seed(0)
     p = Parallel(*[mlp(4, 2) for _ in range(3)], join=None, fuse=True)
-    x = torch.randn(5, 4)
-    p(x)
+    x = torch.randn(2, 5, 4)
+    p(x[0])
     grads = []
     for m in (p, _Heads(copy.deepcopy(list(p)))):
         state = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
-        torch.func.functional_call(m, state, (x,))[1].square().sum().backward()
+        if how == "eager":
+            out = torch.func.functional_call(m, state, (x[0],))
+        else:
+            state = {k: torch.stack([v, v * 2]).detach().requires_grad_() for k, v in state.items()}
+            out = torch.vmap(lambda s, xi: torch.func.functional_call(m, s, (xi,)))(state, x)
+        out[1].square().sum().backward()
         grads.append({k: v.grad for k, v in state.items()})
     assert [k for k, g in grads[0].items() if g is None] == [k for k, g in grads[1].items() if g is None] != []
     for k, g in grads[1].items():
