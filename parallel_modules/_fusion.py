@@ -2666,6 +2666,10 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
     n = group.n
     q = lambda name: _join(prefix, name)  # noqa: E731
     fallback = _vmapped_step(group, m, prefix)
+    # (The steps below read the first member's settings -- a stride, an eps -- at every call,
+    # as its own ``forward`` would: the program is kept for the group's life, and a setting
+    # changed alike in every member after its first call (``model.apply`` setting eps) would
+    # otherwise be seen by the plain branches only. A few attribute reads per layer and call.)
     # ATen's instance norm saves a copy of its weight, repeated for each sample, unfused as
     # under vmap: a change in place after the forward pass reaches neither backward. (Not
     # where a subclass's forward of its own may read the weight itself.)
@@ -2727,17 +2731,19 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         nd = len(m.kernel_size)
         conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
         w_name, b_name = q("weight"), q("bias")
-        stride, padding, dilation, groups = m.stride, m.padding, m.dilation, m.groups
 
         def convolution(v: _Value, get: _Get) -> Any:
+            if m.padding_mode != "zeros":  # (set since: the input padded by the layer's own forward)
+                return _made_anew(group, m, prefix)(v, get)
             if _member_dims(v) != nd + 2:  # an unbatched input: no channel layout to batch in
                 return fallback(v, get)
+            groups = m.groups
             w, b = get(w_name), get(b_name)
             if v.layout == _SHARED and groups == 1:
                 x, g = v.t, 1  # members' weights side by side: one convolution, N * C_out channels
             else:
                 x, g = _to_channels(v, n), groups * n
-            out = conv(x, w.flatten(0, 1), None if b is None else b.flatten(), stride, padding, dilation, g)
+            out = conv(x, w.flatten(0, 1), None if b is None else b.flatten(), m.stride, m.padding, m.dilation, g)
             return _Value(out, _CHANNELS)
 
         return [convolution]
@@ -2747,7 +2753,6 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         names = [q(k) for k in ("running_mean", "running_var", "weight", "bias")]
         if not group.buffers_saved.issuperset(names[:2]):  # (saved by its backward: the input's gradient reads them)
             group.buffers_saved.update(names[:2])
-        eps = m.eps
 
         # The layer's own check of a member's dimensions (BatchNorm2d takes 4-D inputs only),
         # which F.batch_norm below, taking any, would not make. torch's layers read only the
@@ -2765,15 +2770,15 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
                 if stock:
                     passed.add(dims)
             mean, var, w, b = (None if t is None else t.flatten() for t in map(get, names))
-            return _Value(F.batch_norm(_to_channels(v, n), mean, var, w, b, False, 0.0, eps), _CHANNELS)
+            return _Value(F.batch_norm(_to_channels(v, n), mean, var, w, b, False, 0.0, m.eps), _CHANNELS)
 
         return [batch_norm]
 
     if type(m) is nn.LayerNorm:
-        shape, eps = tuple(m.normalized_shape), m.eps
         w_name, b_name = q("weight"), q("bias")
 
         def layer_norm(v: _Value, get: _Get) -> _Value:
+            shape, eps = m.normalized_shape, m.eps
             if v.layout != _SHARED and _member_dims(v) < len(shape):
                 # On the stack, [N, *value], a shape longer than a member's value would take in
                 # the members' dimension (where it begins with N) and normalize across them, as
@@ -2835,11 +2840,14 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         # the H100, and not the same from one run to the next). The indices are the
         # members' own: one out of range is out of range of the whole table for the
         # last member (too large) or the first (negative), and raises as unfused.
-        w_name, padding_idx = q("weight"), m.padding_idx
+        w_name = q("weight")
         if w_name not in group.never_saved:
             group.never_saved.add(w_name)
 
         def embedding(v: _Value, get: _Get) -> Any:
+            if m.scale_grad_by_freq:  # (set since: counted per member by the layer's own forward)
+                return _made_anew(group, m, prefix)(v, get)
+            padding_idx = m.padding_idx
             if (v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0
                     or v.t.dtype not in (torch.int32, torch.int64)):
                 # Each member's own indices, or forward-mode AD (whose padding row keeps its
@@ -2858,18 +2866,17 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         return [embedding]
 
     if type(m) is nn.Flatten:
-        start_dim, end_dim = m.start_dim, m.end_dim
-        start, end = (start_dim + 1 if start_dim >= 0 else start_dim), (end_dim + 1 if end_dim >= 0 else end_dim)
-
         def flatten(v: _Value, get: _Get) -> _Value:
             if v.layout == _SHARED:
                 return _Value(m(v.t), _SHARED)
+            start_dim, end_dim = m.start_dim, m.end_dim
             dims = _member_dims(v)
             if not (-dims <= start_dim < dims and -dims <= end_dim < dims):
                 # A dim beyond a member's value (or a 0-d one): on the stack, [N, *value], a
                 # negative one would reach into the members' dimension and flatten them
                 # together. vmap's rule raises the branches' own IndexError.
                 return fallback(v, get)
+            start, end = (start_dim + 1 if start_dim >= 0 else start_dim), (end_dim + 1 if end_dim >= 0 else end_dim)
             return _Value(_to_stacked(v, n).flatten(start, end), _STACKED)
 
         return [flatten]
@@ -3063,6 +3070,15 @@ def _vmappable_layout(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t.contiguous()
 
 
+def _made_anew(group: _Group, m: nn.Module, prefix: str) -> _Step:
+    r"""For a layer whose batched step no longer applies, a setting that chose it set anew since the
+    group's steps were made (``conv.padding_mode = "reflect"``): the layer run through vmap for this
+    call, and the group's steps made anew at its next call (a trace's own are made for it)."""
+    if not _is_tracing():
+        group.program = None
+    return _vmapped_step(group, m, prefix)
+
+
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     r"""Any other module: :func:`torch.vmap` of :func:`torch.func.functional_call` over the stacks."""
     quals = [q for q in group.entries if q.startswith(prefix + ".")] if prefix else list(group.entries)
@@ -3242,8 +3258,9 @@ def _own_dicts(m: nn.Module) -> nn.Module:
     -- would show them to another thread calling that member directly (a branch
     left unfused, the user's own code) while the call runs. Every other
     attribute is the template's own object (a table the members share, a mask
-    changed in place); settings are copied values, those of grouping, as for the
-    other fused layers (see the README's limits).
+    changed in place); settings are copied values, those of grouping (see the
+    README's limits), where the batched steps of torch's layers read the first
+    member's at every call.
     """
     runner = copy.copy(m)
     d = runner.__dict__

@@ -5417,6 +5417,61 @@ def test_layer_settings_changed_before_the_first_call_are_used(change):
         assert_close(block(x), torch.cat([b(x) for b in block], 1))
 
 
+def _set_layer_setting(change: str, branch: nn.Sequential) -> None:
+    layer = branch[0]
+    if change == "stride":
+        layer.stride = (2, 2)
+    elif change == "dilation":
+        layer.dilation, layer.padding = (2, 2), (2, 2)
+    elif change == "padding_mode":
+        layer.padding_mode = "reflect"
+    elif change == "eps":
+        branch[1].eps = 10.0
+    elif change == "normalized_shape":
+        branch[1].normalized_shape = (4,)
+    elif change == "start_dim":
+        branch[1].start_dim = 0
+    elif change == "padding_idx":
+        layer.padding_idx = 1
+    else:
+        layer.scale_grad_by_freq = True
+
+
+@pytest.mark.parametrize("change", ["stride", "dilation", "padding_mode", "eps", "normalized_shape", "start_dim",
+                                    "padding_idx", "scale_grad_by_freq"])
+def test_layer_settings_changed_alike_in_every_member_after_a_call_are_used(change):
+    # Before: a group's batched steps, made at its first call, kept the convolution's stride,
+    # padding, dilation and padding mode, the norms' eps and shape, Flatten's dims and the
+    # embedding's padding row and scale_grad_by_freq of then: set alike on every member later
+    # (``model.apply`` setting eps), the plain branches used the new ones and the group the old
+    # (a convolution of another shape, off by 0.9, other gradients). An activation's setting
+    # (its ``forward`` is called) and a dropout's rate were seen.
+    torch.manual_seed(0)
+    if change in ("stride", "dilation", "padding_mode"):
+        make, x = (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())), torch.randn(2, 3, 6, 6)
+    elif change in ("eps", "normalized_shape"):
+        make = lambda: nn.Sequential(nn.Linear(4, 4), nn.LayerNorm((3, 4), elementwise_affine=False))  # noqa: E731
+        x = torch.randn(2, 3, 4)
+        if change == "eps":
+            make = lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4).eval())  # noqa: E731
+            x = torch.randn(2, 3, 5, 5)
+    elif change == "start_dim":
+        make, x = (lambda: nn.Sequential(nn.Linear(4, 4), nn.Flatten())), torch.randn(2, 3, 4)
+    else:
+        make, x = (lambda: nn.Sequential(nn.Embedding(5, 4))), torch.tensor([[1, 2, 1], [1, 0, 4]])
+    block = Parallel(*[make() for _ in range(3)], join="stack", dim=0, fuse=True)
+    block(x)
+    for b in block:
+        _set_layer_setting(change, b)
+    for _ in range(2):  # (the second: a padding mode or scale_grad_by_freq set makes the steps anew)
+        out = block(x)
+        expected = torch.stack([b(x) for b in block])
+        assert_close(out, expected)
+        g = torch.randn_like(out)
+        params = list(block.parameters())
+        assert_close(torch.autograd.grad(out, params, g), torch.autograd.grad(expected, params, g))
+    assert fused_groups(block) == [["0", "1", "2"]]
+
 def _backward_or_refused(loss: torch.Tensor, block: nn.Module) -> list[torch.Tensor] | None:
     r"""``block``'s gradients after ``loss.backward()``, or ``None`` where autograd refuses it for a change in place."""
     try:
