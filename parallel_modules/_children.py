@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from . import _watch
 from ._fusion import _DROPOUTS, _STOCK_DROPOUT
 from ._inputs import _with_context
 from ._joins import _NAMED_JOINS, _shown
@@ -38,6 +39,17 @@ class _Function(nn.Module):
     def __init__(self, fn: Callable[..., Any]) -> None:
         super().__init__()
         self.fn = fn
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        replaced = name == "fn" and "fn" in self.__dict__
+        super().__setattr__(name, value)
+        if replaced:
+            # ``block[i].fn = g`` registers nothing, and fused groups run a copy of the first
+            # member's holder made with the old callable: a new revision, counted as a
+            # registration, makes the blocks above see a changed tree and group their branches
+            # anew, as for a branch replaced (see _watch._change_setting).
+            self.__dict__["_revision"] = object()
+            _watch._count()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

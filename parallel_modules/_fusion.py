@@ -221,8 +221,9 @@ def _hook_dicts(module: nn.Module, own: bool = True) -> list[dict]:
 
 
 # -------------------------------------------------------------- identical?
-# nn.Module's own bookkeeping (parameter, buffer and hook dicts), compared otherwise.
-_MODULE_STATE = frozenset(vars(nn.Module()))
+# nn.Module's own bookkeeping (parameter, buffer and hook dicts), compared otherwise, and the
+# revision a block's setting or a callable branch's ``fn`` set anew gives it (see _watch._members).
+_MODULE_STATE = frozenset(vars(nn.Module())) | {"_revision"}
 
 
 def _hyperparameters(m: nn.Module) -> dict[str, Any]:

@@ -5472,6 +5472,32 @@ def test_layer_settings_changed_alike_in_every_member_after_a_call_are_used(chan
         assert_close(torch.autograd.grad(out, params, g), torch.autograd.grad(expected, params, g))
     assert fused_groups(block) == [["0", "1", "2"]]
 
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_a_callable_branch_given_another_callable_after_a_call_runs_it(fuse):
+    # Before: ``block[i].fn = g`` (README: ``block[i].fn`` is your callable) set on a holder
+    # of a fused group after its first call registered nothing, and the group ran the old
+    # callable, copied into its vmapped layer when the steps were made, for every member
+    # (off by 3.1), set on one member or on all.
+    double, plus_one = (lambda t: t * 2), (lambda t: t + 1)  # noqa: E731
+    block = Parallel(double, double, double, fuse=fuse)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        block(x)
+    block[1].fn = plus_one
+    if fuse is True:
+        with pytest.raises(ValueError, match=r"branch '1' differs from branch '0'"):
+            block(x)
+    else:
+        for _ in range(2):
+            assert_same(block(x), torch.cat([x * 2, x + 1, x * 2], 1))
+        assert fused_groups(block) == [["0", "2"]]
+    for b in block:
+        b.fn = plus_one
+    for _ in range(2):
+        assert_same(block(x), torch.cat([x + 1] * 3, 1))
+    assert fused_groups(block) == [["0", "1", "2"]]
+
 def _backward_or_refused(loss: torch.Tensor, block: nn.Module) -> list[torch.Tensor] | None:
     r"""``block``'s gradients after ``loss.backward()``, or ``None`` where autograd refuses it for a change in place."""
     try:

@@ -2648,6 +2648,19 @@ def test_a_block_changed_below_a_graphed_block_is_run(change):
 
 
 @pytest.mark.cuda
+def test_a_callable_branch_given_another_callable_after_capture_is_run():
+    # ``block[i].fn = g`` registers nothing: the graph captured with the old callable was replayed.
+    block = Parallel(lambda t: t * 2, nn.Linear(64, 64), cuda_graph=True).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        block(x)
+        block(x)  # captured, replayed
+        block[0].fn = lambda t: t + 1
+        expected = _cat_of_branches(block, x)
+        out = block(x)
+    assert torch.equal(out, expected)
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("child", ["dropout", "batchnorm"])
 def test_child_mode_changed_after_capture_is_seen(child):
     # The owner stays in training mode; only a child is switched (the "freeze BatchNorm" idiom).
