@@ -5473,6 +5473,39 @@ def test_layer_settings_changed_alike_in_every_member_after_a_call_are_used(chan
     assert fused_groups(block) == [["0", "1", "2"]]
 
 
+class _TimesSetting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.k = 1.0
+
+    def forward(self, x):
+        return self.linear(x) * self.k
+
+
+@pytest.mark.parametrize("layer", ["GroupNorm", "own"])
+def test_a_setting_changed_alike_in_every_member_of_a_vmapped_layer_after_a_call_is_used(layer):
+    # Before: a layer without a batched rule runs through vmap on a copy of the first member's,
+    # made with the group's steps at its first call: a setting set alike on every member later
+    # (GroupNorm's eps, a module's own ``self.k``) was seen by the plain branches and not by the
+    # group, which ran the copy's (off by 1.5 and 3.2).
+    torch.manual_seed(0)
+    if layer == "GroupNorm":
+        branches, x = [nn.GroupNorm(2, 4) for _ in range(3)], torch.randn(3, 4, 5)
+    else:
+        branches, x = [_TimesSetting() for _ in range(3)], torch.randn(3, 4)
+    block = Parallel(*branches, fuse=True)
+    block(x)
+    for b in branches:
+        if layer == "GroupNorm":
+            b.eps = 10.0
+        else:
+            b.k = 3.0
+    for _ in range(2):
+        assert_close(block(x), torch.cat([b(x) for b in branches], 1))
+    assert fused_groups(block) == [["0", "1", "2"]]
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_a_callable_branch_given_another_callable_after_a_call_runs_it(fuse):
     # Before: ``block[i].fn = g`` (README: ``block[i].fn`` is your callable) set on a holder
