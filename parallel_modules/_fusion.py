@@ -2720,9 +2720,17 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             return [linear]
         activation, code, last = then[0].forward, then[2], then[1] == group.last
         w_name, b_name = q("weight"), q("bias")
+        # (GELU's approximation, which chose the epilogue's code, is read at every call, as the
+        # layer's forward reads it: set anew alike on every member, the code is chosen anew.)
+        gelu = then[0] if type(then[0]) is nn.GELU else None
+        approximate = None if gelu is None else gelu.approximate
 
         def linear_activation(v: _Value, get: _Get) -> _Value:
+            nonlocal code, approximate
             if _call.kernels:
+                if gelu is not None and gelu.approximate != approximate:
+                    approximate = gelu.approximate
+                    code = _batched_linear.activation(gelu)
                 return _kernel_linear(v, get(w_name), get(b_name), n, code, activation, last)
             out = linear(v, get)
             return _Value(activation(out.t), out.layout)

@@ -342,6 +342,22 @@ def test_eager_calls_launch_the_kernel_for_paired_layers_only(eager_kernels, bra
     assert eager_kernels == []
 
 
+def test_an_activation_s_approximation_set_after_a_call_is_launched(eager_kernels):
+    # Before: the epilogue's code was taken when the group's steps were made: GELU's
+    # approximation set to "tanh" alike on every member after the first call was launched
+    # as the exact GELU, where the branches computed the tanh one (unfused, and on the CPU,
+    # the step calls the layer and saw it).
+    p = Parallel(*[nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(3)],
+                 fuse=True).eval()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        p(x)
+        for b in p:
+            b[1].approximate = "tanh"
+        eager_kernels.clear()
+        assert_close(p(x), reference(p, x), atol=1e-5)
+    assert eager_kernels == [_batched_linear._GELU_TANH]
+
 @pytest.mark.parametrize("captured", [False, True])
 def test_layers_restacked_for_the_call_are_never_chained(monkeypatch, captured):
     # Under torch.func.functional_call the members' tensors are stacked anew before each
@@ -511,6 +527,21 @@ def test_kernel_equals_torch(dtype, tol, act, n, rows, k, width, dot):
         assert _batched_linear.linear(x, w, bias, out, act, dot) is out
         torch.testing.assert_close(out, reference_linear(x, w, bias, torch.empty_like(out), act), rtol=tol, atol=tol)
 
+
+@pytest.mark.cuda
+@needs_kernel
+def test_an_activation_s_approximation_set_after_a_call_is_computed_on_the_gpu():
+    # The epilogue's code chosen anew at an eager call (see the test with the CPU standing in;
+    # a CUDA graph replays the values it was captured with, as README says).
+    p = Parallel(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(4)],
+                 fuse=True).cuda().eval()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            p(x)
+        for b in p:
+            b[1].approximate = "tanh"
+        assert_close(p(x), reference(p, x), atol=1e-5)
 
 @pytest.mark.cuda
 @needs_kernel
