@@ -3216,7 +3216,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             run = shared if v.layout == _SHARED and state else stacked
         refused = None
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
-            if settings is not None:
+            if settings is not None and not tracing:  # (a program made eagerly traced: as made)
                 settings.follow()
             if guard is not None:
                 guard.now = True
