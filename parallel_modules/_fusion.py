@@ -2875,6 +2875,28 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
 
         return [embedding]
 
+    if (type(m) is nn.EmbeddingBag and m.max_norm is None and not m.scale_grad_by_freq
+            and m.padding_idx is None):
+        # As ``Embedding`` above: one ``F.embedding_bag`` on the members' tables one after
+        # another, member i's bags of indices offset by i * rows. vmap has no batched rule
+        # for embedding_bag: torch looped over the members, warning of it at every call.
+        # (Fused calls take one tensor, so no offsets and no per-sample weights: 2-D bags.
+        # A padding index would be one row per member, which embedding_bag takes one of.)
+        w_name, mode = q("weight"), m.mode
+        if w_name not in group.never_saved:  # (its backward reads the table's size only)
+            group.never_saved.add(w_name)
+
+        def embedding_bag(v: _Value, get: _Get) -> Any:
+            if v.layout != _SHARED or v.t.dim() != 2 or v.t.dtype not in (torch.int32, torch.int64):
+                return fallback(v, get)  # (and the layer's own error for 1-D bags without offsets)
+            idx, w = v.t, get(w_name)
+            rows = w.shape[1]
+            offsets = torch.arange(0, n * rows, rows, device=idx.device).view(n, 1, 1)
+            out = F.embedding_bag((idx + offsets).flatten(0, 1), w.flatten(0, 1), mode=mode)
+            return _Value(out.view(n, idx.shape[0], -1), _STACKED)
+
+        return [embedding_bag]
+
     if type(m) is nn.Flatten:
         def flatten(v: _Value, get: _Get) -> _Value:
             if v.layout == _SHARED:

@@ -2701,6 +2701,28 @@ def test_fused_embeddings_equal_unfused_and_leave_the_padding_row_without_gradie
     assert p.explain()["fused"] == [["0", "1", "2"]]
 
 
+@pytest.mark.parametrize("device", cpu_and_cuda())
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_fused_embedding_bags_equal_unfused_without_vmaps_per_member_loop(device, mode):
+    # Before: nn.EmbeddingBag had no batched rule of ours and ran through vmap, which has
+    # none for embedding_bag either: torch looped over the members and warned "There is a
+    # performance drop ... please file us an issue" at every call, and fuse="auto", which
+    # fuses without timing on the CPU, ran 8 bags 3.6x slower than unfused there.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.EmbeddingBag(10, 4, mode=mode), nn.Linear(4, 4)).to(device) for _ in range(3)]
+    p = Parallel(*copy.deepcopy(branches), join="sum", fuse=True)
+    x = torch.randint(0, 10, (4, 6), device=device)
+    x[0, :3] = 3  # a row read several times by one bag
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p(x).square().sum().backward()
+    assert not [w for w in caught if "batching rule" in str(w.message)]
+    sum(b(x) for b in branches).square().sum().backward()
+    for a, b in zip(p.parameters(), (q for br in branches for q in br.parameters())):
+        assert_close(a.grad, b.grad)
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 def test_fused_embeddings_keep_the_padding_rows_tangent_under_forward_ad():
     import torch.autograd.forward_ad as fwAD
 
