@@ -2893,7 +2893,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             rows = w.shape[1]
             offsets = torch.arange(0, n * rows, rows, device=idx.device).view(n, 1, 1)
             out = F.embedding_bag((idx + offsets).flatten(0, 1), w.flatten(0, 1), mode=mode)
-            return _Value(out.view(n, idx.shape[0], -1), _STACKED)
+            return _Value(out.view(n, idx.shape[0], w.shape[-1]), _STACKED)  # (an empty batch too)
 
         return [embedding_bag]
 

@@ -2720,6 +2720,7 @@ def test_fused_embedding_bags_equal_unfused_without_vmaps_per_member_loop(device
     sum(b(x) for b in branches).square().sum().backward()
     for a, b in zip(p.parameters(), (q for br in branches for q in br.parameters())):
         assert_close(a.grad, b.grad)
+    assert_close(p(x[:0]), reference(p, x[:0]))  # an empty batch: no rows to infer the width from
     assert p.explain()["fused"] == [["0", "1", "2"]]
 
 
