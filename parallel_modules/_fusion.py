@@ -2882,17 +2882,20 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         # for embedding_bag: torch looped over the members, warning of it at every call.
         # (Fused calls take one tensor, so no offsets and no per-sample weights: 2-D bags.
         # A padding index would be one row per member, which embedding_bag takes one of.)
-        w_name, mode = q("weight"), m.mode
+        w_name = q("weight")
         if w_name not in group.never_saved:  # (its backward reads the table's size only)
             group.never_saved.add(w_name)
 
         def embedding_bag(v: _Value, get: _Get) -> Any:
+            if m.scale_grad_by_freq or m.padding_idx is not None:
+                # (Set since: see above. A max_norm set groups the branches anew: see _Fusion.)
+                return _made_anew(group, m, prefix)(v, get)
             if v.layout != _SHARED or v.t.dim() != 2 or v.t.dtype not in (torch.int32, torch.int64):
                 return fallback(v, get)  # (and the layer's own error for 1-D bags without offsets)
             idx, w = v.t, get(w_name)
             rows = w.shape[1]
             offsets = torch.arange(0, n * rows, rows, device=idx.device).view(n, 1, 1)
-            out = F.embedding_bag((idx + offsets).flatten(0, 1), w.flatten(0, 1), mode=mode)
+            out = F.embedding_bag((idx + offsets).flatten(0, 1), w.flatten(0, 1), mode=m.mode)
             return _Value(out.view(n, idx.shape[0], w.shape[-1]), _STACKED)  # (an empty batch too)
 
         return [embedding_bag]

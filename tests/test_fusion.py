@@ -5454,14 +5454,17 @@ def _set_layer_setting(change: str, branch: nn.Sequential) -> None:
         branch[1].normalized_shape = (4,)
     elif change == "start_dim":
         branch[1].start_dim = 0
-    elif change == "padding_idx":
+    elif change in ("padding_idx", "bag padding_idx"):
         layer.padding_idx = 1
+    elif change == "bag mode":
+        layer.mode = "max"
     else:
         layer.scale_grad_by_freq = True
 
 
 @pytest.mark.parametrize("change", ["stride", "dilation", "padding_mode", "eps", "normalized_shape", "start_dim",
-                                    "padding_idx", "scale_grad_by_freq"])
+                                    "padding_idx", "scale_grad_by_freq", "bag mode", "bag padding_idx",
+                                    "bag scale_grad_by_freq"])
 def test_layer_settings_changed_alike_in_every_member_after_a_call_are_used(change):
     # Before: a group's batched steps, made at its first call, kept the convolution's stride,
     # padding, dilation and padding mode, the norms' eps and shape, Flatten's dims and the
@@ -5480,6 +5483,9 @@ def test_layer_settings_changed_alike_in_every_member_after_a_call_are_used(chan
             x = torch.randn(2, 3, 5, 5)
     elif change == "start_dim":
         make, x = (lambda: nn.Sequential(nn.Linear(4, 4), nn.Flatten())), torch.randn(2, 3, 4)
+    elif change.startswith("bag"):
+        # (Its mode, and the settings its batched step does not take, set after the first call.)
+        make, x = (lambda: nn.Sequential(nn.EmbeddingBag(5, 4))), torch.tensor([[1, 2, 1], [1, 0, 4]])
     else:
         make, x = (lambda: nn.Sequential(nn.Embedding(5, 4))), torch.tensor([[1, 2, 1], [1, 0, 4]])
     block = Parallel(*[make() for _ in range(3)], join="stack", dim=0, fuse=True)
