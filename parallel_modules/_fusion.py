@@ -2482,8 +2482,8 @@ def _kernel_linear(v: _Value, w: torch.Tensor, b: torch.Tensor | None, n: int, c
     return result
 
 
-def _linear_step(group: _Group, m: nn.Linear, prefix: str) -> _Step:
-    r"""The batched step of ``Linear`` ``m`` (at ``prefix`` in the template): see :func:`_program`."""
+def _linear_step(group: _Group, prefix: str) -> _Step:
+    r"""The batched step of the ``Linear`` at ``prefix`` in the template: see :func:`_program`."""
     n = group.n
     w_name, b_name = _join(prefix, "weight"), _join(prefix, "bias")
     # Views of the stacks, kept while the stacks are the same objects (no
@@ -2715,7 +2715,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
     if type(m) is nn.Linear:
         if q("weight") not in group.saved_with_input:  # (read, not written, under a trace: see _Group)
             group.saved_with_input.add(q("weight"))
-        linear = _linear_step(group, m, prefix)
+        linear = _linear_step(group, prefix)
         if then is None:
             return [linear]
         activation, code, last = then[0].forward, then[2], then[1] == group.last
