@@ -1589,7 +1589,7 @@ class _Group:
 
     def _compare_attributes(self, since: str) -> None:
         r"""Refuse members whose tensor attributes (not parameters or buffers) are set apart from the first
-        member's; else keep them, with their versions, for later calls to look at (see :func:`_attributes_kept`).
+        member's; else keep them, with their versions, for later calls to look at (see :func:`_attribute_changed`).
 
         The layers run through vmap read the first member's attributes for every
         member (see _vmapped_step): the members' own calls since they were grouped
