@@ -3110,8 +3110,27 @@ def _made_anew(group: _Group, m: nn.Module, prefix: str) -> _Step:
     group's steps were made (``conv.padding_mode = "reflect"``): the layer run through vmap for this
     call, and the group's steps made anew at its next call (a trace's own are made for it)."""
     if not _is_tracing():
+        _refuse_set_apart(group, prefix)
         group.program = None
     return _vmapped_step(group, m, prefix)
+
+
+def _refuse_set_apart(group: _Group, prefix: str) -> None:
+    r"""Raise :class:`_MembersChanged` where a member's layer at ``prefix`` no longer matches the first
+    member's, whose setting a step found set anew since it last looked.
+
+    The steps read the first member's settings for every member: set on it alone,
+    it would be taken for all. Asked only where a step sees one changed, so that
+    a call costs nothing more; one set on another member alone is not seen (see
+    the README's limits). Not while a compiler traces, which compares the members
+    itself (see :meth:`_Fusion.current`).
+    """
+    first = group.template.get_submodule(prefix)
+    for name, member in zip(group.names[1:], group.members[1:]):
+        diff = _difference(first, member.get_submodule(prefix), prefix, tensors=False)
+        if diff is not None:
+            raise _MembersChanged(f"the branches are no longer identical: in branch {name!r}, {diff}, set on "
+                                  f"branch {group.names[0]!r} since the group's first call")
 
 
 def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
@@ -3241,8 +3260,8 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             run = shared if v.layout == _SHARED and state else stacked
         refused = None
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
-            if settings is not None and not tracing:  # (a program made eagerly traced: as made)
-                settings.follow()
+            if settings is not None and not tracing and settings.follow():  # (a program made eagerly traced: as made)
+                _refuse_set_apart(group, prefix)
             if guard is not None:
                 guard.now = True
                 batching, _batching.device = _batching.device, v.t.device.type
@@ -3313,10 +3332,11 @@ class _Settings:
             pairs += [(c, copied._modules[name]) for name, c in source._modules.items() if c is not None]
         self.values = list(map(dict.get, self.sources, self.keys))
 
-    def follow(self) -> None:
-        r"""Set on the copy the settings set anew on the layer since the last call (one deleted: deleted)."""
+    def follow(self) -> bool:
+        r"""Set on the copy the settings set anew on the layer since the last call (one deleted: deleted);
+        whether one was."""
         if all(map(operator.is_, map(dict.get, self.sources, self.keys), self.values)):
-            return
+            return False
         for i, (source, k, copied, value) in enumerate(zip(self.sources, self.keys, self.copies, self.values)):
             now = source.get(k, _GONE)
             if now is not value:
@@ -3330,6 +3350,7 @@ class _Settings:
         if len(kept) != len(self.values):
             self.sources, self.keys, self.copies, self.values = (
                 [xs[i] for i in kept] for xs in (self.sources, self.keys, self.copies, self.values))
+        return True
 
 
 _GONE = object()

@@ -5536,6 +5536,43 @@ def test_a_setting_changed_alike_in_every_member_of_a_vmapped_layer_after_a_call
 
 
 @pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("change", ["padding_mode", "bag padding_idx", "scale_grad_by_freq", "own"])
+def test_a_setting_changed_on_the_first_member_only_after_a_call_is_not_used_for_all(change, fuse):
+    # Before: a setting that makes the steps anew (a padding mode, a padding row) or that a
+    # vmapped layer's copy follows, set on the first member only after the group's first call,
+    # was taken for every member's: the other branches ran reflect-padded, or scaled by 3.
+    # Seen there, where the steps look at the first member's settings anyway, the members are
+    # compared, as at a group's first call.
+    torch.manual_seed(0)
+    if change == "padding_mode":
+        make, x = (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())), torch.randn(2, 3, 6, 6)
+    elif change == "own":
+        make, x = (lambda: nn.Sequential(_TimesSetting())), torch.randn(3, 4)
+    else:
+        layer = nn.EmbeddingBag if change.startswith("bag") else nn.Embedding
+        make, x = (lambda: nn.Sequential(layer(5, 4))), torch.tensor([[1, 2, 1], [1, 0, 4]])
+    block = Parallel(*[make() for _ in range(3)], join="stack", dim=0, fuse=fuse)
+    for _ in range(3):  # (fuse="auto" runs its first calls unfused, as a trial)
+        block(x)
+    if change == "own":
+        block[0][0].k = 3.0
+    else:
+        _set_layer_setting(change, block[0])
+    if fuse is True:
+        with pytest.raises(RuntimeError, match=r"no longer identical: in branch '1'"):
+            block(x)
+        return
+    for _ in range(2):
+        out = block(x)
+        expected = torch.stack([b(x) for b in block])
+        assert_close(out, expected)
+        g = torch.randn_like(out)
+        params = list(block.parameters())
+        assert_close(torch.autograd.grad(out, params, g), torch.autograd.grad(expected, params, g))
+    assert fused_groups(block) == [["1", "2"]]
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
 def test_a_callable_branch_given_another_callable_after_a_call_runs_it(fuse):
     # Before: ``block[i].fn = g`` (README: ``block[i].fn`` is your callable) set on a holder
     # of a fused group after its first call registered nothing, and the group ran the old
