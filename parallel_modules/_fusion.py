@@ -2671,7 +2671,9 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
     # (The steps below read the first member's settings -- a stride, an eps -- at every call,
     # as its own ``forward`` would: the program is kept for the group's life, and a setting
     # changed alike in every member after its first call (``model.apply`` setting eps) would
-    # otherwise be seen by the plain branches only. A few attribute reads per layer and call.)
+    # otherwise be seen by the plain branches only. A few attribute reads per layer and call;
+    # one found changed compares the members, see _watched: set on the first alone, it is
+    # not taken for every member's.)
     # ATen's instance norm saves a copy of its weight, repeated for each sample, unfused as
     # under vmap: a change in place after the forward pass reaches neither backward. (Not
     # where a subclass's forward of its own may read the weight itself.)
@@ -2729,6 +2731,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             nonlocal code, approximate
             if _call.kernels:
                 if gelu is not None and gelu.approximate != approximate:
+                    _refuse_set_apart(group, then[1])  # (not traced: kernels are off there)
                     approximate = gelu.approximate
                     code = _batched_linear.activation(gelu)
                 return _kernel_linear(v, get(w_name), get(b_name), n, code, activation, last)
@@ -2741,19 +2744,20 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         nd = len(m.kernel_size)
         conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
         w_name, b_name = q("weight"), q("bias")
+        settings = _watched(group, prefix, lambda: (m.stride, m.padding, m.dilation, m.groups))
 
         def convolution(v: _Value, get: _Get) -> Any:
             if m.padding_mode != "zeros":  # (set since: the input padded by the layer's own forward)
                 return _made_anew(group, m, prefix)(v, get)
             if _member_dims(v) != nd + 2:  # an unbatched input: no channel layout to batch in
                 return fallback(v, get)
-            groups = m.groups
+            stride, padding, dilation, groups = settings()
             w, b = get(w_name), get(b_name)
             if v.layout == _SHARED and groups == 1:
                 x, g = v.t, 1  # members' weights side by side: one convolution, N * C_out channels
             else:
                 x, g = _to_channels(v, n), groups * n
-            out = conv(x, w.flatten(0, 1), None if b is None else b.flatten(), m.stride, m.padding, m.dilation, g)
+            out = conv(x, w.flatten(0, 1), None if b is None else b.flatten(), stride, padding, dilation, g)
             return _Value(out, _CHANNELS)
 
         return [convolution]
@@ -2770,6 +2774,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         # of host time per call (a subclass's own check runs at every call).
         check, passed = m._check_input_dim, set()
         stock = type(m)._check_input_dim in _STOCK_DIM_CHECKS
+        eps = _watched(group, prefix, lambda: m.eps)
 
         def batch_norm(v: _Value, get: _Get) -> Any:
             dims = _member_dims(v)
@@ -2780,15 +2785,16 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
                 if stock:
                     passed.add(dims)
             mean, var, w, b = (None if t is None else t.flatten() for t in map(get, names))
-            return _Value(F.batch_norm(_to_channels(v, n), mean, var, w, b, False, 0.0, m.eps), _CHANNELS)
+            return _Value(F.batch_norm(_to_channels(v, n), mean, var, w, b, False, 0.0, eps()), _CHANNELS)
 
         return [batch_norm]
 
     if type(m) is nn.LayerNorm:
         w_name, b_name = q("weight"), q("bias")
+        settings = _watched(group, prefix, lambda: (m.normalized_shape, m.eps))
 
         def layer_norm(v: _Value, get: _Get) -> _Value:
-            shape, eps = m.normalized_shape, m.eps
+            shape, eps = settings()
             if v.layout != _SHARED and _member_dims(v) < len(shape):
                 # On the stack, [N, *value], a shape longer than a member's value would take in
                 # the members' dimension (where it begins with N) and normalize across them, as
@@ -2854,10 +2860,12 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         if w_name not in group.never_saved:
             group.never_saved.add(w_name)
 
+        padding = _watched(group, prefix, lambda: m.padding_idx)
+
         def embedding(v: _Value, get: _Get) -> Any:
             if m.scale_grad_by_freq:  # (set since: counted per member by the layer's own forward)
                 return _made_anew(group, m, prefix)(v, get)
-            padding_idx = m.padding_idx
+            padding_idx = padding()
             if (v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0
                     or v.t.dtype not in (torch.int32, torch.int64)):
                 # Each member's own indices, or forward-mode AD (whose padding row keeps its
@@ -2886,6 +2894,8 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         if w_name not in group.never_saved:  # (its backward reads the table's size only)
             group.never_saved.add(w_name)
 
+        mode = _watched(group, prefix, lambda: m.mode)
+
         def embedding_bag(v: _Value, get: _Get) -> Any:
             if m.scale_grad_by_freq or m.padding_idx is not None:
                 # (Set since: see above. A max_norm set groups the branches anew: see _Fusion.)
@@ -2895,16 +2905,18 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             idx, w = v.t, get(w_name)
             rows = w.shape[1]
             offsets = torch.arange(0, n * rows, rows, device=idx.device).view(n, 1, 1)
-            out = F.embedding_bag((idx + offsets).flatten(0, 1), w.flatten(0, 1), mode=m.mode)
+            out = F.embedding_bag((idx + offsets).flatten(0, 1), w.flatten(0, 1), mode=mode())
             return _Value(out.view(n, idx.shape[0], w.shape[-1]), _STACKED)  # (an empty batch too)
 
         return [embedding_bag]
 
     if type(m) is nn.Flatten:
+        settings = _watched(group, prefix, lambda: (m.start_dim, m.end_dim))
+
         def flatten(v: _Value, get: _Get) -> _Value:
+            start_dim, end_dim = settings()
             if v.layout == _SHARED:
                 return _Value(m(v.t), _SHARED)
-            start_dim, end_dim = m.start_dim, m.end_dim
             dims = _member_dims(v)
             if not (-dims <= start_dim < dims and -dims <= end_dim < dims):
                 # A dim beyond a member's value (or a 0-d one): on the stack, [N, *value], a
@@ -3113,6 +3125,23 @@ def _made_anew(group: _Group, m: nn.Module, prefix: str) -> _Step:
         _refuse_set_apart(group, prefix)
         group.program = None
     return _vmapped_step(group, m, prefix)
+
+
+def _watched(group: _Group, prefix: str, read: Callable[[], Any]) -> Callable[[], Any]:
+    r"""``read`` (the first member's settings that a step reads at every call, see :func:`_program`), which
+    compares the members (see :func:`_refuse_set_apart`) whenever its value is not the one it last had."""
+    seen = read()
+
+    def settings() -> Any:
+        nonlocal seen
+        now = read()
+        if now != seen:
+            if not _is_tracing():
+                _refuse_set_apart(group, prefix)
+            seen = now
+        return now
+
+    return settings
 
 
 def _refuse_set_apart(group: _Group, prefix: str) -> None:

@@ -358,6 +358,22 @@ def test_an_activation_s_approximation_set_after_a_call_is_launched(eager_kernel
         assert_close(p(x), reference(p, x), atol=1e-5)
     assert eager_kernels == [_batched_linear._GELU_TANH]
 
+
+def test_an_activation_s_approximation_set_on_the_first_member_only_is_not_launched_for_all(eager_kernels):
+    # Before: the epilogue's code chosen anew from the first member's GELU, set to "tanh" on it
+    # alone after the first call, was launched for every member, where the other branches
+    # computed the exact GELU. Seen as it is chosen anew, the members are compared.
+    p = Parallel(*[nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)) for _ in range(3)],
+                 fuse="auto").eval()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        for _ in range(3):  # (fuse="auto" runs its first calls unfused, as a trial)
+            p(x)
+        p[0][1].approximate = "tanh"
+        for _ in range(2):
+            assert_close(p(x), reference(p, x), atol=1e-5)
+    assert p.explain()["fused"] == [["1", "2"]]
+
 @pytest.mark.parametrize("captured", [False, True])
 def test_layers_restacked_for_the_call_are_never_chained(monkeypatch, captured):
     # Under torch.func.functional_call the members' tensors are stacked anew before each

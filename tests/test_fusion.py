@@ -5536,22 +5536,31 @@ def test_a_setting_changed_alike_in_every_member_of_a_vmapped_layer_after_a_call
 
 
 @pytest.mark.parametrize("fuse", [True, "auto"])
-@pytest.mark.parametrize("change", ["padding_mode", "bag padding_idx", "scale_grad_by_freq", "own"])
+@pytest.mark.parametrize("change", ["stride", "padding_mode", "eps", "normalized_shape", "start_dim", "padding_idx",
+                                    "bag mode", "bag padding_idx", "scale_grad_by_freq", "own"])
 def test_a_setting_changed_on_the_first_member_only_after_a_call_is_not_used_for_all(change, fuse):
-    # Before: a setting that makes the steps anew (a padding mode, a padding row) or that a
-    # vmapped layer's copy follows, set on the first member only after the group's first call,
-    # was taken for every member's: the other branches ran reflect-padded, or scaled by 3.
-    # Seen there, where the steps look at the first member's settings anyway, the members are
-    # compared, as at a group's first call.
+    # Before: a setting the batched steps read off the first member at every call (a stride,
+    # an eps, a padding row), or that a vmapped layer's copy follows, set on the first member
+    # only after the group's first call, was taken for every member's: the other branches ran
+    # with stride 2, reflect-padded, or scaled by 3. Seen where the steps read it anyway, a
+    # change compares the members, as a group's first call does.
     torch.manual_seed(0)
-    if change == "padding_mode":
+    if change in ("stride", "padding_mode"):
         make, x = (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())), torch.randn(2, 3, 6, 6)
+    elif change == "eps":
+        make, x = (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4).eval())), torch.randn(2, 3, 5, 5)
+    elif change == "normalized_shape":
+        make = lambda: nn.Sequential(nn.Linear(4, 4), nn.LayerNorm((3, 4), elementwise_affine=False))  # noqa: E731
+        x = torch.randn(2, 3, 4)
+    elif change == "start_dim":
+        make, x = (lambda: nn.Sequential(nn.Linear(4, 4), nn.Flatten())), torch.randn(2, 3, 4)
     elif change == "own":
         make, x = (lambda: nn.Sequential(_TimesSetting())), torch.randn(3, 4)
     else:
         layer = nn.EmbeddingBag if change.startswith("bag") else nn.Embedding
         make, x = (lambda: nn.Sequential(layer(5, 4))), torch.tensor([[1, 2, 1], [1, 0, 4]])
-    block = Parallel(*[make() for _ in range(3)], join="stack", dim=0, fuse=fuse)
+    # (No join: set apart, a stride or Flatten's dims give the first branch another shape.)
+    block = Parallel(*[make() for _ in range(3)], join=None, fuse=fuse)
     for _ in range(3):  # (fuse="auto" runs its first calls unfused, as a trial)
         block(x)
     if change == "own":
@@ -5563,12 +5572,11 @@ def test_a_setting_changed_on_the_first_member_only_after_a_call_is_not_used_for
             block(x)
         return
     for _ in range(2):
-        out = block(x)
-        expected = torch.stack([b(x) for b in block])
-        assert_close(out, expected)
-        g = torch.randn_like(out)
+        out, expected = block(x), [b(x) for b in block]
+        assert_close(out, tuple(expected))
         params = list(block.parameters())
-        assert_close(torch.autograd.grad(out, params, g), torch.autograd.grad(expected, params, g))
+        loss = lambda outs: sum(o.square().sum() for o in outs)  # noqa: E731
+        assert_close(torch.autograd.grad(loss(out), params), torch.autograd.grad(loss(expected), params))
     assert fused_groups(block) == [["1", "2"]]
 
 
