@@ -1237,9 +1237,9 @@ class _Group:
         # (Judged once: a change of the members' train/eval modes makes the groups anew, see
         # _Fusion.current.)
         self.wrote_buffers: bool | None = None
-        # The batched steps, made at the first eager call (they read the layers' settings
-        # then: see _run). Made once here for the two sets above, which depend on the
-        # layers' types alone.
+        # The batched steps, made at the first eager call (and again where a setting that
+        # chose a step is set anew: see _made_anew; the settings they read are read at every
+        # call). Made once here for the two sets above, which depend on the layers' types alone.
         self.program: list[_Step] | None = None
         # The members' tensor attributes (not parameters or buffers) when their values were last found
         # alike: the member's name, the attribute's path in it, its module's dict, its name there, the
@@ -2644,7 +2644,8 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
              ) -> list[_Step]:
     r"""The batched steps that compute submodule ``m`` (at ``prefix`` in the template) for every member.
 
-    Built once per group, so that a call does no module-type dispatch or name
+    Built once per group (again where a setting that chose a step is set anew, see
+    :func:`_made_anew`), so that a call does no module-type dispatch or name
     formatting: each step has its parameters' qualified names baked in.
     ``then``: for a ``Linear``, the activation module that follows it, its
     name and its code in :mod:`._batched_linear`, applied by the same step
