@@ -374,6 +374,7 @@ def test_an_activation_s_approximation_set_on_the_first_member_only_is_not_launc
             assert_close(p(x), reference(p, x), atol=1e-5)
     assert p.explain()["fused"] == [["1", "2"]]
 
+
 @pytest.mark.parametrize("captured", [False, True])
 def test_layers_restacked_for_the_call_are_never_chained(monkeypatch, captured):
     # Under torch.func.functional_call the members' tensors are stacked anew before each
@@ -558,6 +559,7 @@ def test_an_activation_s_approximation_set_after_a_call_is_computed_on_the_gpu()
         for b in p:
             b[1].approximate = "tanh"
         assert_close(p(x), reference(p, x), atol=1e-5)
+
 
 @pytest.mark.cuda
 @needs_kernel

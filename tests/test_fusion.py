@@ -5605,6 +5605,7 @@ def test_a_callable_branch_given_another_callable_after_a_call_runs_it(fuse):
         assert_same(block(x), torch.cat([x + 1] * 3, 1))
     assert fused_groups(block) == [["0", "1", "2"]]
 
+
 def _backward_or_refused(loss: torch.Tensor, block: nn.Module) -> list[torch.Tensor] | None:
     r"""``block``'s gradients after ``loss.backward()``, or ``None`` where autograd refuses it for a change in place."""
     try:
