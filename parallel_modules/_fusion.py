@@ -1861,9 +1861,14 @@ class _Group:
             # computes nothing autograd differentiates unfused: none of its weights is saved,
             # and a change in place to one (an EMA teacher's update before the students'
             # backward) passes. Fused, its share of the gradient is computed and dropped.
-            # (Watched only while bound: see _stacked, where the members' tensors are the bound ones.)
-            frozen = {i for i, params in zip(self.indices, self.member_parameters)
-                      if not any([p.requires_grad for p in params])}
+            # (Restacked, the tensors swapped in for the call, not the bound ones: a frozen model's
+            # functional_call with trained tensors trains them.)
+            members = self.member_parameters
+            if made is not None:
+                given = [self._tensors(e) for e in self.entries.values() if e.kind == "_parameters"]
+                members = [tuple(ts[k] for ts in given) for k in range(self.n)]
+            frozen = {i for i, params in zip(self.indices, members)
+                      if not any([p is not None and p.requires_grad for p in params])}
             if frozen:
                 entries, watched = watched, []
                 for what, indices, tensors, versions, impls in entries:

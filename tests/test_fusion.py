@@ -4255,6 +4255,26 @@ def test_a_tensor_swapped_in_and_changed_before_the_backward_is_refused(given):
             out.sum().backward()
 
 
+def test_a_tensor_swapped_in_for_a_frozen_member_and_changed_before_the_backward_is_refused():
+    # (Review of the watch above.) A member is left unwatched where it computes nothing autograd
+    # differentiates (all its parameters frozen, on an input that requires none): judged by the
+    # bound parameters, a frozen model's functional_call with trained tensors swapped in (weights
+    # made by a hypernetwork, copies being fine-tuned) dropped every member's watch, and a change
+    # in place before the backward passed where unfused autograd refuses it.
+    torch.manual_seed(0)
+    p = Parallel(*[mlp(4, 2) for _ in range(2)], fuse=True)
+    x = torch.randn(5, 4)
+    p(x)
+    for m in (p, Loop(copy.deepcopy(list(p)))):
+        m.requires_grad_(False)
+        state = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+        out = torch.func.functional_call(m, state, (x,))
+        with torch.no_grad():
+            state["1.2.weight"].add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
 class _Heads(Loop):
     r"""The plain module a ``join=None`` block stands for: its branches' outputs, as a tuple."""
 
