@@ -2333,9 +2333,12 @@ def _differentiating() -> bool:
 
 def _version(t: torch.Tensor) -> int:
     r"""``t``'s version: under ``torch.vmap``, that of the tensor it batches, which a write in place moves
-    (a batched tensor's own stays as it was)."""
+    (a batched tensor's own stays as it was); under ``torch.func.functionalize``, whether it was written
+    (a functional tensor's version stays as it was, a write replacing the tensor it wraps)."""
     while torch._C._functorch.is_batchedtensor(t):
         t = torch._C._functorch.get_unwrapped(t)
+    if torch._C._functorch.is_functionaltensor(t):
+        return torch._functionalize_has_data_mutation(t)
     return t._version
 
 
