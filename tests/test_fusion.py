@@ -4284,6 +4284,29 @@ def test_a_tensor_swapped_in_for_a_frozen_member_and_changed_before_the_backward
             out.sum().backward()
 
 
+def test_a_traced_call_without_grad_changes_no_grad_mode():
+    # (Review of the restack above, which stacks without grad where _Unstack takes it.) Traced
+    # under torch.no_grad() (a compiled inference call), every stack was wrapped in
+    # set_grad_enabled(True): grad-mode changes in the graph the plain module's has none of.
+    torch.manual_seed(0)
+    p = Parallel(*[mlp(4, 2) for _ in range(2)], fuse=True)
+    x = torch.randn(5, 4)
+    p(x)
+    counts = []
+    for m in (p, Loop(copy.deepcopy(list(p)))):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            assert_close(torch.compile(m, backend=backend)(x), m(x))
+        counts.append(sum("grad_enabled" in str(n.target) for g in graphs for n in g.graph.nodes))
+    assert counts == [0, 0]
+
+
 class _Heads(Loop):
     r"""The plain module a ``join=None`` block stands for: its branches' outputs, as a tuple."""
 
