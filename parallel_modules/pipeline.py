@@ -2193,8 +2193,8 @@ class ParallelSequential(nn.Sequential):
                 s, got = changer
                 raise ValueError(
                     f"{type(self).__name__}: stage {names[s]!r} (index {s}) returned {got} rows along dimension 0 "
-                    f"for micro-batches of {sizes} samples, where one row per sample is expected: every stage after "
-                    f"it returned as many, and the outputs of the last stage {names[-1]!r} (index {len(names) - 1}) "
+                    f"for micro-batches of {sizes} samples, where one row per sample is expected: no stage after it "
+                    f"returned one row per sample again, and the outputs of the last stage {names[-1]!r} (index {len(names) - 1}) "
                     f"cannot be concatenated into the whole batch's (a reduction over the batch, or a slice or "
                     f"reshape along its dimension, cannot be). Make stage {names[s]!r} return per-sample outputs, "
                     f"or use chunks=1.") from e

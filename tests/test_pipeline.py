@@ -439,6 +439,22 @@ def test_the_stage_changing_the_batch_size_is_named_past_a_transpose_and_back(de
     assert torch.equal(model(x), nn.Sequential(*model)(x))
 
 
+class _Tripled(nn.Module):
+    def forward(self, x):
+        return x.repeat(3, 1)
+
+
+def test_the_stage_changing_the_batch_size_is_named_where_a_later_one_changes_them_again() -> None:
+    # (Review of the message above.) A stage after the one named may change the rows again (a
+    # repeat, a reshape): the message said every stage after it "returned as many", which they
+    # did not; it says none returned one row per sample again, which is what was looked at.
+    model = ParallelSequential(nn.Linear(4, 4), _FirstRow(), _Tripled(), nn.Linear(4, 4), chunks=2)
+    with pytest.raises(ValueError, match=r"stage '1' \(index 1\) returned \[1, 1\] rows along dimension 0 for "
+                                         r"micro-batches of \[2, 2\] samples, where one row per sample is "
+                                         r"expected: no stage after it returned one row per sample again"):
+        model(torch.randn(4, 4))
+
+
 def test_a_packed_sequence_is_refused_for_what_it_is() -> None:
     # Before (a CPU hunt): "every tensor of the input must have the same batch size ...
     # input.data: 10, input.batch_sizes: 5. Pass tensors of one batch", which cannot be done.
