@@ -2194,10 +2194,10 @@ class ParallelSequential(nn.Sequential):
                 raise ValueError(
                     f"{type(self).__name__}: stage {names[s]!r} (index {s}) returned {got} rows along dimension 0 "
                     f"for micro-batches of {sizes} samples, where one row per sample is expected: no stage after it "
-                    f"returned one row per sample again, and the outputs of the last stage {names[-1]!r} (index {len(names) - 1}) "
-                    f"cannot be concatenated into the whole batch's (a reduction over the batch, or a slice or "
+                    f"returned one row per sample again, and the outputs of the last stage {names[-1]!r} "
+                    f"(index {len(names) - 1}) cannot be concatenated into the whole batch's (a reduction over the batch, or a slice or "
                     f"reshape along its dimension, cannot be). Make stage {names[s]!r} return per-sample outputs, "
-                    f"or use chunks=1.") from e
+                    f"or use chunks=1. ({type(e).__name__}: {e})") from e
             listing = "\n".join(f"  micro-batch {m}: {_describe(o)}" for m, o in enumerate(outputs))
             # (the type Parallel's join raises: torch.cat's RuntimeError for tensors that do not agree)
             raise (RuntimeError if isinstance(e, RuntimeError) else ValueError)(
