@@ -2678,6 +2678,9 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
                 i += 1
         return steps
     n = group.n
+    # (The group keeps its steps: one holding the group would make a cycle, freed by the collector
+    # only, the members' parameters with it, where a plain model is freed at ``del``.)
+    this = weakref.ref(group)
     q = lambda name: _join(prefix, name)  # noqa: E731
     fallback = _vmapped_step(group, m, prefix)
     # (The steps below read the first member's settings -- a stride, an eps -- at every call,
@@ -2743,7 +2746,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
             nonlocal code, approximate
             if _call.kernels:
                 if gelu is not None and gelu.approximate != approximate:
-                    _refuse_set_apart(group, then[1])  # (not traced: kernels are off there)
+                    _refuse_set_apart(this(), then[1])  # (not traced: kernels are off there)
                     approximate = gelu.approximate
                     code = _batched_linear.activation(gelu)
                 return _kernel_linear(v, get(w_name), get(b_name), n, code, activation, last)
@@ -2756,11 +2759,11 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         nd = len(m.kernel_size)
         conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
         w_name, b_name = q("weight"), q("bias")
-        settings = _watched(group, prefix, lambda: (m.stride, m.padding, m.dilation, m.groups))
+        settings = _watched(this, prefix, lambda: (m.stride, m.padding, m.dilation, m.groups))
 
         def convolution(v: _Value, get: _Get) -> Any:
             if m.padding_mode != "zeros":  # (set since: the input padded by the layer's own forward)
-                return _made_anew(group, m, prefix)(v, get)
+                return _made_anew(this(), m, prefix)(v, get)
             if _member_dims(v) != nd + 2:  # an unbatched input: no channel layout to batch in
                 return fallback(v, get)
             stride, padding, dilation, groups = settings()
@@ -2786,7 +2789,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         # of host time per call (a subclass's own check runs at every call).
         check, passed = m._check_input_dim, set()
         stock = type(m)._check_input_dim in _STOCK_DIM_CHECKS
-        eps = _watched(group, prefix, lambda: m.eps)
+        eps = _watched(this, prefix, lambda: m.eps)
 
         def batch_norm(v: _Value, get: _Get) -> Any:
             dims = _member_dims(v)
@@ -2803,7 +2806,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
 
     if type(m) is nn.LayerNorm:
         w_name, b_name = q("weight"), q("bias")
-        settings = _watched(group, prefix, lambda: (m.normalized_shape, m.eps))
+        settings = _watched(this, prefix, lambda: (m.normalized_shape, m.eps))
 
         def layer_norm(v: _Value, get: _Get) -> _Value:
             shape, eps = settings()
@@ -2872,11 +2875,11 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         if w_name not in group.never_saved:
             group.never_saved.add(w_name)
 
-        padding = _watched(group, prefix, lambda: m.padding_idx)
+        padding = _watched(this, prefix, lambda: m.padding_idx)
 
         def embedding(v: _Value, get: _Get) -> Any:
             if m.scale_grad_by_freq:  # (set since: counted per member by the layer's own forward)
-                return _made_anew(group, m, prefix)(v, get)
+                return _made_anew(this(), m, prefix)(v, get)
             padding_idx = padding()
             if (v.layout != _SHARED or padding_idx is not None and _forward_ad._current_level >= 0
                     or v.t.dtype not in (torch.int32, torch.int64)):
@@ -2906,12 +2909,12 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         if w_name not in group.never_saved:  # (its backward reads the table's size only)
             group.never_saved.add(w_name)
 
-        mode = _watched(group, prefix, lambda: m.mode)
+        mode = _watched(this, prefix, lambda: m.mode)
 
         def embedding_bag(v: _Value, get: _Get) -> Any:
             if m.scale_grad_by_freq or m.padding_idx is not None:
                 # (Set since: see above. A max_norm set groups the branches anew: see _Fusion.)
-                return _made_anew(group, m, prefix)(v, get)
+                return _made_anew(this(), m, prefix)(v, get)
             if v.layout != _SHARED or v.t.dim() != 2 or v.t.dtype not in (torch.int32, torch.int64):
                 return fallback(v, get)  # (and the layer's own error for 1-D bags without offsets)
             idx, w = v.t, get(w_name)
@@ -2923,7 +2926,7 @@ def _program(group: _Group, m: nn.Module, prefix: str, then: tuple[nn.Module, st
         return [embedding_bag]
 
     if type(m) is nn.Flatten:
-        settings = _watched(group, prefix, lambda: (m.start_dim, m.end_dim))
+        settings = _watched(this, prefix, lambda: (m.start_dim, m.end_dim))
 
         def flatten(v: _Value, get: _Get) -> _Value:
             start_dim, end_dim = settings()
@@ -3139,9 +3142,10 @@ def _made_anew(group: _Group, m: nn.Module, prefix: str) -> _Step:
     return _vmapped_step(group, m, prefix)
 
 
-def _watched(group: _Group, prefix: str, read: Callable[[], Any]) -> Callable[[], Any]:
+def _watched(group: Callable[[], _Group | None], prefix: str, read: Callable[[], Any]) -> Callable[[], Any]:
     r"""``read`` (the first member's settings that a step reads at every call, see :func:`_program`), which
-    compares the members (see :func:`_refuse_set_apart`) whenever its value is not the one it last had."""
+    compares the members (see :func:`_refuse_set_apart`) whenever its value is not the one it last had.
+    ``group``: a weak reference to the group (see :func:`_program`)."""
     seen = read()
 
     def settings() -> Any:
@@ -3149,14 +3153,14 @@ def _watched(group: _Group, prefix: str, read: Callable[[], Any]) -> Callable[[]
         now = read()
         if now != seen:
             if not _is_tracing():
-                _refuse_set_apart(group, prefix)
+                _refuse_set_apart(group(), prefix)
             seen = now
         return now
 
     return settings
 
 
-def _refuse_set_apart(group: _Group, prefix: str) -> None:
+def _refuse_set_apart(group: _Group | None, prefix: str) -> None:
     r"""Raise :class:`_MembersChanged` where a member's layer at ``prefix`` no longer matches the first
     member's, whose setting a step found set anew since it last looked.
 
@@ -3166,6 +3170,8 @@ def _refuse_set_apart(group: _Group, prefix: str) -> None:
     the README's limits). Not while a compiler traces, which compares the members
     itself (see :meth:`_Fusion.current`).
     """
+    if group is None:  # (its steps outlive it only while a caller still holds them)
+        return
     first = group.template.get_submodule(prefix)
     for name, member in zip(group.names[1:], group.members[1:]):
         diff = _difference(first, member.get_submodule(prefix), prefix, tensors=False)
@@ -3178,6 +3184,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     r"""Any other module: :func:`torch.vmap` of :func:`torch.func.functional_call` over the stacks."""
     quals = [q for q in group.entries if q.startswith(prefix + ".")] if prefix else list(group.entries)
     local = [(q[len(prefix) + 1:] if prefix else q, q) for q in quals]
+    n, this = group.n, weakref.ref(group)  # (not the group itself: see _program)
     # ``functional_call`` writes the stacks into ``runner``'s dicts for the call and puts its
     # tensors back after: two threads would read, and put back, each other's. (Per layer: the
     # blocks of other threads run on. A compiler tracing the steps it makes for its trace
@@ -3302,7 +3309,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         refused = None
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if settings is not None and not tracing and settings.follow():  # (a program made eagerly traced: as made)
-                _refuse_set_apart(group, prefix)
+                _refuse_set_apart(this(), prefix)
             if guard is not None:
                 guard.now = True
                 batching, _batching.device = _batching.device, v.t.device.type
@@ -3313,7 +3320,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                 else:
                     # (Without parameters or buffers nothing else is batched, and vmap needs a batched
                     # input: the members' common input is read as N stacked copies, without copying.)
-                    out = run(state, _vmappable_layout(_to_stacked(v, group.n), 1))
+                    out = run(state, _vmappable_layout(_to_stacked(v, n), 1))
             finally:
                 if guard is not None:
                     guard.now = False

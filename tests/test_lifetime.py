@@ -76,6 +76,26 @@ def test_a_parallel_is_freed_at_del(fuse: object, streams: object, join: object)
     assert not _freed_at_del(lambda: Parallel(*_branches(), fuse=fuse, streams=streams, join=join), _call)
 
 
+def _layered() -> nn.Module:
+    # Layers whose batched steps read their settings at every call (a convolution, the norms,
+    # Flatten) and one run through vmap (GroupNorm), whose steps the group keeps.
+    return nn.Sequential(nn.Unflatten(1, (4, 2, 2)), nn.Conv2d(4, 4, 1), nn.GroupNorm(2, 4), nn.Flatten(),
+                         nn.LayerNorm(16), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_fused_group_of_layers_reading_their_settings_is_freed_at_del(train: bool) -> None:
+    # Before: the steps closed over their group, which keeps them: a cycle, freed only by the
+    # collector (found on the GPU, where a Linear's step reads its GELU's approximation).
+    def use(model: nn.Module, x: torch.Tensor) -> object:
+        out = model(x)
+        if train:
+            out.sum().backward()
+        return out
+
+    assert not _freed_at_del(lambda: Parallel(*[_layered() for _ in range(3)], fuse=True), use, train=train)
+
+
 def test_a_parallel_only_built_is_freed_at_del() -> None:
     assert not _freed_at_del(lambda: Parallel(*_branches()), lambda m, x: None)
 
