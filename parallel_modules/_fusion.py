@@ -1518,10 +1518,8 @@ class _Group:
                 # whose outputs received one (torch.stack's backward hands it zeros).
                 unstacked = (received is not None and _forward_ad._current_level < 0
                              and any([t.requires_grad for t in tensors]))
-                if unstacked:
-                    with torch.no_grad():
-                        stacked = torch.stack(tensors)
-                else:  # (grad mode left as it is: traced without grad, no change of it in the graph)
+                # (Otherwise grad mode left as it is: traced without grad, no change of it in the graph.)
+                with torch.no_grad() if unstacked else contextlib.nullcontext():
                     stacked = torch.stack(tensors)
             if made is not None and read is not None:
                 # Restacked eagerly (tensors swapped in): autograd saves the stack, not the tensors
