@@ -8113,3 +8113,186 @@ def test_a_fused_join_unpacks_nothing_saved_before_backward(conv):
     out.square().sum().backward()
     assert len(forwards) == 2
     assert_close(x.grad, torch.autograd.grad(reference(fused, x).square().sum(), x)[0])
+
+
+# ------------------------------------------------ the training ecosystem (session 85's hunt)
+def _branch_groups(branches: Sequence[nn.Module], rest: Iterable[nn.Parameter] = ()) -> list[dict]:
+    r"""Parameter groups of an optimizer: one per branch, each with its own learning rate, and the rest."""
+    groups = [{"params": list(b.parameters()), "lr": 0.01 * (i + 1)} for i, b in enumerate(branches)]
+    rest = list(rest)
+    return groups + ([{"params": rest}] if rest else [])
+
+
+_OPTIMIZERS = {
+    "adamw-fused-maximize-amsgrad": lambda g: torch.optim.AdamW(g, fused=True, maximize=True, amsgrad=True,
+                                                                weight_decay=0.1),
+    "adam-for-loop": lambda g: torch.optim.Adam(g, foreach=False, weight_decay=0.01),
+    "adam-foreach": lambda g: torch.optim.Adam(g, foreach=True),
+    "sgd-fused-nesterov": lambda g: torch.optim.SGD(g, fused=True, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adagrad-fused": lambda g: torch.optim.Adagrad(g, fused=True),
+}
+
+
+@pytest.mark.parametrize("layout", ["fused", "nested-in-pipeline"])
+@pytest.mark.parametrize("make", list(_OPTIMIZERS.values()), ids=list(_OPTIMIZERS))
+def test_optimizers_train_fused_groups_as_unfused(make, layout):
+    # Each step reads the members' .grad, slices of one batched gradient, and writes their
+    # weights, slices of one stack, in place: with multi-tensor and fused kernels (CPU fused
+    # Adam/AdamW/SGD/Adagrad), a learning rate per branch that a scheduler changes, .grad kept at
+    # zero on every other step, and clipping. Each next call must read the stepped weights.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(3)]
+    ref = nn.ModuleList(branches)
+    head = nn.Linear(12, 5)
+    fused = Parallel(*copy.deepcopy(branches), fuse=True)
+    if layout == "fused":
+        model, members, rest = fused, list(fused), []
+
+        def reference_call(x):
+            return torch.cat([b(x) for b in ref], 1)
+        ref_rest: list[nn.Parameter] = []
+    else:
+        ref_head = copy.deepcopy(head)
+        model = ParallelSequential(nn.Identity(), Parallel(fused, nn.Identity(), join=lambda o: o[0]), head, chunks=2)
+        members, rest, ref_rest = list(fused), list(head.parameters()), list(ref_head.parameters())
+
+        def reference_call(x):
+            return ref_head(torch.cat([b(x) for b in ref], 1))
+    opt, ref_opt = make(_branch_groups(members, rest)), make(_branch_groups(ref, ref_rest))
+    sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (opt, ref_opt))
+    for step in range(4):
+        x = torch.randn(6, 8)
+        for o in (opt, ref_opt):
+            o.zero_grad(set_to_none=step % 2 == 0)
+        model(x).square().mean().backward()
+        reference_call(x).square().mean().backward()
+        for params in (list(model.parameters()), [*ref.parameters(), *ref_rest]):
+            torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
+        for q, qr in zip(members[1].parameters(), ref[1].parameters()):
+            assert_close(q.grad, qr.grad)
+        opt.step(), ref_opt.step(), sched.step(), ref_sched.step()
+        for q, qr in zip(fused.parameters(), ref.parameters()):
+            assert_close(q, qr)
+    assert fused_groups(fused) == [["0", "1", "2"]]
+    with torch.no_grad():
+        x = torch.randn(5, 8)
+        assert_close(model(x), reference_call(x))
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_an_optimizer_stepped_in_backward_trains_fused_members_as_unfused(chunks):
+    # PyTorch's recipe for fusing the optimizer step into the backward pass: a post-accumulate
+    # hook on every parameter steps that parameter's own optimizer and frees its .grad while the
+    # backward still runs. Fused, the hook of a member's last layer writes its slice of the stack
+    # (bumping the version the whole stack shares) before the group's first layers differentiate,
+    # and the next call must read every write.
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)) for _ in range(3)]
+    ref = nn.ModuleList(branches)
+    fused = Parallel(*copy.deepcopy(branches), fuse=True)
+    model = ParallelSequential(fused, nn.Identity(), chunks=chunks)
+
+    def step_in_backward(params):
+        opts = {p: torch.optim.Adam([p], lr=0.01, foreach=False) for p in params}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad()
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+
+    step_in_backward(list(fused.parameters()))
+    step_in_backward(list(ref.parameters()))
+    for _ in range(3):
+        x = torch.randn(6, 8, requires_grad=True)
+        out, ref_out = model(x), torch.cat([b(x) for b in ref], 1)
+        assert_close(out, ref_out)
+        got = torch.autograd.grad(out.square().mean(), x, retain_graph=True)
+        assert_close(got, torch.autograd.grad(ref_out.square().mean(), x, retain_graph=True))
+        out.square().mean().backward(), ref_out.square().mean().backward()
+        for q, qr in zip(fused.parameters(), ref.parameters()):
+            assert q.grad is None
+            assert_close(q, qr)
+    assert fused_groups(fused) == [["0", "1", "2"]]
+
+
+class _Halved(nn.Module):
+    r"""A parametrization with a right inverse: the layer's original is stored doubled."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 0.5
+
+    def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 2
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("how", ["orthogonal", "spectral_norm", "right_inverse"])
+def test_parametrized_members_train_as_unfused_under_auto(how, when):
+    # A parametrization registered on a member's layer after fused training calls moves the
+    # layer's weight, a slice of the group's stack, under ``parametrizations.weight`` (or
+    # replaces it by its right inverse): the group must unfuse and train the new tensors.
+    def parametrize(block):
+        torch.manual_seed(7)  # (the same initial power-iteration vectors for both)
+        for b in block:
+            if how == "right_inverse":
+                nn.utils.parametrize.register_parametrization(b[0], "weight", _Halved())
+            else:
+                getattr(nn.utils.parametrizations, how)(b[0])
+
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)) for _ in range(3)]
+    fused, ref = Parallel(*copy.deepcopy(branches), fuse="auto"), Parallel(*branches)
+    opts = None
+    for step in range(4):
+        if step == (0 if when == "before" else 2):
+            parametrize(fused), parametrize(ref)
+            opts = None
+        if opts is None:
+            opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (fused, ref)]
+        x = torch.randn(6, 8)
+        for m, o in zip((fused, ref), opts):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        for q, qr in zip(fused.parameters(), ref.parameters()):
+            assert_close(q, qr)
+        with torch.no_grad():
+            assert_close(fused(x), ref(x))
+    assert fused_groups(fused) == [] and "parametrized" in fused.explain()["unfused"]["0"]
+
+
+def test_swa_and_ema_of_a_fused_block_average_as_unfused():
+    # torch.optim.swa_utils on a block whose members' eval BatchNorm statistics are stacked:
+    # an EMA copy averaging buffers too (use_buffers=True, foreach lerps into the copy's stacks),
+    # an SWA copy whose statistics update_bn recomputes (reset in place, then batch statistics:
+    # the block runs unfused in training mode), and SWALR annealing each branch's learning rate.
+    from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
+
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).eval()
+                for _ in range(3)]
+    fused, ref = Parallel(*copy.deepcopy(branches), fuse="auto").eval(), Parallel(*branches).eval()
+    models = (fused, ref)
+    opts = [torch.optim.SGD(_branch_groups(m), lr=0.1) for m in models]
+    swalrs = [SWALR(o, swa_lr=0.05, anneal_epochs=2) for o in opts]
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True) for m in models]
+    swas = [AveragedModel(m) for m in models]
+    loader = [torch.randn(6, 8) for _ in range(3)]
+    for step in range(4):
+        for m, o, s, ema, swa in zip(models, opts, swalrs, emas, swas):
+            o.zero_grad()
+            m(loader[step % 3]).square().mean().backward()
+            o.step(), s.step()
+            with torch.no_grad():  # (the EMA's buffers follow the model's, changed in place)
+                m[step % 3][1].running_mean.add_(0.1)
+            ema.update_parameters(m), swa.update_parameters(m)
+    update_bn(loader, swas[0]), update_bn(loader, swas[1])
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        for fused_avg, ref_avg in (emas, swas):
+            fused_avg.eval(), ref_avg.eval()
+            for t, tr in zip([*fused_avg.parameters(), *fused_avg.buffers()], [*ref_avg.parameters(), *ref_avg.buffers()]):
+                assert_close(t.float(), tr.float())
+            assert_close(fused_avg(x), ref_avg(x))
+            assert fused_groups(fused_avg.module) == [["0", "1", "2"]]

@@ -4317,3 +4317,57 @@ def test_saved_tensor_hooks_around_a_graphed_block_see_what_the_plain_branches_s
         torch.testing.assert_close(out, grads[1][0])
         out.float().sum().backward()
     assert block._graphs.captures == 1
+
+
+_GRAPH_OPTIMIZERS = {
+    "adam-fused": lambda g: torch.optim.Adam(g, fused=True, weight_decay=0.01),
+    "adamw-foreach-maximize": lambda g: torch.optim.AdamW(g, foreach=True, maximize=True, weight_decay=0.1),
+    "adam-capturable": lambda g: torch.optim.Adam(g, capturable=True, foreach=True, amsgrad=True),
+    "sgd-fused-momentum": lambda g: torch.optim.SGD(g, fused=True, momentum=0.9, nesterov=True),
+}
+
+
+@cuda
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("make", list(_GRAPH_OPTIMIZERS.values()), ids=list(_GRAPH_OPTIMIZERS))
+def test_optimizers_train_a_graphed_block_as_eager(make, direct, fuse):
+    # (Session 85's training hunt; written on a machine without a GPU.) Fused and multi-tensor
+    # CUDA optimizers (capturable Adam keeps its step on the GPU) read the gradients a graphed
+    # backward lent to .grad and write the weights its next replay reads: with a learning rate
+    # per branch that a scheduler changes, clipping, .grad set to None or kept at zero between
+    # steps, and an EMA copy of the whole block, as eager.
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    branches = _mlp(3)
+    reference = nn.ModuleList(copy.deepcopy(branches)).cuda()
+    block = _graphed(branches, direct_grads=direct, fuse=fuse)
+    tol = dict(rtol=1e-4, atol=1e-5) if fuse else {}  # (a batched product sums in another order)
+
+    def groups(members):
+        return [{"params": list(m.parameters()), "lr": 0.01 * (i + 1)} for i, m in enumerate(members)]
+
+    opt, opt_ref = make(groups(block)), make(groups(reference))
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (opt, opt_ref)]
+    ema, ema_ref = (AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in (block, reference))
+    for step in range(5):
+        x = torch.randn(8, 64, device="cuda")
+        for o in (opt, opt_ref):
+            o.zero_grad(set_to_none=step % 3 != 1)
+        out, out_ref = block(x), _reference(reference, x)
+        torch.testing.assert_close(out, out_ref, **tol)
+        out.square().mean().backward()
+        out_ref.square().mean().backward()
+        for m in (block, reference):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, foreach=True)
+        for p, p_ref in zip(block.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad, **tol)
+        opt.step(), opt_ref.step()
+        for s in scheds:
+            s.step()
+        ema.update_parameters(block), ema_ref.update_parameters(reference)
+        for p, p_ref in zip(block.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, p_ref, **tol)
+    for p, p_ref in zip(ema.parameters(), ema_ref.parameters()):
+        torch.testing.assert_close(p, p_ref, **tol)
+    assert block._graphs.captures >= 1
