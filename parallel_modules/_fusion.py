@@ -91,6 +91,19 @@ from ._streams import (_capture_underway, _current_stream, _dispatch_modes, _fun
                        _is_tracing, _jit_tracing, _pool, _saved_hooks_recording, _Writes)
 
 _function_modes = torch._C._is_torch_function_mode_enabled  # Python function modes active on this thread
+
+
+def _overrides_ops(cls: type) -> bool:
+    r"""Whether operations on tensors of class ``cls`` go through its ``__torch_function__`` (a subclass
+    that keeps its type through operations, ``as_subclass``'s, or one that logs or changes them).
+
+    Batched, a group runs other operations than each member's own (``baddbmm`` for a ``Linear``'s
+    ``F.linear``), and ``torch.vmap`` hands back plain tensors: such a subclass would see other calls,
+    and lose its type, where unfused it keeps both. A parameter and the fakes of a trace turn it off.
+    """
+    return cls is not torch.Tensor and cls.__torch_function__ is not torch._C._disabled_torch_function_impl
+
+
 # Whether torch.export traces, strict or not: its flag, read as it is, where there is one. (Not
 # torch.compiler.is_exporting(): torch 2.11's Dynamo takes that for True under torch.compile too.)
 if hasattr(torch.compiler, "_is_exporting_flag"):
@@ -3233,6 +3246,14 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             # expands them alike with views of it (``x.view_as(x)``, ``x[:]``): only the
             # member's own call tells them apart (see _vmapped_input).
             _structure.itself = [leaf is x for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        subclass = next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and _overrides_ops(type(leaf))), None)
+        if subclass is not None:
+            # vmap hands back a plain tensor in its place: the caller would lose the class
+            # (and whatever its __torch_function__ does to later operations).
+            raise RuntimeError(
+                f"{type(m).__name__} returns a tensor of subclass {type(subclass).__name__}, which a batched "
+                f"call hands back as a plain torch.Tensor; return plain tensors (`.as_subclass(torch.Tensor)`) "
+                f"and make the subclass after the block, or use fuse=False")
         if spec is None:
             return out
         if all(isinstance(leaf, torch.Tensor) for leaf in leaves):

@@ -19,7 +19,7 @@ from ._children import _Function, _as_branch, _check_name, _check_numbered, _chi
 from ._children import _layers_in_turn, _slice_text, _writes_its_input
 from ._compile import _COMPILED, _EAGER, _NOT_SCRIPTABLE, _WHOLE, Backend, _compiler
 from ._fusion import (_GLOBAL_HOOKS, _difference, _functorch_active, _Fusion, _Group, _Joined, _tensor_attributes,
-                      _MembersChanged, _UnbatchedNow, _Unfused)
+                      _MembersChanged, _overrides_ops, _UnbatchedNow, _Unfused)
 from ._fusion import _lock as _fusion_lock
 from ._fusion import _numbered
 from ._graphs import _GRAPH_SETTINGS, _any_autocast, _autocast_state, _check_graph_setting, _CudaGraphs, _graph_variant
@@ -915,10 +915,12 @@ class Parallel(nn.Module):
         ``held``: :func:`_held_by_hooks`, where the caller has read it.
         """
         if (kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].layout is not torch.strided
-                or args[0].is_nested):
+                or args[0].is_nested or _overrides_ops(type(args[0]))):
             # (Sparse and nested inputs run unfused for the call: the batched steps view and
             # expand their input, which those layouts refuse; failing there, "auto" would
-            # unfuse the group for every later call, and fuse=True refuse the call.)
+            # unfuse the group for every later call, and fuse=True refuse the call. So do
+            # subclasses with a __torch_function__ of their own: batched, it would see other
+            # operations than the members', and vmap drops the class.)
             return None
         if _held_by_hooks() if held is None else held:
             return None
@@ -2160,7 +2162,7 @@ def _under_autocast(signature: Hashable) -> Hashable:
 
 def _one_tensor(key: Hashable) -> bool:
     r"""Whether the signature ``key`` (see ``_inputs._signature``) is of a call of one dense tensor, the calls
-    fused groups run (see :meth:`Parallel._fusion_for`): a plain one, or a subclass's."""
+    fused groups run (see :meth:`Parallel._fusion_for`): a plain one, or a parameter's."""
     if type(key) is _UnderAutocast:
         key = key.signature
     if isinstance(key[0], torch.Size):
@@ -2168,7 +2170,8 @@ def _one_tensor(key: Hashable) -> bool:
     leaves = key[3:]
     return (key[0] == _ONE_ARGUMENT and len(leaves) == 1 and isinstance(leaves[0], tuple)
             and isinstance(leaves[0][0], torch.Size)
-            and all(isinstance(n, int) for n in leaves[0][1]))  # (strides: not a sparse layout's (layout, nnz))
+            and all(isinstance(n, int) for n in leaves[0][1])  # (strides: not a sparse layout's (layout, nnz))
+            and (len(leaves[0]) == 5 or not _overrides_ops(leaves[0][5])))  # (a subclass's: see _fusion_for)
 
 
 _ONE_ARGUMENT = pytree.tree_structure(((0,), {}))  # (args, kwargs) of a call of one positional argument

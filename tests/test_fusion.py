@@ -1702,6 +1702,11 @@ def test_explain_under_module_hooks_for_a_tensor_subclass_input():
     from torch.utils.flop_counter import FlopCounterMode
 
     class Sub(torch.Tensor):
+        # (As nn.Parameter: operations return plain tensors, which fused groups run batched.
+        # A subclass whose operations go through its own __torch_function__ runs unfused.)
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+    class Propagated(torch.Tensor):
         pass
 
     p = Parallel(*[mlp() for _ in range(3)], fuse="auto").eval()
@@ -1718,6 +1723,8 @@ def test_explain_under_module_hooks_for_a_tensor_subclass_input():
     from parallel_modules._inputs import _signature
 
     assert _one_tensor(_signature((x.as_subclass(Sub),), {}, False))
+    assert _one_tensor(_signature((nn.Parameter(x),), {}, False))
+    assert not _one_tensor(_signature((x.as_subclass(Propagated),), {}, False))
     assert not _one_tensor(_signature((x.to_sparse(),), {}, False))
     assert not _one_tensor(_signature((x, x), {}, False))
     assert not _one_tensor(_signature((), {"x": x}, False))
@@ -5422,6 +5429,83 @@ def test_a_buffer_replaced_by_a_tensor_subclass_after_the_first_call_is_not_fuse
         got = block(x).as_subclass(torch.Tensor)
     assert torch.equal(got, torch.full((2, 12), -1.0))
     assert "not a plain dense tensor" in block.explain()["unfused"]["0"]
+
+
+class _DoubledLinear(torch.Tensor):
+    r"""A subclass whose ``__torch_function__`` changes results: ``F.linear`` on it is doubled."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.nn.functional.linear else out
+
+
+class _Kept(torch.Tensor):
+    r"""A subclass that operations keep (``torch.Tensor.__torch_function__``)."""
+
+
+class _Affine(nn.Module):
+    r"""A module without a batched rule of ours (run through vmap when fused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+@pytest.mark.parametrize("join", ["cat", "sum", None])
+@pytest.mark.parametrize("sub", [_DoubledLinear, _Kept])
+@pytest.mark.parametrize("layer", [lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU()), _Affine])
+def test_a_tensor_subclass_input_runs_fused_groups_as_each_member_would(fuse, join, sub, layer):
+    # Before: fused, a group ran baddbmm where each member's F.linear went through the subclass's
+    # __torch_function__ (results off by 2x), and vmap handed back plain tensors (the class lost).
+    torch.manual_seed(0)
+    ref = [layer() for _ in range(3)]
+    block = Parallel(*copy.deepcopy(ref), join=join, fuse=fuse)
+    x = torch.randn(5, 4).as_subclass(sub)
+    outs = [m(x) for m in ref]
+    expected = (torch.cat(outs, 1) if join == "cat" else outs[0] + outs[1] + outs[2] if join == "sum"
+                else tuple(outs))
+    for _ in range(2):  # (fuse="auto" watches a signature's first call unfused)
+        got = block(x)
+        for g, e in zip(got if join is None else [got], expected if join is None else [expected]):
+            assert type(g) is type(e) is sub
+            assert torch.equal(g.as_subclass(torch.Tensor), e.as_subclass(torch.Tensor))
+    # The same block still runs plain tensors fused.
+    plain = x.as_subclass(torch.Tensor)
+    block(plain)
+    assert block.explain()["schedules"]["Tensor(5, 4) float32 on cpu, training"].startswith("fused")
+
+
+class _ToKept(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).as_subclass(_Kept)
+
+
+def test_fused_members_returning_a_tensor_subclass_are_refused_or_run_unfused():
+    # Before: vmap handed back the members' outputs as plain tensors, silently dropping the
+    # class (and what its __torch_function__ does to the caller's later operations).
+    torch.manual_seed(0)
+    branches = [_ToKept() for _ in range(3)]
+    x = torch.randn(5, 4)
+    with pytest.raises(RuntimeError, match=r"_ToKept returns a tensor of subclass _Kept, which a batched call "
+                                           r"hands back as a plain torch.Tensor"):
+        Parallel(*copy.deepcopy(branches), fuse=True)(x)
+    block = Parallel(*copy.deepcopy(branches), fuse="auto")
+    expected = torch.cat([m(x) for m in branches], 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the group disabled, with fuse="auto", says so)
+        for _ in range(3):
+            got = block(x)
+            assert type(got) is _Kept and torch.equal(got.as_subclass(torch.Tensor), expected.as_subclass(torch.Tensor))
+    assert "subclass _Kept" in block.explain()["unfused"]["0"]
 
 
 class _Centered(nn.Module):
