@@ -3246,7 +3246,8 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             # expands them alike with views of it (``x.view_as(x)``, ``x[:]``): only the
             # member's own call tells them apart (see _vmapped_input).
             _structure.itself = [leaf is x for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        subclass = next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and _overrides_ops(type(leaf))), None)
+        subclass = next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and _overrides_ops(type(leaf))),
+                        None)
         if subclass is not None:
             # vmap hands back a plain tensor in its place: the caller would lose the class
             # (and whatever its __torch_function__ does to later operations).
