@@ -148,3 +148,47 @@ def test_onnx_export_of_fused_blocks_and_joins_equals_eager(kind, exporter, tmp_
         assert len(got) == len(expected)
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, **TOL)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+class _NamesItsKeywords(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.block(x, scale=scale)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("fuse", [False, True])
+def test_onnx_export_of_keyword_inputs(exporter, fuse, tmp_path):
+    # Keyword inputs reach every branch (fused too) in the exported graph. The torchscript exporter
+    # binds `kwargs=` to the parameters that forward's signature names, and drops the rest without a
+    # word (torch 2.13, for any module taking **kwargs): a Parallel as the root would be exported as
+    # called without them, so it is exported inside a module that names them (see README).
+    block = Parallel(_Scaled(), _Scaled(), _Scaled(), join="sum", fuse=fuse)
+    x, scale = torch.randn(10, 16), torch.randn(10, 8)
+    path = os.fspath(tmp_path / "model.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        block(x, scale=scale)
+        if exporter == "dynamo":
+            pytest.importorskip("onnxscript")
+            torch.onnx.export(block, (x,), kwargs={"scale": scale}, dynamo=True).save(path)
+        else:
+            torch.onnx.export(_NamesItsKeywords(block), (x, scale), path, dynamo=False)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    assert len(session.get_inputs()) == 2
+    x, scale = torch.randn(10, 16), torch.randn(10, 8)
+    (got,) = session.run(None, dict(zip([i.name for i in session.get_inputs()], (x.numpy(), scale.numpy()))))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(got), block(x, scale=scale), **TOL)
