@@ -2198,9 +2198,14 @@ def _put_back_parameters(written: list[tuple[torch.Tensor, int, torch.Tensor | N
     (Only those that changed: a copy into a stack autograd saved for another graph's backward would
     make that backward refuse it.)
     """
+    if not written:
+        # (No grad-mode switch for nothing: a traced group unbatched, whose stacks are never read
+        # here, would leave an empty no_grad region in the program -- an output-less
+        # wrap_with_set_grad_enabled that torch.export.load refuses, "missing val field".)
+        return True
     restored = True
     with torch.no_grad():
-        for stack, version, saved in written or ():
+        for stack, version, saved in written:
             if stack._version != version:
                 if saved is None:
                     restored = False

@@ -2655,6 +2655,27 @@ def test_an_exported_vmapped_group_is_saved_and_loaded(strict, device):
             assert_close(torch.export.load(buffer).module()(x), model(x))
 
 
+def test_a_group_exported_unbatched_is_saved_and_loaded():
+    # Before (a CPU hunt): a group that a non-strict export runs unbatched (attention layers in
+    # eval() with grad on, as torch.export traces) entered torch.no_grad() to put back parameter
+    # stacks that a trace never has, recording an empty wrap_with_set_grad_enabled per group,
+    # which torch.export.load refused: "Node.meta wrap_with_set_grad_enabled is missing val field".
+    torch.manual_seed(0)
+    layer = lambda: nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)  # noqa: E731
+    model = nn.Sequential(Parallel(layer(), layer(), join="sum", fuse=True)).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        model(x)  # (grouped and batched eagerly first)
+    ep = torch.export.export(model, (x,), strict=False)  # (strict: dynamo records no empty region)
+    assert not [n for n in ep.graph.nodes if "set_grad_enabled" in str(n.target)]
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert_close(torch.export.load(buffer).module()(x), model(x))
+
+
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
 def test_an_exported_fused_block_trains_as_unfused(strict):
     # Before: a strict export turned the stacks' autograd.Function into a call with grad off:
