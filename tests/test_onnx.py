@@ -25,8 +25,18 @@ from parallel_modules import Parallel, ParallelSequential
 from tests._helpers import mlp
 from tests.test_tracing_models import KINDS, Plain, make_model
 
-onnx = pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
+# (In the ``test`` extra, as the notebooks' kernels are: a missing one fails the file instead of
+# skipping it, so that CI never passes without exporting; see tests/test_notebooks.py.)
+_ALLOW_MISSING_ENV = "PARALLEL_MODULES_ALLOW_MISSING_EXTRAS"
+try:
+    import onnx
+    import onnxruntime as ort
+    import onnxscript  # noqa: F401  (the dynamo exporter's)
+except ImportError as e:
+    if os.environ.get(_ALLOW_MISSING_ENV):
+        pytest.skip(f"ONNX dependencies missing ({e}) and {_ALLOW_MISSING_ENV} is set", allow_module_level=True)
+    raise ImportError(f"cannot export to ONNX: {e}. Install the test extra (pip install -e '.[test]'), "
+                      f"or set {_ALLOW_MISSING_ENV}=1 to skip these tests.") from e
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 EXPORTERS = ["dynamo", "torchscript"]
@@ -38,7 +48,6 @@ def _export(model: nn.Module, x: torch.Tensor, exporter: str, path: str, dynamic
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (torch.jit's deprecation, onnxscript's notes)
         if exporter == "dynamo":
-            pytest.importorskip("onnxscript")
             batch = torch.export.Dim("batch", min=4, max=64)
             # (A Parallel as the root takes its dynamic shapes by its parameter's name: see README.)
             shapes = {"args": ({0: batch},)} if isinstance(model, Parallel) else ({0: batch},)
@@ -182,7 +191,6 @@ def test_onnx_export_of_keyword_inputs(exporter, fuse, tmp_path):
         warnings.simplefilter("ignore")
         block(x, scale=scale)
         if exporter == "dynamo":
-            pytest.importorskip("onnxscript")
             torch.onnx.export(block, (x,), kwargs={"scale": scale}, dynamo=True).save(path)
         else:
             torch.onnx.export(_NamesItsKeywords(block), (x, scale), path, dynamo=False)
