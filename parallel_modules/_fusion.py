@@ -1002,7 +1002,16 @@ class _Received:
         # counts the mark as run, where it runs that pass's graph; one for other tensors need not.)
         if not trained:
             return grad
-        marked = _Mark.apply(grad, *trained)
+        mark = _Mark
+        if _forward_ad._current_level >= 0:
+            tangent = _forward_ad.unpack_dual(grad).tangent
+            if tangent is not None and _is_legacy_batched(tangent):
+                # (A gradient whose tangent ``torch._vmap_internals``' vmap batches -- the reverse
+                # pass inside ``autograd.functional.hessian(..., vectorize=True,
+                # outer_jacobian_strategy="forward-mode")`` -- takes no view in the jvp: see
+                # _OwnGradientsCopied.)
+                mark = _MarkCopied
+        marked = mark.apply(grad, *trained)
         with _marks_lock:
             self.marks = [(i, ref) for i, ref in self.marks if ref() is not None] + [
                 (member, weakref.ref(marked.grad_fn))]
@@ -1060,6 +1069,21 @@ class _Mark(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor | None, *_: Any) -> torch.Tensor | None:  # type: ignore[override]
         return None if tangent is None else tangent.view_as(tangent)
+
+
+class _MarkCopied(_Mark):
+    r"""A :class:`_Mark` returning a copy, for a gradient whose tangent ``torch._vmap_internals``' vmap batches:
+    a view of such a tangent is no view to autograd, which refuses a ``jvp`` that returns no view for a
+    ``forward`` that does (see :class:`_OwnGradientsCopied`)."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        return grad.clone()
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor | None, *_: Any) -> torch.Tensor | None:  # type: ignore[override]
+        return None if tangent is None else tangent.clone()
 
 
 class _Split(torch.autograd.Function):

@@ -7333,6 +7333,30 @@ def test_forward_over_reverse_hessian_of_parameters_swapped_into_a_fused_group()
     assert p.explain()["fused"] == [["0", "1"]]
 
 
+@pytest.mark.parametrize("join", ["tuple", "dict"])
+def test_forward_over_reverse_hessian_of_the_input_through_split_members(join):
+    # Before (a hunt): torch.autograd.functional.hessian(..., vectorize=True,
+    # outer_jacobian_strategy="forward-mode") of the input: the inner reverse pass makes a graph
+    # (create_graph=True) whose gradients carry tangents batched by torch._vmap_internals' vmap;
+    # the mark tied to each split member's gradient returned a view, whose jvp's view of such a
+    # tangent is none to autograd: raised "forward is returning a view ... but the jvp is not",
+    # where the branches ran (a join handing the members' outputs back apart, or a sum join over
+    # convolutions).
+    torch.manual_seed(0)
+    p = Parallel(*[nn.Sequential(nn.Linear(4, 3), nn.GELU(), nn.Linear(3, 3)) for _ in range(3)],
+                 join=join, fuse=True).double()
+    unfused = Parallel(*copy.deepcopy(list(p)), join=join)
+    x = torch.randn(2, 4, dtype=torch.float64)
+
+    def loss(module):
+        return lambda t: sum(o.sin().sum() for o in pytree.tree_leaves(module(t)))
+
+    got = torch.autograd.functional.hessian(loss(p), x, vectorize=True, outer_jacobian_strategy="forward-mode")
+    expected = torch.autograd.functional.hessian(loss(unfused), x)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert p.explain()["fused"] == [["0", "1", "2"]]
+
+
 def test_fused_eval_batch_norms_refuse_inputs_of_the_dims_the_layer_refuses():
     # (A CPU hunt.) Fused, an eval BatchNorm ran F.batch_norm, which takes any number of
     # dimensions, without its layer's check: fuse=True returned a result for a 3-D input to
