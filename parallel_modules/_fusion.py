@@ -3034,6 +3034,36 @@ def _watch_autocast() -> None:
     cls.__enter__ = __enter__
 
 
+@_watch._once
+def _watch_checkpoint() -> None:
+    r"""Make a ``torch.utils.checkpoint(use_reentrant=False)`` entered with grad enabled inside a vmapped
+    step's batched call raise :class:`_CheckpointEntered`.
+
+    Its saved-tensor hooks recompute the member's function in the backward pass,
+    outside vmap, on the member's unbatched tensors: the backward failed with
+    torch's ``CheckpointError`` (other shapes than the forward's) at every call,
+    ``fuse="auto"`` included. (A reentrant checkpoint is refused by vmap itself,
+    an ``autograd.Function`` without ``setup_context``.) As
+    :func:`_watch_autocast`, wrapped once per process.
+    """
+    import torch.utils.checkpoint  # (not imported by torch itself)
+
+    cls = getattr(torch.utils.checkpoint, "_checkpoint_hook", None)
+    if cls is None:  # pragma: no cover - another torch
+        return
+    enter = cls.__enter__
+
+    @functools.wraps(enter)
+    def __enter__(self: Any) -> Any:
+        if _batching.device is not None and torch.is_grad_enabled():
+            _batching.refused = ("a member calls torch.utils.checkpoint(use_reentrant=False) in its forward: "
+                                 "its backward would recompute the member outside the batched call")
+            raise _CheckpointEntered(_batching.refused)
+        return enter(self)
+
+    cls.__enter__ = __enter__
+
+
 class _MembersChanged(RuntimeError):
     r"""A member's parameter or buffer no longer matches the others' since the group was found.
 
@@ -3077,6 +3107,11 @@ class _AutocastEntered(RuntimeError):
     call of 8 small members about 1.5x the unfused call on the development
     machine's CPU; ``fuse=True`` refuses it, naming it.
     """
+
+
+class _CheckpointEntered(_AutocastEntered):
+    r"""Raised where a member enters a non-reentrant checkpoint inside a vmapped step's batched call with
+    grad enabled (see :func:`_watch_checkpoint`): a failure of the group, as :class:`_AutocastEntered`."""
 
 
 # Layers that take an inference-only path when they see no tensor requiring grad (see _UnbatchedNow).
@@ -3311,6 +3346,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
     _watch_autocast()
+    _watch_checkpoint()
     fast_paths = [sub for sub in m.modules() if isinstance(sub, _FAST_PATHS)]
     mixed_kernel = isinstance(m, (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm))
     shared = torch.vmap(call, in_dims=(0, None))

@@ -267,6 +267,58 @@ def test_a_member_entering_autocast_itself_returns_the_autocast_dtype(device, ho
     assert_same(block(x), plain(x))
 
 
+class _ChecksItself(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.inner, self.reentrant = mlp(), reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_member_calling_checkpoint_itself_runs_unfused(reentrant):
+    # Before (a hunt): a member calling torch.utils.checkpoint(use_reentrant=False) in its
+    # forward ran batched, and its backward recomputed the member outside vmap, on its own
+    # tensors: every backward after the signature's first call failed with torch's
+    # CheckpointError ("Recomputed values ... have different metadata"), fuse="auto" included,
+    # and fuse=True's error named neither the block nor what to do. Now seen as it is entered,
+    # as a member's autocast is: "auto" runs the group unfused from then on, fuse=True refuses
+    # it, naming it. (A reentrant checkpoint vmap refuses itself, inference too.) Inference stays
+    # fused.
+    torch.manual_seed(0)
+    block = Parallel(*[_ChecksItself(reentrant) for _ in range(3)], fuse="auto")
+    plain = copy.deepcopy(block)
+    plain.fuse = False
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        for _ in range(2):
+            assert_close(block(x), plain(x))
+    assert fused_groups(block) == ([] if reentrant else [["0", "1", "2"]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            grads = []
+            for module in (block, plain):
+                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+                module.zero_grad(set_to_none=True)
+                module(x).square().sum().backward()
+                grads.append([x.grad, *(p.grad for p in module.parameters())])
+            for a, b in zip(*grads):
+                assert torch.equal(a, b)  # (unfused: the same operations)
+    assert fused_groups(block) == []
+    block = Parallel(*[_ChecksItself(reentrant) for _ in range(3)], fuse=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"fuse=True, but branches \['0', '1', '2'\] failed to run batched(.|\n)*"
+                                           + ("setup_context" if reentrant else r"checkpoint\(use_reentrant=False\)")
+                                           + r"(.|\n)*fuse=False"):
+        block(x)
+    block.fuse = False
+    block(x).sum().backward()
+
+
 _AMP_MEMBERS = {
     "mlp": (lambda: mlp(), lambda d: torch.randn(6, 16, device=d)),
     "conv": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)),
