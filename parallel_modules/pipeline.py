@@ -1435,6 +1435,12 @@ class ParallelSequential(nn.Sequential):
             if "_tree" in self.__dict__:  # (constructed)
                 _watch._change_setting(self, name, value, self._reset)
                 return
+        if name == "chunks":
+            # Straight to the property's setter, which checks it: nn.Module.__setattr__ registers
+            # a module or parameter before it looks at properties (``pipe.chunks = nn.Identity()``
+            # became a stage named "chunks", silently, with chunks unchanged).
+            object.__setattr__(self, name, value)
+            return
         super().__setattr__(name, value)
         if name == "_modules" and "_tree" in self.__dict__:
             # The tree watches the dict of stages it was built with: given a new one holding the

@@ -99,6 +99,23 @@ def test_bad_chunks(chunks) -> None:
     assert model.chunks == 2
 
 
+def test_chunks_set_to_a_module_or_parameter_is_refused() -> None:
+    # (A CPU hunt.) nn.Module.__setattr__ registers a module or parameter before it looks at
+    # the property: ``pipe.chunks = nn.Identity()`` became a third stage, named "chunks" (a name
+    # the constructor refuses), and chunks stayed 2; a parameter raised torch's KeyError.
+    torch.manual_seed(0)
+    model = ParallelSequential(nn.Linear(4, 4), nn.Tanh(), chunks=2)
+    x = torch.randn(6, 4)
+    model(x)
+    for bad in (nn.Identity(), nn.Linear(4, 4), nn.Parameter(torch.tensor(3.0))):
+        with pytest.raises(TypeError, match="ParallelSequential: chunks must be an int >= 1"):
+            model.chunks = bad
+        with pytest.raises(TypeError, match="ParallelSequential: chunks must be an int >= 1"):
+            ParallelSequential(nn.Linear(4, 4), chunks=bad)
+    assert model.chunks == 2 and list(model._modules) == ["0", "1"] and not model._parameters
+    assert torch.equal(model(x), torch.cat([model[1](model[0](piece)) for piece in x.tensor_split(2)]))
+
+
 def test_stage_must_be_module() -> None:
     with pytest.raises(TypeError, match="stage '1' must be an nn.Module, got function"):
         ParallelSequential(nn.Linear(2, 2), lambda x: x)
