@@ -522,6 +522,10 @@ def _unfusable(branch: nn.Module) -> str | None:
         if any(getattr(m, h, None) for h in _HOOKS):
             return (f"{where} has hooks, which a batched call would not run once per branch"
                     + (_norm_hooks(m) or _pruning_hooks(m)))
+        if type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module):
+            # (Its forward is torch.compile's, set on the instance: said so, not as a monkeypatch.)
+            return (f"{where} is compiled with torch.compile, whose code a batched call would not run; pass "
+                    f"the uncompiled module and compile the block (or give it compile=) instead")
         if "forward" in vars(m):
             return f"{where} has its forward replaced on the instance"
         hidden = _hidden_by_instance(vars(m))

@@ -1060,6 +1060,8 @@ def test_output_changed_in_place_leaves_the_others_saved_for_backward(build, sha
     (lambda: ParallelSequential(nn.Linear(8, 8), nn.Linear(8, 8)),
      "pipeline of its own, which is not batched across branches; set fuse= on the Parallel blocks among its stages"),
     (lambda: torch.jit.script(nn.Linear(8, 8)), "TorchScript module"),  # (was: "forward replaced")
+    # (A CPU hunt: was "has its forward replaced on the instance", which torch.compile's wrapper has.)
+    (lambda: torch.compile(nn.Linear(8, 8), backend="eager"), "compiled with torch.compile"),
 ])
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (recent torch warns that torch.jit is deprecated)
 def test_reasons_for_modules_never_fused(build, why):
