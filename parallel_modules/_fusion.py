@@ -507,6 +507,11 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+def _compiled(m: nn.Module) -> bool:
+    r"""Whether ``m`` is what ``torch.compile(module)`` returns (an ``OptimizedModule``)."""
+    return type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module)
+
+
 def _unfusable(branch: nn.Module) -> str | None:
     r"""Why ``branch`` cannot run batched with identical branches, or ``None``."""
     for path, m in branch.named_modules():
@@ -522,7 +527,7 @@ def _unfusable(branch: nn.Module) -> str | None:
         if any(getattr(m, h, None) for h in _HOOKS):
             return (f"{where} has hooks, which a batched call would not run once per branch"
                     + (_norm_hooks(m) or _pruning_hooks(m)))
-        if type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module):
+        if _compiled(m):
             # (Its forward is torch.compile's, set on the instance: said so, not as a monkeypatch.)
             return (f"{where} is compiled with torch.compile, whose code a batched call would not run; pass "
                     f"the uncompiled module and compile the block (or give it compile=) instead")
@@ -3652,6 +3657,8 @@ class _Fusion:
         # dropout, modules run through vmap): a call that finds one changed
         # (``branch.train()`` called directly) finds the groups anew.
         self.modes = [(m, m.training) for branch in branches for _, m in _moded(branch)]
+        # Whether a branch holds a module compiled on its own (see Parallel._traced_fusion).
+        self.compiled = any([_compiled(m) for branch in branches for m in branch.modules()])
         # And on settings that decide whether a layer may run batched at all (see _unfusable):
         # a dropout's ``p`` raised from 0 (a dropout schedule), an embedding given a ``max_norm``
         # or made sparse. Set in place, they register nothing; batched, the members would share

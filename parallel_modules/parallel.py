@@ -964,6 +964,14 @@ class Parallel(nn.Module):
         """
         if self.fuse is False or self._auto_unfused():
             return None
+        held = self._fusion
+        if held is not None and held.compiled:
+            # A module compiled on its own (``torch.compile(layer)``) never fuses, and the groups'
+            # lists hold its branch too: a trace reaching the layer it wraps from them as well as
+            # from the block made Dynamo raise an internal AssertionError ("already tracked for
+            # mutation") at the first compiled call. Traced unfused, as groups out of date are.
+            # (Told by the groups, found eagerly: Dynamo traces such a module as the one it wraps.)
+            return None
         if self._saw_write:  # (set too where the block was kept in order: see _keep_in_order)
             # An eager call saw a branch change the shared input in place, which members run
             # together on one input would not all see; compiled code cannot look at each call:

@@ -483,6 +483,28 @@ def test_settings_changed_between_compiled_calls_are_followed(fuse, eager_betwee
             assert_close(compiled(x), reference(block, x))
 
 
+@pytest.mark.parametrize("compiled", ["all", "some"])
+def test_branches_compiled_on_their_own_trace_with_fuse_auto(compiled):
+    # (A CPU hunt.) A branch that is ``torch.compile(layer)`` never fuses, but the block's groups
+    # hold it too: tracing the block reached the layer it wraps from them and from the block,
+    # and Dynamo raised an internal AssertionError ("already tracked for mutation") at the first
+    # compiled call, with one such branch or several, beside fused twins or not.
+    torch.manual_seed(0)
+    wrap = lambda m: torch.compile(m, backend="eager")  # noqa: E731
+    if compiled == "all":
+        branches = [wrap(_small_mlp()) for _ in range(2)]
+    else:
+        branches = [_small_mlp(), wrap(_small_mlp()), wrap(_small_mlp()), _small_mlp()]
+    block = Parallel(*branches, fuse="auto").eval()
+    traced = torch.compile(block, backend="eager", fullgraph=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert_close(traced(x), reference(block, x))
+        block[1] = wrap(_small_mlp())  # another put in after the first compiled call
+        assert_close(traced(x), reference(block, x))
+        assert_close(block(x), reference(block, x))
+
+
 class _PlusBatchSize(nn.Module):
     r"""Adds the size of the batch it is handed: tells apart the micro-batches a pipeline cut."""
 
