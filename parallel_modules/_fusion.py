@@ -3007,7 +3007,8 @@ class _Running(threading.local):
 
 class _Batching(threading.local):
     r"""Per thread: the device type of the input that a vmapped step's batched call runs on, else ``None``;
-    and the message of an autocast refused inside it (see :func:`_watch_autocast`), else ``None``."""
+    and the message of an autocast refused inside it (see :func:`_watch_autocast`), or :data:`_CHECKPOINTED`
+    where a checkpoint was entered in it (see :func:`_watch_checkpoint`), else ``None``."""
 
     device: str | None = None
     refused: str | None = None
@@ -3046,16 +3047,19 @@ def _watch_autocast() -> None:
 @_watch._once
 def _watch_checkpoint() -> None:
     r"""Make a ``torch.utils.checkpoint(use_reentrant=False)`` entered with grad enabled inside a vmapped
-    step's batched call raise :class:`_CheckpointEntered`.
+    step's batched call fail that call with :class:`_CheckpointEntered` where its outputs require grad.
 
     Its saved-tensor hooks recompute the member's function in the backward pass,
     outside vmap, on the member's unbatched tensors: the backward failed with
     torch's ``CheckpointError`` (other shapes than the forward's) at every call,
-    ``fuse="auto"`` included. (A reentrant checkpoint is refused by vmap itself,
-    an ``autograd.Function`` without ``setup_context``.) As
-    :func:`_watch_autocast`, wrapped once per process.
+    ``fuse="auto"`` included. Noted as it is entered, judged after the call (see
+    :func:`_vmapped_step`): outputs that require no grad have no backward to
+    recompute anything (frozen members called with grad on), and run batched as
+    they did. (A reentrant checkpoint is refused by vmap itself, an
+    ``autograd.Function`` without ``setup_context``.) As :func:`_watch_autocast`,
+    wrapped once per process.
     """
-    import torch.utils.checkpoint  # (not imported by torch itself)
+    import torch.utils.checkpoint  # (imported by torch 2.13 itself, not necessarily by every torch)
 
     cls = getattr(torch.utils.checkpoint, "_checkpoint_hook", None)
     if cls is None:  # pragma: no cover - another torch
@@ -3064,10 +3068,10 @@ def _watch_checkpoint() -> None:
 
     @functools.wraps(enter)
     def __enter__(self: Any) -> Any:
-        if _batching.device is not None and torch.is_grad_enabled():
-            _batching.refused = ("a member calls torch.utils.checkpoint(use_reentrant=False) in its forward: "
-                                 "its backward would recompute the member outside the batched call")
-            raise _CheckpointEntered(_batching.refused)
+        if _batching.device is not None and torch.is_grad_enabled() and _batching.refused is None:
+            # (Noted, not raised: raising here refused members that nothing trains, whose
+            # outputs need no backward. An autocast refused in the same call takes precedence.)
+            _batching.refused = _CHECKPOINTED
         return enter(self)
 
     cls.__enter__ = __enter__
@@ -3118,9 +3122,16 @@ class _AutocastEntered(RuntimeError):
     """
 
 
+# What a checkpoint entered inside a vmapped step's batched call leaves in ``_batching.refused`` (see
+# _watch_checkpoint): a failure of the call only where its outputs require grad. (Told apart by identity.)
+_CHECKPOINTED = ("a member calls torch.utils.checkpoint(use_reentrant=False) in its forward: its backward would "
+                 "recompute the member outside the batched call")
+
+
 class _CheckpointEntered(_AutocastEntered):
     r"""Raised where a member enters a non-reentrant checkpoint inside a vmapped step's batched call with
-    grad enabled (see :func:`_watch_checkpoint`): a failure of the group, as :class:`_AutocastEntered`."""
+    grad enabled and the call's outputs require grad (see :func:`_watch_checkpoint`): a failure of the
+    group, as :class:`_AutocastEntered`."""
 
 
 # Layers that take an inference-only path when they see no tensor requiring grad (see _UnbatchedNow).
@@ -3415,7 +3426,10 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                     guard.now = False
                     _batching.device = batching
                     refused, _batching.refused = _batching.refused, outer
-        if refused is not None:
+        if refused is _CHECKPOINTED:
+            if any([t.requires_grad for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]):
+                raise _CheckpointEntered(refused)
+        elif refused is not None:
             # A member caught the error of the autocast it entered (``except RuntimeError``, to run
             # without it) and ran on batched, in another dtype than its own call: a failure all the same.
             raise _AutocastEntered(refused)

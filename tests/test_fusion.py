@@ -319,6 +319,36 @@ def test_a_member_calling_checkpoint_itself_runs_unfused(reentrant):
     block(x).sum().backward()
 
 
+def test_frozen_members_calling_checkpoint_with_grad_on_stay_fused():
+    # Before (a review): a member entering checkpoint(use_reentrant=False) with grad enabled failed
+    # its batched call at once, so fuse=True refused frozen members called without torch.no_grad()
+    # (an evaluation loop), whose outputs need no backward and which had run fused (and "auto"
+    # unfused them for good). Now judged by whether the batched outputs require grad.
+    torch.manual_seed(0)
+    block = Parallel(*[_ChecksItself(False) for _ in range(3)], fuse=True).requires_grad_(False)
+    plain = copy.deepcopy(block)
+    plain.fuse = False
+    for _ in range(2):
+        x = torch.randn(4, 16)
+        got = block(x)
+        assert not got.requires_grad
+        assert_close(got, plain(x))
+    assert fused_groups(block) == [["0", "1", "2"]]
+    # An input that requires grad gives the outputs a backward, which would recompute: refused.
+    with pytest.raises(RuntimeError, match=r"fuse=True, but branches \['0', '1', '2'\] failed to run batched"
+                                           r"(.|\n)*checkpoint\(use_reentrant=False\)"):
+        block(torch.randn(4, 16, requires_grad=True))
+    block.fuse = "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):  # (fuse="auto" watches a signature's first call unfused)
+            x = torch.randn(4, 16, requires_grad=True)
+            block(x).square().sum().backward()
+            expected = torch.autograd.grad(plain(x).square().sum(), x)[0]
+            assert torch.equal(x.grad, expected)  # (unfused: the same operations)
+    assert fused_groups(block) == []
+
+
 _AMP_MEMBERS = {
     "mlp": (lambda: mlp(), lambda d: torch.randn(6, 16, device=d)),
     "conv": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3)),
