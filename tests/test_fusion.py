@@ -5595,6 +5595,26 @@ class _ToKept(nn.Module):
         return self.lin(x).as_subclass(_Kept)
 
 
+def test_a_dispatch_subclass_input_runs_fused_and_keeps_its_class():
+    # (A review of _overrides_ops.) A subclass with __torch_dispatch__ alone (torch function
+    # disabled, as TwoTensor's, DTensor's) runs fused: vmap keeps its class, and each of its
+    # tensors gets what the members' own calls give, to the batched kernel's rounding.
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    torch.manual_seed(0)
+    ref = [nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)]
+    block = Parallel(*copy.deepcopy(ref), fuse=True)
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    x = two_tensor.TwoTensor(a, b)
+    with torch.no_grad():
+        expected = torch.cat([m(x) for m in ref], 1)
+        for _ in range(2):
+            got = block(x)
+            assert type(got) is type(expected) is two_tensor.TwoTensor
+            assert_close(got.a, expected.a)
+            assert_close(got.b, expected.b)
+    assert block.explain()["schedules"]["TwoTensor(5, 4) float32 on cpu, training, no grad"].startswith("fused")
+
+
 def test_fused_members_returning_a_tensor_subclass_are_refused_or_run_unfused():
     # Before: vmap handed back the members' outputs as plain tensors, silently dropping the
     # class (and what its __torch_function__ does to the caller's later operations).
