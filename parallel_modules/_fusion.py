@@ -99,7 +99,8 @@ def _overrides_ops(cls: type) -> bool:
 
     Batched, a group runs other operations than each member's own (``baddbmm`` for a ``Linear``'s
     ``F.linear``), and ``torch.vmap`` hands back plain tensors: such a subclass would see other calls,
-    and lose its type, where unfused it keeps both. A parameter and the fakes of a trace turn it off.
+    and lose its type, where unfused it keeps both. A parameter and the fakes of a trace turn it off;
+    so does a subclass of ``__torch_dispatch__`` alone (``TwoTensor``), which vmap keeps, batched.
     """
     return cls is not torch.Tensor and cls.__torch_function__ is not torch._C._disabled_torch_function_impl
 
@@ -3325,8 +3326,10 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             # expands them alike with views of it (``x.view_as(x)``, ``x[:]``): only the
             # member's own call tells them apart (see _vmapped_input).
             _structure.itself = [leaf is x for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        subclass = next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and _overrides_ops(type(leaf))),
-                        None)
+        subclass = None
+        if spec is not None or type(out) is not torch.Tensor:  # (one plain tensor, the common case: none)
+            subclass = next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and _overrides_ops(type(leaf))),
+                            None)
         if subclass is not None:
             # vmap hands back a plain tensor in its place: the caller would lose the class
             # (and whatever its __torch_function__ does to later operations).

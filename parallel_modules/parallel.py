@@ -915,7 +915,7 @@ class Parallel(nn.Module):
         ``held``: :func:`_held_by_hooks`, where the caller has read it.
         """
         if (kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].layout is not torch.strided
-                or args[0].is_nested or _overrides_ops(type(args[0]))):
+                or args[0].is_nested or type(args[0]) is not torch.Tensor and _overrides_ops(type(args[0]))):
             # (Sparse and nested inputs run unfused for the call: the batched steps view and
             # expand their input, which those layouts refuse; failing there, "auto" would
             # unfuse the group for every later call, and fuse=True refuse the call. So do
@@ -2170,7 +2170,8 @@ def _under_autocast(signature: Hashable) -> Hashable:
 
 def _one_tensor(key: Hashable) -> bool:
     r"""Whether the signature ``key`` (see ``_inputs._signature``) is of a call of one dense tensor, the calls
-    fused groups run (see :meth:`Parallel._fusion_for`): a plain one, or a parameter's."""
+    fused groups run (see :meth:`Parallel._fusion_for`): a plain one, or a subclass's without a
+    ``__torch_function__`` of its own (a parameter's, a ``__torch_dispatch__`` wrapper's)."""
     if type(key) is _UnderAutocast:
         key = key.signature
     if isinstance(key[0], torch.Size):
