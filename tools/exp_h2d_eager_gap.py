@@ -11,7 +11,8 @@ import torch
 from parallel_modules import ParallelSequential
 from parallel_modules._cases import h2d_model
 from _timing import gpu_medians, hand_h2d_pipeline, host_medians  # tools/ is the script's directory
-from exp_h2d_patch import patch_mlp, x, xd, copy_stream, dev
+from exp_h2d_models import copy_stream, dev, x, xd
+from exp_h2d_patch import patch_mlp
 
 with torch.no_grad():
     for name, model in [("patch mlp dim 384 hidden 512", patch_mlp(512, 384)), ("small conv 40", h2d_model(40))]:

@@ -33,24 +33,31 @@ def deeper(width: int) -> nn.Module:
                          nn.Conv2d(64, width, 3, 2, 1), nn.ReLU())
 
 
-candidates = [("small conv 40", h2d_model(40))] + [(f"stem {w}", stem(w)) for w in (192, 256, 320, 384)] + [
-    (f"deeper {w}", deeper(w)) for w in (128, 256)]
-with torch.no_grad():
-    copy = gpu_medians({"copy": lambda: x.to(dev, non_blocking=True)}, rounds=10, per_sample=5)["copy"]
-    print(f"copy alone {copy:.1f} us")
-    for name, model in candidates:
-        model = model.to(dev).eval()
-        eager4 = ParallelSequential(model, chunks=4)
-        graph4 = ParallelSequential(model, chunks=4, cuda_graph=True)
-        variants = {"compute whole": lambda: model(xd),
-                    "compute 4 quarters": lambda: [model(q) for q in xd.chunk(4)],
-                    "copy then compute": lambda: model(x.to(dev, non_blocking=True)),
-                    "by hand 4": hand_h2d_pipeline(model, list(x.chunk(4)), copy_stream),
-                    "ParallelSequential 4": lambda: eager4(x),
-                    "ParallelSequential 4 graphed": lambda: graph4(x)}
-        for fn in variants.values():
-            for _ in range(3):
-                fn()
-        med = gpu_medians(variants, rounds=12, per_sample=5)
-        base = med["copy then compute"]
-        print(f"{name}: " + ", ".join(f"{k} {v:.0f} ({base / v:.2f}x)" for k, v in med.items()))
+def report(candidates: list[tuple[str, nn.Module]]) -> None:
+    r"""For each ``(name, model)``: GPU time per call of the variants above, and the pipeline's largest error."""
+    with torch.no_grad():
+        copy = gpu_medians({"copy": lambda: x.to(dev, non_blocking=True)}, rounds=10, per_sample=5)["copy"]
+        print(f"copy alone {copy:.1f} us")
+        for name, model in candidates:
+            model = model.to(dev).eval()
+            eager4 = ParallelSequential(model, chunks=4)
+            graph4 = ParallelSequential(model, chunks=4, cuda_graph=True)
+            variants = {"compute whole": lambda: model(xd),
+                        "compute 4 quarters": lambda: [model(q) for q in xd.chunk(4)],
+                        "copy then compute": lambda: model(x.to(dev, non_blocking=True)),
+                        "by hand 4": hand_h2d_pipeline(model, list(x.chunk(4)), copy_stream),
+                        "ParallelSequential 4": lambda: eager4(x),
+                        "ParallelSequential 4 graphed": lambda: graph4(x)}
+            for fn in variants.values():
+                for _ in range(3):
+                    fn()
+            out, ref = eager4(x), model(xd)
+            med = gpu_medians(variants, rounds=12, per_sample=5)
+            base = med["copy then compute"]
+            print(f"{name}: max err {(out - ref).abs().max().item():.2e}; "
+                  + ", ".join(f"{k} {v:.0f} ({base / v:.2f}x)" for k, v in med.items()), flush=True)
+
+
+if __name__ == "__main__":
+    report([("small conv 40", h2d_model(40))] + [(f"stem {w}", stem(w)) for w in (192, 256, 320, 384)]
+           + [(f"deeper {w}", deeper(w)) for w in (128, 256)])
