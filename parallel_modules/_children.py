@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import _watch
-from ._fusion import _DROPOUTS, _STOCK_DROPOUT
+from ._fusion import _DROPOUTS, _STOCK_DROPOUT, _compiled
 from ._inputs import _with_context
 from ._joins import _NAMED_JOINS, _shown
 
@@ -274,7 +274,7 @@ def _state_to_copy(module: nn.Module) -> dict:
 
 def _uncompiled(m: nn.Module) -> nn.Module:
     r"""The module ``torch.compile(m)`` compiled (which returns what it returns), or ``m`` itself."""
-    return getattr(m, "_orig_mod", m) if type(m).__name__ == "OptimizedModule" else m
+    return m._orig_mod if _compiled(m) else m
 
 
 def _in_turn(m: nn.Module) -> bool:
