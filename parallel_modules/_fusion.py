@@ -1335,6 +1335,25 @@ class _Group:
         r"""The stacks of the members' buffers (after :meth:`bind`)."""
         return [t for t in (self.stacks.get(q) for q in self.buffers) if t is not None]
 
+    def follow_resized(self) -> None:
+        r"""Point the members back at their slices of every stack a batched call resized in place.
+
+        A layer growing a buffer in ``forward`` (``self.min_val.resize_(n)``, as
+        ``PerChannelMinMaxObserver`` does at its first call, or a cache sized by the
+        batch) resizes the stack vmap hands it: the members, views of the stack's old
+        layout, would keep the old shape (an empty buffer stays empty) or read
+        their neighbours' rows. Likewise after the stack is put back to its old shape
+        (see ``_put_back``). (Each a view again: nothing moves but the view.)
+        """
+        resized = [(stack, tensors) for qual, stack in self.stacks.items()
+                   for tensors in (self.bound.get(qual),) if tensors and tensors[0].shape != stack.shape[1:]]
+        if not resized:  # (the common case: no grad mode entered, which a non-strict export records)
+            return
+        with torch.no_grad(), torch.inference_mode(False):
+            for stack, tensors in resized:
+                for i, t in enumerate(tensors):
+                    t.data = stack[i]
+
     def parameter_stacks(self) -> list[torch.Tensor]:
         r"""The stacks of the members' parameters that keep a version (after :meth:`bind`; not inference tensors)."""
         return [t for q, t in self.stacks.items() if self.entries[q].kind == "_parameters" and not t.is_inference()]
@@ -3410,6 +3429,8 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             _structure.value = _structure.itself = None
             run = shared if v.layout == _SHARED and state else stacked
         refused = None
+        # (A layer may resize a buffer in place: see _Group.follow_resized.)
+        shapes = None if tracing else [t.shape for t in state.values()]
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if settings is not None and not tracing and settings.follow():  # (a program made eagerly traced: as made)
                 _refuse_set_apart(this(), prefix)
@@ -3429,6 +3450,10 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                     guard.now = False
                     _batching.device = batching
                     refused, _batching.refused = _batching.refused, outer
+        if shapes is not None and any([t.shape != shape for t, shape in zip(state.values(), shapes)]):
+            group = this()
+            if group is not None:
+                group.follow_resized()
         if refused is _CHECKPOINTED:
             if any([t.requires_grad for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]):
                 raise _CheckpointEntered(refused)

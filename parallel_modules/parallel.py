@@ -1223,11 +1223,13 @@ class Parallel(nn.Module):
                                        f"as one fused group; pass fuse=False to trace each branch on its own "
                                        f"and see which one fails)")
             _put_back(kept)
+            group.follow_resized()  # (a stack a layer resized, put back to its shape: see _put_back)
             failure = e
         except BaseException:
             # (KeyboardInterrupt, SystemExit: the call ends here, without what the batched
             # attempt wrote into every member's buffers at once.)
             _put_back(kept)
+            group.follow_resized()
             raise
         names = [list(self._modules)[i] for i in group.indices]
         for what, tensors in (("their parameters", written), ("their tensor attributes", attributes_written)):

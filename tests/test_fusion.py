@@ -8530,3 +8530,62 @@ def test_swa_and_ema_of_a_fused_block_average_as_unfused():
                 assert_close(t.float(), tr.float())
             assert_close(fused_avg(x), ref_avg(x))
             assert fused_groups(fused_avg.module) == [["0", "1", "2"]]
+
+
+class _LastRowMax(nn.Module):
+    r"""Keeps each row's maximum of its last input in a buffer it resizes in place to the batch
+    (as torch.ao's per-channel observers grow theirs from empty at their first call)."""
+
+    def __init__(self, rows: int = 0) -> None:
+        super().__init__()
+        self.register_buffer("last", torch.zeros(rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.last.shape != x.shape[:1]:
+            self.last.resize_(x.shape[0])
+        self.last.copy_(x.detach().amax(-1))
+        return x
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_fused_layer_resizing_its_buffer_in_place_reaches_every_member(grad):
+    # Before (a CPU hunt over less common layers): vmap resized the group's stack, but the members
+    # stayed views of its old layout -- an empty buffer stayed empty (the members' state dicts lost
+    # a PerChannelMinMaxObserver's statistics, silently), and one grown from 4 to 5 rows read its
+    # neighbour's first row as its last.
+    from torch.ao.quantization import PerChannelMinMaxObserver
+
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(6, 6), _LastRowMax(), nn.Linear(6, 6),
+                              PerChannelMinMaxObserver(ch_axis=1)) for _ in range(3)]
+    ref = nn.ModuleList(copy.deepcopy(branches))
+    block = Parallel(*branches, fuse=True)
+    for rows in (4, 4, 5, 3):
+        x = torch.randn(rows, 6)
+        with torch.set_grad_enabled(grad):
+            y = block(x)
+            expected = torch.cat([branch(x) for branch in ref], 1)
+        torch.testing.assert_close(y, expected)
+        assert block.explain()["fused"] == [["0", "1", "2"]]
+        got, want = block.state_dict(), ref.state_dict()
+        assert list(got) == list(want)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], msg=k)
+        assert [m[1].last.shape for m in block] == [(rows,)] * 3
+
+
+class _Branchy(nn.Module):
+    r"""Takes a data-dependent branch, which vmap refuses."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum() > 0 else x
+
+
+def test_fuse_true_refusing_a_group_that_resized_a_buffer_leaves_the_members_as_they_were():
+    # A layer's batched step grew the stack, then a later layer failed: the stack put back to its
+    # shape, the members must be pointed back at it too (left pointing at the grown layout, they
+    # kept the attempt's values, and read their neighbours' rows once run unfused).
+    block = Parallel(*[nn.Sequential(nn.Linear(6, 6), _LastRowMax(), _Branchy()) for _ in range(3)], fuse=True)
+    with pytest.raises(RuntimeError, match="fuse=True, but branches"):
+        block(torch.randn(4, 6))
+    assert [tuple(m[1].last.shape) for m in block] == [(0,)] * 3
