@@ -66,6 +66,7 @@ import enum
 import functools
 import itertools
 import operator
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
@@ -369,7 +370,7 @@ def _difference(a: nn.Module, b: nn.Module, path: str = "", tensors: bool = True
         return (f"{where} is in {got} mode, expected {expected} (as in the first branch): put every branch in one "
                 f"mode with block.train() or block.eval() on the whole block, or call .{fix}() on {member}; "
                 f"fuse='auto' runs a branch in another mode unfused")
-    if a.extra_repr() != b.extra_repr():
+    if a.extra_repr() != b.extra_repr() and not _prints_its_state(a):
         return f"{where} is {type(b).__name__}({b.extra_repr()}), expected {type(a).__name__}({a.extra_repr()})"
     ha, hb = _hyperparameters(a), _hyperparameters(b)
     for k in sorted(set(ha) | set(hb)):
@@ -654,6 +655,23 @@ def _fusable_settings(m: nn.Module) -> tuple | None:
     if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
         return (m.sparse, m.max_norm)
     return None
+
+
+def _prints_its_state(m: nn.Module) -> bool:
+    r"""Whether ``m``'s ``extra_repr`` prints the values of its buffers, not only its settings: torch.ao's
+    observers (their running ``min_val`` and ``max_val``) and fake quantizers (their ``scale`` and ``zero_point``).
+
+    Those values are state, stacked per member like any buffer, and differ between
+    members once they have been called: compared as settings, they made members of one
+    group differ after their first call (``fuse="auto"`` unfused them from then on, and
+    a ``fuse=True`` block refused its next regrouping, at ``eval()``). Their settings
+    are attributes, compared with the others (see :func:`_hyperparameters`). (Looked up
+    in ``sys.modules``: where torch.ao.quantization was never imported, no module is one.)
+    """
+    observer = sys.modules.get("torch.ao.quantization.observer")
+    fake = sys.modules.get("torch.ao.quantization.fake_quantize")
+    return (observer is not None and isinstance(m, observer.ObserverBase)
+            or fake is not None and isinstance(m, fake.FakeQuantizeBase))
 
 
 def _quantized(m: nn.Module) -> bool:

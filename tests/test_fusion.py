@@ -8589,3 +8589,36 @@ def test_fuse_true_refusing_a_group_that_resized_a_buffer_leaves_the_members_as_
     with pytest.raises(RuntimeError, match="fuse=True, but branches"):
         block(torch.randn(4, 6))
     assert [tuple(m[1].last.shape) for m in block] == [(0,)] * 3
+
+
+@pytest.mark.parametrize("fuse", [True, "auto"])
+def test_observers_stay_grouped_once_their_statistics_differ(fuse):
+    # Before (a CPU hunt over less common layers): grouping compared the members' extra_repr, in
+    # which torch.ao's observers print their running min_val and max_val -- buffers, which differ
+    # between members once called: fuse="auto" unfused the group after its first call, and a
+    # fuse=True block refused the regrouping of its next eval() (its members "differ").
+    from torch.ao.quantization import MinMaxObserver
+
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(6, 6), MinMaxObserver(), nn.Linear(6, 6)) for _ in range(3)]
+    ref = nn.ModuleList(copy.deepcopy(branches))
+    block = Parallel(*branches, fuse=fuse)
+    for train in (True, True, False):
+        block.train(train)
+        ref.train(train)
+        x = torch.randn(4, 6)
+        with torch.no_grad():
+            torch.testing.assert_close(block(x), torch.cat([branch(x) for branch in ref], 1))
+        assert block.explain()["fused"] == [["0", "1", "2"]]
+        assert len({float(m[1].min_val) for m in block}) == 3  # (their statistics differ)
+        got, want = block.state_dict(), ref.state_dict()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], msg=k)
+    block[1][1].dtype = torch.qint8  # (a setting still parts them, once grouped anew)
+    if fuse is True:
+        with pytest.raises(ValueError, match="submodule '1' has dtype=torch.qint8"):
+            block.fuse = True
+    else:
+        block.fuse = "auto"
+        block(torch.randn(4, 6))
+        assert block.explain()["fused"] == [["0", "2"]]
