@@ -726,7 +726,8 @@ def _copied_together(sets: list[list[torch.Tensor]], chunks: int) -> list[tuple[
                 pieces = [p.clone() for p in cut]
                 for t in members:
                     copies.append((t, pieces if t is holder else [
-                        _cut(c if t.requires_grad else c.detach(), p, _position(p, h))  # type: ignore[arg-type]
+                        _read_as(_cut(c if t.requires_grad else c.detach(), p, _position(p, h)),  # type: ignore[arg-type]
+                                 t, holder)
                         for c, p, h in zip(pieces, t.tensor_split(chunks), cut)]))
                 break
     return copies
@@ -875,6 +876,23 @@ def _cut(copy: torch.Tensor, inner: torch.Tensor, position: int | tuple[list[int
     start, steps = position
     return copy.as_strided(inner.shape, [sum(s * st for s, st in zip(step, copy.stride())) for step in steps],
                            sum(i * st for i, st in zip(start, copy.stride())))
+
+
+def _read_as(cut: torch.Tensor, member: torch.Tensor, holder: torch.Tensor) -> torch.Tensor:
+    r"""``cut``, ``member``'s elements in a copy of ``holder``'s, read as ``member`` reads their memory.
+
+    A conjugate or negative view (``x.conj()``, ``z.conj().imag``) reads its
+    memory flipped, and ``clone()`` writes what a tensor reads, with no flag
+    of its own: cut alike from the copy, ``(x, x.conj())`` gave the second
+    ``x``'s values. Where ``member``'s flag differs from ``holder``'s, the
+    cut is flipped by a view of its own (still of the copy: a stage's write
+    through either shows in the other, as in nn.Sequential).
+    """
+    if member.is_conj() != holder.is_conj():
+        cut = cut.conj()
+    if member.is_neg() != holder.is_neg():
+        cut = torch._neg_view(cut)
+    return cut
 
 
 def _overlap(a: Any, b: Any) -> bool:

@@ -2063,6 +2063,45 @@ def test_input_tensors_not_contiguous_that_are_views_of_one_another_stay_so_in_e
     torch.testing.assert_close(weight, ref_weight, rtol=RTOL, atol=ATOL)
 
 
+class _WritesOneReadsItsFlippedView(nn.Module):
+    r"""Doubles its first input in place, then reads its second, a conjugate or negative view of the first."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3, dtype=dtype))
+
+    def forward(self, inputs):
+        whole, flipped = inputs
+        whole.mul_(2)
+        return flipped * (flipped + self.scale) + whole
+
+
+@pytest.mark.parametrize("flip", ["conj", "neg"])
+@pytest.mark.parametrize("flipped_first", [False, True])
+def test_input_tensors_that_are_conjugate_or_negative_views_of_one_another_keep_their_values(flip, flipped_first):
+    # Views of one tensor are cut from one copy of it (see _copied_together); clone() writes
+    # what a conjugate or negative view reads, without the flag, and the other view was cut
+    # from that copy as it lay: (x, x.conj()) reached the stage as (x, x), the imaginary parts
+    # (z.imag, z.conj().imag) as (y, y), silently (another output and gradients than nn.Sequential's).
+    torch.manual_seed(0)
+    stage = _WritesOneReadsItsFlippedView(torch.complex64 if flip == "conj" else torch.float32)
+    leaf = torch.randn(6, 3, dtype=torch.complex64, requires_grad=True)
+
+    def inputs():
+        z = leaf * 1
+        pair = (z, z.conj()) if flip == "conj" else (z.imag, z.conj().imag)
+        return pair[::-1] if flipped_first else pair
+
+    results = []
+    for model in (nn.Sequential(stage), ParallelSequential(stage, chunks=3)):
+        leaf.grad, stage.scale.grad = None, None
+        out = model(inputs())
+        out.abs().square().sum().backward()
+        results.append((out.detach(), leaf.grad, stage.scale.grad))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
 class _MaybeWritesOneReadsTheOther(nn.Module):
     r"""Doubles its first input in place (where ``writes``), then reads its second."""
 
