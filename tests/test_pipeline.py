@@ -2064,11 +2064,11 @@ def test_input_tensors_not_contiguous_that_are_views_of_one_another_stay_so_in_e
 
 
 class _WritesOneReadsItsFlippedView(nn.Module):
-    r"""Doubles its first input in place, then reads its second, a conjugate or negative view of the first."""
+    r"""Doubles its first input in place, then reads its second, a view of the same memory (flipped)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, features: int) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.randn(3, dtype=dtype))
+        self.scale = nn.Parameter(torch.randn(features, dtype=dtype))
 
     def forward(self, inputs):
         whole, flipped = inputs
@@ -2076,20 +2076,23 @@ class _WritesOneReadsItsFlippedView(nn.Module):
         return flipped * (flipped + self.scale) + whole
 
 
-@pytest.mark.parametrize("flip", ["conj", "neg"])
+@pytest.mark.parametrize("how", ["conj", "neg", "conj siblings"])
 @pytest.mark.parametrize("flipped_first", [False, True])
-def test_input_tensors_that_are_conjugate_or_negative_views_of_one_another_keep_their_values(flip, flipped_first):
+def test_input_tensors_that_are_conjugate_or_negative_views_of_one_another_keep_their_values(how, flipped_first):
     # Views of one tensor are cut from one copy of it (see _copied_together); clone() writes
     # what a conjugate or negative view reads, without the flag, and the other view was cut
     # from that copy as it lay: (x, x.conj()) reached the stage as (x, x), the imaginary parts
-    # (z.imag, z.conj().imag) as (y, y), silently (another output and gradients than nn.Sequential's).
+    # (z.imag, z.conj().imag) as (y, y), and sibling views of x.conj(), cut from a copy of x,
+    # as views of x: silently, another output and gradients than nn.Sequential's.
     torch.manual_seed(0)
-    stage = _WritesOneReadsItsFlippedView(torch.complex64 if flip == "conj" else torch.float32)
+    stage = _WritesOneReadsItsFlippedView(torch.float32 if how == "neg" else torch.complex64,
+                                          2 if how == "conj siblings" else 3)
     leaf = torch.randn(6, 3, dtype=torch.complex64, requires_grad=True)
 
     def inputs():
         z = leaf * 1
-        pair = (z, z.conj()) if flip == "conj" else (z.imag, z.conj().imag)
+        pair = {"conj": (z, z.conj()), "neg": (z.imag, z.conj().imag),
+                "conj siblings": (z.conj()[:, :2], z.conj()[:, 1:])}[how]
         return pair[::-1] if flipped_first else pair
 
     results = []
