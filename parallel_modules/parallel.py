@@ -1158,10 +1158,13 @@ class Parallel(nn.Module):
         kept = None
         written: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None  # (see below)
         attributes_written: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None
+        x_copy: torch.Tensor | None = None  # (see below)
         tracing = not eager and _is_tracing()
         x = args[0]
-        # (Whether the batched attempt wrote the members' input before failing: see below.)
-        version = x._version if not tracing and type(x) is torch.Tensor and not x.is_inference() else None
+        # (Whether the batched attempt wrote the members' input before failing: see below. A parameter
+        # passed as the input too, which keeps its version as a tensor does: written under no_grad.)
+        version = (x._version if not tracing and type(x) in (torch.Tensor, nn.Parameter) and not x.is_inference()
+                   else None)
         try:
             # (None: tensors swapped in for this call, left unbound -- the call stacks them.)
             moved = group.bind() if not tracing else False
@@ -1203,15 +1206,25 @@ class Parallel(nn.Module):
                     written = [(t, t._version, t.clone() if first else None) for t in group.parameter_stacks()]
                     attributes_written = [(t, t._version, t.clone() if first else None)
                                           for t in group.attribute_tensors()]
+                # Such a layer may also write the shared input in place where vmap can (``x.mul_(2)``
+                # on the input it reads unbatched): it then runs once for all, and fuse=True refuses
+                # the call (see _run_units_watched). So that the refused call leaves the caller's
+                # input as it was, as a stock layer's write (refused before it runs) and a trial's
+                # (on copies, see _refused_trial) do, the first attempt keeps a copy to put back:
+                # one made while autograd records, so that put back the input's history is its own.
+                if first and self.fuse is True and version is not None:
+                    x_copy = x.clone()
             # A cat along dim 1 of every branch reads the group's channels layout as it is.
             out = group.run(args[0], self._cat_joined(fusion), eager,
                             eager or _INLINE_BIAS not in (_graph_variant(self) or ()), restack)
-            if not tracing:
+            wrote_input = x_copy is not None and x._version != version and not _clamps_its_input(group)
+            if not tracing and not wrote_input:
                 group.ran = True
                 group.unbatched = None
                 if judging and kept is not None:
                     group.wrote_buffers = any([not torch.equal(b, saved) for b, saved in kept])
-            return out
+            if not wrote_input:
+                return out
         except Exception as e:
             if isinstance(e, _StopRecomputation):  # (checkpoint's early stop: control flow, not a failure)
                 raise
@@ -1231,6 +1244,17 @@ class Parallel(nn.Module):
             _put_back(kept)
             group.follow_resized()
             raise
+        else:
+            # The batched run wrote the shared input (the members ran once for all, on the input as
+            # it was): refused, as _run_units_watched would, with the input put back. (A copy_ that
+            # autograd records, where the input requires grad: its gradient flows to the copy's
+            # source, the history the input had before the write. Its buffers and parameters too, as
+            # after a failed attempt; not marked as run, so that its next call keeps a copy again.)
+            x.copy_(x_copy)
+            _put_back(kept)
+            _put_back_parameters(written)
+            _put_back_parameters(attributes_written)
+            raise _with_context(self._refused_write(group.indices), "(the input is as it was)")
         names = [list(self._modules)[i] for i in group.indices]
         for what, tensors in (("their parameters", written), ("their tensor attributes", attributes_written)):
             if not _put_back_parameters(tensors):

@@ -3367,6 +3367,53 @@ def test_fuse_true_refusing_members_that_write_their_input_leaves_the_input_as_i
         assert_same(block(x.clone()), expected)
 
 
+class _DoublesThenProjects(nn.Module):
+    r"""Doubles its input in place, then projects it: a layer of the user's whose write vmap runs, once for
+    all members, on the input it reads unbatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_fuse_true_refusing_a_write_vmap_ran_leaves_the_input_as_it_was(grad):
+    # Before: vmap ran the members' write itself (x.mul_(2) on the unbatched input: once for all),
+    # the block saw the input's version move and refused the call -- with the caller's input
+    # doubled, on every call; called again on it with fuse="auto", as the error advises, the
+    # branches computed on the changed values, silently. Now the refused call puts it back: its
+    # values, and (while autograd records) a history whose gradient is the input's own.
+    torch.manual_seed(0)
+    branches = [_DoublesThenProjects() for _ in range(3)]
+    x = torch.randn(2, 4)
+    expected = _in_order(Parallel(*branches), x.clone())
+    block = Parallel(*branches, fuse=True)
+    before = [p.detach().clone() for p in block.parameters()]
+    for _ in range(3):  # (refused each time, the input as it was)
+        leaf = x.clone().requires_grad_(grad)
+        y = leaf * 1 if grad else leaf
+        with torch.set_grad_enabled(grad), pytest.raises(
+                RuntimeError, match=r"one of branches \['0', '1', '2'\] changed the shared input in place"):
+            block(y)
+        assert torch.equal(y.detach(), x)
+        if grad:
+            (gradient,) = torch.autograd.grad((y * torch.arange(4.0)).sum(), leaf)
+            assert torch.equal(gradient, torch.arange(4.0).expand(2, 4))
+    assert all(torch.equal(p, b) for p, b in zip(block.parameters(), before))
+    if not grad:  # (an nn.Parameter passed as the input, written under no_grad: put back alike)
+        weight = nn.Parameter(x.clone())
+        with torch.no_grad(), pytest.raises(RuntimeError, match="changed the shared input in place"):
+            block(weight)
+        assert torch.equal(weight.detach(), x)
+    block.fuse = "auto"
+    for _ in range(2):
+        assert_same(block(x.clone()), expected)
+
+
 class _Stack(nn.Sequential):
     r"""An ``nn.Sequential`` subclass that keeps torch's forward (a model's name for a block of its own)."""
 
