@@ -1250,7 +1250,8 @@ class Parallel(nn.Module):
             # autograd records, where the input requires grad: its gradient flows to the copy's
             # source, the history the input had before the write. Its buffers and parameters too, as
             # after a failed attempt; not marked as run, so that its next call keeps a copy again.)
-            x.copy_(x_copy)
+            with torch.no_grad() if x.is_leaf else contextlib.nullcontext():  # (a leaf written under no_grad)
+                x.copy_(x_copy)
             _put_back(kept)
             _put_back_parameters(written)
             _put_back_parameters(attributes_written)
@@ -1540,6 +1541,9 @@ class Parallel(nn.Module):
         first = watched[0] if len(watched) == 1 else None  # the common case: one int compared per unit
         version = first._version if first is not None else 0
         versions = [t._version for t in watched] if len(watched) > 1 else None
+        # (fuse=True on inference tensors, a signature's first call: copies to put back should a unit's
+        # write be refused, as :meth:`_run_group` keeps one of a tensor that keeps a version.)
+        kept = [(t, t.clone()) for t in seen[1]] if seen is not None else None
         outputs = []
         for i, unit in enumerate(units):
             if seen is None:
@@ -1561,6 +1565,10 @@ class Parallel(nn.Module):
                     version = first._version if first is not None else 0
                     versions = [t._version for t in watched] if versions else None
                     continue
+                if kept is not None:  # (the call refused leaves the inputs as they were)
+                    with torch.inference_mode():
+                        for t, saved in kept:
+                            t.copy_(saved)
                 raise self._refused_write(wrote, learnt=self._tuner is tuner)
         if seen is not None and self._tuner is tuner:
             _bounded_add(self._watched_fused, seen[0])

@@ -3376,17 +3376,21 @@ class _DoublesThenProjects(nn.Module):
         self.linear = nn.Linear(4, 3)
 
     def forward(self, x):
-        x.mul_(2)
+        with torch.no_grad() if x.is_leaf and x.requires_grad else contextlib.nullcontext():
+            x.mul_(2)  # (a leaf that requires grad, as a weight clipped in place, written without autograd)
         return self.linear(x)
 
 
-@pytest.mark.parametrize("grad", [False, True])
-def test_fuse_true_refusing_a_write_vmap_ran_leaves_the_input_as_it_was(grad):
+@pytest.mark.parametrize("how", ["no_grad", "grad", "inference"])
+def test_fuse_true_refusing_a_write_vmap_ran_leaves_the_input_as_it_was(how):
     # Before: vmap ran the members' write itself (x.mul_(2) on the unbatched input: once for all),
     # the block saw the input's version move and refused the call -- with the caller's input
     # doubled, on every call; called again on it with fuse="auto", as the error advises, the
     # branches computed on the changed values, silently. Now the refused call puts it back: its
-    # values, and (while autograd records) a history whose gradient is the input's own.
+    # values, and (while autograd records) a history whose gradient is the input's own. (Inference
+    # tensors, which keep no version, are seen writing by a dispatch mode on a signature's first
+    # call: put back too.)
+    grad = how == "grad"
     torch.manual_seed(0)
     branches = [_DoublesThenProjects() for _ in range(3)]
     x = torch.randn(2, 4)
@@ -3394,9 +3398,10 @@ def test_fuse_true_refusing_a_write_vmap_ran_leaves_the_input_as_it_was(grad):
     block = Parallel(*branches, fuse=True)
     before = [p.detach().clone() for p in block.parameters()]
     for _ in range(3):  # (refused each time, the input as it was)
-        leaf = x.clone().requires_grad_(grad)
+        with torch.inference_mode(how == "inference"):
+            leaf = x.clone().requires_grad_(grad)
         y = leaf * 1 if grad else leaf
-        with torch.set_grad_enabled(grad), pytest.raises(
+        with torch.set_grad_enabled(grad), torch.inference_mode(how == "inference"), pytest.raises(
                 RuntimeError, match=r"one of branches \['0', '1', '2'\] changed the shared input in place"):
             block(y)
         assert torch.equal(y.detach(), x)
@@ -3404,9 +3409,9 @@ def test_fuse_true_refusing_a_write_vmap_ran_leaves_the_input_as_it_was(grad):
             (gradient,) = torch.autograd.grad((y * torch.arange(4.0)).sum(), leaf)
             assert torch.equal(gradient, torch.arange(4.0).expand(2, 4))
     assert all(torch.equal(p, b) for p, b in zip(block.parameters(), before))
-    if not grad:  # (an nn.Parameter passed as the input, written under no_grad: put back alike)
+    if how != "inference":  # (an nn.Parameter passed as the input, written without autograd: put back alike)
         weight = nn.Parameter(x.clone())
-        with torch.no_grad(), pytest.raises(RuntimeError, match="changed the shared input in place"):
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="changed the shared input in place"):
             block(weight)
         assert torch.equal(weight.detach(), x)
     block.fuse = "auto"
