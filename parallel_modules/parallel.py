@@ -940,6 +940,23 @@ class Parallel(nn.Module):
                 self._forget_plans(lambda plan: plan.fused)
         return fusion if fusion.groups else None
 
+    def _planned_fusion(self, key: Hashable, plan: _Schedule, args: tuple,
+                        kwargs: dict) -> tuple[_Fusion | None, _Schedule | None]:
+        r"""The fused groups for a call of signature ``key`` planned fused (``plan``), and that plan, or ``None``
+        where the groups were found anew for this call.
+
+        A hook registered on a member, or a member's mode switched, since the
+        plan was chosen regroups the branches (:meth:`_fusion_for`), which
+        forgets the plans chosen with the old groups fused: this call is then
+        the first of its signature, planned anew and watched, as any first call
+        is, for a branch now out of the groups that writes the shared input (a
+        pre-hook doing so, as the one just registered may). Run with the plan
+        it had looked up, the new groups ran out of branch order unwatched, and
+        such a call was refused.
+        """
+        fusion = self._fusion_for(args, kwargs)
+        return fusion, (plan if self._plans.get(key) is plan else None)
+
     def _out_of_date(self, fusion: _Fusion, thorough: bool = False) -> bool:
         r"""Whether ``fusion``'s groups must be found anew (see :meth:`_Fusion.current`); ``thorough``: also
         whether a member's ``forward`` was replaced (see :meth:`_Fusion.forward_replaced`).
@@ -1704,6 +1721,10 @@ class Parallel(nn.Module):
                 fusion = self._fusion
                 if not plan.fused and fusion is not None and not fusion.groups and self._regrouped():
                     return self._joined(self._outputs(args, kwargs, (key, None)))
+                if plan.fused:
+                    fusion = self._fusion_for(args, kwargs)
+                    if self._plans.get(key) is not plan:  # regrouped: planned anew (see _planned_fusion)
+                        return self._joined(self._outputs(args, kwargs))
                 if plan.forked and not plan.fused and self.join in _REDUCING_JOINS:
                     # Unfused branches forked and joined by a reduction: the fork
                     # joins them, without ``_run``'s options (6 us of a 70 us call
@@ -1713,7 +1734,7 @@ class Parallel(nn.Module):
                 if plan.forked:
                     # Decided to fork: ``_outputs``' own decided case, without its frame.
                     return self._joined(self._run(args, kwargs, _input_device(args, kwargs),
-                                                  self._fusion_for(args, kwargs) if plan.fused else None, False))
+                                                  fusion if plan.fused else None, False))
                 if not plan.fused:
                     outputs: list[Any] = []
                     try:
@@ -1734,7 +1755,6 @@ class Parallel(nn.Module):
                 # compiler traces or a graph is captured: an eager fused call is
                 # CPU-bound, and those cost 2-4 us of a 125-165 us call (mlp8) on
                 # the H100 machine (``tools/exp_fused_eager.py``).
-                fusion = self._fusion_for(args, kwargs)
                 units = None if fusion is None else fusion.units  # (a failing group changes fusion.units)
                 if units is not None and len(units) == 1 and isinstance(units[0], _Group):
                     # Members writing the input are refused (see _run_units_watched).
@@ -1799,11 +1819,14 @@ class Parallel(nn.Module):
             # (Deterministic algorithms asked for since "auto" fused: see _auto_unfused.)
             self._plans.pop(key, None)
             plan = None
+        fusion: _Fusion | None = None
+        if plan is not None and plan.fused and not (plan.cuda and _capture_underway()):
+            fusion, plan = self._planned_fusion(key, plan, args, kwargs)
         if plan is not None and not (plan.cuda and _capture_underway()):
             # A decided schedule (those that do not fork usually run inline in ``forward``).
             tuner = self._tuner  # (a reset by another thread meanwhile: see below)
             outputs = self._run(args, kwargs, _input_device(args, kwargs) if plan.forked else None,
-                                self._fusion_for(args, kwargs) if plan.fused else None, False)
+                                fusion, False)
             if (plan.forked and self.streams == "auto" and torch.is_grad_enabled() and _records(outputs)
                     and self._tuner is tuner):
                 # "auto" forked this signature with nothing to train, and a parameter has been

@@ -1528,6 +1528,31 @@ def test_members_made_different_are_not_stacked_as_if_identical():
         assert_close(p(x), reference(p, x))
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_pre_hook_writing_the_input_registered_after_the_first_call_is_watched_as_a_first_call(grad):
+    # Before (a hunt): the hook regrouped the branches and forgot the fused schedule, but the call
+    # that regrouped them still ran with it, the new group out of branch order and unwatched: the
+    # write was seen after the group had run on the unchanged input, and the call refused. Registered
+    # before the first call, the same hook was watched and the block kept in order.
+    torch.manual_seed(0)
+    branches = [mlp() for _ in range(4)]
+    plain = nn.ModuleList(copy.deepcopy(branches))
+    p = Parallel(*branches, fuse="auto")
+    with torch.set_grad_enabled(grad):
+        p(torch.randn(5, 16))
+        assert fused_groups(p) == [["0", "1", "2", "3"]]
+        for m in (p, plain):
+            m[2].register_forward_pre_hook(lambda m, args: args[0].mul_(2))
+        for _ in range(2):
+            x = torch.randn(5, 16)
+            x_plain = x.clone()
+            out = p(x)
+            expected = torch.cat([b(x_plain) for b in plain], 1)
+            assert_close(out, expected)
+            assert torch.equal(x, x_plain)  # (written once, by the hooked branch, as in the plain module)
+        assert fused_groups(p) == [["0", "1", "3"]]
+
+
 @pytest.mark.parametrize("hook", ["forward", "forward_pre", "full_backward", "global"])
 def test_hooks_registered_after_construction_run(hook):
     # A batched call would skip a member's hooks: registered later, they take it out of the group.
