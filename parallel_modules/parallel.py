@@ -401,9 +401,9 @@ class Parallel(nn.Module):
 
     _modules: dict[str, nn.Module]  # type: ignore[assignment]
     # The private state of an instance: no branch may take these names (see _check_name).
-    _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_param_moves", "_placed",
-                           "_in_order", "_placement", "_plans", "_reproducible", "_revision", "_saw_write",
-                           "_serial", "_tree", "_tuner", "_unwritten", "_watched_fused"})
+    _internal = frozenset({"_compiler", "_fusion", "_graph_moves", "_graphs", "_groupings", "_param_moves",
+                           "_placed", "_in_order", "_placement", "_plans", "_reproducible", "_revision",
+                           "_saw_write", "_serial", "_tree", "_tuner", "_unwritten", "_watched_fused"})
 
     @overload
     def __init__(self, *branches: nn.Module | Callable[..., Any], join: JoinSpec = "cat", dim: int = 1,
@@ -516,6 +516,8 @@ class Parallel(nn.Module):
         # fused group (see _traced_fusion).
         self._saw_write = False
         self._fusion: _Fusion | None = None
+        # The groups last found for each combination of the members' train/eval modes (see _new_fusion).
+        self._groupings: dict[tuple[bool, ...], list[list[int]]] = {}
         self._placement: Any = _UNPLACED  # which device each branch runs on: _placement.py
         if self.__dict__.get("_graphs") is None:  # constructed, unpickled or deep-copied: graphs never are copied
             self._graphs = _CudaGraphs(self, self.max_graphs, self.static_outputs, self.graph_fallback,
@@ -551,9 +553,34 @@ class Parallel(nn.Module):
         # Found inside functional_call, from the tensors it swapped in (tied or unlike as they may
         # be; nothing stacked then): found again at the first call outside (see _fusion_for).
         fusion.while_swapped = not _is_tracing() and _watch._swapped_in(self.modules())
-        if not _is_tracing() and any([group.bind() for group in fusion.groups]):
-            self._param_moves += 1
+        if not _is_tracing():
+            if any([group.bind() for group in fusion.groups]):
+                self._param_moves += 1
+            self._forget_fused_plans_if_regrouped(fusion)
         return fusion
+
+    def _forget_fused_plans_if_regrouped(self, fusion: _Fusion) -> None:
+        r"""Plan anew the signatures planned fused, where ``fusion`` groups the branches otherwise than the
+        groups last found in the same train/eval modes of the members did.
+
+        Plans are kept per mode (the signature holds it), and the groups are
+        found anew as the modes switch (``train()``, ``eval()``): a plan chosen
+        with the groups of its mode holds again when they come back alike. A
+        hook registered on a member meanwhile (in training, where its dropout
+        kept it out of every group, so that nothing regrouped then) leaves that
+        member out of the groups found at ``eval()``: the evaluation plans chosen
+        with it fused must be chosen anew, their first call watched for a branch
+        now out of the groups that writes the shared input (see
+        :meth:`_planned_fusion`).
+        """
+        modes = tuple([mode for _, mode in fusion.modes])
+        grouping = _grouping(fusion)
+        before = self.__dict__.get("_groupings")
+        if before is None:
+            return
+        if modes in before and before[modes] != grouping:
+            self._forget_plans(lambda plan: plan.fused)
+        before[modes] = grouping
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # .to(), .cuda(), .half() ... move parameters: re-check devices, stack anew, compile again.
@@ -568,6 +595,7 @@ class Parallel(nn.Module):
         state.pop("_reproducible", None)
         state.pop("_graphs", None)
         state.pop("_fusion", None)
+        state.pop("_groupings", None)
         state.pop("_tree", None)
         state.pop("_placed", None)
         return state

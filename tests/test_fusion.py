@@ -1553,6 +1553,34 @@ def test_a_pre_hook_writing_the_input_registered_after_the_first_call_is_watched
         assert fused_groups(p) == [["0", "1", "3"]]
 
 
+def test_a_pre_hook_writing_the_input_registered_in_training_is_watched_at_eval():
+    # Before (a hunt): dropout kept every branch unfused in training, so the hook registered there
+    # regrouped nothing; ``eval()`` found the groups without the hooked branch, but the evaluation
+    # schedule chosen with it fused was kept, and its next call ran the new group out of branch order,
+    # unwatched, and was refused. Plans of a mode whose groups come back alike are kept (no timing anew).
+    torch.manual_seed(0)
+    branches = [nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 8)) for _ in range(4)]
+    plain = nn.ModuleList(copy.deepcopy(branches)).eval()
+    p = Parallel(*branches, fuse="auto")
+    with torch.no_grad():
+        p.eval()
+        p(torch.randn(5, 16))
+        p.train()
+        p(torch.randn(5, 16))
+        p.eval()
+        assert list(p.explain()["schedules"].values()) == ["fused, sequential", "unfused, sequential"]
+        p.train()
+        for m in (p, plain):
+            m[2].register_forward_pre_hook(lambda m, args: args[0].mul_(2))
+        p.eval()
+        assert fused_groups(p) == [["0", "1", "3"]]
+        for _ in range(2):
+            x = torch.randn(5, 16)
+            x_plain = x.clone()
+            assert_close(p(x), torch.cat([b(x_plain) for b in plain], 1))
+            assert torch.equal(x, x_plain)
+
+
 @pytest.mark.parametrize("hook", ["forward", "forward_pre", "full_backward", "global"])
 def test_hooks_registered_after_construction_run(hook):
     # A batched call would skip a member's hooks: registered later, they take it out of the group.
