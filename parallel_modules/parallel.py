@@ -1295,7 +1295,10 @@ class Parallel(nn.Module):
             # autograd records, where the input requires grad: its gradient flows to the copy's
             # source, the history the input had before the write. Its buffers and parameters too, as
             # after a failed attempt; not marked as run, so that its next call keeps a copy again.)
-            with torch.no_grad() if x.is_leaf else contextlib.nullcontext():  # (a leaf written under no_grad)
+            # (Without autograd where it refuses an in-place write, which the layer then made under
+            # no_grad: a leaf, or a view of one, as a slice of a weight passed as the input.)
+            base_is_leaf = x.is_leaf or x._base is not None and x._base.is_leaf
+            with torch.no_grad() if base_is_leaf else contextlib.nullcontext():
                 x.copy_(x_copy)
             _put_back(kept)
             _put_back_parameters(written)

@@ -3472,6 +3472,29 @@ def test_fuse_true_refusing_a_write_vmap_ran_leaves_the_input_as_it_was(how):
         assert_same(block(x.clone()), expected)
 
 
+def test_fuse_true_refusing_a_write_vmap_ran_on_a_view_of_a_leaf_puts_the_input_back():
+    # Before: the input a slice of a leaf that requires grad (a weight's rows), written by the layer
+    # under no_grad, was put back with autograd recording, which refuses an in-place write to a view
+    # of a leaf: autograd's error replaced the refusal, and the weight was left written.
+    class _UnderNoGrad(_DoublesThenProjects):
+        def forward(self, x):
+            with torch.no_grad():
+                x.mul_(2)
+            return self.linear(x)
+
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, requires_grad=True)
+    before = weight.detach().clone()
+    block = Parallel(*[_UnderNoGrad() for _ in range(3)], fuse=True)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="changed the shared input in place"):
+            block(weight[:2])
+        assert torch.equal(weight.detach(), before)
+    block.fuse = "auto"
+    expected = _in_order(Parallel(*block), weight.detach()[:2].clone())
+    assert_same(block(weight.detach()[:2].clone()), expected)
+
+
 class _Stack(nn.Sequential):
     r"""An ``nn.Sequential`` subclass that keeps torch's forward (a model's name for a block of its own)."""
 
