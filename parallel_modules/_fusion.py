@@ -3327,6 +3327,9 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
     # registered as None, which ``forward`` sets at its first call: a mask, a lazily made table).
     dicts = [(path, sub, d) for path, sub in runner.named_modules() for d in (sub._parameters, sub._buffers)]
     unset = [(d, k, _join(path, k)) for path, _, d in dicts for k, t in d.items() if t is None]
+    # The buffers its ``forward`` may resize in place (see _Group.follow_resized): a layer without
+    # any, as most are, looks at no shape on its calls.
+    resizable = [k for k, q in local if group.entries[q].kind == "_buffers"]
 
     def call(state: dict[str, torch.Tensor], x: torch.Tensor, kept: list | None = None) -> Any:
         given = dict(state)
@@ -3448,7 +3451,8 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
             run = shared if v.layout == _SHARED and state else stacked
         refused = None
         # (A layer may resize a buffer in place: see _Group.follow_resized.)
-        shapes = None if tracing else [t.shape for t in state.values()]
+        shapes = None if tracing or not resizable else [
+            (t, t.shape) for t in (state.get(k) for k in resizable) if t is not None]
         with contextlib.nullcontext() if tracing else lock:  # (see runner; a program made eagerly may be traced)
             if settings is not None and not tracing and settings.follow():  # (a program made eagerly traced: as made)
                 _refuse_set_apart(this(), prefix)
@@ -3468,7 +3472,7 @@ def _vmapped_step(group: _Group, m: nn.Module, prefix: str) -> _Step:
                     guard.now = False
                     _batching.device = batching
                     refused, _batching.refused = _batching.refused, outer
-        if shapes is not None and any([t.shape != shape for t, shape in zip(state.values(), shapes)]):
+        if shapes and any([t.shape != shape for t, shape in shapes]):
             group = this()
             if group is not None:
                 group.follow_resized()
