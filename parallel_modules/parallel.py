@@ -1301,6 +1301,7 @@ class Parallel(nn.Module):
             with torch.no_grad() if base_is_leaf else contextlib.nullcontext():
                 x.copy_(x_copy)
             _put_back(kept)
+            group.follow_resized()
             _put_back_parameters(written)
             _put_back_parameters(attributes_written)
             raise _with_context(self._refused_write(group.indices), "(the input is as it was)")

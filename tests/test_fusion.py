@@ -8719,6 +8719,23 @@ def test_fuse_true_refusing_a_group_that_resized_a_buffer_leaves_the_members_as_
     assert [tuple(m[1].last.shape) for m in block] == [(0,)] * 3
 
 
+def test_fuse_true_refusing_a_write_vmap_ran_after_a_buffer_resized_leaves_the_members_as_they_were():
+    # Before: the refused call put the grown stack back to its shape but left the members pointing
+    # at the grown layout, no longer views of the stack, with the attempt's rows in their buffers
+    # (as after a failed attempt, see above).
+    torch.manual_seed(0)
+    branches = [nn.Sequential(_LastRowMax(), _DoublesThenProjects()) for _ in range(3)]
+    ref = nn.ModuleList(copy.deepcopy(branches))
+    block = Parallel(*branches, fuse=True)
+    for _ in range(2):
+        with torch.no_grad(), pytest.raises(RuntimeError, match="changed the shared input in place"):
+            block(torch.randn(4, 4))
+        got, want = block.state_dict(), ref.state_dict()
+        assert list(got) == list(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
 @pytest.mark.parametrize("fuse", [True, "auto"])
 def test_observers_stay_grouped_once_their_statistics_differ(fuse):
     # Before (a CPU hunt over less common layers): grouping compared the members' extra_repr, in
