@@ -1291,15 +1291,10 @@ class Parallel(nn.Module):
             raise
         else:
             # The batched run wrote the shared input (the members ran once for all, on the input as
-            # it was): refused, as _run_units_watched would, with the input put back. (A copy_ that
-            # autograd records, where the input requires grad: its gradient flows to the copy's
-            # source, the history the input had before the write. Its buffers and parameters too, as
-            # after a failed attempt; not marked as run, so that its next call keeps a copy again.)
-            # (Without autograd where it refuses an in-place write, which the layer then made under
-            # no_grad: a leaf, or a view of one, as a slice of a weight passed as the input.)
-            base_is_leaf = x.is_leaf or x._base is not None and x._base.is_leaf
-            with torch.no_grad() if base_is_leaf else contextlib.nullcontext():
-                x.copy_(x_copy)
+            # it was): refused, as _run_units_watched would, with the input put back. (Its buffers
+            # and parameters too, as after a failed attempt; not marked as run, so that its next call
+            # keeps a copy again.)
+            _put_back_input(x, x_copy)  # type: ignore[arg-type]
             _put_back(kept)
             group.follow_resized()
             _put_back_parameters(written)
@@ -1314,8 +1309,11 @@ class Parallel(nn.Module):
             # Called in turn now, the members would read what the batched attempt wrote.
             # (Not where they only clamp it first, which each of them in turn would do
             # again to the same effect: run so, the member at fault names the input's error.)
-            raise self._refused_retry(fusion, group, names, failure, "their input",
-                                      "read the changed input") from failure
+            error = self._refused_retry(fusion, group, names, failure, "their input", "read the changed input")
+            if x_copy is not None:  # (the refused call leaves the caller's input as it was, as below)
+                _put_back_input(x, x_copy)
+                error = _with_context(error, "(the input is as it was)")
+            raise error from failure
         # Run the members as ordinary branches: if they fail too, the input is at
         # fault, and their error names the branch. (Outside the handler: that error
         # is the user's to read, not chained to the batched attempt's internals.)
@@ -2137,6 +2135,19 @@ class Parallel(nn.Module):
                 and (tuner is None or self._tuner is tuner)):
             self._remember(key, plan)
         return plan
+
+
+def _put_back_input(x: torch.Tensor, copy: torch.Tensor) -> None:
+    r"""Write ``copy``, kept before a fused group's batched attempt wrote the shared input ``x``, back into it.
+
+    A ``copy_`` that autograd records, where ``x`` requires grad: its gradient flows to
+    the copy's source, the history ``x`` had before the write. Not where autograd refuses
+    an in-place write, which the layer then made under ``no_grad``: a leaf, or a view of
+    one (a slice of a weight passed as the input).
+    """
+    leaf = x.is_leaf or x._base is not None and x._base.is_leaf
+    with torch.no_grad() if leaf else contextlib.nullcontext():
+        x.copy_(copy)
 
 
 def _grouping(fusion: _Fusion) -> list[list[int]]:

@@ -8719,6 +8719,18 @@ def test_fuse_true_refusing_a_group_that_resized_a_buffer_leaves_the_members_as_
     assert [tuple(m[1].last.shape) for m in block] == [(0,)] * 3
 
 
+def test_fuse_true_refusing_a_write_vmap_ran_before_a_layer_failed_leaves_the_input_as_it_was():
+    # Before: the batched attempt wrote the input (once for all), then a later layer failed: the
+    # call was refused (the members in turn would read the changed input) with the caller's input
+    # left written, though the group's first attempt had kept a copy of it.
+    torch.manual_seed(0)
+    block = Parallel(*[nn.Sequential(_DoublesThenProjects(), _Branchy()) for _ in range(3)], fuse=True)
+    x = torch.randn(2, 4)
+    y = x.clone()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"read the changed input[\s\S]*the input is as it was"):
+        block(y)
+    assert torch.equal(y, x)
+
 def test_fuse_true_refusing_a_write_vmap_ran_after_a_buffer_resized_leaves_the_members_as_they_were():
     # Before: the refused call put the grown stack back to its shape but left the members pointing
     # at the grown layout, no longer views of the stack, with the attempt's rows in their buffers
