@@ -1280,14 +1280,12 @@ class Parallel(nn.Module):
                 raise _with_context(e, f"(raised in branches {group.names} of {type(self).__name__}, traced batched "
                                        f"as one fused group; pass fuse=False to trace each branch on its own "
                                        f"and see which one fails)")
-            _put_back(kept)
-            group.follow_resized()  # (a stack a layer resized, put back to its shape: see _put_back)
+            _put_back_buffers(group, kept)
             failure = e
         except BaseException:
             # (KeyboardInterrupt, SystemExit: the call ends here, without what the batched
             # attempt wrote into every member's buffers at once.)
-            _put_back(kept)
-            group.follow_resized()
+            _put_back_buffers(group, kept)
             raise
         else:
             # The batched run wrote the shared input (the members ran once for all, on the input as
@@ -1295,8 +1293,7 @@ class Parallel(nn.Module):
             # and parameters too, as after a failed attempt; not marked as run, so that its next call
             # keeps a copy again.)
             _put_back_input(x, x_copy)  # type: ignore[arg-type]
-            _put_back(kept)
-            group.follow_resized()
+            _put_back_buffers(group, kept)
             _put_back_parameters(written)
             _put_back_parameters(attributes_written)
             raise _with_context(self._refused_write(group.indices), "(the input is as it was)")
@@ -2135,6 +2132,15 @@ class Parallel(nn.Module):
                 and (tuner is None or self._tuner is tuner)):
             self._remember(key, plan)
         return plan
+
+
+def _put_back_buffers(group: _Group, kept: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    r"""Write back the copies ``kept`` of ``group``'s buffer stacks before a batched attempt, and point the
+    members at their slices of every stack that put back to its old shape (see :meth:`_Group.follow_resized`):
+    the two go together wherever an attempt is undone, or the members keep the attempt's layout.
+    """
+    _put_back(kept)
+    group.follow_resized()
 
 
 def _put_back_input(x: torch.Tensor, copy: torch.Tensor) -> None:
